@@ -1,0 +1,3 @@
+"""harts-verl: HARTS rollout-tree training for veRL."""
+
+__version__ = "0.1.0"

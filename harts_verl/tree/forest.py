@@ -1,0 +1,517 @@
+"""The rollout forest: the token trie of a batch of trajectories in DFS preorder.
+
+Built by sorting trajectories lexicographically and taking adjacent longest common prefixes
+(LCPs): in leaf order, trajectory j shares exactly its first ``lcp(j-1, j)`` tokens with the
+trajectories before it, so its new trie nodes are positions ``[lcp, L_j)``. Concatenating those
+blocks in leaf order yields the rows in DFS preorder (children visited in token order).
+All work is vectorized numpy over arrays; the only Python loops are over trajectories.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["RolloutForest", "Segments", "Turn", "as_trajectory_array"]
+
+_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One recorded generation turn: its tokens extend the parent turn's trajectory.
+
+    A trajectory is the concatenated ``token_ids`` of a root-to-leaf chain of turns (a leaf is a
+    turn no other turn names as parent), or of the chain ending at a turn marked
+    ``is_trajectory_end`` (a trajectory that other turns continue).
+    """
+
+    turn_id: Any
+    parent_turn_id: Any | None
+    token_ids: Any
+    is_trajectory_end: bool = False
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Maximal single-child chains of rows; each is a contiguous row range in preorder.
+
+    Attributes (all int64, one entry per segment, in preorder of their first rows):
+      first_row: first row of the segment.
+      length: number of rows.
+      parent_segment: segment holding ``parent[first_row]`` (-1 for a root segment).
+      fork_position: depth of ``first_row`` (0 for a root segment).
+    """
+
+    first_row: np.ndarray
+    length: np.ndarray
+    parent_segment: np.ndarray
+    fork_position: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.first_row.shape[0])
+
+
+def as_trajectory_array(seq: Any, index: int, field: str = "sequences") -> np.ndarray:
+    """Validate one trajectory's token ids and return them as a 1-D int64 array.
+
+    Raises ValueError naming ``field[index]`` for ragged/nested input, non-integer or negative
+    ids, and empty trajectories.
+    """
+    if isinstance(seq, str | bytes):
+        raise ValueError(f"{field}[{index}]: expected a 1-D sequence of token ids, got a string")
+    try:
+        arr = np.asarray(seq)
+    except ValueError as exc:  # ragged nesting inside one trajectory
+        raise ValueError(f"{field}[{index}]: ragged nesting, expected a flat list of ids") from exc
+    if arr.dtype == object:
+        raise ValueError(f"{field}[{index}]: expected integer token ids, got objects/ragged data")
+    if arr.ndim != 1:
+        raise ValueError(
+            f"{field}[{index}]: expected a 1-D sequence of token ids, got shape {arr.shape}"
+        )
+    if arr.size == 0:
+        raise ValueError(f"{field}[{index}]: empty trajectory (a trajectory needs >= 1 token)")
+    if arr.dtype.kind not in "iu" or arr.dtype == np.bool_:
+        raise ValueError(f"{field}[{index}]: token ids must be integers, got dtype {arr.dtype}")
+    if arr.dtype.kind == "i" and int(arr.min()) < 0:
+        raise ValueError(f"{field}[{index}]: negative token id {int(arr.min())}")
+    if arr.dtype == np.uint64 and int(arr.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"{field}[{index}]: token id {int(arr.max())} does not fit in int64")
+    return arr.astype(np.int64, copy=False)
+
+
+def _leaf_order_and_lcp(flat: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Stable lexicographic order of the trajectories and LCP of each adjacent pair."""
+    n = offsets.shape[0] - 1
+    if n == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    # Big-endian unsigned bytes compare like the integer sequences (a prefix sorts first).
+    width = ">u4" if int(flat.max(initial=0)) < 2**32 else ">u8"
+    itemsize = 4 if width == ">u4" else 8
+    buf = flat.astype(width).tobytes()
+    starts = (offsets[:-1] * itemsize).tolist()
+    ends = (offsets[1:] * itemsize).tolist()
+    keys = [buf[s:e] for s, e in zip(starts, ends)]
+    order = np.array(sorted(range(n), key=keys.__getitem__), dtype=np.int64)
+    lengths = np.diff(offsets)
+    lcp = np.empty(max(n - 1, 0), dtype=np.int64)
+    a_start = offsets[order[:-1]]
+    b_start = offsets[order[1:]]
+    m = np.minimum(lengths[order[:-1]], lengths[order[1:]])
+    for j, (sa, sb, mm) in enumerate(zip(a_start.tolist(), b_start.tolist(), m.tolist())):
+        diff = np.flatnonzero(flat[sa : sa + mm] != flat[sb : sb + mm])
+        lcp[j] = diff[0] if diff.size else mm
+    return order, lcp
+
+
+class RolloutForest:
+    """Token trie of a batch of trajectories; compact rows in DFS preorder (invariant 1).
+
+    Row attributes (numpy, length C): ``token_ids``, ``parent`` (-1 at roots), ``depth``
+    (= position id, invariant 2), ``multiplicity`` (trajectories through the row),
+    ``subtree_size`` (row k is an ancestor-or-self of q iff ``k <= q < k + subtree_size[k]``),
+    ``num_children``.
+    Trajectory attributes (length N): ``lengths``, ``group_ids``, ``leaf_order`` (stable
+    lexicographic order of trajectory indices), ``adjacent_lcp`` (N-1 LCPs of leaf-order
+    neighbours). CSR map: rows of trajectory i are
+    ``semantic_rows[row_offsets[i]:row_offsets[i+1]]`` — every semantic position maps to exactly
+    one row, in the original order (invariant 3).
+    """
+
+    def __init__(
+        self,
+        flat_tokens: np.ndarray,
+        row_offsets: np.ndarray,
+        group_ids: np.ndarray,
+        leaf_order: np.ndarray,
+        adjacent_lcp: np.ndarray,
+    ) -> None:
+        self.row_offsets = row_offsets
+        self.lengths = np.diff(row_offsets)
+        self.group_ids = group_ids
+        self.leaf_order = leaf_order
+        self.adjacent_lcp = adjacent_lcp
+        self._build(flat_tokens)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_sequences(
+        cls, sequences: Sequence[Any], *, group_ids: Sequence[int] | np.ndarray | None = None
+    ) -> RolloutForest:
+        """Build the forest of ``sequences`` (1-D integer token-id arrays or lists, one per
+        trajectory). Trajectories may be identical, prefixes of others, or one token long;
+        different first tokens give several roots. ``group_ids`` (int, one per trajectory,
+        default: all 0) is carried along for planners.
+        """
+        if isinstance(sequences, np.ndarray) and sequences.dtype != object:
+            if sequences.ndim != 2:
+                raise ValueError(
+                    f"sequences: expected a list of 1-D token arrays, got an array of shape {sequences.shape}"
+                )
+            sequences = list(sequences)
+        elif not isinstance(sequences, Sequence) or isinstance(sequences, str | bytes):
+            if isinstance(sequences, Iterable) and not isinstance(sequences, str | bytes):
+                sequences = list(sequences)
+            else:
+                raise TypeError(
+                    f"sequences: expected a list of 1-D token-id arrays, got {type(sequences).__name__}"
+                )
+        arrays = [as_trajectory_array(s, i) for i, s in enumerate(sequences)]
+        n = len(arrays)
+        lengths = np.fromiter((a.shape[0] for a in arrays), dtype=np.int64, count=n)
+        row_offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(lengths, out=row_offsets[1:])
+        flat = np.concatenate(arrays) if n else np.zeros(0, np.int64)
+        gids = cls._check_group_ids(group_ids, n)
+        order, lcp = _leaf_order_and_lcp(flat, row_offsets)
+        return cls(flat, row_offsets, gids, order, lcp)
+
+    @classmethod
+    def from_turns(cls, turns: Iterable[Any]) -> RolloutForest:
+        """Build the forest from recorded turns with parent links.
+
+        Each turn is a :class:`Turn`, a mapping with keys ``turn_id``, ``parent_turn_id``,
+        ``token_ids`` (optional ``is_trajectory_end``), or a tuple in that field order.
+        Trajectories, in the order their end turns appear: every leaf turn and every turn marked
+        ``is_trajectory_end``. Equals ``from_sequences`` of the flattened trajectories.
+        """
+        records = [_as_turn(t, i) for i, t in enumerate(turns)]
+        index: dict[Any, int] = {}
+        for i, t in enumerate(records):
+            if t.turn_id in index:
+                raise ValueError(f"turns[{i}]: duplicate turn_id {t.turn_id!r}")
+            index[t.turn_id] = i
+        parent_idx = np.full(len(records), -1, dtype=np.int64)
+        has_child = np.zeros(len(records), dtype=bool)
+        for i, t in enumerate(records):
+            if t.parent_turn_id is not None:
+                p = index.get(t.parent_turn_id)
+                if p is None:
+                    raise ValueError(
+                        f"turns[{i}] (turn_id {t.turn_id!r}): unknown parent_turn_id {t.parent_turn_id!r}"
+                    )
+                parent_idx[i] = p
+                has_child[p] = True
+        token_arrays = [
+            as_trajectory_array(t.token_ids, i, field="turns") for i, t in enumerate(records)
+        ]
+        ends = [i for i, t in enumerate(records) if t.is_trajectory_end or not has_child[i]]
+        sequences = []
+        for e in ends:
+            chain = []
+            node = e
+            while node >= 0:
+                chain.append(node)
+                if len(chain) > len(records):
+                    raise ValueError(
+                        f"turns: parent links of turn {records[e].turn_id!r} form a cycle"
+                    )
+                node = int(parent_idx[node])
+            sequences.append(np.concatenate([token_arrays[c] for c in reversed(chain)]))
+        if not sequences and records:
+            raise ValueError("turns: parent links form a cycle (no leaf turn)")
+        return cls.from_sequences(sequences)
+
+    @staticmethod
+    def _check_group_ids(group_ids: Any, n: int) -> np.ndarray:
+        if group_ids is None:
+            return np.zeros(n, dtype=np.int64)
+        g = np.asarray(group_ids)
+        if g.shape != (n,):
+            raise ValueError(f"group_ids: expected shape ({n},), got {g.shape}")
+        if n and (g.dtype.kind not in "iu" or g.dtype == np.bool_):
+            raise ValueError(f"group_ids: expected integers, got dtype {g.dtype}")
+        return g.astype(np.int64, copy=False)
+
+    def _build(self, flat: np.ndarray) -> None:
+        n = self.lengths.shape[0]
+        order = self.leaf_order
+        lens_sorted = self.lengths[order]
+        shared = np.zeros(n, dtype=np.int64)  # tokens each leaf-order trajectory shares before it
+        shared[1:] = self.adjacent_lcp
+        new_counts = lens_sorted - shared
+        block_end = np.cumsum(new_counts)
+        block_start = block_end - new_counts
+        c = int(block_end[-1]) if n else 0
+
+        # Rows: leaf-order trajectory j creates rows for its positions [shared_j, L_j).
+        creator = np.repeat(np.arange(n, dtype=np.int64), new_counts)
+        row_ids = np.arange(c, dtype=np.int64)
+        depth = shared[creator] + (row_ids - block_start[creator])
+        src = self.row_offsets[order][creator] + depth
+        self.token_ids = flat[src] if c else np.zeros(0, np.int64)
+        self.depth = depth
+
+        # Semantic rows, written in the original CSR order while walking the leaf order: a
+        # trajectory copies its shared prefix from its leaf-order predecessor, then its new rows.
+        sem = np.empty(self.num_semantic_tokens, dtype=np.int64)
+        starts = self.row_offsets[order].tolist()
+        prev_start = 0
+        for s0, sh, b0, e0 in zip(
+            starts, shared.tolist(), block_start.tolist(), block_end.tolist()
+        ):
+            if sh:
+                sem[s0 : s0 + sh] = sem[prev_start : prev_start + sh]
+            sem[s0 + sh : s0 + sh + (e0 - b0)] = row_ids[b0:e0]
+            prev_start = s0
+        self.semantic_rows = sem
+
+        # Parent: previous row inside a block; the path's row at depth shared-1 at a block start.
+        parent = row_ids - 1
+        has_new = new_counts > 0
+        firsts = block_start[has_new]
+        sh_new = shared[has_new]
+        parent[firsts] = np.where(
+            sh_new > 0, sem[self.row_offsets[order][has_new] + np.maximum(sh_new - 1, 0)], -1
+        )
+        self.parent = parent
+
+        self.multiplicity = np.bincount(sem, minlength=c).astype(np.int64)
+        # Trajectories through a row are a contiguous leaf-order range starting at its creator.
+        last_traj = creator + self.multiplicity - 1
+        self.subtree_size = block_end[last_traj] - row_ids if c else np.zeros(0, np.int64)
+        self.num_children = np.bincount(parent[parent >= 0], minlength=c).astype(np.int64)
+        self._creator = creator
+        self._segments: Segments | None = None
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def num_trajectories(self) -> int:
+        return int(self.lengths.shape[0])
+
+    @property
+    def num_semantic_tokens(self) -> int:
+        return int(self.row_offsets[-1])
+
+    @property
+    def num_compact_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def compression(self) -> float:
+        """S / C (1.0 for an empty forest)."""
+        c = self.num_compact_tokens
+        return self.num_semantic_tokens / c if c else 1.0
+
+    @property
+    def roots(self) -> np.ndarray:
+        """Rows without parent, in preorder."""
+        return np.flatnonzero(self.parent < 0)
+
+    def __len__(self) -> int:
+        return self.num_trajectories
+
+    def __repr__(self) -> str:
+        return (
+            f"RolloutForest(trajectories={self.num_trajectories}, semantic={self.num_semantic_tokens}, "
+            f"compact={self.num_compact_tokens}, compression={self.compression:.3f})"
+        )
+
+    # ------------------------------------------------------------------ access
+    def _check_index(self, i: int) -> int:
+        if not isinstance(i, int | np.integer) or isinstance(i, bool):
+            raise TypeError(f"trajectory index must be an int, got {type(i).__name__}")
+        if not -self.num_trajectories <= i < self.num_trajectories:
+            raise ValueError(
+                f"trajectory index {i} out of range for {self.num_trajectories} trajectories"
+            )
+        return int(i) % self.num_trajectories
+
+    def rows_of(self, i: int) -> np.ndarray:
+        """Compact rows of trajectory ``i`` in token order (a root-to-endpoint path)."""
+        i = self._check_index(i)
+        return self.semantic_rows[self.row_offsets[i] : self.row_offsets[i + 1]]
+
+    def tokens_of(self, i: int) -> np.ndarray:
+        """Token ids of trajectory ``i`` (reconstructed from the rows)."""
+        return self.token_ids[self.rows_of(i)]
+
+    @property
+    def sequences(self) -> list[np.ndarray]:
+        """All trajectories' token ids, in the original order."""
+        flat = self.token_ids[self.semantic_rows]
+        return np.split(flat, self.row_offsets[1:-1])
+
+    @property
+    def segments(self) -> Segments:
+        """Maximal single-child chains; a new segment starts at a root or at a child of a row
+        with != 1 children. Each segment is a contiguous preorder row range."""
+        if self._segments is None:
+            c = self.num_compact_tokens
+            starts = np.ones(c, dtype=bool)
+            has_parent = self.parent >= 0
+            starts[has_parent] = self.num_children[self.parent[has_parent]] != 1
+            first = np.flatnonzero(starts)
+            length = np.diff(np.append(first, c))
+            seg_of_row = np.cumsum(starts) - 1
+            p = self.parent[first]
+            parent_segment = np.where(p >= 0, seg_of_row[np.maximum(p, 0)], -1)
+            self._segments = Segments(first, length, parent_segment, self.depth[first])
+            self._segment_of_row = seg_of_row
+        return self._segments
+
+    @property
+    def segment_of_row(self) -> np.ndarray:
+        """Segment index of every row."""
+        _ = self.segments
+        return self._segment_of_row
+
+    def is_ancestor_or_self(self, k: np.ndarray | int, q: np.ndarray | int) -> np.ndarray:
+        """Vectorized preorder ancestor test ``k <= q < k + subtree_size[k]``."""
+        k = np.asarray(k)
+        q = np.asarray(q)
+        return (k <= q) & (q < k + self.subtree_size[k])
+
+    # ------------------------------------------------------------------ derived forests
+    def subset(self, trajectory_indices: Sequence[int] | np.ndarray) -> RolloutForest:
+        """The forest of the given trajectories (in the given order); equal to building it from
+        their sequences, without re-sorting (leaf order and LCPs are restricted)."""
+        idx = np.asarray(trajectory_indices)
+        if idx.ndim != 1 or (idx.size and idx.dtype.kind not in "iu"):
+            raise ValueError("trajectory_indices: expected a 1-D array of integer indices")
+        idx = idx.astype(np.int64, copy=False)
+        n = self.num_trajectories
+        if idx.size and (idx.min() < 0 or idx.max() >= n):
+            raise ValueError(f"trajectory_indices: index out of range for {n} trajectories")
+        m = idx.shape[0]
+        lengths = self.lengths[idx]
+        row_offsets = np.zeros(m + 1, dtype=np.int64)
+        np.cumsum(lengths, out=row_offsets[1:])
+        flat = self.token_ids[
+            self.semantic_rows[_ranges(self.row_offsets[idx], self.row_offsets[idx + 1])]
+        ]
+        # Order of the subset: leaf positions of the chosen trajectories; identical trajectories
+        # (one class) are ordered by their new index, as a stable sort would.
+        pos = np.empty(n, dtype=np.int64)
+        pos[self.leaf_order] = np.arange(n, dtype=np.int64)
+        lens_leaf = self.lengths[self.leaf_order]
+        identical = (self.adjacent_lcp == lens_leaf[1:]) & (self.adjacent_lcp == lens_leaf[:-1])
+        leaf_class = np.concatenate([[0], np.cumsum(~identical)]) if n else np.zeros(0, np.int64)
+        sub_pos = pos[idx]
+        order = np.lexsort((np.arange(m), leaf_class[sub_pos]))
+        sp = sub_pos[order]
+        # LCP of leaf-order positions a < b is min(adjacent_lcp[a:b]); equal positions: full length.
+        if m > 1:
+            a, b = sp[:-1], sp[1:]
+            cls_sorted = leaf_class[sp]
+            same = cls_sorted[:-1] == cls_sorted[1:]
+            lcp = lengths[order[1:]].copy()
+            lcp[~same] = _range_min(self.adjacent_lcp, a[~same], b[~same])
+        else:
+            lcp = np.zeros(0, np.int64)
+        return RolloutForest(
+            flat, row_offsets, self.group_ids[idx].copy(), order.astype(np.int64), lcp
+        )
+
+    # ------------------------------------------------------------------ persistence
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the forest to ``path`` (``.npz``); :meth:`load` rebuilds an identical forest."""
+        np.savez_compressed(
+            path,
+            format_version=np.int64(_FORMAT_VERSION),
+            flat_tokens=self.token_ids[self.semantic_rows],
+            row_offsets=self.row_offsets,
+            group_ids=self.group_ids,
+            leaf_order=self.leaf_order,
+            adjacent_lcp=self.adjacent_lcp,
+        )
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> RolloutForest:
+        """Read a forest written by :meth:`save`."""
+        with np.load(path) as z:
+            version = int(z["format_version"]) if "format_version" in z else -1
+            if version != _FORMAT_VERSION:
+                raise ValueError(f"{path}: unsupported forest format version {version}")
+            return cls(
+                z["flat_tokens"].astype(np.int64),
+                z["row_offsets"].astype(np.int64),
+                z["group_ids"].astype(np.int64),
+                z["leaf_order"].astype(np.int64),
+                z["adjacent_lcp"].astype(np.int64),
+            )
+
+    # ------------------------------------------------------------------ reporting
+    def summary(self) -> dict[str, Any]:
+        """Sizes and shape statistics as a JSON-ready dict."""
+        seg = self.segments
+        return {
+            "trajectories": self.num_trajectories,
+            "roots": int(self.roots.shape[0]),
+            "semantic_tokens": self.num_semantic_tokens,
+            "compact_tokens": self.num_compact_tokens,
+            "compression": round(self.compression, 4),
+            "segments": len(seg),
+            "max_depth": int(self.depth.max(initial=-1)) + 1,
+            "forks": int((self.num_children >= 2).sum()),
+        }
+
+    def equals(self, other: RolloutForest) -> bool:
+        """True iff both forests have identical rows, CSR maps and trajectory attributes."""
+        names = (
+            "token_ids",
+            "parent",
+            "depth",
+            "multiplicity",
+            "subtree_size",
+            "row_offsets",
+            "semantic_rows",
+            "leaf_order",
+            "adjacent_lcp",
+        )
+        return all(np.array_equal(getattr(self, a), getattr(other, a)) for a in names)
+
+
+def _ranges(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Concatenation of ``arange(s, e)`` for each pair, vectorized."""
+    lens = ends - starts
+    total = int(lens.sum())
+    if total == 0:
+        return np.zeros(0, np.int64)
+    offs = np.cumsum(lens) - lens
+    return np.arange(total, dtype=np.int64) - np.repeat(offs - starts, lens)
+
+
+def _range_min(values: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """min(values[lo[i]:hi[i]]) for non-empty ranges, via a sparse table (O(n log n))."""
+    if lo.size == 0:
+        return np.zeros(0, np.int64)
+    table = [values]
+    span = 1
+    while 2 * span <= values.shape[0]:
+        prev = table[-1]
+        table.append(np.minimum(prev[:-span], prev[span:]))
+        span *= 2
+    length = hi - lo
+    level = np.floor(np.log2(length)).astype(np.int64)
+    out = np.empty(lo.shape[0], dtype=np.int64)
+    for lv in np.unique(level).tolist():
+        sel = level == lv
+        t = table[lv]
+        out[sel] = np.minimum(t[lo[sel]], t[hi[sel] - (1 << lv)])
+    return out
+
+
+def _as_turn(t: Any, i: int) -> Turn:
+    if isinstance(t, Turn):
+        return t
+    if isinstance(t, dict):
+        missing = {"turn_id", "parent_turn_id", "token_ids"} - set(t)
+        if missing:
+            raise ValueError(f"turns[{i}]: missing keys {sorted(missing)}")
+        return Turn(
+            t["turn_id"],
+            t["parent_turn_id"],
+            t["token_ids"],
+            bool(t.get("is_trajectory_end", False)),
+        )
+    if isinstance(t, tuple | list) and len(t) in (3, 4):
+        return Turn(*t[:3], bool(t[3]) if len(t) == 4 else False)
+    raise ValueError(
+        f"turns[{i}]: expected a Turn, a dict or a (turn_id, parent_turn_id, token_ids) tuple, got {type(t).__name__}"
+    )

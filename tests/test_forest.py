@@ -1,0 +1,230 @@
+"""RolloutForest vs the naive trie, CSR exactness, from_turns, subset, save/load, bad inputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from harts_verl.tree import RolloutForest, Turn
+from harts_verl.tree.naive import build_naive_trie
+
+# Random forests with much sharing: small alphabet, sequences built by extending/forking others.
+tokens = st.integers(min_value=0, max_value=3)
+
+
+@st.composite
+def forests(draw, max_traj=12, max_len=20):
+    n = draw(st.integers(1, max_traj))
+    seqs: list[list[int]] = []
+    for _ in range(n):
+        if seqs and draw(st.booleans()):
+            base = draw(st.sampled_from(seqs))
+            cut = draw(st.integers(0, len(base)))
+            tail = draw(st.lists(tokens, min_size=0 if cut else 1, max_size=max_len))
+            seq = base[:cut] + tail
+            if not seq:
+                seq = [draw(tokens)]
+        else:
+            seq = draw(st.lists(tokens, min_size=1, max_size=max_len))
+        seqs.append(seq)
+    return seqs
+
+
+@settings(max_examples=200, deadline=None)
+@given(forests())
+def test_forest_matches_naive_trie(seqs):
+    f = RolloutForest.from_sequences(seqs)
+    ref = build_naive_trie(seqs)
+    for name in ("token_ids", "parent", "depth", "multiplicity", "subtree_size"):
+        np.testing.assert_array_equal(getattr(f, name), getattr(ref, name), err_msg=name)
+    assert f.num_compact_tokens == ref.token_ids.shape[0]
+    assert f.num_semantic_tokens == sum(map(len, seqs))
+    assert f.compression == pytest.approx(f.num_semantic_tokens / f.num_compact_tokens)
+    for i, s in enumerate(seqs):
+        np.testing.assert_array_equal(f.rows_of(i), ref.trajectory_rows[i])
+        # CSR rows reproduce the trajectory's tokens exactly (every position once, in order).
+        np.testing.assert_array_equal(f.tokens_of(i), s)
+        np.testing.assert_array_equal(f.depth[f.rows_of(i)], np.arange(len(s)))
+    assert f.row_offsets[-1] == f.semantic_rows.shape[0]
+    # Every row is used, multiplicity = number of semantic positions on it.
+    np.testing.assert_array_equal(
+        np.bincount(f.semantic_rows, minlength=f.num_compact_tokens), f.multiplicity
+    )
+
+
+@settings(max_examples=100, deadline=None)
+@given(forests())
+def test_preorder_ancestor_rule(seqs):
+    f = RolloutForest.from_sequences(seqs)
+    c = f.num_compact_tokens
+    # Brute-force ancestor relation through parent pointers.
+    anc = np.zeros((c, c), dtype=bool)
+    for q in range(c):
+        k = q
+        while k >= 0:
+            anc[k, q] = True
+            k = f.parent[k]
+    kk, qq = np.meshgrid(np.arange(c), np.arange(c), indexing="ij")
+    np.testing.assert_array_equal(f.is_ancestor_or_self(kk, qq), anc)
+    # Parents precede children (preorder), depth = parent depth + 1.
+    has_p = f.parent >= 0
+    assert np.all(f.parent[has_p] < np.flatnonzero(has_p))
+    np.testing.assert_array_equal(f.depth[has_p], f.depth[f.parent[has_p]] + 1)
+    assert np.all(f.depth[~has_p] == 0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(forests())
+def test_leaf_order_and_lcp(seqs):
+    f = RolloutForest.from_sequences(seqs)
+    expected = sorted(range(len(seqs)), key=lambda i: (seqs[i], i))
+    np.testing.assert_array_equal(f.leaf_order, expected)
+    for j in range(len(seqs) - 1):
+        a, b = seqs[expected[j]], seqs[expected[j + 1]]
+        m = 0
+        while m < min(len(a), len(b)) and a[m] == b[m]:
+            m += 1
+        assert f.adjacent_lcp[j] == m
+    # Leaf-order range work = sum len - sum adjacent LCP.
+    assert f.num_compact_tokens == f.num_semantic_tokens - int(f.adjacent_lcp.sum())
+
+
+@settings(max_examples=100, deadline=None)
+@given(forests())
+def test_segments(seqs):
+    f = RolloutForest.from_sequences(seqs)
+    seg = f.segments
+    assert seg.length.sum() == f.num_compact_tokens
+    np.testing.assert_array_equal(np.cumsum(np.r_[0, seg.length[:-1]]), seg.first_row)
+    for s in range(len(seg)):
+        rows = np.arange(seg.first_row[s], seg.first_row[s] + seg.length[s])
+        # Inside a segment each row is the single child of the previous one.
+        assert np.all(f.parent[rows[1:]] == rows[:-1])
+        assert np.all(f.num_children[rows[:-1]] == 1)
+        p = f.parent[rows[0]]
+        if p < 0:
+            assert seg.parent_segment[s] == -1
+        else:
+            assert f.num_children[p] != 1
+            ps = seg.parent_segment[s]
+            assert seg.first_row[ps] <= p < seg.first_row[ps] + seg.length[ps]
+        assert seg.fork_position[s] == f.depth[rows[0]]
+    np.testing.assert_array_equal(f.segment_of_row[seg.first_row], np.arange(len(seg)))
+
+
+@settings(max_examples=100, deadline=None)
+@given(forests(), st.data())
+def test_subset_equals_rebuild(seqs, data):
+    f = RolloutForest.from_sequences(seqs, group_ids=np.arange(len(seqs)) % 3)
+    idx = data.draw(st.lists(st.integers(0, len(seqs) - 1), min_size=1, max_size=len(seqs) + 2))
+    sub = f.subset(idx)
+    ref = RolloutForest.from_sequences([seqs[i] for i in idx], group_ids=(np.asarray(idx) % 3))
+    assert sub.equals(ref)
+    np.testing.assert_array_equal(sub.group_ids, ref.group_ids)
+
+
+def _turn_tree(seqs_data):
+    """Turns of a random turn tree and the flattened trajectories in end-turn order."""
+    turns, flat = [], {}
+    for tid, (parent, toks, mark) in enumerate(seqs_data):
+        p = None if parent is None or parent >= tid else parent
+        turns.append(Turn(tid, p, toks, mark))
+        flat[tid] = (flat[p] if p is not None else []) + toks
+    has_child = {t.parent_turn_id for t in turns if t.parent_turn_id is not None}
+    trajs = [flat[t.turn_id] for t in turns if t.is_trajectory_end or t.turn_id not in has_child]
+    return turns, trajs
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.one_of(st.none(), st.integers(0, 10)),
+            st.lists(tokens, min_size=1, max_size=6),
+            st.booleans(),
+        ),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_from_turns_equals_from_sequences(data):
+    turns, trajs = _turn_tree(data)
+    f = RolloutForest.from_turns(turns)
+    assert f.equals(RolloutForest.from_sequences(trajs))
+    # dict and tuple records are accepted too
+    as_dicts = [
+        dict(
+            turn_id=t.turn_id,
+            parent_turn_id=t.parent_turn_id,
+            token_ids=t.token_ids,
+            is_trajectory_end=t.is_trajectory_end,
+        )
+        for t in turns
+    ]
+    assert RolloutForest.from_turns(as_dicts).equals(f)
+    assert RolloutForest.from_turns([tuple(d.values()) for d in as_dicts]).equals(f)
+
+
+def test_save_load_round_trip(tmp_path):
+    seqs = [[5, 6, 7], [5, 6, 8, 9], [5], [4, 4], [5, 6, 7]]
+    f = RolloutForest.from_sequences(seqs, group_ids=[0, 0, 1, 2, 0])
+    path = tmp_path / "forest.npz"
+    f.save(path)
+    g = RolloutForest.load(path)
+    assert g.equals(f)
+    np.testing.assert_array_equal(g.group_ids, f.group_ids)
+
+
+def test_edge_cases():
+    # identical, prefix-of-another, length-1, several roots, large ids (> 2**32)
+    big = 2**40
+    seqs = [[1, 2, 3], [1, 2, 3], [1, 2], [9], [big, 1], [big, 0]]
+    f = RolloutForest.from_sequences(seqs)
+    ref = build_naive_trie(seqs)
+    np.testing.assert_array_equal(f.token_ids, ref.token_ids)
+    np.testing.assert_array_equal(f.multiplicity, ref.multiplicity)
+    assert f.roots.shape[0] == 3
+    assert f.num_compact_tokens == 3 + 1 + 3
+    np.testing.assert_array_equal(f.rows_of(0), f.rows_of(1))
+    np.testing.assert_array_equal(f.rows_of(2), f.rows_of(0)[:2])
+    empty = RolloutForest.from_sequences([])
+    assert empty.num_compact_tokens == 0 and empty.compression == 1.0
+    # numpy inputs of any integer dtype
+    g = RolloutForest.from_sequences([np.array([1, 2], np.uint8), np.array([1, 3], np.int32)])
+    assert g.num_compact_tokens == 3
+
+
+@pytest.mark.parametrize(
+    ("seqs", "match"),
+    [
+        ([[1, 2], []], r"sequences\[1\]: empty"),
+        ([[1, 2], [1.5, 2.0]], r"sequences\[1\]: token ids must be integers"),
+        ([[1, 2], [3, -1]], r"sequences\[1\]: negative token id"),
+        ([[1, 2], [[1, 2], [3]]], r"sequences\[1\]: ragged"),
+        ([[1], [[1, 2], [3, 4]]], r"sequences\[1\]: expected a 1-D"),
+        ([[1], "abc"], r"sequences\[1\]: expected a 1-D sequence of token ids, got a string"),
+        ([[True, False]], r"sequences\[0\]: token ids must be integers"),
+    ],
+)
+def test_bad_inputs(seqs, match):
+    with pytest.raises(ValueError, match=match):
+        RolloutForest.from_sequences(seqs)
+
+
+def test_bad_group_ids_and_turns():
+    with pytest.raises(ValueError, match="group_ids"):
+        RolloutForest.from_sequences([[1], [2]], group_ids=[0])
+    with pytest.raises(ValueError, match="unknown parent_turn_id"):
+        RolloutForest.from_turns([Turn(0, None, [1]), Turn(1, 7, [2])])
+    with pytest.raises(ValueError, match="duplicate turn_id"):
+        RolloutForest.from_turns([Turn(0, None, [1]), Turn(0, None, [2])])
+    with pytest.raises(ValueError, match=r"turns\[1\]: empty"):
+        RolloutForest.from_turns([Turn(0, None, [1]), Turn(1, 0, [])])
+    with pytest.raises(ValueError, match="cycle"):
+        RolloutForest.from_turns([Turn(0, 1, [1]), Turn(1, 0, [2])])
+    with pytest.raises(ValueError, match="out of range"):
+        RolloutForest.from_sequences([[1]]).rows_of(3)
+    with pytest.raises(ValueError, match="trajectory_indices"):
+        RolloutForest.from_sequences([[1]]).subset([1])
