@@ -228,3 +228,16 @@ def test_bad_group_ids_and_turns():
         RolloutForest.from_sequences([[1]]).rows_of(3)
     with pytest.raises(ValueError, match="trajectory_indices"):
         RolloutForest.from_sequences([[1]]).subset([1])
+
+
+@settings(max_examples=50, deadline=None)
+@given(forests())
+def test_expanded_layout(seqs):
+    e = RolloutForest.expanded(seqs)
+    assert e.num_compact_tokens == e.num_semantic_tokens == sum(map(len, seqs))
+    np.testing.assert_array_equal(e.semantic_rows, np.arange(e.num_semantic_tokens))
+    np.testing.assert_array_equal(e.multiplicity, 1)
+    for i, s in enumerate(seqs):
+        np.testing.assert_array_equal(e.tokens_of(i), s)
+        r = e.rows_of(i)
+        assert e.parent[r[0]] == -1 and np.all(e.parent[r[1:]] == r[:-1])

@@ -172,6 +172,26 @@ class RolloutForest:
         return cls(flat, row_offsets, gids, order, lcp)
 
     @classmethod
+    def expanded(
+        cls, sequences: Sequence[Any], *, group_ids: Sequence[int] | np.ndarray | None = None
+    ) -> RolloutForest:
+        """The trajectory-wise layout of ``sequences``: every trajectory is its own root chain,
+        nothing is shared (C = S), rows in the original trajectory order.
+
+        Not a trie (equal prefixes stay duplicated); it has every attribute of a forest, so the
+        same ops and planners run on it. This is the baseline/oracle layout.
+        """
+        forest = cls.from_sequences(sequences, group_ids=group_ids)
+        n = forest.num_trajectories
+        return cls(
+            forest.token_ids[forest.semantic_rows],
+            forest.row_offsets,
+            forest.group_ids,
+            np.arange(n, dtype=np.int64),
+            np.zeros(max(n - 1, 0), dtype=np.int64),
+        )
+
+    @classmethod
     def from_turns(cls, turns: Iterable[Any]) -> RolloutForest:
         """Build the forest from recorded turns with parent links.
 
