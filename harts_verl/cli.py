@@ -1,4 +1,4 @@
-"""Command line: ``harts-verl demo | inspect | bench``."""
+"""Command line: ``harts-verl demo | bench | inspect``."""
 
 from __future__ import annotations
 
@@ -7,22 +7,97 @@ import json
 import sys
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from harts_verl.tree import RolloutForest, workloads
+def _add_bench_args(p: argparse.ArgumentParser, *, repeats: int, warmup: int) -> None:
+    from harts_verl.benchmark import BenchConfig
 
-    seqs = workloads.swe_like(scale=args.scale, seed=args.seed)
-    forest = RolloutForest.from_sequences(seqs.sequences, group_ids=seqs.group_ids)
-    print(json.dumps(forest.summary(), indent=2))
-    return 0
+    d = BenchConfig()
+    p.add_argument("--workload", default=d.workload, help="swe_like | tau_like | grpo_flat")
+    p.add_argument(
+        "--scale", type=float, default=d.scale, help="workload scale (≈ scale × 1M tokens)"
+    )
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--workload-option",
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
+        help="generator override (repeatable); default: "
+        + ",".join(f"{k}={v}" for k, v in d.workload_overrides.items()),
+    )
+    p.add_argument(
+        "--max-semantic-tokens",
+        type=int,
+        default=d.max_semantic_tokens,
+        help="use the first trajectories up to this many semantic tokens (0 = all)",
+    )
+    p.add_argument("--preset", default=d.preset, help="model preset: tiny | bench | kimi_tiny")
+    p.add_argument("--dtype", default=d.dtype, help="float32 | bfloat16 | float64")
+    p.add_argument("--repeats", type=int, default=repeats)
+    p.add_argument("--warmup", type=int, default=warmup)
+    p.add_argument("--chunk-size", type=int, default=d.chunk_size)
+    p.add_argument("--capacity", type=int, default=None, help="compact tokens per microbatch")
+    p.add_argument("--recompute", action="store_true", help="per-layer activation recomputation")
+    p.add_argument("--device", default=d.device)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--plot", default=None, help="write a PNG summary here")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _parse_overrides(items: list[str] | None) -> dict:
+    from harts_verl.benchmark import BenchConfig
+
+    if items is None:
+        return dict(BenchConfig().workload_overrides)
+    out: dict = {}
+    for it in items:
+        key, sep, val = it.partition("=")
+        if not sep:
+            raise SystemExit(f"--workload-option: expected KEY=VALUE, got {it!r}")
+        try:
+            out[key] = json.loads(val)
+        except json.JSONDecodeError:
+            out[key] = val
+    return out
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from harts_verl.benchmark import BenchConfig, main_json
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = BenchConfig(
+        workload=args.workload,
+        scale=args.scale,
+        seed=args.seed,
+        workload_overrides=_parse_overrides(args.workload_option),
+        max_semantic_tokens=args.max_semantic_tokens or None,
+        preset=args.preset,
+        dtype=args.dtype,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        chunk_size=args.chunk_size,
+        capacity_tokens=args.capacity,
+        recompute=args.recompute,
+        device=args.device,
+        plot=args.plot,
+        progress=not args.no_progress,
+    )
+    return main_json(cfg)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="harts-verl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run the embedded default job and print its summary")
-    demo.add_argument("--scale", type=float, default=0.05)
-    demo.add_argument("--seed", type=int, default=0)
-    demo.set_defaults(func=_cmd_demo)
+    demo = sub.add_parser(
+        "demo", help="the embedded default job: tree vs expanded training on a SWE-like step"
+    )
+    _add_bench_args(demo, repeats=1, warmup=1)
+    demo.set_defaults(func=_cmd_bench)
+    bench = sub.add_parser("bench", help="tree vs expanded speed and fidelity (JSON)")
+    _add_bench_args(bench, repeats=3, warmup=1)
+    bench.set_defaults(func=_cmd_bench)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

@@ -1,5 +1,27 @@
 """Rollout forest and planners (numpy only, no torch)."""
 
 from harts_verl.tree.forest import RolloutForest, Segments, Turn
+from harts_verl.tree.linear_plan import (
+    InitialState,
+    LinearCall,
+    LinearCallArrays,
+    LinearCallPlan,
+    LinearMember,
+    LinearRoundArrays,
+    MaterializedState,
+    plan_linear_calls,
+)
 
-__all__ = ["RolloutForest", "Segments", "Turn"]
+__all__ = [
+    "InitialState",
+    "LinearCall",
+    "LinearCallArrays",
+    "LinearCallPlan",
+    "LinearMember",
+    "LinearRoundArrays",
+    "MaterializedState",
+    "RolloutForest",
+    "Segments",
+    "Turn",
+    "plan_linear_calls",
+]

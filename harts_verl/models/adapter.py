@@ -1,0 +1,184 @@
+"""Run HF transformers hybrids in tree mode on their own weights.
+
+Only the token mixers become tree-aware: the instance ``forward`` of each
+``Qwen3NextGatedDeltaNet`` and ``Qwen3NextAttention`` is wrapped so that, when a
+``harts_layout`` keyword is passed, it runs the tree ops (short conv over each row's path,
+chunkwise gated delta rule over the planned rounds, tree attention); without it the original
+forward runs untouched. Embeddings, norms, MoE, rotary tables and the LM head are HF's own code on
+the ``[1, C, D]`` compact batch. Parameter names and the state dict are unchanged.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from harts_verl.ops.layout import TreeLayout
+
+_PATCHED = "_harts_original_forward"
+
+
+def _is_qwen3_next(model: nn.Module) -> bool:
+    cfg = getattr(model, "config", None)
+    return getattr(cfg, "model_type", None) in ("qwen3_next",)
+
+
+def as_tree_model(model: nn.Module) -> nn.Module:
+    """Return a module with the tree interface ``forward(input_ids [C], layout) -> (hidden [C, D],
+    aux_loss)`` and an ``lm_head``: the native model as is, HF Qwen3-Next through
+    :class:`Qwen3NextTreeModel`."""
+    from harts_verl.models.hybrid import HybridForCausalLM
+
+    if isinstance(model, HybridForCausalLM | Qwen3NextTreeModel):
+        return model
+    if _is_qwen3_next(model):
+        return Qwen3NextTreeModel(model)
+    raise TypeError(
+        f"model: {type(model).__name__} is not supported in tree mode "
+        "(supported: HybridForCausalLM, transformers Qwen3NextForCausalLM)"
+    )
+
+
+def _gdn_tree_forward(
+    self,
+    hidden_states: torch.Tensor,
+    *args: Any,
+    harts_layout: TreeLayout | None = None,
+    **kwargs: Any,
+):
+    if harts_layout is None:
+        return getattr(self, _PATCHED)(hidden_states, *args, **kwargs)
+    layout = harts_layout
+    c = hidden_states.shape[1]
+    qkvz = self.in_proj_qkvz(hidden_states)
+    ba = self.in_proj_ba(hidden_states)
+    query, key, value, z, b, a = self.fix_query_key_value_ordering(qkvz, ba)
+    mixed = torch.cat([x.reshape(c, -1) for x in (query, key, value)], dim=-1)
+    mixed = layout.short_conv(
+        mixed, self.conv1d.weight.squeeze(1), self.conv1d.bias, activation="silu"
+    )
+    q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+    q = q.reshape(c, self.num_k_heads, self.head_k_dim)
+    k = k.reshape(c, self.num_k_heads, self.head_k_dim)
+    v = v.reshape(c, self.num_v_heads, self.head_v_dim)
+    beta = b.sigmoid()[0]
+    # The HF module's gate formula, computed in at least float32 (float64 stays float64).
+    ct = torch.promote_types(a.dtype, torch.float32)
+    g = (-self.A_log.to(ct).exp() * F.softplus(a.to(ct) + self.dt_bias.to(ct)))[0]
+    o = layout.linear_attention(q, k, v, g, beta, use_qk_l2norm=True)
+    o = o.to(hidden_states.dtype)
+    o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+    return self.out_proj(o.reshape(1, c, -1))
+
+
+def _attn_tree_forward(
+    self,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    attention_mask: torch.Tensor | None = None,
+    *args: Any,
+    harts_layout: TreeLayout | None = None,
+    **kwargs: Any,
+):
+    if harts_layout is None:
+        return getattr(self, _PATCHED)(
+            hidden_states, position_embeddings, attention_mask, *args, **kwargs
+        )
+    from transformers.models.qwen3_next.modeling_qwen3_next import apply_rotary_pos_emb
+
+    c = hidden_states.shape[1]
+    q, gate = torch.chunk(self.q_proj(hidden_states).view(1, c, -1, self.head_dim * 2), 2, dim=-1)
+    gate = gate.reshape(1, c, -1)
+    q = self.q_norm(q).transpose(1, 2)
+    k = self.k_norm(self.k_proj(hidden_states).view(1, c, -1, self.head_dim)).transpose(1, 2)
+    v = self.v_proj(hidden_states).view(1, c, -1, self.head_dim)
+    cos, sin = position_embeddings
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    o = harts_layout.attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0], scale=self.scaling)
+    o = o.reshape(1, c, -1) * torch.sigmoid(gate)
+    return self.o_proj(o), None
+
+
+def _patch(module: nn.Module, fn) -> None:
+    if not hasattr(module, _PATCHED):
+        setattr(module, _PATCHED, module.forward)
+        module.forward = types.MethodType(fn, module)
+
+
+class Qwen3NextTreeModel(nn.Module):
+    """Tree-mode view of a transformers ``Qwen3NextForCausalLM`` (weights shared, not copied)."""
+
+    def __init__(self, hf_model: nn.Module) -> None:
+        super().__init__()
+        from transformers.models.qwen3_next import modeling_qwen3_next as m
+
+        self.hf = hf_model
+        self.config = hf_model.config
+        self.gradient_checkpointing = False
+        self._routers: list[nn.Module] = []
+        for mod in hf_model.modules():
+            if isinstance(mod, m.Qwen3NextGatedDeltaNet):
+                _patch(mod, _gdn_tree_forward)
+            elif isinstance(mod, m.Qwen3NextAttention):
+                _patch(mod, _attn_tree_forward)
+            elif isinstance(mod, m.Qwen3NextTopKRouter):
+                self._routers.append(mod)
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self.hf.lm_head
+
+    def _aux_loss(self, logits: list[torch.Tensor], layout: TreeLayout) -> torch.Tensor:
+        from harts_verl.ops.moe import load_balancing_loss, softmax_topk_route
+
+        cfg = self.config
+        cat = torch.cat(logits, dim=0)
+        route = softmax_topk_route(cat, cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob)
+        w = layout.row_weights(route.probs.dtype).repeat(len(logits))
+        loss = load_balancing_loss(
+            route.probs, route.experts, cfg.num_experts, cfg.num_experts_per_tok, weights=w
+        )
+        return loss * cfg.router_aux_loss_coef
+
+    def forward(
+        self, input_ids: torch.Tensor, layout: TreeLayout
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids ``[C]`` → (final hidden ``[C, D]``, router aux loss weighted by
+        multiplicity when ``config.output_router_logits`` else 0)."""
+        base = self.hf.model
+        pos = layout.position_ids[None]
+        h = base.embed_tokens(input_ids[None])
+        pe = base.rotary_emb(h, pos)
+        captured: list[torch.Tensor] = []
+        want_aux = bool(getattr(self.config, "output_router_logits", False)) and self._routers
+        hooks = (
+            [
+                r.register_forward_hook(lambda _m, _i, out: captured.append(out[0]))
+                for r in self._routers
+            ]
+            if want_aux
+            else []
+        )
+        try:
+            for layer in base.layers[: self.config.num_hidden_layers]:
+                if self.gradient_checkpointing and torch.is_grad_enabled():
+                    h = checkpoint(
+                        lambda x, lyr=layer: lyr(
+                            x, position_embeddings=pe, position_ids=pos, harts_layout=layout
+                        ),
+                        h,
+                        use_reentrant=False,
+                    )
+                else:
+                    h = layer(h, position_embeddings=pe, position_ids=pos, harts_layout=layout)
+        finally:
+            for hk in hooks:
+                hk.remove()
+        h = base.norm(h)[0]
+        aux = self._aux_loss(captured, layout) if captured else h.new_zeros(())
+        return h, aux

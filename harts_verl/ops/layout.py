@@ -1,0 +1,137 @@
+"""TreeLayout: everything the mixers need to run one microbatch in compact-row order.
+
+Built from a :class:`~harts_verl.tree.RolloutForest` (the tree layout) or from
+``RolloutForest.expanded`` (the trajectory-wise layout: one root chain per trajectory). Index
+plans are built lazily on first use and cached, so a layer type that is absent costs nothing.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+import numpy as np
+import torch
+
+from harts_verl.tree import RolloutForest
+
+
+class TreeLayout:
+    """Compact layout of one microbatch: ``C`` rows in DFS preorder (invariant 1).
+
+    ``position_ids [C]`` are the row depths (invariant 2). ``short_conv``, ``attention`` and
+    ``linear_attention`` run the tree-aware ops on ``[C, ...]`` tensors.
+    """
+
+    def __init__(
+        self,
+        forest: RolloutForest,
+        *,
+        chunk_size: int = 64,
+        device: torch.device | str | None = None,
+        linear_backend: str = "auto",
+        attention_backend: str = "auto",
+    ) -> None:
+        if not isinstance(forest, RolloutForest):
+            raise TypeError(f"forest: expected a RolloutForest, got {type(forest).__name__}")
+        if not isinstance(chunk_size, int) or chunk_size <= 0:
+            raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
+        self.forest = forest
+        self.chunk_size = chunk_size
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.linear_backend = linear_backend
+        self.attention_backend = attention_backend
+        self._conv_index: dict[int, torch.Tensor] = {}
+        self._row_weights: dict[torch.dtype, torch.Tensor] = {}
+
+    @property
+    def num_rows(self) -> int:
+        return self.forest.num_compact_tokens
+
+    @cached_property
+    def position_ids(self) -> torch.Tensor:
+        return torch.as_tensor(self.forest.depth, device=self.device)
+
+    @cached_property
+    def token_ids(self) -> torch.Tensor:
+        return torch.as_tensor(self.forest.token_ids, device=self.device)
+
+    def row_weights(self, dtype: torch.dtype) -> torch.Tensor:
+        """Row multiplicities (trajectories through each row) as ``dtype``; weights that make
+        row statistics equal their trajectory-wise values (invariant 7)."""
+        w = self._row_weights.get(dtype)
+        if w is None:
+            w = torch.as_tensor(self.forest.multiplicity.astype(np.float64), device=self.device).to(
+                dtype
+            )
+            self._row_weights[dtype] = w
+        return w
+
+    # ---------------------------------------------------------------- plans (lazy)
+    @cached_property
+    def attention_plan(self):
+        from harts_verl.ops.tree_attention import build_attention_plan
+
+        return build_attention_plan(self.forest, device=self.device)
+
+    @cached_property
+    def linear_plan(self):
+        from harts_verl.ops.tree_linear_attention import build_linear_layout
+
+        return build_linear_layout(self.forest, chunk_size=self.chunk_size, device=self.device)
+
+    def conv_index(self, width: int) -> torch.Tensor:
+        idx = self._conv_index.get(width)
+        if idx is None:
+            from harts_verl.ops.short_conv import conv_window_index
+
+            idx = conv_window_index(self.forest, width).to(self.device)
+            self._conv_index[width] = idx
+        return idx
+
+    # ---------------------------------------------------------------- ops
+    def short_conv(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        activation: str = "silu",
+    ) -> torch.Tensor:
+        """Depthwise causal conv over each row's path; x ``[C, D]``, weight ``[D, W]``."""
+        from harts_verl.ops.short_conv import tree_short_conv
+
+        return tree_short_conv(
+            x, weight, bias, self.conv_index(weight.shape[-1]), activation=activation
+        )
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float | None = None,
+        gate: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Softmax attention of each row over its ancestors and itself; ``[C, Hq, Dv]``."""
+        from harts_verl.ops.tree_attention import tree_attention
+
+        return tree_attention(q, k, v, self.attention_plan, scale=scale, gate=gate)
+
+    def linear_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        *,
+        scale: float | None = None,
+        use_qk_l2norm: bool = False,
+    ) -> torch.Tensor:
+        """Chunkwise delta-rule attention (KDA for g ``[C, HV, K]``, GDN for g ``[C, HV]``) over
+        the planned rounds; ``[C, HV, V]``."""
+        from harts_verl.ops.tree_linear_attention import tree_delta_rule
+
+        return tree_delta_rule(
+            q, k, v, g, beta, self.linear_plan, scale=scale, use_qk_l2norm=use_qk_l2norm
+        )

@@ -1,0 +1,553 @@
+"""Exact chunkwise linear attention (gated delta rule) reference kernels, pure torch.
+
+Two gated delta rules share one code path, dispatched on the shape of the log-decay ``g``:
+
+- **KDA** (Kimi Delta Attention): per-channel log decay, ``g`` of shape ``[T, HV, K]``;
+- **GDN** (GatedDeltaNet): scalar log decay per head, ``g`` of shape ``[T, HV]``.
+
+Recurrence (flash-linear-attention convention), per value head with state ``S`` of shape
+``[K, V]``, for each token ``t`` of a sequence::
+
+    S   = S * exp(g_t)                 # broadcast over V (a scalar for GDN)
+    u_t = v_t - S^T k_t
+    S   = S + beta_t * k_t (outer) u_t
+    o_t = S^T (scale * q_t)
+
+Inputs are packed varlen like fla with batch size 1: one flat token dimension ``T`` split into
+independent *members* by ``cu_seqlens``. Grouped value heads: value head ``h`` reads query/key
+head ``h // (HV // H)``.
+
+:func:`chunk_delta_rule_varlen` is the chunkwise (WY / UT-transform) algorithm, written so that a
+member's results never depend on what else is in the batch (fixed ``[chunk_size, chunk_size]``
+shapes per chunk, ``matmul``/elementwise ops only, no ``einsum``); :func:`recurrent_delta_rule_ref`
+is the token-by-token oracle. Both are differentiable with respect to every tensor input,
+including the initial states.
+"""
+
+from __future__ import annotations
+
+from itertools import pairwise
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "ChunkStates",
+    "DeltaRuleOutput",
+    "chunk_delta_rule_varlen",
+    "gdn_gate",
+    "kda_gate",
+    "l2norm",
+    "recurrent_delta_rule_ref",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Gates and normalisation
+# --------------------------------------------------------------------------------------------
+
+
+def _gate_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
+    """float64 if any given tensor is float64, else float32 (never lower than float32)."""
+    if any(t is not None and t.dtype == torch.float64 for t in tensors):
+        return torch.float64
+    return torch.float32
+
+
+def kda_gate(
+    g_raw: torch.Tensor,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+) -> torch.Tensor:
+    """KDA per-channel log decay (fla 0.6 ``fla/ops/kda/gate.py`` semantics).
+
+    Args:
+        g_raw: ``[..., HV, K]`` raw gate projections (typically ``[T, HV, K]``), any float dtype.
+        A_log: ``[HV]`` log decay scale per head, or None (scale 1, same as ``A_log = 0``).
+        dt_bias: ``[HV * K]`` bias added to ``g_raw`` before the activation, or None.
+        lower_bound: None for the default gate ``g = -exp(A_log) * softplus(g_raw + dt_bias)``;
+            a (negative) float for fla's safe gate
+            ``g = lower_bound * sigmoid(exp(A_log) * (g_raw + dt_bias))``, which lies in
+            ``(lower_bound, 0)``.
+
+    Returns:
+        ``g`` of the shape of ``g_raw``, in float32 (float64 if any input is float64). Always
+        ``<= 0`` for the default gate.
+    """
+    if g_raw.dim() < 2:
+        raise ValueError(f"g_raw must be [..., HV, K], got shape {tuple(g_raw.shape)}")
+    HV, K = g_raw.shape[-2:]
+    dtype = _gate_dtype(g_raw, A_log, dt_bias)
+    x = g_raw.to(dtype)
+    if dt_bias is not None:
+        if dt_bias.numel() != HV * K:
+            raise ValueError(f"dt_bias must be [HV*K] = [{HV * K}], got {tuple(dt_bias.shape)}")
+        x = x + dt_bias.to(dtype).reshape(HV, K)
+    if A_log is not None and A_log.numel() != HV:
+        raise ValueError(f"A_log must be [HV] = [{HV}], got shape {tuple(A_log.shape)}")
+    a = A_log.to(dtype).reshape(HV, 1).exp() if A_log is not None else None
+    if lower_bound is None:
+        sp = F.softplus(x)
+        return -(a * sp) if a is not None else -sp
+    inner = a * x if a is not None else x
+    return lower_bound * torch.sigmoid(inner)
+
+
+def gdn_gate(
+    a: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """GatedDeltaNet scalar log decay ``g = -exp(A_log) * softplus(a + dt_bias)``.
+
+    Args:
+        a: ``[..., HV]`` raw decay projections (typically ``[T, HV]``), any float dtype.
+        A_log: ``[HV]``.
+        dt_bias: ``[HV]`` or None.
+
+    Returns:
+        ``g`` of the shape of ``a``, ``<= 0``, in float32 (float64 if any input is float64).
+    """
+    if a.dim() < 1:
+        raise ValueError(f"a must be [..., HV], got shape {tuple(a.shape)}")
+    HV = a.shape[-1]
+    if A_log.numel() != HV:
+        raise ValueError(f"A_log must be [HV] = [{HV}], got shape {tuple(A_log.shape)}")
+    dtype = _gate_dtype(a, A_log, dt_bias)
+    x = a.to(dtype)
+    if dt_bias is not None:
+        if dt_bias.numel() != HV:
+            raise ValueError(f"dt_bias must be [HV] = [{HV}], got shape {tuple(dt_bias.shape)}")
+        x = x + dt_bias.to(dtype).reshape(HV)
+    return -(A_log.to(dtype).reshape(HV).exp() * F.softplus(x))
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """fla's L2 normalisation over the last dim: ``x / sqrt(sum(x * x, -1) + eps)``.
+
+    Computed in float32 (float64 for float64 input); returned in the dtype of ``x``.
+    """
+    xf = x.to(_gate_dtype(x))
+    return (xf / torch.sqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Argument handling shared by both kernels
+# --------------------------------------------------------------------------------------------
+
+
+class ChunkStates(NamedTuple):
+    """States at the START of every chunk of every member.
+
+    Attributes:
+        states: ``[num_chunks_total, HV, K, V]`` (float32, float64 for float64 inputs). Chunk
+            ``c`` of member ``n`` (covering tokens ``cu_seqlens[n] + c*chunk_size`` onwards) is at
+            index ``chunk_offsets[n] + c``; chunk 0 of a member holds its initial state. A member
+            of length ``L`` has ``ceil(L / chunk_size)`` chunks (none if ``L == 0``).
+        chunk_offsets: int64 ``[N + 1]`` on the device of the inputs, ``chunk_offsets[0] == 0``,
+            ``chunk_offsets[n + 1] - chunk_offsets[n]`` = number of chunks of member ``n``.
+    """
+
+    states: torch.Tensor
+    chunk_offsets: torch.Tensor
+
+
+class DeltaRuleOutput(NamedTuple):
+    """Result of :func:`chunk_delta_rule_varlen` (a plain tuple ``(o, final_state, chunk_states)``).
+
+    Attributes:
+        o: ``[T, HV, V]`` in the dtype of ``v``.
+        final_state: ``[N, HV, K, V]`` float32 (float64 for float64 inputs).
+        chunk_states: :class:`ChunkStates` if requested, else None.
+    """
+
+    o: torch.Tensor
+    final_state: torch.Tensor
+    chunk_states: ChunkStates | None
+
+
+class _Prepared(NamedTuple):
+    q: torch.Tensor  # [T, HV, K], compute dtype, scaled, normalised, heads expanded
+    k: torch.Tensor  # [T, HV, K]
+    v: torch.Tensor  # [T, HV, V]
+    g: torch.Tensor  # [T, HV, K] (KDA) or [T, HV] (GDN)
+    beta: torch.Tensor  # [T, HV]
+    h0: torch.Tensor  # [N, HV, K, V]
+    lengths: list[int]  # member lengths (host)
+    starts: list[int]  # member starts (host)
+    dtype: torch.dtype  # compute dtype
+
+
+def _prepare(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    initial_state: torch.Tensor | None,
+    scale: float | None,
+    use_qk_l2norm: bool,
+    use_beta_sigmoid: bool,
+) -> _Prepared:
+    """Validate shapes, cast to the compute dtype, expand grouped heads, apply norms/sigmoid."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, H, K], got shape {tuple(q.shape)}")
+    T, H, K = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"k must be [T, H, K] = {tuple(q.shape)}, got {tuple(k.shape)}")
+    if v.dim() != 3 or v.shape[0] != T:
+        raise ValueError(f"v must be [T, HV, V] with T = {T}, got shape {tuple(v.shape)}")
+    HV, V = v.shape[1], v.shape[2]
+    if H == 0 or HV % H != 0:
+        raise ValueError(f"v must be [T, HV, V] with HV a multiple of H = {H}, got HV = {HV}")
+    if g.shape not in ((T, HV, K), (T, HV)):
+        raise ValueError(
+            f"g must be [T, HV, K] = {(T, HV, K)} (KDA) or [T, HV] = {(T, HV)} (GDN), "
+            f"got {tuple(g.shape)}"
+        )
+    if beta.shape != (T, HV):
+        raise ValueError(f"beta must be [T, HV] = {(T, HV)}, got {tuple(beta.shape)}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+
+    if cu_seqlens is None:
+        cu = [0, T]
+    else:
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
+            raise ValueError(
+                f"cu_seqlens must be an integer tensor [N+1] with N >= 1, got "
+                f"{cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}"
+            )
+        cu = [int(x) for x in cu_seqlens.tolist()]
+        if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in pairwise(cu)):
+            raise ValueError(f"cu_seqlens must be non-decreasing from 0 to T = {T}, got {cu}")
+    N = len(cu) - 1
+
+    if initial_state is None:
+        h0 = q.new_zeros((N, HV, K, V), dtype=dtype)
+    else:
+        if initial_state.shape != (N, HV, K, V):
+            raise ValueError(
+                f"initial_state must be [N, HV, K, V] = {(N, HV, K, V)}, "
+                f"got {tuple(initial_state.shape)}"
+            )
+        if initial_state.dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"initial_state must be float32/float64, got {initial_state.dtype}")
+        if initial_state.dtype == torch.float64 and dtype != torch.float64:
+            raise ValueError("initial_state may be float64 only when q, k, v are float64")
+        h0 = initial_state.to(dtype)
+
+    if scale is None:
+        scale = K**-0.5
+    qc, kc = q.to(dtype), k.to(dtype)
+    if use_qk_l2norm:
+        qc, kc = l2norm(qc), l2norm(kc)
+    qc = qc * scale
+    group = HV // H
+    if group > 1:
+        qc = qc.repeat_interleave(group, dim=1)
+        kc = kc.repeat_interleave(group, dim=1)
+    bc = beta.to(dtype)
+    if use_beta_sigmoid:
+        bc = torch.sigmoid(bc)
+    return _Prepared(
+        q=qc,
+        k=kc,
+        v=v.to(dtype),
+        g=g.to(dtype),
+        beta=bc,
+        h0=h0,
+        lengths=[b - a for a, b in pairwise(cu)],
+        starts=cu[:-1],
+        dtype=dtype,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Chunkwise kernel
+# --------------------------------------------------------------------------------------------
+
+
+# Sub-block length of the per-channel (KDA) score computation; see _causal_scores.
+_SUB_BLOCK = 16
+
+
+def _causal_scores(
+    q: torch.Tensor, k: torch.Tensor, G: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decayed causal score matrices of every chunk, diagonal included.
+
+    Returns ``(qk, kk)`` with ``qk[i, j] = sum_c q_i[c] k_j[c] exp(G_i[c] - G_j[c])`` and
+    ``kk[i, j] = sum_c k_i[c] k_j[c] exp(G_i[c] - G_j[c])`` for ``j <= i``, 0 for ``j > i``.
+
+    q, k: ``[..., C, K]``; G: ``[..., C, K]`` (per-channel decay) or ``[..., C]`` (scalar decay),
+    the within-chunk cumulative log decay. ``exp`` is only ever taken of ``G_a - G_b`` with
+    ``b <= a`` (masked to -inf before ``exp`` elsewhere), i.e. of non-positive numbers for
+    non-positive gates: no overflow, no ``exp(G) * exp(-G)`` products.
+    """
+    C = q.shape[-2]
+    idx = torch.arange(C, device=q.device)
+    future = idx[:, None] < idx[None, :]
+    if G.dim() != q.dim():  # scalar decay (GDN): plain matmuls times a [C, C] decay
+        diff = G[..., :, None] - G[..., None, :]
+        decay = diff.masked_fill(future, float("-inf")).exp()
+        k_t = k.transpose(-1, -2)
+        return torch.matmul(q, k_t) * decay, torch.matmul(k, k_t) * decay
+    return _causal_scores_per_channel(q, k, G)
+
+
+def _causal_scores_per_channel(
+    q: torch.Tensor, k: torch.Tensor, G: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel (KDA) case of :func:`_causal_scores`, in sub-blocks of ``s`` rows.
+
+    Diagonal ``[s, s]`` blocks use pairwise differences ``exp(G_i - G_j)`` (``[s, s, K]`` per
+    block). A block below the diagonal (rows in sub-block p, columns j < p*s) factorises through
+    the reference row ``r = p*s - 1`` with ``j <= r < i``:
+    ``exp(G_i - G_j) = exp(G_i - G_r) * exp(G_r - G_j)``, both factors ``<= 1``, so it is one
+    matmul. ``s = _SUB_BLOCK`` when it divides C, else ``s = C`` (pairwise only).
+    """
+    lead, C, K = q.shape[:-2], q.shape[-2], q.shape[-1]
+    s = _SUB_BLOCK if C % _SUB_BLOCK == 0 else C
+    P = C // s
+    qb, kb, Gb = (x.reshape(*lead, P, s, K) for x in (q, k, G))
+
+    idx = torch.arange(s, device=q.device)
+    future = idx[:, None] < idx[None, :]
+    diff = Gb[..., :, None, :] - Gb[..., None, :, :]  # [..., P, s, s, K]
+    decay = diff.masked_fill(future[:, :, None], float("-inf")).exp()
+    k_j = kb[..., None, :, :]
+    qk_diag = (qb[..., :, None, :] * k_j * decay).sum(-1)  # [..., P, s, s]
+    kk_diag = (kb[..., :, None, :] * k_j * decay).sum(-1)
+    if P == 1:
+        return qk_diag.reshape(*lead, C, C), kk_diag.reshape(*lead, C, C)
+
+    # Block diagonal [..., C, C]: multiplying by 0/1 is exact.
+    eye_p = torch.eye(P, dtype=q.dtype, device=q.device)[:, None, :, None]  # [P, 1, P, 1]
+
+    def block_diagonal(d: torch.Tensor) -> torch.Tensor:
+        return (d[..., :, :, None, :] * eye_p).reshape(*lead, C, C)
+
+    # Below-diagonal blocks for row sub-blocks p = 1..P-1, reference rows r_p = p*s - 1.
+    G_ref = Gb[..., :-1, -1, :]  # [..., P-1, K]
+    left = (Gb[..., 1:, :, :] - G_ref[..., :, None, :]).exp()  # rows i > r_p: exp(G_i - G_r)
+    cols = torch.arange(C, device=q.device)
+    first_row = torch.arange(1, P, device=q.device) * s
+    after_ref = cols[None, :] >= first_row[:, None]  # [P-1, C]: columns j > r_p
+    to_ref = G_ref[..., :, None, :] - G[..., None, :, :]  # [..., P-1, C, K]
+    right = k[..., None, :, :] * to_ref.masked_fill(after_ref[:, :, None], float("-inf")).exp()
+    right_t = right.transpose(-1, -2)  # [..., P-1, K, C]
+    zeros = q.new_zeros((*lead, 1, s, C))
+
+    def below(x_blocks: torch.Tensor) -> torch.Tensor:
+        off = torch.matmul(x_blocks[..., 1:, :, :] * left, right_t)  # [..., P-1, s, C]
+        return torch.cat([zeros, off], dim=-3).reshape(*lead, C, C)
+
+    return block_diagonal(qk_diag) + below(qb), block_diagonal(kk_diag) + below(kb)
+
+
+def _decay_rows(x: torch.Tensor, logdecay: torch.Tensor) -> torch.Tensor:
+    """``x * exp(logdecay)`` with a scalar-per-row (``logdecay.dim() == x.dim() - 1``) or
+    per-channel decay."""
+    if logdecay.dim() == x.dim():
+        return x * logdecay.exp()
+    return x * logdecay.exp()[..., None]
+
+
+def chunk_delta_rule_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    cu_seqlens: torch.Tensor | None,
+    initial_state: torch.Tensor | None = None,
+    scale: float | None = None,
+    chunk_size: int = 64,
+    use_qk_l2norm: bool = False,
+    use_beta_sigmoid: bool = False,
+    output_chunk_states: bool = False,
+) -> DeltaRuleOutput:
+    """Chunkwise gated delta rule (KDA or GDN) over packed varlen members, exact reference.
+
+    Args:
+        q, k: ``[T, H, K]``, same float dtype as ``v``.
+        v: ``[T, HV, V]``; ``HV`` a multiple of ``H`` (value head h uses q/k head
+            ``h // (HV // H)``).
+        g: log decay (``<= 0``), ``[T, HV, K]`` for KDA (per channel) or ``[T, HV]`` for GDN.
+        beta: ``[T, HV]``; already in (0, 1) unless ``use_beta_sigmoid``.
+        cu_seqlens: integer ``[N + 1]``, ``0 = cu[0] <= ... <= cu[N] = T``; member ``n`` is tokens
+            ``[cu[n], cu[n+1])`` and is independent of the others. None means one member.
+        initial_state: ``[N, HV, K, V]`` float32 (float64 allowed for float64 inputs) or None
+            (zeros). Gradients flow into it.
+        scale: query scale, default ``K ** -0.5``.
+        chunk_size: chunk length ``C``; chunks are local to each member, starting at its first
+            token (the caller aligns members to absolute chunk boundaries).
+        use_qk_l2norm: L2-normalise q and k (:func:`l2norm`) inside the kernel.
+        use_beta_sigmoid: apply ``sigmoid`` to ``beta`` inside the kernel.
+        output_chunk_states: also return the state at the start of every chunk
+            (:class:`ChunkStates`).
+
+    Returns:
+        :class:`DeltaRuleOutput` ``(o [T, HV, V] in v's dtype, final_state [N, HV, K, V],
+        chunk_states | None)``. Math runs in float32 for float32/bf16/fp16 inputs and in float64
+        for float64 inputs; states are returned in that compute dtype.
+
+    Guarantees:
+        - Each member's outputs and states are computed with the same op sequence on fixed
+          ``[C, C]`` / ``[C, K]`` / ``[K, V]`` shapes whatever else is packed with it, so results
+          are bitwise identical (float32, CPU) when the member runs alone, packed with others, or
+          split at a chunk boundary with the first part's final state as the second part's
+          initial state; a member ending inside a chunk gives bitwise the outputs of the same
+          rows of a longer run (padding rows have ``q = k = v = beta = g = 0``).
+        - Differentiable w.r.t. q, k, v, g, beta and initial_state.
+        - Memory of the KDA path is ``O(T * HV * K * (16 + C / 16))`` for the in-chunk decays
+          (pairwise inside 16-row sub-blocks, factorised through a reference row below them).
+    """
+    if not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    p = _prepare(
+        q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, use_beta_sigmoid
+    )
+    C = chunk_size
+    T, HV, K = p.k.shape
+    V = p.v.shape[-1]
+    N = len(p.lengths)
+    device = p.k.device
+    kda = p.g.dim() == 3
+
+    # ---- chunk layout (host ints, then vectorized index tensors) ----
+    n_chunks = [(L + C - 1) // C for L in p.lengths]
+    offsets_host = [0]
+    for nc in n_chunks:
+        offsets_host.append(offsets_host[-1] + nc)
+    total = offsets_host[-1]
+    max_chunks = max(n_chunks, default=0)
+    chunk_offsets = torch.tensor(offsets_host, dtype=torch.int64, device=device)
+    nch = torch.tensor(n_chunks, dtype=torch.int64, device=device)
+    lens = torch.tensor(p.lengths, dtype=torch.int64, device=device)
+    starts = torch.tensor(p.starts, dtype=torch.int64, device=device)
+    member = torch.repeat_interleave(torch.arange(N, device=device), nch)  # [total]
+    local_chunk = torch.arange(total, device=device) - chunk_offsets[member]
+    local_pos = local_chunk[:, None] * C + torch.arange(C, device=device)[None, :]  # [total, C]
+    valid = local_pos < lens[member][:, None]
+    src = torch.where(valid, starts[member][:, None] + local_pos, T)  # row T = zero padding row
+
+    def to_chunks(x: torch.Tensor) -> torch.Tensor:
+        """[T, HV, ...] -> [total, HV, C, ...] with zero padding rows."""
+        xz = torch.cat([x, x.new_zeros((1, *x.shape[1:]))], dim=0)
+        return xz[src].transpose(1, 2).contiguous()
+
+    qc, kc, vc, gc, bc = (to_chunks(x) for x in (p.q, p.k, p.v, p.g, p.beta))
+
+    # ---- intra-chunk math, batched over every chunk of every member (fixed shapes) ----
+    # For one chunk with start state S and G_i = sum_{t <= i} g_t (within the chunk), unrolling
+    # the recurrence gives the per-row corrections delta_i = beta_i (v_i - decayed S^T k_i):
+    #   (I + M) delta = diag(beta) (V - Kg S),  M_ij = beta_i sum_c k_i k_j e^(G_i - G_j), j < i
+    #   => delta = U - W S  with  [U | W] = (I + M)^-1 diag(beta) [V | Kg],  Kg = K * e^G
+    #   o  = Qg S + P delta,  Qg = scale Q * e^G,  P_ij = sum_c q_i k_j e^(G_i - G_j), j <= i
+    #   S' = e^(G_last) S + (K * e^(G_last - G))^T delta
+    G = torch.cumsum(gc, dim=2)  # within-chunk cumulative log decay, [total, HV, C(, K)]
+    G_last = G[:, :, -1]  # [total, HV(, K)]
+    attn, kk = _causal_scores(qc, kc, G)  # [total, HV, C, C], lower triangular incl. diagonal
+    # Unit lower-triangular system (I + M) delta = beta * (v - Kg S), M_ij = beta_i kk_ij (j < i).
+    strict = torch.ones(C, C, dtype=torch.bool, device=device).tril(-1)
+    eye = torch.eye(C, dtype=p.dtype, device=device)
+    lower = eye + (bc[..., None] * kk).masked_fill(~strict, 0.0)
+    q_decayed = _decay_rows(qc, G)  # Qg, [total, HV, C, K]
+    k_decayed = _decay_rows(kc, G)  # Kg
+    rhs = torch.cat([vc * bc[..., None], k_decayed * bc[..., None]], dim=-1)
+    sol = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
+    u_part, w_part = sol[..., :V].contiguous(), sol[..., V:].contiguous()  # delta = U - W S
+    to_end = G_last[:, :, None] - G  # log decay from after row j to chunk end, <= 0
+    k_to_end_t = _decay_rows(kc, to_end).transpose(-1, -2).contiguous()  # [total, HV, K, C]
+    end_decay = G_last.exp()
+    end_decay = end_decay[..., None] if kda else end_decay[..., None, None]
+
+    # ---- inter-chunk recurrence: sequential over chunk index, batched over members ----
+    state = p.h0
+    o_parts: list[torch.Tensor] = []
+    row_parts: list[torch.Tensor] = []
+    start_states: list[torch.Tensor] = []
+    for c in range(max_chunks):
+        active = torch.nonzero(nch > c).squeeze(1)
+        rows = chunk_offsets[active] + c
+        S = state.index_select(0, active)  # [n_active, HV, K, V]
+        delta = u_part[rows] - torch.matmul(w_part[rows], S)
+        o_parts.append(torch.matmul(q_decayed[rows], S) + torch.matmul(attn[rows], delta))
+        row_parts.append(rows)
+        if output_chunk_states:
+            start_states.append(S)
+        S_next = end_decay[rows] * S + torch.matmul(k_to_end_t[rows], delta)
+        state = state.index_copy(0, active, S_next)
+
+    # ---- back to the packed token layout ----
+    out_dtype = v.dtype
+    if total > 0:
+        all_rows = torch.cat(row_parts)
+        o_chunks = torch.zeros((total, HV, C, V), dtype=p.dtype, device=device)
+        o_chunks = o_chunks.index_copy(0, all_rows, torch.cat(o_parts))
+        o = o_chunks.transpose(1, 2).reshape(total * C, HV, V)[valid.reshape(-1)]
+    else:
+        o = p.v.new_zeros((0, HV, V))
+    chunk_states = None
+    if output_chunk_states:
+        cs = torch.zeros((total, HV, K, V), dtype=p.dtype, device=device)
+        if total > 0:
+            cs = cs.index_copy(0, all_rows, torch.cat(start_states))
+        chunk_states = ChunkStates(states=cs, chunk_offsets=chunk_offsets)
+    return DeltaRuleOutput(o=o.to(out_dtype), final_state=state, chunk_states=chunk_states)
+
+
+# --------------------------------------------------------------------------------------------
+# Token-by-token oracle
+# --------------------------------------------------------------------------------------------
+
+
+def recurrent_delta_rule_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    cu_seqlens: torch.Tensor | None,
+    initial_state: torch.Tensor | None = None,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+    use_beta_sigmoid: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token gated delta rule; the readable test oracle for
+    :func:`chunk_delta_rule_varlen` (same argument conventions, no chunking).
+
+    Returns:
+        ``(o [T, HV, V] in v's dtype, final_state [N, HV, K, V])``, the state in float32
+        (float64 for float64 inputs). Differentiable w.r.t. every tensor input.
+    """
+    p = _prepare(
+        q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, use_beta_sigmoid
+    )
+    kda = p.g.dim() == 3
+    outputs: list[torch.Tensor] = []
+    finals: list[torch.Tensor] = []
+    for n, (bos, length) in enumerate(zip(p.starts, p.lengths)):
+        S = p.h0[n]  # [HV, K, V]
+        for t in range(bos, bos + length):
+            decay = p.g[t].exp()
+            S = S * (decay[:, :, None] if kda else decay[:, None, None])
+            k_t = p.k[t][:, :, None]  # [HV, K, 1]
+            u_t = p.v[t] - (S * k_t).sum(-2)  # [HV, V]
+            S = S + p.beta[t][:, None, None] * k_t * u_t[:, None, :]
+            outputs.append((S * p.q[t][:, :, None]).sum(-2))  # q already scaled
+        finals.append(S)
+    HV, V = p.v.shape[1:]
+    o = torch.stack(outputs) if outputs else p.v.new_zeros((0, HV, V))
+    return o.to(v.dtype), torch.stack(finals)

@@ -1,0 +1,368 @@
+"""Compact log-probs and entropy: vocabulary-sized work once per distinct row (invariant 8).
+
+The label of semantic position (i, t) is ``x_i[t+1]``; its hidden state is that of row
+``semantic_rows[off_i + t]`` and its label is the token of the next row on the path, whose parent
+is that row. So every *non-root* row ``c`` defines exactly one (hidden row ``parent[c]``,
+label ``token_ids[c]``) pair, and every semantic position with t < L_i − 1 maps to the pair of
+its child row ``semantic_rows[off_i + t + 1]``. Identical trajectory prefixes share the pair;
+a row with several children gives several labels from one set of logits.
+
+:func:`compact_log_probs` therefore computes logits, log-softmax (and entropy) once for every
+row that has a child (H ≤ C rows), in chunks of ``rows_per_chunk`` rows, inside a custom
+autograd function that saves only hidden/weight/bias (no logits): the backward recomputes each
+chunk. Peak extra memory is O(rows_per_chunk · V) in forward and backward (a few reusable
+chunk buffers, plus a [V, D] weight-gradient accumulator); no S×V or C×V tensor exists. The per-position outputs are gathers of the per-pair values, so the
+gradient of a row collects the contributions of all semantic positions on it — exactly the
+trajectory-wise gradient after the semantic gather.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, NamedTuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+__all__ = [
+    "LabelPairs",
+    "LogProbResult",
+    "compact_log_probs",
+    "expanded_log_probs_ref",
+    "label_rows",
+    "semantic_to_row_index",
+]
+
+
+class LabelPairs(NamedTuple):
+    """The (hidden row, label) pair of every non-root row (int64 numpy arrays of length P =
+    C − #roots, in preorder of the child rows)."""
+
+    child_rows: np.ndarray
+    hidden_rows: np.ndarray
+    labels: np.ndarray
+
+
+class LogProbResult(NamedTuple):
+    """Output of :func:`compact_log_probs`.
+
+    Attributes:
+      log_probs: ``output="nested"``: list of N tensors, tensor i of length L_i − 1 with
+        ``log p(x_i[t+1] | x_i[≤t])`` for t = 0..L_i−2; ``output="flat"``: their concatenation
+        [S − N]. float32 for float32/bf16/fp16 inputs, float64 for float64.
+      entropy: same layout, entropy of the predictive distribution at t = 0..L_i−2
+        (None unless ``with_entropy``).
+      offsets: int64 [N+1], trajectory i occupies ``flat[offsets[i]:offsets[i+1]]``.
+    """
+
+    log_probs: Tensor | list[Tensor]
+    entropy: Tensor | list[Tensor] | None
+    offsets: Tensor
+
+
+def label_rows(forest: Any) -> LabelPairs:
+    """The (hidden row, label) pair defined by every non-root row of ``forest``."""
+    child = np.flatnonzero(np.asarray(forest.parent) >= 0).astype(np.int64)
+    return LabelPairs(child, forest.parent[child].astype(np.int64), forest.token_ids[child])
+
+
+def semantic_to_row_index(forest: Any) -> np.ndarray:
+    """int64 [S − N]: for each position of the flat output (trajectory i, t = 0..L_i−2, in
+    trajectory order) the child row whose pair it takes, ``semantic_rows[off_i + t + 1]``."""
+    keep = np.ones(forest.num_semantic_tokens, dtype=bool)
+    keep[forest.row_offsets[:-1]] = False  # every trajectory has >= 1 token
+    return forest.semantic_rows[keep]
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor) -> Tensor:
+    """Logits ``h @ weightᵀ + bias`` of one chunk of rows, written to ``out`` ([n, V], input
+    dtype); the only vocabulary-sized matmul (what ``F.linear`` computes)."""
+    if bias is None:
+        return torch.mm(h, weight.t(), out=out)
+    return torch.addmm(bias, h, weight.t(), out=out)
+
+
+class _Workspace:
+    """Reusable [rows, V] buffers (logits in the input dtype; two in the compute dtype), so a
+    pass over the chunks allocates its vocabulary-sized memory once."""
+
+    def __init__(self, rows: int, weight: Tensor, cdt: torch.dtype) -> None:
+        v = weight.shape[0]
+        self.a = torch.empty(rows, v, dtype=cdt, device=weight.device)
+        self.b = torch.empty(rows, v, dtype=cdt, device=weight.device)
+        same = weight.dtype == cdt
+        self.logits = (
+            self.a if same else torch.empty(rows, v, dtype=weight.dtype, device=weight.device)
+        )
+
+    def log_softmax(
+        self, h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float
+    ) -> Tensor:
+        """``log_softmax(logits.to(cdt) / temperature)`` of chunk ``h`` [n, D], in buffer b."""
+        n = h.shape[0]
+        z = _chunk_logits(h, weight, bias, self.logits[:n])
+        if z.data_ptr() != self.a.data_ptr():
+            z = self.a[:n].copy_(z)
+        if temperature != 1.0:
+            z.div_(temperature)
+        return torch.log_softmax(z, dim=-1, out=self.b[:n])
+
+
+class _ChunkedLogProbs(torch.autograd.Function):
+    """Per-pair log-probs and per-hidden-row entropy, chunked over hidden rows.
+
+    Inputs: hidden [C, D], weight [V, D], bias [V] | None, hid_rows int64 [H] (distinct hidden
+    rows, ascending), pair_hidx int64 [P] (index into hid_rows, non-decreasing), pair_label int64
+    [P], pair_bounds (python list: pairs of chunk j are ``pair_bounds[j]:pair_bounds[j+1]``),
+    chunk, temperature, with_entropy. Outputs: log-probs [P], entropy [H] (or [0]).
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        hid_rows: Tensor,
+        pair_hidx: Tensor,
+        pair_label: Tensor,
+        pair_bounds: list[int],
+        chunk: int,
+        temperature: float,
+        with_entropy: bool,
+    ) -> tuple[Tensor, Tensor]:
+        cdt = _compute_dtype(hidden.dtype)
+        n_hid = hid_rows.shape[0]
+        logp = torch.empty(pair_label.shape[0], dtype=cdt, device=hidden.device)
+        ent = torch.empty(n_hid if with_entropy else 0, dtype=cdt, device=hidden.device)
+        ws = _Workspace(min(chunk, n_hid), weight, cdt)
+        for j, a in enumerate(range(0, n_hid, chunk)):
+            b = min(a + chunk, n_hid)
+            logp_full = ws.log_softmax(hidden[hid_rows[a:b]], weight, bias, temperature)
+            p0, p1 = pair_bounds[j], pair_bounds[j + 1]
+            logp[p0:p1] = logp_full[pair_hidx[p0:p1] - a, pair_label[p0:p1]]
+            if with_entropy:
+                p = torch.exp(logp_full, out=ws.a[: b - a])
+                ent[a:b] = -torch.linalg.vecdot(p, logp_full)
+        ctx.save_for_backward(hidden, weight, bias, hid_rows, pair_hidx, pair_label)
+        ctx.pair_bounds = pair_bounds
+        ctx.chunk = chunk
+        ctx.temperature = temperature
+        ctx.set_materialize_grads(False)
+        if not with_entropy:
+            ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, g_logp: Tensor | None, g_ent: Tensor | None) -> tuple[Any, ...]:
+        hidden, weight, bias, hid_rows, pair_hidx, pair_label = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        none_rest = (None,) * 7
+        if (g_logp is None and (g_ent is None or g_ent.numel() == 0)) or not (
+            need_h or need_w or need_b
+        ):
+            return (None, None, None, *none_rest)
+        cdt = _compute_dtype(hidden.dtype)
+        temperature, chunk, bounds = ctx.temperature, ctx.chunk, ctx.pair_bounds
+        n_hid = hid_rows.shape[0]
+        grad_h = torch.zeros_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=cdt, device=weight.device) if need_w else None
+        grad_b = (
+            torch.zeros(weight.shape[0], dtype=cdt, device=weight.device)
+            if need_b and bias is not None
+            else None
+        )
+        use_ent = g_ent is not None and g_ent.numel() > 0
+        ws = _Workspace(min(chunk, n_hid), weight, cdt)
+        for j, a in enumerate(range(0, n_hid, chunk)):
+            b = min(a + chunk, n_hid)
+            rows = hid_rows[a:b]
+            h = hidden[rows]
+            logp_full = ws.log_softmax(h, weight, bias, temperature)
+            # d logp[label] / dz = onehot(label) - p;  d entropy / dz = -p * (logp + entropy).
+            p = torch.exp(logp_full, out=ws.a[: b - a])
+            gsum = torch.zeros(b - a, dtype=cdt, device=p.device)
+            if g_logp is not None:
+                p0, p1 = bounds[j], bounds[j + 1]
+                local = pair_hidx[p0:p1] - a
+                g = g_logp[p0:p1].to(cdt)
+                gsum.index_add_(0, local, g)
+            if use_ent:
+                ge = g_ent[a:b].to(cdt)
+                ent = -torch.linalg.vecdot(p, logp_full)
+                coef = logp_full.add_(ent[:, None]).mul_(-ge[:, None]).sub_(gsum[:, None])
+                dz = p.mul_(coef)
+            else:
+                dz = p.mul_(-gsum[:, None])
+            if g_logp is not None:
+                dz.index_put_((local, pair_label[p0:p1]), g, accumulate=True)
+            if temperature != 1.0:
+                dz.div_(temperature)
+            if grad_h is not None:
+                dz_in = dz if dz.dtype == weight.dtype else ws.logits[: b - a].copy_(dz)
+                grad_h[rows] = dz_in @ weight
+            if grad_w is not None:
+                grad_w.addmm_(dz.t(), h.to(cdt))
+            if grad_b is not None:
+                grad_b.add_(dz.sum(dim=0))
+        gw = grad_w.to(weight.dtype) if grad_w is not None else None
+        gb = grad_b.to(bias.dtype) if grad_b is not None else None
+        return (grad_h, gw, gb, *none_rest)
+
+
+def _check_inputs(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, forest: Any, c: int
+) -> tuple[int, int]:
+    if not isinstance(hidden, Tensor) or hidden.ndim != 2 or hidden.shape[0] != c:
+        shape = tuple(hidden.shape) if isinstance(hidden, Tensor) else None
+        raise ValueError(f"hidden: expected [C={c}, D] (or [1, C, D]), got shape {shape}")
+    if not hidden.is_floating_point():
+        raise ValueError(f"hidden: expected a floating-point tensor, got {hidden.dtype}")
+    d = hidden.shape[1]
+    if not isinstance(weight, Tensor) or weight.ndim != 2 or weight.shape[1] != d:
+        shape = tuple(weight.shape) if isinstance(weight, Tensor) else None
+        raise ValueError(f"lm_head_weight: expected [V, D={d}], got shape {shape}")
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"lm_head_weight: dtype {weight.dtype} differs from hidden {hidden.dtype}")
+    v = weight.shape[0]
+    if bias is not None and (not isinstance(bias, Tensor) or bias.shape != (v,)):
+        shape = tuple(bias.shape) if isinstance(bias, Tensor) else None
+        raise ValueError(f"lm_head_bias: expected shape ({v},), got {shape}")
+    if bias is not None and bias.dtype != hidden.dtype:
+        raise ValueError(f"lm_head_bias: dtype {bias.dtype} differs from hidden {hidden.dtype}")
+    tok = np.asarray(forest.token_ids)
+    if tok.size and int(tok.max()) >= v:
+        raise ValueError(f"forest: token id {int(tok.max())} >= vocabulary size V={v}")
+    return d, v
+
+
+def _check_temperature(temperature: float) -> float:
+    t = float(temperature)
+    if not np.isfinite(t) or t <= 0:
+        raise ValueError(f"temperature: expected a finite positive number, got {temperature!r}")
+    return t
+
+
+def compact_log_probs(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    forest: Any,
+    *,
+    lm_head_bias: Tensor | None = None,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    rows_per_chunk: int = 4096,
+    output: Literal["nested", "flat"] = "nested",
+) -> LogProbResult:
+    """Per-trajectory shifted log-probs (and entropy) from compact hidden states.
+
+    ``hidden``: [C, D] (or [1, C, D]) final hidden states of the compact rows of ``forest`` (a
+    RolloutForest or its expanded layout); ``lm_head_weight``: [V, D] and optional
+    ``lm_head_bias`` [V], same dtype as ``hidden``. Logits ``hidden @ Wᵀ + b`` are formed in the
+    input dtype, upcast (float32 for float32/bf16/fp16, float64 for float64), divided by
+    ``temperature`` and log-softmaxed — once for each row that has a child, in chunks of
+    ``rows_per_chunk`` rows; the backward recomputes the chunks (no logits are stored).
+
+    Guarantees: position t of trajectory i holds ``log p(x_i[t+1] | x_i[≤t])``, equal to a
+    trajectory-wise log-softmax over the gathered hidden states (:func:`expanded_log_probs_ref`;
+    float64: ≤ 1e-10, tested); every semantic position t < L_i − 1 appears exactly once, in
+    order; length-1 trajectories give empty tensors. Gradients flow to hidden, weight and bias
+    (float64: ≤ 1e-9 relative to the reference); a row's gradient is the sum over its semantic
+    positions. Memory: two (three for bf16/fp16) reusable [min(rows_per_chunk, H), V] buffers
+    per pass plus, in backward, a [V, D] compute-dtype weight-gradient accumulator.
+    """
+    if isinstance(hidden, Tensor) and hidden.ndim == 3 and hidden.shape[0] == 1:
+        hidden = hidden[0]
+    c = int(forest.num_compact_tokens)
+    _check_inputs(hidden, lm_head_weight, lm_head_bias, forest, c)
+    temperature = _check_temperature(temperature)
+    if (
+        not isinstance(rows_per_chunk, int | np.integer)
+        or isinstance(rows_per_chunk, bool)
+        or rows_per_chunk < 1
+    ):
+        raise ValueError(f"rows_per_chunk: expected a positive int, got {rows_per_chunk!r}")
+    if output not in ("nested", "flat"):
+        raise ValueError(f"output: expected 'nested' or 'flat', got {output!r}")
+    chunk = int(rows_per_chunk)
+
+    parent = np.asarray(forest.parent)
+    hid_rows = np.flatnonzero(np.asarray(forest.num_children) > 0).astype(np.int64)
+    child = np.flatnonzero(parent >= 0)
+    order = np.argsort(parent[child], kind="stable")
+    pair_child = child[order]
+    pair_hidx = np.searchsorted(hid_rows, parent[pair_child]).astype(np.int64)
+    pair_label = np.asarray(forest.token_ids)[pair_child].astype(np.int64)
+    chunk_starts = np.arange(0, hid_rows.shape[0] + chunk, chunk, dtype=np.int64)
+    chunk_starts = np.minimum(chunk_starts, hid_rows.shape[0])
+    pair_bounds = np.searchsorted(pair_hidx, chunk_starts).tolist()
+
+    dev = hidden.device
+    logp_pairs, ent_hid = _ChunkedLogProbs.apply(
+        hidden,
+        lm_head_weight,
+        lm_head_bias,
+        torch.from_numpy(hid_rows).to(dev),
+        torch.from_numpy(pair_hidx).to(dev),
+        torch.from_numpy(pair_label).to(dev),
+        pair_bounds,
+        chunk,
+        temperature,
+        bool(with_entropy),
+    )
+
+    pair_of_row = np.full(c, -1, dtype=np.int64)
+    pair_of_row[pair_child] = np.arange(pair_child.shape[0], dtype=np.int64)
+    pos_pair = pair_of_row[semantic_to_row_index(forest)]
+    logp = logp_pairs[torch.from_numpy(pos_pair).to(dev)]
+    ent = ent_hid[torch.from_numpy(pair_hidx[pos_pair]).to(dev)] if with_entropy else None
+    lengths = np.asarray(forest.lengths, dtype=np.int64) - 1
+    offsets = torch.zeros(lengths.shape[0] + 1, dtype=torch.int64)
+    torch.cumsum(torch.from_numpy(lengths), 0, out=offsets[1:])
+    if output == "flat":
+        return LogProbResult(logp, ent, offsets)
+    sizes = lengths.tolist()
+    return LogProbResult(
+        list(torch.split(logp, sizes)),
+        list(torch.split(ent, sizes)) if ent is not None else None,
+        offsets,
+    )
+
+
+def expanded_log_probs_ref(
+    hidden_seq: Tensor,
+    lm_head_weight: Tensor,
+    labels: Tensor,
+    *,
+    lm_head_bias: Tensor | None = None,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Trajectory-wise oracle: full ``log_softmax`` over one trajectory (O(L·V) memory).
+
+    ``hidden_seq``: [L, D] hidden states of one trajectory; ``labels``: int [L−1],
+    ``labels[t] = x[t+1]`` (the last hidden row predicts nothing). Returns (log-probs [L−1],
+    entropy [L−1] or None) in float32 (float64 for float64 inputs), using the same dtype
+    policy as :func:`compact_log_probs`.
+    """
+    if not isinstance(hidden_seq, Tensor) or hidden_seq.ndim != 2:
+        shape = tuple(hidden_seq.shape) if isinstance(hidden_seq, Tensor) else None
+        raise ValueError(f"hidden_seq: expected [L, D], got shape {shape}")
+    n = hidden_seq.shape[0]
+    if not isinstance(labels, Tensor) or labels.shape != (max(n - 1, 0),):
+        shape = tuple(labels.shape) if isinstance(labels, Tensor) else None
+        raise ValueError(f"labels: expected shape ({max(n - 1, 0)},), got {shape}")
+    temperature = _check_temperature(temperature)
+    cdt = _compute_dtype(hidden_seq.dtype)
+    z = F.linear(hidden_seq[: max(n - 1, 0)], lm_head_weight, lm_head_bias).to(cdt) / temperature
+    logp_full = torch.log_softmax(z, dim=-1)
+    logp = logp_full.gather(1, labels.long()[:, None])[:, 0]
+    ent = -(logp_full.exp() * logp_full).sum(dim=-1) if with_entropy else None
+    return logp, ent

@@ -1,0 +1,384 @@
+"""Tree attention: causal softmax attention over a rollout forest, in torch (CPU and CUDA).
+
+In tree mode every compact row (DFS preorder, see :class:`~harts_verl.tree.forest.RolloutForest`)
+attends to its ancestors and itself — exactly the keys it sees in every trajectory through it, so
+the output of a row equals the output of each of its semantic positions in trajectory-wise causal
+attention (position id = depth, invariant 2).
+
+Algorithm. A *segment* (maximal single-child chain, a contiguous preorder row range) is one
+attention problem: queries = its ``Lq`` rows, keys = its root-to-parent ancestor path (depths
+``0..fork_position-1``; since a fork row ends its segment, that path is the concatenation of the
+full row ranges of the ancestor segments) followed by its own rows, ``Lk = fork_position + Lq``,
+causal mask aligned bottom-right (query ``t`` sees keys ``0..fork_position + t``). Work is
+``Σ_rows (depth + 1)`` up to the causal-rectangle factor, never ``C × C``.
+
+Segments are batched into *buckets* of similar ``(Lq, Lk)``, padded to the bucket maxima, with
+one ``scaled_dot_product_attention`` call per bucket (chunked by an element budget). The
+bucketing rule: with ``r = sqrt(1 + max_pad_ratio)``, ``Lq`` and ``Lk`` are each binned
+geometrically (bin ``ceil(log_r L)``), so within a bucket ``Lq_max < r·Lq`` and ``Lk_max < r·Lk``
+for every member, hence ``padded area (nb·Lq_max·Lk_max) ≤ (1 + max_pad_ratio) · Σ Lq·Lk``.
+Root segments (``Lq == Lk``) are only grouped with roots of the same length: such buckets are
+unpadded and run with ``is_causal`` (kernels skip the upper triangle); a bucket of identical
+non-root shapes uses one shared bottom-right causal ``[Lq, Lk]`` mask, other buckets a
+``[nb, 1, Lq, Lk]`` boolean mask (SDPA turns it into an additive mask of q's dtype, which
+autograd keeps until backward: one element per padded score of such buckets, no heads).
+Index tensors are built once per microbatch with numpy (loops over segment-tree levels and
+buckets only); masks are created per call from two small per-segment length vectors.
+
+Padding is exact: padded key slots are masked out (probability exactly 0, zero gradient);
+padded query slots see all valid keys (never a fully masked row, so no NaN) and their outputs are
+dropped, so they receive zero gradient. When ``Dv != Dqk`` (MLA: 192 vs 128) the narrower side is
+zero-padded once on the compact tensors (adds exact zeros to every dot product), because the
+fused CPU/CUDA SDPA kernels need equal head dims.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from itertools import pairwise
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from harts_verl.ops._index import concat_ranges, segment_ancestors, to_index
+
+__all__ = [
+    "AttentionBucket",
+    "TreeAttentionPlan",
+    "build_attention_plan",
+    "tree_attention",
+    "tree_attention_dense_ref",
+]
+
+_TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+_HAS_ENABLE_GQA = _TORCH_VERSION >= (2, 5)
+_DEFAULT_MAX_BUCKET_ELEMENTS = 1 << 26
+
+
+@dataclass(frozen=True)
+class AttentionBucket:
+    """One padded batch of segments run by a single SDPA call.
+
+    Attributes:
+      q_index: int64 ``[nb * lq]`` compact rows gathered as queries (padded slots repeat the
+        segment's last row).
+      k_index: int64 ``[nb * lk]`` compact rows gathered as keys (padded slots repeat the last
+        key).
+      q_len, k_len: int64 ``[nb]`` true ``Lq``/``Lk`` of each member segment.
+      nb, lq, lk: number of segments and padded lengths.
+      uniform: all members have exactly ``(lq, lk)`` (no padding; mask is the shared
+        bottom-right causal ``[lq, lk]``, or ``is_causal`` when ``lq == lk``).
+    """
+
+    q_index: torch.Tensor
+    k_index: torch.Tensor
+    q_len: torch.Tensor
+    k_len: torch.Tensor
+    nb: int
+    lq: int
+    lk: int
+    uniform: bool
+
+
+@dataclass(frozen=True)
+class TreeAttentionPlan:
+    """Precomputed gather/scatter indices for :func:`tree_attention` on one forest.
+
+    Attributes:
+      num_rows: C, the number of compact rows the plan expects.
+      buckets: the SDPA batches, in execution order.
+      out_index: int64 ``[C]``; row ``r``'s output is row ``out_index[r]`` of the concatenated
+        flattened bucket outputs (``Σ nb·lq`` slots).
+      num_segments: number of segments.
+      work: ``Σ_rows (depth + 1)`` — attended (query, key) pairs, the ideal cost.
+      rect_work: ``Σ_segments Lq·Lk`` — the unpadded rectangles the kernels see.
+      padded_work: ``Σ_buckets nb·lq·lk`` — what is actually computed.
+      max_pad_ratio: the bucketing parameter the plan was built with.
+      device: where the index tensors live.
+    """
+
+    num_rows: int
+    buckets: tuple[AttentionBucket, ...]
+    out_index: torch.Tensor
+    num_segments: int
+    work: int
+    rect_work: int
+    padded_work: int
+    max_pad_ratio: float
+    device: torch.device
+
+    @property
+    def padding_ratio(self) -> float:
+        """``padded_work / rect_work - 1`` (≤ ``max_pad_ratio`` by construction)."""
+        return self.padded_work / self.rect_work - 1.0 if self.rect_work else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        """Sizes as a JSON-ready dict."""
+        return {
+            "rows": self.num_rows,
+            "segments": self.num_segments,
+            "buckets": len(self.buckets),
+            "work": self.work,
+            "rect_work": self.rect_work,
+            "padded_work": self.padded_work,
+            "padding_ratio": round(self.padding_ratio, 4),
+        }
+
+
+def _bins(lengths: np.ndarray, max_pad_ratio: float) -> np.ndarray:
+    """Geometric bin of each length (ratio ``sqrt(1 + max_pad_ratio)``); see module doc."""
+    if math.isinf(max_pad_ratio):
+        return np.zeros_like(lengths)
+    if max_pad_ratio == 0.0:
+        return lengths.copy()
+    log_r = 0.5 * math.log1p(max_pad_ratio)
+    return np.ceil(np.log(lengths.astype(np.float64)) / log_r - 1e-9).astype(np.int64)
+
+
+def build_attention_plan(
+    forest: Any,
+    *,
+    device: torch.device | str | None = None,
+    max_pad_ratio: float = 0.25,
+    max_bucket_elements: int = _DEFAULT_MAX_BUCKET_ELEMENTS,
+) -> TreeAttentionPlan:
+    """Plan tree attention for ``forest`` (a :class:`RolloutForest`, tree or expanded layout).
+
+    Args:
+      forest: provides ``segments`` (``first_row``, ``length``, ``parent_segment``,
+        ``fork_position``), ``depth`` and ``num_compact_tokens``.
+      device: device of the index tensors (must match the q/k/v passed later).
+      max_pad_ratio: bound on padding waste per bucket, ``padded ≤ (1 + max_pad_ratio) ·
+        Σ Lq·Lk``; ``0`` groups only identical shapes, ``inf`` puts all non-root segments in
+        one bucket (roots are always grouped by exact length).
+      max_bucket_elements: a bucket whose ``nb·lq·lk`` exceeds this is split into chunks of
+        consecutive members (a single segment is never split); bounds the per-call mask memory.
+
+    Deterministic in its inputs (invariant 9).
+    """
+    if not (isinstance(max_pad_ratio, int | float) and max_pad_ratio >= 0):
+        raise ValueError(f"max_pad_ratio: expected a number >= 0, got {max_pad_ratio!r}")
+    if not (isinstance(max_bucket_elements, int) and max_bucket_elements >= 1):
+        raise ValueError(f"max_bucket_elements: expected an int >= 1, got {max_bucket_elements!r}")
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    seg = forest.segments
+    c = int(forest.num_compact_tokens)
+    first = np.asarray(seg.first_row, dtype=np.int64)
+    lq = np.asarray(seg.length, dtype=np.int64)
+    fork = np.asarray(seg.fork_position, dtype=np.int64)
+    lk = fork + lq
+    n = first.shape[0]
+
+    # Keys of segment s: full row ranges of its ancestor segments (root first), then its own.
+    anc_off, anc = segment_ancestors(np.asarray(seg.parent_segment, dtype=np.int64))
+    key_flat = concat_ranges(first[anc], lq[anc])
+    key_off = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lk, out=key_off[1:])
+    if n and not np.array_equal(np.add.reduceat(lq[anc], anc_off[:-1]), lk):
+        raise ValueError("forest: ancestor segments do not cover each segment's fork prefix")
+
+    # Root segments (Lq == Lk) are grouped by exact length only: unpadded, they run with
+    # is_causal, which lets the kernels skip the upper triangle (half the rectangle).
+    root = fork == 0
+    bq = np.where(root, lq, _bins(lq, float(max_pad_ratio)))
+    bk = np.where(root, lk, _bins(lk, float(max_pad_ratio)))
+    order = np.lexsort((np.arange(n), bk, bq, root))
+    if n:
+        key = np.stack([root[order], bq[order], bk[order]], axis=1)
+        new = np.ones(n, dtype=bool)
+        new[1:] = np.any(key[1:] != key[:-1], axis=1)
+        starts = [*np.flatnonzero(new).tolist(), n]
+    else:
+        starts = [0]
+
+    buckets: list[AttentionBucket] = []
+    out_index = np.empty(c, dtype=np.int64)
+    base = 0
+    padded_work = 0
+    for g0, g1 in pairwise(starts):
+        group = order[g0:g1]
+        per = max(1, max_bucket_elements // int(lq[group].max() * lk[group].max()))
+        for c0 in range(0, group.shape[0], per):
+            segs = group[c0 : c0 + per]
+            nb = int(segs.shape[0])
+            sq, sk = lq[segs], lk[segs]
+            mq, mk = int(sq.max()), int(sk.max())
+            q_idx = first[segs, None] + np.minimum(np.arange(mq)[None, :], sq[:, None] - 1)
+            k_pos = key_off[segs, None] + np.minimum(np.arange(mk)[None, :], sk[:, None] - 1)
+            rows = concat_ranges(first[segs], sq)
+            out_index[rows] = base + concat_ranges(np.arange(nb, dtype=np.int64) * mq, sq)
+            buckets.append(
+                AttentionBucket(
+                    q_index=to_index(q_idx.reshape(-1), dev),
+                    k_index=to_index(key_flat[k_pos].reshape(-1), dev),
+                    q_len=to_index(sq, dev),
+                    k_len=to_index(sk, dev),
+                    nb=nb,
+                    lq=mq,
+                    lk=mk,
+                    uniform=bool((sq == mq).all() and (sk == mk).all()),
+                )
+            )
+            base += nb * mq
+            padded_work += nb * mq * mk
+    work = int((lq * fork + lq * (lq + 1) // 2).sum())
+    return TreeAttentionPlan(
+        num_rows=c,
+        buckets=tuple(buckets),
+        out_index=to_index(out_index, dev),
+        num_segments=n,
+        work=work,
+        rect_work=int((lq * lk).sum()),
+        padded_work=padded_work,
+        max_pad_ratio=float(max_pad_ratio),
+        device=dev,
+    )
+
+
+def _check_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, c: int
+) -> tuple[int, int, int, int]:
+    """Validate shapes; return ``(Hq, Hkv, Dqk, Dv)``."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name}: expected a [C, H, D] tensor, got {shape}")
+        if t.shape[0] != c:
+            raise ValueError(f"{name}: expected {c} rows (the plan's C), got {t.shape[0]}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name}: expected a floating-point tensor, got {t.dtype}")
+    hq, dqk = q.shape[1], q.shape[2]
+    hkv, dv = v.shape[1], v.shape[2]
+    if k.shape[1] != hkv:
+        raise ValueError(f"k: expected {hkv} heads like v, got {k.shape[1]}")
+    if k.shape[2] != dqk:
+        raise ValueError(f"k: expected head dim {dqk} like q, got {k.shape[2]}")
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"q: {hq} query heads is not a multiple of {hkv} key/value heads")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"k, v: dtypes {k.dtype}, {v.dtype} differ from q's {q.dtype}")
+    if gate is not None and tuple(gate.shape) != (c, hq, dv):
+        raise ValueError(f"gate: expected shape {(c, hq, dv)}, got {tuple(gate.shape)}")
+    return hq, hkv, dqk, dv
+
+
+def _bucket_mask(b: AttentionBucket, device: torch.device) -> tuple[torch.Tensor | None, bool]:
+    """``(attn_mask, is_causal)`` for one bucket: True = attend.
+
+    Member ``s``, query slot ``i``, key slot ``j``: ``j < Lk_s and j <= i + Lk_s - Lq_s``.
+    Padded query slots (``i >= Lq_s``) therefore see every valid key (never fully masked).
+    """
+    if b.uniform:
+        if b.lq == b.lk:
+            return None, True
+        return torch.ones(b.lq, b.lk, dtype=torch.bool, device=device).tril(b.lk - b.lq), False
+    qpos = torch.arange(b.lq, device=device).view(1, b.lq, 1)
+    kpos = torch.arange(b.lk, device=device).view(1, 1, b.lk)
+    k_len = b.k_len.view(-1, 1, 1)
+    shift = (b.k_len - b.q_len).view(-1, 1, 1)
+    mask = (kpos < k_len) & (kpos <= qpos + shift)
+    return mask.unsqueeze(1), False
+
+
+def tree_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: TreeAttentionPlan,
+    *,
+    scale: float | None = None,
+    gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal softmax attention where each compact row attends to its ancestors and itself.
+
+    Args:
+      q: ``[C, Hq, Dqk]`` queries in compact (preorder) row order.
+      k: ``[C, Hkv, Dqk]`` keys; ``Hq`` must be a multiple of ``Hkv`` (GQA: query head ``h``
+        uses key/value head ``h // (Hq // Hkv)``).
+      v: ``[C, Hkv, Dv]`` values; ``Dv`` may differ from ``Dqk`` (MLA).
+      plan: from :func:`build_attention_plan` on the same forest, on q's device.
+      scale: softmax scale, default ``1 / sqrt(Dqk)``.
+      gate: optional ``[C, Hq, Dv]`` pre-sigmoid output-gate logits: returns
+        ``o * sigmoid(gate)`` (Qwen3-Next).
+
+    Returns:
+      ``[C, Hq, Dv]`` in q's dtype and compact row order. Row ``r`` equals the trajectory-wise
+      causal attention output at every semantic position mapped to ``r``. Differentiable with
+      respect to q, k, v and gate (gathers are ``index_select``; backward by autograd). Supports
+      float64/float32/bfloat16/float16 on CPU and CUDA.
+    """
+    c = plan.num_rows
+    hq, hkv, dqk, dv = _check_qkv(q, k, v, gate, c)
+    if q.device != plan.device:
+        raise ValueError(f"plan: built for {plan.device}, but q is on {q.device}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(dqk)
+    if c == 0:
+        return q.new_zeros((0, hq, dv))
+    d = max(dqk, dv)
+    if dqk < d:
+        q = F.pad(q, (0, d - dqk))
+        k = F.pad(k, (0, d - dqk))
+    if dv < d:
+        v = F.pad(v, (0, d - dv))
+    gqa = hq != hkv
+    if gqa and not _HAS_ENABLE_GQA:  # pragma: no cover - torch < 2.5
+        k = k.repeat_interleave(hq // hkv, dim=1)
+        v = v.repeat_interleave(hq // hkv, dim=1)
+        hkv, gqa = hq, False
+    extra = {"enable_gqa": True} if gqa else {}
+    outs = []
+    for b in plan.buckets:
+        qb = q.index_select(0, b.q_index).view(b.nb, b.lq, hq, d).transpose(1, 2)
+        kb = k.index_select(0, b.k_index).view(b.nb, b.lk, hkv, d).transpose(1, 2)
+        vb = v.index_select(0, b.k_index).view(b.nb, b.lk, hkv, d).transpose(1, 2)
+        mask, causal = _bucket_mask(b, q.device)
+        ob = F.scaled_dot_product_attention(
+            qb, kb, vb, attn_mask=mask, is_causal=causal, scale=scale, **extra
+        )
+        outs.append(ob.transpose(1, 2).reshape(b.nb * b.lq, hq, d))
+    o = torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
+    o = o.index_select(0, plan.out_index)
+    if dv < d:
+        o = o[..., :dv]
+    if gate is not None:
+        o = o * torch.sigmoid(gate)
+    return o
+
+
+def tree_attention_dense_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    forest: Any,
+    *,
+    scale: float | None = None,
+    gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """TEST ORACLE ONLY — O(C²) time and memory. Same contract as :func:`tree_attention`.
+
+    Dense ``[C, C]`` ancestor-or-self mask from preorder subtree sizes
+    (``k <= q < k + subtree_size[k]``) and explicit ``softmax(q kᵀ · scale) v`` (no SDPA kernel;
+    softmax in float32 for half/bfloat16 inputs).
+    """
+    c = int(forest.num_compact_tokens)
+    hq, hkv, dqk, _dv = _check_qkv(q, k, v, gate, c)
+    if scale is None:
+        scale = 1.0 / math.sqrt(dqk)
+    rows = np.arange(c)
+    allowed = forest.is_ancestor_or_self(rows[None, :], rows[:, None])  # [query, key]
+    mask = torch.from_numpy(np.ascontiguousarray(allowed)).to(q.device)
+    rep = hq // hkv
+    qh = q.transpose(0, 1)
+    kh = k.repeat_interleave(rep, dim=1).transpose(0, 1)
+    vh = v.repeat_interleave(rep, dim=1).transpose(0, 1)
+    s = torch.matmul(qh, kh.transpose(-1, -2)) * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s if q.dtype == torch.float64 else s.float(), dim=-1).to(q.dtype)
+    o = torch.matmul(p, vh).transpose(0, 1)
+    if gate is not None:
+        o = o * torch.sigmoid(gate)
+    return o

@@ -1,0 +1,136 @@
+"""Chunkwise linear attention (KDA / GatedDeltaNet) over a forest's planned rounds.
+
+The :class:`~harts_verl.tree.LinearCallPlan` splits the compact rows into members of packed varlen
+calls. Rounds run in order; each is ONE packed kernel call over its members (replay rows first)
+with per-member initial states taken from boundary states kept by earlier rounds. Every member
+starts on an absolute chunk boundary, so each trajectory sees exactly the chunk partition of a
+trajectory-wise run (invariant 5). State handoffs are ordinary tensors in the autograd graph, so
+gradients flow from a branch back into its ancestors. Projections are never repeated: replay
+gathers the already computed q/k/v/g/beta rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from harts_verl.ops.linear_attention import chunk_delta_rule_varlen
+from harts_verl.tree import RolloutForest
+from harts_verl.tree.linear_plan import LinearCallPlan, plan_linear_calls
+
+
+@dataclass(frozen=True)
+class _RoundTensors:
+    token_rows: torch.Tensor  # [T] rows gathered for the call (replay then own rows per member)
+    out_pos: torch.Tensor  # [T_out] positions in the call whose output is kept
+    cu_seqlens: torch.Tensor  # [N + 1]
+    initial_slot: torch.Tensor  # [N] state slot or -1 (zeros)
+    has_initial: bool
+    save_src: torch.Tensor  # [M] into cat(chunk_states, final_state)
+    num_chunk_states: int  # chunk_offsets[-1] of the call
+    needs_chunk_states: bool
+
+
+@dataclass(frozen=True)
+class LinearLayout:
+    """Torch-side index tensors of a :class:`LinearCallPlan` (built once per microbatch)."""
+
+    plan: LinearCallPlan
+    chunk_size: int
+    rounds: tuple[_RoundTensors, ...]
+    inverse_rows: torch.Tensor  # [C]: position of each row in the concatenated round outputs
+
+
+def build_linear_layout(
+    forest: RolloutForest, *, chunk_size: int = 64, device: torch.device | str | None = None
+) -> LinearLayout:
+    """Plan the rounds of ``forest`` and move their index arrays to ``device``."""
+    plan = plan_linear_calls(forest, chunk_size=chunk_size)
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    rounds = []
+    out_rows = []
+    for ra in plan.arrays.rounds:
+        out_pos = ra.output_mask.nonzero()[0]
+        out_rows.append(ra.token_rows[out_pos])
+        rounds.append(
+            _RoundTensors(
+                token_rows=torch.as_tensor(ra.token_rows, device=dev),
+                out_pos=torch.as_tensor(out_pos, device=dev),
+                cu_seqlens=torch.as_tensor(ra.cu_seqlens, device=dev),
+                initial_slot=torch.as_tensor(ra.initial_slot, device=dev),
+                has_initial=bool((ra.initial_slot >= 0).any()),
+                save_src=torch.as_tensor(ra.save_src, device=dev),
+                num_chunk_states=int(ra.chunk_offsets[-1]),
+                needs_chunk_states=bool(ra.needs_chunk_states),
+            )
+        )
+    c = forest.num_compact_tokens
+    inverse = torch.empty(c, dtype=torch.int64)
+    if out_rows:
+        import numpy as np
+
+        rows = np.concatenate(out_rows)
+        if rows.shape[0] != c:
+            raise AssertionError(f"linear plan outputs {rows.shape[0]} rows, forest has {c}")
+        inverse[torch.as_tensor(rows)] = torch.arange(c, dtype=torch.int64)
+    return LinearLayout(plan, chunk_size, tuple(rounds), inverse.to(dev))
+
+
+def tree_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    layout: LinearLayout,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+    use_beta_sigmoid: bool = False,
+) -> torch.Tensor:
+    """Gated delta rule over all compact rows: q, k ``[C, H, K]``, v ``[C, HV, V]``, g
+    ``[C, HV, K]`` (KDA) or ``[C, HV]`` (GDN), beta ``[C, HV]`` → o ``[C, HV, V]``.
+
+    Equal to running every trajectory alone through :func:`chunk_delta_rule_varlen` with the
+    same ``chunk_size``, for every row; differentiable w.r.t. all inputs, including through the
+    boundary-state handoffs.
+    """
+    c = layout.inverse_rows.shape[0]
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if x.shape[0] != c:
+            raise ValueError(f"{name}: expected {c} rows in dim 0, got {x.shape[0]}")
+    saved: list[torch.Tensor] = []
+    outs: list[torch.Tensor] = []
+    for rt in layout.rounds:
+        idx = rt.token_rows
+        init = None
+        if rt.has_initial:
+            pool = torch.cat(saved, dim=0)
+            slot = rt.initial_slot
+            init = pool.index_select(0, slot.clamp(min=0))
+            init = torch.where((slot >= 0)[:, None, None, None], init, torch.zeros_like(init))
+        res = chunk_delta_rule_varlen(
+            q.index_select(0, idx),
+            k.index_select(0, idx),
+            v.index_select(0, idx),
+            g.index_select(0, idx),
+            beta.index_select(0, idx),
+            cu_seqlens=rt.cu_seqlens,
+            initial_state=init,
+            scale=scale,
+            chunk_size=layout.chunk_size,
+            use_qk_l2norm=use_qk_l2norm,
+            use_beta_sigmoid=use_beta_sigmoid,
+            output_chunk_states=rt.needs_chunk_states,
+        )
+        outs.append(res.o.index_select(0, rt.out_pos))
+        if rt.save_src.numel():
+            if rt.needs_chunk_states:
+                src = torch.cat([res.chunk_states.states, res.final_state], dim=0)
+                saved.append(src.index_select(0, rt.save_src))
+            else:
+                saved.append(res.final_state.index_select(0, rt.save_src - rt.num_chunk_states))
+    if not outs:
+        return v.new_zeros((0, *v.shape[1:]))
+    return torch.cat(outs, dim=0).index_select(0, layout.inverse_rows)

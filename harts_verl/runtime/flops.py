@@ -1,0 +1,135 @@
+"""Analytic FLOP model: expanded ÷ tree work of one forward/backward for a model and a forest.
+
+Counts matmul FLOPs (2·m·n·k) of the forward; backward is ~2× forward for every term, so the
+ratio of forward counts is the ratio of forward+backward. Terms:
+
+* per-token (row-wise) work: projections, FFN / active MoE experts, router, LM head — ∝ tokens
+  (expanded: S; tree: C);
+* softmax attention: per (query, key) pair 2·H·(Dqk + Dv) — pairs are Σ_i L_i(L_i+1)/2 expanded
+  and Σ_rows (depth + 1) in the tree;
+* chunkwise linear attention: per processed token HV·(2B(K+V) + 6KV) (intra-chunk matrices and
+  state reads/updates at chunk size B) — processed tokens are S expanded and C + replay in the
+  tree;
+* short convolutions: 2·W·channels per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from harts_verl.tree import RolloutForest
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Per-token and per-pair FLOP coefficients of a model (forward)."""
+
+    dense_per_token: float  # row-wise matmuls incl. LM head
+    attention_per_pair: float  # summed over softmax-attention layers
+    linear_per_token: float  # summed over linear-attention layers (chunk math)
+
+
+def native_model_shape(cfg: Any) -> ModelShape:
+    """Coefficients of a :class:`~harts_verl.models.HybridConfig`."""
+    d = cfg.hidden_size
+    dense = 2.0 * d * cfg.vocab_size  # LM head
+    attn = 0.0
+    lin = 0.0
+    for i, t in enumerate(cfg.layer_types):
+        if t in ("kda", "gdn"):
+            h, hv = cfg.linear_num_heads, cfg.linear_num_value_heads
+            k, v = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+            proj = d * (2 * h * k + hv * v) + d * hv * v + hv * v * d  # q,k,v + gate/z + out
+            if t == "kda":
+                proj += d * k + k * hv * k + d * hv + d * v + v * hv * v  # low-rank gates, beta
+            else:
+                proj += 2 * d * hv
+            dense += 2.0 * proj + 2.0 * cfg.conv_size * (2 * h * k + hv * v)
+            b = cfg.chunk_size
+            lin += hv * (2.0 * b * (k + v) + 6.0 * k * v)
+        elif t == "mla":
+            h = cfg.num_attention_heads
+            qd = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+            q = d * cfg.q_lora_rank + cfg.q_lora_rank * h * qd if cfg.q_lora_rank else d * h * qd
+            kv = d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+            kv += cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+            dense += 2.0 * (q + kv + h * cfg.v_head_dim * d)
+            attn += 2.0 * h * (qd + cfg.v_head_dim)
+        else:  # gqa
+            hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+            dense += 2.0 * (
+                d * hq * hd * (2 if cfg.attn_output_gate else 1) + 2 * d * hkv * hd + hq * hd * d
+            )
+            attn += 2.0 * hq * 2 * hd
+        if i in cfg.moe_layers and cfg.num_experts:
+            dense += 2.0 * d * cfg.num_experts
+            dense += 2.0 * 3 * d * cfg.moe_intermediate_size * cfg.num_experts_per_tok
+            if cfg.shared_expert_intermediate_size:
+                dense += 2.0 * (3 * d * cfg.shared_expert_intermediate_size + d)
+        else:
+            dense += 2.0 * 3 * d * cfg.intermediate_size
+    return ModelShape(dense, attn, lin)
+
+
+def qwen3_next_shape(cfg: Any) -> ModelShape:
+    """Coefficients of a transformers ``Qwen3NextConfig``."""
+    d = cfg.hidden_size
+    dense = 2.0 * d * cfg.vocab_size
+    attn = lin = 0.0
+    for i, t in enumerate(cfg.layer_types):
+        if t == "linear_attention":
+            hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+            k, v = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+            proj = d * (2 * hk * k + 2 * hv * v) + d * 2 * hv + hv * v * d
+            dense += 2.0 * proj + 2.0 * cfg.linear_conv_kernel_dim * (2 * hk * k + hv * v)
+            lin += hv * (2.0 * 64 * (k + v) + 6.0 * k * v)
+        else:
+            hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+            dense += 2.0 * (d * hq * hd * 2 + 2 * d * hkv * hd + hq * hd * d)
+            attn += 2.0 * hq * 2 * hd
+        moe = (
+            cfg.num_experts > 0
+            and (i + 1) % cfg.decoder_sparse_step == 0
+            and i not in cfg.mlp_only_layers
+        )
+        if moe:
+            dense += (
+                2.0 * d * cfg.num_experts
+                + 2.0 * 3 * d * cfg.moe_intermediate_size * cfg.num_experts_per_tok
+            )
+            dense += 2.0 * (3 * d * cfg.shared_expert_intermediate_size + d)
+        else:
+            dense += 2.0 * 3 * d * cfg.intermediate_size
+    return ModelShape(dense, attn, lin)
+
+
+def forward_flops(
+    shape: ModelShape, tokens: float, attention_pairs: float, linear_tokens: float
+) -> float:
+    return (
+        shape.dense_per_token * tokens
+        + shape.attention_per_pair * attention_pairs
+        + shape.linear_per_token * linear_tokens
+    )
+
+
+def ideal_flop_ratio(
+    shape: ModelShape, forest: RolloutForest, replay_tokens: int
+) -> dict[str, float]:
+    """Expanded and tree forward FLOPs of ``forest`` and their ratio (``ideal_flop_ratio``)."""
+    lengths = forest.lengths.astype(np.float64)
+    s = float(lengths.sum())
+    c = float(forest.num_compact_tokens)
+    pairs_exp = float((lengths * (lengths + 1) / 2).sum())
+    pairs_tree = float((forest.depth.astype(np.float64) + 1).sum())
+    f_exp = forward_flops(shape, s, pairs_exp, s)
+    f_tree = forward_flops(shape, c, pairs_tree, c + replay_tokens)
+    return {
+        "expanded_flops": f_exp,
+        "tree_flops": f_tree,
+        "ideal_flop_ratio": f_exp / f_tree if f_tree else 1.0,
+        "attention_pair_ratio": pairs_exp / pairs_tree if pairs_tree else 1.0,
+    }

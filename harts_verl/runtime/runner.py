@@ -1,0 +1,239 @@
+"""TreeRunner and ExpandedRunner: per-trajectory log-probs and forward/backward of an RL loss.
+
+Both runners share one code path; they differ only in the layout of a microbatch:
+``TreeRunner`` runs the token trie (each unique token once, in DFS preorder), ``ExpandedRunner``
+runs the trajectory-wise layout (trajectories packed varlen into microbatches of the same
+capacity, no padding) with the same ops and kernels. That makes the baseline honest and the
+comparison exact.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from harts_verl.ops.layout import TreeLayout
+from harts_verl.ops.logprobs import compact_log_probs
+from harts_verl.tree import RolloutForest
+
+LossFn = Callable[[list[torch.Tensor]], torch.Tensor]
+
+
+@dataclass
+class StepStats:
+    """What one call measured: sizes, microbatches, timing (seconds)."""
+
+    semantic_tokens: int = 0
+    compact_tokens: int = 0
+    microbatches: int = 0
+    planning_seconds: float = 0.0
+    compute_seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def compression(self) -> float:
+        return self.semantic_tokens / self.compact_tokens if self.compact_tokens else 1.0
+
+
+class _Runner:
+    tree_mode: bool = True
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        chunk_size: int = 64,
+        capacity_tokens: int | None = None,
+        recompute: bool = False,
+        rows_per_chunk: int = 4096,
+        device: torch.device | str | None = None,
+    ) -> None:
+        from harts_verl.models.adapter import as_tree_model
+
+        self.model = as_tree_model(model)
+        if not isinstance(chunk_size, int) or chunk_size <= 0:
+            raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
+        if capacity_tokens is not None and (
+            not isinstance(capacity_tokens, int) or capacity_tokens <= 0
+        ):
+            raise ValueError(
+                f"capacity_tokens: expected a positive int or None, got {capacity_tokens!r}"
+            )
+        self.chunk_size = chunk_size
+        self.capacity_tokens = capacity_tokens
+        self.recompute = bool(recompute)
+        self.rows_per_chunk = rows_per_chunk
+        if device is None:
+            device = next(self.model.parameters()).device
+        self.device = torch.device(device)
+        self.last_stats = StepStats()
+
+    # ------------------------------------------------------------ layout
+    def build_forest(self, sequences: Sequence[Any]) -> RolloutForest:
+        """The layout forest of ``sequences``: the trie (tree) or one chain each (expanded)."""
+        if self.tree_mode:
+            return RolloutForest.from_sequences(sequences)
+        return RolloutForest.expanded(sequences)
+
+    def plan(self, forest: RolloutForest) -> list[np.ndarray]:
+        """Trajectory index sets, one per microbatch (all trajectories if no capacity)."""
+        if self.capacity_tokens is None:
+            return [np.arange(forest.num_trajectories, dtype=np.int64)]
+        from harts_verl.tree.microbatch import plan_microbatches
+
+        plan = plan_microbatches(forest, capacity_tokens=self.capacity_tokens, allow_oversize=True)
+        return [mb.trajectories for mb in plan.microbatches if len(mb.trajectories)]
+
+    def _sub_forest(self, forest: RolloutForest, idx: np.ndarray) -> RolloutForest:
+        if idx.shape[0] == forest.num_trajectories and np.array_equal(idx, np.arange(idx.shape[0])):
+            return forest
+        if self.tree_mode:
+            return forest.subset(idx)
+        return RolloutForest.expanded([forest.tokens_of(int(i)) for i in idx])
+
+    def _forward_mb(
+        self, forest: RolloutForest, temperature: float, with_entropy: bool
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, torch.Tensor]:
+        layout = TreeLayout(forest, chunk_size=self.chunk_size, device=self.device)
+        self.model.gradient_checkpointing = self.recompute
+        hidden, aux = self.model(layout.token_ids, layout)
+        w = self.model.lm_head.weight
+        res = compact_log_probs(
+            hidden,
+            w,
+            forest,
+            lm_head_bias=self.model.lm_head.bias,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            rows_per_chunk=self.rows_per_chunk,
+        )
+        return res.log_probs, res.entropy, aux
+
+    # ------------------------------------------------------------ public API
+    def log_probs(
+        self, sequences: Sequence[Any], temperature: float = 1.0, with_entropy: bool = False
+    ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per trajectory a tensor of length L−1: ``log p(x[t+1] | x[≤t])`` (no gradient).
+        With ``with_entropy`` also the predictive entropies at the same positions."""
+        t0 = time.perf_counter()
+        forest = self.build_forest(sequences)
+        groups = self.plan(forest)
+        t1 = time.perf_counter()
+        out: list[torch.Tensor | None] = [None] * forest.num_trajectories
+        ent: list[torch.Tensor | None] = [None] * forest.num_trajectories
+        compact = 0
+        with torch.no_grad():
+            for idx in groups:
+                sub = self._sub_forest(forest, idx)
+                compact += sub.num_compact_tokens
+                lp, en, _ = self._forward_mb(sub, temperature, with_entropy)
+                for j, i in enumerate(idx.tolist()):
+                    out[i] = lp[j]
+                    if with_entropy:
+                        ent[i] = en[j]
+        self.last_stats = StepStats(
+            forest.num_semantic_tokens, compact, len(groups), t1 - t0, time.perf_counter() - t1
+        )
+        if with_entropy:
+            return out, ent  # type: ignore[return-value]
+        return out  # type: ignore[return-value]
+
+    def hidden_states(self, sequences: Sequence[Any]) -> list[torch.Tensor]:
+        """Final hidden states per trajectory (``[L_i, D]``, no gradient), restored from rows."""
+        forest = self.build_forest(sequences)
+        out: list[torch.Tensor | None] = [None] * forest.num_trajectories
+        with torch.no_grad():
+            for idx in self.plan(forest):
+                sub = self._sub_forest(forest, idx)
+                layout = TreeLayout(sub, chunk_size=self.chunk_size, device=self.device)
+                hidden, _ = self.model(layout.token_ids, layout)
+                for j, i in enumerate(idx.tolist()):
+                    out[i] = hidden.index_select(
+                        0, torch.as_tensor(sub.rows_of(j), device=hidden.device)
+                    )
+        return out  # type: ignore[return-value]
+
+    def forward_backward(
+        self,
+        sequences: Sequence[Any],
+        loss_fn: LossFn,
+        *,
+        temperature: float = 1.0,
+        include_aux_loss: bool = True,
+    ) -> dict[str, float]:
+        """Run forward and backward of ``loss_fn(per-trajectory log-probs)``; gradients
+        accumulate into the model's parameters.
+
+        One microbatch: a single forward/backward. Several microbatches: the loss may couple
+        trajectories across microbatches, so the log-probs of all microbatches are first computed
+        without graph, ``loss_fn`` is differentiated w.r.t. them, and each microbatch is then
+        re-run with graph and back-propagated with its trajectories' gradients (exact: the loss
+        gradient is linear in the per-trajectory log-prob gradients). The router auxiliary loss
+        of each microbatch enters with weight (its semantic tokens / all semantic tokens).
+        """
+        t0 = time.perf_counter()
+        forest = self.build_forest(sequences)
+        groups = self.plan(forest)
+        t1 = time.perf_counter()
+        n = forest.num_trajectories
+        s_total = max(forest.num_semantic_tokens, 1)
+        compact = 0
+        aux_total = 0.0
+        if len(groups) == 1:
+            sub = self._sub_forest(forest, groups[0])
+            compact = sub.num_compact_tokens
+            lp, _, aux = self._forward_mb(sub, temperature, False)
+            ordered: list[torch.Tensor | None] = [None] * n
+            for j, i in enumerate(groups[0].tolist()):
+                ordered[i] = lp[j]
+            loss = loss_fn(ordered)  # type: ignore[arg-type]
+            total = loss + aux if include_aux_loss else loss
+            total.backward()
+            loss_value, aux_total = float(loss.detach()), float(aux.detach())
+        else:
+            detached: list[torch.Tensor | None] = [None] * n
+            with torch.no_grad():
+                for idx in groups:
+                    lp, _, _ = self._forward_mb(self._sub_forest(forest, idx), temperature, False)
+                    for j, i in enumerate(idx.tolist()):
+                        detached[i] = lp[j].detach().requires_grad_(True)
+            loss = loss_fn(detached)  # type: ignore[arg-type]
+            grads = torch.autograd.grad(loss, detached, allow_unused=True)
+            for idx in groups:
+                sub = self._sub_forest(forest, idx)
+                compact += sub.num_compact_tokens
+                lp, _, aux = self._forward_mb(sub, temperature, False)
+                terms = [
+                    (lp[j] * grads[i]).sum()
+                    for j, i in enumerate(idx.tolist())
+                    if grads[i] is not None
+                ]
+                total = torch.stack(terms).sum() if terms else lp[0].sum() * 0
+                if include_aux_loss:
+                    w = sub.num_semantic_tokens / s_total
+                    total = total + aux * w
+                    aux_total += float(aux.detach()) * w
+                total.backward()
+            loss_value = float(loss.detach())
+        self.last_stats = StepStats(
+            forest.num_semantic_tokens, compact, len(groups), t1 - t0, time.perf_counter() - t1
+        )
+        return {"loss": loss_value, "aux_loss": aux_total, "microbatches": float(len(groups))}
+
+
+class TreeRunner(_Runner):
+    """Runs each microbatch as its token trie: every unique token once (HARTS)."""
+
+    tree_mode = True
+
+
+class ExpandedRunner(_Runner):
+    """The trajectory-wise baseline: same ops, same capacity, trajectories packed varlen."""
+
+    tree_mode = False

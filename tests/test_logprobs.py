@@ -1,0 +1,311 @@
+"""Compact log-probs/entropy: equal to the trajectory-wise log-softmax, never S×V (invariant 8)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import harts_verl.ops.logprobs as lp
+from harts_verl.ops.logprobs import (
+    compact_log_probs,
+    expanded_log_probs_ref,
+    label_rows,
+    semantic_to_row_index,
+)
+from harts_verl.tree.forest import RolloutForest
+
+V, D = 11, 5
+
+
+@st.composite
+def sequence_lists(draw: st.DrawFn, max_traj: int = 8, alphabet: int = 4) -> list[list[int]]:
+    """Trajectories built by extending, forking, copying and truncating earlier ones (several
+    roots, identical trajectories, prefixes of others, length-1 trajectories)."""
+    tok = st.integers(0, alphabet - 1)
+    seqs: list[list[int]] = []
+    for _ in range(draw(st.integers(1, max_traj))):
+        kind = draw(st.sampled_from(["new", "extend", "fork", "copy", "prefix"])) if seqs else "new"
+        if kind == "new":
+            seqs.append(draw(st.lists(tok, min_size=1, max_size=10)))
+            continue
+        base = seqs[draw(st.integers(0, len(seqs) - 1))]
+        if kind == "extend":
+            seqs.append(base + draw(st.lists(tok, min_size=1, max_size=6)))
+        elif kind == "fork":
+            cut = draw(st.integers(0, len(base)))
+            seqs.append(base[:cut] + draw(st.lists(tok, min_size=1, max_size=6)))
+        elif kind == "copy":
+            seqs.append(list(base))
+        else:
+            seqs.append(base[: draw(st.integers(1, len(base)))])
+    return seqs
+
+
+def _params(c: int, seed: int, dtype: torch.dtype = torch.float64, bias: bool = True):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(c, D, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, D, generator=g, dtype=torch.float64)
+    b = torch.randn(V, generator=g, dtype=torch.float64) if bias else None
+    cast = [
+        t.to(dtype).requires_grad_(True) if t is not None else None for t in (hidden, weight, b)
+    ]
+    return cast
+
+
+def _reference(forest, hidden, weight, bias, temperature, with_entropy):
+    """Trajectory-wise oracle over expanded hidden states (a gather of the row hidden states)."""
+    expanded = hidden[torch.from_numpy(forest.semantic_rows)]
+    logps, ents = [], []
+    for i in range(forest.num_trajectories):
+        s0, s1 = int(forest.row_offsets[i]), int(forest.row_offsets[i + 1])
+        labels = torch.from_numpy(forest.tokens_of(i)[1:])
+        lp_i, ent_i = expanded_log_probs_ref(
+            expanded[s0:s1],
+            weight,
+            labels,
+            lm_head_bias=bias,
+            temperature=temperature,
+            with_entropy=with_entropy,
+        )
+        logps.append(lp_i)
+        ents.append(ent_i)
+    return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
+
+
+def _max_abs(x: torch.Tensor) -> float:
+    return float(x.detach().abs().max()) if x.numel() else 0.0
+
+
+def _rel(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
+    if b is None:
+        assert a is None
+        return 0.0
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300)) if b.numel() else 0.0
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    seqs=sequence_lists(),
+    seed=st.integers(0, 2**31 - 1),
+    temperature=st.sampled_from([1.0, 0.7, 1.6]),
+    chunk=st.sampled_from([1, 3, 7, 4096]),
+    with_entropy=st.booleans(),
+    bias=st.booleans(),
+)
+def test_compact_equals_trajectory_wise_float64(
+    seqs: list[list[int]],
+    seed: int,
+    temperature: float,
+    chunk: int,
+    with_entropy: bool,
+    bias: bool,
+) -> None:
+    forest = RolloutForest.from_sequences(seqs)
+    hidden, weight, b = _params(forest.num_compact_tokens, seed, bias=bias)
+    out = compact_log_probs(
+        hidden,
+        weight,
+        forest,
+        lm_head_bias=b,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        rows_per_chunk=chunk,
+        output="flat",
+    )
+    ref_lp, ref_ent = _reference(forest, hidden, weight, b, temperature, with_entropy)
+    assert out.log_probs.dtype == torch.float64
+    assert out.log_probs.shape == (forest.num_semantic_tokens - forest.num_trajectories,)
+    assert out.offsets.tolist() == [0, *np.cumsum(forest.lengths - 1).tolist()]
+    assert _max_abs(out.log_probs - ref_lp) <= 1e-10
+    if with_entropy:
+        assert _max_abs(out.entropy - ref_ent) <= 1e-10
+    else:
+        assert out.entropy is None
+
+    # Gradients of an arbitrary loss over semantic positions (row gradient = sum over positions).
+    g = torch.Generator().manual_seed(seed + 1)
+    c1 = torch.randn(ref_lp.shape, generator=g, dtype=torch.float64)
+    c2 = torch.randn(ref_lp.shape, generator=g, dtype=torch.float64)
+    params = [p for p in (hidden, weight, b) if p is not None]
+
+    def loss(lp_: torch.Tensor, ent_: torch.Tensor | None) -> torch.Tensor:
+        total = (lp_ * c1).sum()
+        return total + (ent_ * c2).sum() if ent_ is not None else total
+
+    if ref_lp.numel() == 0:
+        return
+    grads = torch.autograd.grad(loss(out.log_probs, out.entropy), params)
+    grads_ref = torch.autograd.grad(loss(ref_lp, ref_ent), params)
+    for a, r in zip(grads, grads_ref):
+        assert _rel(a, r) <= 1e-9
+
+
+def test_nested_output_and_length_one() -> None:
+    seqs = [[3], [1, 2, 3, 4], [1, 2, 3, 4], [1, 2], [5], [1, 2, 6, 0]]
+    forest = RolloutForest.from_sequences(seqs)
+    hidden, weight, b = _params(forest.num_compact_tokens, 0)
+    nested = compact_log_probs(hidden, weight, forest, lm_head_bias=b, with_entropy=True)
+    flat = compact_log_probs(
+        hidden, weight, forest, lm_head_bias=b, with_entropy=True, output="flat"
+    )
+    assert [t.shape[0] for t in nested.log_probs] == [len(s) - 1 for s in seqs]
+    assert [t.shape[0] for t in nested.entropy] == [len(s) - 1 for s in seqs]
+    assert torch.equal(torch.cat(nested.log_probs), flat.log_probs)
+    assert torch.equal(torch.cat(nested.entropy), flat.entropy)
+    assert torch.equal(nested.offsets, flat.offsets)
+    # Identical trajectories get identical values; shared prefixes share values.
+    assert torch.equal(nested.log_probs[1], nested.log_probs[2])
+    assert torch.equal(nested.log_probs[1][:1], nested.log_probs[3])
+    # Accepts the [1, C, D] compact batch.
+    again = compact_log_probs(hidden[None], weight, forest, lm_head_bias=b, output="flat")
+    assert torch.equal(again.log_probs, flat.log_probs)
+
+
+def test_all_length_one_trajectories_have_zero_gradient() -> None:
+    forest = RolloutForest.from_sequences([[1], [2], [1]])
+    hidden, weight, _ = _params(forest.num_compact_tokens, 0, bias=False)
+    out = compact_log_probs(hidden, weight, forest, with_entropy=True, output="flat")
+    assert out.log_probs.shape == (0,) and out.entropy.shape == (0,)
+    assert out.offsets.tolist() == [0, 0, 0, 0]
+    (out.log_probs.sum() + out.entropy.sum()).backward()
+    assert hidden.grad is not None and float(hidden.grad.abs().max()) == 0.0
+
+
+def test_expanded_forest_gives_same_result() -> None:
+    seqs = [[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 2, 3, 4], [2, 7], [1, 2]]
+    tree = RolloutForest.from_sequences(seqs)
+    flat_layout = RolloutForest.expanded(seqs)
+    hidden, weight, b = _params(tree.num_compact_tokens, 5)
+    hid_exp = hidden.detach()[torch.from_numpy(tree.semantic_rows)]
+    a = compact_log_probs(hidden, weight, tree, lm_head_bias=b, with_entropy=True, output="flat")
+    e = compact_log_probs(
+        hid_exp, weight, flat_layout, lm_head_bias=b, with_entropy=True, output="flat"
+    )
+    torch.testing.assert_close(a.log_probs, e.log_probs, rtol=0, atol=1e-12)
+    torch.testing.assert_close(a.entropy, e.entropy, rtol=0, atol=1e-12)
+
+
+def test_label_rows_and_semantic_index() -> None:
+    seqs = [[1, 2, 3, 4], [1, 2, 3, 5, 6], [9], [1, 2, 3, 4], [2, 7]]
+    forest = RolloutForest.from_sequences(seqs)
+    pairs = label_rows(forest)
+    assert pairs.child_rows.shape[0] == forest.num_compact_tokens - forest.roots.shape[0]
+    assert np.array_equal(pairs.hidden_rows, forest.parent[pairs.child_rows])
+    assert np.array_equal(pairs.labels, forest.token_ids[pairs.child_rows])
+    idx = semantic_to_row_index(forest)
+    assert idx.shape == (forest.num_semantic_tokens - forest.num_trajectories,)
+    pos = 0
+    for i, s in enumerate(seqs):
+        rows = forest.rows_of(i)
+        for t in range(len(s) - 1):
+            child = idx[pos]
+            assert forest.parent[child] == rows[t]  # hidden row of (i, t)
+            assert forest.token_ids[child] == s[t + 1]  # label x_i[t+1]
+            pos += 1
+
+
+class _MaxNumel(TorchDispatchMode):
+    """Records the largest tensor produced by any aten op (forward and backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.max_numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.max_numel = max(self.max_numel, t.numel())
+        return out
+
+
+def test_vocab_work_is_chunked_and_once_per_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(0)
+    trunk = rng.integers(0, 50, 40).tolist()
+    seqs = [trunk + rng.integers(0, 50, int(n)).tolist() for n in rng.integers(1, 30, 24)]
+    seqs += [trunk[:10], trunk]  # prefix trajectories
+    forest = RolloutForest.from_sequences(seqs)
+    v, d, chunk = 512, 8, 4
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(forest.num_compact_tokens, d, generator=g).requires_grad_(True)
+    weight = (torch.randn(v, d, generator=g) * 0.1).requires_grad_(True)
+    bias = torch.zeros(v).requires_grad_(True)
+
+    calls: list[int] = []
+    real = lp._chunk_logits
+
+    def spy(h, w, b, out):
+        calls.append(h.shape[0])
+        return real(h, w, b, out)
+
+    monkeypatch.setattr(lp, "_chunk_logits", spy)
+    mode = _MaxNumel()
+    with mode:
+        out = compact_log_probs(
+            hidden,
+            weight,
+            forest,
+            lm_head_bias=bias,
+            with_entropy=True,
+            rows_per_chunk=chunk,
+            output="flat",
+        )
+        n_fwd = len(calls)
+        (out.log_probs.sum() + out.entropy.sum()).backward()
+    distinct_hidden = int((forest.num_children > 0).sum())
+    s_minus_n = forest.num_semantic_tokens - forest.num_trajectories
+    assert s_minus_n > 2 * distinct_hidden  # enough sharing to make the check meaningful
+    # Forward computes logits once per distinct hidden row; backward recomputes each once.
+    assert sum(calls[:n_fwd]) == distinct_hidden and sum(calls[n_fwd:]) == distinct_hidden
+    assert max(calls) <= chunk
+    # No op output is larger than a chunk of logits or the weight (gradient): never S×V/C×V.
+    assert mode.max_numel <= max(chunk * v, v * d)
+    assert forest.num_compact_tokens * v > max(chunk * v, v * d)
+    assert hidden.grad is not None and weight.grad is not None and bias.grad is not None
+
+
+def test_bf16_runs_and_is_close() -> None:
+    seqs = [[1, 2, 3, 4, 0], [1, 2, 3, 5, 6], [1, 2, 3, 4, 0, 7], [2, 7, 8]]
+    forest = RolloutForest.from_sequences(seqs)
+    h64, w64, b64 = _params(forest.num_compact_tokens, 3)
+    hb, wb, bb = (t.detach().to(torch.bfloat16).requires_grad_(True) for t in (h64, w64, b64))
+    out = compact_log_probs(
+        hb, wb, forest, lm_head_bias=bb, temperature=0.8, with_entropy=True, output="flat"
+    )
+    assert out.log_probs.dtype == torch.float32 and out.entropy.dtype == torch.float32
+    ref_lp, ref_ent = _reference(forest, hb, wb, bb, 0.8, True)  # same dtype policy
+    torch.testing.assert_close(out.log_probs, ref_lp, rtol=0, atol=2e-2)
+    torch.testing.assert_close(out.entropy, ref_ent, rtol=0, atol=2e-2)
+    ref64, _ = _reference(forest, h64, w64, b64, 0.8, False)
+    torch.testing.assert_close(out.log_probs.double(), ref64, rtol=0, atol=0.15)
+    (out.log_probs.sum() + out.entropy.sum()).backward()
+    assert hb.grad.dtype == torch.bfloat16 and wb.grad.dtype == torch.bfloat16
+    assert torch.isfinite(hb.grad.float()).all() and torch.isfinite(wb.grad.float()).all()
+
+
+def test_validation_errors() -> None:
+    forest = RolloutForest.from_sequences([[1, 2, 3], [1, 4]])
+    c = forest.num_compact_tokens
+    h, w, b = _params(c, 0)
+    with pytest.raises(ValueError, match="hidden"):
+        compact_log_probs(h[:-1], w, forest)
+    with pytest.raises(ValueError, match="lm_head_weight"):
+        compact_log_probs(h, w[:, :-1], forest)
+    with pytest.raises(ValueError, match="lm_head_weight"):
+        compact_log_probs(h, w.float(), forest)
+    with pytest.raises(ValueError, match="lm_head_bias"):
+        compact_log_probs(h, w, forest, lm_head_bias=b[:-1])
+    with pytest.raises(ValueError, match="forest"):
+        compact_log_probs(h, w[:3], forest)
+    with pytest.raises(ValueError, match="temperature"):
+        compact_log_probs(h, w, forest, temperature=0.0)
+    with pytest.raises(ValueError, match="rows_per_chunk"):
+        compact_log_probs(h, w, forest, rows_per_chunk=0)
+    with pytest.raises(ValueError, match="output"):
+        compact_log_probs(h, w, forest, output="padded")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="labels"):
+        expanded_log_probs_ref(h, w, torch.zeros(c, dtype=torch.int64))
