@@ -46,8 +46,8 @@ class BenchConfig:
     repeats: int = 3
     warmup: int = 1
     chunk_size: int = 64
-    capacity_tokens: int | None = None
-    recompute: bool = False
+    capacity_tokens: int | None = 16384
+    recompute: bool = True
     device: str = "cpu"
     plot: str | None = None
     progress: bool = True
@@ -65,13 +65,14 @@ def _select(sequences: list[np.ndarray], group_ids: np.ndarray, budget: int | No
 
 
 def _grpo_like_loss(lengths: list[int], seed: int):
-    """A policy-gradient style loss: Σ_i adv_i · Σ_t logp_i[t] / Σ tokens (fixed advantages)."""
+    """A policy-gradient style loss: Σ_i adv_i · Σ_t logp_i[t] / Σ tokens (fixed advantages;
+    separable over trajectories, ``None`` entries are skipped)."""
     g = torch.Generator().manual_seed(seed)
     adv = torch.randn(len(lengths), generator=g, dtype=torch.float64)
     total = float(max(sum(max(n - 1, 0) for n in lengths), 1))
 
     def loss_fn(log_probs: list[torch.Tensor]) -> torch.Tensor:
-        terms = [lp.sum() * float(adv[i]) for i, lp in enumerate(log_probs) if lp.numel()]
+        terms = [lp.sum() * float(adv[i]) for i, lp in enumerate(log_probs) if lp is not None and lp.numel()]
         return torch.stack(terms).sum() / total
 
     return loss_fn
@@ -150,7 +151,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
-            runner.forward_backward(seqs, loss_fn)
+            runner.forward_backward(seqs, loss_fn, separable=True)
             if device.type == "cuda":
                 torch.cuda.synchronize()
                 peak[name] = torch.cuda.max_memory_allocated() / 2**20

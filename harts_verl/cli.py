@@ -35,8 +35,18 @@ def _add_bench_args(p: argparse.ArgumentParser, *, repeats: int, warmup: int) ->
     p.add_argument("--repeats", type=int, default=repeats)
     p.add_argument("--warmup", type=int, default=warmup)
     p.add_argument("--chunk-size", type=int, default=d.chunk_size)
-    p.add_argument("--capacity", type=int, default=None, help="compact tokens per microbatch")
-    p.add_argument("--recompute", action="store_true", help="per-layer activation recomputation")
+    p.add_argument(
+        "--capacity",
+        type=int,
+        default=d.capacity_tokens,
+        help="tokens per microbatch (both runners; 0 = one microbatch)",
+    )
+    p.add_argument(
+        "--recompute",
+        action=argparse.BooleanOptionalAction,
+        default=d.recompute,
+        help="per-layer activation recomputation (both runners)",
+    )
     p.add_argument("--device", default=d.device)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--plot", default=None, help="write a PNG summary here")
@@ -78,13 +88,55 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         warmup=args.warmup,
         chunk_size=args.chunk_size,
-        capacity_tokens=args.capacity,
+        capacity_tokens=args.capacity or None,
         recompute=args.recompute,
         device=args.device,
         plot=args.plot,
         progress=not args.no_progress,
     )
     return main_json(cfg)
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from harts_verl.tree import RolloutForest
+    from harts_verl.tree.inspect import forest_statistics, plot_statistics
+
+    forest = RolloutForest.load(args.forest)
+    stats = forest_statistics(
+        forest,
+        chunk_size=args.chunk_size,
+        capacity_tokens=args.capacity or None,
+        dp_size=args.dp,
+        seed=args.seed,
+        work_slack=args.work_slack,
+    )
+    if args.plot:
+        plot_statistics(stats, args.plot, title=str(args.forest))
+        stats["plot"] = str(args.plot)
+    print(json.dumps(stats, indent=2))
+    return 0
+
+
+def _add_inspect(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "inspect",
+        help="forest statistics and planned microbatches (JSON), optional PNG",
+        description="Compression, depth and branching histograms, forks inside chunks, "
+        "planned microbatches and within-slot imbalance of a saved forest (.npz).",
+    )
+    p.add_argument("forest", help="a forest written by RolloutForest.save (.npz)")
+    p.add_argument("--capacity", type=int, default=None, help="compact tokens per microbatch")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
+    p.add_argument("--chunk-size", type=int, default=64, help="linear-attention chunk size")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--work-slack",
+        type=float,
+        default=0.0,
+        help="planner work_slack: extra compact tokens allowed for slot balance",
+    )
+    p.add_argument("--plot", default=None, help="write a multi-panel PNG here")
+    p.set_defaults(func=_cmd_inspect)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="tree vs expanded speed and fidelity (JSON)")
     _add_bench_args(bench, repeats=3, warmup=1)
     bench.set_defaults(func=_cmd_bench)
+    _add_inspect(sub)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

@@ -166,6 +166,7 @@ class _Runner:
         *,
         temperature: float = 1.0,
         include_aux_loss: bool = True,
+        separable: bool = False,
     ) -> dict[str, float]:
         """Run forward and backward of ``loss_fn(per-trajectory log-probs)``; gradients
         accumulate into the model's parameters.
@@ -176,6 +177,11 @@ class _Runner:
         re-run with graph and back-propagated with its trajectories' gradients (exact: the loss
         gradient is linear in the per-trajectory log-prob gradients). The router auxiliary loss
         of each microbatch enters with weight (its semantic tokens / all semantic tokens).
+
+        ``separable=True`` declares the loss a sum of per-trajectory terms (e.g. a token sum with
+        a fixed normalizer, as veRL's ``ppo_loss`` with global token counts): each microbatch then
+        runs forward/backward once, and ``loss_fn`` gets a list in which the trajectories of
+        other microbatches are ``None``; the returned loss is the sum over microbatches.
         """
         t0 = time.perf_counter()
         forest = self.build_forest(sequences)
@@ -185,7 +191,24 @@ class _Runner:
         s_total = max(forest.num_semantic_tokens, 1)
         compact = 0
         aux_total = 0.0
-        if len(groups) == 1:
+        if separable and len(groups) > 1:
+            loss_value = 0.0
+            for idx in groups:
+                sub = self._sub_forest(forest, idx)
+                compact += sub.num_compact_tokens
+                lp, _, aux = self._forward_mb(sub, temperature, False)
+                part: list[torch.Tensor | None] = [None] * n
+                for j, i in enumerate(idx.tolist()):
+                    part[i] = lp[j]
+                loss = loss_fn(part)  # type: ignore[arg-type]
+                total = loss
+                if include_aux_loss:
+                    w = sub.num_semantic_tokens / s_total
+                    total = total + aux * w
+                    aux_total += float(aux.detach()) * w
+                total.backward()
+                loss_value += float(loss.detach())
+        elif len(groups) == 1:
             sub = self._sub_forest(forest, groups[0])
             compact = sub.num_compact_tokens
             lp, _, aux = self._forward_mb(sub, temperature, False)

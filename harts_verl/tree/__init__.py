@@ -11,6 +11,7 @@ from harts_verl.tree.linear_plan import (
     MaterializedState,
     plan_linear_calls,
 )
+from harts_verl.tree.microbatch import Microbatch, MicrobatchPlan, plan_microbatches
 
 __all__ = [
     "InitialState",
@@ -20,8 +21,11 @@ __all__ = [
     "LinearMember",
     "LinearRoundArrays",
     "MaterializedState",
+    "Microbatch",
+    "MicrobatchPlan",
     "RolloutForest",
     "Segments",
     "Turn",
     "plan_linear_calls",
+    "plan_microbatches",
 ]

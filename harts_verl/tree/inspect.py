@@ -1,0 +1,249 @@
+"""Forest inspection: shape statistics, planned microbatches, and a readable PNG.
+
+:func:`forest_statistics` returns a JSON-ready dict (numpy only); :func:`plot_statistics`
+draws it with matplotlib (imported lazily, Agg backend). Used by ``harts-verl inspect``.
+
+Definitions:
+
+* **depth** of a trajectory: the number of segments on its root-to-end path (1 = no fork above
+  its end); the histogram counts trajectories per depth.
+* **branching**: the number of children of every branch row (a row with >= 2 children); the
+  histogram counts branch rows per child count. Roots are reported separately.
+* **forks inside a chunk**: a fork is a child segment (any segment with a parent); its fork
+  position is the depth of its first row. The fraction of forks whose position is not a multiple
+  of ``chunk_size`` is the fraction that needs replay in chunked linear attention.
+* **slot imbalance**: see :func:`harts_verl.tree.microbatch.slot_imbalance`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from harts_verl.tree.forest import RolloutForest
+from harts_verl.tree.microbatch import lower_bound_work, plan_microbatches
+
+__all__ = ["forest_statistics", "plot_statistics", "segment_depths"]
+
+
+def segment_depths(forest: RolloutForest) -> np.ndarray:
+    """Number of segments from the root down to and including each segment (roots: 1)."""
+    parent = forest.segments.parent_segment
+    has = parent >= 0
+    safe = np.maximum(parent, 0)
+    depth = np.ones(parent.shape[0], dtype=np.int64)
+    while True:  # one pass per level: at most the maximum depth passes
+        new = np.where(has, depth[safe] + 1, 1)
+        if np.array_equal(new, depth):
+            return depth
+        depth = new
+
+
+def _hist(values: np.ndarray) -> dict[str, int]:
+    if values.size == 0:
+        return {}
+    u, c = np.unique(values, return_counts=True)
+    return {str(int(a)): int(b) for a, b in zip(u, c)}
+
+
+def _quantiles(values: np.ndarray) -> dict[str, float]:
+    if values.size == 0:
+        return {}
+    qs = (0.0, 0.5, 0.9, 0.99, 1.0)
+    return {f"p{round(q * 100)}": float(np.quantile(values, q)) for q in qs}
+
+
+def forest_statistics(
+    forest: RolloutForest,
+    *,
+    chunk_size: int = 64,
+    capacity_tokens: int | None = None,
+    dp_size: int = 1,
+    seed: int = 0,
+    allow_oversize: bool = True,
+    **plan_options: Any,
+) -> dict[str, Any]:
+    """Statistics of ``forest`` as a JSON-ready dict; with ``capacity_tokens`` also the planned
+    microbatches (:func:`plan_microbatches`, oversize trajectories run alone by default).
+
+    Keys: ``summary`` (sizes, compression), ``trajectory_length`` (quantiles),
+    ``depth_histogram`` (segments per trajectory path), ``branching_histogram`` (children per
+    branch row), ``roots``, ``forks`` (count, inside-chunk fraction, fork-position quantiles),
+    and ``plan`` (summary, per-slot works and imbalance, P0 size, lower bound) when planned.
+    """
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size: expected an int >= 1, got {chunk_size!r}")
+    seg = forest.segments
+    n = forest.num_trajectories
+    depth = segment_depths(forest)
+    if n:
+        last_rows = forest.semantic_rows[forest.row_offsets[1:] - 1]
+        traj_depth = depth[forest.segment_of_row[last_rows]]
+    else:
+        traj_depth = np.zeros(0, np.int64)
+    branch = forest.num_children[forest.num_children >= 2]
+    forks = seg.fork_position[seg.parent_segment >= 0]
+    inside = forks % chunk_size != 0
+    out: dict[str, Any] = {
+        "summary": forest.summary(),
+        "trajectory_length": _quantiles(forest.lengths.astype(np.float64)),
+        "depth_histogram": _hist(traj_depth),
+        "branching_histogram": _hist(branch),
+        "roots": int(forest.roots.shape[0]),
+        "forks": {
+            "definition": "child segments; position = depth of the first row",
+            "count": int(forks.shape[0]),
+            "chunk_size": chunk_size,
+            "inside_chunk": int(inside.sum()),
+            "inside_chunk_fraction": float(inside.mean()) if forks.size else 0.0,
+            "position": _quantiles(forks.astype(np.float64)),
+            "replay_tokens": int((forks % chunk_size).sum()),
+        },
+    }
+    if capacity_tokens is not None:
+        plan = plan_microbatches(
+            forest,
+            capacity_tokens=capacity_tokens,
+            dp_size=dp_size,
+            seed=seed,
+            allow_oversize=allow_oversize,
+            **plan_options,
+        )
+        sw = plan.slot_work
+        imb = plan.slot_imbalance()
+        keep = forest.lengths <= capacity_tokens
+        out["plan"] = {
+            **plan.summary(),
+            "lower_bound_compact_tokens": lower_bound_work(
+                forest.subset(np.flatnonzero(keep)), capacity_tokens
+            )
+            + int(forest.lengths[~keep].sum()),
+            "expansion_vs_forest": plan.total_compact_tokens / max(forest.num_compact_tokens, 1),
+            "slot_work": sw.tolist(),
+            "slot_imbalance": [round(float(x), 6) for x in imb],
+            "replica_work": plan.replica_work.tolist(),
+            "natural_partition_compact_tokens": int(
+                sum(forest.subset(p).num_compact_tokens for p in plan.natural_partition)
+            ),
+        }
+    return out
+
+
+def plot_statistics(stats: dict[str, Any], path: str | os.PathLike[str], title: str = "") -> None:
+    """Write a multi-panel PNG of :func:`forest_statistics` output to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    plan = stats.get("plan")
+    fig, axes = plt.subplots(2, 3, figsize=(16, 9.5), constrained_layout=True)
+    s = stats["summary"]
+    fig.suptitle(
+        (title + "\n" if title else "")
+        + f"{s['trajectories']} trajectories · {s['semantic_tokens']:,} semantic → "
+        f"{s['compact_tokens']:,} compact tokens · compression {s['compression']:.2f}×",
+        fontsize=13,
+    )
+
+    def bars(ax: Any, hist: dict[str, int], xlabel: str, ylabel: str, ttl: str) -> None:
+        if not hist:
+            ax.text(0.5, 0.5, "none", ha="center", va="center", transform=ax.transAxes)
+        else:
+            xs = [int(k) for k in hist]
+            ax.bar(xs, list(hist.values()), color="#4C72B0", width=0.8)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(ttl)
+        ax.grid(axis="y", alpha=0.3)
+
+    # 1: sizes
+    ax = axes[0, 0]
+    labels = ["semantic", "compact"]
+    vals = [s["semantic_tokens"], s["compact_tokens"]]
+    if plan:
+        labels.append("planned")
+        vals.append(plan["total_compact_tokens"])
+    ax.bar(labels, vals, color=["#999999", "#4C72B0", "#DD8452"][: len(vals)])
+    for i, v in enumerate(vals):
+        ax.text(i, v, f"{v:,}", ha="center", va="bottom", fontsize=9)
+    ax.set_title("tokens: trajectory-wise vs compact vs planned microbatches")
+    ax.set_ylabel("tokens")
+    ax.grid(axis="y", alpha=0.3)
+
+    bars(
+        axes[0, 1],
+        stats["depth_histogram"],
+        "segments on the path (depth)",
+        "trajectories",
+        "depth histogram",
+    )
+    bars(
+        axes[0, 2],
+        stats["branching_histogram"],
+        "children of a branch row",
+        "branch rows",
+        f"branching histogram ({stats['roots']} roots)",
+    )
+
+    # 4: forks vs chunk boundaries
+    ax = axes[1, 0]
+    f = stats["forks"]
+    ax.bar(
+        ["on a chunk boundary", "inside a chunk"],
+        [f["count"] - f["inside_chunk"], f["inside_chunk"]],
+        color=["#55A868", "#C44E52"],
+    )
+    ax.set_title(
+        f"forks vs chunk size {f['chunk_size']}: {100 * f['inside_chunk_fraction']:.1f}% inside"
+    )
+    ax.set_ylabel("forks (child segments)")
+    ax.grid(axis="y", alpha=0.3)
+
+    # 5-6: plan
+    ax5, ax6 = axes[1, 1], axes[1, 2]
+    if plan:
+        sw = np.asarray(plan["slot_work"], dtype=np.float64)
+        slots, dp = sw.shape
+        width = 0.8 / max(dp, 1)
+        for r in range(dp):
+            ax5.bar(np.arange(slots) + (r - (dp - 1) / 2) * width, sw[:, r], width=width)
+        ax5.axhline(plan["capacity_tokens"], color="k", ls="--", lw=1, label="capacity")
+        ax5.set_xlabel("slot")
+        ax5.set_ylabel("compact tokens")
+        ax5.set_title(
+            f"{plan['microbatches']} microbatches on {dp} replicas × {slots} slots "
+            f"(bars = replicas)"
+        )
+        ax5.legend(loc="lower left", fontsize=8)
+        ax5.grid(axis="y", alpha=0.3)
+        imb = 100 * np.asarray(plan["slot_imbalance"])
+        ax6.bar(np.arange(imb.shape[0]), imb, color="#8172B2")
+        ax6.axhline(2.0, color="k", ls=":", lw=1, label="2%")
+        ax6.set_xlabel("slot")
+        ax6.set_ylabel("(max − mean) / max  [%]")
+        ax6.set_title(
+            f"within-slot imbalance: P50 {100 * plan['slot_imbalance_p50']:.1f}%, "
+            f"P95 {100 * plan['slot_imbalance_p95']:.1f}%"
+        )
+        ax6.legend(loc="upper left", fontsize=8)
+        ax6.grid(axis="y", alpha=0.3)
+        for ax in (ax5, ax6):
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    else:
+        for ax in (ax5, ax6):
+            ax.text(
+                0.5,
+                0.5,
+                "no plan (pass --capacity)",
+                ha="center",
+                va="center",
+                transform=ax.transAxes,
+            )
+            ax.set_axis_off()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

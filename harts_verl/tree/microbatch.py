@@ -1,0 +1,1324 @@
+"""Prefix-aware microbatch, DP-replica and slot planner (numpy only).
+
+**Work.** The work of a set of trajectories is the number of compact rows of their trie. In the
+forest's leaf order (lexicographic), a set sorted by leaf position costs
+``Σ len − Σ lcp(consecutive members)``, where the LCP of leaf positions ``a < b`` is
+``min(adjacent_lcp[a:b])`` (sparse-table range minimum, vectorized). A contiguous leaf range
+costs ``Σ len − Σ adjacent_lcp`` inside it, so cutting between two neighbours costs their LCP.
+
+**Candidates.** Partitions of the trajectories into microbatches of at most ``capacity_tokens``
+compact rows:
+
+* ``natural`` — the natural partition P0: split recursively at the lowest adjacent-LCP valley
+  (ties: the valley that best halves the work) until every part fits.
+* ``contiguous`` / ``contiguous-k{K}`` — exact contiguous-partition search: dynamic programming
+  over cut points minimising Σ cut LCPs (= minimum total work over all partitions into leaf-order
+  ranges), for free K and for fixed K (the fewest parts, and K rounded up to a multiple of
+  ``dp_size``).
+* ``tree-ffd`` / ``tree-bfd`` — bottom-up packing over the LCP-interval tree (the trie's branch
+  points): at a branch point of depth ``d`` the pieces coming from its children are bin-packed
+  with size = work beyond ``d`` and room = ``capacity − d`` (first/best fit decreasing, then a
+  bounded branch-and-bound for fewer bins), so merges happen at the deepest shared prefix first.
+* ``greedy-leaf`` / ``greedy-reverse`` — one pass in leaf order (or reversed): each trajectory
+  joins the feasible microbatch with the smallest marginal work ``len − LCP`` (ties: the
+  fullest), or opens a new one.
+
+**Lower bound.** :func:`lower_bound_work`: a microbatch touching a branch point of depth ``d``
+holds at most ``capacity − d`` rows below it, so at least ``⌈below / (capacity − d)⌉``
+microbatches pay that branch point's rows. Candidate generation (in the order above, aligned
+K after the tree family) and the improvement stop as soon as a plan reaches the bound.
+
+**Improvement** (the best candidate and the best one of another family): a local search over
+*piece moves* — a piece is a node of a microbatch's own LCP-interval tree (one trajectory, a
+subtree, or the whole microbatch, which makes the move a merge) — moved to the microbatch where
+the exact change of total work is most negative; and *eliminations* — the smallest microbatches
+are dissolved, piece by piece (splitting a piece at its lowest valley when it fits nowhere),
+when that lowers total work. Deltas are exact (nearest members in leaf order, LCPs from a dense
+matrix up to 2,500 trajectories, a sparse table above). ``restarts > 0`` adds seeded
+perturb-and-improve rounds.
+
+**Balance and placement** (``dp_size > 1``). From the best plans, piece moves that keep total
+work equal are applied when they lower the slot-critical work (then the squared idle time
+inside slots); K is aligned to a multiple of ``dp_size`` by offering empty microbatches to these
+moves (a piece that shares no prefix with the rest of its microbatch moves for free). Placement: works sorted decreasingly
+are cut into consecutive groups of ``dp_size`` (padded with empty microbatches so every replica
+gets the same number of slots) — this minimises Σ over slots of the slot's largest work for the
+given works; inside a slot the largest microbatch goes to the replica with the least cumulative
+work (LPT).
+
+**Choice.** Candidates are compared lexicographically by (total compact work, slot-critical work,
+max replica work, number of microbatches); ties keep the earlier candidate. With
+``work_slack=ε > 0`` (default 0) the first key is relaxed: any plan within ``(1 + ε)`` of the
+least total work is compared on slot-critical work first, and balance moves may spend work up
+to that bound. Everything is a deterministic function of the forest, the capacity,
+``dp_size``, the options and ``seed`` (no wall-clock limits).
+
+**Within-slot imbalance** (:meth:`MicrobatchPlan.slot_imbalance`): for each slot,
+``(max − mean) / max`` of the ``dp_size`` replicas' microbatch works in that slot (empty
+microbatches count as 0; a slot with only empty microbatches has imbalance 0) — the fraction of
+the slot's replica-time spent waiting for the slowest replica.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from harts_verl.tree._rangemin import RangeMin
+from harts_verl.tree.forest import RolloutForest
+
+__all__ = [
+    "IntervalTree",
+    "Microbatch",
+    "MicrobatchPlan",
+    "compact_work",
+    "lcp_interval_tree",
+    "lower_bound_work",
+    "natural_partition",
+    "optimal_contiguous_partition",
+    "place_microbatches",
+    "plan_microbatches",
+    "slot_imbalance",
+]
+
+_INF = np.int64(1) << 62
+_DENSE_LCP_MAX = 2500  # below this many trajectories, keep the full LCP matrix
+_BAL_GROUPS, _BAL_SOURCES, _BAL_CANDS = 16, 8, 16  # balance search breadth
+
+_DEFAULT_OPTIONS: dict[str, Any] = {
+    "allow_oversize": False,
+    "strategies": None,  # None = all families; else an iterable of family names
+    "improve": True,  # piece-move local search + eliminations
+    "balance": True,  # zero-cost balance moves
+    "work_slack": 0.0,
+    "restarts": 0,
+    "effort": 1.0,  # scales the local-search move budgets
+    "max_layers_work": 4_000_000,  # bound on K·n (memory) for the fixed-K contiguous DP
+}
+_FAMILIES = ("natural", "contiguous", "tree", "greedy")
+
+
+# ============================================================================ results
+@dataclass(frozen=True)
+class Microbatch:
+    """One microbatch: ``trajectories`` (int64 trajectory indices in leaf order; empty for a
+    padding microbatch), its ``compact_tokens`` (rows of their trie), and where it runs:
+    DP ``replica`` and synchronized ``slot``."""
+
+    trajectories: np.ndarray
+    compact_tokens: int
+    replica: int
+    slot: int
+
+
+@dataclass(frozen=True)
+class MicrobatchPlan:
+    """A microbatch / DP-replica / slot plan.
+
+    Guarantees: every trajectory is in exactly one microbatch; every microbatch has at most
+    ``capacity_tokens`` compact rows (except a lone oversize trajectory with
+    ``allow_oversize=True``); every replica has exactly ``num_slots`` microbatches (padding ones
+    are empty), one per slot; ``microbatches`` is ordered by (slot, replica).
+
+    ``total_compact_tokens`` = Σ microbatch works; ``slot_critical_work`` = Σ over slots of the
+    largest work in the slot; ``replica_work`` (int64 per replica) = Σ of its microbatch works;
+    ``natural_partition`` = P0 (tuple of trajectory-index arrays); ``strategy`` = winning
+    candidate; ``candidates`` = name → ``(total, slot_critical, max_replica, microbatches)``.
+    """
+
+    microbatches: tuple[Microbatch, ...]
+    num_slots: int
+    dp_size: int
+    capacity_tokens: int
+    total_compact_tokens: int
+    slot_critical_work: int
+    replica_work: np.ndarray
+    natural_partition: tuple[np.ndarray, ...]
+    planning_seconds: float
+    strategy: str = ""
+    candidates: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
+
+    @property
+    def num_microbatches(self) -> int:
+        """Non-empty microbatches."""
+        return sum(1 for mb in self.microbatches if mb.trajectories.size)
+
+    @property
+    def slot_work(self) -> np.ndarray:
+        """int64 ``[num_slots, dp_size]``: work of each replica's microbatch in each slot."""
+        out = np.zeros((self.num_slots, self.dp_size), dtype=np.int64)
+        for mb in self.microbatches:
+            out[mb.slot, mb.replica] = mb.compact_tokens
+        return out
+
+    def slot_imbalance(self) -> np.ndarray:
+        """Per slot ``(max − mean) / max`` over the replicas' works (0 for an all-empty slot)."""
+        return slot_imbalance(self.slot_work)
+
+    def assignment(self, num_trajectories: int | None = None) -> np.ndarray:
+        """Index into ``microbatches`` of each trajectory's microbatch."""
+        n = num_trajectories
+        if n is None:
+            n = sum(int(mb.trajectories.size) for mb in self.microbatches)
+        out = np.full(n, -1, dtype=np.int64)
+        for k, mb in enumerate(self.microbatches):
+            out[mb.trajectories] = k
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-ready figures of the plan."""
+        imb = self.slot_imbalance()
+        rw = self.replica_work
+        return {
+            "microbatches": self.num_microbatches,
+            "slots": self.num_slots,
+            "dp_size": self.dp_size,
+            "capacity_tokens": self.capacity_tokens,
+            "total_compact_tokens": self.total_compact_tokens,
+            "slot_critical_work": self.slot_critical_work,
+            "max_replica_work": int(rw.max(initial=0)),
+            "replica_imbalance": _imb(rw),
+            "slot_imbalance_p50": float(np.percentile(imb, 50)) if imb.size else 0.0,
+            "slot_imbalance_p95": float(np.percentile(imb, 95)) if imb.size else 0.0,
+            "slot_imbalance_max": float(imb.max(initial=0.0)),
+            "natural_partition_parts": len(self.natural_partition),
+            "strategy": self.strategy,
+            "planning_seconds": self.planning_seconds,
+        }
+
+
+def _imb(x: np.ndarray) -> float:
+    m = float(np.max(x, initial=0))
+    return (m - float(np.mean(x))) / m if m > 0 else 0.0
+
+
+def slot_imbalance(slot_work: np.ndarray) -> np.ndarray:
+    """``(max − mean) / max`` of each row of ``slot_work`` ([slots, replicas]); 0 where max = 0."""
+    w = np.asarray(slot_work, dtype=np.float64)
+    if w.ndim != 2 or w.shape[0] == 0:
+        return np.zeros(0)
+    mx = w.max(axis=1)
+    return np.where(mx > 0, (mx - w.mean(axis=1)) / np.where(mx > 0, mx, 1.0), 0.0)
+
+
+# ============================================================================ leaf-order costs
+class _Leaves:
+    """Trajectories in leaf order (positions 0..n-1) with the work oracle."""
+
+    def __init__(self, traj: np.ndarray, lens: np.ndarray, adj: np.ndarray) -> None:
+        self.traj = traj
+        self.lens = lens
+        self.adj = adj
+        self.n = n = int(lens.shape[0])
+        self.rmq = RangeMin(adj)
+        cl = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(lens, out=cl[1:])
+        ca = np.zeros(n + 1, dtype=np.int64)
+        if n > 1:
+            np.cumsum(adj, out=ca[1:n])
+        if n:
+            ca[n] = ca[n - 1]
+        # work of the range [i, j) = h[j] − g[i]; g is nondecreasing (adj <= len).
+        self.g = cl - ca
+        self.h = np.zeros(n + 1, dtype=np.int64)
+        if n:
+            self.h[1:] = cl[1:] - ca[:n]
+        # Dense LCP matrix for small n, padded with a zero row/column at index n (= -1), so
+        # "no such member" (-1 or n) reads as LCP 0.
+        self.mat: np.ndarray | None = None
+        if 0 < n <= _DENSE_LCP_MAX:
+            dt = np.int32 if int(lens.max()) < 2**31 else np.int64
+            mat = np.zeros((n + 1, n + 1), dtype=dt)
+            mat[np.arange(n), np.arange(n)] = lens
+            for a in range(n - 1):
+                row = np.minimum.accumulate(adj[a:])
+                mat[a, a + 1 : n] = row
+                mat[a + 1 : n, a] = row
+            self.mat = mat
+
+    @classmethod
+    def of(cls, forest: RolloutForest, keep: np.ndarray | None = None) -> _Leaves:
+        """Leaf-order view of ``forest`` restricted to the trajectories with ``keep`` true."""
+        order = np.asarray(forest.leaf_order, dtype=np.int64)
+        lens = np.asarray(forest.lengths, dtype=np.int64)[order]
+        adj = np.asarray(forest.adjacent_lcp, dtype=np.int64)
+        if keep is None or bool(keep[order].all()):
+            return cls(order, lens, adj)
+        pos = np.flatnonzero(keep[order])
+        sub_adj = RangeMin(adj).query(pos[:-1], pos[1:]) if pos.size > 1 else np.zeros(0, np.int64)
+        return cls(order[pos], lens[pos], sub_adj)
+
+    def range_work(self, a: int, b: int) -> int:
+        return int(self.h[b] - self.g[a])
+
+    def lcp(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """LCP of leaf positions ``a <= b`` elementwise (length of the trajectory if equal)."""
+        a = np.asarray(a, dtype=np.int64)
+        b = np.asarray(b, dtype=np.int64)
+        same = a == b
+        if not same.any():
+            return self.rmq.query(a, b)
+        out = self.lens[a].copy()
+        if (~same).any():
+            out[~same] = self.rmq.query(a[~same], b[~same])
+        return out
+
+    def pair_lcp(self, a: np.ndarray | int, b: np.ndarray | int) -> np.ndarray:
+        """LCP of positions a and b in any order, elementwise; -1 or n in either means "none"
+        and gives 0."""
+        if self.mat is not None:
+            return self.mat[a, b].astype(np.int64)
+        n = self.n
+        a, b = np.broadcast_arrays(np.asarray(a, np.int64), np.asarray(b, np.int64))
+        lo, hi = np.minimum(a, b), np.maximum(a, b)
+        out = np.zeros(lo.shape, dtype=np.int64)
+        ok = (lo >= 0) & (hi < n)
+        same = ok & (lo == hi)
+        out[same] = self.lens[lo[same]]
+        dif = ok & (lo != hi)
+        if dif.any():
+            out[dif] = self.rmq.query(lo[dif], hi[dif])
+        return out
+
+    def consec(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """LCP of positions ``a < b`` elementwise."""
+        if self.mat is not None:
+            return self.mat[a, b].astype(np.int64)
+        return self.rmq.query(a, b)
+
+    def set_work(self, pos: np.ndarray) -> int:
+        """Work of a set of positions sorted ascending (no duplicates)."""
+        if pos.size == 0:
+            return 0
+        w = int(self.lens[pos].sum())
+        if pos.size > 1:
+            w -= int(self.consec(pos[:-1], pos[1:]).sum())
+        return w
+
+    def works(self, labels: np.ndarray, k: int) -> np.ndarray:
+        """Works of the bins of a labelling (bins 0..k-1, positions in leaf order)."""
+        order = np.argsort(labels, kind="stable")
+        lab = labels[order]
+        w = np.bincount(labels, weights=self.lens, minlength=k)
+        same = lab[:-1] == lab[1:]
+        if same.any():
+            lc = self.consec(order[:-1][same], order[1:][same])
+            w -= np.bincount(lab[:-1][same], weights=lc, minlength=k)
+        return np.rint(w).astype(np.int64)
+
+    def lo_window(self, cap: int) -> np.ndarray:
+        """lo[j] = smallest i with work(i, j) <= cap, for j = 0..n."""
+        return np.searchsorted(self.g, self.h - cap, side="left").astype(np.int64)
+
+
+def _labels_from_bins(bins: Sequence[np.ndarray], n: int) -> np.ndarray:
+    label = np.full(n, -1, dtype=np.int64)
+    for b, mem in enumerate(bins):
+        label[mem] = b
+    return label
+
+
+def _canonical(label: np.ndarray) -> tuple[np.ndarray, int]:
+    """Relabel bins 0..k-1 by first member (drops empty bins)."""
+    if label.size == 0:
+        return label.copy(), 0
+    _, first = np.unique(label, return_index=True)
+    ranks = np.argsort(np.argsort(first))
+    uniq = np.unique(label)
+    remap = np.empty(int(uniq.max()) + 1, dtype=np.int64)
+    remap[uniq] = ranks
+    return remap[label], int(uniq.size)
+
+
+# ============================================================================ natural partition
+def _natural(lv: _Leaves, cap: int) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    stack = [(0, lv.n)] if lv.n else []
+    while stack:
+        a, b = stack.pop()
+        if b - a == 1 or lv.range_work(a, b) <= cap:
+            out.append((a, b))
+            continue
+        seg = lv.adj[a : b - 1]
+        cuts = np.flatnonzero(seg == seg.min()) + a + 1  # boundary c: [a, c) | [c, b)
+        left = lv.h[cuts] - lv.g[a]
+        right = lv.h[b] - lv.g[cuts]
+        c = int(cuts[np.argmin(np.abs(left - right))])
+        stack.append((c, b))
+        stack.append((a, c))
+    return out
+
+
+def _ranges_to_labels(parts: list[tuple[int, int]], n: int) -> np.ndarray:
+    label = np.empty(n, dtype=np.int64)
+    for k, (a, b) in enumerate(parts):
+        label[a:b] = k
+    return label
+
+
+# ============================================================================ contiguous DP
+def _contiguous_free(lv: _Leaves, cap: int) -> list[tuple[int, int]]:
+    """Minimum Σ cut LCP over all contiguous partitions (ties: fewer parts)."""
+    n = lv.n
+    if n == 0:
+        return []
+    lo = lv.lo_window(cap).tolist()
+    # key = cost·(n+1) + parts is additive, so a monotone-deque window minimum applies.
+    cut_key = [1, *(lv.adj * (n + 1) + 1).tolist()]
+    f = [0] * (n + 1)
+    arg = [0] * (n + 1)
+    dq: list[int] = []
+    vals: list[int] = []
+    head = 0
+    for j in range(1, n + 1):
+        i_new = j - 1
+        v = f[i_new] + cut_key[i_new]
+        while len(dq) > head and vals[-1] >= v:
+            dq.pop()
+            vals.pop()
+        dq.append(i_new)
+        vals.append(v)
+        lj = lo[j]
+        while dq[head] < lj:
+            head += 1
+        arg[j] = dq[head]
+        f[j] = vals[head]
+    parts: list[tuple[int, int]] = []
+    j = n
+    while j > 0:
+        parts.append((arg[j], j))
+        j = arg[j]
+    parts.reverse()
+    return parts
+
+
+def _min_parts(lv: _Leaves, cap: int) -> int:
+    """Fewest contiguous parts (greedy from the right is optimal for ranges)."""
+    k, j = 0, lv.n
+    lo = lv.lo_window(cap)
+    while j > 0:
+        j = int(lo[j])
+        k += 1
+    return k
+
+
+def _contiguous_k(lv: _Leaves, cap: int, ks: Sequence[int]) -> dict[int, list[tuple[int, int]]]:
+    """Minimum Σ cut LCP over contiguous partitions into exactly K parts for each K in ``ks``
+    (layered DP with a windowed range minimum per layer). Equal-cost backtrack choices prefer
+    parts whose work is closest to the remaining average."""
+    n = lv.n
+    out: dict[int, list[tuple[int, int]]] = {}
+    ks = sorted({int(k) for k in ks if 1 <= k <= n})
+    if not ks:
+        return out
+    lo = lv.lo_window(cap)
+    jj = np.arange(1, n + 1, dtype=np.int64)
+    valid = lo[1:] < jj
+    cut = np.zeros(n + 1, dtype=np.int64)
+    cut[1:n] = lv.adj
+    layers = [np.full(n + 1, _INF, dtype=np.int64)]
+    layers[0][0] = 0
+    for _k in range(ks[-1]):
+        prev = layers[-1]
+        g = np.where(prev >= _INF, _INF, prev + cut)
+        f = np.full(n + 1, _INF, dtype=np.int64)
+        f[1:][valid] = RangeMin(g).query(lo[1:][valid], jj[valid])
+        layers.append(f)
+    for k in ks:
+        if layers[k][n] >= _INF:
+            continue
+        parts: list[tuple[int, int]] = []
+        j, target = n, int(layers[k][n])
+        for kk in range(k, 0, -1):
+            cand = np.arange(int(lo[j]), j, dtype=np.int64)
+            prev = layers[kk - 1][cand]
+            ok = cand[(prev < _INF) & (prev + cut[cand] == target)]
+            avg = (lv.h[j] - lv.g[0]) / kk
+            i = int(ok[np.argmin(np.abs(lv.h[j] - lv.g[ok] - avg))])
+            parts.append((i, j))
+            target = int(layers[kk - 1][i])
+            j = i
+        parts.reverse()
+        out[k] = parts
+    return out
+
+
+# ============================================================================ bin packing
+def _pack_sizes(sizes: list[int], room: int, best_fit: bool, node_limit: int) -> list[int]:
+    """Bin label per item: first/best fit decreasing, then a bounded branch-and-bound for
+    fewer bins when FFD is above the lower bound."""
+    m = len(sizes)
+    order = sorted(range(m), key=lambda t: (-sizes[t], t))
+    loads: list[int] = []
+    label = [0] * m
+    for t in order:
+        e = sizes[t]
+        chosen = -1
+        if best_fit:
+            best = room + 1
+            for b, ld in enumerate(loads):
+                r = room - ld - e
+                if 0 <= r < best:
+                    best, chosen = r, b
+        else:
+            for b, ld in enumerate(loads):
+                if ld + e <= room:
+                    chosen = b
+                    break
+        if chosen < 0:
+            loads.append(e)
+            label[t] = len(loads) - 1
+        else:
+            loads[chosen] += e
+            label[t] = chosen
+    total = sum(sizes)
+    big = sum(1 for s in sizes if 2 * s > room)
+    lb = max(-(-total // room) if room > 0 else len(loads), big, 1)
+    if len(loads) <= lb or node_limit <= 0 or m > 64:
+        return label
+    # Branch and bound over items in decreasing size; bins with equal loads are symmetric.
+    s_sorted = [sizes[t] for t in order]
+    suffix = [0] * (m + 1)
+    for i in range(m - 1, -1, -1):
+        suffix[i] = suffix[i + 1] + s_sorted[i]
+    best_count = len(loads)
+    best_assign: list[int] | None = None
+    cur_loads: list[int] = []
+    assign = [0] * m
+    nodes = 0
+
+    def dfs(i: int) -> bool:
+        nonlocal best_count, best_assign, nodes
+        nodes += 1
+        if nodes > node_limit:
+            return True
+        if i == m:
+            if len(cur_loads) < best_count:
+                best_count = len(cur_loads)
+                best_assign = assign.copy()
+            return best_count <= lb
+        free = sum(room - ld for ld in cur_loads)
+        need = len(cur_loads) + max(0, -(-(suffix[i] - free) // room))
+        if need >= best_count:
+            return False
+        e = s_sorted[i]
+        tried: set[int] = set()
+        for b, ld in enumerate(cur_loads):
+            if ld + e <= room and ld not in tried:
+                tried.add(ld)
+                cur_loads[b] += e
+                assign[i] = b
+                if dfs(i + 1):
+                    return True
+                cur_loads[b] -= e
+        if len(cur_loads) + 1 < best_count:
+            cur_loads.append(e)
+            assign[i] = len(cur_loads) - 1
+            if dfs(i + 1):
+                return True
+            cur_loads.pop()
+        return False
+
+    dfs(0)
+    if best_assign is None:
+        return label
+    out = [0] * m
+    for i, t in enumerate(order):
+        out[t] = best_assign[i]
+    return out
+
+
+def _tree_pack(lv: _Leaves, cap: int, best_fit: bool, node_limit: int) -> np.ndarray:
+    """Bottom-up packing over the LCP-interval tree; returns a bin label per position."""
+    n = lv.n
+    adj = lv.adj.tolist()
+    lens = lv.lens.tolist()
+    stack_d: list[int] = []
+    stack_items: list[list[tuple[int, list[int]]]] = []
+
+    def pack(items: list[tuple[int, list[int]]], d: int) -> list[tuple[int, list[int]]]:
+        if len(items) == 1:
+            return items
+        lab = _pack_sizes([w - d for w, _ in items], cap - d, best_fit, node_limit)
+        k = max(lab) + 1
+        works = [d] * k
+        members: list[list[int]] = [[] for _ in range(k)]
+        for (w, pos), b in zip(items, lab):
+            works[b] += w - d
+            members[b].extend(pos)
+        return list(zip(works, members))
+
+    for p in range(n):
+        carry: list[tuple[int, list[int]]] = [(lens[p], [p])]
+        lval = adj[p] if p < n - 1 else 0
+        while stack_d and stack_d[-1] > lval:
+            d = stack_d.pop()
+            items = stack_items.pop()
+            items.extend(carry)
+            carry = pack(items, d)
+        if stack_d and stack_d[-1] == lval:
+            stack_items[-1].extend(carry)
+        else:
+            stack_d.append(lval)
+            stack_items.append(carry)
+    final: list[tuple[int, list[int]]] = []
+    while stack_d:
+        d = stack_d.pop()
+        final = pack(stack_items.pop() + final, d)
+    label = np.empty(n, dtype=np.int64)
+    for b, (_, mem) in enumerate(final):
+        label[mem] = b
+    return label
+
+
+def _greedy_leaf(lv: _Leaves, cap: int, reverse: bool) -> np.ndarray:
+    """One pass in leaf order (or reversed): join the feasible bin with the smallest marginal
+    work (its nearest member is its last one), ties: fullest, then lowest index."""
+    n = lv.n
+    label = np.empty(n, dtype=np.int64)
+    last: list[int] = []
+    loads: list[int] = []
+    seq = range(n - 1, -1, -1) if reverse else range(n)
+    for p in seq:
+        if loads:
+            la = np.asarray(last, dtype=np.int64)
+            lc = lv.pair_lcp(la, p)
+            ld = np.asarray(loads, dtype=np.int64)
+            marg = lv.lens[p] - lc
+            new = ld + marg
+            feas = np.flatnonzero(new <= cap)
+            if feas.size:
+                b = int(feas[np.lexsort((feas, -new[feas], marg[feas]))[0]])
+                label[p] = b
+                loads[b] = int(new[b])
+                last[b] = p
+                continue
+        label[p] = len(loads)
+        loads.append(int(lv.lens[p]))
+        last.append(p)
+    return label
+
+
+# ============================================================================ local search
+@dataclass
+class _Pieces:
+    """Pieces of one bin: nodes of its LCP-interval tree (runs ``mem[i:j]`` of its members),
+    with first/last positions, own work, removal gain and internal LCP (depth)."""
+
+    mem: np.ndarray
+    runs: list[tuple[int, int]]
+    s1: np.ndarray
+    sm: np.ndarray
+    w: np.ndarray
+    gain: np.ndarray
+    d: np.ndarray
+
+    def piece(self, t: int) -> np.ndarray:
+        i, j = self.runs[t]
+        return self.mem[i:j]
+
+
+class _State:
+    """A labelling with per-bin works and nearest-member tables for exact move deltas.
+
+    ``nl[p, b]`` = largest member of bin b below p (-1 if none); ``nr[p, b]`` = smallest member
+    of bin b above p (n if none)."""
+
+    def __init__(self, lv: _Leaves, label: np.ndarray, k: int, cap: int) -> None:
+        self.lv = lv
+        self.cap = cap
+        self.label = label.copy()
+        self.k = k
+        self.works = lv.works(self.label, k)
+        n = lv.n
+        self.nl = np.empty((n, k), dtype=np.int64)
+        self.nr = np.empty((n, k), dtype=np.int64)
+        self._idx = np.arange(n, dtype=np.int64)
+        for b in range(k):
+            self._refresh(b)
+
+    def copy(self) -> _State:
+        new = object.__new__(_State)
+        new.lv, new.cap, new.k, new._idx = self.lv, self.cap, self.k, self._idx
+        new.label = self.label.copy()
+        new.works = self.works.copy()
+        new.nl = self.nl.copy()
+        new.nr = self.nr.copy()
+        return new
+
+    def assign(self, other: _State) -> None:
+        self.label, self.works, self.nl, self.nr, self.k = (
+            other.label,
+            other.works,
+            other.nl,
+            other.nr,
+            other.k,
+        )
+
+    def add_bins(self, extra: int) -> None:
+        n = self.lv.n
+        self.k += extra
+        self.works = np.concatenate([self.works, np.zeros(extra, np.int64)])
+        self.nl = np.concatenate([self.nl, np.full((n, extra), -1, np.int64)], axis=1)
+        self.nr = np.concatenate([self.nr, np.full((n, extra), n, np.int64)], axis=1)
+
+    def _refresh(self, b: int) -> None:
+        mem = np.flatnonzero(self.label == b)
+        ext = np.concatenate([[-1], mem, [self.lv.n]])
+        self.nl[:, b] = ext[np.searchsorted(mem, self._idx, side="left")]
+        self.nr[:, b] = ext[np.searchsorted(mem, self._idx, side="right") + 1]
+
+    def members(self, b: int) -> np.ndarray:
+        return np.flatnonzero(self.label == b)
+
+    def pieces(self, b: int, whole_only: bool = False) -> _Pieces:
+        """Nodes of bin b's own LCP-interval tree, the whole bin first."""
+        lv = self.lv
+        mem = self.members(b)
+        m = int(mem.size)
+        c = lv.consec(mem[:-1], mem[1:]).tolist() if m > 1 else []
+        lens = lv.lens[mem].tolist()
+        runs: list[tuple[int, int]] = [(0, m)]
+        depth: list[int] = [min(c) if c else (lens[0] if m else 0)]
+        if m > 1 and not whole_only:
+            stack: list[tuple[int, int]] = []
+            for i in range(m):
+                cv = c[i] if i < m - 1 else -1
+                lb = i
+                while stack and stack[-1][0] > cv:
+                    d, lb = stack.pop()
+                    if (lb, i + 1) != (0, m):
+                        runs.append((lb, i + 1))
+                        depth.append(d)
+                if not stack or stack[-1][0] < cv:
+                    stack.append((cv, lb))
+            runs.extend((i, i + 1) for i in range(m))
+            depth.extend(lens)
+        csum = np.zeros(m, dtype=np.int64)
+        if m > 1:
+            np.cumsum(c, out=csum[1:])
+        lsum = np.zeros(m + 1, dtype=np.int64)
+        np.cumsum(lens, out=lsum[1:])
+        cpad = np.concatenate([[0], c, [0]]).astype(np.int64)
+        ii = np.fromiter((r[0] for r in runs), dtype=np.int64, count=len(runs))
+        jj = np.fromiter((r[1] for r in runs), dtype=np.int64, count=len(runs))
+        w = lsum[jj] - lsum[ii] - (csum[jj - 1] - csum[ii])
+        gain = w - np.maximum(cpad[ii], cpad[jj])
+        return _Pieces(mem, runs, mem[ii], mem[jj - 1], w, gain, np.asarray(depth, np.int64))
+
+    def single(self, piece: np.ndarray) -> _Pieces:
+        """A free-standing piece (gain unused)."""
+        lv = self.lv
+        w = lv.set_work(piece)
+        d = (
+            int(lv.lens[piece[0]])
+            if piece.size == 1
+            else int(lv.consec(piece[:-1], piece[1:]).min())
+        )
+        one = np.asarray([0], dtype=np.int64)
+        return _Pieces(
+            piece,
+            [(0, int(piece.size))],
+            piece[:1].copy(),
+            piece[-1:].copy(),
+            one + w,
+            one + w,
+            one + d,
+        )
+
+    def marginals(self, pc: _Pieces, src: int) -> np.ndarray:
+        """[pieces, bins]: exact work added to each bin by inserting each piece (_INF at src)."""
+        lv = self.lv
+        s1 = pc.s1[:, None]
+        sm = pc.sm[:, None]
+        lp = lv.pair_lcp(self.nl[pc.s1], s1)
+        ls = lv.pair_lcp(sm, self.nr[pc.sm])
+        # lcp(pred, succ) = min(lp, depth, ls); 0 when either neighbour is missing.
+        marg = pc.w[:, None] - lp - ls + np.minimum(np.minimum(lp, ls), pc.d[:, None])
+        marg[:, src] = _INF
+        inter = self.nl[pc.sm] > s1
+        inter[:, src] = False
+        if inter.any():  # the bin has members inside the piece's span: compute exactly
+            for t, b in zip(*np.nonzero(inter)):
+                u = np.union1d(self.members(int(b)), pc.piece(int(t)))
+                marg[t, b] = lv.set_work(u) - int(self.works[b])
+        return marg
+
+    def move(self, piece: np.ndarray, src: int, dst: int, w_src: int, w_dst: int) -> None:
+        self.label[piece] = dst
+        self.works[src] = w_src
+        self.works[dst] = w_dst
+        self._refresh(src)
+        self._refresh(dst)
+
+    def total(self) -> int:
+        return int(self.works.sum())
+
+
+def _pick(ok: np.ndarray, *keys: np.ndarray) -> tuple[int, int]:
+    """(row, col) of the first True entry of ``ok`` in lexicographic order of ``keys``."""
+    rows, cols = np.nonzero(ok)
+    sel = np.lexsort((cols, rows, *[k[rows, cols] for k in reversed(keys)]))[0]
+    return int(rows[sel]), int(cols[sel])
+
+
+def _improve(st: _State, budget: int) -> int:
+    """Piece moves with negative exact delta, then eliminations of small bins; repeat while
+    total work drops (at most ``budget`` moves). Returns the number of moves."""
+    cap = st.cap
+    moves = 0
+    while moves < budget:
+        changed = False
+        order = np.lexsort((np.arange(st.k), st.works)).tolist()
+        for a in order:
+            while st.works[a] > 0 and moves < budget:
+                pc = st.pieces(a)
+                marg = st.marginals(pc, a)
+                new = st.works[None, :] + marg
+                delta = marg - pc.gain[:, None]
+                ok = (new <= cap) & (delta < 0)
+                if not ok.any():
+                    break
+                t, b = _pick(ok, delta, -new)
+                st.move(pc.piece(t), a, b, int(st.works[a] - pc.gain[t]), int(new[t, b]))
+                moves += 1
+                changed = True
+        if moves < budget and _eliminate(st):
+            changed = True
+            moves += 1
+        if not changed:
+            break
+    return moves
+
+
+def _eliminate(st: _State, tries: int = 6) -> bool:
+    """Dissolve a bin (smallest first) into the others piece by piece, splitting a piece at its
+    lowest valley when it fits nowhere; commit the first dissolution that lowers total work."""
+    cap = st.cap
+    lv = st.lv
+    live = np.flatnonzero(st.works > 0)
+    if live.size < 2:
+        return False
+    for a in live[np.lexsort((live, st.works[live]))][:tries].tolist():
+        trial = st.copy()
+        before = trial.total()
+        queue = [trial.members(a)]
+        ok = True
+        while queue:
+            piece = queue.pop()
+            pc = trial.single(piece)
+            marg = trial.marginals(pc, a)
+            new = trial.works[None, :] + marg
+            feas = new <= cap
+            if feas.any():
+                _, b = _pick(feas, marg, -new)
+                mask = trial.label == a
+                mask[piece] = False
+                trial.move(piece, a, b, lv.set_work(np.flatnonzero(mask)), int(new[0, b]))
+                continue
+            if piece.size == 1:
+                ok = False
+                break
+            c = lv.consec(piece[:-1], piece[1:])
+            cuts = np.flatnonzero(c == c.min()) + 1
+            queue.extend(reversed(np.split(piece, cuts)))
+        if ok and trial.total() < before:
+            st.assign(trial)
+            return True
+    return False
+
+
+def _crit(works: np.ndarray, dp: int) -> int:
+    return int(np.sort(works)[::-1][::dp].sum())
+
+
+def _score_works(works: np.ndarray, dp: int) -> tuple[int, int, int, int]:
+    """(total, slot-critical, max replica, microbatches) of non-empty bins with these works."""
+    w = np.asarray(works, dtype=np.int64)
+    w = w[w > 0]
+    if w.size == 0:
+        return 0, 0, 0, 0
+    _, replica, _ = place_microbatches(w, dp)
+    rep = np.bincount(replica, weights=w, minlength=dp)
+    return int(w.sum()), _crit(w, dp), int(rep.max()), int(w.size)
+
+
+def _slot_objective(works: np.ndarray, dp: int) -> tuple[int, float]:
+    """(slot-critical work, Σ over slots of Σ (slot max − work)²) for sorted grouping."""
+    w = np.sort(works)[::-1]
+    pad = (-w.shape[0]) % dp
+    if pad:
+        w = np.concatenate([w, np.zeros(pad, w.dtype)])
+    g = w.reshape(-1, dp)
+    mx = g[:, 0]
+    return int(mx.sum()), float(((mx[:, None] - g).astype(np.float64) ** 2).sum())
+
+
+def _balance(st: _State, dp: int, budget: int, work_limit: int) -> int:
+    """Piece moves, keeping total work <= ``work_limit``, that lower the slot objective
+    (slot-critical work, then the squared idle inside slots, which lets the search cross
+    plateaus of equal maxima). Empty bins are offered so K can grow to a multiple of ``dp``.
+    Sources: bins above their slot's mean, worst slots first; each source's candidates are
+    screened by the larger of the two resulting works, then by the work they add. Best move
+    first; stops when none improves or after ``budget`` moves. Returns the moves made."""
+    cap = st.cap
+    live = int((st.works > 0).sum())
+    want = -(-live // dp) * dp
+    if want > live:
+        st.add_bins(want - live)
+    cur = _slot_objective(st.works, dp)
+    moves = 0
+    k = st.k
+    pad = (-k) % dp
+    while moves < budget:
+        w = st.works
+        total = int(w.sum())
+        order = np.lexsort((np.arange(k), -w))
+        groups = np.concatenate([order, np.full(pad, -1)]).reshape(-1, dp)
+        gw = np.where(groups >= 0, w[np.maximum(groups, 0)], 0)
+        idle = (gw[:, :1] - gw).sum(axis=1)
+        cands: list[tuple[tuple[int, float], int, tuple[int, int, int, int, int]]] = []
+        pieces: dict[int, _Pieces] = {}
+        for s in np.argsort(-idle, kind="stable")[:_BAL_GROUPS].tolist():
+            if idle[s] == 0:
+                break
+            mean = gw[s].mean()
+            for a in [int(a) for a in groups[s] if a >= 0 and w[a] > mean][:_BAL_SOURCES]:
+                if a in pieces:
+                    continue
+                pa = pieces[a] = st.pieces(a)
+                marg = st.marginals(pa, a)
+                new = w[None, :] + marg
+                delta = marg - pa.gain[:, None]
+                after_a = w[a] - pa.gain
+                ok = (new <= cap) & (new < w[a]) & (total + delta <= work_limit)
+                if not ok.any():
+                    continue
+                rows, cols = np.nonzero(ok)
+                pair_max = np.maximum(after_a[rows], new[rows, cols])
+                sel = np.lexsort((cols, rows, delta[rows, cols], pair_max))[:_BAL_CANDS]
+                for t, b in zip(rows[sel].tolist(), cols[sel].tolist()):
+                    trial = w.copy()
+                    trial[a] = after_a[t]
+                    trial[b] = new[t, b]
+                    obj = _slot_objective(trial, dp)
+                    if obj < cur:
+                        cands.append((obj, len(cands), (a, b, t, int(after_a[t]), int(new[t, b]))))
+        if not cands:
+            break
+        obj, _, (a, b, t, wa, wb) = min(cands, key=lambda c: (c[0], c[1]))
+        st.move(pieces[a].piece(t), a, b, wa, wb)
+        cur = obj
+        moves += 1
+    return moves
+
+
+# ============================================================================ placement
+def place_microbatches(works: np.ndarray, dp_size: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Slot and replica of each microbatch, and the number of slots.
+
+    Works sorted decreasingly (ties by index) are cut into consecutive groups of ``dp_size``,
+    one group per slot: Σ over slots of the slot's largest work is then minimal for these works.
+    Within a slot, larger microbatches go to replicas with less cumulative work so far (ties:
+    lower replica id)."""
+    works = np.asarray(works, dtype=np.int64)
+    k = works.shape[0]
+    num_slots = -(-k // dp_size) if k else 0
+    order = np.lexsort((np.arange(k), -works))
+    slot = np.empty(k, dtype=np.int64)
+    replica = np.empty(k, dtype=np.int64)
+    cum = np.zeros(dp_size, dtype=np.int64)
+    ids = np.arange(dp_size)
+    for s in range(num_slots):
+        members = order[s * dp_size : (s + 1) * dp_size]
+        reps = np.lexsort((ids, cum))[: members.shape[0]]
+        slot[members] = s
+        replica[members] = reps
+        cum[reps] += works[members]
+    return slot, replica, num_slots
+
+
+# ============================================================================ public API
+def _check_inputs(forest: Any, capacity_tokens: Any, dp_size: Any, seed: Any) -> None:
+    if not isinstance(forest, RolloutForest):
+        raise TypeError(f"forest: expected a RolloutForest, got {type(forest).__name__}")
+    for name, v in (("capacity_tokens", capacity_tokens), ("dp_size", dp_size)):
+        if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1:
+            raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
+        raise ValueError(f"seed: expected an int, got {seed!r}")
+
+
+def _oversize(forest: RolloutForest, cap: int, allow: bool) -> np.ndarray:
+    big = np.flatnonzero(forest.lengths > cap)
+    if big.size and not allow:
+        i = int(big[0])
+        more = f" (and {big.size - 1} more)" if big.size > 1 else ""
+        raise ValueError(
+            f"trajectory {i} has {int(forest.lengths[i])} tokens, more than capacity_tokens="
+            f"{cap}{more}; raise the capacity or pass allow_oversize=True to run it alone"
+        )
+    return big
+
+
+def plan_microbatches(
+    forest: RolloutForest,
+    *,
+    capacity_tokens: int,
+    dp_size: int = 1,
+    seed: int = 0,
+    **options: Any,
+) -> MicrobatchPlan:
+    """Plan microbatches, DP replicas and slots for ``forest`` (see the module docstring).
+
+    Options: ``allow_oversize`` (default False: a trajectory longer than ``capacity_tokens``
+    raises ValueError naming it; True: it runs alone in its own microbatch); ``strategies``
+    (subset of ``natural``, ``contiguous``, ``tree``, ``greedy``; default all); ``improve``
+    (local search, default True); ``balance`` (balance moves, default True); ``work_slack``
+    (default 0.0, see the module docstring); ``restarts`` (seeded perturb-and-improve rounds,
+    default 0 — only they use ``seed``); ``effort`` (scales move budgets); ``max_layers_work``
+    (bound on K·n for the fixed-K contiguous DP).
+
+    Guarantees: each trajectory is in exactly one microbatch; no microbatch exceeds the
+    capacity (except a lone oversize trajectory when allowed); every replica gets the same
+    number of slots; the plan is a deterministic function of the inputs and ``seed``.
+    """
+    t0 = time.perf_counter()
+    _check_inputs(forest, capacity_tokens, dp_size, seed)
+    unknown = sorted(set(options) - set(_DEFAULT_OPTIONS))
+    if unknown:
+        raise TypeError(f"plan_microbatches: unknown option {unknown[0]!r}")
+    opt = {**_DEFAULT_OPTIONS, **options}
+    families = set(_FAMILIES if opt["strategies"] is None else opt["strategies"])
+    if not families or families - set(_FAMILIES):
+        raise ValueError(f"strategies: expected a non-empty subset of {list(_FAMILIES)}")
+    slack = float(opt["work_slack"])
+    if not 0.0 <= slack < 1.0:
+        raise ValueError(f"work_slack: expected a fraction in [0, 1), got {slack!r}")
+    cap, dp = int(capacity_tokens), int(dp_size)
+    big = _oversize(forest, cap, bool(opt["allow_oversize"]))
+    keep = np.ones(forest.num_trajectories, dtype=bool)
+    keep[big] = False
+    lv = _Leaves.of(forest, keep)
+    n = lv.n
+    natural = _natural(lv, cap)
+    scores: dict[str, tuple[int, int, int, int]] = {}
+    best_name, best_lab = "", np.zeros(0, np.int64)
+    if n:
+        best_name, best_lab = _search(lv, cap, dp, natural, families, opt, int(seed), scores)
+    label, k = _canonical(best_lab)
+    return _build_plan(forest, lv, label, k, big, cap, dp, natural, t0, best_name, scores)
+
+
+_Cand = tuple[tuple[int, int, int, int], str, np.ndarray]
+
+
+def _search(
+    lv: _Leaves,
+    cap: int,
+    dp: int,
+    natural: list[tuple[int, int]],
+    families: set[str],
+    opt: dict[str, Any],
+    seed: int,
+    scores: dict[str, tuple[int, int, int, int]],
+) -> tuple[str, np.ndarray]:
+    n = lv.n
+    effort = float(opt["effort"])
+    slack = float(opt["work_slack"])
+    lower = lower_bound_work(lv, cap)
+    pool: list[_Cand] = []
+    seen: set[bytes] = set()
+
+    def add(name: str, label: np.ndarray) -> None:
+        lab, k = _canonical(label)
+        key = lab.tobytes()
+        if key in seen:
+            return
+        seen.add(key)
+        sc = _score_works(lv.works(lab, k), dp)
+        scores[name] = sc
+        pool.append((sc, name, lab))
+
+    def at_lower_bound() -> bool:  # no candidate can have less total work
+        return bool(pool) and min(t[0][0] for t in pool) <= lower
+
+    free: list[tuple[int, int]] = []
+    if "natural" in families:
+        add("natural", _ranges_to_labels(natural, n))
+    if "contiguous" in families and not at_lower_bound():
+        free = _contiguous_free(lv, cap)
+        add("contiguous", _ranges_to_labels(free, n))
+    if "tree" in families and not at_lower_bound():
+        limit = int(2000 * effort)
+        add("tree-ffd", _tree_pack(lv, cap, False, limit))
+        add("tree-bfd", _tree_pack(lv, cap, True, limit))
+    if "contiguous" in families and dp > 1 and (slack > 0 or not at_lower_bound()):
+        # K aligned to dp_size (the fewest parts and the free optimum's K, rounded up).
+        kmin = _min_parts(lv, cap)
+        ks = {-(-kmin // dp) * dp, -(-max(len(free), 1) // dp) * dp} - {len(free)}
+        ks = {k for k in ks if k * n <= opt["max_layers_work"]}
+        for k, parts in sorted(_contiguous_k(lv, cap, sorted(ks)).items()):
+            add(f"contiguous-k{k}", _ranges_to_labels(parts, n))
+    if "greedy" in families and not at_lower_bound():
+        add("greedy-leaf", _greedy_leaf(lv, cap, reverse=False))
+        add("greedy-reverse", _greedy_leaf(lv, cap, reverse=True))
+    pool.sort(key=lambda t: t[0])
+
+    if opt["improve"] and pool[0][0][0] > lower:
+        budget = int(max(50, 4 * n) * effort)
+        # The best start, and the best start of another family.
+        picked = [pool[0]]
+        fam0 = pool[0][1].split("-")[0]
+        other = [c for c in pool[1:] if c[1].split("-")[0] != fam0]
+        if other:
+            picked.append(other[0])
+        for _, name, lab in picked:
+            st = _State(lv, lab, int(lab.max()) + 1, cap)
+            _improve(st, budget)
+            add(name + "+ls", st.label)
+        pool.sort(key=lambda t: t[0])
+        restarts = int(opt["restarts"])
+        if restarts > 0 and pool[0][0][0] > lower:
+            rng = np.random.default_rng(seed)
+            _, name, lab = pool[0]
+            for r in range(restarts):
+                st = _State(lv, lab, int(lab.max()) + 1, cap)
+                _kick(st, rng)
+                _improve(st, budget)
+                add(f"{name}+r{r}", st.label)
+            pool.sort(key=lambda t: t[0])
+
+    min_total = pool[0][0][0]
+    limit = int(min_total * (1.0 + slack))
+    if opt["balance"] and dp > 1:
+        # Zero-cost balance from the best starts; with slack, continue each with the budget
+        # (so the slack result is never worse in slot-critical work than the strict one).
+        bal_budget = int(max(20, n) * effort)
+        for sc, name, lab in [c for c in pool if c[0][0] == min_total][:2]:
+            st = _State(lv, lab, int(lab.max()) + 1, cap)
+            _balance(st, dp, bal_budget, sc[0])
+            add(name + "+bal", st.label)
+            if slack > 0:
+                _balance(st, dp, bal_budget, limit)
+                add(name + "+bal+slack", st.label)
+
+    def rank(t: _Cand) -> tuple[Any, ...]:
+        sc = t[0]
+        if slack > 0:
+            return (sc[0] > limit, sc[1], sc[2], sc[0], sc[3])
+        return sc
+
+    best = min(pool, key=rank)
+    return best[1], best[2]
+
+
+def _kick(st: _State, rng: np.random.Generator) -> None:
+    """Perturbation for restarts: two random microbatches are split into single trajectories
+    (new bins); the following local search re-inserts them."""
+    live = np.flatnonzero(st.works > 0)
+    if live.size < 2:
+        return
+    chosen = rng.choice(live, size=2, replace=False)
+    label = st.label.copy()
+    freed = np.flatnonzero(np.isin(label, chosen))
+    label[freed] = st.k + rng.permutation(freed.size)
+    lab, k = _canonical(label)
+    st.assign(_State(st.lv, lab, k, st.cap))
+
+
+# ============================================================================ lower bound
+@dataclass(frozen=True)
+class IntervalTree:
+    """The LCP-interval tree of a leaf order: internal nodes are the trie's branch points
+    (plus a depth-0 root), leaves are the trajectories. Node ``v`` covers the leaf positions
+    ``[lo[v], hi[v])`` and carries ``weight[v] = depth[v] − depth[parent[v]]`` rows, exactly the
+    rows shared by all trajectories of its range (Σ weight = compact tokens). Leaf position ``p``
+    is node ``leaf_node[p]``; internal nodes come first; ``parent = -1`` at the root."""
+
+    depth: np.ndarray
+    parent: np.ndarray
+    weight: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    leaf_node: np.ndarray
+
+
+def _interval_tree(lens: np.ndarray, adj: np.ndarray) -> IntervalTree:
+    n = int(lens.shape[0])
+    lens_l = lens.tolist()
+    adj_l = adj.tolist()
+    depth: list[int] = []
+    lo: list[int] = []
+    hi: list[int] = []
+    parent: list[int] = []
+    leaf_parent = [-1] * n
+    stack: list[int] = []
+    for p in range(n):
+        child, is_leaf = p, True
+        lval = adj_l[p] if p < n - 1 else 0
+        while stack and depth[stack[-1]] > lval:
+            top = stack.pop()
+            hi[top] = p + 1
+            if is_leaf:
+                leaf_parent[child] = top
+            else:
+                parent[child] = top
+            child, is_leaf = top, False
+        if stack and depth[stack[-1]] == lval:
+            top = stack[-1]
+        else:
+            top = len(depth)
+            depth.append(lval)
+            lo.append(lo[child] if not is_leaf else p)
+            hi.append(p + 1)
+            parent.append(-1)
+            stack.append(top)
+        if is_leaf:
+            leaf_parent[child] = top
+        else:
+            parent[child] = top
+    for top in stack:
+        hi[top] = n
+    m = len(depth)
+    d = np.asarray(depth + lens_l, dtype=np.int64)
+    par = np.asarray(parent + leaf_parent, dtype=np.int64)
+    w = np.where(par >= 0, d - d[np.maximum(par, 0)], d)
+    lo_a = np.asarray(lo + list(range(n)), dtype=np.int64)
+    hi_a = np.asarray(hi + list(range(1, n + 1)), dtype=np.int64)
+    return IntervalTree(d, par, w, lo_a, hi_a, np.arange(m, m + n, dtype=np.int64))
+
+
+def lcp_interval_tree(forest: RolloutForest) -> IntervalTree:
+    """The LCP-interval tree of ``forest``'s leaf order (positions index ``forest.leaf_order``)."""
+    return _interval_tree(
+        np.asarray(forest.lengths, np.int64)[forest.leaf_order],
+        np.asarray(forest.adjacent_lcp, np.int64),
+    )
+
+
+def lower_bound_work(lv: _Leaves | RolloutForest, cap: int) -> int:
+    """A lower bound on the total work of any partition into microbatches of <= ``cap`` rows.
+
+    A bin that touches node ``v`` holds ``depth(v)`` rows of its path, so at most
+    ``cap − depth(v)`` rows below it: at least ``⌈below(v) / (cap − depth(v))⌉`` bins touch v
+    (and at least as many as touch any child); each pays ``weight(v)`` rows."""
+    if isinstance(lv, RolloutForest):
+        lv = _Leaves.of(lv)
+    if lv.n == 0:
+        return 0
+    t = _interval_tree(lv.lens, lv.adj)
+    below = lv.h[t.hi] - lv.g[t.lo] - t.depth
+    room = cap - t.depth
+    need = np.where(room > 0, -(-below // np.maximum(room, 1)), 1)
+    need = np.maximum(need, 1)
+    for v in np.argsort(-t.depth, kind="stable").tolist():
+        pv = int(t.parent[v])
+        if pv >= 0 and need[v] > need[pv]:
+            need[pv] = need[v]
+    return int((t.weight * need).sum())
+
+
+def _build_plan(
+    forest: RolloutForest,
+    lv: _Leaves,
+    label: np.ndarray,
+    k: int,
+    big: np.ndarray,
+    cap: int,
+    dp: int,
+    natural: list[tuple[int, int]],
+    t0: float,
+    strategy: str,
+    scores: dict[str, tuple[int, int, int, int]],
+) -> MicrobatchPlan:
+    order = np.argsort(label, kind="stable")
+    counts = np.bincount(label, minlength=k) if k else np.zeros(0, np.int64)
+    groups = [lv.traj[g] for g in np.split(order, np.cumsum(counts)[:-1])] if k else []
+    groups += [np.asarray([i], dtype=np.int64) for i in big.tolist()]
+    works = np.concatenate([lv.works(label, k), forest.lengths[big]]).astype(np.int64)
+    slot, replica, num_slots = place_microbatches(works, dp)
+    table = {
+        (int(s), int(r)): Microbatch(g.astype(np.int64), int(w), int(r), int(s))
+        for g, w, s, r in zip(groups, works.tolist(), slot.tolist(), replica.tolist())
+    }
+    empty = np.zeros(0, np.int64)
+    mbs = tuple(
+        table.get((s, r), Microbatch(empty, 0, r, s)) for s in range(num_slots) for r in range(dp)
+    )
+    rep = np.zeros(dp, dtype=np.int64)
+    np.add.at(rep, replica, works)
+    sw = np.zeros((num_slots, dp), dtype=np.int64)
+    sw[slot, replica] = works
+    return MicrobatchPlan(
+        microbatches=mbs,
+        num_slots=num_slots,
+        dp_size=dp,
+        capacity_tokens=cap,
+        total_compact_tokens=int(works.sum()),
+        slot_critical_work=int(sw.max(axis=1).sum()) if num_slots else 0,
+        replica_work=rep,
+        natural_partition=_natural_full(forest, lv, natural, big, cap),
+        planning_seconds=time.perf_counter() - t0,
+        strategy=strategy,
+        candidates=scores,
+    )
+
+
+def _natural_full(
+    forest: RolloutForest,
+    lv: _Leaves,
+    natural: list[tuple[int, int]],
+    big: np.ndarray,
+    cap: int,
+) -> tuple[np.ndarray, ...]:
+    """P0 of the whole forest (oversize trajectories are parts of their own)."""
+    if big.size:
+        full = _Leaves.of(forest)
+        return tuple(full.traj[a:b].copy() for a, b in _natural(full, cap))
+    return tuple(lv.traj[a:b].copy() for a, b in natural)
+
+
+# ============================================================================ helpers
+def compact_work(forest: RolloutForest, trajectories: Sequence[int] | np.ndarray) -> int:
+    """Compact rows of the trie of the given trajectories (any order, no duplicates)."""
+    idx = np.asarray(trajectories, dtype=np.int64)
+    if idx.size == 0:
+        return 0
+    pos = np.empty(forest.num_trajectories, dtype=np.int64)
+    pos[forest.leaf_order] = np.arange(forest.num_trajectories)
+    return _Leaves.of(forest).set_work(np.sort(pos[idx]))
+
+
+def natural_partition(forest: RolloutForest, capacity_tokens: int) -> list[np.ndarray]:
+    """P0 as trajectory-index arrays in leaf order (a part exceeds the capacity only when it is
+    a single oversize trajectory)."""
+    lv = _Leaves.of(forest)
+    return [lv.traj[a:b].copy() for a, b in _natural(lv, int(capacity_tokens))]
+
+
+def optimal_contiguous_partition(
+    forest: RolloutForest, capacity_tokens: int, num_parts: int | None = None
+) -> tuple[int, list[np.ndarray]] | None:
+    """Exact minimum-work partition of the leaf order into contiguous ranges of work at most
+    ``capacity_tokens`` (exactly ``num_parts`` ranges when given). Returns
+    ``(total_work, parts)``, or None when no such partition exists."""
+    lv = _Leaves.of(forest)
+    cap = int(capacity_tokens)
+    if lv.n == 0:
+        return (0, []) if num_parts in (None, 0) else None
+    if int(lv.lens.max()) > cap:
+        return None
+    if num_parts is None:
+        parts = _contiguous_free(lv, cap)
+    else:
+        got = _contiguous_k(lv, cap, [num_parts])
+        if num_parts not in got:
+            return None
+        parts = got[num_parts]
+    total = sum(lv.range_work(a, b) for a, b in parts)
+    return total, [lv.traj[a:b].copy() for a, b in parts]

@@ -1,0 +1,93 @@
+"""Forest inspection statistics, PNG plot, and the ``harts-verl inspect`` command."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from harts_verl.cli import main
+from harts_verl.tree import RolloutForest
+from harts_verl.tree.inspect import forest_statistics, plot_statistics, segment_depths
+
+# Root 1: [1,2] forks at depth 2 into [3,4] (forks at depth 4 into [5,6] / [7,8]) and [9].
+# Root 2: [5,5].
+SEQS = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 7, 8], [1, 2, 9], [5, 5]]
+
+
+def test_statistics_of_a_known_forest():
+    f = RolloutForest.from_sequences(SEQS)
+    st = forest_statistics(f, chunk_size=4)
+    assert st["summary"]["compact_tokens"] == f.num_compact_tokens == 11
+    assert st["roots"] == 2
+    assert st["depth_histogram"] == {"1": 1, "2": 1, "3": 2}
+    assert st["branching_histogram"] == {"2": 2}
+    forks = st["forks"]
+    assert forks["count"] == 4  # child segments at depths 2, 4, 4, 2
+    assert forks["inside_chunk"] == 2 and forks["inside_chunk_fraction"] == pytest.approx(0.5)
+    assert forks["replay_tokens"] == 4
+    assert forest_statistics(f, chunk_size=2)["forks"]["inside_chunk_fraction"] == 0.0
+    assert forest_statistics(f, chunk_size=64)["forks"]["inside_chunk_fraction"] == 1.0
+    assert "plan" not in st
+    np.testing.assert_array_equal(segment_depths(f), [1, 2, 3, 3, 2, 1])
+
+
+def test_statistics_with_plan_are_json_ready():
+    f = RolloutForest.from_sequences(SEQS)
+    st = forest_statistics(f, capacity_tokens=7, dp_size=2)
+    text = json.dumps(st)
+    plan = json.loads(text)["plan"]
+    assert plan["dp_size"] == 2
+    assert len(plan["slot_work"]) == plan["slots"]
+    assert sum(map(sum, plan["slot_work"])) == plan["total_compact_tokens"]
+    assert plan["lower_bound_compact_tokens"] <= plan["total_compact_tokens"]
+    assert plan["natural_partition_compact_tokens"] >= plan["total_compact_tokens"]
+
+
+def test_statistics_oversize_runs_alone_by_default():
+    f = RolloutForest.from_sequences(SEQS)
+    st = forest_statistics(f, capacity_tokens=4)
+    assert st["plan"]["total_compact_tokens"] >= f.num_compact_tokens
+
+
+def test_bad_chunk_size():
+    f = RolloutForest.from_sequences(SEQS)
+    with pytest.raises(ValueError, match="chunk_size"):
+        forest_statistics(f, chunk_size=0)
+
+
+def test_plot_writes_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    rng = np.random.default_rng(0)
+    seqs = []
+    for g in range(3):
+        prompt = [g + 10, *rng.integers(0, 50, 200).tolist()]
+        for _ in range(6):
+            seqs.append(prompt + rng.integers(0, 50, int(rng.integers(50, 400))).tolist())
+    f = RolloutForest.from_sequences(seqs)
+    for cap in (None, 1500):
+        st = forest_statistics(f, capacity_tokens=cap, dp_size=4)
+        out = tmp_path / f"plot_{cap}.png"
+        plot_statistics(st, out, title="test")
+        data = out.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n"
+        assert len(data) > 20_000
+
+
+def test_cli_inspect(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    f = RolloutForest.from_sequences(SEQS)
+    path = tmp_path / "forest.npz"
+    f.save(path)
+    png = tmp_path / "out.png"
+    rc = main(["inspect", str(path), "--capacity", "7", "--dp", "2", "--plot", str(png)])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["summary"]["trajectories"] == 4
+    assert out["plan"]["capacity_tokens"] == 7
+    assert out["plot"] == str(png) and png.read_bytes()[:4] == b"\x89PNG"
+    rc = main(["inspect", str(path), "--chunk-size", "2"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["forks"]["inside_chunk_fraction"] == 0.0 and "plan" not in out

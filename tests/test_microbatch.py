@@ -1,0 +1,360 @@
+"""Microbatch / DP / slot planner: invariants, exact contiguous search vs brute force, lower
+bound vs brute-force optimum, determinism, capacity edge cases, oversize, CP-SAT smoke test."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from harts_verl.tree import Microbatch, MicrobatchPlan, RolloutForest, plan_microbatches
+from harts_verl.tree.microbatch import (
+    compact_work,
+    lcp_interval_tree,
+    lower_bound_work,
+    natural_partition,
+    optimal_contiguous_partition,
+    place_microbatches,
+)
+
+tokens = st.integers(min_value=0, max_value=3)
+
+
+@st.composite
+def forests(draw, max_traj=12, max_len=16):
+    """Random forests with much sharing: new trajectories extend/fork earlier ones."""
+    n = draw(st.integers(1, max_traj))
+    seqs: list[list[int]] = []
+    for _ in range(n):
+        if seqs and draw(st.booleans()):
+            base = draw(st.sampled_from(seqs))
+            cut = draw(st.integers(0, len(base)))
+            tail = draw(st.lists(tokens, min_size=0 if cut else 1, max_size=max_len))
+            seq = base[:cut] + tail or [draw(tokens)]
+        else:
+            seq = draw(st.lists(tokens, min_size=1, max_size=max_len))
+        seqs.append(seq)
+    return RolloutForest.from_sequences(seqs)
+
+
+def naive_work(forest: RolloutForest, idx) -> int:
+    """Compact rows of a subset, by building its forest."""
+    idx = np.asarray(idx, dtype=np.int64)
+    return forest.subset(idx).num_compact_tokens if idx.size else 0
+
+
+def check_plan(forest: RolloutForest, plan: MicrobatchPlan, cap: int, dp: int) -> None:
+    n = forest.num_trajectories
+    seen = np.zeros(n, dtype=np.int64)
+    assert plan.dp_size == dp
+    assert len(plan.microbatches) == plan.num_slots * dp
+    for k, mb in enumerate(plan.microbatches):
+        assert isinstance(mb, Microbatch)
+        assert (mb.slot, mb.replica) == (k // dp, k % dp)
+        assert mb.trajectories.dtype == np.int64
+        seen[mb.trajectories] += 1
+        assert mb.compact_tokens == naive_work(forest, mb.trajectories)
+        if mb.trajectories.size > 1:
+            assert mb.compact_tokens <= cap
+        # trajectories listed in leaf order
+        pos = np.empty(n, dtype=np.int64)
+        pos[forest.leaf_order] = np.arange(n)
+        assert np.all(np.diff(pos[mb.trajectories]) > 0)
+    np.testing.assert_array_equal(seen, np.ones(n, dtype=np.int64))
+    sw = plan.slot_work
+    assert sw.shape == (plan.num_slots, dp)
+    assert plan.total_compact_tokens == int(sw.sum())
+    assert plan.slot_critical_work == int(sw.max(axis=1).sum()) if plan.num_slots else True
+    np.testing.assert_array_equal(plan.replica_work, sw.sum(axis=0))
+    assert (plan.slot_imbalance() >= 0).all() and (plan.slot_imbalance() <= 1).all()
+    # every replica has the same number of slots, non-empty microbatches first in each slot set
+    assert plan.num_microbatches <= plan.num_slots * dp
+    assert np.array_equal(plan.assignment(n) >= 0, np.ones(n, bool))
+    # natural partition covers everything once, contiguous in leaf order
+    flat = np.concatenate(plan.natural_partition) if plan.natural_partition else np.zeros(0)
+    np.testing.assert_array_equal(flat, forest.leaf_order)
+
+
+@settings(max_examples=100, deadline=None)
+@given(forests(), st.integers(0, 40), st.sampled_from([1, 2, 3, 8]))
+def test_plan_invariants(forest, extra, dp):
+    cap = int(forest.lengths.max()) + extra
+    plan = plan_microbatches(forest, capacity_tokens=cap, dp_size=dp)
+    check_plan(forest, plan, cap, dp)
+    lb = lower_bound_work(forest, cap)
+    assert forest.num_compact_tokens <= lb <= plan.total_compact_tokens
+    # never worse than the natural partition or the exact contiguous optimum (both candidates)
+    nat = sum(naive_work(forest, p) for p in natural_partition(forest, cap))
+    best_contig = optimal_contiguous_partition(forest, cap)
+    assert best_contig is not None
+    assert plan.total_compact_tokens <= min(nat, best_contig[0])
+
+
+@settings(max_examples=60, deadline=None)
+@given(forests(max_traj=8), st.integers(0, 30), st.sampled_from([1, 2, 4]))
+def test_slack_mode_invariants(forest, extra, dp):
+    cap = int(forest.lengths.max()) + extra
+    strict = plan_microbatches(forest, capacity_tokens=cap, dp_size=dp)
+    slack = plan_microbatches(forest, capacity_tokens=cap, dp_size=dp, work_slack=0.05)
+    check_plan(forest, slack, cap, dp)
+    assert slack.total_compact_tokens <= strict.total_compact_tokens * 1.05 + 1e-9
+    assert slack.slot_critical_work <= strict.slot_critical_work
+
+
+def _all_contiguous(n: int):
+    """Every composition of range(n) into contiguous parts, as cut lists."""
+    for mask in range(1 << max(n - 1, 0)):
+        cuts = [c + 1 for c in range(n - 1) if mask >> c & 1]
+        yield [0, *cuts, n]
+
+
+@settings(max_examples=100, deadline=None)
+@given(forests(max_traj=9), st.integers(0, 25))
+def test_exact_contiguous_search_equals_brute_force(forest, extra):
+    cap = int(forest.lengths.max()) + extra
+    order = forest.leaf_order
+    n = forest.num_trajectories
+    best_any: int | None = None
+    best_k: dict[int, int] = {}
+    for bounds in _all_contiguous(n):
+        parts = [order[a:b] for a, b in itertools.pairwise(bounds)]
+        works = [naive_work(forest, p) for p in parts]
+        if max(works) > cap:
+            continue
+        total = sum(works)
+        best_any = total if best_any is None else min(best_any, total)
+        k = len(parts)
+        best_k[k] = min(best_k.get(k, total), total)
+    got = optimal_contiguous_partition(forest, cap)
+    assert got is not None and best_any is not None
+    assert got[0] == best_any
+    assert got[0] == sum(naive_work(forest, p) for p in got[1])
+    for k in range(1, n + 1):
+        res = optimal_contiguous_partition(forest, cap, num_parts=k)
+        if k in best_k:
+            assert res is not None and res[0] == best_k[k] and len(res[1]) == k
+            assert all(naive_work(forest, p) <= cap for p in res[1])
+        else:
+            assert res is None
+
+
+def _set_partitions(items: list[int]):
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in _set_partitions(rest):
+        for i in range(len(part)):
+            yield [*part[:i], [first, *part[i]], *part[i + 1 :]]
+        yield [[first], *part]
+
+
+@settings(max_examples=60, deadline=None)
+@given(forests(max_traj=6, max_len=10), st.integers(0, 12))
+def test_lower_bound_and_optimum_vs_all_set_partitions(forest, extra):
+    cap = int(forest.lengths.max()) + extra
+    n = forest.num_trajectories
+    opt = min(
+        sum(naive_work(forest, p) for p in part)
+        for part in _set_partitions(list(range(n)))
+        if all(naive_work(forest, p) <= cap for p in part)
+    )
+    assert lower_bound_work(forest, cap) <= opt
+    plan = plan_microbatches(forest, capacity_tokens=cap)
+    assert plan.total_compact_tokens >= opt
+    # tiny instances: the planner finds the optimum
+    assert plan.total_compact_tokens == opt
+
+
+@settings(max_examples=50, deadline=None)
+@given(forests())
+def test_interval_tree_weights(forest):
+    t = lcp_interval_tree(forest)
+    assert int(t.weight.sum()) == forest.num_compact_tokens
+    n = forest.num_trajectories
+    np.testing.assert_array_equal(t.lo[t.leaf_node], np.arange(n))
+    for p in range(n):  # path weights sum to the trajectory length
+        v, s = int(t.leaf_node[p]), 0
+        while v >= 0:
+            assert t.lo[v] <= p < t.hi[v]
+            s += int(t.weight[v])
+            v = int(t.parent[v])
+        assert s == forest.lengths[forest.leaf_order[p]]
+
+
+def test_compact_work_matches_subset():
+    f = RolloutForest.from_sequences([[1, 2, 3], [1, 2, 4], [1, 5], [2, 2], [1, 2, 3, 9]])
+    for r in range(1, 6):
+        for idx in itertools.combinations(range(5), r):
+            assert compact_work(f, list(idx)) == naive_work(f, list(idx))
+            assert compact_work(f, list(reversed(idx))) == naive_work(f, list(idx))
+
+
+@settings(max_examples=30, deadline=None)
+@given(forests(), st.integers(0, 10_000))
+def test_deterministic(forest, seed):
+    cap = int(forest.lengths.max()) + 5
+    for opts in ({}, {"restarts": 2}):
+        a = plan_microbatches(forest, capacity_tokens=cap, dp_size=3, seed=seed, **opts)
+        b = plan_microbatches(forest, capacity_tokens=cap, dp_size=3, seed=seed, **opts)
+        assert a.strategy == b.strategy and a.candidates == b.candidates
+        assert len(a.microbatches) == len(b.microbatches)
+        for x, y in zip(a.microbatches, b.microbatches):
+            assert (x.slot, x.replica, x.compact_tokens) == (y.slot, y.replica, y.compact_tokens)
+            np.testing.assert_array_equal(x.trajectories, y.trajectories)
+        check_plan(forest, a, cap, 3)
+
+
+def _disjoint(n: int, length: int) -> RolloutForest:
+    return RolloutForest.from_sequences([[i + 1] + [0] * (length - 1) for i in range(n)])
+
+
+def test_capacity_equal_to_one_trajectory():
+    # No sharing and capacity = one trajectory: every trajectory alone.
+    f = _disjoint(10, 7)
+    plan = plan_microbatches(f, capacity_tokens=7, dp_size=4)
+    check_plan(f, plan, 7, 4)
+    assert plan.num_microbatches == 10 and plan.num_slots == 3
+    assert plan.total_compact_tokens == 70
+    # With sharing: a shared prefix still cannot be packed beyond capacity.
+    g = RolloutForest.from_sequences([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6, 7], [9, 9, 9, 9]])
+    plan = plan_microbatches(g, capacity_tokens=4)
+    check_plan(g, plan, 4, 1)
+    assert plan.total_compact_tokens == 16
+
+
+def test_capacity_at_least_whole_forest():
+    f = RolloutForest.from_sequences([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6], [7, 8]])
+    c = f.num_compact_tokens
+    for cap in (c, c + 1, 10**9):
+        plan = plan_microbatches(f, capacity_tokens=cap)
+        check_plan(f, plan, cap, 1)
+        assert plan.num_microbatches == 1 and plan.total_compact_tokens == c
+        plan8 = plan_microbatches(f, capacity_tokens=cap, dp_size=8)
+        check_plan(f, plan8, cap, 8)
+        assert plan8.total_compact_tokens == c and plan8.num_slots == 1
+
+
+def test_empty_forest():
+    f = RolloutForest.from_sequences([])
+    plan = plan_microbatches(f, capacity_tokens=10, dp_size=2)
+    assert plan.num_slots == 0 and plan.microbatches == () and plan.total_compact_tokens == 0
+
+
+def test_oversize_raises_or_runs_alone():
+    f = RolloutForest.from_sequences([[1, 2, 3], [1, 2, 3, 4, 5, 6, 7], [1, 2, 9]])
+    with pytest.raises(ValueError, match=r"trajectory 1 .*7 tokens"):
+        plan_microbatches(f, capacity_tokens=5)
+    plan = plan_microbatches(f, capacity_tokens=5, allow_oversize=True, dp_size=2)
+    check_plan(f, plan, 5, 2)
+    alone = [mb for mb in plan.microbatches if 1 in mb.trajectories.tolist()]
+    assert len(alone) == 1 and alone[0].trajectories.tolist() == [1]
+    assert alone[0].compact_tokens == 7
+    assert plan.total_compact_tokens == 7 + naive_work(f, [0, 2])
+
+
+def test_bad_arguments():
+    f = RolloutForest.from_sequences([[1, 2], [1, 3]])
+    with pytest.raises(ValueError, match="capacity_tokens"):
+        plan_microbatches(f, capacity_tokens=0)
+    with pytest.raises(ValueError, match="dp_size"):
+        plan_microbatches(f, capacity_tokens=5, dp_size=0)
+    with pytest.raises(TypeError, match="unknown option"):
+        plan_microbatches(f, capacity_tokens=5, nonsense=1)
+    with pytest.raises(ValueError, match="strategies"):
+        plan_microbatches(f, capacity_tokens=5, strategies=["magic"])
+    with pytest.raises(TypeError, match="RolloutForest"):
+        plan_microbatches([[1, 2]], capacity_tokens=5)  # type: ignore[arg-type]
+
+
+def test_each_strategy_family_alone_is_valid():
+    rng = np.random.default_rng(0)
+    seqs = []
+    for g in range(6):
+        prompt = [g + 1, *rng.integers(0, 5, 30).tolist()]
+        for _ in range(5):
+            seqs.append(prompt + rng.integers(0, 5, int(rng.integers(5, 40))).tolist())
+    f = RolloutForest.from_sequences(seqs)
+    cap = 120
+    for fam in ("natural", "contiguous", "tree", "greedy"):
+        plan = plan_microbatches(f, capacity_tokens=cap, dp_size=4, strategies=[fam])
+        check_plan(f, plan, cap, 4)
+        assert plan.strategy.startswith(fam)
+
+
+def test_placement_sorted_slots_and_lpt():
+    works = np.array([5, 9, 1, 7, 3, 8, 2])
+    slot, replica, num_slots = place_microbatches(works, 3)
+    assert num_slots == 3
+    # slot 0 holds the three largest, slot 2 the smallest
+    assert sorted(works[slot == 0].tolist()) == [7, 8, 9]
+    assert works[slot == 2].tolist() == [1]
+    for s in range(num_slots):
+        assert len(set(replica[slot == s].tolist())) == (slot == s).sum()
+
+
+def test_slot_imbalance_definition():
+    f = _disjoint(4, 5)
+    plan = plan_microbatches(f, capacity_tokens=5, dp_size=4)
+    np.testing.assert_allclose(plan.slot_imbalance(), [0.0])
+    plan = plan_microbatches(f, capacity_tokens=5, dp_size=8)
+    # one slot: four replicas with 5, four empty -> (5 - 2.5) / 5
+    np.testing.assert_allclose(plan.slot_imbalance(), [0.5])
+    s = plan.summary()
+    assert s["slot_imbalance_p95"] == pytest.approx(0.5)
+
+
+def _load_benchmark():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "planner.py"
+    spec = importlib.util.spec_from_file_location("planner_benchmark", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up here
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_cpsat_baseline_tiny_instance_matches_brute_force():
+    pytest.importorskip("ortools")
+    bench = _load_benchmark()
+    f = RolloutForest.from_sequences(
+        [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6, 7], [1, 8, 8], [9, 9, 9], [9, 9, 1]]
+    )
+    cap = 7
+    opt = min(
+        sum(naive_work(f, p) for p in part)
+        for part in _set_partitions(list(range(6)))
+        if all(naive_work(f, p) <= cap for p in part)
+    )
+    res = bench.cpsat_partition(f, cap, time_limit=2.0)
+    assert res["status"] == "OPTIMAL"
+    assert res["objective"] == opt
+    assert sum(naive_work(f, b) for b in res["bins"]) == opt
+    assert plan_microbatches(f, capacity_tokens=cap).total_compact_tokens == opt
+
+
+def test_range_min_fallback_matches_dense(monkeypatch):
+    """Above the dense-matrix size the planner uses sparse-table LCPs: same plans."""
+    import harts_verl.tree.microbatch as mb
+
+    rng = np.random.default_rng(3)
+    seqs = []
+    for g in range(5):
+        prompt = [g + 10, *rng.integers(0, 3, 20).tolist()]
+        for _ in range(8):
+            seqs.append(prompt + rng.integers(0, 3, int(rng.integers(3, 40))).tolist())
+    f = RolloutForest.from_sequences(seqs)
+    dense = plan_microbatches(f, capacity_tokens=90, dp_size=4, work_slack=0.02)
+    monkeypatch.setattr(mb, "_DENSE_LCP_MAX", 0)
+    sparse = plan_microbatches(f, capacity_tokens=90, dp_size=4, work_slack=0.02)
+    check_plan(f, sparse, 90, 4)
+    assert dense.candidates == sparse.candidates
+    assert [m.trajectories.tolist() for m in dense.microbatches] == [
+        m.trajectories.tolist() for m in sparse.microbatches
+    ]

@@ -1,0 +1,293 @@
+"""Whole-model exactness: tree vs expanded (trajectory-wise) execution, float64 and bf16."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from harts_verl.models import HybridForCausalLM, preset
+from harts_verl.runtime import ExpandedRunner, TreeRunner
+
+
+def _forest_sequences(seed: int, vocab: int) -> list[list[int]]:
+    """Shared prompt over > 2 chunks of 16, forks inside chunks and on a boundary, a
+    prefix-of-another trajectory, an identical pair, a second root, a length-1 trajectory."""
+    rng = np.random.default_rng(seed)
+    p = rng.integers(0, vocab, 70).tolist()
+    a = p + rng.integers(0, vocab, 40).tolist()
+    return [
+        a,
+        p[:37] + rng.integers(0, vocab, 30).tolist(),
+        p[:48] + rng.integers(0, vocab, 20).tolist(),  # fork on a chunk boundary (16 | 48)
+        p[:40] + rng.integers(0, vocab, 9).tolist(),
+        p,  # prefix of a
+        list(a),  # identical to a
+        rng.integers(0, vocab, 25).tolist(),  # another root
+        [int(p[0])],
+    ]
+
+
+def _loss_fn(n: int):
+    w = torch.linspace(-1.0, 1.0, n, dtype=torch.float64)
+
+    def loss(lps: list[torch.Tensor]) -> torch.Tensor:
+        return sum((lp * w[i]).sum() + 0.1 * (lp**2).sum() for i, lp in enumerate(lps)) / 100.0
+
+    return loss
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_grads_close(ga: dict, gb: dict, rel: float = 1e-9) -> None:
+    assert ga.keys() == gb.keys() and ga
+    for n in gb:
+        denom = gb[n].abs().max().item()
+        err = (ga[n] - gb[n]).abs().max().item()
+        assert err <= rel * max(denom, 1e-30), f"{n}: {err} vs scale {denom}"
+
+
+def _check_model(
+    model: torch.nn.Module, seqs, *, chunk_size: int, recompute: bool, capacity=None
+) -> None:
+    tree = TreeRunner(model, chunk_size=chunk_size, recompute=recompute, capacity_tokens=capacity)
+    exp = ExpandedRunner(
+        model, chunk_size=chunk_size, recompute=recompute, capacity_tokens=capacity
+    )
+    lt, et = tree.log_probs(seqs, temperature=0.7, with_entropy=True)
+    le, ee = exp.log_probs(seqs, temperature=0.7, with_entropy=True)
+    for i, s in enumerate(seqs):
+        assert lt[i].shape == (len(s) - 1,)
+        torch.testing.assert_close(lt[i], le[i], rtol=0, atol=1e-10)
+        torch.testing.assert_close(et[i], ee[i], rtol=0, atol=1e-10)
+    assert tree.last_stats.compact_tokens < exp.last_stats.compact_tokens
+    loss = _loss_fn(len(seqs))
+    model.zero_grad(set_to_none=True)
+    out_t = tree.forward_backward(seqs, loss)
+    gt = _grads(model)
+    model.zero_grad(set_to_none=True)
+    out_e = exp.forward_backward(seqs, loss)
+    ge = _grads(model)
+    assert abs(out_t["loss"] - out_e["loss"]) <= 1e-10 * max(1.0, abs(out_e["loss"]))
+    _assert_grads_close(gt, ge)
+
+
+@pytest.mark.parametrize("name", ["tiny", "kimi_tiny"])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_native_model_tree_equals_expanded_float64(name, recompute):
+    torch.manual_seed(0)
+    cfg = preset(name, vocab_size=64, chunk_size=16)
+    model = HybridForCausalLM.from_config(cfg).double()
+    _check_model(model, _forest_sequences(1, 64), chunk_size=16, recompute=recompute)
+
+
+def test_native_model_microbatched_float64():
+    """Several microbatches (two-phase loss gradient) still equal the expanded run."""
+    torch.manual_seed(1)
+    cfg = preset("tiny", vocab_size=64, chunk_size=16, moe_layers=[])  # aux loss is per microbatch
+    model = HybridForCausalLM.from_config(cfg).double()
+    seqs = _forest_sequences(2, 64)
+    _check_model(model, seqs, chunk_size=16, recompute=False, capacity=120)
+    tree = TreeRunner(model, chunk_size=16, capacity_tokens=120)
+    tree.log_probs(seqs)
+    assert tree.last_stats.microbatches > 1
+
+
+def test_recompute_does_not_change_results():
+    torch.manual_seed(2)
+    model = HybridForCausalLM.from_config(preset("tiny", vocab_size=64, chunk_size=16)).double()
+    seqs = _forest_sequences(3, 64)
+    grads = []
+    for rc in (False, True):
+        model.zero_grad(set_to_none=True)
+        TreeRunner(model, chunk_size=16, recompute=rc).forward_backward(seqs, _loss_fn(len(seqs)))
+        grads.append(_grads(model))
+    _assert_grads_close(grads[1], grads[0], rel=1e-12)
+
+
+def test_bf16_logit_cosine():
+    """bf16 tree vs float64 expanded: mean logit cosine ≥ 0.9999 and no worse than expanded bf16."""
+    torch.manual_seed(3)
+    cfg = preset("tiny", vocab_size=64, chunk_size=16)
+    ref_model = HybridForCausalLM.from_config(cfg).double()
+    bf_model = HybridForCausalLM.from_config(cfg).to(torch.bfloat16)
+    bf_model.load_state_dict({k: v.to(torch.bfloat16) for k, v in ref_model.state_dict().items()})
+    seqs = _forest_sequences(4, 64)
+    ref = ExpandedRunner(ref_model, chunk_size=16).hidden_states(seqs)
+    w = ref_model.lm_head.weight.detach()
+
+    def mean_cos(hs):
+        cs = [
+            torch.nn.functional.cosine_similarity(h.double() @ w.T, r @ w.T, dim=-1)
+            for h, r in zip(hs, ref)
+        ]
+        return torch.cat(cs).mean().item()
+
+    cos_tree = mean_cos(TreeRunner(bf_model, chunk_size=16).hidden_states(seqs))
+    cos_exp = mean_cos(ExpandedRunner(bf_model, chunk_size=16).hidden_states(seqs))
+    assert cos_tree >= 0.9999
+    assert cos_tree >= cos_exp - 1e-5
+
+
+@pytest.fixture
+def no_fla(monkeypatch):
+    monkeypatch.setitem(sys.modules, "fla", None)
+
+
+@pytest.fixture
+def hf_float64(monkeypatch, no_fla):
+    """HF Qwen3-Next computes its RMSNorms, gated norm and router softmax in float32 even in a
+    float64 model, so its gradients carry float32 rounding whatever the batching. To test our
+    tree machinery at float64 precision these float32 islands compute in the input dtype (same
+    formulas); the unmodified model is tested against HF's own forward separately."""
+    from transformers.models.qwen3_next import modeling_qwen3_next as m
+
+    def rms(self, x):
+        h = x if x.dtype == torch.float64 else x.float()
+        return (self._norm(h) * (1.0 + self.weight.to(h.dtype))).type_as(x)
+
+    def rms_gated(self, hidden_states, gate=None):
+        dt = hidden_states.dtype
+        h = hidden_states if dt == torch.float64 else hidden_states.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        h = (self.weight * h.to(dt)) * torch.nn.functional.silu(gate.to(h.dtype))
+        return h.to(dt)
+
+    def router(self, hidden_states):
+        x = hidden_states.reshape(-1, self.hidden_dim)
+        logits = torch.nn.functional.linear(x, self.weight)
+        probs = torch.softmax(
+            logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32)
+        )
+        top, idx = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return logits, top.to(logits.dtype), idx
+
+    monkeypatch.setattr(m.Qwen3NextRMSNorm, "forward", rms)
+    monkeypatch.setattr(m.Qwen3NextRMSNormGated, "forward", rms_gated)
+    monkeypatch.setattr(m.Qwen3NextTopKRouter, "forward", router)
+
+
+def _tiny_qwen3_next():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3NextConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        decoder_sparse_step=1,
+        full_attention_interval=2,
+        attn_implementation="sdpa",
+        experts_implementation="eager",
+    )
+    torch.manual_seed(5)
+    return transformers.Qwen3NextForCausalLM(cfg).double().eval()
+
+
+def _hf_log_probs(model, seq) -> torch.Tensor:
+    ids = torch.tensor([seq])
+    with torch.no_grad():
+        logits = model(ids, use_cache=False).logits[0]
+    return torch.log_softmax(logits.double(), -1)[:-1].gather(1, ids[0, 1:, None])[:, 0]
+
+
+def _float64_gdn_kernel(
+    query,
+    key,
+    value,
+    g,
+    beta,
+    chunk_size=64,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm_in_kernel=False,
+    **_,
+):
+    """HF's torch fallback casts to float32; this keeps its signature in float64."""
+    from harts_verl.ops.linear_attention import chunk_delta_rule_varlen
+
+    outs = []
+    for b in range(query.shape[0]):
+        t = query.shape[1]
+        res = chunk_delta_rule_varlen(
+            query[b],
+            key[b],
+            value[b],
+            g[b].to(value.dtype),
+            beta[b].to(value.dtype),
+            cu_seqlens=torch.tensor([0, t]),
+            chunk_size=chunk_size,
+            use_qk_l2norm=use_qk_l2norm_in_kernel,
+        )
+        outs.append(res.o)
+    return torch.stack(outs), None
+
+
+def test_qwen3_next_tree_equals_hf_per_trajectory(no_fla):
+    """Tree log-probs vs HF's own per-trajectory forward of the same float64 model. HF's torch
+    fallback kernel runs the gated delta rule in float32 and HF casts A_log/a to float32 for the
+    gate, which bounds the agreement; with a float64 kernel in HF's place only the gate cast
+    remains."""
+    model = _tiny_qwen3_next()
+    seqs = _forest_sequences(6, 64)
+    tree_lp = TreeRunner(model, chunk_size=64).log_probs(seqs)
+    hf32 = [_hf_log_probs(model, s) for s in seqs]
+    for a, b in zip(tree_lp, hf32):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    for mod in model.modules():
+        if type(mod).__name__ == "Qwen3NextGatedDeltaNet":
+            mod.chunk_gated_delta_rule = _float64_gdn_kernel
+    hf64 = [_hf_log_probs(model, s) for s in seqs]
+    for a, b in zip(tree_lp, hf64):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
+
+
+def test_qwen3_next_float32_tree_equals_hf(no_fla):
+    """In float32 (a production dtype) the adapter's formulas are HF's own, bit for bit; the
+    tree path matches HF's per-trajectory forward to kernel rounding."""
+    model = _tiny_qwen3_next().float()
+    seqs = _forest_sequences(8, 64)
+    tree_lp = TreeRunner(model, chunk_size=64).log_probs(seqs)
+    for a, s in zip(tree_lp, seqs):
+        torch.testing.assert_close(a.double(), _hf_log_probs(model, s), rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_qwen3_next_tree_equals_expanded_float64(hf_float64, recompute):
+    model = _tiny_qwen3_next()
+    _check_model(model, _forest_sequences(7, 64), chunk_size=16, recompute=recompute)
+
+
+def test_separable_microbatched_loss_equals_single_pass():
+    torch.manual_seed(9)
+    model = HybridForCausalLM.from_config(preset("tiny", vocab_size=64, chunk_size=16, moe_layers=[])).double()
+    seqs = _forest_sequences(10, 64)
+    w = torch.linspace(0.5, 1.5, len(seqs), dtype=torch.float64)
+
+    def loss(lps):
+        return sum((lp * w[i]).sum() for i, lp in enumerate(lps) if lp is not None)
+
+    grads = []
+    for cap, sep in ((None, False), (120, True)):
+        model.zero_grad(set_to_none=True)
+        r = TreeRunner(model, chunk_size=16, capacity_tokens=cap)
+        r.forward_backward(seqs, loss, separable=sep)
+        grads.append(_grads(model))
+    _assert_grads_close(grads[1], grads[0])
