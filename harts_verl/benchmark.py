@@ -72,7 +72,11 @@ def _grpo_like_loss(lengths: list[int], seed: int):
     total = float(max(sum(max(n - 1, 0) for n in lengths), 1))
 
     def loss_fn(log_probs: list[torch.Tensor]) -> torch.Tensor:
-        terms = [lp.sum() * float(adv[i]) for i, lp in enumerate(log_probs) if lp is not None and lp.numel()]
+        terms = [
+            lp.sum() * float(adv[i])
+            for i, lp in enumerate(log_probs)
+            if lp is not None and lp.numel()
+        ]
         return torch.stack(terms).sum() / total
 
     return loss_fn

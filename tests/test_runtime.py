@@ -277,7 +277,9 @@ def test_qwen3_next_tree_equals_expanded_float64(hf_float64, recompute):
 
 def test_separable_microbatched_loss_equals_single_pass():
     torch.manual_seed(9)
-    model = HybridForCausalLM.from_config(preset("tiny", vocab_size=64, chunk_size=16, moe_layers=[])).double()
+    model = HybridForCausalLM.from_config(
+        preset("tiny", vocab_size=64, chunk_size=16, moe_layers=[])
+    ).double()
     seqs = _forest_sequences(10, 64)
     w = torch.linspace(0.5, 1.5, len(seqs), dtype=torch.float64)
 

@@ -98,9 +98,10 @@ class MoEFFN(nn.Module):
         self.router = nn.Linear(d, e, bias=False)
         if cfg.router == "sigmoid_grouped":
             self.register_buffer("correction_bias", torch.zeros(e))
-        self.w_gate = nn.Parameter(torch.randn(e, f, d) * cfg.initializer_range)
-        self.w_up = nn.Parameter(torch.randn(e, f, d) * cfg.initializer_range)
-        self.w_down = nn.Parameter(torch.randn(e, d, f) * cfg.initializer_range)
+        # Expert weights [E, D, F] / [E, F, D] (x @ w layout of ops.moe.moe_forward).
+        self.w_gate = nn.Parameter(torch.randn(e, d, f) * cfg.initializer_range)
+        self.w_up = nn.Parameter(torch.randn(e, d, f) * cfg.initializer_range)
+        self.w_down = nn.Parameter(torch.randn(e, f, d) * cfg.initializer_range)
         if cfg.shared_expert_intermediate_size:
             self.shared = SwiGLU(d, cfg.shared_expert_intermediate_size)
             self.shared_gate = nn.Linear(d, 1, bias=False)
@@ -132,22 +133,8 @@ class MoEFFN(nn.Module):
         """x ``[C, D]`` → (output ``[C, D]``, auxiliary load-balancing loss scalar)."""
         from harts_verl.ops import moe
 
-        logits, route = self.route(x)
-        out = torch.zeros_like(x)
-        flat_e = route.experts.reshape(-1)
-        order = torch.argsort(flat_e, stable=True)
-        counts = torch.bincount(flat_e, minlength=self.cfg.num_experts).tolist()
-        tok = order // route.experts.shape[1]
-        w = route.weights.reshape(-1)[order].to(x.dtype)
-        start = 0
-        for e, n in enumerate(counts):  # loop over experts, not tokens
-            if n == 0:
-                continue
-            idx = tok[start : start + n]
-            h = x.index_select(0, idx)
-            h = F.silu(h @ self.w_gate[e].T) * (h @ self.w_up[e].T)
-            out.index_add_(0, idx, (h @ self.w_down[e].T) * w[start : start + n, None])
-            start += n
+        _, route = self.route(x)
+        out = moe.moe_forward(x, route.weights, route.experts, self.w_gate, self.w_up, self.w_down)
         if self.shared is not None:
             out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
         aux = moe.load_balancing_loss(

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from harts_verl.models.config import HybridConfig
