@@ -1,4 +1,4 @@
-"""Command line: ``harts-verl demo | bench | inspect``."""
+"""Command line: ``harts-verl demo | bench | inspect | check``."""
 
 from __future__ import annotations
 
@@ -139,6 +139,19 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_inspect)
 
 
+def _add_check(sub: argparse._SubParsersAction) -> None:
+    from harts_verl.workers import check
+
+    p = sub.add_parser(
+        "check",
+        help="fidelity audit: tree vs expanded on your model and batch (JSON)",
+        description="Tree vs expanded execution of a model on a dumped batch: max |Δlogp|, "
+        "mean logit cosine, per-layer max difference and the first divergent layer.",
+    )
+    check.add_arguments(p)
+    p.set_defaults(func=check.run_args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="harts-verl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -151,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_bench_args(bench, repeats=3, warmup=1)
     bench.set_defaults(func=_cmd_bench)
     _add_inspect(sub)
+    _add_check(sub)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

@@ -10,6 +10,7 @@ the ``[1, C, D]`` compact batch. Parameter names and the state dict are unchange
 
 from __future__ import annotations
 
+import sys
 import types
 from typing import Any
 
@@ -28,6 +29,12 @@ def _is_qwen3_next(model: nn.Module) -> bool:
     return getattr(cfg, "model_type", None) in ("qwen3_next",)
 
 
+# Plain full-attention HF causal LMs whose attention modules :func:`_full_attn_tree_forward`
+# reproduces (q/k/v projections, optional per-head q/k norm, RoPE, o_proj).
+FULL_ATTENTION_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+_FULL_ATTENTION_CLASSES = ("Qwen2Attention", "Qwen3Attention", "LlamaAttention")
+
+
 def as_tree_model(model: nn.Module) -> nn.Module:
     """Return a module with the tree interface ``forward(input_ids [C], layout) -> (hidden [C, D],
     aux_loss)`` and an ``lm_head``: the native model as is, HF Qwen3-Next through
@@ -38,9 +45,14 @@ def as_tree_model(model: nn.Module) -> nn.Module:
         return model
     if _is_qwen3_next(model):
         return Qwen3NextTreeModel(model)
+    if isinstance(model, HFCausalTreeModel):
+        return model
+    if getattr(getattr(model, "config", None), "model_type", None) in FULL_ATTENTION_MODEL_TYPES:
+        return HFCausalTreeModel(model)
     raise TypeError(
         f"model: {type(model).__name__} is not supported in tree mode "
-        "(supported: HybridForCausalLM, transformers Qwen3NextForCausalLM)"
+        "(supported: HybridForCausalLM, transformers Qwen3NextForCausalLM, "
+        "Qwen2/Qwen3/Llama ForCausalLM)"
     )
 
 
@@ -102,6 +114,54 @@ def _attn_tree_forward(
     o = harts_layout.attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0], scale=self.scaling)
     o = o.reshape(1, c, -1) * torch.sigmoid(gate)
     return self.o_proj(o), None
+
+
+def _full_attn_tree_forward(
+    self, *args: Any, harts_layout: TreeLayout | None = None, **kwargs: Any
+) -> tuple[torch.Tensor, None]:
+    """Tree mode of a Qwen2/Qwen3/Llama attention module: the module's own projections,
+    q/k norms and RoPE on the compact rows, softmax attention over each row's ancestors."""
+    if harts_layout is None:
+        return getattr(self, _PATCHED)(*args, **kwargs)
+    names = ("hidden_states", "position_embeddings")
+    vals = list(args[:2]) + [kwargs.get(n) for n in names[len(args[:2]) :]]
+    hidden_states, position_embeddings = vals
+    if getattr(self, "sliding_window", None):
+        raise NotImplementedError(
+            f"{type(self).__name__}: sliding-window attention is not supported in tree mode"
+        )
+    rope = sys.modules[type(self).__module__].apply_rotary_pos_emb
+    c = hidden_states.shape[1]
+    q = self.q_proj(hidden_states).view(1, c, -1, self.head_dim)
+    k = self.k_proj(hidden_states).view(1, c, -1, self.head_dim)
+    v = self.v_proj(hidden_states).view(1, c, -1, self.head_dim)
+    if getattr(self, "q_norm", None) is not None:
+        q, k = self.q_norm(q), self.k_norm(k)
+    cos, sin = position_embeddings
+    q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    o = harts_layout.attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0], scale=self.scaling)
+    return self.o_proj(o.reshape(1, c, -1)), None
+
+
+def patch_tree_mixers(model: nn.Module) -> int:
+    """Make every supported token mixer of an HF model tree-aware (idempotent): the instance
+    ``forward`` runs the tree ops when called with ``harts_layout=...`` and the original code
+    otherwise. Returns the number of patched modules (0: nothing in ``model`` is supported)."""
+    n = 0
+    qn = None
+    if _is_qwen3_next(model):
+        from transformers.models.qwen3_next import modeling_qwen3_next as qn
+    for mod in model.modules():
+        if qn is not None and isinstance(mod, qn.Qwen3NextGatedDeltaNet):
+            _patch(mod, _gdn_tree_forward)
+        elif qn is not None and isinstance(mod, qn.Qwen3NextAttention):
+            _patch(mod, _attn_tree_forward)
+        elif type(mod).__name__ in _FULL_ATTENTION_CLASSES:
+            _patch(mod, _full_attn_tree_forward)
+        else:
+            continue
+        n += 1
+    return n
 
 
 def _patch(module: nn.Module, fn) -> None:
@@ -182,3 +242,42 @@ class Qwen3NextTreeModel(nn.Module):
         h = base.norm(h)[0]
         aux = self._aux_loss(captured, layout) if captured else h.new_zeros(())
         return h, aux
+
+
+class HFCausalTreeModel(nn.Module):
+    """Tree-mode view of a plain full-attention HF causal LM (Qwen2, Qwen3, Llama): embeddings
+    → decoder layers with ``position_ids`` = row depth and tree attention → final norm."""
+
+    def __init__(self, hf_model: nn.Module) -> None:
+        super().__init__()
+        self.hf = hf_model
+        self.config = hf_model.config
+        self.gradient_checkpointing = False
+        if patch_tree_mixers(hf_model) == 0:
+            raise TypeError(f"model: {type(hf_model).__name__} has no supported attention module")
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self.hf.lm_head
+
+    def forward(
+        self, input_ids: torch.Tensor, layout: TreeLayout
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids ``[C]`` → (final hidden ``[C, D]``, zero aux loss)."""
+        base = self.hf.model
+        pos = layout.position_ids[None]
+        h = base.embed_tokens(input_ids[None])
+        pe = base.rotary_emb(h, pos)
+        for layer in base.layers[: self.config.num_hidden_layers]:
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                h = checkpoint(
+                    lambda x, lyr=layer: lyr(
+                        x, position_embeddings=pe, position_ids=pos, harts_layout=layout
+                    ),
+                    h,
+                    use_reentrant=False,
+                )
+            else:
+                h = layer(h, position_embeddings=pe, position_ids=pos, harts_layout=layout)
+        h = base.norm(h)[0]
+        return h, h.new_zeros(())

@@ -1,0 +1,155 @@
+"""``harts-verl check``: fidelity audit of tree vs expanded execution on your model and batch.
+
+Inputs: ``--model`` an HF model directory (weights) or a ``config.json`` (random weights,
+seeded), ``--batch`` a dump of trajectories: a ``RolloutForest.save`` file (``.npz``), or a
+``torch.save`` file (``.pt``) holding a list of token-id lists or a dict with ``input_ids``
+(list, or a nested tensor as in a veRL batch). Prints JSON: max |Δlogp|, MeanCos of the final
+hidden states' logits, and per decoder layer the max |Δ| of its output with the first layer
+whose difference exceeds ``--tol`` (None when all stay within).
+
+Run: ``python -m harts_verl.workers.check --model DIR --batch FILE`` (the ``harts-verl check``
+subcommand calls :func:`main`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["add_arguments", "load_sequences", "main", "run_check"]
+
+
+def load_sequences(path: str) -> list[list[int]]:
+    """Trajectories of a batch dump (see module doc)."""
+    from harts_verl.tree import RolloutForest
+
+    if path.endswith(".npz"):
+        f = RolloutForest.load(path)
+        return [f.tokens_of(i).tolist() for i in range(f.num_trajectories)]
+    obj = torch.load(path, map_location="cpu", weights_only=False)
+    if isinstance(obj, dict):
+        obj = obj["input_ids"]
+    if isinstance(obj, torch.Tensor) and obj.is_nested:
+        obj = list(obj.unbind())
+    return [np.asarray(t).astype(np.int64).tolist() for t in obj]
+
+
+def _load_model(spec: str, dtype: torch.dtype, seed: int):
+    import os
+
+    import transformers
+
+    if spec.endswith(".json"):
+        cfg = transformers.AutoConfig.from_pretrained(os.path.dirname(spec) or ".")
+        cfg._attn_implementation = "sdpa"
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(spec, attn_implementation="sdpa")
+    return model.to(dtype).eval()
+
+
+def _layer_outputs(runner: Any, model: Any, seqs: list[list[int]]) -> list[list[torch.Tensor]]:
+    """Per decoder layer, per trajectory: the layer's output rows ``[L_i, D]``."""
+    from harts_verl.ops.layout import TreeLayout
+
+    layers = model.model.layers
+    captured: list[torch.Tensor] = []
+    hooks = [
+        lyr.register_forward_hook(
+            lambda _m, _i, out: captured.append(out[0] if isinstance(out, tuple) else out)
+        )
+        for lyr in layers
+    ]
+    try:
+        forest = runner.build_forest(seqs)
+        layout = TreeLayout(forest, chunk_size=runner.chunk_size, device=runner.device)
+        with torch.no_grad():
+            runner.model(layout.token_ids, layout)
+    finally:
+        for h in hooks:
+            h.remove()
+    out = []
+    for h in captured:
+        h2 = h[0] if h.dim() == 3 else h
+        out.append([h2[torch.as_tensor(forest.rows_of(i))] for i in range(len(seqs))])
+    return out
+
+
+def run_check(
+    model: Any, seqs: list[list[int]], *, chunk_size: int = 64, tol: float = 1e-5
+) -> dict[str, Any]:
+    """Tree vs expanded on one model and batch: the figures described in the module doc."""
+    from harts_verl.runtime import ExpandedRunner, TreeRunner
+
+    tree = TreeRunner(model, chunk_size=chunk_size)
+    exp = ExpandedRunner(model, chunk_size=chunk_size)
+    lt, le = tree.log_probs(seqs), exp.log_probs(seqs)
+    dlogp = max((float((a - b).abs().max()) for a, b in zip(lt, le) if a.numel()), default=0.0)
+    ht, he = tree.hidden_states(seqs), exp.hidden_states(seqs)
+    w = tree.model.lm_head.weight.detach()
+    cos = torch.cat(
+        [
+            torch.nn.functional.cosine_similarity(
+                a.double() @ w.double().T, b.double() @ w.double().T, dim=-1
+            )
+            for a, b in zip(ht, he)
+        ]
+    )
+    per_layer = []
+    if hasattr(model, "model") and hasattr(model.model, "layers"):
+        lt_layers = _layer_outputs(tree, model, seqs)
+        le_layers = _layer_outputs(exp, model, seqs)
+        per_layer = [
+            max(float((a.double() - b.double()).abs().max()) for a, b in zip(x, y))
+            for x, y in zip(lt_layers, le_layers)
+        ]
+    first = next((k for k, d in enumerate(per_layer) if d > tol), None)
+    return {
+        "trajectories": len(seqs),
+        "semantic_tokens": tree.last_stats.semantic_tokens,
+        "compact_tokens": tree.last_stats.compact_tokens,
+        "compression": tree.last_stats.compression,
+        "max_abs_dlogp": dlogp,
+        "mean_cos": float(cos.mean()),
+        "per_layer_max_abs_diff": per_layer,
+        "first_divergent_layer": first,
+        "tol": tol,
+    }
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``check`` options (for ``harts-verl check``)."""
+    p.add_argument("--model", required=True, help="HF model dir, or a config.json (random init)")
+    p.add_argument("--batch", required=True, help="batch dump: forest .npz or torch .pt")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float64")
+    p.add_argument("--chunk-size", type=int, default=64)
+    p.add_argument("--tol", type=float, default=1e-5, help="per-layer divergence threshold")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv``, run the audit, print JSON."""
+    p = argparse.ArgumentParser(prog="harts-verl check", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return run_args(p.parse_args(argv))
+
+
+def run_args(args: argparse.Namespace) -> int:
+    """Run the audit for parsed ``check`` options and print JSON."""
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+    if args.dtype not in dtype:
+        raise SystemExit(f"--dtype: expected one of {sorted(dtype)}, got {args.dtype!r}")
+    model = _load_model(args.model, dtype[args.dtype], args.seed)
+    res = run_check(model, load_sequences(args.batch), chunk_size=args.chunk_size, tol=args.tol)
+    print(json.dumps(res, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""Actor config with a ``harts:`` section (``actor_rollout_ref.actor._target_``).
+
+Enable HARTS in a veRL PPO config::
+
+    actor_rollout_ref.actor.strategy=harts_fsdp2
+    actor_rollout_ref.actor._target_=harts_verl.workers.config.HartsFSDPActorConfig
+    +actor_rollout_ref.actor.harts.chunk_size=64     # any key of HartsConfig
+
+veRL's ``FSDPActorConfig.__post_init__`` copies ``actor.strategy`` into the engine config; we
+attach the validated :class:`HartsConfig` to the same engine config object (attribute
+``harts``), which is how the engine receives it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from verl.base_config import BaseConfig
+from verl.workers.config import FSDPActorConfig
+
+__all__ = ["STRATEGY", "HartsConfig", "HartsFSDPActorConfig", "harts_config_of"]
+
+STRATEGY = "harts_fsdp2"
+_PLANNER_KEYS = {"strategies", "improve", "balance", "work_slack", "restarts", "effort", "seed"}
+
+
+@dataclass
+class HartsConfig(BaseConfig):
+    """The ``harts:`` section.
+
+    Attributes:
+      enable: run the compact tree forward/backward (False: the stock fsdp2 path).
+      chunk_size: linear-attention chunk size B (members start on multiples of B).
+      capacity_tokens: compact rows per micro-batch; None = the batch's
+        ``max_token_len_per_gpu`` (train: ``ppo_max_token_len_per_gpu``).
+      min_compression: when the global batch's compression S/C is below this, the batch runs
+        the stock path (metric ``harts/fallback`` = 1).
+      audit_every: every N engine calls, recompute the log-probs of a sample of trajectories
+        with the stock (expanded) path and log ``harts/audit_max_abs_diff`` (0 = never).
+      audit_trajectories: how many trajectories the audit samples.
+      rows_per_chunk: rows per chunk of the compact log-prob/entropy kernel (memory bound).
+      planner: options passed to ``plan_microbatches`` (``strategies``, ``improve``,
+        ``balance``, ``work_slack``, ``restarts``, ``effort``, ``seed``).
+    """
+
+    enable: bool = True
+    chunk_size: int = 64
+    capacity_tokens: int | None = None
+    min_compression: float = 1.0
+    audit_every: int = 0
+    audit_trajectories: int = 4
+    rows_per_chunk: int = 4096
+    planner: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        def positive_int(name: str, value: Any, *, allow_zero: bool = False) -> None:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+            if not ok or value < (0 if allow_zero else 1):
+                what = "a non-negative int" if allow_zero else "a positive int"
+                raise ValueError(f"harts.{name}: expected {what}, got {value!r}")
+
+        if not isinstance(self.enable, bool):
+            raise ValueError(f"harts.enable: expected a bool, got {self.enable!r}")
+        positive_int("chunk_size", self.chunk_size)
+        if self.capacity_tokens is not None:
+            positive_int("capacity_tokens", self.capacity_tokens)
+        positive_int("audit_every", self.audit_every, allow_zero=True)
+        positive_int("audit_trajectories", self.audit_trajectories)
+        positive_int("rows_per_chunk", self.rows_per_chunk)
+        mc = self.min_compression
+        if isinstance(mc, bool) or not isinstance(mc, int | float) or not mc >= 0:
+            raise ValueError(f"harts.min_compression: expected a number >= 0, got {mc!r}")
+        if not isinstance(self.planner, Mapping):
+            raise ValueError(
+                f"harts.planner: expected a mapping, got {type(self.planner).__name__}"
+            )
+        for key in self.planner:
+            if key not in _PLANNER_KEYS:
+                raise ValueError(
+                    f"harts.planner.{key}: unknown planner option (known: {sorted(_PLANNER_KEYS)})"
+                )
+
+    @classmethod
+    def from_any(cls, value: Any) -> HartsConfig:
+        """Build from a HartsConfig, a mapping (hydra/omegaconf) or None; unknown keys raise
+        ValueError naming ``harts.<key>``."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, Mapping):
+            raise ValueError(f"harts: expected a mapping, got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        items = {str(k): v for k, v in value.items() if k != "_target_"}
+        for key in items:
+            if key not in known:
+                raise ValueError(
+                    f"harts.{key}: unknown key (known: {sorted(known - {'_target_'})})"
+                )
+        if "planner" in items:
+            items["planner"] = dict(items["planner"] or {})
+        return cls(**items)
+
+
+@dataclass
+class HartsFSDPActorConfig(FSDPActorConfig):
+    """``FSDPActorConfig`` plus the ``harts:`` section; ``strategy`` defaults to
+    ``harts_fsdp2``. The validated section is attached to the engine config as ``harts``."""
+
+    strategy: str = STRATEGY
+    harts: Any = field(default_factory=HartsConfig)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "harts", HartsConfig.from_any(self.harts))
+        super().__post_init__()
+        object.__setattr__(self.engine, "harts", self.harts)
+
+
+def harts_config_of(engine_config: Any) -> HartsConfig:
+    """The ``harts`` section attached to an engine config (defaults when absent, e.g. for the
+    reference policy, whose config class is veRL's own)."""
+    return HartsConfig.from_any(getattr(engine_config, "harts", None))

@@ -1,0 +1,142 @@
+"""CPU platform shim for veRL (tests and the local CPU demo only; never imported in GPU runs).
+
+veRL 0.9.1 resolves its device through ``verl.plugin.platform`` (``cuda``/``npu``/``rocm``
+only) and registers its FSDP engines for ``cuda``/``npu`` only. :func:`install_cpu_platform`
+makes a process run veRL's engine path on CPU:
+
+* registers and selects a :class:`PlatformCPU` (device ``"cpu"``, collective backend ``gloo``,
+  ``current_device() -> "cpu"`` so every ``.to(get_device_id())`` stays on CPU);
+* registers veRL's stock ``FSDPEngineWithLMHead`` for ``fsdp``/``fsdp2`` on device ``cpu`` (the
+  parity reference of our tests; FSDP2 works on CPU with gloo, FSDP1 does not).
+
+Call it **before** anything imports ``verl.workers.engine`` (a few veRL modules read the device
+name at import time). It is idempotent. The ``harts_fsdp2`` engine itself registers for ``cpu``
+through the plugin, so only the stock reference needs this shim.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Any
+
+import torch
+
+__all__ = ["install_cpu_platform"]
+
+_INSTALLED = False
+
+
+def _platform_cls() -> type:
+    from verl.plugin.platform import PlatformBase, PlatformRegistry
+
+    @PlatformRegistry.register(platform="harts_cpu")
+    class PlatformCPU(PlatformBase):
+        """veRL platform for CPU-only processes: device ``cpu``, collectives over gloo."""
+
+        @property
+        def device_name(self) -> str:
+            return "cpu"
+
+        @property
+        def vendor_name(self) -> str:
+            return "cpu"
+
+        @property
+        def device_module(self) -> ModuleType:
+            return torch.cpu
+
+        def is_available(self) -> bool:
+            return True
+
+        def is_platform_available(self, use_smi_check: bool = False) -> bool:
+            return True
+
+        def current_device(self) -> Any:  # veRL passes it to ``.to()``; "cpu" keeps it there
+            return "cpu"
+
+        def device_count(self) -> int:
+            return 1
+
+        def set_device(self, device_index: int) -> None:
+            return None
+
+        def synchronize(self, device_index: int | None = None) -> None:
+            return None
+
+        def manual_seed(self, seed: int) -> None:
+            torch.manual_seed(seed)
+
+        def manual_seed_all(self, seed: int) -> None:
+            torch.manual_seed(seed)
+
+        def set_allocator_settings(self, settings: str) -> None:
+            return None
+
+        def empty_cache(self) -> None:
+            return None
+
+        def get_device_capability(self, device_index: int = 0) -> tuple[int | None, int | None]:
+            return None, None
+
+        def communication_backend_name(self) -> str:
+            return "gloo"
+
+        def visible_devices_envvar(self) -> str:
+            return "CUDA_VISIBLE_DEVICES"
+
+        @contextmanager
+        def nvtx_range(self, msg: str):
+            yield
+
+        def profiler_start(self) -> None:
+            return None
+
+        def profiler_stop(self) -> None:
+            return None
+
+        def ray_resource_name(self) -> str:
+            return "GPU"
+
+        def ray_noset_envvars(self) -> list[str]:
+            return []
+
+        def is_ipc_supported(self) -> bool:
+            return False
+
+        def cudart(self) -> Any:
+            return None
+
+    return PlatformCPU
+
+
+def install_cpu_platform() -> None:
+    """Select the CPU platform in this process and register veRL's stock FSDP engines for
+    device ``cpu`` (idempotent). Sets ``VERL_PLATFORM=harts_cpu`` for child processes."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    os.environ["VERL_PLATFORM"] = "harts_cpu"
+    from verl.plugin.platform import set_platform
+
+    set_platform(_platform_cls()())
+    # torch.cpu lacks a few torch.cuda memory helpers veRL calls for metrics/logging.
+    for name in (
+        "max_memory_allocated",
+        "max_memory_reserved",
+        "memory_allocated",
+        "memory_reserved",
+    ):
+        if not hasattr(torch.cpu, name):
+            setattr(torch.cpu, name, lambda *a, **k: 0)
+    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    registry = EngineRegistry._engines.setdefault("language_model", {})
+    for backend in ("fsdp", "fsdp2"):
+        if "cpu" not in registry.get(backend, {}):
+            EngineRegistry.register("language_model", backend=backend, device="cpu")(
+                FSDPEngineWithLMHead
+            )
+    _INSTALLED = True

@@ -1,0 +1,439 @@
+"""The ``harts_fsdp2`` engine: veRL's FSDP2 LM-head engine with compact tree micro-batches.
+
+What changes against the stock engine (everything else is inherited):
+
+* ``forward_backward_batch``: the local batch's trajectories (nested ``input_ids``) become a
+  :class:`~harts_verl.tree.RolloutForest`; micro-batches are planned by compact work
+  (``plan_microbatches``, capacity = ``harts.capacity_tokens`` or the batch's
+  ``max_token_len_per_gpu``); every DP rank runs the same number of micro-batches (FSDP
+  collectives stay aligned); outputs are restored to the batch order.
+* ``forward_step`` of a micro-batch: one forward of the FSDP root module on the compact rows
+  (``input_ids`` = row tokens, ``position_ids`` = row depths, ``harts_layout`` reaching the
+  patched token mixers), with the LM head replaced for that call by
+  :func:`~harts_verl.ops.logprobs.compact_log_probs` (vocabulary work once per row). The result
+  is veRL's contract: nested per-trajectory ``log_probs`` (and ``entropy``) shifted by one —
+  position t holds log p(x[t+1] | x[≤t]) — so ``ppo_loss`` and every policy-loss mode run
+  unchanged, with veRL's global token counts (trajectory-wise meaning).
+
+Position L−1 (no next token) holds 0 for log-probs and entropy. The stock engine leaves a value
+there that depends on packing (it rolls the packed ids, so it is the log-prob of the *next*
+sequence's first token); veRL's losses never read it (``no_padding_2_padding`` slices
+``[prompt_len − 1, L − 1)``).
+
+Fallback (stock path, metric ``harts/fallback`` = 1): harts disabled, a model without tree
+support, per-sample temperatures, multi-modal inputs, or global compression below
+``harts.min_compression``. The decision is taken jointly by all DP ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import types
+from contextlib import nullcontext
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from verl.utils import tensordict_utils as tu
+from verl.utils.device import get_device_id, get_device_name
+from verl.utils.py_functional import append_to_dict
+from verl.utils.seqlen_balancing import restore_dynamic_batch
+from verl.workers.engine.base import EngineRegistry
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+from verl.workers.engine.utils import detach_tree
+
+from harts_verl.models.adapter import FULL_ATTENTION_MODEL_TYPES, patch_tree_mixers
+from harts_verl.ops.layout import TreeLayout
+from harts_verl.ops.logprobs import compact_log_probs
+from harts_verl.tree import RolloutForest
+from harts_verl.workers.config import STRATEGY, HartsConfig, harts_config_of
+
+__all__ = ["HartsFSDPEngine", "forest_of_batch"]
+
+logger = logging.getLogger(__name__)
+
+_HEAD_FN = "_harts_head_fn"
+_HEAD_ORIG = "_harts_original_forward"
+
+
+def _lm_head_forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    fn = getattr(self, _HEAD_FN, None)
+    if fn is None:
+        return getattr(self, _HEAD_ORIG)(hidden_states, *args, **kwargs)
+    return fn(hidden_states, self.weight, getattr(self, "bias", None))
+
+
+def _find_lm_head(module: torch.nn.Module) -> torch.nn.Module | None:
+    getter = getattr(module, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
+    return head if isinstance(head, torch.nn.Linear) else None
+
+
+def _sequences(input_ids: torch.Tensor) -> list[np.ndarray]:
+    """Per-trajectory token ids (numpy int64) of a nested (jagged) ``[bsz, j1]`` tensor."""
+    values = input_ids.values().detach().cpu().numpy().astype(np.int64, copy=False)
+    offsets = input_ids.offsets().detach().cpu().numpy()
+    return [values[offsets[i] : offsets[i + 1]] for i in range(offsets.shape[0] - 1)]
+
+
+def forest_of_batch(data: TensorDict) -> RolloutForest:
+    """The token trie of a batch's trajectories (nested ``input_ids``). Recorded tree metadata is
+    not needed: the trie of the token sequences is the rollout tree (same tokens, same rows)."""
+    return RolloutForest.from_sequences(_sequences(data["input_ids"]))
+
+
+def _scalar_temperature(micro_batch: TensorDict) -> float | None:
+    t = micro_batch["temperature"] if "temperature" in micro_batch.keys() else 1.0
+    t = tu.unwrap_non_tensor_data(t) if not isinstance(t, torch.Tensor | float | int) else t
+    if isinstance(t, torch.Tensor):
+        if t.numel() == 0:
+            return 1.0
+        flat = t.reshape(-1).float()
+        if not bool((flat == flat[0]).all()):
+            return None
+        return float(flat[0])
+    return float(t)
+
+
+@EngineRegistry.register(model_type="language_model", backend=STRATEGY, device=["cuda", "cpu"])
+class HartsFSDPEngine(FSDPEngineWithLMHead):
+    """veRL FSDP2 engine running each micro-batch as its token trie (see module docstring)."""
+
+    def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config) -> None:
+        self.harts: HartsConfig = harts_config_of(engine_config)
+        # FSDP build code branches on the literal strategy name.
+        if getattr(engine_config, "strategy", None) in (STRATEGY, None):
+            object.__setattr__(engine_config, "strategy", "fsdp2")
+        if engine_config.strategy != "fsdp2":
+            raise ValueError(
+                f"strategy: {STRATEGY} runs on FSDP2, got engine strategy {engine_config.strategy!r}"
+            )
+        super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
+        self._tree_supported = False
+        self._lm_head: torch.nn.Module | None = None
+        self._calls = 0
+
+    # ------------------------------------------------------------------ model build
+    def _build_module(self):
+        module = super()._build_module()
+        model_type = getattr(getattr(module, "config", None), "model_type", None)
+        head = _find_lm_head(module)
+        patched = patch_tree_mixers(module) if head is not None else 0
+        self._tree_supported = patched > 0
+        if self._tree_supported:
+            if not hasattr(head, _HEAD_ORIG):
+                setattr(head, _HEAD_ORIG, head.forward)
+                head.forward = types.MethodType(_lm_head_forward, head)
+            self._lm_head = head
+        else:
+            logger.warning(
+                "harts_fsdp2: model type %r has no tree-mode support; every batch takes the "
+                "stock fsdp2 path (supported: qwen3_next, %s)",
+                model_type,
+                ", ".join(FULL_ATTENTION_MODEL_TYPES),
+            )
+        self._model_type = model_type
+        return module
+
+    # ------------------------------------------------------------------ helpers
+    def _dp_all_reduce(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=get_device_id())
+        group = self.get_data_parallel_group()
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(t, op=op, group=group)
+        return t.tolist()
+
+    def _capacity(self, data: TensorDict) -> int:
+        if self.harts.capacity_tokens is not None:
+            return int(self.harts.capacity_tokens)
+        cap = tu.get_non_tensor_data(data=data, key="max_token_len_per_gpu", default=None)
+        if cap is None:
+            cap = getattr(self.engine_config, "max_token_len_per_gpu", None)
+        return int(cap) if cap else 16384
+
+    def _plan(self, forest: RolloutForest, capacity: int) -> tuple[list[np.ndarray], float]:
+        from harts_verl.tree.microbatch import plan_microbatches
+
+        opts = dict(self.harts.planner)
+        seed = int(opts.pop("seed", 0))
+        t0 = time.perf_counter()
+        plan = plan_microbatches(
+            forest, capacity_tokens=capacity, dp_size=1, seed=seed, allow_oversize=True, **opts
+        )
+        groups = [np.asarray(mb.trajectories, np.int64) for mb in plan.microbatches]
+        groups = [g for g in groups if g.shape[0]]
+        return groups, (time.perf_counter() - t0) * 1e3
+
+    @staticmethod
+    def _equalize(groups: list[np.ndarray], target: int) -> list[np.ndarray | None]:
+        """Split the largest micro-batches (in leaf order) until there are ``target``; pad with
+        ``None`` (a zero-loss dummy forward) when nothing can be split."""
+        out: list[np.ndarray | None] = list(groups)
+        while len(out) < target:
+            sizes = [g.shape[0] if g is not None else 0 for g in out]
+            j = int(np.argmax(sizes)) if sizes else 0
+            if not sizes or sizes[j] < 2:
+                out.append(None)
+                continue
+            g = out[j]
+            half = g.shape[0] // 2
+            out[j : j + 1] = [g[:half], g[half:]]
+        return out
+
+    # ------------------------------------------------------------------ batch
+    def forward_backward_batch(self, data: TensorDict, loss_function, forward_only=False):
+        self._calls += 1
+        n = len(data)
+        temperature = _scalar_temperature(data)
+        forest = forest_of_batch(data) if n else None
+        s = forest.num_semantic_tokens if forest is not None else 0
+        c = forest.num_compact_tokens if forest is not None else 0
+        local_ok = (
+            self.harts.enable
+            and self._tree_supported
+            and temperature is not None
+            and "multi_modal_inputs" not in data.keys()
+            and tu.get_non_tensor_data(data=data, key="use_fused_kernels", default=False) is False
+        )
+        # All ranks take the same path (FSDP collectives must stay aligned).
+        s_all, c_all = self._dp_all_reduce([s, c])
+        ok_min = self._dp_all_reduce([1.0 if local_ok else 0.0], op=dist.ReduceOp.MIN)[0]
+        compression = s_all / c_all if c_all else 1.0
+        if ok_min < 1 or compression < self.harts.min_compression:
+            out = super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+            out.setdefault("metrics", {})
+            for k, v in {"fallback": 1.0, "compression": compression}.items():
+                out["metrics"][f"harts/{k}"] = [v]
+            return out
+        return self._tree_forward_backward_batch(
+            data, loss_function, forward_only, forest, temperature, compression
+        )
+
+    def _tree_forward_backward_batch(
+        self,
+        data: TensorDict,
+        loss_function,
+        forward_only: bool,
+        forest: RolloutForest,
+        temperature: float,
+        compression: float,
+    ):
+        tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
+        return_model_output = tu.get_non_tensor_data(
+            data=data, key="return_model_output", default=False
+        )
+        batch_num_tokens = data["loss_mask"].sum().to(get_device_id())
+        group = self.get_data_parallel_group()
+        dist.all_reduce(batch_num_tokens, op=dist.ReduceOp.SUM, group=group)
+        tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item())
+        tu.assign_non_tensor(data, dp_size=self.get_data_parallel_size())
+
+        groups, planning_ms = self._plan(forest, self._capacity(data))
+        target = int(self._dp_all_reduce([len(groups)], op=dist.ReduceOp.MAX)[0])
+        groups_eq = self._equalize(groups, target)
+
+        ctx = torch.no_grad() if forward_only else nullcontext()
+        scaler = getattr(self, "scaler", None)
+        output_lst: list[dict] = []
+        indices: list[list[int]] = []
+        stats = {"compact_tokens": 0, "replay_tokens": 0, "rounds": 0}
+        for k, idx in enumerate(groups_eq):
+            dummy = idx is None
+            sel = [0] if dummy else idx.tolist()
+            micro_batch = tu.index_select_tensor_dict(data, sel)
+            sync_ctx = (
+                nullcontext()
+                if forward_only
+                else self._gradient_sync_context(is_last_micro_batch=k == len(groups_eq) - 1)
+            )
+            with ctx, sync_ctx, torch.profiler.record_function(f"harts_micro_batch{k}"):
+                loss, meta, mb_stats = self._tree_forward_step(
+                    micro_batch,
+                    loss_function=None if dummy else loss_function,
+                    forward_only=forward_only,
+                    temperature=temperature,
+                    dummy=dummy,
+                )
+                if not forward_only:
+                    if scaler is not None:
+                        scaler.scale(loss).backward()
+                    else:
+                        loss.backward()
+                    if not return_model_output:
+                        meta.pop("model_output", None)
+            if dummy:
+                continue
+            for key in stats:
+                stats[key] += mb_stats[key]
+            output_lst.append(meta)
+            indices.append(sel)
+
+        out = self._postprocess(output_lst, indices)
+        metrics = out["metrics"]
+        metrics["harts/compression"] = [compression]
+        metrics["harts/compact_tokens"] = [float(stats["compact_tokens"])]
+        metrics["harts/replay_tokens"] = [float(stats["replay_tokens"])]
+        metrics["harts/rounds"] = [float(stats["rounds"])]
+        metrics["harts/microbatches"] = [float(len(groups_eq))]
+        metrics["harts/planning_ms"] = [planning_ms]
+        metrics["harts/fallback"] = [0.0]
+        if self.harts.audit_every and self._calls % self.harts.audit_every == 0:
+            metrics["harts/audit"] = [self._audit(data, out.get("model_output", {}), temperature)]
+        return out
+
+    @staticmethod
+    def _postprocess(output_lst: list[dict], indices: list[list[int]]) -> dict:
+        """Concatenate micro-batch outputs and restore the batch order (as
+        ``postprocess_batch_func`` does for dynamic batching)."""
+        model_output: dict[str, list] = {}
+        losses, metrics = [], {}
+        for o in output_lst:
+            for key, val in o.get("model_output", {}).items():
+                model_output.setdefault(key, []).append(val)
+            if "loss" in o:
+                losses.append(o["loss"])
+            if "metrics" in o:
+                append_to_dict(metrics, o["metrics"])
+        restored = {}
+        for key, vals in model_output.items():
+            tensors = [t for nt in vals for t in nt.unbind()]
+            nested = torch.nested.as_nested_tensor(tensors, layout=torch.jagged)
+            restored[key] = restore_dynamic_batch(nested, indices)
+        return {"model_output": restored, "loss": losses, "metrics": metrics}
+
+    # ------------------------------------------------------------------ micro-batch
+    def _tree_forward_step(
+        self,
+        micro_batch: TensorDict,
+        *,
+        loss_function,
+        forward_only: bool,
+        temperature: float,
+        dummy: bool = False,
+    ) -> tuple[torch.Tensor, dict, dict]:
+        micro_batch = micro_batch.to(get_device_id())
+        input_ids = micro_batch["input_ids"]
+        forest = RolloutForest.from_sequences(_sequences(input_ids))
+        device = input_ids.values().device
+        layout = TreeLayout(forest, chunk_size=self.harts.chunk_size, device=device)
+        with_entropy = bool(
+            tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False)
+        )
+        rows_per_chunk = self.harts.rows_per_chunk
+
+        def head(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+            res = compact_log_probs(
+                hidden[0] if hidden.dim() == 3 else hidden,
+                weight,
+                forest,
+                lm_head_bias=bias,
+                temperature=temperature,
+                with_entropy=with_entropy,
+                rows_per_chunk=rows_per_chunk,
+                output="flat",
+            )
+            cols = [res.log_probs[None]] + ([res.entropy[None]] if with_entropy else [])
+            return torch.stack(cols, dim=-1)  # [1, S - N, 1 or 2], not a view (FSDP2 hooks)
+
+        autocast_dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
+        autocast_ctx = (
+            nullcontext()
+            if autocast_dtype == torch.float32
+            else torch.autocast(device_type=get_device_name(), dtype=autocast_dtype)
+        )
+        kwargs: dict[str, Any] = {}
+        if self._model_type in FULL_ATTENTION_MODEL_TYPES:
+            kwargs["attention_mask"] = {"full_attention": None, "sliding_attention": None}
+        head_mod = self._lm_head
+        with autocast_ctx:
+            setattr(head_mod, _HEAD_FN, head)
+            try:
+                raw = self.module(
+                    input_ids=layout.token_ids[None],
+                    position_ids=layout.position_ids[None],
+                    use_cache=False,
+                    harts_layout=layout,
+                    **kwargs,
+                )
+            finally:
+                setattr(head_mod, _HEAD_FN, None)
+            flat = raw.logits[0]  # [S - N, 1 or 2]
+            s = forest.num_semantic_tokens
+            keep = np.ones(s, dtype=bool)
+            keep[forest.row_offsets[1:] - 1] = False
+            pos = torch.from_numpy(np.flatnonzero(keep)).to(device)
+            offsets = torch.from_numpy(forest.row_offsets).to(device)
+
+            def nested(col: torch.Tensor) -> torch.Tensor:
+                full = torch.zeros(s, dtype=col.dtype, device=device).index_put((pos,), col)
+                return torch.nested.nested_tensor_from_jagged(full, offsets)
+
+            model_output = {"log_probs": nested(flat[:, 0])}
+            if with_entropy:
+                model_output["entropy"] = nested(flat[:, 1])
+            if dummy:
+                loss = flat.sum() * 0.0
+                metrics: dict = {}
+            elif loss_function is not None:
+                loss, metrics = loss_function(
+                    model_output=model_output,
+                    data=micro_batch,
+                    dp_group=self.get_data_parallel_group(),
+                )
+            else:
+                assert forward_only, "forward_only must be True when loss_function is None"
+                loss = torch.tensor(1.0, device=device)
+                metrics = {}
+        meta = {
+            "model_output": detach_tree(model_output),
+            "loss": float(loss.detach().item()),
+            "metrics": metrics,
+        }
+        stats = {"compact_tokens": forest.num_compact_tokens, "replay_tokens": 0, "rounds": 0}
+        if "linear_plan" in layout.__dict__:
+            plan = layout.linear_plan.plan
+            stats["replay_tokens"] = int(plan.replay_tokens)
+            stats["rounds"] = int(plan.num_rounds)
+        return loss, meta, stats
+
+    def forward_step(self, micro_batch: TensorDict, loss_function, forward_only):
+        """One micro-batch in tree mode (the stock step when tree mode is unavailable)."""
+        temperature = _scalar_temperature(micro_batch)
+        if not (self.harts.enable and self._tree_supported and temperature is not None):
+            return super().forward_step(micro_batch, loss_function, forward_only)
+        loss, meta, _ = self._tree_forward_step(
+            micro_batch,
+            loss_function=loss_function,
+            forward_only=forward_only,
+            temperature=temperature,
+        )
+        return loss, meta
+
+    # ------------------------------------------------------------------ audit
+    def _audit(self, data: TensorDict, model_output: dict, temperature: float) -> float:
+        """max |Δlogp| between the tree result and the stock (expanded) forward on the first
+        ``harts.audit_trajectories`` trajectories of the local batch (positions 0..L−2)."""
+        n = min(self.harts.audit_trajectories, len(data))
+        sub = tu.index_select_tensor_dict(data, list(range(n)))
+        with torch.no_grad():
+            _, ref = FSDPEngineWithLMHead.forward_step(
+                self, sub, loss_function=None, forward_only=True
+            )
+        ref_lp = ref["model_output"]["log_probs"].unbind()
+        tree_lp = model_output.get("log_probs")
+        if tree_lp is None:  # training without return_model_output: recompute the tree side
+            with torch.no_grad():
+                _, meta, _ = self._tree_forward_step(
+                    sub, loss_function=None, forward_only=True, temperature=temperature
+                )
+            tree = meta["model_output"]["log_probs"].unbind()
+        else:
+            tree = tree_lp.unbind()[:n]
+        diff = 0.0
+        for a, b in zip(tree, ref_lp):
+            if a.shape[0] > 1:
+                diff = max(diff, float((a[:-1].float() - b[:-1].float()).abs().max()))
+        return diff

@@ -1,0 +1,39 @@
+"""veRL plugin entry point (group ``verl.plugins``): registers engine backend ``harts_fsdp2``.
+
+``verl/__init__.py`` imports every entry point of the group in every process that imports verl
+(Ray workers included) but logs a failing plugin only at DEBUG; this module logs its own
+failures at WARNING with the reason, so a broken install is visible. When the environment
+selects the CPU platform shim (``VERL_PLATFORM=harts_cpu``, tests and the CPU demo only) the
+shim is installed first; GPU runs never import it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+
+__all__ = ["REGISTERED", "register"]
+
+logger = logging.getLogger("harts_verl.workers.plugin")
+
+REGISTERED: dict[str, bool] = {"harts_fsdp2": False}
+
+
+def register() -> bool:
+    """Import the engine module (its decorator registers ``harts_fsdp2`` for cuda and cpu).
+    Returns True on success; on failure logs a WARNING with the reason and returns False."""
+    try:
+        if os.environ.get("VERL_PLATFORM", "").strip().lower() == "harts_cpu":
+            from harts_verl.workers.cpu_platform import install_cpu_platform
+
+            install_cpu_platform()
+        importlib.import_module("harts_verl.workers.engine")  # registers on import
+    except Exception as exc:
+        logger.warning("harts-verl: could not register engine backend 'harts_fsdp2': %r", exc)
+        return False
+    REGISTERED["harts_fsdp2"] = True
+    return True
+
+
+register()

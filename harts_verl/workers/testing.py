@@ -1,0 +1,301 @@
+"""Small builders shared by the veRL tests and ``harts-verl check``: tiny HF models saved from
+configs in code (no hub), engines built the way veRL's workers build them, and veRL-format
+batches (nested prompt+response tensors) from token sequences.
+
+Everything here runs on CPU with the platform shim (:mod:`harts_verl.workers.cpu_platform`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+__all__ = [
+    "TINY_KINDS",
+    "actor_config",
+    "build_engine",
+    "dp_worker",
+    "init_process_group",
+    "make_batch",
+    "save_tiny_model",
+    "tiny_hf_config",
+]
+
+TINY_KINDS = ("qwen2", "qwen3_next")
+
+
+def tiny_hf_config(kind: str, vocab_size: int = 64):
+    """A tiny transformers config of ``kind`` (``qwen2`` or ``qwen3_next``), sdpa attention."""
+    import transformers
+
+    if kind == "qwen2":
+        cfg = transformers.Qwen2Config(
+            vocab_size=vocab_size,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            tie_word_embeddings=False,
+        )
+    elif kind == "qwen3_next":
+        cfg = transformers.Qwen3NextConfig(
+            vocab_size=vocab_size,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=16,
+            decoder_sparse_step=1,
+            full_attention_interval=2,
+            max_position_embeddings=512,
+            tie_word_embeddings=False,
+        )
+    else:
+        raise ValueError(f"kind: expected one of {TINY_KINDS}, got {kind!r}")
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def save_tiny_model(kind: str, path: str, *, seed: int = 0, vocab_size: int = 64) -> str:
+    """Build a randomly initialised tiny model of ``kind`` and save it (fp32) to ``path``."""
+    import transformers
+
+    cfg = tiny_hf_config(kind, vocab_size)
+    torch.manual_seed(seed)
+    cls = {"qwen2": transformers.Qwen2ForCausalLM, "qwen3_next": transformers.Qwen3NextForCausalLM}
+    model = cls[kind](cfg).float()
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    return path
+
+
+def init_process_group(rank: int = 0, world_size: int = 1, port: int | None = None) -> None:
+    """gloo process group on localhost (no-op when already initialised)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if port is not None:
+        os.environ["MASTER_PORT"] = str(port)
+    os.environ.setdefault("MASTER_PORT", "29533")
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
+    os.environ["LOCAL_RANK"] = "0"
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
+def actor_config(
+    *,
+    loss_mode: str = "vanilla",
+    loss_agg_mode: str = "token-mean",
+    harts: dict[str, Any] | None = None,
+    strategy: str = "harts_fsdp2",
+    max_token_len: int = 4096,
+    entropy_coeff: float = 0.0,
+    optimizer: str = "SGD",
+    lr: float = 0.1,
+):
+    """An actor config as veRL's worker builds it (``HartsFSDPActorConfig`` for the harts
+    strategy, veRL's ``FSDPActorConfig`` otherwise)."""
+    from verl.workers.config import FSDPActorConfig, FSDPEngineConfig, FSDPOptimizerConfig
+    from verl.workers.config.actor import PolicyLossConfig
+
+    from harts_verl.workers.config import HartsFSDPActorConfig
+
+    fsdp = FSDPEngineConfig(
+        strategy="fsdp2",
+        model_dtype="fp32",
+        mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+        use_torch_compile=False,
+        use_dynamic_bsz=True,
+        max_token_len_per_gpu=max_token_len,
+        infer_max_token_len_per_gpu=max_token_len,
+    )
+    common = dict(
+        ppo_mini_batch_size=8,
+        use_dynamic_bsz=True,
+        ppo_max_token_len_per_gpu=max_token_len,
+        ppo_infer_max_token_len_per_gpu=max_token_len,
+        policy_loss=PolicyLossConfig(loss_mode=loss_mode),
+        loss_agg_mode=loss_agg_mode,
+        entropy_coeff=entropy_coeff,
+        use_torch_compile=False,
+        rollout_n=1,
+        fsdp_config=fsdp,
+        optim=FSDPOptimizerConfig(
+            optimizer=optimizer, lr=lr, total_training_steps=10, clip_grad=1e9, weight_decay=0.0
+        ),
+        use_remove_padding=True,
+    )
+    if strategy == "harts_fsdp2":
+        return HartsFSDPActorConfig(strategy=strategy, harts=harts or {}, **common)
+    return FSDPActorConfig(strategy=strategy, **common)
+
+
+def build_engine(model_path: str, actor_cfg: Any, *, use_remove_padding: bool = True):
+    """Build and initialise the engine of ``actor_cfg.strategy`` for the model at
+    ``model_path`` through veRL's ``EngineRegistry`` (as ``TrainingWorker`` does)."""
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import HFModelConfig
+    from verl.workers.engine import EngineRegistry
+
+    model_cfg = HFModelConfig(
+        path=model_path,
+        load_tokenizer=False,
+        override_config={"attn_implementation": "sdpa"},
+        enable_gradient_checkpointing=False,
+        use_remove_padding=use_remove_padding,
+    )
+    model_cfg.model_type = "language_model"
+    engine = EngineRegistry.new(
+        model_type="language_model",
+        backend=actor_cfg.engine.strategy,
+        model_config=model_cfg,
+        engine_config=actor_cfg.engine,
+        optimizer_config=actor_cfg.optim,
+        checkpoint_config=CheckpointConfig(),
+    )
+    engine.initialize()
+    return engine
+
+
+def make_batch(
+    sequences: Sequence[Sequence[int]],
+    prompt_lengths: Sequence[int],
+    *,
+    seed: int = 0,
+    temperature: float = 1.0,
+    calculate_entropy: bool = False,
+    max_token_len: int = 4096,
+    tool_spans: Sequence[tuple[int, int, int]] = (),
+    use_remove_padding: bool = True,
+    global_batch_size: int | None = None,
+    trajectory_ids: Sequence[int] | None = None,
+) -> TensorDict:
+    """A veRL engine batch (no-padding format) for trajectories ``sequences`` whose first
+    ``prompt_lengths[i]`` tokens are prompt. ``tool_spans`` = (trajectory, start, end) ranges of
+    the response that are tool tokens (loss mask 0), for multi-turn batches. Advantages and old
+    log-probs are deterministic pseudo-random values of (seed, trajectory id); ``trajectory_ids``
+    (default 0..N−1) name the trajectories, so a rank's slice of a batch gets the same values. ``use_remove_padding=False`` makes
+    the stock engine run padded rows instead of one packed row (needed for linear-attention
+    models without fla: HF's torch fallback would carry state across packed sequences)."""
+    from verl.utils import tensordict_utils as tu
+
+    n = len(sequences)
+    tids = list(trajectory_ids) if trajectory_ids is not None else list(range(n))
+    nested = lambda ts: torch.nested.as_nested_tensor(ts, layout=torch.jagged)  # noqa: E731
+    ids = [torch.as_tensor(np.asarray(s), dtype=torch.long) for s in sequences]
+    prompts = [t[:p] for t, p in zip(ids, prompt_lengths)]
+    responses = [t[p:] for t, p in zip(ids, prompt_lengths)]
+    if any(r.shape[0] == 0 for r in responses) or any(p < 1 for p in prompt_lengths):
+        raise ValueError("make_batch: every trajectory needs >= 1 prompt and >= 1 response token")
+    resp_mask = [torch.ones(r.shape[0], dtype=torch.long) for r in responses]
+    for i, a, b in tool_spans:
+        resp_mask[i][a:b] = 0
+    loss_mask = [
+        torch.cat([torch.zeros(p, dtype=torch.long), m]) for p, m in zip(prompt_lengths, resp_mask)
+    ]
+    rngs = [np.random.default_rng([seed, t]) for t in tids]
+    adv = [torch.full((r.shape[0],), float(g.normal())) for r, g in zip(responses, rngs)]
+    old = [
+        torch.as_tensor(-g.uniform(0.5, 5.0, r.shape[0]), dtype=torch.float32)
+        for r, g in zip(responses, rngs)
+    ]
+    td = TensorDict(
+        {
+            "input_ids": nested(ids),
+            "position_ids": nested([torch.arange(t.shape[0]) for t in ids]),
+            "prompts": nested(prompts),
+            "responses": nested(responses),
+            "response_mask": nested(resp_mask),
+            "loss_mask": nested(loss_mask),
+            "attention_mask": nested([torch.ones(t.shape[0], dtype=torch.long) for t in ids]),
+            "advantages": nested(adv),
+            "old_log_probs": nested(old),
+        },
+        batch_size=n,
+    )
+    tu.assign_non_tensor(
+        td,
+        temperature=temperature,
+        calculate_entropy=calculate_entropy,
+        use_dynamic_bsz=True,
+        max_token_len_per_gpu=max_token_len,
+        micro_batch_size_per_gpu=1,
+        use_remove_padding=use_remove_padding,
+        use_fused_kernels=False,
+        global_batch_size=global_batch_size or n,
+    )
+    return td
+
+
+def dp_worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    model_path: str,
+    out_path: str,
+    sequences: list[list[int]],
+    prompt_lengths: list[int],
+    parts: list[list[int]],
+    strategy: str = "harts_fsdp2",
+) -> None:
+    """One rank of a gloo data-parallel run of the ``harts_fsdp2`` engine (CPU shim): infer
+    log-probs and one train step on this rank's trajectories ``parts[rank]``; saves
+    ``{"indices", "log_probs", "grads", "grad_norm"}`` to ``out_path`` (full gradients, gathered
+    from the FSDP shards)."""
+    import sys
+    from functools import partial
+
+    sys.modules["fla"] = None
+    os.environ["VERL_PLATFORM"] = "harts_cpu"
+    from harts_verl.workers.cpu_platform import install_cpu_platform
+
+    install_cpu_platform()
+    init_process_group(rank, world_size, port)
+    from verl.workers.utils.losses import ppo_loss
+
+    mine = parts[rank]
+    seqs = [sequences[i] for i in mine]
+    pls = [prompt_lengths[i] for i in mine]
+    cfg = actor_config(strategy=strategy, harts={"chunk_size": 8, "capacity_tokens": 40})
+    engine = build_engine(model_path, cfg)
+    mk = partial(make_batch, seqs, pls, global_batch_size=len(sequences), trajectory_ids=mine)
+    with engine.eval_mode():
+        inf = engine.infer_batch(mk(calculate_entropy=True))
+    with engine.train_mode():
+        out = engine.train_batch(mk(), loss_function=partial(ppo_loss, config=cfg))
+        grads = {}
+        for name, p in engine.module.named_parameters():
+            g = p.grad
+            grads[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+    torch.save(
+        {
+            "indices": mine,
+            "log_probs": [t.clone() for t in inf["model_output"]["log_probs"].unbind()],
+            "grads": grads,
+            "grad_norm": float(out["metrics"]["grad_norm"]),
+        },
+        out_path,
+    )
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()

@@ -1,0 +1,150 @@
+"""Tree-aware DP for veRL's V1 trainer: ``PPOTrainerSync`` subclass + TaskRunner + ``main``.
+
+``python -m harts_verl.main_ppo <hydra overrides>`` runs veRL's PPO entry point with two
+changes, both active only when ``actor_rollout_ref.actor.strategy=harts_fsdp2``:
+
+* ``_balance_batch`` reorders the batch with :func:`~harts_verl.workers.balance.
+  tree_balanced_partition` (trees stay on one DP rank, compact work balanced; veRL's dispatcher
+  then hands each rank one consecutive equal chunk), instead of veRL's sequence-length
+  Karmarkar-Karp; metrics ``harts/dp_max_work``, ``harts/dp_min_work``;
+* the trainer class is chosen by our TaskRunner (``trainer.v1.trainer_mode`` stays ``sync``:
+  veRL compares it to that literal in several places).
+
+veRL's V1 trainer imports ``transfer_queue`` (extra ``verl[verl-core]``) at module level, so
+the trainer class is built lazily (:func:`trainer_class`); the balancing step
+(:func:`harts_balance_batch`) is a plain function, testable without a cluster.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from harts_verl.workers.balance import partition_work, tree_balanced_partition
+from harts_verl.workers.config import STRATEGY
+
+__all__ = ["harts_balance_batch", "is_harts_config", "main", "task_runner_class", "trainer_class"]
+
+
+def is_harts_config(config: Any) -> bool:
+    """True when the PPO config selects the ``harts_fsdp2`` actor strategy."""
+    try:
+        return config.actor_rollout_ref.actor.strategy == STRATEGY
+    except AttributeError:
+        return False
+
+
+def harts_balance_batch(sequences: list[Any], dp_size: int) -> tuple[list[int], dict[str, float]]:
+    """The batch order for ``dp_size`` ranks (concatenated equal parts) and its metrics."""
+    from harts_verl.tree import RolloutForest
+
+    forest = RolloutForest.from_sequences(sequences)
+    parts = tree_balanced_partition(forest, dp_size)
+    work = [partition_work(forest, p) for p in parts]
+    metrics = {
+        "harts/dp_max_work": float(max(work)),
+        "harts/dp_min_work": float(min(work)),
+        "harts/dp_compression": forest.num_semantic_tokens / max(sum(work), 1),
+    }
+    return [j for p in parts for j in p], metrics
+
+
+@functools.cache
+def trainer_class() -> type:
+    """``PPOTrainerSync`` with tree-aware ``_balance_batch`` (built on first use)."""
+    import transfer_queue as tq
+    from verl.trainer.ppo.padding_utils import upsample_batch_to_divisible_size
+    from verl.trainer.ppo.v1 import PPOTrainerSync
+
+    class HartsPPOTrainerSync(PPOTrainerSync):
+        """Keeps rollout trees on one DP rank and balances compact work (see module doc)."""
+
+        def _balance_batch(
+            self, batch, metrics, logging_prefix="global_seqlen", keep_minibatch=False
+        ):
+            if not is_harts_config(self.config):
+                return super()._balance_batch(batch, metrics, logging_prefix, keep_minibatch)
+            wg = self.actor_rollout_wg
+            if "actor" not in wg._dispatch_info:
+                wg._dispatch_info["actor"] = wg._query_dispatch_info("actor")
+            dp_size = max(wg._dispatch_info["actor"]) + 1
+            multiple = self._get_required_batch_multiple(dp_size)
+            batch = upsample_batch_to_divisible_size(batch, multiple, self.tokenizer.eos_token_id)
+            data = tq.kv_batch_get(
+                keys=batch.keys, partition_id=batch.partition_id, select_fields=["input_ids"]
+            )
+            seqs = [t.tolist() for t in data["input_ids"].unbind()]
+            order, stats = harts_balance_batch(seqs, dp_size)
+            batch.reorder(order)
+            metrics.update(stats)
+            return batch
+
+    return HartsPPOTrainerSync
+
+
+@functools.cache
+def task_runner_class() -> Any:
+    """A Ray TaskRunner that runs :func:`trainer_class` (veRL's ``TaskRunnerV1`` otherwise)."""
+    import ray
+    from omegaconf import OmegaConf
+    from verl.trainer.main_ppo import TaskRunnerV1
+
+    base = TaskRunnerV1.__ray_metadata__.modified_class
+
+    class HartsTaskRunner(base):
+        def run(self, config):
+            import transfer_queue as tq
+            from verl.trainer.ppo.v1 import get_trainer_cls
+            from verl.utils.logging_utils import configure_verl_logging
+
+            configure_verl_logging()
+            cls = (
+                trainer_class()
+                if is_harts_config(config)
+                else get_trainer_cls(config.trainer.v1.trainer_mode)
+            )
+            config.transfer_queue.enable = True
+            OmegaConf.resolve(config)
+            self.config = config
+            tq.init(config.transfer_queue)
+            ok = False
+            try:
+                self.trainer = cls(config=config)
+                self.trainer.init()
+                self.init_agent_loop_manager()
+                self.trainer.fit(self.agent_loop_manager)
+                ok = True
+            finally:
+                try:
+                    tracking = getattr(self.trainer, "logger", None)
+                    if tracking is not None:
+                        tracking.finish(exit_code=0 if ok else 1)
+                finally:
+                    tq.close()
+
+    return ray.remote(HartsTaskRunner)
+
+
+def main() -> None:
+    """``python -m harts_verl.main_ppo``: veRL's hydra PPO entry point with our TaskRunner."""
+    import hydra
+    from verl.trainer.main_ppo import run_ppo
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+    from verl.utils.device import auto_set_device
+
+    @hydra.main(
+        config_path="pkg://verl.trainer.config", config_name="ppo_trainer", version_base=None
+    )
+    def _main(config) -> None:
+        auto_set_device(config)
+        validate_config(
+            config=config,
+            use_reference_policy=need_reference_policy(config),
+            use_critic=need_critic(config),
+        )
+        if not config.trainer.use_v1:
+            raise ValueError("trainer.use_v1: harts_verl.main_ppo needs the V1 trainer (true)")
+        run_ppo(config, task_runner_class=task_runner_class())
+
+    _main()

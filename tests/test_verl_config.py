@@ -1,0 +1,130 @@
+"""Plugin registration, ``harts:`` config validation, hydra composition, tree-aware DP split."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("verl")
+
+
+def test_entry_point_registers_engine_in_a_fresh_process():
+    from importlib.metadata import entry_points
+
+    eps = [
+        ep for ep in entry_points(group="verl.plugins") if ep.value == "harts_verl.workers.plugin"
+    ]
+    assert eps, "entry point missing: reinstall the package (pip install -e .)"
+    code = (
+        "import sys; sys.modules['fla'] = None; import verl; "
+        "from verl.workers.engine import EngineRegistry as R; "
+        "e = R._engines['language_model']['harts_fsdp2']; print(sorted(e))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "VERL_PLATFORM"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "['cpu', 'cuda']"
+
+
+def test_registration_failure_is_logged_at_warning(monkeypatch, caplog):
+    from harts_verl.workers import plugin
+
+    monkeypatch.setitem(sys.modules, "harts_verl.workers.engine", None)
+    monkeypatch.delenv("VERL_PLATFORM", raising=False)
+    with caplog.at_level(logging.WARNING, logger="harts_verl.workers.plugin"):
+        assert plugin.register() is False
+    assert any(
+        "harts_fsdp2" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records
+    )
+
+
+def test_harts_section_validation():
+    from harts_verl.workers.config import HartsConfig
+
+    cfg = HartsConfig.from_any({"chunk_size": 32, "planner": {"work_slack": 0.1}})
+    assert cfg.chunk_size == 32 and cfg.planner == {"work_slack": 0.1}
+    for bad, key in [
+        ({"chunk_size": 0}, "harts.chunk_size"),
+        ({"capacity_tokens": -5}, "harts.capacity_tokens"),
+        ({"min_compression": -1}, "harts.min_compression"),
+        ({"audit_every": 1.5}, "harts.audit_every"),
+        ({"chunk": 8}, "harts.chunk"),
+        ({"planner": {"bogus": 1}}, "harts.planner.bogus"),
+        ({"enable": "yes"}, "harts.enable"),
+    ]:
+        with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+            HartsConfig.from_any(bad)
+
+
+def test_hydra_compose_resolves_to_harts_engine_and_config(monkeypatch):
+    from hydra import compose, initialize_config_module
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.engine import EngineRegistry
+
+    from harts_verl.workers.config import HartsConfig, HartsFSDPActorConfig
+    from harts_verl.workers.engine import HartsFSDPEngine
+
+    overrides = [
+        "actor_rollout_ref.actor.strategy=harts_fsdp2",
+        "actor_rollout_ref.actor._target_=harts_verl.workers.config.HartsFSDPActorConfig",
+        "+actor_rollout_ref.actor.harts.chunk_size=32",
+        "+actor_rollout_ref.actor.harts.min_compression=1.2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        "actor_rollout_ref.rollout.n=4",
+    ]
+    with initialize_config_module("verl.trainer.config", version_base=None):
+        cfg = compose("ppo_trainer", overrides=overrides)
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    assert isinstance(actor, HartsFSDPActorConfig)
+    assert isinstance(actor.harts, HartsConfig)
+    assert actor.harts.chunk_size == 32 and actor.harts.min_compression == 1.2
+    assert actor.engine.strategy == "harts_fsdp2"
+    assert actor.engine.harts is actor.harts  # how the engine receives the section
+    for device in ("cuda", "cpu"):
+        monkeypatch.setenv("VERL_ENGINE_DEVICE", device)
+        cls = EngineRegistry.get_engine_cls("language_model", actor.engine.strategy)
+        assert cls is HartsFSDPEngine
+    bad = [*overrides, "+actor_rollout_ref.actor.harts.chunk_sise=8"]
+    with initialize_config_module("verl.trainer.config", version_base=None):
+        cfg = compose("ppo_trainer", overrides=bad)
+    with pytest.raises(Exception, match=r"harts\.chunk_sise"):
+        omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+
+
+def test_tree_balanced_partition_keeps_trees_and_balances_work():
+    from harts_verl.tree import RolloutForest
+    from harts_verl.workers.balance import partition_work, tree_balanced_partition
+    from harts_verl.workers.trainer import harts_balance_batch
+
+    rng = np.random.default_rng(0)
+    seqs, tree_of = [], []
+    for t, (n, plen) in enumerate([(4, 60), (4, 10), (4, 30), (4, 20)]):
+        p = [t + 1, *rng.integers(0, 50, plen).tolist()]
+        for _ in range(n):
+            seqs.append(p + rng.integers(0, 50, int(rng.integers(2, 9))).tolist())
+            tree_of.append(t)
+    parts = tree_balanced_partition(seqs, 2)
+    assert sorted(i for p in parts for i in p) == list(range(len(seqs)))
+    assert all(len(p) == 8 for p in parts)
+    for p in parts:  # no tree is split
+        trees = {tree_of[i] for i in p}
+        assert all(sum(tree_of[i] == t for i in p) == 4 for t in trees)
+    forest = RolloutForest.from_sequences(seqs)
+    work = [partition_work(forest, p) for p in parts]
+    assert max(work) - min(work) <= 40  # {60,20} vs {10,30}-sized trees
+    order, metrics = harts_balance_batch(seqs, 2)
+    assert order == [i for p in parts for i in p] and metrics["harts/dp_compression"] > 1
+    # a tree bigger than one rank's share is cut (at its lowest LCP), sizes stay equal
+    big = [[1, 2, 3, k] for k in range(6)] + [[9, k] for k in range(2)]
+    parts = tree_balanced_partition(big, 2)
+    assert sorted(len(p) for p in parts) == [4, 4]
+    with pytest.raises(ValueError, match="dp_size"):
+        tree_balanced_partition(seqs, 3)
