@@ -20,6 +20,10 @@ class TreeLayout:
 
     ``position_ids [C]`` are the row depths (invariant 2). ``short_conv``, ``attention`` and
     ``linear_attention`` run the tree-aware ops on ``[C, ...]`` tensors.
+
+    ``linear_backend`` / ``attention_backend``: ``"auto"`` (CUDA ⇒ fla / a varlen flash kernel
+    when importable, else the torch references), a backend name, or a kernel object; see
+    :mod:`harts_verl.ops.backends`.
     """
 
     def __init__(
@@ -67,17 +71,37 @@ class TreeLayout:
         return w
 
     # ---------------------------------------------------------------- plans (lazy)
+    # --- backend selection (issue 9; see harts_verl.ops.backends) ---
+    @cached_property
+    def attention_kernel(self):
+        """The tree-attention kernel resolved from ``attention_backend`` and the device."""
+        from harts_verl.ops.backends import attention_kernel
+
+        return attention_kernel(self.attention_backend, self.device)
+
+    @cached_property
+    def linear_kernel(self):
+        """The linear-attention kernel resolved from ``linear_backend`` and the device."""
+        from harts_verl.ops.backends import linear_kernel
+
+        return linear_kernel(self.linear_backend, self.device)
+
     @cached_property
     def attention_plan(self):
-        from harts_verl.ops.tree_attention import build_attention_plan
-
-        return build_attention_plan(self.forest, device=self.device)
+        return self.attention_kernel.build_plan(self.forest, device=self.device)
 
     @cached_property
     def linear_plan(self):
         from harts_verl.ops.tree_linear_attention import build_linear_layout
 
-        return build_linear_layout(self.forest, chunk_size=self.chunk_size, device=self.device)
+        return build_linear_layout(
+            self.forest,
+            chunk_size=self.chunk_size,
+            device=self.device,
+            final_states_only=bool(self.linear_kernel.final_states_only),
+        )
+
+    # --- end backend selection ---
 
     def conv_index(self, width: int) -> torch.Tensor:
         idx = self._conv_index.get(width)
@@ -113,9 +137,7 @@ class TreeLayout:
         gate: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Softmax attention of each row over its ancestors and itself; ``[C, Hq, Dv]``."""
-        from harts_verl.ops.tree_attention import tree_attention
-
-        return tree_attention(q, k, v, self.attention_plan, scale=scale, gate=gate)
+        return self.attention_kernel(q, k, v, self.attention_plan, scale=scale, gate=gate)
 
     def linear_attention(
         self,
@@ -133,5 +155,13 @@ class TreeLayout:
         from harts_verl.ops.tree_linear_attention import tree_delta_rule
 
         return tree_delta_rule(
-            q, k, v, g, beta, self.linear_plan, scale=scale, use_qk_l2norm=use_qk_l2norm
+            q,
+            k,
+            v,
+            g,
+            beta,
+            self.linear_plan,
+            scale=scale,
+            use_qk_l2norm=use_qk_l2norm,
+            kernel=self.linear_kernel,
         )

@@ -265,6 +265,23 @@ def _check_qkv(
     return hq, hkv, dqk, dv
 
 
+# --- issue 9 (GPU backends): "cuda" and "cuda:0" name the same device ---
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Same device type and, where both name one, the same index (``cuda`` == ``cuda:0`` when
+    the current device is 0; torch's ``==`` says they differ)."""
+    if a.type != b.type:
+        return False
+    if a.index == b.index:
+        return True
+    cur = torch.cuda.current_device() if a.type == "cuda" else 0
+    ia = cur if a.index is None else a.index
+    ib = cur if b.index is None else b.index
+    return ia == ib
+
+
+# --- end issue 9 ---
+
+
 def _bucket_mask(b: AttentionBucket, device: torch.device) -> tuple[torch.Tensor | None, bool]:
     """``(attn_mask, is_causal)`` for one bucket: True = attend.
 
@@ -312,7 +329,7 @@ def tree_attention(
     """
     c = plan.num_rows
     hq, hkv, dqk, dv = _check_qkv(q, k, v, gate, c)
-    if q.device != plan.device:
+    if not same_device(q.device, plan.device):
         raise ValueError(f"plan: built for {plan.device}, but q is on {q.device}")
     if scale is None:
         scale = 1.0 / math.sqrt(dqk)

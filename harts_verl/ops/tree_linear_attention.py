@@ -11,7 +11,9 @@ gathers the already computed q/k/v/g/beta rows.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -43,14 +45,30 @@ class LinearLayout:
 
 
 def build_linear_layout(
-    forest: RolloutForest, *, chunk_size: int = 64, device: torch.device | str | None = None
+    forest: RolloutForest,
+    *,
+    chunk_size: int = 64,
+    device: torch.device | str | None = None,
+    final_states_only: bool = False,
 ) -> LinearLayout:
-    """Plan the rounds of ``forest`` and move their index arrays to ``device``."""
+    """Plan the rounds of ``forest`` and move their index arrays to ``device``.
+
+    ``final_states_only``: cut members at kept boundaries so every kept state is a member's
+    final state (for kernels without exact chunk-start states, e.g. fla; see
+    :func:`harts_verl.ops.backends.plan_split.split_members_at_saved_boundaries`).
+    """
     plan = plan_linear_calls(forest, chunk_size=chunk_size)
     dev = torch.device(device) if device is not None else torch.device("cpu")
     rounds = []
     out_rows = []
-    for ra in plan.arrays.rounds:
+    # --- backend threading (issue 9): optionally split members at kept boundaries ---
+    arrays = plan.arrays
+    if final_states_only:
+        from harts_verl.ops.backends.plan_split import split_members_at_saved_boundaries
+
+        arrays = split_members_at_saved_boundaries(arrays)
+    # --- end backend threading ---
+    for ra in arrays.rounds:
         out_pos = ra.output_mask.nonzero()[0]
         out_rows.append(ra.token_rows[out_pos])
         rounds.append(
@@ -88,6 +106,7 @@ def tree_delta_rule(
     scale: float | None = None,
     use_qk_l2norm: bool = False,
     use_beta_sigmoid: bool = False,
+    kernel: Callable[..., Any] | None = None,
 ) -> torch.Tensor:
     """Gated delta rule over all compact rows: q, k ``[C, H, K]``, v ``[C, HV, V]``, g
     ``[C, HV, K]`` (KDA) or ``[C, HV]`` (GDN), beta ``[C, HV]`` → o ``[C, HV, V]``.
@@ -95,7 +114,12 @@ def tree_delta_rule(
     Equal to running every trajectory alone through :func:`chunk_delta_rule_varlen` with the
     same ``chunk_size``, for every row; differentiable w.r.t. all inputs, including through the
     boundary-state handoffs.
+
+    ``kernel``: a callable with the signature of :func:`chunk_delta_rule_varlen` (default: it),
+    e.g. from :func:`harts_verl.ops.backends.linear_kernel`. A kernel without chunk-start states
+    needs a layout built with ``final_states_only=True``.
     """
+    run = chunk_delta_rule_varlen if kernel is None else kernel
     c = layout.inverse_rows.shape[0]
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if x.shape[0] != c:
@@ -110,7 +134,7 @@ def tree_delta_rule(
             slot = rt.initial_slot
             init = pool.index_select(0, slot.clamp(min=0))
             init = torch.where((slot >= 0)[:, None, None, None], init, torch.zeros_like(init))
-        res = chunk_delta_rule_varlen(
+        res = run(
             q.index_select(0, idx),
             k.index_select(0, idx),
             v.index_select(0, idx),

@@ -1,0 +1,195 @@
+"""fla (flash-linear-attention 0.6) chunk kernels behind the signature of
+:func:`~harts_verl.ops.linear_attention.chunk_delta_rule_varlen`.
+
+Convention mapping (ours → fla):
+
+- tensors ``[T, ...]`` → ``[1, T, ...]`` (varlen needs batch size 1), outputs squeezed back;
+- ``g`` is a log decay in both (natural log; fla rescales by ``1/ln 2`` internally for ``exp2``),
+  passed as float32: ``[T, HV, K]`` → :func:`fla.ops.kda.chunk_kda`, ``[T, HV]`` →
+  :func:`fla.ops.gated_delta_rule.chunk_gated_delta_rule`; gates are computed outside the kernel
+  (``use_gate_in_kernel=False``), exactly as the reference receives them;
+- ``beta`` post-sigmoid unless ``use_beta_sigmoid`` (→ ``use_beta_sigmoid_in_kernel``);
+- ``use_qk_l2norm`` → ``use_qk_l2norm_in_kernel`` (same ``x / sqrt(Σx² + 1e-6)``);
+- ``scale`` passed through (default ``K ** -0.5`` on both sides);
+- ``cu_seqlens`` as int64 on the inputs' device; ``initial_state`` float32 ``[N, HV, K, V]``
+  (fla asserts float32); ``output_final_state=True`` always: the final state is float32 and
+  differentiable (fla's backward returns ``dh0`` and takes ``dht``), which is what the tree
+  handoff needs;
+- ``chunk_size`` forwarded as fla's ``chunk_size`` keyword (KDA: 32/64, GDN: 16/32/64).
+
+fla exposes no exact per-chunk states (its ``h`` is stored in the input dtype and is internal), so
+``output_chunk_states=True`` is refused: plans run with this kernel are first rewritten by
+:func:`~harts_verl.ops.backends.plan_split.split_members_at_saved_boundaries`
+(``final_states_only = True``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from harts_verl.ops.linear_attention import DeltaRuleOutput, chunk_delta_rule_varlen
+
+__all__ = ["FlaLinearKernel", "load_fla_ops"]
+
+KDA_CHUNK_SIZES = (32, 64)
+GDN_CHUNK_SIZES = (16, 32, 64)
+MAX_KEY_DIM = 256
+
+
+def load_fla_ops() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """Import ``(chunk_kda, chunk_gated_delta_rule)`` from fla.
+
+    Raises:
+      ImportError: fla (or triton) is not installed or fails to import; the message says which.
+    """
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        from fla.ops.kda import chunk_kda
+    except Exception as exc:  # fla raises assorted errors when triton/drivers are missing
+        raise ImportError(
+            f"fla kernels unavailable: cannot import fla.ops.kda.chunk_kda / "
+            f"fla.ops.gated_delta_rule.chunk_gated_delta_rule ({type(exc).__name__}: {exc}); "
+            f"install fla-core and flash-linear-attention >= 0.6 with triton on a CUDA machine"
+        ) from exc
+    return chunk_kda, chunk_gated_delta_rule
+
+
+class FlaLinearKernel:
+    """Callable with the signature and return type of
+    :func:`~harts_verl.ops.linear_attention.chunk_delta_rule_varlen`, running fla's kernels.
+
+    Args:
+      chunk_kda, chunk_gdn: fla's ``chunk_kda`` and ``chunk_gated_delta_rule`` (injectable so
+        the argument mapping is testable on CPU with stand-ins).
+      float64_fallback: run float64 inputs through the torch reference (fla has no float64
+        kernels). True for the ``auto`` backend; False for an explicit ``fla`` choice, which then
+        raises on float64.
+
+    Attributes:
+      name: ``"fla"``.
+      final_states_only: True — plans must be split so that every kept state is a final state.
+    """
+
+    name = "fla"
+    final_states_only = True
+
+    def __init__(
+        self,
+        chunk_kda: Callable[..., Any],
+        chunk_gdn: Callable[..., Any],
+        *,
+        float64_fallback: bool = False,
+    ) -> None:
+        self._chunk_kda = chunk_kda
+        self._chunk_gdn = chunk_gdn
+        self.float64_fallback = float64_fallback
+
+    def __repr__(self) -> str:
+        return f"FlaLinearKernel(float64_fallback={self.float64_fallback})"
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        *,
+        cu_seqlens: torch.Tensor | None,
+        initial_state: torch.Tensor | None = None,
+        scale: float | None = None,
+        chunk_size: int = 64,
+        use_qk_l2norm: bool = False,
+        use_beta_sigmoid: bool = False,
+        output_chunk_states: bool = False,
+    ) -> DeltaRuleOutput:
+        """See :func:`~harts_verl.ops.linear_attention.chunk_delta_rule_varlen`; returns
+        ``DeltaRuleOutput(o [T, HV, V] in q's dtype, final_state [N, HV, K, V] float32, None)``.
+
+        Raises:
+          NotImplementedError: ``output_chunk_states=True`` (fla has no exact chunk states).
+          TypeError: float64 inputs without ``float64_fallback``.
+          ValueError: shapes or chunk size fla does not support.
+        """
+        if q.dtype == torch.float64:
+            if not self.float64_fallback:
+                raise TypeError(
+                    "linear backend 'fla': float64 is not supported by fla's kernels; use "
+                    "linear_backend='reference' (or 'auto', which runs float64 on the reference)"
+                )
+            return chunk_delta_rule_varlen(
+                q,
+                k,
+                v,
+                g,
+                beta,
+                cu_seqlens=cu_seqlens,
+                initial_state=initial_state,
+                scale=scale,
+                chunk_size=chunk_size,
+                use_qk_l2norm=use_qk_l2norm,
+                use_beta_sigmoid=use_beta_sigmoid,
+                output_chunk_states=output_chunk_states,
+            )
+        if output_chunk_states:
+            raise NotImplementedError(
+                "linear backend 'fla': exact chunk-start states are not exposed by fla (its "
+                "per-chunk states are internal and stored in the input dtype); build the layout "
+                "with final_states_only=True so kept states are member final states"
+            )
+        if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[0] != q.shape[0]:
+            raise ValueError(
+                f"q, k must be [T, H, K] and v [T, HV, V]; got {tuple(q.shape)}, "
+                f"{tuple(k.shape)}, {tuple(v.shape)}"
+            )
+        t, _, kdim = q.shape
+        hv = v.shape[1]
+        kda = g.dim() == 3
+        if g.shape not in ((t, hv, kdim), (t, hv)):
+            raise ValueError(f"g must be [T, HV, K] or [T, HV], got {tuple(g.shape)}")
+        if beta.shape != (t, hv):
+            raise ValueError(f"beta must be [T, HV] = {(t, hv)}, got {tuple(beta.shape)}")
+        allowed = KDA_CHUNK_SIZES if kda else GDN_CHUNK_SIZES
+        if chunk_size not in allowed:
+            kind = "KDA" if kda else "GDN"
+            raise ValueError(f"linear backend 'fla': {kind} chunk_size must be in {allowed}")
+        if kdim > MAX_KEY_DIM:
+            raise ValueError(f"linear backend 'fla': key head dim {kdim} > {MAX_KEY_DIM}")
+        if cu_seqlens is None:
+            n = 1
+            cu = None
+        else:
+            cu = cu_seqlens.to(device=q.device, dtype=torch.int64)
+            n = int(cu.shape[0]) - 1
+        h0 = None
+        if initial_state is not None:
+            if initial_state.shape != (n, hv, kdim, v.shape[2]):
+                raise ValueError(
+                    f"initial_state must be [N, HV, K, V] = {(n, hv, kdim, v.shape[2])}, "
+                    f"got {tuple(initial_state.shape)}"
+                )
+            h0 = initial_state.to(torch.float32)
+        kwargs: dict[str, Any] = {
+            "scale": scale,
+            "initial_state": h0,
+            "output_final_state": True,
+            "use_qk_l2norm_in_kernel": use_qk_l2norm,
+            "cu_seqlens": cu,
+        }
+        if use_beta_sigmoid:
+            kwargs["use_beta_sigmoid_in_kernel"] = True
+        if chunk_size != 64:  # fla's default is 64; older builds may not take the keyword
+            kwargs["chunk_size"] = chunk_size
+        fn = self._chunk_kda if kda else self._chunk_gdn
+        o, final = fn(
+            q.unsqueeze(0),
+            k.unsqueeze(0),
+            v.unsqueeze(0),
+            g.to(torch.float32).unsqueeze(0),
+            beta.unsqueeze(0),
+            **kwargs,
+        )
+        return DeltaRuleOutput(o=o.squeeze(0).to(v.dtype), final_state=final, chunk_states=None)

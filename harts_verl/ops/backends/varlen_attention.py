@@ -1,0 +1,355 @@
+"""Tree attention through a varlen flash-attention kernel (``flash_attn_varlen_func`` contract).
+
+Packing. Every segment of the forest is one varlen sequence: its queries are the segment's rows
+(``Lq``), its keys the ancestor path followed by its own rows (``Lk = fork_position + Lq``), and
+the causal mask is aligned **bottom-right** (query ``t`` sees keys ``0 .. fork_position + t``),
+which is flash-attn's convention for ``causal=True`` with ``Lq != Lk`` (flash-attn >= 2.1, and
+torch's built-in flash kernel behind ``torch.nn.attention.varlen.varlen_attn``). Segments are
+contiguous preorder row ranges, so in preorder the packed queries are the compact rows themselves
+(no gather, no scatter); keys/values are gathered once per call (``Σ Lk`` rows). Work is
+``Σ_rows (depth + 1)``, never ``C × C`` and no bucket padding.
+
+Kernel contract (:data:`VarlenFn`)::
+
+    fn(q [Tq, Hq, D], k [Tk, Hkv, D], v [Tk, Hkv, D], cu_seqlens_q int32 [N+1],
+       cu_seqlens_k int32 [N+1], max_seqlen_q, max_seqlen_k, softmax_scale=..., causal=True)
+       -> o [Tq, Hq, D]
+
+GQA is passed through (``Hq`` a multiple of ``Hkv``). Head dims: flash kernels need equal q/k and
+v head dims, a multiple of 8, ``<= 256``: the narrower side is zero-padded (exact: zeros add
+nothing to a dot product, padded output columns are dropped) and the scale is computed from the
+true ``Dqk``. Flash kernels take fp16/bf16 only; other dtypes are refused here (the ``auto``
+backend routes them to the SDPA reference instead).
+
+:func:`sdpa_varlen_reference` implements the same contract with SDPA per sequence on any device:
+it is the CPU test double that checks the packing without CUDA.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from harts_verl.ops._index import concat_ranges, segment_ancestors, to_index
+from harts_verl.ops.tree_attention import _check_qkv, same_device
+
+__all__ = [
+    "VarlenAttentionPlan",
+    "VarlenFn",
+    "build_varlen_attention_plan",
+    "load_flash_attn_varlen",
+    "load_torch_varlen",
+    "sdpa_varlen_reference",
+    "tree_attention_varlen",
+]
+
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 256
+
+
+class VarlenFn(Protocol):
+    """``flash_attn_varlen_func``-style kernel (see the module docstring)."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        *,
+        softmax_scale: float | None = None,
+        causal: bool = False,
+    ) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class VarlenAttentionPlan:
+    """Packing of a forest's segments into varlen sequences (one per segment).
+
+    Attributes:
+      num_rows: C.
+      q_index: int64 ``[C]`` rows gathered as packed queries, or None when the packed order is
+        the compact order itself (segments in preorder: the usual case).
+      out_index: int64 ``[C]`` position of each row in the packed output, or None (identity).
+      key_index: int64 ``[Σ Lk]`` rows gathered as packed keys/values: per segment its
+        ancestor path (root first) then its own rows.
+      cu_seqlens_q, cu_seqlens_k: int32 ``[N + 1]``.
+      max_seqlen_q, max_seqlen_k: host ints.
+      num_segments: N.
+      work: ``Σ_rows (depth + 1)`` attended pairs.
+      device: where the index tensors live.
+      forest: the forest (kept so a fallback can build the SDPA plan lazily).
+      cache: per-plan scratch (e.g. the lazily built SDPA plan of a dtype fallback).
+    """
+
+    num_rows: int
+    q_index: torch.Tensor | None
+    out_index: torch.Tensor | None
+    key_index: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    num_segments: int
+    work: int
+    device: torch.device
+    forest: Any = None
+    cache: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def summary(self) -> dict[str, Any]:
+        """Sizes as a JSON-ready dict."""
+        return {
+            "rows": self.num_rows,
+            "segments": self.num_segments,
+            "packed_keys": int(self.key_index.shape[0]),
+            "max_seqlen_q": self.max_seqlen_q,
+            "max_seqlen_k": self.max_seqlen_k,
+            "work": self.work,
+        }
+
+
+def build_varlen_attention_plan(
+    forest: Any, *, device: torch.device | str | None = None
+) -> VarlenAttentionPlan:
+    """Pack ``forest`` (tree or expanded layout) for :func:`tree_attention_varlen`.
+
+    Deterministic; numpy loops only over segment-tree levels.
+    """
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    seg = forest.segments
+    c = int(forest.num_compact_tokens)
+    first = np.asarray(seg.first_row, dtype=np.int64)
+    lq = np.asarray(seg.length, dtype=np.int64)
+    fork = np.asarray(seg.fork_position, dtype=np.int64)
+    lk = fork + lq
+    n = first.shape[0]
+    anc_off, anc = segment_ancestors(np.asarray(seg.parent_segment, dtype=np.int64))
+    if n and not np.array_equal(np.add.reduceat(lq[anc], anc_off[:-1]), lk):
+        raise ValueError("forest: ancestor segments do not cover each segment's fork prefix")
+    order = np.argsort(first, kind="stable")
+    # Keys of segment s, in packed (segment-order) order.
+    anc_counts = np.diff(anc_off)
+    anc_sorted = anc[concat_ranges(anc_off[:-1][order], anc_counts[order])]
+    key_flat = concat_ranges(first[anc_sorted], lq[anc_sorted])
+    q_rows = concat_ranges(first[order], lq[order])
+    identity = q_rows.shape[0] == c and np.array_equal(q_rows, np.arange(c))
+    if q_rows.shape[0] != c:
+        raise ValueError(f"forest: segments cover {q_rows.shape[0]} rows, expected {c}")
+    out_index = None
+    q_index = None
+    if not identity:
+        inv = np.empty(c, dtype=np.int64)
+        inv[q_rows] = np.arange(c, dtype=np.int64)
+        q_index = to_index(q_rows, dev)
+        out_index = to_index(inv, dev)
+    cu_q = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lq[order], out=cu_q[1:])
+    cu_k = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lk[order], out=cu_k[1:])
+    if cu_k[-1] >= 2**31:
+        raise ValueError(f"forest: {int(cu_k[-1])} packed keys exceed int32 cu_seqlens")
+    return VarlenAttentionPlan(
+        num_rows=c,
+        q_index=q_index,
+        out_index=out_index,
+        key_index=to_index(key_flat, dev),
+        cu_seqlens_q=torch.from_numpy(cu_q.astype(np.int32)).to(dev),
+        cu_seqlens_k=torch.from_numpy(cu_k.astype(np.int32)).to(dev),
+        max_seqlen_q=int(lq.max(initial=0)),
+        max_seqlen_k=int(lk.max(initial=0)),
+        num_segments=n,
+        work=int((lq * fork + lq * (lq + 1) // 2).sum()),
+        device=dev,
+        forest=forest,
+    )
+
+
+def tree_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: VarlenAttentionPlan,
+    *,
+    varlen_fn: VarlenFn,
+    scale: float | None = None,
+    gate: torch.Tensor | None = None,
+    require_half: bool = True,
+) -> torch.Tensor:
+    """Tree attention with a varlen kernel; same contract as
+    :func:`~harts_verl.ops.tree_attention.tree_attention` (q ``[C, Hq, Dqk]``, k ``[C, Hkv,
+    Dqk]``, v ``[C, Hkv, Dv]`` → ``[C, Hq, Dv]``, optional sigmoid output ``gate``).
+
+    Args:
+      varlen_fn: the kernel (:data:`VarlenFn`): ``flash_attn_varlen_func``, the torch adapter
+        from :func:`load_torch_varlen`, or :func:`sdpa_varlen_reference`.
+      require_half: refuse dtypes other than fp16/bf16 (flash kernels); False for the SDPA
+        test double.
+    """
+    c = plan.num_rows
+    hq, _hkv, dqk, dv = _check_qkv(q, k, v, gate, c)
+    if not same_device(q.device, plan.device):
+        raise ValueError(f"plan: built for {plan.device}, but q is on {q.device}")
+    if require_half and q.dtype not in FLASH_DTYPES:
+        raise TypeError(
+            f"varlen flash attention supports float16/bfloat16 only, got {q.dtype}; use "
+            f"attention_backend='sdpa' (or 'auto', which routes other dtypes to SDPA)"
+        )
+    if scale is None:
+        scale = 1.0 / math.sqrt(dqk)
+    if c == 0:
+        return q.new_zeros((0, hq, dv))
+    d = max(dqk, dv)
+    d = -(-d // 8) * 8
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"varlen flash attention: head dim {d} > {MAX_HEAD_DIM}")
+    if dqk < d:
+        q = F.pad(q, (0, d - dqk))
+        k = F.pad(k, (0, d - dqk))
+    if dv < d:
+        v = F.pad(v, (0, d - dv))
+    qq = q.contiguous() if plan.q_index is None else q.index_select(0, plan.q_index)
+    kk = k.index_select(0, plan.key_index)
+    vv = v.index_select(0, plan.key_index)
+    o = varlen_fn(
+        qq,
+        kk,
+        vv,
+        plan.cu_seqlens_q,
+        plan.cu_seqlens_k,
+        plan.max_seqlen_q,
+        plan.max_seqlen_k,
+        softmax_scale=scale,
+        causal=True,
+    )
+    if plan.out_index is not None:
+        o = o.index_select(0, plan.out_index)
+    if dv < d:
+        o = o[..., :dv]
+    if gate is not None:
+        o = o * torch.sigmoid(gate)
+    return o
+
+
+def sdpa_varlen_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """The :data:`VarlenFn` contract implemented with SDPA, one sequence at a time (any device,
+    any float dtype). Causal masks are aligned bottom-right, like flash-attn. Test double only:
+    a Python loop over sequences."""
+    cq = [int(x) for x in cu_seqlens_q.tolist()]
+    ck = [int(x) for x in cu_seqlens_k.tolist()]
+    if len(cq) != len(ck):
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must have the same length")
+    hq, hkv = q.shape[1], k.shape[1]
+    rep = hq // hkv
+    outs = []
+    for i in range(len(cq) - 1):
+        lq, lk = cq[i + 1] - cq[i], ck[i + 1] - ck[i]
+        if lq > max_seqlen_q or lk > max_seqlen_k:
+            raise ValueError(f"sequence {i}: lengths ({lq}, {lk}) exceed the given maxima")
+        qi = q[cq[i] : cq[i + 1]].transpose(0, 1)
+        ki = k[ck[i] : ck[i + 1]].repeat_interleave(rep, dim=1).transpose(0, 1)
+        vi = v[ck[i] : ck[i + 1]].repeat_interleave(rep, dim=1).transpose(0, 1)
+        mask = None
+        if causal:
+            mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+        oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=softmax_scale)
+        outs.append(oi.transpose(0, 1))
+    if not outs:
+        return q.new_zeros((0, hq, v.shape[2]))
+    return torch.cat(outs, dim=0)
+
+
+def load_flash_attn_varlen() -> Callable[..., torch.Tensor]:
+    """``flash_attn.flash_attn_varlen_func`` (already the :data:`VarlenFn` contract).
+
+    Raises:
+      ImportError: flash-attn is not installed or fails to import (message says why).
+    """
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except Exception as exc:
+        raise ImportError(
+            f"flash-attn unavailable: cannot import flash_attn.flash_attn_varlen_func "
+            f"({type(exc).__name__}: {exc}); install flash-attn >= 2.1 built for this torch/CUDA"
+        ) from exc
+    return flash_attn_varlen_func
+
+
+def load_torch_varlen() -> Callable[..., torch.Tensor]:
+    """An adapter of ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.9, CUDA; torch's
+    built-in flash kernel, bottom-right causal) to the :data:`VarlenFn` contract.
+
+    Causal is requested as ``window_size=(-1, 0)`` (newer torch) or ``is_causal=True`` (older);
+    GQA as ``enable_gqa=True`` where supported, else by repeating k/v heads; without a ``scale``
+    keyword (torch 2.9) the scale is folded into q.
+
+    Raises:
+      ImportError: this torch has no ``varlen_attn``.
+    """
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except Exception as exc:
+        raise ImportError(
+            f"torch varlen attention unavailable: cannot import "
+            f"torch.nn.attention.varlen.varlen_attn from torch {torch.__version__} "
+            f"({type(exc).__name__}: {exc}); needs torch >= 2.9"
+        ) from exc
+    params = inspect.signature(varlen_attn).parameters
+    if "window_size" not in params and "is_causal" not in params:
+        raise ImportError(
+            f"torch {torch.__version__}: varlen_attn takes neither window_size nor is_causal"
+        )
+    has_gqa = "enable_gqa" in params
+
+    def fn(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        *,
+        softmax_scale: float | None = None,
+        causal: bool = False,
+    ) -> torch.Tensor:
+        kw: dict[str, Any] = {}
+        if "scale" in params:
+            kw["scale"] = softmax_scale
+        elif softmax_scale is not None:  # oldest API (torch 2.9): fixed 1/sqrt(D); fold into q
+            q = q * (softmax_scale * math.sqrt(q.shape[-1]))
+        if causal:
+            if "window_size" in params:
+                kw["window_size"] = (-1, 0)
+            else:
+                kw["is_causal"] = True
+        if k.shape[1] != q.shape[1]:
+            if has_gqa:
+                kw["enable_gqa"] = True
+            else:
+                rep = q.shape[1] // k.shape[1]
+                k = k.repeat_interleave(rep, dim=1)
+                v = v.repeat_interleave(rep, dim=1)
+        return varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kw)
+
+    return fn

@@ -1,0 +1,284 @@
+"""Fast backends on CUDA: each vs its torch reference, and tree vs trajectory-wise runs.
+
+Tolerances: float32 tight; bfloat16 within fla's own test tolerances (error ratio
+``rmse(x - ref) / rmse(ref)`` ≤ 5e-3..8e-3 forward, ≤ 2e-2 gradients). Tree vs trajectory-wise:
+bitwise where the same kernel configurations run, else mean cosine ≥ 0.9999 (each comparison
+records which in the session report). ``HARTS_REQUIRE_FAST=1`` turns a missing fast package into
+a failure instead of a skip (``scripts/gpu_check.sh`` sets it).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from harts_verl.ops import backends
+from harts_verl.ops.layout import TreeLayout
+from harts_verl.ops.linear_attention import chunk_delta_rule_varlen, gdn_gate, kda_gate
+from harts_verl.ops.tree_attention import build_attention_plan, tree_attention
+from harts_verl.tree import RolloutForest
+
+REQUIRE_FAST = os.environ.get("HARTS_REQUIRE_FAST", "") == "1"
+COS_MIN = 0.9999
+
+
+# ------------------------------------------------------------------------------ helpers
+def _need(kind: str, name: str, device: torch.device):
+    """The explicit backend ``name``, or skip (fail under HARTS_REQUIRE_FAST) if unavailable."""
+    try:
+        if kind == "linear":
+            return backends.linear_kernel(name, device)
+        return backends.attention_kernel(name, device)
+    except backends.BackendUnavailableError as exc:
+        if REQUIRE_FAST:
+            pytest.fail(f"required fast backend missing: {exc}")
+        pytest.skip(str(exc))
+
+
+def err_ratio(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """fla's ``get_err_ratio``: rmse of the difference over rmse of the reference."""
+    x, ref = x.detach().double().flatten(), ref.detach().double().flatten()
+    return float((x - ref).square().mean().sqrt() / (ref.square().mean().sqrt() + 1e-12))
+
+
+def mean_cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    a = a.detach().double().reshape(a.shape[0], -1)
+    b = b.detach().double().reshape(b.shape[0], -1)
+    return float(torch.nn.functional.cosine_similarity(a, b, dim=-1).mean())
+
+
+def _forest(seed: int = 0, chunk: int = 64, scale: int = 1) -> RolloutForest:
+    """Main path with forks at/around chunk boundaries (mid-member kept states), nested forks,
+    a prefix trajectory and a second root; unique tokens per branch."""
+    rng = np.random.default_rng(seed)
+    nxt = iter(range(10_000, 10_000_000))
+
+    def fresh(n: int) -> list[int]:
+        return [next(nxt) for _ in range(n)]
+
+    main = fresh(scale * 7 * chunk + 5)
+    seqs = [main]
+    for f in (chunk - 1, 2 * chunk, 2 * chunk + 3, 3 * chunk + 7, 5 * chunk, 5 * chunk + 1):
+        seqs.append(main[: f * scale] + fresh(int(rng.integers(1, 3 * chunk))))
+    nested = seqs[3]
+    seqs.append(nested[: len(nested) - 2] + fresh(2 * chunk))
+    seqs.append(fresh(2 * chunk + 1))
+    seqs.append(main[: 4 * chunk])
+    return RolloutForest.from_sequences(seqs)
+
+
+def _linear_inputs(t: int, kda: bool, dtype: torch.dtype, device, seed: int = 0):
+    """Model-like inputs: q/k raw (l2-normalised in the kernel), gates from the model's gate
+    functions, beta post-sigmoid (float32, as the mixers produce it)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    h, hv, kd, vd = 2, 4, 64, 64
+    q = torch.randn(t, h, kd, generator=gen)
+    k = torch.randn(t, h, kd, generator=gen)
+    v = torch.randn(t, hv, vd, generator=gen)
+    a_log = torch.log(torch.empty(hv).uniform_(1, 16, generator=gen))
+    if kda:
+        dt = torch.empty(hv * kd).uniform_(-4, -2, generator=gen)
+        g = kda_gate(torch.randn(t, hv, kd, generator=gen), a_log, dt)
+    else:
+        g = gdn_gate(torch.randn(t, hv, generator=gen), a_log, torch.ones(hv))
+    beta = torch.sigmoid(torch.randn(t, hv, generator=gen))
+    return (
+        q.to(device, dtype),
+        k.to(device, dtype),
+        v.to(device, dtype),
+        g.to(device),
+        beta.to(device),
+    )
+
+
+# ------------------------------------------------------------------------------ selection
+def test_auto_selects_fast_backends_on_cuda(cuda, report):
+    rep = backends.backend_report(cuda)
+    report["backends"] = rep
+    if REQUIRE_FAST:
+        assert rep["linear_auto"] == "fla", rep
+        assert rep["attention_auto"] in ("flash_attn", "torch_varlen"), rep
+    layout = TreeLayout(_forest(), device=cuda)
+    assert layout.linear_kernel.name == rep["linear_auto"]
+    assert layout.attention_kernel.name == rep["attention_auto"]
+
+
+# ------------------------------------------------------------------------------ fla vs reference
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kda", [True, False], ids=["kda", "gdn"])
+def test_fla_vs_reference(cuda, report, kda, dtype):
+    kern = _need("linear", "fla", cuda)
+    lens = [100, 64, 1, 200, 37]
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), device=cuda)
+    inputs = _linear_inputs(sum(lens), kda, dtype, cuda, seed=1)
+    h0 = 0.1 * torch.randn(len(lens), 4, 64, 64, device=cuda)
+    res = {}
+    for name, fn in (("fla", kern), ("ref", chunk_delta_rule_varlen)):
+        xs = [x.clone().requires_grad_(True) for x in (*inputs, h0)]
+        out = fn(*xs[:5], cu_seqlens=cu, initial_state=xs[5], use_qk_l2norm=True, chunk_size=64)
+        gen = torch.Generator(device=cuda).manual_seed(0)
+        do = torch.randn(out.o.shape, device=cuda, generator=gen)
+        dht = torch.randn(out.final_state.shape, device=cuda, generator=gen)
+        ((out.o.float() * do).sum() + (out.final_state * dht).sum()).backward()
+        res[name] = (out.o.float(), out.final_state, [x.grad.float() for x in xs])
+    tol_fwd, tol_bwd = (2e-3, 5e-3) if dtype == torch.float32 else (8e-3, 2e-2)
+    errs = {
+        "o": err_ratio(res["fla"][0], res["ref"][0]),
+        "final_state": err_ratio(res["fla"][1], res["ref"][1]),
+    }
+    for gname, ga, gb in zip(
+        ("dq", "dk", "dv", "dg", "dbeta", "dh0"), res["fla"][2], res["ref"][2]
+    ):
+        errs[gname] = err_ratio(ga, gb)
+    key = f"fla_vs_ref_{'kda' if kda else 'gdn'}_{str(dtype).split('.')[-1]}"
+    report[key] = errs
+    assert res["fla"][1].dtype == torch.float32
+    assert errs["o"] <= tol_fwd and errs["final_state"] <= tol_fwd, errs
+    assert all(v <= tol_bwd for k_, v in errs.items() if k_.startswith("d")), errs
+
+
+# ------------------------------------------------------------------------------ attention
+@pytest.mark.parametrize("name", ["flash_attn", "torch_varlen"])
+@pytest.mark.parametrize(
+    "hq,hkv,dqk,dv", [(4, 4, 64, 64), (8, 2, 64, 64), (4, 4, 96, 64)], ids=["mha", "gqa", "mla"]
+)
+def test_varlen_attention_vs_sdpa(cuda, report, name, hq, hkv, dqk, dv):
+    try:
+        kern = backends.attention_kernel(name, cuda)
+    except backends.BackendUnavailableError as exc:
+        if name == "torch_varlen" and REQUIRE_FAST:
+            pytest.fail(str(exc))
+        pytest.skip(str(exc))  # flash-attn is optional (torch_varlen covers the same packing)
+    forest = _forest(2)
+    c = forest.num_compact_tokens
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    base = [torch.randn(c, h, d, generator=gen) for h, d in ((hq, dqk), (hkv, dqk), (hkv, dv))]
+    res = {}
+    for tag, dtype, fn, plan in (
+        ("fast", torch.bfloat16, kern, kern.build_plan(forest, device=cuda)),
+        ("sdpa_bf16", torch.bfloat16, tree_attention, build_attention_plan(forest, device=cuda)),
+        ("sdpa_fp32", torch.float32, tree_attention, build_attention_plan(forest, device=cuda)),
+    ):
+        xs = [x.to(cuda, dtype).requires_grad_(True) for x in base]
+        o = fn(*xs, plan, scale=dqk**-0.5)
+        w = torch.randn(o.shape, generator=torch.Generator(device=cuda).manual_seed(1), device=cuda)
+        (o.float() * w).sum().backward()
+        res[tag] = (o.float(), [x.grad.float() for x in xs])
+    errs = {
+        "o_vs_fp32": err_ratio(res["fast"][0], res["sdpa_fp32"][0]),
+        "o_vs_sdpa_bf16": err_ratio(res["fast"][0], res["sdpa_bf16"][0]),
+        "sdpa_bf16_vs_fp32": err_ratio(res["sdpa_bf16"][0], res["sdpa_fp32"][0]),
+    }
+    for gname, ga, gb in zip(("dq", "dk", "dv"), res["fast"][1], res["sdpa_fp32"][1]):
+        errs[gname] = err_ratio(ga, gb)
+    report[f"attn_{name}_{hq}x{hkv}_{dqk}_{dv}"] = errs
+    assert errs["o_vs_fp32"] <= max(1e-2, 2 * errs["sdpa_bf16_vs_fp32"]), errs
+    assert all(errs[g] <= 2e-2 for g in ("dq", "dk", "dv")), errs
+
+
+# ------------------------------------------------------------------------------ tree vs trajectories
+def _per_trajectory(forest: RolloutForest, x: torch.Tensor) -> torch.Tensor:
+    rows = np.concatenate([forest.rows_of(i) for i in range(forest.num_trajectories)])
+    return x[torch.as_tensor(rows, device=x.device)]
+
+
+def _compare(report, key, tree_sem: torch.Tensor, exp_sem: torch.Tensor) -> None:
+    bitwise = bool(torch.equal(tree_sem, exp_sem))
+    cos = mean_cos(tree_sem, exp_sem)
+    report[key] = {
+        "bitwise": bitwise,
+        "mean_cos": cos,
+        "max_abs": float((tree_sem.double() - exp_sem.double()).abs().max()),
+    }
+    assert bitwise or cos >= COS_MIN, report[key]
+
+
+@pytest.mark.parametrize("kda", [True, False], ids=["kda", "gdn"])
+def test_tree_vs_trajectories_linear(cuda, report, kda):
+    _need("linear", "fla", cuda)
+    forest = _forest(4)
+    seqs = forest.sequences
+    expanded = RolloutForest.expanded(seqs)
+    tree_l = TreeLayout(forest, device=cuda, linear_backend="fla")
+    exp_l = TreeLayout(expanded, device=cuda, linear_backend="fla")
+    assert len(tree_l.linear_plan.rounds) > 1
+    x = _linear_inputs(forest.num_compact_tokens, kda, torch.bfloat16, cuda, seed=7)
+    sem_rows = torch.as_tensor(
+        np.concatenate([forest.rows_of(i) for i in range(forest.num_trajectories)]), device=cuda
+    )
+    xe = [t.index_select(0, sem_rows) for t in x]  # expanded rows = semantic order
+    o_tree = tree_l.linear_attention(*x, use_qk_l2norm=True)
+    o_exp = exp_l.linear_attention(*xe, use_qk_l2norm=True)
+    _compare(
+        report,
+        f"tree_vs_traj_linear_{'kda' if kda else 'gdn'}",
+        _per_trajectory(forest, o_tree),
+        _per_trajectory(expanded, o_exp),
+    )
+
+
+def test_tree_vs_trajectories_attention(cuda, report):
+    kern = backends.attention_kernel("auto", cuda)
+    if kern.name == "sdpa" and REQUIRE_FAST:
+        pytest.fail("no varlen flash kernel on CUDA")
+    forest = _forest(5)
+    expanded = RolloutForest.expanded(forest.sequences)
+    gen = torch.Generator(device="cpu").manual_seed(4)
+    c = forest.num_compact_tokens
+    q, k, v = (torch.randn(c, h, 64, generator=gen).to(cuda, torch.bfloat16) for h in (8, 2, 2))
+    sem_rows = torch.as_tensor(
+        np.concatenate([forest.rows_of(i) for i in range(forest.num_trajectories)]), device=cuda
+    )
+    o_tree = TreeLayout(forest, device=cuda).attention(q, k, v)
+    o_exp = TreeLayout(expanded, device=cuda).attention(
+        *(t.index_select(0, sem_rows) for t in (q, k, v))
+    )
+    _compare(
+        report,
+        f"tree_vs_traj_attention_{kern.name}",
+        _per_trajectory(forest, o_tree),
+        _per_trajectory(expanded, o_exp),
+    )
+
+
+def test_model_tree_vs_expanded_bf16(cuda, report):
+    """The native hybrid model (KDA, MLA, GDN, GQA, MoE) with the auto backends: tree vs
+    trajectory-wise log-probs and logits in bf16, plus one backward each."""
+    from harts_verl.models import HybridForCausalLM, preset
+    from harts_verl.runtime import ExpandedRunner, TreeRunner
+
+    torch.manual_seed(0)
+    # Linear-attention head shapes as in the kernel tests above (reuses their compiled kernels).
+    cfg = preset(
+        "tiny",
+        linear_num_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+    )
+    model = HybridForCausalLM.from_config(cfg).to(cuda, torch.bfloat16)
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, cfg.vocab_size, 300).tolist()
+    seqs = [
+        base,
+        base[:130] + rng.integers(0, cfg.vocab_size, 90).tolist(),
+        base[:64] + rng.integers(0, cfg.vocab_size, 150).tolist(),
+        [*base[:200], 3, 4, 5],
+    ]
+    tree, exp = TreeRunner(model, device=cuda), ExpandedRunner(model, device=cuda)
+    lp_t, lp_e = tree.log_probs(seqs), exp.log_probs(seqs)
+    dlogp = max(float((a.double() - b.double()).abs().max()) for a, b in zip(lp_t, lp_e))
+    w = model.lm_head.weight.detach().double()
+    h_t, h_e = tree.hidden_states(seqs), exp.hidden_states(seqs)
+    cos = float(np.mean([mean_cos(a.double() @ w.T, b.double() @ w.T) for a, b in zip(h_t, h_e)]))
+    report["model_tree_vs_expanded_bf16"] = {"max_abs_dlogp": dlogp, "mean_logit_cos": cos}
+
+    def loss(lps):
+        return torch.stack([lp.float().sum() for lp in lps]).sum() / 1000
+
+    tree.forward_backward(seqs, loss, separable=True)
+    exp.forward_backward(seqs, loss, separable=True)
+    assert cos >= COS_MIN, report["model_tree_vs_expanded_bf16"]

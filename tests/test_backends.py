@@ -1,0 +1,615 @@
+"""Kernel backends without the fast packages (CPU): selection and errors, the member-splitting
+plan rewrite (exact with the reference kernel), fla's argument mapping through a stand-in, the
+varlen flash-attention packing through an SDPA test double, and the GPU check script's dry run."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from harts_verl.models import HybridForCausalLM, preset
+from harts_verl.ops import backends
+from harts_verl.ops.backends import (
+    BackendUnavailableError,
+    FlaLinearKernel,
+    ReferenceLinearKernel,
+    SdpaAttentionKernel,
+    VarlenAttentionKernel,
+    attention_kernel,
+    build_varlen_attention_plan,
+    linear_kernel,
+    sdpa_varlen_reference,
+    split_members_at_saved_boundaries,
+    tree_attention_varlen,
+)
+from harts_verl.ops.backends.varlen_attention import load_torch_varlen
+from harts_verl.ops.layout import TreeLayout
+from harts_verl.ops.linear_attention import chunk_delta_rule_varlen
+from harts_verl.ops.tree_attention import build_attention_plan, tree_attention
+from harts_verl.ops.tree_linear_attention import build_linear_layout, tree_delta_rule
+from harts_verl.tree import RolloutForest, plan_linear_calls
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "gpu_check.sh"
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch):
+    """No fast package importable, no env override, fresh log-once memory, one thread."""
+    for mod in ("fla", "fla.ops", "fla.ops.kda", "fla.ops.gated_delta_rule", "flash_attn"):
+        monkeypatch.setitem(sys.modules, mod, None)
+    monkeypatch.delenv(backends.LINEAR_ENV, raising=False)
+    monkeypatch.delenv(backends.ATTENTION_ENV, raising=False)
+    monkeypatch.setattr(backends, "_logged", set())
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def no_torch_varlen(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.nn.attention.varlen", None)
+
+
+# ------------------------------------------------------------------------------ forests
+def _forest(seed: int = 0, chunk: int = 16) -> RolloutForest:
+    """A forest whose plan keeps states inside members: a long main path with branches forking
+    at and around chunk boundaries, nested branches, a second root; unique tokens per branch."""
+    rng = np.random.default_rng(seed)
+    nxt = iter(range(10_000, 1_000_000))
+
+    def fresh(n: int) -> list[int]:
+        return [next(nxt) for _ in range(n)]
+
+    main = fresh(7 * chunk + 5)
+    seqs = [main]
+    for f in (chunk - 1, 2 * chunk, 2 * chunk + 3, 3 * chunk + 7, 5 * chunk, 5 * chunk + 1):
+        seqs.append(main[:f] + fresh(int(rng.integers(1, 3 * chunk))))
+    nested = seqs[3]
+    seqs.append(nested[: len(nested) - 2] + fresh(2 * chunk))
+    seqs.append(nested[: 2 * chunk + 5] + fresh(chunk + 3))
+    seqs.append(fresh(2 * chunk + 1))
+    seqs.append(main[: 4 * chunk])  # a prefix trajectory
+    return RolloutForest.from_sequences(seqs)
+
+
+def _linear_inputs(c: int, kda: bool, dtype=torch.float32, seed: int = 0, heads=(2, 4), kd=8):
+    gen = torch.Generator().manual_seed(seed)
+    h, hv = heads
+    q = torch.randn(c, h, kd, generator=gen, dtype=dtype)
+    k = torch.randn(c, h, kd, generator=gen, dtype=dtype)
+    v = torch.randn(c, hv, 6, generator=gen, dtype=dtype)
+    shape = (c, hv, kd) if kda else (c, hv)
+    g = -torch.rand(shape, generator=gen, dtype=torch.float32 if dtype != torch.float64 else dtype)
+    g = g * 0.3
+    beta = torch.rand(c, hv, generator=gen, dtype=g.dtype)
+    return q, k, v, g, beta
+
+
+# ------------------------------------------------------------------------------ registry
+def test_fast_packages_absent_in_cpu_runs():
+    """fla must not be importable in CPU runs (transformers would route to its Triton kernels)."""
+    with pytest.raises(ImportError):
+        backends.load_fla_ops()
+    from harts_verl.ops.backends.varlen_attention import load_flash_attn_varlen
+
+    with pytest.raises(ImportError, match="flash-attn unavailable"):
+        load_flash_attn_varlen()
+
+
+def test_auto_on_cpu_is_reference_without_log(caplog):
+    caplog.set_level(logging.DEBUG, logger=backends.__name__)
+    assert isinstance(linear_kernel("auto", "cpu"), ReferenceLinearKernel)
+    assert isinstance(linear_kernel("auto", None), ReferenceLinearKernel)
+    assert isinstance(attention_kernel("auto", "cpu"), SdpaAttentionKernel)
+    assert not caplog.records
+    layout = TreeLayout(_forest())
+    assert layout.linear_kernel.name == "reference"
+    assert layout.attention_kernel.name == "sdpa"
+    assert not layout.linear_kernel.final_states_only
+
+
+def test_auto_on_cuda_without_packages_falls_back_and_logs_once(caplog, no_torch_varlen):
+    caplog.set_level(logging.INFO, logger=backends.__name__)
+    for _ in range(3):
+        assert linear_kernel("auto", "cuda").name == "reference"
+        assert attention_kernel("auto", torch.device("cuda")).name == "sdpa"
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2, [r.getMessage() for r in caplog.records]
+    msgs = " | ".join(r.getMessage() for r in warnings)
+    assert "fla unavailable" in msgs and "torch reference" in msgs
+    assert "flash-attn unavailable" in msgs and "torch varlen attention unavailable" in msgs
+
+
+def test_auto_on_cuda_picks_fast_backends_when_importable(monkeypatch):
+    monkeypatch.setattr(backends, "load_fla_ops", lambda: (_fake_chunk_kda, _fake_chunk_gdn))
+    lk = linear_kernel("auto", "cuda")
+    assert isinstance(lk, FlaLinearKernel) and lk.final_states_only and lk.float64_fallback
+    monkeypatch.setitem(backends._ATTENTION_LOADERS, "torch_varlen", lambda: sdpa_varlen_reference)
+    ak = attention_kernel("auto", "cuda")
+    assert isinstance(ak, VarlenAttentionKernel)
+    assert ak.name == "torch_varlen" and ak.sdpa_fallback
+
+
+def test_explicit_unavailable_backend_raises_with_reason(no_torch_varlen):
+    with pytest.raises(BackendUnavailableError, match="'fla' is unavailable") as ei:
+        linear_kernel("fla", "cuda")
+    assert isinstance(ei.value.__cause__, ImportError)
+    assert "fla.ops.kda.chunk_kda" in str(ei.value)
+    with pytest.raises(BackendUnavailableError, match="needs a CUDA device"):
+        linear_kernel("fla", "cpu")
+    for name in ("flash_attn", "torch_varlen"):
+        with pytest.raises(BackendUnavailableError, match=f"'{name}' is unavailable"):
+            attention_kernel(name, "cuda")
+        with pytest.raises(BackendUnavailableError, match="needs a CUDA device"):
+            attention_kernel(name, "cpu")
+    with pytest.raises(ValueError, match="unknown 'flash'"):
+        linear_kernel("flash", "cpu")
+    with pytest.raises(ValueError, match="unknown 'xformers'"):
+        attention_kernel("xformers", "cpu")
+    with pytest.raises(TypeError, match="LinearKernel"):
+        linear_kernel(42, "cpu")
+    # An explicit choice through the layout fails when the op runs (lazily), never silently.
+    layout = TreeLayout(_forest(), linear_backend="fla")
+    with pytest.raises(BackendUnavailableError):
+        layout.linear_plan  # noqa: B018
+
+
+def test_env_override_is_explicit(monkeypatch):
+    monkeypatch.setenv(backends.LINEAR_ENV, "fla")
+    with pytest.raises(BackendUnavailableError, match="needs a CUDA device"):
+        linear_kernel("auto", "cpu")
+    assert linear_kernel("reference", "cpu").name == "reference"  # names beat the env
+    monkeypatch.setenv(backends.LINEAR_ENV, "reference")
+    monkeypatch.setattr(backends, "load_fla_ops", lambda: (_fake_chunk_kda, _fake_chunk_gdn))
+    assert linear_kernel("auto", "cuda").name == "reference"
+    monkeypatch.setenv(backends.ATTENTION_ENV, "nope")
+    with pytest.raises(ValueError, match=r"from \$HARTS_ATTENTION_BACKEND"):
+        attention_kernel("auto", "cpu")
+    monkeypatch.delenv(backends.ATTENTION_ENV)
+    report = backends.backend_report("cpu")
+    assert report["linear_auto"] == "reference" and "fla" in report["packages"]
+
+
+# ------------------------------------------------------------------------------ plan split
+@pytest.mark.parametrize("chunk", [8, 16, 32])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_split_plan_invariants(chunk, seed):
+    forest = _forest(seed, chunk)
+    plan = plan_linear_calls(forest, chunk_size=chunk)
+    arr = plan.arrays
+    assert any(ra.needs_chunk_states for ra in arr.rounds), "forest must keep mid-member states"
+    sp = split_members_at_saved_boundaries(arr)
+    assert sp.num_states == arr.num_states and sp.chunk_size == chunk
+    assert int(sp.state_offsets[-1]) == sp.num_states
+    out_rows = []
+    all_tokens_old = np.concatenate([ra.token_rows for ra in arr.rounds])
+    all_tokens_new = np.concatenate([ra.token_rows for ra in sp.rounds])
+    assert np.array_equal(np.sort(all_tokens_old), np.sort(all_tokens_new))  # no extra work
+    for r, ra in enumerate(sp.rounds):
+        assert not ra.needs_chunk_states
+        n = ra.cu_seqlens.shape[0] - 1
+        lens = np.diff(ra.cu_seqlens)
+        assert (lens > 0).all()
+        assert (ra.start_positions % chunk == 0).all()
+        assert np.array_equal(ra.chunk_offsets, np.concatenate([[0], np.cumsum(-(-lens // chunk))]))
+        assert (ra.save_src >= ra.chunk_offsets[-1]).all() and (
+            ra.save_src < ra.chunk_offsets[-1] + n
+        ).all()
+        assert np.array_equal(ra.save_slot, np.arange(sp.state_offsets[r], sp.state_offsets[r + 1]))
+        assert (ra.initial_slot < sp.state_offsets[r]).all()
+        # Replay only at the head of a member, shorter than a chunk.
+        for i in range(n):
+            m = ra.output_mask[ra.cu_seqlens[i] : ra.cu_seqlens[i + 1]]
+            rep = int((~m).sum())
+            assert rep < chunk and m[rep:].all()
+        out_rows.append(ra.token_rows[ra.output_mask])
+    rows = np.concatenate(out_rows)
+    assert np.array_equal(np.sort(rows), np.arange(forest.num_compact_tokens))
+    assert len(sp.rounds) >= len(arr.rounds)
+    assert split_members_at_saved_boundaries(sp) is sp  # nothing left to cut
+
+
+@st.composite
+def _random_forests(draw):
+    """(sequences, chunk): forks of earlier trajectories anywhere (inside chunks, on boundaries,
+    nested), prefixes, several roots; unique fresh tokens so only explicit prefixes are shared."""
+    chunk = draw(st.sampled_from([4, 8, 16]))
+    counter = iter(range(10_000, 10_000_000))
+    seqs: list[list[int]] = []
+    for _ in range(draw(st.integers(1, 9))):
+        if not seqs or draw(st.integers(0, 5)) == 0:
+            seqs.append([next(counter) for _ in range(draw(st.integers(1, 6 * chunk)))])
+            continue
+        base = seqs[draw(st.integers(0, len(seqs) - 1))]
+        cut = draw(st.integers(0, len(base)))
+        ext = draw(st.integers(0, 4 * chunk))
+        seqs.append(base[:cut] + [next(counter) for _ in range(ext)] or [next(counter)])
+    return seqs, chunk
+
+
+@settings(max_examples=40, deadline=None)
+@given(_random_forests())
+def test_split_plan_exact_on_random_forests(case):
+    seqs, chunk = case
+    forest = RolloutForest.from_sequences(seqs)
+    lay = build_linear_layout(forest, chunk_size=chunk)
+    lay_split = build_linear_layout(forest, chunk_size=chunk, final_states_only=True)
+    assert not any(rt.needs_chunk_states for rt in lay_split.rounds)
+    inputs = _linear_inputs(forest.num_compact_tokens, False, seed=len(seqs), kd=4)
+    o = tree_delta_rule(*inputs, lay)
+    o_split = tree_delta_rule(*inputs, lay_split)
+    assert torch.equal(o, o_split)
+
+
+def test_split_plan_is_noop_without_mid_member_states():
+    forest = RolloutForest.expanded([list(range(50)), list(range(100, 170))])
+    arr = plan_linear_calls(forest, chunk_size=16).arrays
+    assert split_members_at_saved_boundaries(arr) is arr
+
+
+@pytest.mark.parametrize("kda", [True, False], ids=["kda", "gdn"])
+def test_split_plan_exact_with_reference_kernel(kda):
+    """Forward bitwise equal in float32 (and gradients to rounding) when members are cut."""
+    chunk = 16
+    forest = _forest(3, chunk)
+    lay = build_linear_layout(forest, chunk_size=chunk)
+    lay_split = build_linear_layout(forest, chunk_size=chunk, final_states_only=True)
+    assert any(rt.needs_chunk_states for rt in lay.rounds)
+    assert not any(rt.needs_chunk_states for rt in lay_split.rounds)
+    inputs = _linear_inputs(forest.num_compact_tokens, kda)
+    outs, grads = [], []
+    for layout in (lay, lay_split):
+        xs = [x.clone().requires_grad_(True) for x in inputs]
+        o = tree_delta_rule(*xs, layout, use_qk_l2norm=True)
+        (o * torch.linspace(-1, 1, o.numel()).view_as(o)).sum().backward()
+        outs.append(o.detach())
+        grads.append([x.grad for x in xs])
+    assert torch.equal(outs[0], outs[1])
+    for ga, gb in zip(*grads):
+        torch.testing.assert_close(ga, gb, rtol=1e-5, atol=1e-6)
+
+
+def test_split_plan_tree_equals_trajectories_float64():
+    chunk = 16
+    forest = _forest(4, chunk)
+    q, k, v, g, beta = _linear_inputs(forest.num_compact_tokens, True, dtype=torch.float64)
+    lay = build_linear_layout(forest, chunk_size=chunk, final_states_only=True)
+    o = tree_delta_rule(q, k, v, g, beta, lay)
+    for i in range(forest.num_trajectories):
+        rows = torch.as_tensor(forest.rows_of(i))
+        ref = chunk_delta_rule_varlen(
+            q[rows], k[rows], v[rows], g[rows], beta[rows], cu_seqlens=None, chunk_size=chunk
+        )
+        torch.testing.assert_close(o[rows], ref.o, rtol=1e-10, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------ fla stand-in
+_CALLS: list[dict] = []
+
+
+def _fake_fla(kind: str):
+    """A stand-in with fla 0.6's calling conventions, asserting what fla asserts, computing with
+    the reference kernel."""
+
+    def fn(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=None,
+        initial_state=None,
+        output_final_state=False,
+        use_qk_l2norm_in_kernel=False,
+        use_beta_sigmoid_in_kernel=False,
+        cu_seqlens=None,
+        **kw,
+    ):
+        assert q.dim() == 4 and q.shape[0] == 1, "fla varlen needs [1, T, H, K]"
+        assert k.shape == q.shape and v.dim() == 4 and beta.dim() == 3
+        assert g.dim() == (4 if kind == "kda" else 3)
+        assert g.dtype == torch.float32
+        assert cu_seqlens is None or cu_seqlens.dtype == torch.int64
+        assert initial_state is None or initial_state.dtype == torch.float32
+        if cu_seqlens is not None and initial_state is not None:
+            assert initial_state.shape[0] == cu_seqlens.numel() - 1
+        assert set(kw) <= {"chunk_size"}
+        chunk = kw.get("chunk_size", 64)
+        _CALLS.append({"kind": kind, "chunk_size": kw.get("chunk_size"), "scale": scale})
+        res = chunk_delta_rule_varlen(
+            q[0],
+            k[0],
+            v[0],
+            g[0],
+            beta[0],
+            cu_seqlens=cu_seqlens,
+            initial_state=initial_state,
+            scale=scale,
+            chunk_size=chunk,
+            use_qk_l2norm=use_qk_l2norm_in_kernel,
+            use_beta_sigmoid=use_beta_sigmoid_in_kernel,
+        )
+        return res.o.unsqueeze(0).to(q.dtype), (res.final_state if output_final_state else None)
+
+    return fn
+
+
+_fake_chunk_kda = _fake_fla("kda")
+_fake_chunk_gdn = _fake_fla("gdn")
+
+
+def _fake_kernel(**kw) -> FlaLinearKernel:
+    return FlaLinearKernel(_fake_chunk_kda, _fake_chunk_gdn, **kw)
+
+
+@pytest.mark.parametrize("kda", [True, False], ids=["kda", "gdn"])
+@pytest.mark.parametrize("chunk", [32, 64])
+def test_fla_wrapper_maps_arguments(kda, chunk):
+    _CALLS.clear()
+    t_lens = [70, 5, 130]
+    q, k, v, g, beta = _linear_inputs(sum(t_lens), kda, seed=5)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(t_lens)]), dtype=torch.int32)
+    h0 = torch.randn(3, v.shape[1], q.shape[2], v.shape[2])
+    kern = _fake_kernel()
+    got = kern(
+        q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, chunk_size=chunk, use_qk_l2norm=True
+    )
+    ref = chunk_delta_rule_varlen(
+        q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, chunk_size=chunk, use_qk_l2norm=True
+    )
+    assert torch.equal(got.o, ref.o) and torch.equal(got.final_state, ref.final_state)
+    assert got.chunk_states is None
+    assert _CALLS[-1]["kind"] == ("kda" if kda else "gdn")
+    assert _CALLS[-1]["chunk_size"] == (None if chunk == 64 else chunk)
+    # Raw beta logits with the in-kernel sigmoid, explicit scale, no cu_seqlens.
+    got = kern(q, k, v, g, beta, cu_seqlens=None, scale=0.3, use_beta_sigmoid=True)
+    ref = chunk_delta_rule_varlen(
+        q, k, v, g, beta, cu_seqlens=None, scale=0.3, use_beta_sigmoid=True
+    )
+    assert torch.equal(got.o, ref.o) and _CALLS[-1]["scale"] == 0.3
+
+
+def test_fla_wrapper_refusals():
+    q, k, v, g, beta = _linear_inputs(40, True)
+    kern = _fake_kernel()
+    with pytest.raises(NotImplementedError, match="final_states_only"):
+        kern(q, k, v, g, beta, cu_seqlens=None, output_chunk_states=True)
+    with pytest.raises(ValueError, match="chunk_size must be in"):
+        kern(q, k, v, g, beta, cu_seqlens=None, chunk_size=16)
+    with pytest.raises(ValueError, match="initial_state"):
+        kern(q, k, v, g, beta, cu_seqlens=None, initial_state=torch.zeros(2, 4, 8, 6))
+    x64 = [t.double() for t in (q, k, v, g, beta)]
+    with pytest.raises(TypeError, match="float64"):
+        kern(*x64, cu_seqlens=None)
+    got = _fake_kernel(float64_fallback=True)(*x64, cu_seqlens=None, output_chunk_states=True)
+    ref = chunk_delta_rule_varlen(*x64, cu_seqlens=None, output_chunk_states=True)
+    assert torch.equal(got.o, ref.o) and got.chunk_states is not None
+
+
+@pytest.mark.parametrize("kda", [True, False], ids=["kda", "gdn"])
+def test_layout_with_fla_standin_equals_reference_bitwise(kda):
+    """The whole path a CUDA run takes (split plan + fla argument mapping), on CPU."""
+    forest = _forest(1, 32)
+    inputs = _linear_inputs(forest.num_compact_tokens, kda, seed=2)
+    ref_layout = TreeLayout(forest, chunk_size=32)
+    fla_layout = TreeLayout(forest, chunk_size=32, linear_backend=_fake_kernel())
+    assert fla_layout.linear_kernel.final_states_only
+    assert not any(rt.needs_chunk_states for rt in fla_layout.linear_plan.rounds)
+    o_ref = ref_layout.linear_attention(*inputs, use_qk_l2norm=True)
+    o_fla = fla_layout.linear_attention(*inputs, use_qk_l2norm=True)
+    assert torch.equal(o_ref, o_fla)
+
+
+# ------------------------------------------------------------------------------ varlen attention
+def _attn_inputs(c, hq=4, hkv=2, dqk=12, dv=12, dtype=torch.float32, seed=0, gate=False):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(c, hq, dqk, generator=gen, dtype=dtype)
+    k = torch.randn(c, hkv, dqk, generator=gen, dtype=dtype)
+    v = torch.randn(c, hkv, dv, generator=gen, dtype=dtype)
+    gt = torch.randn(c, hq, dv, generator=gen, dtype=dtype) if gate else None
+    return q, k, v, gt
+
+
+@pytest.mark.parametrize(
+    "hq,hkv,dqk,dv,gate",
+    [(4, 4, 16, 16, False), (4, 2, 12, 12, True), (2, 2, 24, 16, False), (4, 1, 8, 20, True)],
+    ids=["mha", "gqa-gate", "mla-dims", "mqa-dv-wide"],
+)
+def test_varlen_packing_matches_bucketed_sdpa(hq, hkv, dqk, dv, gate):
+    forest = _forest(2, 16)
+    c = forest.num_compact_tokens
+    plan = build_varlen_attention_plan(forest)
+    assert plan.q_index is None and plan.out_index is None  # preorder: queries need no gather
+    assert plan.cu_seqlens_q.dtype == torch.int32 and plan.cu_seqlens_k.dtype == torch.int32
+    assert int(plan.cu_seqlens_q[-1]) == c and plan.num_segments == len(forest.segments)
+    assert plan.work == build_attention_plan(forest).work
+    inputs = _attn_inputs(c, hq, hkv, dqk, dv, gate=gate, dtype=torch.float64)
+    leaves = [x.clone().requires_grad_(True) if x is not None else None for x in inputs]
+    o = tree_attention_varlen(
+        *leaves[:3],
+        plan,
+        varlen_fn=sdpa_varlen_reference,
+        scale=0.3,
+        gate=leaves[3],
+        require_half=False,
+    )
+    ref_leaves = [x.clone().requires_grad_(True) if x is not None else None for x in inputs]
+    ref = tree_attention(
+        *ref_leaves[:3], build_attention_plan(forest), scale=0.3, gate=ref_leaves[3]
+    )
+    torch.testing.assert_close(o, ref, rtol=1e-10, atol=1e-12)
+    w = torch.randn(o.shape, dtype=o.dtype, generator=torch.Generator().manual_seed(9))
+    (o * w).sum().backward()
+    (ref * w).sum().backward()
+    for a, b in zip(leaves, ref_leaves):
+        if a is not None:
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-9, atol=1e-11)
+
+
+def test_varlen_packing_expanded_forest_and_empty():
+    forest = RolloutForest.expanded([list(range(30)), list(range(5, 22))])
+    plan = build_varlen_attention_plan(forest)
+    assert plan.num_segments == 2 and plan.max_seqlen_k == 30
+    assert torch.equal(plan.cu_seqlens_q, plan.cu_seqlens_k)  # roots: keys = own rows
+    q, k, v, _ = _attn_inputs(forest.num_compact_tokens, dtype=torch.float64)
+    o = tree_attention_varlen(q, k, v, plan, varlen_fn=sdpa_varlen_reference, require_half=False)
+    torch.testing.assert_close(o, tree_attention(q, k, v, build_attention_plan(forest)))
+
+
+def test_varlen_kernel_dtype_rules():
+    forest = _forest(0, 16)
+    q, k, v, _ = _attn_inputs(forest.num_compact_tokens)
+    strict = VarlenAttentionKernel("flash_like", sdpa_varlen_reference)
+    plan = strict.build_plan(forest)
+    with pytest.raises(TypeError, match="float16/bfloat16"):
+        strict(q, k, v, plan)
+    auto_like = VarlenAttentionKernel("flash_like", sdpa_varlen_reference, sdpa_fallback=True)
+    o = auto_like(q, k, v, plan)
+    assert "sdpa" in plan.cache
+    assert torch.equal(o, tree_attention(q, k, v, build_attention_plan(forest)))
+    # bf16 runs the varlen kernel (the SDPA double here).
+    qb, kb, vb = (x.bfloat16() for x in (q, k, v))
+    ob = auto_like(qb, kb, vb, plan)
+    torch.testing.assert_close(
+        ob.float(),
+        tree_attention(qb, kb, vb, build_attention_plan(forest)).float(),
+        rtol=2e-2,
+        atol=2e-2,
+    )
+
+
+def test_layout_with_varlen_standin_and_model_forward():
+    """A tiny hybrid model (KDA, MLA, GDN, GQA) through a layout with both stand-ins equals the
+    default (reference) layout: linear layers bitwise, attention to rounding."""
+    torch.manual_seed(0)
+    cfg = preset("tiny")
+    model = HybridForCausalLM.from_config(cfg)
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, cfg.vocab_size, 150).tolist()
+    seqs = [base, base[:40] + rng.integers(0, cfg.vocab_size, 60).tolist(), [*base[:97], 1, 2, 3]]
+    forest = RolloutForest.from_sequences(seqs)
+    varlen = VarlenAttentionKernel("sdpa_varlen", sdpa_varlen_reference, require_half=False)
+    lay_ref = TreeLayout(forest, chunk_size=cfg.chunk_size)
+    lay_fast = TreeLayout(
+        forest, chunk_size=cfg.chunk_size, linear_backend=_fake_kernel(), attention_backend=varlen
+    )
+    with torch.no_grad():
+        h_ref, _ = model(lay_ref.token_ids, lay_ref)
+        h_fast, _ = model(lay_fast.token_ids, lay_fast)
+    torch.testing.assert_close(h_fast, h_ref, rtol=1e-5, atol=1e-5)
+
+
+def _fake_varlen_module(monkeypatch, *, new_api: bool) -> list[dict]:
+    calls: list[dict] = []
+    if new_api:
+
+        def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                        enable_gqa=False):  # fmt: skip
+            calls.append({"window_size": window_size, "enable_gqa": enable_gqa})
+            assert enable_gqa or k.shape[1] == q.shape[1]
+            return sdpa_varlen_reference(
+                q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale,
+                causal=window_size == (-1, 0),
+            )  # fmt: skip
+    else:
+
+        def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, return_aux=None):
+            calls.append({"is_causal": is_causal})
+            assert k.shape[1] == q.shape[1], "old API: no GQA"
+            return sdpa_varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, causal=is_causal)
+
+    mod = types.ModuleType("torch.nn.attention.varlen")
+    mod.varlen_attn = varlen_attn
+    monkeypatch.setitem(sys.modules, "torch.nn.attention.varlen", mod)
+    return calls
+
+
+@pytest.mark.parametrize("new_api", [True, False], ids=["window_size", "is_causal"])
+def test_torch_varlen_adapter(monkeypatch, new_api):
+    calls = _fake_varlen_module(monkeypatch, new_api=new_api)
+    fn = load_torch_varlen()
+    forest = _forest(5, 16)
+    q, k, v, _ = _attn_inputs(forest.num_compact_tokens, 4, 2, dtype=torch.float64)
+    plan = build_varlen_attention_plan(forest)
+    o = tree_attention_varlen(q, k, v, plan, varlen_fn=fn, scale=0.2, require_half=False)
+    ref = tree_attention(q, k, v, build_attention_plan(forest), scale=0.2)
+    torch.testing.assert_close(o, ref)
+    if new_api:
+        assert calls[-1] == {"window_size": (-1, 0), "enable_gqa": True}
+    else:
+        assert calls[-1] == {"is_causal": True}
+
+
+def test_real_torch_varlen_signature_is_supported():
+    """The installed torch's varlen_attn (if any) takes the keywords the adapter uses."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        pytest.skip("this torch has no varlen_attn")
+    params = inspect.signature(varlen_attn).parameters
+    assert "scale" in params and ("window_size" in params or "is_causal" in params)
+
+
+# ------------------------------------------------------------------------------ script
+def test_gpu_check_script_syntax_and_dry_run(tmp_path):
+    assert SCRIPT.exists()
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+    env = {**os.environ, "OUT": str(tmp_path / "out")}
+    res = subprocess.run(
+        ["bash", str(SCRIPT), "--dry-run"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert "pip install" in out and "--no-index" in out
+    assert "pytest tests/gpu" in out
+    assert "bench" in out and "--device cuda" in out and "bench.json" in out
+    assert "timeout" in out
+    assert not (tmp_path / "out" / "bench.json").exists()
+
+
+def test_gpu_tests_have_no_init_and_skip_without_cuda():
+    gpu = REPO / "tests" / "gpu"
+    assert (gpu / "conftest.py").exists()
+    assert not list((REPO / "tests").rglob("__init__.py"))
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: the GPU tests run for real")
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", str(gpu), "-rs"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    progress = res.stdout.splitlines()[0]
+    assert set(progress.split()[0]) == {"s"}, res.stdout  # every GPU test skipped
+    assert "needs a CUDA device" in res.stdout
+
+
+def test_same_device_treats_cuda_and_cuda0_alike(monkeypatch):
+    from harts_verl.ops.tree_attention import same_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    d = torch.device
+    assert same_device(d("cpu"), d("cpu"))
+    assert same_device(d("cuda"), d("cuda", 0)) and same_device(d("cuda", 0), d("cuda"))
+    assert not same_device(d("cuda"), d("cuda", 1))
+    assert not same_device(d("cuda", 0), d("cpu"))
