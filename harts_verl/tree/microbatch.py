@@ -50,7 +50,15 @@ work (LPT).
 max replica work, number of microbatches); ties keep the earlier candidate. With
 ``work_slack=ε > 0`` (default 0) the first key is relaxed: any plan within ``(1 + ε)`` of the
 least total work is compared on slot-critical work first, and balance moves may spend work up
-to that bound. Everything is a deterministic function of the forest, the capacity,
+to that bound; an imbalance *repair* pass (:func:`_repair`) also runs from the least-work
+plans within the bound (piece moves screened by Σ (work − mean)², judged by the exact
+within-slot imbalance of the sorted grouping, K grown to a multiple of ``dp_size``), and the
+choice then puts the excess of slot imbalances over 1.5 % first (among plans within the bound
+whose slot-critical work is no worse than the strict choice's). Measured on the SWE-like
+benchmark steps at dp 8 (69 / 66 microbatches at 32K): slack 0.01 → K = 72, P95 within-slot
+imbalance 2.9 % / 5.2 % for +0.96 % / +0.76 % compact tokens (strict: 24 % / 46 %); the 2 %
+target is not reached by single piece moves. The default stays ``work_slack=0`` (strict
+lexicographic order). Everything is a deterministic function of the forest, the capacity,
 ``dp_size``, the options and ``seed`` (no wall-clock limits).
 
 **Within-slot imbalance** (:meth:`MicrobatchPlan.slot_imbalance`): for each slot,
@@ -917,6 +925,93 @@ def _balance(st: _State, dp: int, budget: int, work_limit: int) -> int:
     return moves
 
 
+_REPAIR_TAU = 0.015  # slot imbalance the repair pass aims below (the issue's target is 2 %)
+_REPAIR_CANDS = 1000  # moves per round whose exact slot objective is evaluated
+
+
+def _slot_penalty(works: np.ndarray, dp: int, tau: float = _REPAIR_TAU) -> np.ndarray:
+    """[C, 2] for works [C, k] under sorted grouping: (Σ over slots of max(imbalance − tau, 0)²,
+    Σ over slots of imbalance²). Empty bins count as empty microbatches."""
+    w = np.atleast_2d(np.asarray(works, dtype=np.float64))
+    c, k = w.shape
+    s = -np.sort(-w, axis=1)
+    pad = (-k) % dp
+    if pad:
+        s = np.concatenate([s, np.zeros((c, pad))], axis=1)
+    g = s.reshape(c, -1, dp)
+    mx = g[:, :, 0]
+    imb = np.where(mx > 0, (mx - g.mean(axis=2)) / np.maximum(mx, 1.0), 0.0)
+    return np.stack([(np.maximum(imb - tau, 0.0) ** 2).sum(axis=1), (imb**2).sum(axis=1)], axis=1)
+
+
+def _repair(st: _State, dp: int, budget: int, work_limit: int) -> int:
+    """Slot-imbalance repair: piece moves (any bin to any bin, empty bins offered so K reaches
+    a multiple of ``dp``), keeping total work <= ``work_limit``, that lower
+    :func:`_slot_penalty` lexicographically (the excess of each slot's imbalance over
+    ``_REPAIR_TAU``, then Σ imbalance²) under sorted grouping. Each round screens all moves by
+    the drop of Σ (work − mean)² (free moves first, then per token of extra work), evaluates the
+    exact slot objective of the best ``_REPAIR_CANDS`` and makes the best free improving move,
+    else the improving move with the largest gain per extra token. Returns the moves made."""
+    cap = st.cap
+    live = int((st.works > 0).sum())
+    want = -(-live // dp) * dp
+    if want > st.k:
+        st.add_bins(want - st.k)
+    k = st.k
+    cur = _slot_penalty(st.works, dp)[0]
+    pieces: dict[int, _Pieces] = {}
+    moves = 0
+    while moves < budget:
+        w = st.works
+        total = int(w.sum())
+        mean = total / k
+        parts: list[tuple[np.ndarray, ...]] = []
+        for a in np.flatnonzero(w > 0).tolist():
+            if a not in pieces:
+                pieces[a] = st.pieces(a)
+            pa = pieces[a]
+            marg = st.marginals(pa, a)
+            new = w[None, :] + marg
+            delta = marg - pa.gain[:, None]
+            ok = (new <= cap) & (new < w[a]) & (total + delta <= work_limit)
+            if not ok.any():
+                continue
+            r, c = np.nonzero(ok)
+            wa, wb = w[a] - pa.gain[r], new[r, c]
+            drop = (w[a] - mean) ** 2 + (w[c] - mean) ** 2 - (wa - mean) ** 2 - (wb - mean) ** 2
+            parts.append((np.full(r.size, a), r, c, wa, wb, delta[r, c], drop))
+        if not parts:
+            break
+        a_, t_, b_, wa_, wb_, d_, drop_ = (np.concatenate(x) for x in zip(*parts))
+        screen = np.where(d_ <= 0, drop_ + 1e30, drop_ / np.maximum(d_, 1))
+        sel = np.lexsort((np.arange(screen.size), -screen))[:_REPAIR_CANDS]
+        rows = np.arange(sel.size)
+        trial = np.repeat(w[None, :], sel.size, axis=0)
+        trial[rows, a_[sel]] = wa_[sel]
+        trial[rows, b_[sel]] = wb_[sel]
+        obj = _slot_penalty(trial, dp)
+        better = (obj[:, 0] < cur[0]) | ((obj[:, 0] == cur[0]) & (obj[:, 1] < cur[1] - 1e-12))
+        if not better.any():
+            break
+        free = better & (d_[sel] <= 0)
+        if free.any():
+            idx = np.flatnonzero(free)
+            j = int(idx[np.lexsort((idx, obj[idx, 1], obj[idx, 0]))[0]])
+        else:
+            idx = np.flatnonzero(better)
+            col = 0 if cur[0] > 0 else 1
+            gain = (cur[col] - obj[idx, col]) / np.maximum(d_[sel][idx], 1)
+            j = int(idx[np.argmax(gain)])
+        i = int(sel[j])
+        a, t, b = int(a_[i]), int(t_[i]), int(b_[i])
+        st.move(pieces[a].piece(t), a, b, int(wa_[i]), int(wb_[i]))
+        pieces.pop(a, None)
+        pieces.pop(b, None)
+        cur = obj[j]
+        moves += 1
+    return moves
+
+
 # ============================================================================ placement
 def place_microbatches(works: np.ndarray, dp_size: int) -> tuple[np.ndarray, np.ndarray, int]:
     """Slot and replica of each microbatch, and the number of slots.
@@ -1099,6 +1194,7 @@ def _search(
         # Zero-cost balance from the best starts; with slack, continue each with the budget
         # (so the slack result is never worse in slot-critical work than the strict one).
         bal_budget = int(max(20, n) * effort)
+        rep_budget = int(max(20, n // 2) * effort)
         for sc, name, lab in [c for c in pool if c[0][0] == min_total][:2]:
             st = _State(lv, lab, int(lab.max()) + 1, cap)
             _balance(st, dp, bal_budget, sc[0])
@@ -1106,11 +1202,21 @@ def _search(
             if slack > 0:
                 _balance(st, dp, bal_budget, limit)
                 add(name + "+bal+slack", st.label)
+                # Imbalance repair from the least-work plan, within the same work bound.
+                rep = _State(lv, lab, int(lab.max()) + 1, cap)
+                _repair(rep, dp, rep_budget, limit)
+                add(name + "+repair", rep.label)
+
+    strict_best = min(pool, key=lambda t: t[0])
 
     def rank(t: _Cand) -> tuple[Any, ...]:
         sc = t[0]
         if slack > 0:
-            return (sc[0] > limit, sc[1], sc[2], sc[0], sc[3])
+            # Within the work bound and no worse than the strict choice in slot-critical work:
+            # least excess slot imbalance (over _REPAIR_TAU) first, then the strict keys.
+            worse = sc[0] > limit or sc[1] > strict_best[0][1]
+            pen = _slot_penalty(lv.works(t[2], int(t[2].max()) + 1), dp)[0] if dp > 1 else (0,)
+            return (worse, float(pen[0]), sc[1], sc[2], sc[0], sc[3])
         return sc
 
     best = min(pool, key=rank)
