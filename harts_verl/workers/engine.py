@@ -73,16 +73,56 @@ def _find_lm_head(module: torch.nn.Module) -> torch.nn.Module | None:
 
 
 def _sequences(input_ids: torch.Tensor) -> list[np.ndarray]:
-    """Per-trajectory token ids (numpy int64) of a nested (jagged) ``[bsz, j1]`` tensor."""
+    """Per-trajectory token ids (numpy int64) of a nested (jagged) ``[bsz, j1]`` tensor (a
+    dense ``[bsz, L]`` tensor is taken row by row)."""
+    if not input_ids.is_nested:
+        return [r for r in input_ids.detach().cpu().numpy().astype(np.int64, copy=False)]
     values = input_ids.values().detach().cpu().numpy().astype(np.int64, copy=False)
     offsets = input_ids.offsets().detach().cpu().numpy()
     return [values[offsets[i] : offsets[i + 1]] for i in range(offsets.shape[0] - 1)]
 
 
+def _tree_metadata(data: TensorDict) -> list[Any] | None:
+    """Per-trajectory ``extra_fields["harts_tree"]`` values recorded by ``harts_tool_agent``
+    (None when the batch has no ``extra_fields`` or a trajectory lacks the key)."""
+    from harts_verl.workers.rollout.recorder import TREE_KEY
+
+    if "extra_fields" not in data.keys():
+        return None
+    try:
+        raw = data["extra_fields"]
+        items = raw.tolist() if hasattr(raw, "tolist") else list(raw)
+    except Exception:  # an unexpected container: detect prefixes from the tokens
+        return None
+    out = []
+    for item in items:
+        item = getattr(item, "data", item)
+        if not isinstance(item, dict) or TREE_KEY not in item:
+            return None
+        out.append(item[TREE_KEY])
+    return out if len(out) == len(data) else None
+
+
 def forest_of_batch(data: TensorDict) -> RolloutForest:
-    """The token trie of a batch's trajectories (nested ``input_ids``). Recorded tree metadata is
-    not needed: the trie of the token sequences is the rollout tree (same tokens, same rows)."""
-    return RolloutForest.from_sequences(_sequences(data["input_ids"]))
+    """The rollout forest of a batch's trajectories (``input_ids``), in batch order.
+
+    Built from the turn metadata that ``harts_tool_agent`` records in ``extra_fields`` when every
+    trajectory has it and it agrees with the tokens; otherwise from the token sequences (sorting
+    + adjacent common prefixes). Both give the same forest; ``forest.harts_source`` says which
+    (``"metadata"`` or ``"tokens"``)."""
+    from harts_verl.workers.rollout.recorder import forest_from_metadata
+
+    seqs = _sequences(data["input_ids"])
+    meta = _tree_metadata(data)
+    if meta is not None:
+        forest, why = forest_from_metadata(seqs, meta)
+        if forest is not None:
+            forest.harts_source = "metadata"
+            return forest
+        logger.warning("harts_fsdp2: tree metadata not used (%s); detecting prefixes", why)
+    forest = RolloutForest.from_sequences(seqs)
+    forest.harts_source = "tokens"
+    return forest
 
 
 def _scalar_temperature(micro_batch: TensorDict) -> float | None:

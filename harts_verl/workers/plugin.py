@@ -1,4 +1,6 @@
-"""veRL plugin entry point (group ``verl.plugins``): registers engine backend ``harts_fsdp2``.
+"""veRL plugin entry point (group ``verl.plugins``): registers engine backend ``harts_fsdp2``,
+the agent loop ``harts_tool_agent`` (with the ``harts_calc`` tool format of the local recipe)
+and the CPU rollout server ``harts_hf`` (:mod:`harts_verl.workers.rollout`).
 
 ``verl/__init__.py`` imports every entry point of the group in every process that imports verl
 (Ray workers included) but logs a failing plugin only at DEBUG; this module logs its own
@@ -13,11 +15,39 @@ import importlib
 import logging
 import os
 
-__all__ = ["REGISTERED", "register"]
+__all__ = ["REGISTERED", "register", "register_rollout"]
 
 logger = logging.getLogger("harts_verl.workers.plugin")
 
-REGISTERED: dict[str, bool] = {"harts_fsdp2": False}
+REGISTERED: dict[str, bool] = {"harts_fsdp2": False, "harts_tool_agent": False, "harts_hf": False}
+
+# name -> modules to import; a "module:function" entry also calls that function.
+_ROLLOUT_MODULES = {
+    "harts_tool_agent": (
+        "harts_verl.workers.rollout.agent_loop",
+        "harts_verl.workers.rollout.local_task",
+    ),
+    "harts_hf": ("harts_verl.workers.rollout.cpu_server:register",),
+}
+
+
+def register_rollout() -> bool:
+    """Import the rollout modules (agent loop ``harts_tool_agent``, tool format ``harts_calc``);
+    on failure logs a WARNING with the reason and returns False."""
+    ok = True
+    for name, modules in _ROLLOUT_MODULES.items():
+        try:
+            for entry in modules:
+                module, _, func = entry.partition(":")
+                mod = importlib.import_module(module)
+                if func:
+                    getattr(mod, func)()
+        except Exception as exc:
+            logger.warning("harts-verl: could not register %r: %r", name, exc)
+            ok = False
+            continue
+        REGISTERED[name] = True
+    return ok
 
 
 def register() -> bool:
@@ -37,3 +67,4 @@ def register() -> bool:
 
 
 register()
+register_rollout()

@@ -1,0 +1,350 @@
+"""CPU rollout server ``harts_hf``: veRL's token-in/token-out server contract on plain HF
+``generate`` (tiny models, tests and the local CPU recipe; GPU recipes use vLLM).
+
+Three pieces, registered where veRL looks for them (:func:`register`):
+
+* :class:`HFGenerationServer` — the server (a Ray actor started by the replica): holds an HF
+  causal LM on CPU, answers ``generate(prompt_ids, sampling_params, request_id, ...)`` with a
+  ``TokenOutput`` (sampled tokens and their log-probs), and takes new weights with
+  :meth:`~HFGenerationServer.load_weights`. Sleep/wake/cache calls are no-ops.
+* :class:`HFReplica` — ``RolloutReplica`` for ``RolloutReplicaRegistry`` (name ``harts_hf``):
+  launches one server actor per replica (no GPU resources).
+* :class:`HFServerAdapter` — ``BaseRollout`` for ``_ROLLOUT_REGISTRY[("harts_hf", "async")]``:
+  lives in the hybrid actor worker; ``update_weights`` gathers the full tensors (FSDP2 shards
+  are gathered with ``full_tensor``) and ships them to the replica's server.
+
+Select it with ``actor_rollout_ref.rollout.name=harts_hf`` (tensor parallel size 1).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import Any
+
+import torch
+
+__all__ = ["NAME", "HFGenerationServer", "register", "sample_tokens"]
+
+logger = logging.getLogger(__name__)
+
+NAME = "harts_hf"
+
+
+def sample_tokens(
+    model: torch.nn.Module,
+    prompt_ids: list[int],
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = -1,
+    top_p: float = 1.0,
+    stop_token_ids: list[int] | None = None,
+    seed: int | None = None,
+) -> tuple[list[int], list[float]]:
+    """Autoregressive sampling with the model's KV cache; returns (token ids, log-probs of the
+    sampled tokens under the temperature-scaled distribution). temperature 0 = greedy."""
+    stops = set(stop_token_ids or [])
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    ids = torch.tensor([prompt_ids], dtype=torch.long)
+    out_ids: list[int] = []
+    out_lp: list[float] = []
+    past = None
+    with torch.no_grad():
+        for _ in range(max(0, max_new_tokens)):
+            res = model(input_ids=ids, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            logits = res.logits[0, -1].float()
+            if temperature and temperature > 0:
+                logits = logits / temperature
+                if top_k and top_k > 0:
+                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[-1]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                logp = torch.log_softmax(logits, -1)
+                if top_p < 1.0:
+                    sorted_lp, order = torch.sort(logp, descending=True)
+                    keep = torch.cumsum(sorted_lp.exp(), -1) - sorted_lp.exp() < top_p
+                    mask = torch.full_like(logp, float("-inf"))
+                    mask[order[keep]] = 0.0
+                    logp = torch.log_softmax(logp + mask, -1)
+                tok = int(torch.multinomial(logp.exp(), 1, generator=gen))
+            else:
+                logp = torch.log_softmax(logits, -1)
+                tok = int(torch.argmax(logp))
+            out_ids.append(tok)
+            out_lp.append(float(logp[tok]))
+            if tok in stops:
+                break
+            ids = torch.tensor([[tok]], dtype=torch.long)
+    return out_ids, out_lp
+
+
+class HFGenerationServer:
+    """Token-in/token-out generation server on an HF model (CPU, fp32)."""
+
+    def __init__(
+        self,
+        config: Any,
+        model_config: Any,
+        replica_rank: int = 0,
+        **_: Any,
+    ) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.config = config
+        self.model_config = model_config
+        self.replica_rank = replica_rank
+        path = getattr(model_config, "local_path", None) or model_config.path
+        hf_cfg = AutoConfig.from_pretrained(path, trust_remote_code=True)
+        hf_cfg._attn_implementation = "sdpa"
+        self.model = AutoModelForCausalLM.from_pretrained(
+            path, config=hf_cfg, torch_dtype=torch.float32, trust_remote_code=True
+        ).eval()
+        tok = getattr(model_config, "tokenizer", None)
+        self.eos_token_id = getattr(tok, "eos_token_id", None) if tok is not None else None
+        if self.eos_token_id is None:
+            self.eos_token_id = getattr(hf_cfg, "eos_token_id", None)
+        self.max_model_len = int(
+            getattr(config, "max_model_len", None)
+            or (config.prompt_length + config.response_length)
+        )
+        self.global_steps: int | None = None
+        self.weight_version = 0
+        self._lock = None
+
+    # ------------------------------------------------------------------ generation
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        request_id: str,
+        **_: Any,
+    ) -> Any:
+        """veRL's server ``generate``: returns a ``TokenOutput`` with token ids and log-probs."""
+        import asyncio
+
+        from verl.workers.rollout.replica import TokenOutput
+
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        sp = dict(sampling_params or {})
+        room = self.max_model_len - len(prompt_ids)
+        max_new = int(sp.get("max_tokens", sp.get("max_new_tokens", room)) or room)
+        max_new = max(0, min(max_new, room))
+        stops = list(sp.get("stop_token_ids") or [])
+        if self.eos_token_id is not None and not sp.get("ignore_eos", False):
+            stops.append(int(self.eos_token_id))
+        seed = abs(hash((request_id, len(prompt_ids)))) % (2**31)
+        async with self._lock:  # one generation at a time per server (CPU)
+            ids, lps = await asyncio.get_running_loop().run_in_executor(
+                None,
+                lambda: sample_tokens(
+                    self.model,
+                    list(prompt_ids),
+                    max_new_tokens=max_new,
+                    temperature=float(sp.get("temperature", 1.0)),
+                    top_k=int(sp.get("top_k", -1) or -1),
+                    top_p=float(sp.get("top_p", 1.0) or 1.0),
+                    stop_token_ids=stops,
+                    seed=seed,
+                ),
+            )
+        extra = {"global_steps": self.global_steps} if self.global_steps is not None else {}
+        return TokenOutput(
+            token_ids=ids,
+            log_probs=lps if sp.get("logprobs") else None,
+            stop_reason="completed",
+            num_preempted=0,
+            extra_fields=extra,
+        )
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
+        """Copy full tensors (HF parameter names) into the model; returns the count loaded."""
+        params = dict(self.model.named_parameters())
+        params.update(dict(self.model.named_buffers()))
+        n = 0
+        with torch.no_grad():
+            for name, t in named_tensors:
+                key = name if name in params else name.removeprefix("_fsdp_wrapped_module.")
+                if key in params and params[key].shape == t.shape:
+                    params[key].copy_(t.to(params[key].dtype))
+                    n += 1
+        self.weight_version += 1
+        return n
+
+    def set_global_steps(self, global_steps: int) -> None:
+        """Remember the trainer step (reported in ``TokenOutput.extra_fields``)."""
+        self.global_steps = global_steps
+
+    # ------------------------------------------------------------------ no-op controls
+    def get_server_address(self) -> tuple[str, int]:
+        """There is no HTTP endpoint; token-in/token-out goes through the actor handle."""
+        return "127.0.0.1", 0
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """No-op (CPU, nothing to offload)."""
+
+    async def sleep(self) -> None:
+        """No-op."""
+
+    async def clear_kv_cache(self) -> None:
+        """No-op (no persistent cache between requests)."""
+
+    async def release_kv_cache(self) -> None:
+        """No-op."""
+
+    async def resume_kv_cache(self) -> None:
+        """No-op."""
+
+    async def wait_for_requests_to_drain(self) -> None:
+        """No-op."""
+
+    async def abort_all_requests(self, **_: Any) -> dict[str, Any]:
+        """Nothing to abort between calls."""
+        return {"aborted_count": 0, "request_ids": []}
+
+    async def abort_request(self, request_id: str, **_: Any) -> dict[str, Any]:
+        """Nothing to abort between calls."""
+        return {"aborted": False, "request_id": request_id}
+
+    async def resume_generation(self) -> None:
+        """No-op."""
+
+    async def resume_engine_generation(self) -> None:
+        """No-op."""
+
+    async def open_submission_gate(self) -> None:
+        """No-op."""
+
+    async def start_profile(self, **_: Any) -> None:
+        """No-op."""
+
+    async def stop_profile(self) -> None:
+        """No-op."""
+
+
+def _server_name(replica_rank: int) -> str:
+    return f"{NAME}_server_{replica_rank}"
+
+
+@functools.cache
+def _replica_cls() -> type:
+    import ray
+    from verl.workers.rollout.replica import RolloutReplica
+
+    class HFReplica(RolloutReplica):
+        """One :class:`HFGenerationServer` actor per replica (CPU only)."""
+
+        async def launch_servers(self) -> None:
+            server_cls = ray.remote(HFGenerationServer)
+            server = server_cls.options(
+                name=_server_name(self.replica_rank) + self.name_suffix,
+                num_cpus=0,
+                max_concurrency=self.max_concurrency,
+            ).remote(
+                config=self.config, model_config=self.model_config, replica_rank=self.replica_rank
+            )
+            self.servers = [server]
+            self._server_handle = server
+            host, port = await server.get_server_address.remote()
+            self._server_address = f"{host}:{port}"
+
+        def rollout_worker_use_gpu(self) -> bool:
+            return False
+
+        async def sleep(self) -> None:
+            return None
+
+        async def wake_up(self) -> None:
+            return None
+
+        async def abort_all_requests(self, reject_request: bool = False) -> dict[str, Any]:
+            return {"aborted_count": 0, "request_ids": [], "server_results": []}
+
+        async def resume_generation(self) -> None:
+            return None
+
+    return HFReplica
+
+
+@functools.cache
+def _adapter_cls() -> type:
+    import ray
+    from verl.workers.rollout.base import BaseRollout
+
+    class HFServerAdapter(BaseRollout):
+        """Hybrid-worker side of ``harts_hf``: forwards weight updates to the server actor."""
+
+        def __init__(
+            self,
+            config: Any,
+            model_config: Any,
+            device_mesh: Any,
+            replica_rank: int = -1,
+            **_: Any,
+        ) -> None:
+            super().__init__(config, model_config, device_mesh)
+            import os
+
+            rank = int(os.environ.get("RANK", "0"))
+            self.replica_rank = rank if replica_rank == -1 else replica_rank
+            self.server_handle = None
+
+        def _server(self) -> Any:
+            if self.server_handle is None:
+                try:
+                    self.server_handle = ray.get_actor(_server_name(self.replica_rank))
+                except ValueError:
+                    return None
+            return self.server_handle
+
+        async def resume(self, tags: list[str]) -> None:
+            return None
+
+        async def release(self) -> None:
+            return None
+
+        @torch.no_grad()
+        async def update_weights(
+            self,
+            weights: Any,
+            global_steps: int | None = None,
+            wire_format: str = "named_tensors",
+            **kwargs: Any,
+        ) -> None:
+            t0 = time.time()
+            full = []
+            for name, t in weights:
+                if hasattr(t, "full_tensor"):
+                    t = t.full_tensor()
+                full.append((name, t.detach().to("cpu").clone()))
+            server = self._server()
+            if server is None:  # not a rank that owns a server
+                return
+            await server.load_weights.remote(full)
+            if global_steps is not None:
+                await server.set_global_steps.remote(global_steps)
+            logger.info("harts_hf: update_weights %d tensors in %.2fs", len(full), time.time() - t0)
+
+    return HFServerAdapter
+
+
+def __getattr__(name: str) -> Any:
+    """``HFServerAdapter`` / ``HFReplica`` resolve lazily (they subclass veRL classes)."""
+    if name == "HFServerAdapter":
+        return _adapter_cls()
+    if name == "HFReplica":
+        return _replica_cls()
+    raise AttributeError(name)
+
+
+def register() -> None:
+    """Register ``harts_hf`` in veRL's ``_ROLLOUT_REGISTRY`` (server adapter, async mode) and
+    ``RolloutReplicaRegistry`` (idempotent)."""
+    from verl.workers.rollout import base
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    base._ROLLOUT_REGISTRY[(NAME, "async")] = f"{__name__}.HFServerAdapter"
+    RolloutReplicaRegistry.register(NAME, _replica_cls)

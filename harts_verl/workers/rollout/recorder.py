@@ -1,0 +1,293 @@
+"""Turn recorder: wraps a veRL LLM server client and records every ``generate`` call as a turn.
+
+veRL's ``ToolAgentLoop`` calls ``server_manager.generate(request_id, prompt_ids=<whole context>,
+sampling_params=...)`` once per assistant turn, token in / token out. :class:`RecordingServerClient`
+forwards each call unchanged and records, per request id, the context it was given and the tokens
+it returned. A turn's ``token_ids`` are the tokens it adds to its parent turn's context: the new
+prompt tokens (tool responses, user messages) followed by the generated response.
+
+Parent links: a turn's parent is the deepest earlier turn of its request (or of the request it was
+forked from, see :meth:`TurnRecorder.fork`) whose full context (prompt + response) is a token
+prefix of the new prompt. In the usual case that is the previous turn. When an agent rewrites its
+history (context management: summarising, dropping old tool output) the previous context is no
+longer a prefix; the new turn then hangs below the deepest ancestor that still is a prefix (or
+becomes a new root), i.e. it becomes a **sibling** of the rewritten branch, never an error.
+
+Tree metadata for one trajectory (:func:`tree_metadata`) is a JSON string stored in the agent
+loop output's ``extra_fields["harts_tree"]``: the chain of turns that spells the trajectory's
+token ids, as ``[turn_id, parent_turn_id, start, end]`` spans into ``prompt_ids + response_ids``.
+Turns shared by fork branches carry the same ids, so the engine can rebuild the forest of a batch
+from the metadata (:func:`forest_from_metadata`) without looking for token prefixes.
+
+This module imports neither torch nor veRL (the recorder only needs the ``generate`` contract).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from harts_verl.tree import RolloutForest
+from harts_verl.tree.forest import Turn
+
+__all__ = [
+    "TREE_KEY",
+    "RecordedTurn",
+    "RecordingServerClient",
+    "TurnRecorder",
+    "forest_from_metadata",
+    "parse_tree_metadata",
+    "tree_metadata",
+]
+
+TREE_KEY = "harts_tree"
+"""Key of the tree metadata in an agent loop output's ``extra_fields``."""
+
+_METADATA_VERSION = 1
+
+
+@dataclass
+class RecordedTurn:
+    """One ``generate`` call: ``context`` = ``prompt_ids + response_ids`` (the full token context
+    after the turn); ``token_ids`` = ``context[start:]`` (what the turn adds to its parent)."""
+
+    turn_id: str
+    parent_turn_id: str | None
+    request_id: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    start: int
+    log_probs: list[float] | None = None
+    rewrite: bool = False
+
+    @property
+    def context(self) -> list[int]:
+        """Prompt followed by the generated response."""
+        return self.prompt_ids + self.response_ids
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Tokens this turn adds to its parent's context."""
+        return self.context[self.start :]
+
+    def as_turn(self) -> Turn:
+        """The :class:`~harts_verl.tree.forest.Turn` record of this turn."""
+        return Turn(self.turn_id, self.parent_turn_id, self.token_ids)
+
+
+def _is_prefix(prefix: Sequence[int], seq: Sequence[int]) -> bool:
+    n = len(prefix)
+    return n <= len(seq) and list(seq[:n]) == list(prefix)
+
+
+@dataclass
+class TurnRecorder:
+    """Per-request chains of recorded turns (thread/async safe for appends).
+
+    ``heads[request_id]`` is the id of the last turn of a request; a request's ancestor chain is
+    followed through parent links, so a forked request (:meth:`fork`) sees its parent's turns.
+    """
+
+    turns: dict[str, RecordedTurn] = field(default_factory=dict)
+    heads: dict[str, str | None] = field(default_factory=dict)
+    rewrites: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _counter: Any = field(default_factory=itertools.count, repr=False)
+
+    # ------------------------------------------------------------------ recording
+    def chain(self, request_id: str) -> list[RecordedTurn]:
+        """The request's turns from the root to its head (forked-from turns included)."""
+        out: list[RecordedTurn] = []
+        tid = self.heads.get(request_id)
+        while tid is not None:
+            t = self.turns[tid]
+            out.append(t)
+            tid = t.parent_turn_id
+        return out[::-1]
+
+    def record(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        response_ids: Sequence[int],
+        log_probs: Sequence[float] | None = None,
+    ) -> RecordedTurn:
+        """Record one generate call of ``request_id`` and return its turn."""
+        prompt = [int(t) for t in prompt_ids]
+        response = [int(t) for t in response_ids]
+        with self._lock:
+            chain = self.chain(request_id)
+            parent: RecordedTurn | None = None
+            for t in reversed(chain):  # deepest ancestor whose context prefixes the new prompt
+                if _is_prefix(t.context, prompt):
+                    parent = t
+                    break
+            rewrite = bool(chain) and parent is not chain[-1]
+            if rewrite:
+                self.rewrites += 1
+            turn = RecordedTurn(
+                turn_id=f"{request_id}#{next(self._counter)}",
+                parent_turn_id=parent.turn_id if parent is not None else None,
+                request_id=request_id,
+                prompt_ids=prompt,
+                response_ids=response,
+                start=len(parent.context) if parent is not None else 0,
+                log_probs=list(log_probs) if log_probs is not None else None,
+                rewrite=rewrite,
+            )
+            self.turns[turn.turn_id] = turn
+            self.heads[request_id] = turn.turn_id
+            return turn
+
+    def fork(self, parent_request_id: str, child_request_id: str) -> None:
+        """Start ``child_request_id`` at the current head of ``parent_request_id``: the child's
+        next turn links below the parent's turns (shared prefix, recorded once)."""
+        with self._lock:
+            self.heads[child_request_id] = self.heads.get(parent_request_id)
+
+    # ------------------------------------------------------------------ views
+    def turn_records(self) -> list[Turn]:
+        """All recorded turns as :class:`Turn` records (recording order, parents first)."""
+        return [t.as_turn() for t in self.turns.values()]
+
+    def forest(self) -> RolloutForest:
+        """The forest of every recorded turn: one trajectory per leaf turn."""
+        return RolloutForest.from_turns(self.turn_records())
+
+    def leaf_contexts(self) -> list[list[int]]:
+        """Full contexts of the leaf turns (the trajectories of :meth:`forest`), same order."""
+        has_child = {t.parent_turn_id for t in self.turns.values()}
+        return [t.context for t in self.turns.values() if t.turn_id not in has_child]
+
+    def spans(self, request_id: str, sequence: Sequence[int]) -> list[list[Any]]:
+        """``[turn_id, parent_turn_id, start, end]`` spans covering ``sequence`` (a trajectory of
+        ``request_id``, e.g. ``prompt_ids + response_ids`` of its agent loop output).
+
+        The request's chain is matched against ``sequence``: the deepest turn whose context is a
+        prefix of it and its ancestors become spans; a remainder (tokens added after the last
+        generate call, or a truncated last turn) becomes one extra span with a fresh id.
+        """
+        seq = [int(t) for t in sequence]
+        chain = self.chain(request_id)
+        matched: RecordedTurn | None = None
+        for t in reversed(chain):
+            if _is_prefix(t.context, seq):
+                matched = t
+                break
+        path: list[RecordedTurn] = []
+        tid = matched.turn_id if matched is not None else None
+        while tid is not None:
+            path.append(self.turns[tid])
+            tid = self.turns[tid].parent_turn_id
+        path.reverse()
+        spans: list[list[Any]] = [
+            [t.turn_id, t.parent_turn_id, t.start, len(t.context)] for t in path
+        ]
+        end = spans[-1][3] if spans else 0
+        if end < len(seq):
+            parent = spans[-1][0] if spans else None
+            spans.append([f"{request_id}#tail{len(seq)}", parent, end, len(seq)])
+        return spans
+
+
+class RecordingServerClient:
+    """Drop-in wrapper of a veRL server client (``LLMServerClient`` or anything with its
+    ``generate(request_id, *, prompt_ids, sampling_params, **kw) -> TokenOutput`` contract) that
+    records each call in a :class:`TurnRecorder`. Other attributes are forwarded."""
+
+    def __init__(self, inner: Any, recorder: TurnRecorder | None = None) -> None:
+        self._inner = inner
+        self.recorder = recorder if recorder is not None else TurnRecorder()
+
+    async def generate(
+        self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kw: Any
+    ) -> Any:
+        """Forward to the wrapped client, then record (prompt, response) as a turn."""
+        out = await self._inner.generate(
+            request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kw
+        )
+        self.recorder.record(request_id, prompt_ids, out.token_ids, getattr(out, "log_probs", None))
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+# ---------------------------------------------------------------------- metadata
+def tree_metadata(spans: list[list[Any]], **extra: Any) -> str:
+    """Encode a trajectory's turn spans (and ``extra`` JSON fields) as the ``harts_tree`` string.
+    A string survives veRL's TensorDict/TransferQueue conversions unchanged."""
+    return json.dumps({"v": _METADATA_VERSION, "turns": spans, **extra}, separators=(",", ":"))
+
+
+def parse_tree_metadata(value: Any) -> dict[str, Any] | None:
+    """Decode a ``harts_tree`` value (JSON string or dict); None when absent/invalid."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        meta = value
+    else:
+        try:
+            meta = json.loads(value)
+        except (TypeError, ValueError):
+            return None
+    turns = meta.get("turns") if isinstance(meta, dict) else None
+    if not isinstance(turns, list) or not turns:
+        return None
+    return meta
+
+
+def forest_from_metadata(
+    sequences: Sequence[Any], metadata: Sequence[Any]
+) -> tuple[RolloutForest | None, str]:
+    """The forest of a batch from its tree metadata, trajectories in batch order.
+
+    ``sequences[i]``: token ids of trajectory i (prompt + response); ``metadata[i]``: its
+    ``harts_tree`` value. Returns ``(forest, "")`` or ``(None, reason)`` when the metadata is
+    missing, inconsistent with the tokens (a shared turn id spelling different tokens, spans not
+    covering the trajectory), or ambiguous — the caller then detects prefixes from the tokens.
+    """
+    seqs = [np.asarray(s, dtype=np.int64).reshape(-1) for s in sequences]
+    turns: dict[str, Turn] = {}
+    end_of: list[str] = []
+    for i, (seq, raw) in enumerate(zip(seqs, metadata, strict=True)):
+        meta = parse_tree_metadata(raw)
+        if meta is None:
+            return None, f"trajectory {i}: no tree metadata"
+        pos = 0
+        prev: str | None = None
+        for span in meta["turns"]:
+            tid, parent, start, end = span
+            tid = str(tid)
+            parent = None if parent is None else str(parent)
+            if start != pos or end <= start or end > seq.shape[0] or parent != prev:
+                return None, f"trajectory {i}: spans do not chain over its tokens"
+            tokens = seq[start:end]
+            known = turns.get(tid)
+            if known is None:
+                turns[tid] = Turn(tid, parent, tokens)
+            elif known.parent_turn_id != parent or not np.array_equal(known.token_ids, tokens):
+                return None, f"trajectory {i}: turn {tid!r} differs from an earlier trajectory's"
+            pos, prev = end, tid
+        if pos != seq.shape[0]:
+            return None, f"trajectory {i}: spans cover {pos} of {seq.shape[0]} tokens"
+        end_of.append(prev)  # type: ignore[arg-type]
+    if len(set(end_of)) != len(end_of):
+        return None, "two trajectories end at the same turn"
+    ends = set(end_of)
+    records = [
+        Turn(t.turn_id, t.parent_turn_id, t.token_ids, t.turn_id in ends) for t in turns.values()
+    ]
+    forest = RolloutForest.from_turns(records)
+    # from_turns orders trajectories by the position of their end turn among the records.
+    position = {t.turn_id: k for k, t in enumerate(records) if t.turn_id in ends}
+    order_in_forest = sorted(range(len(end_of)), key=lambda i: position[end_of[i]])
+    rank = np.empty(len(end_of), dtype=np.int64)
+    rank[np.asarray(order_in_forest, dtype=np.int64)] = np.arange(len(end_of))
+    return forest.subset(rank), ""

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Local CPU recipe: online GRPO steps with HARTS (harts_fsdp2 engine, harts_tool_agent with fork
+# sampling, harts_hf CPU rollout server) on the bundled calculator tool task.
+# Usage: bash recipes/local_cpu/run.sh [steps] [extra hydra overrides...]
+set -euo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+ROOT="$(cd "$HERE/../.." && pwd)"
+PY="${PY:-$ROOT/.venv/bin/python}"
+STEPS="${1:-3}"; shift || true
+WORK="${HARTS_LOCAL_DIR:-$(mktemp -d /tmp/harts_local_cpu.XXXXXX)}"
+export VERL_PLATFORM=harts_cpu RAY_DEDUP_LOGS=0 TOKENIZERS_PARALLELISM=false
+"$PY" "$HERE/prepare.py" "$WORK" >/dev/null
+exec "$PY" -m harts_verl.main_ppo --config-path "$HERE" --config-name local_cpu hydra.run.dir="$WORK/hydra" \
+  data.train_files="$WORK/train.parquet" data.val_files="$WORK/val.parquet" \
+  actor_rollout_ref.model.path="$WORK/model" \
+  trainer.total_training_steps="$STEPS" trainer.default_local_dir="$WORK/ckpt" "$@"

@@ -1,0 +1,319 @@
+"""Turn recorder, ``harts_tool_agent`` and fork sampling with a fake server client (no Ray).
+
+The fake client follows veRL's ``generate(request_id, *, prompt_ids, sampling_params, **kw) ->
+TokenOutput`` contract and answers deterministically from (request id, context length), so
+branches of a fork diverge. Pins: recorded trees equal the token-prefix forest; rewrites become
+siblings; forks give the configured branch count with distinct request ids and own rewards;
+``extra_fields`` metadata round-trips through veRL's TensorDict conversion and rebuilds the
+forest in batch order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from harts_verl.tree import RolloutForest
+from harts_verl.workers.rollout.recorder import (
+    TREE_KEY,
+    RecordingServerClient,
+    TurnRecorder,
+    forest_from_metadata,
+    tree_metadata,
+)
+
+
+class _Out:
+    """The fields of veRL's ``TokenOutput`` that agent loops read."""
+
+    def __init__(self, token_ids):
+        self.token_ids = token_ids
+        self.log_probs = None
+        self.num_preempted = None
+        self.routed_experts = None
+        self.stop_reason = "completed"
+        self.extra_fields: dict = {}
+
+
+class _ScriptClient:
+    """Answers with a short pseudo-random token list from (request id, context length)."""
+
+    def __init__(self, vocab: int = 40):
+        self.vocab = vocab
+        self.calls: list[tuple[str, list[int]]] = []
+
+    async def generate(self, request_id, *, prompt_ids, sampling_params, **kw):
+        self.calls.append((request_id, list(prompt_ids)))
+        h = hashlib.sha256(f"{request_id}/{len(prompt_ids)}".encode()).digest()
+        return _Out([8 + b % (self.vocab - 8) for b in h[: 2 + h[31] % 4]])
+
+
+def _run(coro):
+    return asyncio.new_event_loop().run_until_complete(coro)
+
+
+def _run_loop(make, client, fn):
+    """Build the agent loop inside the event loop it runs on (veRL captures the loop)."""
+
+    async def main():
+        loop = make(client)
+        return loop, await fn(loop)
+
+    return _run(main())
+
+
+# ---------------------------------------------------------------------- recorder only
+def test_recorder_chain_equals_token_prefix_forest():
+    client = RecordingServerClient(_ScriptClient())
+    rng = np.random.default_rng(0)
+
+    async def session(rid: str, prompt: list[int], turns: int) -> list[int]:
+        ctx = list(prompt)
+        for _ in range(turns):
+            out = await client.generate(rid, prompt_ids=ctx, sampling_params={})
+            ctx = ctx + out.token_ids + rng.integers(0, 40, 3).tolist()  # tool answer
+        return ctx
+
+    async def main():
+        p = [1, 2, 3, 4]
+        return await asyncio.gather(session("a", p, 3), session("b", p, 2), session("c", [5], 1))
+
+    _run(main())
+    rec = client.recorder
+    assert len(rec.turns) == 6 and rec.rewrites == 0
+    forest = rec.forest()
+    assert forest.equals(RolloutForest.from_sequences(rec.leaf_contexts()))
+    # every request's spans spell its last context
+    for rid in "abc":
+        ctx = rec.chain(rid)[-1].context
+        spans = rec.spans(rid, ctx)
+        assert spans[0][1] is None and spans[-1][3] == len(ctx)
+        assert all(s[2] == p[3] for p, s in itertools.pairwise(spans))
+
+
+def test_rewrite_becomes_sibling():
+    rec = TurnRecorder()
+    t1 = rec.record("r", [1, 2, 3], [10, 11])
+    t2 = rec.record("r", [1, 2, 3, 10, 11, 20], [12])
+    # context management: drop turn 2's tool answer and summarise -> not a prefix any more
+    t3 = rec.record("r", [1, 2, 3, 10, 11, 30, 31], [13, 14])
+    assert t2.parent_turn_id == t1.turn_id
+    assert t3.parent_turn_id == t1.turn_id and t3.rewrite and rec.rewrites == 1
+    # a rewrite that keeps nothing becomes a new root
+    t4 = rec.record("r", [9, 9], [1])
+    assert t4.parent_turn_id is None
+    forest = rec.forest()
+    assert forest.num_trajectories == 3
+    assert forest.equals(RolloutForest.from_sequences(rec.leaf_contexts()))
+    # the final trajectory's spans cover it exactly (tail span for tokens after the last call)
+    spans = rec.spans("r", [9, 9, 1, 7])
+    assert spans == [[t4.turn_id, None, 0, 3], ["r#tail4", t4.turn_id, 3, 4]]
+
+
+def test_metadata_forest_in_batch_order_and_fallback():
+    rec = TurnRecorder()
+    rec.record("a", [1, 2, 3], [4, 5])
+    rec.fork("a", "b")
+    rec.fork("a", "c")
+    rec.record("b", [1, 2, 3, 4, 5, 6], [7])
+    rec.record("c", [1, 2, 3, 4, 5, 8], [9, 9])
+    seqs = [[1, 2, 3, 4, 5, 8, 9, 9], [1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6, 7]]
+    rids = ["c", "a", "b"]
+    meta = [tree_metadata(rec.spans(r, s)) for r, s in zip(rids, seqs)]
+    forest, why = forest_from_metadata(seqs, meta)
+    assert why == "" and forest.equals(RolloutForest.from_sequences(seqs))
+    # a's turn is shared by b and c's spans (same id, same tokens)
+    ids = [json.loads(m)["turns"][0][0] for m in meta]
+    assert len(set(ids)) == 1
+    # inconsistent metadata is refused with a reason
+    bad = list(meta)
+    bad[0] = tree_metadata([["x", None, 0, 3]])
+    assert forest_from_metadata(seqs, bad)[0] is None
+    assert forest_from_metadata(seqs, [None, *meta[1:]])[1].startswith("trajectory 0")
+
+
+# ---------------------------------------------------------------------- agent loop
+@pytest.fixture(scope="module")
+def agent_env():
+    pytest.importorskip("verl")
+    from omegaconf import OmegaConf
+    from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap
+
+    from harts_verl.workers.rollout import local_task
+    from harts_verl.workers.rollout.agent_loop import HartsToolAgentLoop
+
+    tok = local_task.build_tokenizer()
+    cfg = OmegaConf.create(
+        {
+            "actor_rollout_ref": {
+                "rollout": {
+                    "prompt_length": 64,
+                    "response_length": 64,
+                    "full_determinism": False,
+                    "multi_turn": {
+                        "max_user_turns": 4,
+                        "max_assistant_turns": 4,
+                        "max_parallel_calls": 1,
+                        "max_tool_response_length": 64,
+                        "tool_response_truncate_side": "right",
+                        "format": "harts_calc",
+                    },
+                }
+            },
+            "data": {},
+        }
+    )
+    w = lambda t: tok.convert_tokens_to_ids(t.split())  # noqa: E731
+
+    class CalcClient:
+        """Turn 1: a calc call whose operand depends on the request (branches differ);
+        later turns: an answer (correct for some request ids)."""
+
+        def __init__(self):
+            self.requests: list[str] = []
+
+        async def generate(self, request_id, *, prompt_ids, sampling_params, **kw):
+            self.requests.append(request_id)
+            k = int(hashlib.sha256(request_id.encode()).hexdigest(), 16)
+            if tok.convert_tokens_to_ids("<tool>") not in prompt_ids[-6:]:
+                return _Out(w(f"<call> add 3 {k % 3}"))
+            return _Out(w(f"answer {k % 5 + 3} <eos>"))
+
+    def make(client):
+        return HartsToolAgentLoop(
+            trainer_config=DictConfigWrap(cfg),
+            server_manager=client,
+            tokenizer=tok,
+            processor=None,
+            dataset_cls=None,
+            data_config=DictConfigWrap(cfg.data),
+            hf_model_type=None,
+            tools=ToolListWrap([local_task.calc_tool()]),
+        )
+
+    raw_prompt = local_task.make_tasks(1, seed=0)[0]["prompt"]
+    return make, CalcClient, raw_prompt, local_task
+
+
+def test_agent_loop_records_turns(agent_env):
+    make, Client, raw_prompt, _ = agent_env
+    loop, out = _run_loop(
+        make, Client(), lambda lp: lp.run({"temperature": 1.0}, raw_prompt=raw_prompt)
+    )
+    seq = out.prompt_ids + out.response_ids
+    meta = json.loads(out.extra_fields[TREE_KEY])
+    assert [s[2:] for s in meta["turns"]][-1][1] == len(seq)
+    assert len(loop.recorder.turns) == out.num_turns // 2 == 2
+    # the response mask marks the tool answer as 0
+    assert 0 in out.response_mask and out.response_mask[0] == 1
+    forest, why = forest_from_metadata([seq], [out.extra_fields[TREE_KEY]])
+    assert why == "" and forest.equals(RolloutForest.from_sequences([seq]))
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ({"turns": (0,), "branching": 4, "budget": 4}, 4),
+        ({"turns": (1,), "branching": 3, "budget": 8}, 3),
+        ({"turns": (0, 1), "branching": 2, "budget": 3}, 3),
+        ({"policy": "every", "branching": 2, "budget": 4}, 4),
+    ],
+)
+def test_fork_branches(agent_env, spec, expected):
+    from harts_verl.workers.rollout.agent_loop import ForkSpec
+
+    make, Client, raw_prompt, local_task = agent_env
+    client = Client()
+    fork = ForkSpec(**spec)
+    _, outs = _run_loop(
+        make, client, lambda lp: lp.run_tree({"temperature": 1.0}, fork=fork, raw_prompt=raw_prompt)
+    )
+    assert len(outs) == expected
+    branches = [o.extra_fields["harts_branch"] for o in outs]
+    assert len(set(branches)) == expected
+    seqs = [o.prompt_ids + o.response_ids for o in outs]
+    metas = [o.extra_fields[TREE_KEY] for o in outs]
+    # each branch ran as its own request after the fork; the shared prefix ran once
+    last_turns = {json.loads(m)["turns"][-1][0] for m in metas}
+    assert len(last_turns) == expected
+    first_turn = spec.get("turns", (0,))[0] if spec.get("policy") != "every" else 0
+    if first_turn == 1:
+        assert len({json.loads(m)["turns"][0][0] for m in metas}) == 1  # shared turn 1
+        assert client.requests.count(client.requests[0]) == 1
+    forest, why = forest_from_metadata(seqs, metas)
+    assert why == "", why
+    assert forest.equals(RolloutForest.from_sequences(seqs))
+    assert forest.compression > 1.0
+    # own rewards: computed per branch from its own text
+    tok = local_task.build_tokenizer()
+    rewards = [
+        local_task.compute_score("harts_calc", tok.decode(o.response_ids), "3") for o in outs
+    ]
+    assert len(rewards) == expected
+
+
+def test_fork_spec_validation():
+    pytest.importorskip("verl")
+    from harts_verl.workers.rollout.agent_loop import ForkSpec
+
+    with pytest.raises(ValueError, match=r"fork\.policy"):
+        ForkSpec(policy="random")
+    with pytest.raises(ValueError, match=r"fork\.turns"):
+        ForkSpec(turns=(2, 1))
+    spec = ForkSpec.from_config({"turns": [0, 2], "branching": 3, "budget": 9})
+    assert spec.boundary(1) == 2 and spec.boundary(2) is None
+
+
+def test_extra_fields_round_trip_through_tensordict():
+    """veRL stores ``extra_fields`` dicts as a NonTensorStack (``list_of_dict_to_tensordict``);
+    the metadata string survives and the engine's reader rebuilds the same forest."""
+    pytest.importorskip("verl")
+    import torch
+    from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+    from harts_verl.workers.engine import forest_of_batch
+
+    rec = TurnRecorder()
+    rec.record("a", [1, 2, 3], [4, 5])
+    rec.fork("a", "b")
+    rec.record("b", [1, 2, 3, 4, 5, 6], [7])
+    rec.record("a", [1, 2, 3, 4, 5, 9], [9])
+    seqs = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 9, 9]]
+    fields = [
+        {
+            "input_ids": torch.tensor(s),
+            "extra_fields": {TREE_KEY: tree_metadata(rec.spans(r, s)), "turn_scores": []},
+        }
+        for r, s in zip("ba", seqs)
+    ]
+    td = list_of_dict_to_tensordict(fields)
+    forest = forest_of_batch(td)
+    assert forest.equals(RolloutForest.from_sequences(seqs))
+    assert getattr(forest, "harts_source", None) == "metadata"
+    td2 = list_of_dict_to_tensordict([{"input_ids": torch.tensor(s)} for s in seqs])
+    forest2 = forest_of_batch(td2)
+    assert forest2.equals(forest) and forest2.harts_source == "tokens"
+
+
+def test_fork_manager_resolves_and_reads_config():
+    pytest.importorskip("transfer_queue")
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ
+    from verl.utils.import_utils import load_class_from_fqn
+
+    from harts_verl.workers.rollout import fork
+
+    cls = load_class_from_fqn(
+        "harts_verl.workers.rollout.fork.HartsAgentLoopManager", "AgentLoopManager"
+    )
+    assert issubclass(cls, AgentLoopManagerTQ)
+    assert hasattr(fork.fork_worker_class(), "remote")
+    cfg = OmegaConf.create({"harts_rollout": {"fork": {"enable": True, "turns": [0, 1]}}})
+    spec = fork.fork_spec_of(cfg)
+    assert spec is not None and spec.turns == (0, 1)
+    assert fork.fork_spec_of(OmegaConf.create({})) is None
