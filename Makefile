@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.harts-installed
 TORCH_VERSION ?= 2.13.0
-EXTRAS ?= dev,bench,verl
+EXTRAS ?= dev,bench,verl,rollout
 
 .PHONY: venv test demo lint format bench clean
 
