@@ -33,13 +33,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch
 
 @dataclass
 class BenchConfig:
-    """Benchmark settings. The embedded default is one SWE-like issue (group samples, turn
-    forks, context rewrites; ≈75K semantic tokens, ≈5.7× compression), sized for a 2-core CPU."""
+    """Benchmark settings. The embedded default is one SWE-like issue with realistic turn lengths
+    (group samples, turn forks, context rewrites; paths capped at 4K tokens so that the
+    trajectory-wise baseline fits a 2-core CPU): 21 trajectories, ≈86K semantic tokens, ≈5.7×
+    compression."""
 
     workload: str = "swe_like"
-    scale: float = 0.006
+    scale: float = 0.05
     seed: int = 0
-    workload_overrides: dict[str, Any] = field(default_factory=lambda: {"max_forks": 48})
+    workload_overrides: dict[str, Any] = field(
+        default_factory=lambda: {"path_caps": [4096], "prompt_tokens": [1500, 3000]}
+    )
     max_semantic_tokens: int | None = None
     preset: str = "bench"
     dtype: str = "float32"
