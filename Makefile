@@ -32,8 +32,10 @@ test: venv lint
 	$(PY) -m pytest tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
+# Local CPU recipe: 1 stock-path baseline step, then 3 online HARTS steps (reward, compression,
+# update time per step). The old tree-vs-expanded benchmark demo: `$(VENV)/bin/harts-verl demo`.
 demo: venv
-	$(VENV)/bin/harts-verl demo
+	PY=$(abspath $(PY)) bash recipes/local_cpu/demo.sh 3
 
 bench: venv
 	$(VENV)/bin/harts-verl bench

@@ -111,6 +111,39 @@ def _platform_cls() -> type:
     return PlatformCPU
 
 
+def _mem_get_info(*args: Any, **kwargs: Any) -> tuple[int, int]:
+    """(free, total) host memory in bytes, like ``torch.cuda.mem_get_info``."""
+    try:
+        page = os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+    except (ValueError, OSError):
+        return 0, 0
+
+
+def _patch_process_group_backend() -> None:
+    """veRL's ``initialize_global_process_group_ray`` defaults the backend to
+    ``f"cpu:gloo,{device}:{ccl}"``, i.e. ``cpu:gloo,cpu:gloo`` on CPU, which torch rejects
+    (duplicate device type); default it to plain ``gloo``. ``engine_workers`` imports the
+    function by name, so patch it there too when already imported."""
+    import sys
+
+    from verl.utils import distributed
+
+    orig = distributed.initialize_global_process_group_ray
+    if getattr(orig, "_harts_cpu", False):
+        return
+
+    def initialize_global_process_group_ray(timeout_second=None, backend=None):
+        return orig(timeout_second=timeout_second, backend=backend or "gloo")
+
+    initialize_global_process_group_ray._harts_cpu = True  # type: ignore[attr-defined]
+    distributed.initialize_global_process_group_ray = initialize_global_process_group_ray
+    for name in ("verl.workers.engine_workers", "verl.checkpoint_engine.base"):
+        mod = sys.modules.get(name)
+        if mod is not None and hasattr(mod, "initialize_global_process_group_ray"):
+            mod.initialize_global_process_group_ray = initialize_global_process_group_ray
+
+
 def install_cpu_platform() -> None:
     """Select the CPU platform in this process and register veRL's stock FSDP engines for
     device ``cpu`` (idempotent). Sets ``VERL_PLATFORM=harts_cpu`` for child processes."""
@@ -121,15 +154,30 @@ def install_cpu_platform() -> None:
     from verl.plugin.platform import set_platform
 
     set_platform(_platform_cls()())
-    # torch.cpu lacks a few torch.cuda memory helpers veRL calls for metrics/logging.
-    for name in (
-        "max_memory_allocated",
-        "max_memory_reserved",
-        "memory_allocated",
-        "memory_reserved",
-    ):
+    # torch.cpu lacks torch.cuda's memory/cache/RNG helpers that veRL calls on its device module.
+    _zero = lambda *a, **k: 0  # noqa: E731
+    _none = lambda *a, **k: None  # noqa: E731
+    helpers = {
+        "max_memory_allocated": _zero,
+        "max_memory_reserved": _zero,
+        "memory_allocated": _zero,
+        "memory_reserved": _zero,
+        "memory_stats": lambda *a, **k: {},
+        "mem_get_info": _mem_get_info,
+        "empty_cache": _none,
+        "ipc_collect": _none,
+        "reset_peak_memory_stats": _none,
+        "reset_accumulated_memory_stats": _none,
+        "set_per_process_memory_fraction": _none,
+        "get_rng_state": lambda *a, **k: torch.get_rng_state(),
+        "set_rng_state": lambda state, *a, **k: torch.set_rng_state(state),
+        "manual_seed": lambda seed: torch.manual_seed(seed),
+        "manual_seed_all": lambda seed: torch.manual_seed(seed),
+    }
+    for name, fn in helpers.items():
         if not hasattr(torch.cpu, name):
-            setattr(torch.cpu, name, lambda *a, **k: 0)
+            setattr(torch.cpu, name, fn)
+    _patch_process_group_backend()
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 

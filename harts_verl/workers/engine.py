@@ -138,6 +138,21 @@ def _scalar_temperature(micro_batch: TensorDict) -> float | None:
     return float(t)
 
 
+def _has_multi_modal(data: TensorDict) -> bool:
+    """True when ``multi_modal_inputs`` holds any input (veRL's agent loop adds the key with
+    empty dicts/None for text-only samples)."""
+    if "multi_modal_inputs" not in data.keys():
+        return False
+    value = data["multi_modal_inputs"]
+    items = value.tolist() if hasattr(value, "tolist") else value
+    items = tu.unwrap_non_tensor_data(items) if not isinstance(items, list | tuple) else items
+    if not isinstance(items, list | tuple):
+        items = [items]
+    return any(bool(x) for x in items if not isinstance(x, torch.Tensor)) or any(
+        isinstance(x, torch.Tensor) and x.numel() > 0 for x in items
+    )
+
+
 @EngineRegistry.register(model_type="language_model", backend=STRATEGY, device=["cuda", "cpu"])
 class HartsFSDPEngine(FSDPEngineWithLMHead):
     """veRL FSDP2 engine running each micro-batch as its token trie (see module docstring)."""
@@ -235,7 +250,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             self.harts.enable
             and self._tree_supported
             and temperature is not None
-            and "multi_modal_inputs" not in data.keys()
+            and not _has_multi_modal(data)
             and tu.get_non_tensor_data(data=data, key="use_fused_kernels", default=False) is False
         )
         # All ranks take the same path (FSDP collectives must stay aligned).
@@ -243,6 +258,19 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         ok_min = self._dp_all_reduce([1.0 if local_ok else 0.0], op=dist.ReduceOp.MIN)[0]
         compression = s_all / c_all if c_all else 1.0
         if ok_min < 1 or compression < self.harts.min_compression:
+            if not getattr(self, "_fallback_logged", False):
+                self._fallback_logged = True
+                logger.warning(
+                    "harts: stock path (enable=%s tree_supported=%s temperature=%s "
+                    "multi_modal=%s fused=%s compression=%.3f min=%.3f)",
+                    self.harts.enable,
+                    self._tree_supported,
+                    temperature,
+                    _has_multi_modal(data),
+                    tu.get_non_tensor_data(data=data, key="use_fused_kernels", default=False),
+                    compression,
+                    self.harts.min_compression,
+                )
             out = super().forward_backward_batch(data, loss_function, forward_only=forward_only)
             out.setdefault("metrics", {})
             for k, v in {"fallback": 1.0, "compression": compression}.items():

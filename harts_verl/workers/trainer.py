@@ -20,6 +20,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import verl  # noqa: F401  # first: verl loads our plugin (engine -> config) before config below
+
 from harts_verl.workers.balance import partition_work, tree_balanced_partition
 from harts_verl.workers.config import STRATEGY
 

@@ -12,5 +12,5 @@ export VERL_PLATFORM=harts_cpu RAY_DEDUP_LOGS=0 TOKENIZERS_PARALLELISM=false
 "$PY" "$HERE/prepare.py" "$WORK" >/dev/null
 exec "$PY" -m harts_verl.main_ppo --config-path "$HERE" --config-name local_cpu hydra.run.dir="$WORK/hydra" \
   data.train_files="$WORK/train.parquet" data.val_files="$WORK/val.parquet" \
-  actor_rollout_ref.model.path="$WORK/model" \
+  actor_rollout_ref.model.path="$WORK/model" reward.custom_reward_function.path="$HERE/reward.py" \
   trainer.total_training_steps="$STEPS" trainer.default_local_dir="$WORK/ckpt" "$@"

@@ -1,0 +1,67 @@
+"""Summarise local CPU recipe logs: per-step reward, HARTS compression and actor update time,
+HARTS steps against a stock-path baseline step.
+
+Usage: python summary.py BASELINE_LOG HARTS_LOG
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+_STEP = re.compile(r"step:(\d+) - (.*)$")
+
+
+def parse(path: str) -> dict[int, dict[str, float]]:
+    steps: dict[int, dict[str, float]] = {}
+    with open(path, errors="replace") as f:
+        for line in f:
+            m = _STEP.search(line)
+            if not m:
+                continue
+            metrics = {}
+            for item in m.group(2).split(" - "):
+                key, _, value = item.partition(":")
+                value = value.strip().removeprefix("np.float64(").removeprefix("np.int64(")
+                try:
+                    metrics[key.strip()] = float(value.rstrip(")"))
+                except ValueError:
+                    pass
+            steps[int(m.group(1))] = metrics
+    return steps
+
+
+def row(label: str, m: dict[str, float]) -> str:
+    path = "stock" if m.get("actor/harts/fallback", 1.0) else "harts"
+    return (
+        f"{label:<10} {path:<6} {m.get('critic/score/mean', float('nan')):>7.3f} "
+        f"{m.get('actor/harts/compression', float('nan')):>8.2f} "
+        f"{m.get('actor/loss', float('nan')):>9.4f} {m.get('actor/grad_norm', float('nan')):>9.4f} "
+        f"{m.get('timing_s/update_actor', float('nan')):>9.3f} {m.get('timing_s/step', float('nan')):>8.2f}"
+    )
+
+
+def main(baseline_log: str, harts_log: str) -> int:
+    base, harts = parse(baseline_log), parse(harts_log)
+    if not harts:
+        print(f"no step metrics in {harts_log}", file=sys.stderr)
+        return 1
+    print(
+        f"{'step':<10} {'path':<6} {'reward':>7} {'compr':>8} {'loss':>9} {'grad_norm':>9} "
+        f"{'update_s':>9} {'step_s':>8}"
+    )
+    for s, m in sorted(base.items()):
+        print(row(f"base {s}", m))
+    for s, m in sorted(harts.items()):
+        print(row(f"harts {s}", m))
+    if base:
+        b = sum(m.get("timing_s/update_actor", 0.0) for m in base.values()) / len(base)
+        h = sum(m.get("timing_s/update_actor", 0.0) for m in harts.values()) / len(harts)
+        print(
+            f"mean update_actor: baseline {b:.3f}s, harts {h:.3f}s (x{b / h if h else float('nan'):.2f})"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:3]))

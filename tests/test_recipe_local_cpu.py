@@ -1,0 +1,133 @@
+"""End to end: 2 online GRPO steps of the local CPU recipe (``recipes/local_cpu/run.sh``).
+
+Runs ``python -m harts_verl.main_ppo`` (harts_fsdp2 engine, CPU platform shim, ``harts_hf``
+rollout server, ``harts_tool_agent``, tiny Qwen3-Next) in a subprocess in its own session with a
+hard timeout, then checks the console metrics (finite loss, ``harts/compression`` logged, HARTS
+path taken) and that the saved step-2 weights differ from the initial ones. Every process of the
+run's session (driver, Ray GCS/raylet, Ray workers) is killed by PID afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = ROOT / "recipes" / "local_cpu" / "run.sh"
+TIMEOUT_S = 290
+
+pytest.importorskip("verl")
+pytest.importorskip("transfer_queue", reason="needs the 'rollout' extra (TransferQueue)")
+pytest.importorskip("ray")
+
+_STEP = re.compile(r"step:(\d+) - (.*)$")
+
+
+def _session_pids(sid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[3]) == sid:  # field 6 of stat: session id
+            pids.append(int(entry))
+    return pids
+
+
+def _kill_session(sid: int) -> None:
+    """SIGTERM, then SIGKILL, every process of session ``sid`` (the run and its Ray cluster)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        pids = _session_pids(sid)
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _session_pids(sid):
+            time.sleep(0.5)
+
+
+def _parse_metrics(text: str) -> dict[int, dict[str, str]]:
+    steps: dict[int, dict[str, str]] = {}
+    for line in text.splitlines():
+        m = _STEP.search(line)
+        if not m:
+            continue
+        metrics = {}
+        for item in m.group(2).split(" - "):
+            key, _, value = item.partition(":")
+            metrics[key.strip()] = value.strip()
+        steps[int(m.group(1))] = metrics
+    return steps
+
+
+def _load_weights(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="uses /proc to clean up the Ray cluster")
+def test_local_cpu_recipe_two_steps(tmp_path):
+    work = tmp_path / "w"
+    env = dict(os.environ, HARTS_LOCAL_DIR=str(work), PY=sys.executable)
+    env.pop("RAY_ADDRESS", None)  # always a fresh local cluster of our own
+    cmd = [
+        "bash",
+        str(RUN),
+        "2",
+        "trainer.save_freq=2",
+        "actor_rollout_ref.actor.checkpoint.save_contents=[model,hf_model]",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        try:
+            out, _ = proc.communicate(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            _kill_session(proc.pid)
+            out, _ = proc.communicate()
+            pytest.fail(f"local CPU recipe timed out after {TIMEOUT_S}s:\n{out[-6000:]}")
+    finally:
+        _kill_session(proc.pid)
+    assert proc.returncode == 0, out[-6000:]
+    steps = _parse_metrics(out)
+    assert sorted(steps) == [1, 2], out[-6000:]
+    for step, metrics in steps.items():
+        loss = float(metrics["actor/loss"])
+        assert math.isfinite(loss), (step, metrics)
+        assert "actor/harts/compression" in metrics, metrics
+        assert float(metrics["actor/harts/compression"]) > 1.0
+        assert float(metrics["actor/harts/fallback"]) == 0.0, metrics  # the tree path ran
+        assert "harts/dp_compression" in metrics
+        assert math.isfinite(float(metrics["critic/score/mean"]))
+    before = _load_weights(work / "model")
+    after = _load_weights(work / "ckpt" / "global_step_2" / "actor" / "huggingface")
+    assert before and set(before) == set(after)
+    changed = [k for k in before if not bool((before[k] == after[k].to(before[k].dtype)).all())]
+    assert changed, "no parameter changed after 2 steps"
