@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from harts_verl.tree._rangemin import RangeMin
+
 __all__ = ["RolloutForest", "Segments", "Turn", "as_trajectory_array"]
 
 _FORMAT_VERSION = 1
@@ -421,7 +423,8 @@ class RolloutForest:
             cls_sorted = leaf_class[sp]
             same = cls_sorted[:-1] == cls_sorted[1:]
             lcp = lengths[order[1:]].copy()
-            lcp[~same] = _range_min(self.adjacent_lcp, a[~same], b[~same])
+            if (~same).any():
+                lcp[~same] = RangeMin(self.adjacent_lcp).query(a[~same], b[~same])
         else:
             lcp = np.zeros(0, np.int64)
         return RolloutForest(
@@ -495,26 +498,6 @@ def _ranges(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
         return np.zeros(0, np.int64)
     offs = np.cumsum(lens) - lens
     return np.arange(total, dtype=np.int64) - np.repeat(offs - starts, lens)
-
-
-def _range_min(values: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """min(values[lo[i]:hi[i]]) for non-empty ranges, via a sparse table (O(n log n))."""
-    if lo.size == 0:
-        return np.zeros(0, np.int64)
-    table = [values]
-    span = 1
-    while 2 * span <= values.shape[0]:
-        prev = table[-1]
-        table.append(np.minimum(prev[:-span], prev[span:]))
-        span *= 2
-    length = hi - lo
-    level = np.floor(np.log2(length)).astype(np.int64)
-    out = np.empty(lo.shape[0], dtype=np.int64)
-    for lv in np.unique(level).tolist():
-        sel = level == lv
-        t = table[lv]
-        out[sel] = np.minimum(t[lo[sel]], t[hi[sel] - (1 << lv)])
-    return out
 
 
 def _as_turn(t: Any, i: int) -> Turn:
