@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from _strategies import sequence_lists
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -24,29 +25,6 @@ from harts_verl.ops.moe import (
 from harts_verl.tree.forest import RolloutForest
 
 E = 8
-
-
-@st.composite
-def sequence_lists(draw: st.DrawFn, max_traj: int = 8, alphabet: int = 4) -> list[list[int]]:
-    """Trajectories built by extending, forking, copying and truncating earlier ones."""
-    tok = st.integers(0, alphabet - 1)
-    seqs: list[list[int]] = []
-    for _ in range(draw(st.integers(1, max_traj))):
-        kind = draw(st.sampled_from(["new", "extend", "fork", "copy", "prefix"])) if seqs else "new"
-        if kind == "new":
-            seqs.append(draw(st.lists(tok, min_size=1, max_size=10)))
-            continue
-        base = seqs[draw(st.integers(0, len(seqs) - 1))]
-        if kind == "extend":
-            seqs.append(base + draw(st.lists(tok, min_size=1, max_size=6)))
-        elif kind == "fork":
-            cut = draw(st.integers(0, len(base)))
-            seqs.append(base[:cut] + draw(st.lists(tok, min_size=1, max_size=6)))
-        elif kind == "copy":
-            seqs.append(list(base))
-        else:
-            seqs.append(base[: draw(st.integers(1, len(base)))])
-    return seqs
 
 
 def _row_logits(forest: RolloutForest, seed: int, quantized: bool) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from _strategies import shared_sequences
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -25,24 +26,6 @@ def _single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-@st.composite
-def shared_sequences(draw: st.DrawFn, max_new: int = 7) -> list[list[int]]:
-    """Roots with distinct first tokens; each new sequence extends a prefix of an earlier one
-    (possibly by nothing) with a small alphabet: forks, prefixes, duplicates, long chains."""
-    n_roots = draw(st.integers(1, 3))
-    seqs: list[list[int]] = []
-    for r in range(n_roots):
-        long_chain = draw(st.booleans())
-        tail = draw(st.lists(st.integers(0, 2), min_size=0, max_size=40 if long_chain else 6))
-        seqs.append([10 + r, *tail])
-    for _ in range(draw(st.integers(0, max_new))):
-        base = seqs[draw(st.integers(0, len(seqs) - 1))]
-        cut = draw(st.integers(1, len(base)))
-        ext = draw(st.lists(st.integers(0, 2), min_size=0, max_size=8))
-        seqs.append(base[:cut] + ext)
-    return seqs
 
 
 def per_trajectory(forest, x, weight, bias, activation):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from _strategies import shared_sequences as _shared_sequences
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -31,23 +32,9 @@ def _single_thread():
 
 
 # ----------------------------------------------------------------------------- forests
-@st.composite
-def shared_sequences(draw: st.DrawFn, max_new: int = 7) -> list[list[int]]:
-    """Sequences with sharing: roots with distinct first tokens, then each new sequence takes a
-    prefix of an earlier one (possibly all of it) and extends it (possibly by nothing: prefixes
-    and duplicates) with a small alphabet, so forks, prefix trajectories and chains appear."""
-    n_roots = draw(st.integers(1, 3))
-    seqs: list[list[int]] = []
-    for r in range(n_roots):
-        long_chain = draw(st.booleans())
-        tail = draw(st.lists(st.integers(0, 2), min_size=0, max_size=40 if long_chain else 10))
-        seqs.append([10 + r, *tail])
-    for _ in range(draw(st.integers(0, max_new))):
-        base = seqs[draw(st.integers(0, len(seqs) - 1))]
-        cut = draw(st.integers(1, len(base)))
-        ext = draw(st.lists(st.integers(0, 2), min_size=0, max_size=12))
-        seqs.append(base[:cut] + ext)
-    return seqs
+def shared_sequences(max_new: int = 7):
+    """This file's sizes: longer tails and extensions than the conv tests."""
+    return _shared_sequences(max_new=max_new, short_tail=10, max_ext=12)
 
 
 # ----------------------------------------------------------------------------- references
