@@ -3,7 +3,8 @@
 The fake client follows veRL's ``generate(request_id, *, prompt_ids, sampling_params, **kw) ->
 TokenOutput`` contract and answers deterministically from (request id, context length), so
 branches of a fork diverge. Pins: recorded trees equal the token-prefix forest; rewrites become
-siblings; forks give the configured branch count with distinct request ids and own rewards;
+siblings; forks give the budgeted branch count with distinct request ids and own rewards (fork
+groups, budget refill and GRPO uids: ``test_rollout_fork.py``);
 ``extra_fields`` metadata round-trips through veRL's TensorDict conversion and rebuilds the
 forest in batch order.
 """
@@ -219,7 +220,7 @@ def test_agent_loop_records_turns(agent_env):
     ("spec", "expected"),
     [
         ({"turns": (0,), "branching": 4, "budget": 4}, 4),
-        ({"turns": (1,), "branching": 3, "budget": 8}, 3),
+        ({"turns": (1,), "branching": 3, "budget": 8}, 8),  # last fork level takes the budget
         ({"turns": (0, 1), "branching": 2, "budget": 3}, 3),
         ({"policy": "every", "branching": 2, "budget": 4}, 4),
     ],
@@ -234,7 +235,7 @@ def test_fork_branches(agent_env, spec, expected):
         make, client, lambda lp: lp.run_tree({"temperature": 1.0}, fork=fork, raw_prompt=raw_prompt)
     )
     assert len(outs) == expected
-    branches = [o.extra_fields["harts_branch"] for o in outs]
+    branches = [o.extra_fields["harts_fork_path"] for o in outs]
     assert len(set(branches)) == expected
     seqs = [o.prompt_ids + o.response_ids for o in outs]
     metas = [o.extra_fields[TREE_KEY] for o in outs]

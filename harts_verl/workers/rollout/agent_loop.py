@@ -8,7 +8,9 @@
   boundaries (:class:`ForkSpec`): the agent state is copied after the tool responses of turn t
   are merged (just before the (t+1)-th ``generate``; t = 0 is "after the prompt"), and every
   branch continues as its own request (own request id, own tool calls, own reward). Prefix turns
-  are recorded once and shared by the branches' metadata.
+  are recorded once and shared by the branches' metadata. A tree has exactly ``budget`` leaves
+  (branches that end early hand their share back to their fork point); each leaf carries its
+  fork path and GRPO fork group (:func:`fork_groups`) in ``extra_fields``.
 
 The state machine is veRL's (``_handle_*_state`` are inherited unchanged); only ``run`` is
 re-assembled so it can stop at a boundary and fork. Tools must not keep per-trajectory state
@@ -20,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 from uuid import uuid4
@@ -34,34 +38,63 @@ from harts_verl.workers.rollout.recorder import (
     tree_metadata,
 )
 
-__all__ = ["AGENT_NAME", "ForkSpec", "HartsToolAgentLoop"]
+__all__ = [
+    "AGENT_NAME",
+    "FORK_GROUP_KEY",
+    "FORK_PATH_KEY",
+    "GROUP_MODES",
+    "ForkSpec",
+    "HartsToolAgentLoop",
+    "fork_groups",
+    "path_str",
+]
 
 logger = logging.getLogger(__name__)
 
 AGENT_NAME = "harts_tool_agent"
 
+FORK_PATH_KEY = "harts_fork_path"
+"""``extra_fields`` key: the branch's fork path, e.g. ``"0.1"`` (``""``: no fork)."""
+FORK_GROUP_KEY = "harts_fork_group"
+"""``extra_fields`` key: fork path of the fork point that defines the branch's GRPO group
+(``""``: the prompt), see :func:`fork_groups`."""
+
+
+GROUP_MODES = ("prompt", "fork")
+"""Values of ``harts_rollout.fork.group`` (see :func:`fork_groups`)."""
+
 
 @dataclass(frozen=True)
 class ForkSpec:
-    """Where and how wide to fork.
+    """Where and how wide to fork, and how branches are grouped for GRPO.
 
     Attributes:
       turns: turn boundaries to fork at, as numbers of completed assistant turns (0 = after the
         prompt, before the first generate; 1 = after the first turn's tool responses; ...).
       branching: children per fork (>= 1).
-      budget: most leaf trajectories per prompt (>= 1); children beyond it are not started.
+      budget: leaf trajectories per prompt (>= 1), exact: a branch that ends before its next
+        fork point hands its unused share back to its fork point, which starts more children;
+        the last fork level (``policy="turns"``) is widened to the whole remaining share; a
+        prefix that ends before the first fork point is re-run from the prompt. So every prompt
+        gives ``budget`` trajectories (veRL sizes mini-batches with ``rollout.n``: set it equal).
       policy: ``"turns"`` (fork at ``turns``) or ``"every"`` (fork at every boundary
         0, 1, 2, ... until the budget is used).
+      group: GRPO grouping of the leaves (:func:`fork_groups`): ``"prompt"`` (default: all
+        leaves of a prompt form one group, like ``rollout.n`` samples) or ``"fork"`` (leaves
+        are grouped by their last fork point; singleton groups are merged).
     """
 
     turns: tuple[int, ...] = (0,)
     branching: int = 2
     budget: int = 4
     policy: str = "turns"
+    group: str = "prompt"
 
     def __post_init__(self) -> None:
         if self.policy not in ("turns", "every"):
             raise ValueError(f"fork.policy: expected 'turns' or 'every', got {self.policy!r}")
+        if self.group not in GROUP_MODES:
+            raise ValueError(f"fork.group: expected one of {GROUP_MODES}, got {self.group!r}")
         if self.branching < 1:
             raise ValueError(f"fork.branching: expected >= 1, got {self.branching}")
         if self.budget < 1:
@@ -71,7 +104,8 @@ class ForkSpec:
 
     @classmethod
     def from_config(cls, cfg: Any) -> ForkSpec:
-        """From a mapping/DictConfig with keys ``turns``, ``branching``, ``budget``, ``policy``."""
+        """From a mapping/DictConfig with keys ``turns``, ``branching``, ``budget``, ``policy``,
+        ``group``."""
         get = cfg.get if hasattr(cfg, "get") else lambda k, d=None: getattr(cfg, k, d)
         turns = get("turns", (0,))
         return cls(
@@ -79,6 +113,7 @@ class ForkSpec:
             branching=int(get("branching", 2)),
             budget=int(get("budget", 4)),
             policy=str(get("policy", "turns")),
+            group=str(get("group", "prompt")),
         )
 
     def boundary(self, level: int) -> int | None:
@@ -86,6 +121,62 @@ class ForkSpec:
         if self.policy == "every":
             return level
         return self.turns[level] if level < len(self.turns) else None
+
+
+Path = tuple[int, ...]
+"""A branch's fork path: its child index at each fork point it passed (``()``: no fork)."""
+
+
+def path_str(path: Path) -> str:
+    """``(0, 1)`` -> ``"0.1"``; ``()`` -> ``""`` (the prompt / root)."""
+    return ".".join(str(i) for i in path)
+
+
+def _common_prefix(a: Path, b: Path) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def fork_groups(paths: Sequence[Path], mode: str = "fork") -> list[Path]:
+    """The GRPO group of each leaf of one prompt's rollout tree, named by the fork path of the
+    fork point that defines it (``()`` = the prompt).
+
+    ``mode="prompt"``: every leaf in the prompt's group. ``mode="fork"``: a leaf's group is its
+    last fork point (``path[:-1]``): the leaves that share the longest common prefix with it.
+
+    A group of one has no baseline (veRL's GRPO gives a lone member its raw score as advantage:
+    mean 0, std 1), so each singleton (deepest first) joins the group whose fork point shares the
+    longest prefix with its own: the group of a sibling subtree (its members diverged from the
+    leaf at the leaf's fork point) before a group higher up; ties go to the smallest group, then
+    the shallowest, then the lowest path. Only a tree with a single leaf keeps a group of one.
+    """
+    if mode not in GROUP_MODES:
+        raise ValueError(f"fork.group: expected one of {GROUP_MODES}, got {mode!r}")
+    if mode == "prompt":
+        return [() for _ in paths]
+    groups: list[Path] = [tuple(p[:-1]) for p in paths]
+    counts = Counter(groups)
+    for k in sorted(range(len(groups)), key=lambda k: (-len(groups[k]), groups[k])):
+        g = groups[k]
+        if counts[g] != 1 or len(counts) == 1:
+            continue
+        target = min(
+            (h for h in counts if h != g),
+            key=lambda h: (-_common_prefix(h, g), counts[h], len(h), h),
+        )
+        del counts[g]
+        counts[target] += 1
+        groups[k] = target
+    return groups
+
+
+def _shares(total: int, parts: int) -> list[int]:
+    """``total`` split into ``parts`` near-equal positive shares (larger first)."""
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
 
 
 def _copy_agent_data(src: AgentData, request_id: str) -> AgentData:
@@ -179,9 +270,9 @@ class HartsToolAgentLoop(ToolAgentLoop):
                 state = AgentState.TERMINATED
         return state
 
-    def _finalize(self, agent_data: AgentData, branch: str) -> AgentLoopOutput:
+    def _finalize(self, agent_data: AgentData, path: Path, group: Path) -> AgentLoopOutput:
         """The ``AgentLoopOutput`` of one trajectory (as ``ToolAgentLoop.run`` builds it) with
-        the tree metadata in ``extra_fields``."""
+        the tree metadata and fork path/group in ``extra_fields``."""
         n_resp = len(agent_data.response_mask)
         response_ids = agent_data.prompt_ids[len(agent_data.prompt_ids) - n_resp :]
         prompt_ids = agent_data.prompt_ids[: len(agent_data.prompt_ids) - n_resp]
@@ -209,8 +300,9 @@ class HartsToolAgentLoop(ToolAgentLoop):
             {
                 "turn_scores": agent_data.turn_scores,
                 "tool_rewards": agent_data.tool_rewards,
-                TREE_KEY: tree_metadata(spans, branch=branch),
-                "harts_branch": branch,
+                TREE_KEY: tree_metadata(spans, fork_path=path_str(path)),
+                FORK_PATH_KEY: path_str(path),
+                FORK_GROUP_KEY: path_str(group),
             }
         )
         return output
@@ -223,27 +315,70 @@ class HartsToolAgentLoop(ToolAgentLoop):
         fork: ForkSpec | None,
         level: int,
         budget: int,
-        branch: str,
-    ) -> list[AgentLoopOutput]:
-        stop = fork.boundary(level) if fork is not None else None
+        path: Path,
+    ) -> list[tuple[AgentData, Path]]:
+        """Run one branch to its next fork point (``fork.boundary(level)``) and fork there with
+        ``budget`` leaves, or to its end: between 1 and ``budget`` leaves ``(state, path)``."""
+        forks = fork is not None and budget > 1
+        stop = fork.boundary(level) if forks else None  # type: ignore[union-attr]
         state = await self._advance(agent_data, state, sampling_params, stop)
-        if state == AgentState.TERMINATED or fork is None or budget <= 1:
-            if state != AgentState.TERMINATED:
-                state = await self._advance(agent_data, state, sampling_params, None)
-            return [self._finalize(agent_data, branch)]
-        children = min(fork.branching, budget)
-        shares = [budget // children + (1 if i < budget % children else 0) for i in range(children)]
-        tasks = []
-        for i, share in enumerate(shares):
-            child_id = uuid4().hex
-            self.recorder.fork(agent_data.request_id, child_id)
-            child = _copy_agent_data(agent_data, child_id)
-            child_branch = f"{branch}.{i}" if branch else str(i)
-            tasks.append(
-                self._grow(child, state, sampling_params, fork, level + 1, share, child_branch)
+        if state != AgentState.TERMINATED and forks and stop is not None:
+            return await self._fork(
+                agent_data, state, sampling_params, fork, level + 1, budget, path
             )
-        results = await asyncio.gather(*tasks)
-        return [o for r in results for o in r]
+        if state != AgentState.TERMINATED:
+            await self._advance(agent_data, state, sampling_params, None)
+        return [(agent_data, path)]
+
+    async def _fork(
+        self,
+        point: AgentData,
+        state: AgentState,
+        sampling_params: dict[str, Any],
+        fork: ForkSpec,
+        level: int,
+        budget: int,
+        path: Path,
+        first_child: int = 0,
+    ) -> list[tuple[AgentData, Path]]:
+        """Children of the fork point ``point`` (each a copy of its state and its own request,
+        at fork level ``level``) until they give exactly ``budget`` leaves.
+
+        ``min(branching, budget)`` children share the budget; at the last fork level (no
+        boundary below) every leaf is a child. A child that ends before its next fork point
+        returns fewer leaves than its share; the missing ones are started as new children of
+        this point at once (numbered on), so the budget is met whatever the branches do.
+        """
+        last = fork.boundary(level) is None
+        pending: dict[asyncio.Future, tuple[int, int]] = {}
+        leaves: dict[int, list[tuple[AgentData, Path]]] = {}
+        index = first_child
+
+        def spawn(total: int) -> None:
+            nonlocal index
+            for share in _shares(total, total if last else min(fork.branching, total)):
+                child_id = uuid4().hex
+                self.recorder.fork(point.request_id, child_id)
+                child = _copy_agent_data(point, child_id)
+                task = asyncio.ensure_future(
+                    self._grow(child, state, sampling_params, fork, level, share, (*path, index))
+                )
+                pending[task] = (index, share)
+                index += 1
+
+        spawn(budget)
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    i, share = pending.pop(task)
+                    leaves[i] = task.result()
+                    if len(leaves[i]) < share:
+                        spawn(share - len(leaves[i]))
+        finally:
+            for task in pending:
+                task.cancel()
+        return [leaf for i in sorted(leaves) for leaf in leaves[i]]
 
     async def run_tree(
         self,
@@ -252,11 +387,24 @@ class HartsToolAgentLoop(ToolAgentLoop):
         priority: int = 0,
         **kwargs: Any,
     ) -> list[AgentLoopOutput]:
-        """Roll out one prompt; with ``fork``, a tree of at most ``fork.budget`` trajectories
-        (branches in depth-first order). Each output's ``extra_fields`` holds ``harts_tree``
-        (its turn spans, shared turns keep their ids) and ``harts_branch`` (e.g. ``"1.0"``)."""
+        """Roll out one prompt; with ``fork``, a tree of exactly ``fork.budget`` trajectories
+        (branches in depth-first order of their fork paths). Each output's ``extra_fields``
+        holds ``harts_tree`` (its turn spans, shared turns keep their ids),
+        ``harts_fork_path`` (e.g. ``"1.0"``) and ``harts_fork_group`` (:func:`fork_groups`)."""
         agent_data = self._new_agent_data(priority, kwargs)
         budget = fork.budget if fork is not None else 1
-        return await self._grow(
-            agent_data, AgentState.PENDING, sampling_params, fork, 0, budget, ""
+        prompt_state = _copy_agent_data(agent_data, uuid4().hex) if budget > 1 else None
+        leaves = await self._grow(
+            agent_data, AgentState.PENDING, sampling_params, fork, 0, budget, ()
         )
+        if len(leaves) < budget:
+            # The shared prefix ended before the first fork point: the prompt is the fork point
+            # of the missing leaves (the first run becomes branch 0).
+            assert fork is not None and prompt_state is not None
+            (first, _), missing = leaves[0], budget - len(leaves)
+            more = await self._fork(
+                prompt_state, AgentState.PENDING, sampling_params, fork, 0, missing, (), 1
+            )
+            leaves = [(first, (0,)), *more]
+        groups = fork_groups([p for _, p in leaves], fork.group if fork is not None else "prompt")
+        return [self._finalize(d, p, g) for (d, p), g in zip(leaves, groups, strict=True)]

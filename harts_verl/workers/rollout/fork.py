@@ -9,27 +9,57 @@ Enable with::
     +harts_rollout.fork.branching=2
     +harts_rollout.fork.budget=4           # leaf trajectories per prompt (set rollout.n to it)
     +harts_rollout.fork.policy=turns       # or "every"
+    +harts_rollout.fork.group=prompt       # GRPO groups: "prompt" (default) or "fork"
 
 For each prompt, the worker runs the ``harts_tool_agent`` loop's shared prefix once and forks
 continuations at the chosen turn boundaries (:meth:`~harts_verl.workers.rollout.agent_loop.
-HartsToolAgentLoop.run_tree`). Every branch is stored as its own session (TransferQueue key
-``{uid}_{session}_0``; session = branch index), with its own reward computed by veRL's reward
-loop, and enters GRPO with the prompt's ``uid`` as group id (as veRL's ``rollout.n`` sessions
-do). Without ``harts_rollout.fork.enable`` (or for validation, or another agent loop) the worker
-is veRL's. veRL's V1 worker module imports ``transfer_queue``, so the classes are built lazily.
+HartsToolAgentLoop.run_tree`): exactly ``budget`` leaves. Every branch is stored as its own
+session (session id = its leaf index), with its own reward computed by veRL's reward loop.
+
+GRPO group ids (:func:`branch_uids`): veRL's GRPO groups by the ``uid`` field of each stored
+trajectory, which ``_agent_loop_postprocess`` copies from its ``uid`` argument, and it keys the
+trajectory ``{uid}_{session}_{index}`` in TransferQueue. Every veRL reader of those keys takes
+the prompt uid as the part before the first ``_`` (replay buffer, prompt status, eviction,
+DAPO filter) and the session key as all but the last ``_`` part (advantage broadcast). So the
+worker passes ``uid = group uid``: the prompt uid itself for the prompt-level group, and
+``{prompt uid}_f{fork path}`` for a fork group (``group=fork``). Prompt bookkeeping is
+unchanged, and ``uid`` (what GRPO reads) is the group. Each branch's ``extra_fields`` carry
+``harts_fork_path``, ``harts_fork_group``, ``harts_group`` (= its ``uid``), ``harts_traj_uid``
+(``{uid}_{session}``, its TransferQueue key without the ``_0``) and ``harts_prompt_uid``.
+
+Without ``harts_rollout.fork.enable`` (or for validation, or another agent loop) the worker is
+veRL's. veRL's V1 worker module imports ``transfer_queue``, so the classes are built lazily.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Sequence
 from typing import Any
 
-from harts_verl.workers.rollout.agent_loop import ForkSpec
+from harts_verl.workers.rollout.agent_loop import FORK_GROUP_KEY, FORK_PATH_KEY, ForkSpec
 
-__all__ = ["fork_spec_of", "fork_worker_class", "manager_class"]
+__all__ = [
+    "GROUP_UID_KEY",
+    "PROMPT_UID_KEY",
+    "TRAJ_UID_KEY",
+    "branch_uids",
+    "check_rollout_n",
+    "fork_spec_of",
+    "fork_worker_class",
+    "group_uid",
+    "manager_class",
+]
 
 logger = logging.getLogger(__name__)
+
+GROUP_UID_KEY = "harts_group"
+"""``extra_fields`` key: the branch's GRPO group id (the ``uid`` veRL's GRPO groups by)."""
+TRAJ_UID_KEY = "harts_traj_uid"
+"""``extra_fields`` key: the branch's own id ``{uid}_{session}`` (distinct per branch)."""
+PROMPT_UID_KEY = "harts_prompt_uid"
+"""``extra_fields`` key: the uid of the prompt the branch was sampled from."""
 
 
 def fork_spec_of(config: Any) -> ForkSpec | None:
@@ -42,6 +72,68 @@ def fork_spec_of(config: Any) -> ForkSpec | None:
     if fork is None or not bool(fork.get("enable", False)):
         return None
     return ForkSpec.from_config(fork)
+
+
+def check_rollout_n(config: Any) -> str | None:
+    """A warning when fork sampling is on and ``rollout.n`` differs from ``fork.budget`` (None
+    otherwise). A forked prompt gives ``budget`` trajectories, but veRL sizes PPO mini-batches
+    (``ppo_mini_batch_size * rollout.n`` trajectories) and the batch multiple it pads to with
+    ``rollout.n``: a mismatch splits groups across mini-batches or pads with dummy samples."""
+    spec = fork_spec_of(config)
+    if spec is None:
+        return None
+    n = int(config.actor_rollout_ref.rollout.n)
+    if n == spec.budget:
+        return None
+    return (
+        f"harts_rollout.fork.budget={spec.budget} but actor_rollout_ref.rollout.n={n}: each "
+        f"prompt gives {spec.budget} trajectories while veRL sizes mini-batches and pads the "
+        "batch for rollout.n; set rollout.n to the fork budget"
+    )
+
+
+def group_uid(prompt_uid: str, fork_group: str) -> str:
+    """GRPO group id of a branch: the prompt uid for the prompt-level group (``fork_group ==
+    ""``), ``{prompt_uid}_f{fork_group}`` for a fork group. veRL's key readers still find the
+    prompt uid before the first ``_`` (see the module docstring)."""
+    if "_" in str(fork_group):
+        raise ValueError(f"fork group {fork_group!r}: must not contain '_'")
+    return str(prompt_uid) if fork_group == "" else f"{prompt_uid}_f{fork_group}"
+
+
+def branch_uids(prompt_uid: str, outputs: Sequence[Any]) -> list[str]:
+    """The ``uid`` to store each branch under (its GRPO group id); writes ``harts_group``,
+    ``harts_traj_uid`` (``{uid}_{i}``, session id ``i`` = the branch's index) and
+    ``harts_prompt_uid`` into each output's ``extra_fields``."""
+    uids = []
+    for i, out in enumerate(outputs):
+        extra = out.extra_fields
+        uid = group_uid(prompt_uid, extra.get(FORK_GROUP_KEY, ""))
+        extra.setdefault(FORK_PATH_KEY, "")
+        extra.setdefault(FORK_GROUP_KEY, "")
+        extra[GROUP_UID_KEY] = uid
+        extra[TRAJ_UID_KEY] = f"{uid}_{i}"
+        extra[PROMPT_UID_KEY] = str(prompt_uid)
+        uids.append(uid)
+    return uids
+
+
+@functools.cache
+def _forks(target: str) -> bool:
+    """Whether the agent loop class ``target`` (a ``_target_`` path) can run forked trees:
+    ``HartsToolAgentLoop`` or a subclass of it (e.g. the τ³ recipe's ``HartsTauAgentLoop``)."""
+    if not target:
+        return False
+    import hydra
+
+    from harts_verl.workers.rollout.agent_loop import HartsToolAgentLoop
+
+    try:
+        cls = hydra.utils.get_class(target)
+    except Exception as exc:  # an unresolvable target runs veRL's own path
+        logger.warning("harts fork: cannot resolve agent loop %r (%r); not forking", target, exc)
+        return False
+    return isinstance(cls, type) and issubclass(cls, HartsToolAgentLoop)
 
 
 @functools.cache
@@ -57,7 +149,7 @@ def fork_worker_class() -> type:
         ToolListWrap,
         _agent_loop_registry,
     )
-    from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ
+    from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ, apply_greedy_sampling_params
 
     base = AgentLoopWorkerTQ.__ray_metadata__.modified_class
 
@@ -70,7 +162,7 @@ def fork_worker_class() -> type:
             spec = fork_spec_of(self.config)
             agent_name = prompt.get("agent_name")
             target = _agent_loop_registry.get(agent_name, {}).get("_target_", "")
-            if spec is None or trajectory["validate"] or not target.endswith("HartsToolAgentLoop"):
+            if spec is None or trajectory["validate"] or not _forks(target):
                 return await super()._run_prompt(prompt, sampling_params, trajectory, trace)
             uid, partition_id = prompt["uid"], "train"
             await tq.async_kv_put(key=uid, partition_id=partition_id, tag={"status": "running"})
@@ -78,7 +170,9 @@ def fork_worker_class() -> type:
             try:
                 prompt = dict(prompt)
                 prompt.pop("__rollout_n__", None)
-                prompt.pop("__do_sample__", None)
+                run_sampling_params = dict(sampling_params)
+                if not prompt.pop("__do_sample__", True):
+                    apply_greedy_sampling_params(run_sampling_params)
                 agent_name = prompt.pop("agent_name")
                 agent_loop = hydra.utils.instantiate(
                     config=_agent_loop_registry[agent_name],
@@ -91,13 +185,16 @@ def fork_worker_class() -> type:
                     data_config=DictConfigWrap(self.config.data),
                     tools=ToolListWrap(self.tools),
                 )
-                outputs = await agent_loop.run_tree(dict(sampling_params), fork=spec, **prompt)
+                outputs = await agent_loop.run_tree(run_sampling_params, fork=spec, **prompt)
+                uids = branch_uids(uid, outputs)
+                # as veRL's _run_agent_loop: postprocess kwargs are the prompt fields (no
+                # agent_name) + session_id; ``uid`` is the branch's GRPO group id
                 results = await asyncio.gather(
                     *[
                         self._agent_loop_postprocess(
-                            out, False, agent_name=agent_name, session_id=i, **prompt
+                            out, False, **{**prompt, "uid": group, "session_id": i}
                         )
-                        for i, out in enumerate(outputs)
+                        for i, (out, group) in enumerate(zip(outputs, uids, strict=True))
                     ],
                     return_exceptions=True,
                 )
@@ -121,8 +218,11 @@ def manager_class() -> type:
     class HartsAgentLoopManager(AgentLoopManagerTQ):
         """veRL's V1 agent-loop manager with fork-sampling workers."""
 
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
+        def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+            warning = check_rollout_n(config)
+            if warning:
+                logger.warning(warning)
+            super().__init__(config, *args, **kwargs)
             self.agent_loop_workers_class = fork_worker_class()
 
     return HartsAgentLoopManager

@@ -1,0 +1,489 @@
+"""Fork sampling: budget, fork paths, GRPO groups and the uids veRL's GRPO reads (no Ray).
+
+A scripted server client answers each request with calculator calls for a number of turns chosen
+per request id (request ids are made deterministic by patching ``uuid4`` in the agent loop), so
+tests decide which branches end before their next fork point. The worker test drives the fork
+worker's ``_run_prompt`` with veRL's own ``_agent_loop_postprocess`` (TransferQueue puts are
+captured) and feeds what it stores to veRL's GRPO advantage computation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("verl")
+
+from harts_verl.tree import RolloutForest
+from harts_verl.workers.rollout import agent_loop as agent_loop_mod
+from harts_verl.workers.rollout.agent_loop import (
+    FORK_GROUP_KEY,
+    FORK_PATH_KEY,
+    ForkSpec,
+    fork_groups,
+)
+from harts_verl.workers.rollout.fork import (
+    GROUP_UID_KEY,
+    PROMPT_UID_KEY,
+    TRAJ_UID_KEY,
+    branch_uids,
+    check_rollout_n,
+    group_uid,
+)
+from harts_verl.workers.rollout.recorder import TREE_KEY, forest_from_metadata
+
+PROMPT_UID = "0b9e3c1a-5f7d-4e2b-9c1d-2a3b4c5d6e7f"
+
+
+# ---------------------------------------------------------------------- fork_groups (pure)
+def test_fork_groups_prompt_and_fork_modes():
+    paths = [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert fork_groups(paths, "prompt") == [()] * 4
+    assert fork_groups(paths, "fork") == [(0,), (0,), (1,), (1,)]
+    # leaves directly below the prompt form the prompt's group
+    assert fork_groups([(0,), (1,), (2,)], "fork") == [(), (), ()]
+    assert fork_groups([()], "fork") == [()]  # one leaf: nothing to merge with
+    with pytest.raises(ValueError, match=r"fork\.group"):
+        fork_groups(paths, "leaf")
+
+
+@pytest.mark.parametrize(
+    ("paths", "expected"),
+    [
+        # 0.1 is alone at fork 0: it joins its sibling subtree 0.0's group (diverged at fork 0),
+        # not the cousins 1.x (diverged at the prompt)
+        ([(0, 0, 0), (0, 0, 1), (0, 1), (1, 0), (1, 1)], [(0, 0), (0, 0), (0, 0), (1,), (1,)]),
+        # leaf 1 is alone at the prompt level: joins the smallest group (ties: lowest path)
+        ([(0, 0), (0, 1), (1,), (2, 0), (2, 1)], [(0,), (0,), (0,), (2,), (2,)]),
+        # budget 3 on turns [0, 1]: the share-1 branch joins its sibling subtree
+        ([(0, 0), (0, 1), (1,)], [(0,), (0,), (0,)]),
+        # two singletons at different depths end up together at the prompt level
+        ([(0, 0), (0, 1), (1, 0), (2,)], [(0,), (0,), (), ()]),
+        ([(0,), (1, 0), (2, 0, 0)], [(), (), ()]),
+    ],
+)
+def test_fork_groups_merge_singletons(paths, expected):
+    groups = fork_groups(paths, "fork")
+    assert groups == expected
+    assert min(groups.count(g) for g in groups) >= 2
+
+
+# ---------------------------------------------------------------------- uids (pure)
+def test_group_uid_keeps_prompt_uid_first():
+    assert group_uid(PROMPT_UID, "") == PROMPT_UID
+    g = group_uid(PROMPT_UID, "0.1")
+    assert g == f"{PROMPT_UID}_f0.1"
+    key = f"{g}_3_0"  # veRL's TransferQueue key {uid}_{session}_{index}
+    # replay buffer / prompt status read the prompt uid before the first "_"
+    assert key.split("_")[0] == PROMPT_UID and key.split("_", 1)[0] == PROMPT_UID
+    # advantage broadcast reads the session key as all but the last two parts
+    uid, session, index = key.rsplit("_", 2)
+    assert (uid, session, index) == (g, "3", "0")
+    with pytest.raises(ValueError):
+        group_uid(PROMPT_UID, "0_1")
+
+
+class _FakeOut:
+    def __init__(self, path, group):
+        self.extra_fields = {FORK_PATH_KEY: path, FORK_GROUP_KEY: group}
+
+
+def test_branch_uids_writes_ids():
+    outs = [_FakeOut("0.0", "0"), _FakeOut("0.1", "0"), _FakeOut("1", "")]
+    uids = branch_uids(PROMPT_UID, outs)
+    assert uids == [f"{PROMPT_UID}_f0", f"{PROMPT_UID}_f0", PROMPT_UID]
+    trajs = [o.extra_fields[TRAJ_UID_KEY] for o in outs]
+    assert trajs == [f"{PROMPT_UID}_f0_0", f"{PROMPT_UID}_f0_1", f"{PROMPT_UID}_2"]
+    assert all(o.extra_fields[PROMPT_UID_KEY] == PROMPT_UID for o in outs)
+    assert [o.extra_fields[GROUP_UID_KEY] for o in outs] == uids
+
+
+def test_check_rollout_n():
+    from omegaconf import OmegaConf
+
+    def cfg(n, budget, enable=True):
+        return OmegaConf.create(
+            {
+                "actor_rollout_ref": {"rollout": {"n": n}},
+                "harts_rollout": {"fork": {"enable": enable, "budget": budget}},
+            }
+        )
+
+    assert check_rollout_n(cfg(4, 4)) is None
+    assert check_rollout_n(cfg(2, 4, enable=False)) is None
+    assert "rollout.n=2" in check_rollout_n(cfg(2, 4))
+
+
+# ---------------------------------------------------------------------- agent loop
+class _Out:
+    """The fields of veRL's ``TokenOutput`` that agent loops read."""
+
+    def __init__(self, token_ids):
+        self.token_ids = token_ids
+        self.log_probs = None
+        self.num_preempted = None
+        self.routed_experts = None
+        self.stop_reason = "completed"
+        self.extra_fields: dict = {}
+
+
+@pytest.fixture(scope="module")
+def env():
+    from omegaconf import OmegaConf
+    from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap
+
+    from harts_verl.workers.rollout import local_task
+    from harts_verl.workers.rollout.agent_loop import HartsToolAgentLoop
+
+    tok = local_task.build_tokenizer()
+    cfg = OmegaConf.create(
+        {
+            "actor_rollout_ref": {
+                "rollout": {
+                    "n": 4,
+                    "prompt_length": 64,
+                    "response_length": 96,
+                    "full_determinism": False,
+                    "multi_turn": {
+                        "max_user_turns": 6,
+                        "max_assistant_turns": 6,
+                        "max_parallel_calls": 1,
+                        "max_tool_response_length": 64,
+                        "tool_response_truncate_side": "right",
+                        "format": "harts_calc",
+                    },
+                }
+            },
+            "data": {},
+        }
+    )
+    tool_id = tok.convert_tokens_to_ids("<tool>")
+    ids = lambda text: tok.convert_tokens_to_ids(text.split())  # noqa: E731
+
+    class Client:
+        """Request ``r`` makes ``depth(r)`` calculator calls (operands from its id, so branches
+        differ), then answers; ``depth`` defaults to ``default``."""
+
+        def __init__(self, depth=None, default=3):
+            self.depth = dict(depth or {})
+            self.default = default
+            self.calls: list[tuple[str, int]] = []
+
+        async def generate(self, request_id, *, prompt_ids, sampling_params, **kw):
+            done = list(prompt_ids).count(tool_id)
+            self.calls.append((request_id, done))
+            k = int(hashlib.sha256(f"{request_id}/{done}".encode()).hexdigest(), 16)
+            if done < self.depth.get(request_id, self.default):
+                return _Out(ids(f"<call> add {k % 10} {k // 10 % 9}"))
+            return _Out(ids(f"answer {k % 19 - 9} <eos>"))
+
+    def make(client):
+        return HartsToolAgentLoop(
+            trainer_config=DictConfigWrap(cfg),
+            server_manager=client,
+            tokenizer=tok,
+            processor=None,
+            dataset_cls=None,
+            data_config=DictConfigWrap(cfg.data),
+            hf_model_type=None,
+            tools=ToolListWrap([local_task.calc_tool()]),
+        )
+
+    raw_prompt = local_task.make_tasks(1, seed=0)[0]["prompt"]
+    return {"make": make, "Client": Client, "raw_prompt": raw_prompt, "cfg": cfg, "tok": tok}
+
+
+class _Id:
+    def __init__(self, n):
+        self.hex = f"q{n}"
+
+
+@pytest.fixture
+def seq_ids(monkeypatch):
+    """Deterministic request ids ``q0, q1, ...`` in creation order (``q0``: the prompt
+    snapshot of a forked tree; children follow in spawn order)."""
+    counter = itertools.count()
+    monkeypatch.setattr(agent_loop_mod, "uuid4", lambda: _Id(next(counter)))
+
+
+def _tree(env, client, spec):
+    async def main():
+        loop = env["make"](client)
+        return await loop.run_tree({"temperature": 1.0}, fork=spec, raw_prompt=env["raw_prompt"])
+
+    return asyncio.new_event_loop().run_until_complete(main())
+
+
+def _paths(outs):
+    return [o.extra_fields[FORK_PATH_KEY] for o in outs]
+
+
+def _check_tree(outs, budget):
+    """Budget met, distinct branches and last turns, metadata forest = token forest."""
+    assert len(outs) == budget
+    paths = _paths(outs)
+    assert len(set(paths)) == budget
+    tup = [tuple(p.split(".")) if p else () for p in paths]
+    assert not any(a != b and a == b[: len(a)] for a in tup for b in tup)  # leaves only
+    metas = [json.loads(o.extra_fields[TREE_KEY]) for o in outs]
+    assert len({m["turns"][-1][0] for m in metas}) == budget
+    assert [m["fork_path"] for m in metas] == paths
+    seqs = [o.prompt_ids + o.response_ids for o in outs]
+    forest, why = forest_from_metadata(seqs, [o.extra_fields[TREE_KEY] for o in outs])
+    assert why == "", why
+    assert forest.equals(RolloutForest.from_sequences(seqs))
+
+
+def test_full_tree_groups_by_fork(env, seq_ids):
+    client = env["Client"]()
+    outs = _tree(env, client, ForkSpec(turns=(0, 1), branching=2, budget=4, group="fork"))
+    _check_tree(outs, 4)
+    assert _paths(outs) == ["0.0", "0.1", "1.0", "1.1"]
+    assert [o.extra_fields[FORK_GROUP_KEY] for o in outs] == ["0", "0", "1", "1"]
+    # the two turn-1 prefixes ran once each: 2 + 4 generate calls before the answers
+    first_turn_calls = [c for c in client.calls if c[1] == 0]
+    assert len(first_turn_calls) == 2
+
+
+def test_budget_refilled_when_branches_end_before_next_fork(env, seq_ids):
+    """The local CPU recipe's case: no branch makes a tool call, so none reaches fork turn 1.
+    Before, each prompt gave 2 of its 4 trajectories (veRL padded 8 -> 16)."""
+    client = env["Client"](default=0)
+    outs = _tree(env, client, ForkSpec(turns=(0, 1), branching=2, budget=4, group="fork"))
+    _check_tree(outs, 4)
+    assert _paths(outs) == ["0", "1", "2", "3"]
+    assert [o.extra_fields[FORK_GROUP_KEY] for o in outs] == [""] * 4
+    assert len(client.calls) == 4
+
+
+def test_budget_mixed_early_end(env, seq_ids):
+    """Branch 0 (request q1) answers at once; branch 1 (q2) forks at turn 1; the refill child
+    (branch 2) gets branch 0's unused share."""
+    client = env["Client"](depth={"q1": 0})
+    outs = _tree(env, client, ForkSpec(turns=(0, 1), branching=2, budget=4, group="fork"))
+    _check_tree(outs, 4)
+    assert _paths(outs) == ["0", "1.0", "1.1", "2"]
+    assert [o.extra_fields[FORK_GROUP_KEY] for o in outs] == ["", "1", "1", ""]
+
+
+def test_prefix_ending_before_first_fork_restarts_from_prompt(env, seq_ids):
+    client = env["Client"](default=0)
+    outs = _tree(env, client, ForkSpec(turns=(1,), branching=2, budget=3, group="fork"))
+    _check_tree(outs, 3)
+    assert sorted(_paths(outs)) == ["0", "1", "2"]
+    assert len({c[0] for c in client.calls}) == 3  # three independent requests
+
+
+@pytest.mark.parametrize(
+    ("spec", "paths"),
+    [
+        (ForkSpec(turns=(1,), branching=3, budget=5), ["0", "1", "2", "3", "4"]),
+        (ForkSpec(turns=(0, 1), branching=2, budget=3), ["0.0", "0.1", "1"]),
+        (ForkSpec(policy="every", branching=2, budget=5), None),
+        (ForkSpec(turns=(), branching=2, budget=3), ["0", "1", "2"]),  # plain n samples
+    ],
+)
+def test_budget_is_exact(env, seq_ids, spec, paths):
+    client = env["Client"]()
+    outs = _tree(env, client, spec)
+    _check_tree(outs, spec.budget)
+    if paths is not None:
+        assert _paths(outs) == paths
+    if spec.turns == (1,):  # turn 1 is shared by every branch: generated once
+        assert len([c for c in client.calls if c[1] == 0]) == 1
+
+
+def test_no_fork_is_one_trajectory(env, seq_ids):
+    client = env["Client"](default=1)
+    outs = _tree(env, client, None)
+    assert len(outs) == 1 and outs[0].extra_fields[FORK_PATH_KEY] == ""
+    outs = _tree(env, client, ForkSpec(turns=(0,), budget=1, group="fork"))
+    assert len(outs) == 1 and outs[0].extra_fields[FORK_GROUP_KEY] == ""
+
+
+# ---------------------------------------------------------------------- fork worker + GRPO
+def _reward(response_ids):
+    """Scripted reward from the branch's own tokens."""
+    h = hashlib.sha256(bytes(int(t) % 256 for t in response_ids)).digest()
+    return int.from_bytes(h[:4], "little") / 2**32
+
+
+def _run_worker(env, monkeypatch, group, depth):
+    tq = pytest.importorskip("transfer_queue")
+    from omegaconf import OmegaConf
+
+    from harts_verl.workers.rollout import fork as fork_mod
+    from harts_verl.workers.rollout import local_task
+
+    cfg = OmegaConf.merge(
+        env["cfg"],
+        {
+            "harts_rollout": {
+                "fork": {
+                    "enable": True,
+                    "turns": [0, 1],
+                    "branching": 2,
+                    "budget": 4,
+                    "group": group,
+                }
+            }
+        },
+    )
+    cls = fork_mod.fork_worker_class().__ray_metadata__.modified_class
+    worker = cls.__new__(cls)
+    worker.config = cfg
+    worker.llm_client = env["Client"](depth=depth)
+    worker.tokenizer = env["tok"]
+    worker.processor = None
+    worker.hf_model_type = None
+    worker.dataset_cls = None
+    worker.tools = [local_task.calc_tool()]
+    worker.distillation_enabled = False
+
+    async def score(outputs, kwargs):
+        out = outputs[-1]
+        out.reward_score = _reward(out.response_ids)
+        out.extra_fields["reward_extra_info"] = {}
+
+    worker._compute_score = score
+    puts, statuses = [], []
+
+    async def kv_put(key, partition_id, tag=None, **kw):
+        statuses.append((key, partition_id, tag["status"]))
+
+    async def kv_batch_put(keys, fields, tags, partition_id):
+        puts.append((keys, fields, tags, partition_id))
+
+    monkeypatch.setattr(tq, "async_kv_put", kv_put)
+    monkeypatch.setattr(tq, "async_kv_batch_put", kv_batch_put)
+    prompt = {
+        "raw_prompt": env["raw_prompt"],
+        "uid": PROMPT_UID,
+        "index": 0,
+        "global_steps": 1,
+        "agent_name": "harts_tool_agent",
+        "data_source": "harts_calc",
+        "extra_info": {},
+    }
+    traj = {"validate": False, "step": 1, "sample_index": 0, "rollout_n": 0}
+    params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
+    asyncio.new_event_loop().run_until_complete(worker._run_prompt(prompt, params, traj))
+    assert statuses == [
+        (PROMPT_UID, "train", "running"),
+        (PROMPT_UID, "train", "finished"),
+    ], statuses
+    keys, rows = [], []
+    for k, td, _, part in puts:
+        assert part == "train" and len(k) == 1
+        keys.append(k[0])
+        rows.append(td[0])
+    return keys, rows
+
+
+def _grpo(keys, rows):
+    """veRL's V1 advantage step on the stored fields (as ``_compute_advantage`` reads them)."""
+    import torch
+    from torch.nn.utils.rnn import pad_sequence
+    from verl import DataProto
+    from verl.trainer.ppo.v1.utils import compute_advantage_for_multi_trajectories
+
+    rm = pad_sequence([r["rm_scores"] for r in rows], batch_first=True)
+    mask = pad_sequence([r["response_mask"] for r in rows], batch_first=True)
+    uids = np.array([r["uid"] for r in rows], dtype=object)
+    data = DataProto.from_dict(
+        tensors={"token_level_rewards": rm.float(), "response_mask": mask},
+        non_tensors={"uid": uids},
+    )
+    out = compute_advantage_for_multi_trajectories(
+        data, batch_keys=keys, adv_estimator="grpo", num_repeat=4, norm_adv_by_std_in_grpo=True
+    )
+    adv = out.batch["advantages"]
+    first = mask.argmax(dim=1)
+    return adv[torch.arange(len(rows)), first], rm.sum(dim=1)
+
+
+def _expected(scores, groups):
+    import torch
+
+    exp = torch.empty_like(scores)
+    for g in set(groups):
+        idx = [i for i, h in enumerate(groups) if h == g]
+        s = scores[idx]
+        exp[idx] = (s - s.mean()) / (s.std() + 1e-6) if len(idx) > 1 else s
+    return exp
+
+
+@pytest.mark.parametrize(
+    ("group", "depth", "paths", "groups"),
+    [
+        ("fork", {}, ["0.0", "0.1", "1.0", "1.1"], ["0", "0", "1", "1"]),
+        ("prompt", {}, ["0.0", "0.1", "1.0", "1.1"], ["", "", "", ""]),
+        # branch 0 (q1) ends at turn 1: leaves 0 and the refill 2 form the prompt-level group
+        ("fork", {"q1": 0}, ["0", "1.0", "1.1", "2"], ["", "1", "1", ""]),
+    ],
+)
+def test_worker_stores_group_uids_for_grpo(env, seq_ids, monkeypatch, group, depth, paths, groups):
+    import torch
+
+    keys, rows = _run_worker(env, monkeypatch, group, depth)
+    extra = [r["extra_fields"] for r in rows]
+    assert [e[FORK_PATH_KEY] for e in extra] == paths
+    assert [e[FORK_GROUP_KEY] for e in extra] == groups
+    # GRPO reads "uid": the group id; prompt bookkeeping reads the key's first part
+    uids = [r["uid"] for r in rows]
+    assert uids == [group_uid(PROMPT_UID, g) for g in groups]
+    assert [e[GROUP_UID_KEY] for e in extra] == uids
+    assert all(k.split("_")[0] == PROMPT_UID for k in keys)
+    assert keys == [f"{u}_{i}_0" for i, u in enumerate(uids)]
+    trajs = [e[TRAJ_UID_KEY] for e in extra]
+    assert len(set(trajs)) == 4 and [f"{t}_0" for t in trajs] == keys
+    assert [r["session_id"] for r in rows] == [0, 1, 2, 3]
+    assert "agent_name" not in rows[0].keys()  # as veRL's own sessions
+    # own rewards: from each branch's tokens, all different
+    rewards = [float(r["rm_scores"].sum()) for r in rows]
+    assert rewards == pytest.approx([_reward(r["responses"].tolist()) for r in rows])
+    assert len(set(rewards)) == 4
+    # veRL's GRPO step normalises within the intended groups
+    adv, scores = _grpo(keys, rows)
+    torch.testing.assert_close(adv, _expected(scores, groups), rtol=1e-4, atol=1e-5)
+    for g in set(groups):
+        idx = [i for i, h in enumerate(groups) if h == g]
+        assert abs(float(adv[idx].sum())) < 1e-4  # zero mean per group
+        assert float(adv[idx].abs().min()) > 0
+
+
+def test_singleton_would_get_raw_score_in_verl_grpo():
+    """Why singletons are merged: veRL's GRPO gives a group of one its raw score (mean 0,
+    std 1), an advantage with no baseline."""
+    import torch
+    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+
+    scores = torch.tensor([0.2, 0.9, 0.7])
+    rewards = torch.zeros(3, 3)
+    rewards[:, -1] = scores
+    mask = torch.ones(3, 3)
+    paths = [(0, 0), (0, 1), (1,)]  # budget 3 on turns [0, 1]: leaf 1 is alone at the prompt
+    unmerged = np.array([str(p[:-1]) for p in paths], dtype=object)
+    raw, _ = compute_grpo_outcome_advantage(rewards, mask, unmerged)
+    assert raw[2, 0] == pytest.approx(0.7)
+    merged = fork_groups(paths, "fork")
+    assert merged == [(0,)] * 3
+    adv, _ = compute_grpo_outcome_advantage(rewards, mask, np.array([str(g) for g in merged]))
+    expected = (scores - scores.mean()) / (scores.std() + 1e-6)
+    torch.testing.assert_close(adv[:, 0], expected)
+
+
+def test_fork_worker_accepts_subclasses_of_the_tree_loop():
+    """The fork worker forks HartsToolAgentLoop and its subclasses (the τ³ loop), nothing else."""
+    from harts_verl.workers.rollout.fork import _forks
+
+    assert _forks("harts_verl.workers.rollout.agent_loop.HartsToolAgentLoop")
+    assert _forks("harts_verl.workers.envs.tau_agent.HartsTauAgentLoop")
+    assert not _forks("verl.experimental.agent_loop.tool_agent_loop.ToolAgentLoop")
+    assert not _forks("")
+    assert not _forks("no.such.module.Loop")
