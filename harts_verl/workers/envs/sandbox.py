@@ -1,0 +1,326 @@
+"""Repository sandboxes for software-engineering agents: run commands, read/write files, diff.
+
+* :class:`LocalSandbox`: a temporary copy of a directory (a git repository is created in it so
+  :meth:`Sandbox.diff` is a ``git diff`` against the starting tree); commands run as local
+  subprocesses with a timeout. Used by the tests and for the bundled fixtures. It is *not*
+  isolation: commands run with the caller's permissions.
+* :class:`DockerSandbox`: a container from an image (e.g. a SWE-bench instance image) driven
+  through the ``docker`` CLI; :meth:`~Sandbox.clone` commits the container to an image and
+  starts a new container from it (fork sampling copies the repository state this way).
+
+Every command result says whether it timed out, and :func:`truncate_output` says what it cut.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+__all__ = [
+    "DockerSandbox",
+    "ExecResult",
+    "LocalSandbox",
+    "Sandbox",
+    "format_exec_result",
+    "truncate_output",
+]
+
+# build/cache files never belong to a patch (kept out of the tree via .git/info/exclude)
+_EXCLUDE = "__pycache__/\n*.pyc\n.pytest_cache/\n"
+_GIT_ID = [
+    "-c",
+    "user.name=harts",
+    "-c",
+    "user.email=harts@localhost",
+    "-c",
+    "commit.gpgsign=false",
+]
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """Outcome of one command: combined stdout+stderr text, exit code (``None`` when it timed
+    out), and whether it timed out."""
+
+    output: str
+    exit_code: int | None
+    timed_out: bool = False
+
+
+def truncate_output(text: str, max_chars: int) -> str:
+    """``text`` if it has at most ``max_chars`` characters, else its head and tail around a
+    line that says how many characters were omitted (the result then has about ``max_chars``
+    characters plus that notice)."""
+    if max_chars <= 0:
+        raise ValueError(f"max_chars: expected > 0, got {max_chars}")
+    if len(text) <= max_chars:
+        return text
+    head = max_chars // 2
+    tail = max_chars - head
+    omitted = len(text) - head - tail
+    return (
+        f"{text[:head]}\n[... output truncated: {omitted} of {len(text)} characters omitted"
+        f" ...]\n{text[len(text) - tail :]}"
+    )
+
+
+def format_exec_result(result: ExecResult, max_chars: int, timeout: float) -> str:
+    """The text an agent sees for a command: (truncated) output, then a status line with the
+    exit code, or a line saying the command timed out after ``timeout`` seconds."""
+    body = truncate_output(result.output, max_chars)
+    if result.timed_out:
+        status = f"[command timed out after {timeout:g} s; it was killed; output so far is above]"
+    else:
+        status = f"[exit code: {result.exit_code}]"
+    return f"{body}\n{status}" if body else status
+
+
+class Sandbox(ABC):
+    """A repository the agent works in. Paths are relative to :attr:`root` (absolute paths
+    must lie inside it)."""
+
+    root: str
+
+    @abstractmethod
+    def exec(self, command: str, timeout: float) -> ExecResult:
+        """Run ``command`` with bash in :attr:`root`; kill it after ``timeout`` seconds."""
+
+    @abstractmethod
+    def read_file(self, path: str) -> str:
+        """Text of the file at ``path``; ``FileNotFoundError`` if it does not exist."""
+
+    @abstractmethod
+    def write_file(self, path: str, text: str) -> None:
+        """Create or overwrite ``path`` with ``text`` (parent folders are created)."""
+
+    @abstractmethod
+    def exists(self, path: str) -> bool:
+        """Whether ``path`` exists (file or folder)."""
+
+    @abstractmethod
+    def diff(self) -> str:
+        """The repository's changes against its starting tree as a ``git diff`` patch
+        (new files included, ``""`` when unchanged) that ``git apply`` accepts on that tree."""
+
+    @abstractmethod
+    def clone(self) -> Sandbox:
+        """An independent sandbox with the same current files."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the sandbox's resources (idempotent)."""
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_rel(root: str, path: str, field: str = "path") -> str:
+    """``path`` resolved inside ``root``; ``ValueError`` naming ``field`` if it escapes."""
+    if not isinstance(path, str) or not path.strip():
+        raise ValueError(f"{field}: expected a non-empty path string, got {path!r}")
+    full = os.path.normpath(path if os.path.isabs(path) else os.path.join(root, path))
+    if full != root and not full.startswith(root.rstrip("/") + "/"):
+        raise ValueError(f"{field}: {path!r} is outside the repository root {root}")
+    return full
+
+
+def _run(
+    args: list[str],
+    cwd: str | None,
+    timeout: float,
+    stdin: str | None = None,
+    env: dict[str, str] | None = None,
+) -> ExecResult:
+    """Run ``args`` in a new session; on timeout kill the whole process group."""
+    proc = subprocess.Popen(
+        args,
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        text=True,
+        errors="replace",
+    )
+    try:
+        out, _ = proc.communicate(stdin, timeout=timeout)
+        return ExecResult(out, proc.returncode, False)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        out, _ = proc.communicate()
+        return ExecResult(out or "", None, True)
+
+
+class LocalSandbox(Sandbox):
+    """A temporary copy of ``source`` (a folder) in which a git repository records the start.
+
+    Commands run as local subprocesses (``bash -c``) with the sandbox as working directory and
+    ``HOME`` unchanged; this is for trusted fixtures and tests, not for untrusted code.
+    """
+
+    def __init__(self, source: str, *, _copy: bool = True) -> None:
+        if not os.path.isdir(source):
+            raise ValueError(f"source: {source!r} is not a directory")
+        self.root = tempfile.mkdtemp(prefix="harts_sandbox_")
+        self._closed = False
+        if _copy:
+            shutil.copytree(source, self.root, dirs_exist_ok=True)
+            if not os.path.isdir(os.path.join(self.root, ".git")):
+                self._git("init", "-q")
+                with open(os.path.join(self.root, ".git", "info", "exclude"), "a") as f:
+                    f.write(_EXCLUDE)
+                self._git("add", "-A")
+                self._git(*_GIT_ID, "commit", "-q", "--allow-empty", "-m", "sandbox start")
+
+    def _git(self, *args: str) -> str:
+        res = _run(["git", *args], self.root, 60)
+        if res.exit_code != 0:
+            raise RuntimeError(f"git {' '.join(args)} failed in {self.root}: {res.output}")
+        return res.output
+
+    def exec(self, command: str, timeout: float) -> ExecResult:
+        if not isinstance(command, str) or not command.strip():
+            raise ValueError(f"command: expected a non-empty string, got {command!r}")
+        if timeout <= 0:
+            raise ValueError(f"timeout: expected > 0, got {timeout}")
+        env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", GIT_PAGER="cat", PAGER="cat")
+        return _run(["bash", "-c", command], self.root, timeout, env=env)
+
+    def read_file(self, path: str) -> str:
+        full = _check_rel(self.root, path)
+        with open(full, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    def write_file(self, path: str, text: str) -> None:
+        full = _check_rel(self.root, path)
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        with open(full, "w", encoding="utf-8") as f:
+            f.write(text)
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(_check_rel(self.root, path))
+
+    def diff(self) -> str:
+        self._git("add", "-A")
+        return self._git("diff", "--cached", "--no-color", "--no-ext-diff", "HEAD")
+
+    def clone(self) -> LocalSandbox:
+        other = LocalSandbox(self.root, _copy=False)
+        shutil.copytree(self.root, other.root, dirs_exist_ok=True, symlinks=True)
+        return other
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+class DockerSandbox(Sandbox):
+    """A running container of ``image`` (working folder ``workdir``, default SWE-bench's
+    ``/testbed``), driven by the ``docker`` CLI. The image's repository must be a git checkout
+    at the task's base commit (SWE-bench instance images are).
+
+    :meth:`from_swebench` derives the image from a SWE-bench instance with the ``swebench``
+    package (``pip install swebench``); a clear ``ImportError`` names it when it is missing.
+    """
+
+    def __init__(self, image: str, workdir: str = "/testbed", docker: str = "docker") -> None:
+        if not image:
+            raise ValueError("image: expected a docker image name")
+        if shutil.which(docker) is None:
+            raise RuntimeError(f"docker: the '{docker}' command is not installed or not on PATH")
+        self.image, self.root, self.docker = image, workdir, docker
+        self.name = f"harts-sbx-{uuid.uuid4().hex[:12]}"
+        self._closed = False
+        self._images: list[str] = []  # committed clone images owned by this sandbox
+        res = _run(
+            [docker, "run", "-d", "--name", self.name, "-w", workdir, image, "sleep", "infinity"],
+            None,
+            600,
+        )
+        if res.exit_code != 0:
+            raise RuntimeError(f"docker run {image} failed: {res.output.strip()}")
+        self._exec(["bash", "-c", f"printf '{_EXCLUDE}' >> .git/info/exclude"], 60)
+
+    @classmethod
+    def from_swebench(
+        cls, instance: dict, namespace: str | None = "swebench", tag: str = "latest"
+    ) -> DockerSandbox:
+        """A sandbox on the SWE-bench instance image of ``instance`` (a dataset record)."""
+        try:
+            from swebench.harness.test_spec.test_spec import make_test_spec
+        except ImportError as exc:  # pragma: no cover - depends on the optional package
+            raise ImportError(
+                "DockerSandbox.from_swebench needs the 'swebench' package (pip install swebench)"
+            ) from exc
+        spec = make_test_spec(instance, namespace=namespace, instance_image_tag=tag)
+        return cls(spec.instance_image_key)
+
+    def _exec(self, args: list[str], timeout: float, stdin: str | None = None) -> ExecResult:
+        flags = ["-i"] if stdin is not None else []
+        return _run(
+            [self.docker, "exec", *flags, "-w", self.root, self.name, *args], None, timeout, stdin
+        )
+
+    def exec(self, command: str, timeout: float) -> ExecResult:
+        if not isinstance(command, str) or not command.strip():
+            raise ValueError(f"command: expected a non-empty string, got {command!r}")
+        # `timeout` inside the container kills the command; the outer limit guards docker itself
+        res = self._exec(
+            ["timeout", "-s", "KILL", f"{timeout:g}", "bash", "-c", command], timeout + 30
+        )
+        if res.exit_code in (124, 137) or res.timed_out:
+            return ExecResult(res.output, None, True)
+        return res
+
+    def read_file(self, path: str) -> str:
+        res = self._exec(["cat", "--", _check_rel(self.root, path)], 60)
+        if res.exit_code != 0:
+            raise FileNotFoundError(path)
+        return res.output
+
+    def write_file(self, path: str, text: str) -> None:
+        full = _check_rel(self.root, path)
+        script = f'mkdir -p "$(dirname "{full}")" && cat > "{full}"'
+        res = self._exec(["bash", "-c", script], 60, stdin=text)
+        if res.exit_code != 0:
+            raise OSError(f"writing {path} failed: {res.output}")
+
+    def exists(self, path: str) -> bool:
+        return self._exec(["test", "-e", _check_rel(self.root, path)], 60).exit_code == 0
+
+    def diff(self) -> str:
+        res = self._exec(["bash", "-c", "git add -A && git diff --cached --no-color HEAD"], 120)
+        if res.exit_code != 0:
+            raise RuntimeError(f"git diff failed in {self.name}: {res.output}")
+        return res.output
+
+    def clone(self) -> DockerSandbox:
+        image = f"harts-sbx-clone:{uuid.uuid4().hex[:12]}"
+        res = _run([self.docker, "commit", self.name, image], None, 600)
+        if res.exit_code != 0:
+            raise RuntimeError(f"docker commit {self.name} failed: {res.output.strip()}")
+        other = DockerSandbox(image, self.root, self.docker)
+        other._images.append(image)
+        return other
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        _run([self.docker, "rm", "-f", self.name], None, 120)
+        for image in self._images:
+            _run([self.docker, "rmi", "-f", image], None, 120)

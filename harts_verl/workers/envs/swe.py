@@ -1,0 +1,296 @@
+"""SWE-bench tasks: instance records, veRL dataset rows, and the test-based reward.
+
+* :class:`SweInstance` parses a SWE-bench record (the Hugging Face dataset fields
+  ``instance_id``, ``repo``, ``base_commit``, ``problem_statement``, ``FAIL_TO_PASS``,
+  ``PASS_TO_PASS``, ``test_patch``, ...; the test lists may be JSON strings, as in the dataset).
+* :func:`dataset_rows` turns records into rows of veRL's RLHF dataset: chat ``prompt``,
+  ``agent_name``, and ``extra_info`` with the ``tools_kwargs`` the SWE tools read
+  (:mod:`harts_verl.workers.envs.swe_tools`) and the record for the reward.
+* :func:`compute_score` is a ``reward.custom_reward_function``: it takes the model's patch
+  (``swe_patch``, recorded by the tools in the trajectory's ``extra_fields``) and scores 1.0 iff
+  after applying it and the task's ``test_patch`` every ``FAIL_TO_PASS`` and ``PASS_TO_PASS``
+  test passes. Bundled fixtures are graded locally (:func:`grade_local`, pytest in a temporary
+  copy); real instances with the ``swebench`` harness in docker (:func:`grade_swebench`).
+
+The bundled fixture ``tinycalc`` (``fixtures/swe/tinycalc``) is a git-less Python repository
+whose hidden test (in its ``test_patch``) fails until ``mean([])`` raises ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from harts_verl.workers.envs.sandbox import LocalSandbox
+
+__all__ = [
+    "DATA_SOURCE",
+    "FIXTURE_DATA_SOURCE",
+    "SYSTEM_PROMPT",
+    "SweInstance",
+    "compute_score",
+    "dataset_rows",
+    "fixture_instances",
+    "fixture_repo",
+    "grade_local",
+    "grade_swebench",
+    "parse_pytest_report",
+]
+
+DATA_SOURCE = "swebench"
+FIXTURE_DATA_SOURCE = "harts_swe_fixture"
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "swe")
+
+SYSTEM_PROMPT = (
+    "You are a software engineer working in a code repository. Use the tools to inspect and "
+    "edit the code and to run commands: `bash` runs a shell command in the repository root, "
+    "`str_replace_editor` views, creates and edits files. Make the smallest change that "
+    "resolves the issue, check it, then call `submit`."
+)
+
+_REQUIRED = ("instance_id", "repo", "problem_statement", "FAIL_TO_PASS", "PASS_TO_PASS")
+
+
+def _test_list(value: Any, name: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"{name}: expected a JSON list of test ids, got {value[:80]!r}"
+            ) from exc
+    if not isinstance(value, (list, tuple)) or not all(isinstance(t, str) for t in value):
+        raise ValueError(f"{name}: expected a list of test id strings, got {type(value).__name__}")
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class SweInstance:
+    """One SWE-bench task. ``record`` keeps every field of the source record (the harness
+    needs ``version``, ``environment_setup_commit``, ...); ``fixture`` names a bundled fixture
+    repository (graded locally) or is ``None`` (a real instance, graded by the harness)."""
+
+    instance_id: str
+    repo: str
+    problem_statement: str
+    fail_to_pass: tuple[str, ...]
+    pass_to_pass: tuple[str, ...]
+    test_patch: str = ""
+    base_commit: str = ""
+    fixture: str | None = None
+    record: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any], fixture: str | None = None) -> SweInstance:
+        """Parse a SWE-bench record; ``ValueError`` names a missing or malformed field."""
+        if not isinstance(record, dict):
+            raise TypeError(f"record: expected a dict, got {type(record).__name__}")
+        for key in _REQUIRED:
+            if key not in record or record[key] is None:
+                raise ValueError(f"{key}: missing from the SWE-bench record")
+        for key in ("instance_id", "repo", "problem_statement"):
+            if not isinstance(record[key], str) or not record[key].strip():
+                raise ValueError(f"{key}: expected a non-empty string, got {record[key]!r}")
+        f2p = _test_list(record["FAIL_TO_PASS"], "FAIL_TO_PASS")
+        if not f2p:
+            raise ValueError("FAIL_TO_PASS: expected at least one test id")
+        return cls(
+            instance_id=record["instance_id"],
+            repo=record["repo"],
+            problem_statement=record["problem_statement"],
+            fail_to_pass=f2p,
+            pass_to_pass=_test_list(record["PASS_TO_PASS"], "PASS_TO_PASS"),
+            test_patch=str(record.get("test_patch") or ""),
+            base_commit=str(record.get("base_commit") or ""),
+            fixture=fixture,
+            record=dict(record),
+        )
+
+
+def fixture_repo(name: str) -> str:
+    """Folder of the bundled fixture repository ``name``; ``ValueError`` if there is none."""
+    path = os.path.join(FIXTURES, str(name), "repo")
+    if not os.path.isdir(path):
+        known = sorted(os.listdir(FIXTURES)) if os.path.isdir(FIXTURES) else []
+        raise ValueError(f"fixture: unknown SWE fixture {name!r} (bundled: {known})")
+    return path
+
+
+def fixture_instances() -> list[SweInstance]:
+    """The bundled fixture tasks (each folder of ``fixtures/swe`` with an ``instance.json``)."""
+    out = []
+    for name in sorted(os.listdir(FIXTURES)):
+        path = os.path.join(FIXTURES, name, "instance.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                out.append(SweInstance.from_record(json.load(f), fixture=name))
+    return out
+
+
+def user_prompt(inst: SweInstance) -> str:
+    """The task message: the issue text and what a solution must do."""
+    return (
+        f"Repository: {inst.repo}\n\n<issue>\n{inst.problem_statement.strip()}\n</issue>\n\n"
+        "Edit the repository so the issue is resolved. Do not change the tests. "
+        "When done, call `submit`."
+    )
+
+
+def dataset_rows(
+    instances: list[SweInstance], split: str = "train", system_prompt: str = SYSTEM_PROMPT
+) -> list[dict[str, Any]]:
+    """Rows of veRL's RLHF dataset, one per instance (``agent_name: harts_tool_agent``).
+
+    ``extra_info.tools_kwargs`` gives every SWE tool the same ``create_kwargs``
+    (``instance_id``, ``fixture``, ``record``), so whichever tool runs first can start the
+    sandbox; ``extra_info.swe_instance`` (JSON) is what :func:`compute_score` grades against.
+    """
+    rows = []
+    for i, inst in enumerate(instances):
+        if not isinstance(inst, SweInstance):
+            raise TypeError(f"instances[{i}]: expected SweInstance, got {type(inst).__name__}")
+        record = json.dumps(inst.record)
+        create = {"instance_id": inst.instance_id, "fixture": inst.fixture or "", "record": record}
+        rows.append(
+            {
+                "data_source": FIXTURE_DATA_SOURCE if inst.fixture else DATA_SOURCE,
+                "prompt": [
+                    {"role": "system", "content": system_prompt},
+                    {"role": "user", "content": user_prompt(inst)},
+                ],
+                "agent_name": "harts_tool_agent",
+                "ability": "swe",
+                "reward_model": {"style": "rule", "ground_truth": inst.instance_id},
+                "extra_info": {
+                    "index": i,
+                    "split": split,
+                    "instance_id": inst.instance_id,
+                    "swe_fixture": inst.fixture or "",
+                    "swe_instance": record,
+                    "tools_kwargs": {
+                        name: {"create_kwargs": create}
+                        for name in ("bash", "str_replace_editor", "submit")
+                    },
+                },
+            }
+        )
+    return rows
+
+
+# ---------------------------------------------------------------------- grading
+_PYTEST_LINE = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+(\S+)")
+
+
+def parse_pytest_report(log: str) -> dict[str, str]:
+    """Test id → status from ``pytest -rA`` summary lines (``PASSED tests/x.py::t``); the
+    same lines SWE-bench's pytest log parser reads."""
+    status: dict[str, str] = {}
+    for line in log.splitlines():
+        m = _PYTEST_LINE.match(line.strip())
+        if m:
+            status[m.group(2)] = m.group(1)
+    return status
+
+
+def _report(inst: SweInstance, status: dict[str, str], applied: bool, note: str = "") -> dict:
+    f2p = sum(status.get(t) == "PASSED" for t in inst.fail_to_pass)
+    p2p = sum(status.get(t) == "PASSED" for t in inst.pass_to_pass)
+    resolved = applied and f2p == len(inst.fail_to_pass) and p2p == len(inst.pass_to_pass)
+    return {
+        "score": 1.0 if resolved else 0.0,
+        "resolved": bool(resolved),
+        "patch_applied": bool(applied),
+        "fail_to_pass_passed": int(f2p),
+        "pass_to_pass_passed": int(p2p),
+        "note": note,
+    }
+
+
+def grade_local(inst: SweInstance, patch: str, timeout: float = 120.0) -> dict[str, Any]:
+    """Grade ``patch`` on a bundled fixture: copy the repository, ``git apply`` the patch and
+    the task's ``test_patch``, run the FAIL_TO_PASS + PASS_TO_PASS tests with this Python's
+    pytest. ``score`` is 1.0 iff the patch applies and every listed test passes."""
+    if inst.fixture is None:
+        raise ValueError(f"fixture: instance {inst.instance_id} is not a bundled fixture")
+    if not isinstance(patch, str):
+        raise TypeError(f"patch: expected a str, got {type(patch).__name__}")
+    with LocalSandbox(fixture_repo(inst.fixture)) as box:
+        for name, text in (("model patch", patch), ("test_patch", inst.test_patch)):
+            if not text.strip():
+                continue
+            box.write_file(".harts_patch.diff", text if text.endswith("\n") else text + "\n")
+            res = box.exec("git apply --whitespace=nowarn .harts_patch.diff", 60)
+            if res.exit_code != 0:
+                return _report(inst, {}, False, f"{name} does not apply: {res.output[-500:]}")
+        box.exec("rm -f .harts_patch.diff", 30)
+        tests = " ".join(f"'{t}'" for t in (*inst.fail_to_pass, *inst.pass_to_pass))
+        cmd = f"'{sys.executable}' -m pytest -rA -q -p no:cacheprovider {tests}"
+        res = box.exec(cmd, timeout)
+        if res.timed_out:
+            return _report(inst, {}, True, f"tests timed out after {timeout:g} s")
+        return _report(inst, parse_pytest_report(res.output), True)
+
+
+def grade_swebench(
+    inst: SweInstance, patch: str, timeout: float = 1800.0, namespace: str | None = "swebench"
+) -> dict[str, Any]:
+    """Grade ``patch`` with the SWE-bench harness (``pip install swebench``; needs docker and
+    the instance image): ``run_instance`` applies the patch in the instance container, runs
+    the task's eval script and reports ``resolved``. Each call uses a fresh ``run_id`` (the
+    harness caches reports by run id); logs go to the harness's ``logs/run_evaluation``."""
+    try:
+        import docker
+        from swebench.harness.run_evaluation import run_instance
+        from swebench.harness.test_spec.test_spec import make_test_spec
+    except ImportError as exc:
+        raise ImportError(
+            "grading real SWE-bench instances needs the 'swebench' package and the docker SDK "
+            "(pip install swebench)"
+        ) from exc
+    spec = make_test_spec(inst.record, namespace=namespace)
+    pred = {"instance_id": inst.instance_id, "model_name_or_path": "harts", "model_patch": patch}
+    out = run_instance(
+        spec, pred, False, False, docker.from_env(), f"harts-{uuid.uuid4().hex[:12]}", timeout
+    )
+    resolved = bool(out.get("resolved"))
+    return {
+        "score": 1.0 if resolved else 0.0,
+        "resolved": resolved,
+        "patch_applied": bool(out.get("completed")),
+        "fail_to_pass_passed": -1,
+        "pass_to_pass_passed": -1,
+        "note": "" if out.get("completed") else "harness evaluation did not complete",
+    }
+
+
+def compute_score(
+    data_source: str,
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> dict[str, Any]:
+    """veRL reward function. Reads ``extra_info["swe_instance"]`` (from the dataset row) and
+    ``extra_info["swe_patch"]`` (the sandbox diff recorded by the tools; absent = no change).
+    Returns veRL's dict form: ``score`` (1.0 iff resolved) plus numeric details
+    (``resolved``, ``patch_applied``, ``fail_to_pass_passed``, ``pass_to_pass_passed``)."""
+    info = extra_info or {}
+    raw = info.get("swe_instance")
+    if not raw:
+        raise ValueError("extra_info.swe_instance: missing (build rows with swe.dataset_rows)")
+    record = json.loads(raw) if isinstance(raw, str) else dict(raw)
+    inst = SweInstance.from_record(record, fixture=info.get("swe_fixture") or None)
+    patch = info.get("swe_patch") or ""
+    if not patch.strip():
+        report = _report(inst, {}, False, "empty patch")
+    elif inst.fixture:
+        report = grade_local(inst, patch)
+    else:
+        report = grade_swebench(inst, patch)
+    report.pop("note")  # veRL stacks the extra keys into arrays and metrics: numbers only
+    return report

@@ -1,0 +1,381 @@
+"""veRL tools for a SWE agent: ``bash``, ``str_replace_editor``, ``submit`` (``BaseTool``s).
+
+Declare them in a veRL tool config (``rollout.multi_turn.tool_config_path``; see
+``recipes/swebench/tools.yaml``)::
+
+    tools:
+      - class_name: harts_verl.workers.envs.swe_tools.BashTool
+        config: {type: native, sandbox: local, timeout: 60, max_output_chars: 8000}
+
+Per-trajectory state lives in the trajectory's ``AgentData.extra_fields`` (veRL's place for
+tool session data), so fork sampling copies it:
+
+* ``swe_sandbox``: a :class:`SandboxRef`, the key of the trajectory's sandbox in this
+  process's :data:`POOL`. The first tool call starts the sandbox from the row's
+  ``create_kwargs`` (``instance_id``, ``fixture``, ``record``). ``copy.deepcopy`` of the ref
+  (what a fork does to ``extra_fields``) clones the sandbox, so every branch edits its own
+  copy; pickling gives a plain string; the sandbox is closed when the ref is garbage
+  collected, on ``submit``, or at process exit.
+* ``swe_patch``: the sandbox's ``git diff`` after every call that may change files; the
+  reward (:func:`harts_verl.workers.envs.swe.compute_score`) grades it, so grading needs no
+  access to the sandbox. ``swe_submitted``: set by ``submit``.
+
+Invalid arguments raise ``ValueError`` naming the argument; veRL's ``ToolAgentLoop`` returns
+the message to the model as the tool's answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import json
+import shlex
+import threading
+from typing import Any, ClassVar
+
+from verl.tools.base_tool import BaseTool
+from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
+
+from harts_verl.workers.envs.sandbox import (
+    DockerSandbox,
+    LocalSandbox,
+    Sandbox,
+    format_exec_result,
+    truncate_output,
+)
+from harts_verl.workers.envs.swe import fixture_repo
+
+__all__ = [
+    "PATCH_KEY",
+    "POOL",
+    "SANDBOX_KEY",
+    "SUBMITTED_KEY",
+    "BashTool",
+    "EditTool",
+    "SandboxPool",
+    "SandboxRef",
+    "SubmitTool",
+    "SweToolConfig",
+]
+
+SANDBOX_KEY = "swe_sandbox"
+PATCH_KEY = "swe_patch"
+SUBMITTED_KEY = "swe_submitted"
+
+
+class SandboxPool:
+    """Sandboxes of this process by key (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._boxes: dict[str, Sandbox] = {}
+        self._lock = threading.Lock()
+        self._next = 0
+
+    def add(self, box: Sandbox) -> SandboxRef:
+        """Register ``box``; the returned ref owns it."""
+        with self._lock:
+            self._next += 1
+            key = f"sbx{self._next}-{id(box):x}"
+            self._boxes[key] = box
+        return SandboxRef(key)
+
+    def get(self, key: str) -> Sandbox | None:
+        with self._lock:
+            return self._boxes.get(str(key))
+
+    def close(self, key: str) -> None:
+        """Close and forget the sandbox ``key`` (no-op when unknown)."""
+        with self._lock:
+            box = self._boxes.pop(str(key), None)
+        if box is not None:
+            box.close()
+
+    def close_all(self) -> None:
+        with self._lock:
+            boxes, self._boxes = list(self._boxes.values()), {}
+        for box in boxes:
+            box.close()
+
+    def __len__(self) -> int:
+        return len(self._boxes)
+
+
+POOL = SandboxPool()
+atexit.register(POOL.close_all)
+
+
+class SandboxRef(str):
+    """Key of a pooled sandbox (a ``str``, so veRL and TransferQueue store it as one).
+
+    ``copy.deepcopy`` clones the sandbox and returns a ref to the clone; ``copy.copy`` and
+    pickling give a plain ``str`` (no ownership); when this object is collected the sandbox is
+    closed.
+    """
+
+    __slots__ = ()
+
+    def __deepcopy__(self, memo: dict) -> str:
+        box = POOL.get(self)
+        return POOL.add(box.clone()) if box is not None else str(self)
+
+    def __reduce__(self) -> tuple:
+        return (str, (str(self),))
+
+    def __del__(self) -> None:
+        try:
+            POOL.close(str(self))
+        except Exception:  # interpreter shutdown
+            pass
+
+
+class SweToolConfig:
+    """The ``config`` of a SWE tool: ``sandbox`` (``local`` = bundled fixture copy, ``docker``
+    = SWE-bench instance image), ``timeout`` (s per command), ``max_output_chars``,
+    ``docker_namespace`` (SWE-bench image namespace, ``null`` = build locally)."""
+
+    KEYS: ClassVar[set[str]] = {
+        "type",
+        "sandbox",
+        "timeout",
+        "max_output_chars",
+        "docker_namespace",
+    }
+
+    def __init__(self, config: dict[str, Any] | None) -> None:
+        cfg = dict(config or {})
+        unknown = set(cfg) - self.KEYS
+        if unknown:
+            raise ValueError(f"config.{sorted(unknown)[0]}: unknown SWE tool option")
+        self.sandbox = str(cfg.get("sandbox", "local"))
+        if self.sandbox not in ("local", "docker"):
+            raise ValueError(f"config.sandbox: expected 'local' or 'docker', got {self.sandbox!r}")
+        self.timeout = float(cfg.get("timeout", 60))
+        if self.timeout <= 0:
+            raise ValueError(f"config.timeout: expected > 0, got {self.timeout}")
+        self.max_output_chars = int(cfg.get("max_output_chars", 8000))
+        if self.max_output_chars <= 0:
+            raise ValueError(f"config.max_output_chars: expected > 0, got {self.max_output_chars}")
+        self.docker_namespace = cfg.get("docker_namespace", "swebench")
+
+
+def _schema(name: str, description: str, properties: dict, required: list[str]) -> Any:
+    return OpenAIFunctionToolSchema.model_validate(
+        {
+            "type": "function",
+            "function": {
+                "name": name,
+                "description": description,
+                "parameters": {"type": "object", "properties": properties, "required": required},
+            },
+        }
+    )
+
+
+class _SweTool(BaseTool):
+    """Shared lifecycle: ``create`` keeps the row's ``create_kwargs`` for the call, the sandbox
+    comes from (or is started into) the trajectory's ``extra_fields``."""
+
+    NAME: ClassVar[str] = ""
+    MUTATES: ClassVar[bool] = True
+
+    def __init__(self, config: dict[str, Any] | None = None, tool_schema: Any = None) -> None:
+        self.cfg = SweToolConfig(config)
+        super().__init__(config or {}, tool_schema or self.default_schema(self.cfg))
+        self._kwargs: dict[str, dict[str, Any]] = {}
+
+    @classmethod
+    def default_schema(cls, cfg: SweToolConfig) -> Any:
+        raise NotImplementedError
+
+    async def create(
+        self, instance_id: str | None = None, create_kwargs: dict | None = None, **kwargs: Any
+    ) -> tuple[str, ToolResponse]:
+        iid, resp = await super().create(instance_id)
+        self._kwargs[iid] = dict(create_kwargs or {})
+        return iid, resp
+
+    async def release(self, instance_id: str, **kwargs: Any) -> None:
+        self._kwargs.pop(instance_id, None)
+
+    def _start(self, create: dict[str, Any]) -> Sandbox:
+        if self.cfg.sandbox == "local":
+            if not create.get("fixture"):
+                raise ValueError(
+                    "create_kwargs.fixture: the local sandbox runs bundled fixtures only "
+                    f"(instance {create.get('instance_id')!r} has none; use sandbox: docker)"
+                )
+            return LocalSandbox(fixture_repo(create["fixture"]))
+        record = create.get("record")
+        if not record:
+            raise ValueError("create_kwargs.record: the docker sandbox needs the SWE-bench record")
+        record = json.loads(record) if isinstance(record, str) else dict(record)
+        return DockerSandbox.from_swebench(record, namespace=self.cfg.docker_namespace)
+
+    def _sandbox(self, instance_id: str, agent_data: Any) -> Sandbox:
+        fields = agent_data.extra_fields
+        if fields.get(SUBMITTED_KEY):
+            raise ValueError(f"{self.name}: the patch was already submitted")
+        box = POOL.get(fields[SANDBOX_KEY]) if fields.get(SANDBOX_KEY) else None
+        if box is None:
+            box = self._start(self._kwargs.get(instance_id, {}))
+            fields[SANDBOX_KEY] = POOL.add(box)
+        return box
+
+    def run(self, box: Sandbox, parameters: dict[str, Any]) -> str:
+        """The tool's answer text (blocking; runs in a worker thread)."""
+        raise NotImplementedError
+
+    async def execute(
+        self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
+    ) -> tuple[ToolResponse, float, dict]:
+        agent_data = kwargs.get("agent_data")
+        if agent_data is None:
+            raise ValueError("agent_data: SWE tools keep their sandbox in the trajectory state")
+        if not isinstance(parameters, dict):
+            raise ValueError(f"parameters: expected an object, got {type(parameters).__name__}")
+        box = self._sandbox(instance_id, agent_data)
+        text = await asyncio.to_thread(self.run, box, parameters)
+        if self.MUTATES:
+            agent_data.extra_fields[PATCH_KEY] = await asyncio.to_thread(box.diff)
+        return ToolResponse(text=text), 0.0, {}
+
+
+def _str_arg(parameters: dict[str, Any], name: str, required: bool = True) -> str | None:
+    value = parameters.get(name)
+    if value is None:
+        if required:
+            raise ValueError(f"{name}: missing required argument")
+        return None
+    if not isinstance(value, str):
+        raise ValueError(f"{name}: expected a string, got {type(value).__name__}")
+    return value
+
+
+class BashTool(_SweTool):
+    """``bash(command)``: run a command in the repository root. The answer is the combined
+    output (middle truncated with a notice past ``max_output_chars``) and a status line: the
+    exit code, or that the command timed out after ``timeout`` s and was killed."""
+
+    NAME = "bash"
+
+    @classmethod
+    def default_schema(cls, cfg: SweToolConfig) -> Any:
+        return _schema(
+            cls.NAME,
+            f"Run a bash command in the repository root (killed after {cfg.timeout:g} s; long "
+            "output is truncated in the middle).",
+            {"command": {"type": "string", "description": "the command to run"}},
+            ["command"],
+        )
+
+    def run(self, box: Sandbox, parameters: dict[str, Any]) -> str:
+        command = _str_arg(parameters, "command")
+        if not command.strip():
+            raise ValueError("command: expected a non-empty command")
+        res = box.exec(command, self.cfg.timeout)
+        return format_exec_result(res, self.cfg.max_output_chars, self.cfg.timeout)
+
+
+class EditTool(_SweTool):
+    """``str_replace_editor(command, path, ...)``: ``view`` a file (numbered lines) or folder,
+    ``create`` a new file (``file_text``), ``str_replace`` a unique ``old_str`` by ``new_str``."""
+
+    NAME = "str_replace_editor"
+    COMMANDS: ClassVar[tuple[str, ...]] = ("view", "create", "str_replace")
+
+    @classmethod
+    def default_schema(cls, cfg: SweToolConfig) -> Any:
+        return _schema(
+            cls.NAME,
+            "View, create and edit files. `view` shows a file with line numbers (or lists a "
+            "folder); `create` writes a new file; `str_replace` replaces the unique occurrence "
+            "of `old_str` by `new_str`. Paths are relative to the repository root.",
+            {
+                "command": {"type": "string", "enum": list(cls.COMMANDS)},
+                "path": {"type": "string"},
+                "file_text": {"type": "string"},
+                "old_str": {"type": "string"},
+                "new_str": {"type": "string"},
+            },
+            ["command", "path"],
+        )
+
+    def run(self, box: Sandbox, parameters: dict[str, Any]) -> str:
+        command = _str_arg(parameters, "command")
+        if command not in self.COMMANDS:
+            raise ValueError(f"command: expected one of {list(self.COMMANDS)}, got {command!r}")
+        path = _str_arg(parameters, "path")
+        limit = self.cfg.max_output_chars
+        if command == "view":
+            if not box.exists(path):
+                raise ValueError(f"path: {path!r} does not exist")
+            res = box.exec(f"test -d {shlex.quote(path)}", self.cfg.timeout)
+            if res.exit_code == 0:
+                listing = box.exec(
+                    f"find {shlex.quote(path)} -maxdepth 2 -not -path '*/.git*' | sort",
+                    self.cfg.timeout,
+                )
+                return truncate_output(listing.output, limit)
+            lines = box.read_file(path).splitlines()
+            return truncate_output(
+                "\n".join(f"{i + 1:6d}\t{line}" for i, line in enumerate(lines)), limit
+            )
+        if command == "create":
+            text = _str_arg(parameters, "file_text")
+            if box.exists(path):
+                raise ValueError(f"path: {path!r} already exists (use str_replace to edit it)")
+            box.write_file(path, text)
+            return f"Created {path} ({len(text.splitlines())} lines)."
+        old = _str_arg(parameters, "old_str")
+        new = _str_arg(parameters, "new_str", required=False) or ""
+        if not old:
+            raise ValueError("old_str: expected a non-empty string")
+        if not box.exists(path):
+            raise ValueError(f"path: {path!r} does not exist")
+        text = box.read_file(path)
+        count = text.count(old)
+        if count != 1:
+            where = "does not occur" if count == 0 else f"occurs {count} times"
+            raise ValueError(f"old_str: {where} in {path}; it must occur exactly once")
+        box.write_file(path, text.replace(old, new, 1))
+        start = text.index(old)
+        first = text.count("\n", 0, start)
+        new_lines = box.read_file(path).splitlines()
+        lo, hi = max(first - 3, 0), min(first + new.count("\n") + 4, len(new_lines))
+        snippet = "\n".join(f"{i + 1:6d}\t{new_lines[i]}" for i in range(lo, hi))
+        return f"Edited {path}. Lines {lo + 1}-{hi} now read:\n{snippet}"
+
+
+class SubmitTool(_SweTool):
+    """``submit()``: record the final patch (``swe_patch``), mark the trajectory submitted and
+    close its sandbox. Later tool calls of the trajectory are refused."""
+
+    NAME = "submit"
+    MUTATES = False
+
+    @classmethod
+    def default_schema(cls, cfg: SweToolConfig) -> Any:
+        return _schema(
+            cls.NAME, "Submit the current changes of the repository as your solution.", {}, []
+        )
+
+    def run(self, box: Sandbox, parameters: dict[str, Any]) -> str:
+        return box.diff()
+
+    async def execute(
+        self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
+    ) -> tuple[ToolResponse, float, dict]:
+        agent_data = kwargs.get("agent_data")
+        if agent_data is None:
+            raise ValueError("agent_data: SWE tools keep their sandbox in the trajectory state")
+        box = self._sandbox(instance_id, agent_data)
+        patch = await asyncio.to_thread(box.diff)
+        fields = agent_data.extra_fields
+        fields[PATCH_KEY] = patch
+        fields[SUBMITTED_KEY] = True
+        ref = fields.pop(SANDBOX_KEY, None)
+        if ref is not None:
+            await asyncio.to_thread(POOL.close, ref)
+        n = len([ln for ln in patch.splitlines() if ln.startswith(("+", "-"))])
+        msg = f"Submitted a patch with {n} changed lines." if patch else "Submitted: no changes."
+        return ToolResponse(text=msg), 0.0, {}

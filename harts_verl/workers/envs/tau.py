@@ -1,0 +1,552 @@
+"""τ-bench style tasks (τ²/τ³-Bench): domain tools over a database, a user simulator, and a
+reward that compares the final database with the one the task's reference actions produce.
+
+* :class:`TauDomain`: tool schemas, tasks, a fresh state per task, tool calls that mutate the
+  state, a database hash. Two implementations: :class:`FixtureDomain` (a JSON database with
+  four retail tools, bundled as ``fixtures/tau/retail_mini``) and :class:`Tau2Domain` (the
+  ``tau2`` package's domains ``retail``, ``airline``, ``telecom``, ...; imported lazily).
+* Trajectory state is the *action log*: the list of successful tool calls
+  (``{"name", "arguments", "requestor"}``). The state after a log is obtained by replaying it
+  on the task's initial state (:func:`state_after`, cached by prefix), so a forked branch
+  only needs its own copy of the log, and the reward needs no live environment.
+* :func:`score`: 1.0 iff the database after the agent's actions has the same hash as after
+  the task's reference actions (τ-bench's database check) and every required output string
+  appears in the agent's text.
+* User simulators (:func:`make_user`): :class:`ScriptedUser` (the task's scripted replies, for
+  tests and fixtures) and :class:`LLMUser` (an OpenAI-compatible chat endpoint playing the
+  user from the task instruction, τ-bench style, ``###STOP###`` ends the conversation).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import threading
+import urllib.request
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "FIXTURE_DOMAIN",
+    "STOP",
+    "FixtureDomain",
+    "LLMUser",
+    "ScriptedUser",
+    "Tau2Domain",
+    "TauDomain",
+    "TauTask",
+    "compute_score",
+    "dataset_rows",
+    "get_domain",
+    "make_user",
+    "score",
+    "state_after",
+]
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "tau")
+FIXTURE_DOMAIN = "retail_mini"
+DATA_SOURCE = "tau_bench"
+STOP = "###STOP###"
+GREETING = "Hi! How can I help you today?"
+
+
+@dataclass(frozen=True)
+class TauTask:
+    """One task: ``instruction`` (what the simulated user wants), reference ``actions``
+    (``{"name", "arguments", "requestor"}``), required ``outputs`` (strings the agent must say)
+    and, for scripted users, ``user_script`` (the user's messages in order)."""
+
+    task_id: str
+    instruction: str
+    actions: tuple[dict[str, Any], ...]
+    outputs: tuple[str, ...] = ()
+    user_script: tuple[str, ...] = ()
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TauTask:
+        """Parse a task dict; ``ValueError`` names a missing or malformed field."""
+        if not isinstance(d, dict):
+            raise TypeError(f"task: expected a dict, got {type(d).__name__}")
+        for key in ("task_id", "instruction", "actions"):
+            if key not in d:
+                raise ValueError(f"{key}: missing from the task")
+        actions = d["actions"]
+        if not isinstance(actions, (list, tuple)):
+            raise ValueError(f"actions: expected a list, got {type(actions).__name__}")
+        norm = []
+        for i, a in enumerate(actions):
+            if not isinstance(a, dict) or not isinstance(a.get("name"), str):
+                raise ValueError(f"actions[{i}].name: expected a tool name")
+            if not isinstance(a.get("arguments", {}), dict):
+                raise ValueError(f"actions[{i}].arguments: expected an object")
+            norm.append(_action(a["name"], a.get("arguments", {}), a.get("requestor", "assistant")))
+        for key in ("outputs", "user_script"):
+            v = d.get(key, [])
+            if not isinstance(v, (list, tuple)) or not all(isinstance(s, str) for s in v):
+                raise ValueError(f"{key}: expected a list of strings")
+        return cls(
+            task_id=str(d["task_id"]),
+            instruction=str(d["instruction"]),
+            actions=tuple(norm),
+            outputs=tuple(d.get("outputs", ())),
+            user_script=tuple(d.get("user_script", ())),
+        )
+
+
+def _action(name: str, arguments: dict[str, Any], requestor: str = "assistant") -> dict[str, Any]:
+    return {"name": str(name), "arguments": dict(arguments), "requestor": str(requestor)}
+
+
+class TauDomain(ABC):
+    """A tool environment over a database (see module docstring)."""
+
+    name: str
+    policy: str
+
+    @abstractmethod
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        """OpenAI function-tool schemas (``{"type": "function", "function": {...}}``)."""
+
+    @abstractmethod
+    def tasks(self) -> list[TauTask]:
+        """All tasks of the domain."""
+
+    def task(self, task_id: str) -> TauTask:
+        """The task ``task_id``; ``ValueError`` naming it if unknown."""
+        for t in self.tasks():
+            if t.task_id == task_id:
+                return t
+        raise ValueError(f"task_id: unknown task {task_id!r} in domain {self.name}")
+
+    @abstractmethod
+    def initial_state(self, task: TauTask) -> Any:
+        """A fresh state for ``task``."""
+
+    @abstractmethod
+    def call(self, state: Any, action: dict[str, Any]) -> str:
+        """Execute ``action`` on ``state`` (mutating it) and return the tool's answer text. A
+        call the tool refuses raises ``ValueError`` naming the argument, and leaves ``state``
+        unchanged."""
+
+    @abstractmethod
+    def db_hash(self, state: Any) -> str:
+        """A hash of the database in ``state`` (equal hash = equal database)."""
+
+    def copy_state(self, state: Any) -> Any:
+        """An independent copy of ``state``."""
+        return copy.deepcopy(state)
+
+
+# ---------------------------------------------------------------------- fixture domain
+class FixtureDomain(TauDomain):
+    """A tiny retail domain: users, products, orders in a JSON database; tools
+    ``find_user_id_by_email``, ``get_order_details``, ``cancel_pending_order``,
+    ``modify_pending_order_address``; a policy text; tasks from ``tasks.json``."""
+
+    REASONS = ("no longer needed", "ordered by mistake")
+
+    def __init__(self, path: str | None = None) -> None:
+        path = path or os.path.join(FIXTURES, FIXTURE_DOMAIN)
+        self.name = os.path.basename(path.rstrip("/"))
+        with open(os.path.join(path, "db.json")) as f:
+            self._db = json.load(f)
+        with open(os.path.join(path, "tasks.json")) as f:
+            self._tasks = [TauTask.from_dict(t) for t in json.load(f)]
+        with open(os.path.join(path, "policy.md")) as f:
+            self.policy = f.read()
+
+    def tasks(self) -> list[TauTask]:
+        return list(self._tasks)
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        def fn(name: str, desc: str, props: dict[str, str]) -> dict[str, Any]:
+            return {
+                "type": "function",
+                "function": {
+                    "name": name,
+                    "description": desc,
+                    "parameters": {
+                        "type": "object",
+                        "properties": {
+                            k: {"type": "string", "description": v} for k, v in props.items()
+                        },
+                        "required": list(props),
+                    },
+                },
+            }
+
+        return [
+            fn("find_user_id_by_email", "Find a user's id by email.", {"email": "the email"}),
+            fn(
+                "get_order_details",
+                "Status, items and address of an order.",
+                {"order_id": "e.g. #W1001"},
+            ),
+            fn(
+                "cancel_pending_order",
+                "Cancel a pending order.",
+                {"order_id": "e.g. #W1001", "reason": "'no longer needed' or 'ordered by mistake'"},
+            ),
+            fn(
+                "modify_pending_order_address",
+                "Change the shipping address of a pending order.",
+                {"order_id": "e.g. #W1001", "address": "the new address"},
+            ),
+        ]
+
+    def initial_state(self, task: TauTask) -> dict[str, Any]:
+        return copy.deepcopy(self._db)
+
+    @staticmethod
+    def _arg(args: dict[str, Any], name: str) -> str:
+        v = args.get(name)
+        if not isinstance(v, str) or not v.strip():
+            raise ValueError(f"{name}: missing or not a string")
+        return v.strip()
+
+    def _order(self, db: dict[str, Any], args: dict[str, Any], pending: bool) -> dict[str, Any]:
+        oid = self._arg(args, "order_id")
+        order = db["orders"].get(oid)
+        if order is None:
+            raise ValueError(f"order_id: order {oid} not found")
+        if pending and order["status"] != "pending":
+            raise ValueError(f"order_id: order {oid} is {order['status']}, not pending")
+        return order
+
+    def call(self, state: dict[str, Any], action: dict[str, Any]) -> str:
+        name, args = action["name"], action.get("arguments", {})
+        if name == "find_user_id_by_email":
+            email = self._arg(args, "email").lower()
+            for uid, user in state["users"].items():
+                if user["email"] == email:
+                    return uid
+            raise ValueError(f"email: no user with email {email}")
+        if name == "get_order_details":
+            oid = self._arg(args, "order_id")
+            return json.dumps({"order_id": oid, **self._order(state, args, pending=False)})
+        if name == "cancel_pending_order":
+            reason = self._arg(args, "reason")
+            if reason not in self.REASONS:
+                raise ValueError(f"reason: expected one of {list(self.REASONS)}, got {reason!r}")
+            order = self._order(state, args, pending=True)
+            order["status"], order["cancel_reason"] = "cancelled", reason
+            return json.dumps({"order_id": args["order_id"], **order})
+        if name == "modify_pending_order_address":
+            address = self._arg(args, "address")
+            order = self._order(state, args, pending=True)
+            order["address"] = address
+            return json.dumps({"order_id": args["order_id"], **order})
+        raise ValueError(f"name: unknown tool {name!r}")
+
+    def db_hash(self, state: dict[str, Any]) -> str:
+        return hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()
+
+
+# ---------------------------------------------------------------------- tau2 package
+class Tau2Domain(TauDomain):
+    """A domain of the ``tau2`` package (sierra-research/tau2-bench): environment, tools and
+    tasks from its registry. The reward here is the database check only (τ²'s action-replay
+    DB hash); τ²'s natural-language assertions and communicate checks need an LLM judge and
+    are not computed."""
+
+    def __init__(self, domain: str) -> None:
+        try:
+            from tau2.registry import registry
+        except ImportError as exc:
+            raise ImportError(
+                f"domain 'tau2:{domain}' needs the 'tau2' package "
+                "(pip install git+https://github.com/sierra-research/tau2-bench)"
+            ) from exc
+        self.name = f"tau2:{domain}"
+        self._make_env = registry.get_env_constructor(domain)
+        self._raw = {t.id: t for t in registry.get_tasks_loader(domain)()}
+        env = self._make_env()
+        self.policy = env.get_policy()
+        self._schemas = [t.openai_schema for t in env.get_tools()]
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        return list(self._schemas)
+
+    def tasks(self) -> list[TauTask]:
+        out = []
+        for tid, t in self._raw.items():
+            crit = t.evaluation_criteria
+            acts = (crit.actions or []) if crit is not None else []
+            outs = (crit.communicate_info or []) if crit is not None else []
+            out.append(
+                TauTask(
+                    task_id=str(tid),
+                    instruction=str(t.user_scenario),
+                    actions=tuple(_action(a.name, a.arguments, a.requestor) for a in acts),
+                    outputs=tuple(str(o) for o in outs),
+                )
+            )
+        return out
+
+    def initial_state(self, task: TauTask) -> Any:
+        env = self._make_env()
+        init = self._raw[task.task_id].initial_state
+        if init is not None:
+            env.set_state(
+                initialization_data=init.initialization_data,
+                initialization_actions=init.initialization_actions,
+                message_history=[],
+            )
+        return env
+
+    def call(self, state: Any, action: dict[str, Any]) -> str:
+        try:
+            resp = state.make_tool_call(
+                action["name"],
+                requestor=action.get("requestor", "assistant"),
+                **action["arguments"],
+            )
+            state.sync_tools()
+        except Exception as exc:  # tau2 tools raise on refused calls
+            raise ValueError(f"{action['name']}: {exc}") from exc
+        return state.to_json_str(resp)
+
+    def db_hash(self, state: Any) -> str:
+        return f"{state.get_db_hash()}/{state.get_user_db_hash()}"
+
+
+_DOMAINS: dict[str, TauDomain] = {}
+_DOMAINS_LOCK = threading.Lock()
+
+
+def get_domain(name: str) -> TauDomain:
+    """The domain ``name`` (cached per process): ``retail_mini`` (bundled fixture) or
+    ``tau2:<domain>`` (the ``tau2`` package)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"domain: expected a domain name, got {name!r}")
+    with _DOMAINS_LOCK:
+        if name not in _DOMAINS:
+            if name.startswith("tau2:"):
+                _DOMAINS[name] = Tau2Domain(name.split(":", 1)[1])
+            elif os.path.isdir(os.path.join(FIXTURES, name)):
+                _DOMAINS[name] = FixtureDomain(os.path.join(FIXTURES, name))
+            else:
+                raise ValueError(f"domain: unknown domain {name!r} (fixtures: {FIXTURE_DOMAIN})")
+        return _DOMAINS[name]
+
+
+# ---------------------------------------------------------------------- replay and reward
+_CACHE: OrderedDict[tuple, Any] = OrderedDict()
+_CACHE_LOCK = threading.Lock()
+_CACHE_SIZE = 512
+
+
+def _key(domain: TauDomain, task_id: str, actions: list[dict[str, Any]]) -> tuple:
+    return (domain.name, task_id, json.dumps(actions, sort_keys=True))
+
+
+def state_after(domain: TauDomain, task_id: str, actions: list[dict[str, Any]]) -> Any:
+    """The state of ``task_id`` after replaying ``actions`` in order (a fresh object the caller
+    may mutate). Calls the domain refuses are skipped (they changed nothing when made)."""
+    actions = [
+        _action(a["name"], a.get("arguments", {}), a.get("requestor", "assistant")) for a in actions
+    ]
+    with _CACHE_LOCK:
+        k = len(actions)
+        while k > 0 and _key(domain, task_id, actions[:k]) not in _CACHE:
+            k -= 1
+        base = _CACHE.get(_key(domain, task_id, actions[:k])) if k else None
+    state = (
+        domain.copy_state(base) if base is not None else domain.initial_state(domain.task(task_id))
+    )
+    for a in actions[k:]:
+        try:
+            domain.call(state, a)
+        except ValueError:
+            pass
+    with _CACHE_LOCK:
+        _CACHE[_key(domain, task_id, actions)] = domain.copy_state(state)
+        while len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    return state
+
+
+def score(
+    domain: TauDomain, task_id: str, actions: list[dict[str, Any]], agent_text: str = ""
+) -> dict[str, float]:
+    """τ-bench reward: ``db_match`` (database after ``actions`` == after the reference actions),
+    ``outputs_found`` (every required output occurs in ``agent_text``, case-insensitive),
+    ``score`` = 1.0 iff both."""
+    task = domain.task(task_id)
+    got = domain.db_hash(state_after(domain, task_id, actions))
+    want = domain.db_hash(state_after(domain, task_id, list(task.actions)))
+    text = (agent_text or "").lower()
+    outputs = all(o.lower() in text for o in task.outputs)
+    ok = got == want and outputs
+    return {
+        "score": 1.0 if ok else 0.0,
+        "db_match": float(got == want),
+        "outputs_found": float(outputs),
+    }
+
+
+def compute_score(
+    data_source: str,
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> dict[str, float]:
+    """veRL reward function: :func:`score` of the trajectory's ``tau_actions`` (recorded by the
+    tools in ``extra_fields``) for the row's ``tau_domain`` / ``tau_task_id``; the decoded
+    response ``solution_str`` is the text searched for required outputs."""
+    info = extra_info or {}
+    for key in ("tau_domain", "tau_task_id"):
+        if not info.get(key):
+            raise ValueError(f"extra_info.{key}: missing (build rows with tau.dataset_rows)")
+    actions = info.get("tau_actions") or []
+    return score(get_domain(info["tau_domain"]), info["tau_task_id"], list(actions), solution_str)
+
+
+# ---------------------------------------------------------------------- users
+class ScriptedUser:
+    """Replies with the task's ``user_script``: the k-th user message of the conversation is
+    ``user_script[k]``; after the script, the user stops (``None``)."""
+
+    def reply(self, task: TauTask, messages: list[dict[str, Any]]) -> str | None:
+        k = sum(1 for m in messages if m.get("role") == "user")
+        return task.user_script[k] if k < len(task.user_script) else None
+
+
+USER_SYSTEM_PROMPT = (
+    "You are a customer talking to a customer-service agent. Your goal and what you know:\n"
+    "{instruction}\n\nWrite only your next message, one or two sentences, in character. "
+    "Do not invent information you were not given. When your goal is reached or cannot be "
+    f"reached, reply with exactly {STOP}."
+)
+
+
+class LLMUser:
+    """A user simulated by an OpenAI-compatible ``/chat/completions`` endpoint (vLLM, SGLang,
+    a hosted API). The agent's messages are the simulator's "user" turns and vice versa; tool
+    messages are not shown to it. A reply containing ``###STOP###`` ends the conversation."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key_env: str = "OPENAI_API_KEY",
+        temperature: float = 0.0,
+        max_tokens: int = 256,
+        timeout: float = 120.0,
+    ) -> None:
+        if not base_url:
+            raise ValueError("user.base_url: expected the endpoint URL (e.g. http://host:8000/v1)")
+        if not model:
+            raise ValueError("user.model: expected the model name")
+        self.base_url, self.model = base_url.rstrip("/"), model
+        self.api_key_env, self.temperature = api_key_env, float(temperature)
+        self.max_tokens, self.timeout = int(max_tokens), float(timeout)
+
+    def conversation(self, task: TauTask, messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+        """The simulator's chat: its system prompt, then the visible turns with roles swapped."""
+        conv = [
+            {"role": "system", "content": USER_SYSTEM_PROMPT.format(instruction=task.instruction)}
+        ]
+        swap = {"assistant": "user", "user": "assistant"}
+        for m in messages:
+            if m.get("role") in swap and isinstance(m.get("content"), str) and m["content"].strip():
+                conv.append({"role": swap[m["role"]], "content": m["content"]})
+        if len(conv) == 1 or conv[-1]["role"] != "user":
+            conv.append({"role": "user", "content": GREETING})
+        return conv
+
+    def reply(self, task: TauTask, messages: list[dict[str, Any]]) -> str | None:
+        body = {
+            "model": self.model,
+            "messages": self.conversation(task, messages),
+            "temperature": self.temperature,
+            "max_tokens": self.max_tokens,
+        }
+        req = urllib.request.Request(
+            f"{self.base_url}/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={
+                "Content-Type": "application/json",
+                "Authorization": f"Bearer {os.environ.get(self.api_key_env, 'EMPTY')}",
+            },
+        )
+        with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+            text = json.loads(resp.read())["choices"][0]["message"]["content"] or ""
+        return None if STOP in text else text.strip()
+
+
+def make_user(config: dict[str, Any] | None) -> ScriptedUser | LLMUser:
+    """A user simulator from ``{"kind": "scripted"}`` or ``{"kind": "llm", "base_url", "model",
+    ...}`` (:class:`LLMUser` arguments); ``ValueError`` names a bad key."""
+    cfg = dict(config or {"kind": "scripted"})
+    kind = cfg.pop("kind", "scripted")
+    if kind == "scripted":
+        if cfg:
+            raise ValueError(f"user.{sorted(cfg)[0]}: not an option of the scripted user")
+        return ScriptedUser()
+    if kind == "llm":
+        allowed = {"base_url", "model", "api_key_env", "temperature", "max_tokens", "timeout"}
+        bad = set(cfg) - allowed
+        if bad:
+            raise ValueError(f"user.{sorted(bad)[0]}: not an option of the LLM user")
+        for key in ("base_url", "model"):
+            if not cfg.get(key):
+                raise ValueError(f"user.{key}: required for the LLM user")
+        return LLMUser(**cfg)
+    raise ValueError(f"user.kind: expected 'scripted' or 'llm', got {kind!r}")
+
+
+# ---------------------------------------------------------------------- dataset
+def system_prompt(domain: TauDomain) -> str:
+    """The agent's system message: the domain policy and how to talk to the user."""
+    return (
+        "You are a customer-service agent. Follow the policy below. Use the tools to look up "
+        "and change data; write plain messages to talk to the user.\n\n" + domain.policy.strip()
+    )
+
+
+def dataset_rows(
+    domain: TauDomain, tasks: list[TauTask] | None = None, split: str = "train"
+) -> list[dict[str, Any]]:
+    """Rows of veRL's RLHF dataset (``agent_name: harts_tau_agent``), one per task. The prompt
+    is the system message and the agent's greeting, plus the user's first message when the
+    task is scripted (otherwise the agent loop asks the user simulator for it).
+    ``extra_info`` holds ``tau_domain``/``tau_task_id`` (for the tools, the user simulator and
+    the reward) and ``tools_kwargs`` for every domain tool."""
+    rows = []
+    for i, task in enumerate(tasks if tasks is not None else domain.tasks()):
+        if not isinstance(task, TauTask):
+            raise TypeError(f"tasks[{i}]: expected TauTask, got {type(task).__name__}")
+        prompt = [
+            {"role": "system", "content": system_prompt(domain)},
+            {"role": "assistant", "content": GREETING},
+        ]
+        if task.user_script:
+            prompt.append({"role": "user", "content": task.user_script[0]})
+        create = {"domain": domain.name, "task_id": task.task_id}
+        rows.append(
+            {
+                "data_source": DATA_SOURCE,
+                "prompt": prompt,
+                "agent_name": "harts_tau_agent",
+                "ability": "tau",
+                "reward_model": {"style": "rule", "ground_truth": task.task_id},
+                "extra_info": {
+                    "index": i,
+                    "split": split,
+                    "tau_domain": domain.name,
+                    "tau_task_id": task.task_id,
+                    "interaction_kwargs": create,
+                    "tools_kwargs": {
+                        s["function"]["name"]: {"create_kwargs": create}
+                        for s in domain.tool_schemas()
+                    },
+                },
+            }
+        )
+    return rows

@@ -1,0 +1,208 @@
+"""veRL side of the τ-bench adapter: the domain tool (``TauTool``) and the agent loop
+``harts_tau_agent`` (``harts_tool_agent`` plus user turns from a user simulator).
+
+veRL 0.9.1 has no ``BaseInteraction`` / ``verl.interactions`` module and its ``ToolAgentLoop``
+ends a trajectory at the first assistant turn without a tool call. τ-bench conversations need
+the user to answer such a turn, so :class:`HartsTauAgentLoop` (a subclass of
+:class:`~harts_verl.workers.rollout.agent_loop.HartsToolAgentLoop`, so turns are recorded and
+``run_tree`` forks as usual) adds one step: when the model writes to the user (no tool call,
+no length/turn limit hit), the user simulator's reply is appended as a ``user`` message
+(tokens with response mask 0, like tool answers) and generation continues; the simulator
+stopping (``None``) ends the trajectory. The simulator reads the conversation only, so forked
+branches need no extra state.
+
+Tool state is the action log ``extra_fields["tau_actions"]`` (successful calls in order);
+see :mod:`harts_verl.workers.envs.tau`.
+
+Register the loop with veRL either by importing this module (``@register``) or with
+``rollout.agent.agent_loop_config_path`` (``recipes/tau3bench/agent_loops.yaml``), which also
+passes the user simulator config (``user: {kind: scripted}`` or ``{kind: llm, base_url, model}``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, ClassVar
+
+from verl.experimental.agent_loop.agent_loop import AgentLoopOutput, register
+from verl.experimental.agent_loop.tool_agent_loop import AgentData, AgentState
+from verl.tools.base_tool import BaseTool
+from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
+
+from harts_verl.workers.envs.tau import TauTask, get_domain, make_user, state_after
+from harts_verl.workers.rollout.agent_loop import ForkSpec, HartsToolAgentLoop
+
+__all__ = ["ACTIONS_KEY", "TAU_AGENT_NAME", "HartsTauAgentLoop", "TauTool", "tool_config"]
+
+ACTIONS_KEY = "tau_actions"
+TAU_AGENT_NAME = "harts_tau_agent"
+
+
+def _plain(value: Any) -> Any:
+    """A DictConfig/ListConfig as plain containers (other values unchanged)."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+    except ImportError:  # pragma: no cover
+        return value
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+class TauTool(BaseTool):
+    """One tool of a τ domain. ``config``: ``domain`` (``retail_mini`` or ``tau2:<domain>``)
+    and ``name`` (the tool); the schema comes from the domain unless given.
+
+    ``execute`` replays the trajectory's action log to get the current state, runs the call,
+    and appends it to the log when it succeeds; a refused call raises ``ValueError`` naming the
+    argument (veRL returns the message to the model) and is not logged.
+    """
+
+    KEYS: ClassVar[set[str]] = {"type", "domain", "name"}
+
+    def __init__(self, config: dict[str, Any], tool_schema: Any = None) -> None:
+        cfg = dict(_plain(config) or {})
+        bad = set(cfg) - self.KEYS
+        if bad:
+            raise ValueError(f"config.{sorted(bad)[0]}: unknown τ tool option")
+        for key in ("domain", "name"):
+            if not cfg.get(key):
+                raise ValueError(f"config.{key}: missing")
+        self.domain = get_domain(cfg["domain"])
+        if tool_schema is None:
+            match = [s for s in self.domain.tool_schemas() if s["function"]["name"] == cfg["name"]]
+            if not match:
+                raise ValueError(
+                    f"config.name: domain {self.domain.name} has no tool {cfg['name']!r}"
+                )
+            tool_schema = OpenAIFunctionToolSchema.model_validate(match[0])
+        super().__init__(cfg, tool_schema)
+        self._kwargs: dict[str, dict[str, Any]] = {}
+
+    async def create(
+        self, instance_id: str | None = None, create_kwargs: dict | None = None, **kwargs: Any
+    ) -> tuple[str, ToolResponse]:
+        iid, resp = await super().create(instance_id)
+        self._kwargs[iid] = dict(create_kwargs or {})
+        return iid, resp
+
+    async def release(self, instance_id: str, **kwargs: Any) -> None:
+        self._kwargs.pop(instance_id, None)
+
+    async def execute(
+        self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
+    ) -> tuple[ToolResponse, float, dict]:
+        agent_data = kwargs.get("agent_data")
+        if agent_data is None:
+            raise ValueError("agent_data: τ tools keep their action log in the trajectory state")
+        if not isinstance(parameters, dict):
+            raise ValueError(f"parameters: expected an object, got {type(parameters).__name__}")
+        create = self._kwargs.get(instance_id, {})
+        task_id = create.get("task_id")
+        if not task_id:
+            raise ValueError("create_kwargs.task_id: missing (build rows with tau.dataset_rows)")
+        if create.get("domain", self.domain.name) != self.domain.name:
+            raise ValueError(
+                f"create_kwargs.domain: row is for {create['domain']!r}, tool for {self.domain.name!r}"
+            )
+        log = list(agent_data.extra_fields.get(ACTIONS_KEY) or [])
+        action = {"name": self.name, "arguments": dict(parameters), "requestor": "assistant"}
+
+        def run() -> str:
+            state = state_after(self.domain, task_id, log)
+            return self.domain.call(state, action)
+
+        text = await asyncio.to_thread(run)
+        agent_data.extra_fields[ACTIONS_KEY] = [*log, action]
+        return ToolResponse(text=text), 0.0, {}
+
+
+def tool_config(domain: str) -> dict[str, Any]:
+    """A veRL tool config (``tool_config_path`` yaml content) with every tool of ``domain``."""
+    d = get_domain(domain)
+    return {
+        "tools": [
+            {
+                "class_name": f"{TauTool.__module__}.{TauTool.__name__}",
+                "config": {"type": "native", "domain": d.name, "name": s["function"]["name"]},
+            }
+            for s in d.tool_schemas()
+        ]
+    }
+
+
+@register(TAU_AGENT_NAME)
+class HartsTauAgentLoop(HartsToolAgentLoop):
+    """``harts_tool_agent`` with user turns from a user simulator (see module docstring).
+    Extra constructor argument ``user``: the simulator config for
+    :func:`~harts_verl.workers.envs.tau.make_user` (default: scripted)."""
+
+    def __init__(self, *args: Any, user: Any = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.user = make_user(_plain(user))
+        self.task: TauTask | None = None
+
+    async def run_tree(
+        self,
+        sampling_params: dict[str, Any],
+        fork: ForkSpec | None = None,
+        priority: int = 0,
+        **kwargs: Any,
+    ) -> list[AgentLoopOutput]:
+        """As :meth:`HartsToolAgentLoop.run_tree`; the task comes from the row's
+        ``interaction_kwargs`` (``domain``, ``task_id``). When the prompt does not end with a
+        user message, the simulator's opening message is appended first."""
+        ik = _plain(kwargs.get("interaction_kwargs")) or {}
+        for key in ("domain", "task_id"):
+            if not ik.get(key):
+                raise ValueError(
+                    f"interaction_kwargs.{key}: missing (build rows with tau.dataset_rows)"
+                )
+        self.task = get_domain(ik["domain"]).task(ik["task_id"])
+        raw = [dict(m) for m in kwargs["raw_prompt"]]
+        if not raw or raw[-1].get("role") != "user":
+            opening = await asyncio.to_thread(self.user.reply, self.task, raw)
+            if not opening:
+                raise ValueError(
+                    f"user: the simulator gave no opening message for {self.task.task_id}"
+                )
+            kwargs["raw_prompt"] = [*raw, {"role": "user", "content": opening}]
+        return await super().run_tree(sampling_params, fork=fork, priority=priority, **kwargs)
+
+    async def _handle_generating_state(
+        self,
+        agent_data: AgentData,
+        sampling_params: dict[str, Any],
+        ignore_termination: bool = False,
+    ) -> AgentState:
+        n_messages = len(agent_data.messages)
+        state = await super()._handle_generating_state(
+            agent_data, sampling_params, ignore_termination=ignore_termination
+        )
+        # veRL appends the assistant message only when no limit stopped the turn; with no tool
+        # call it then terminates: that is a message to the user.
+        spoke = len(agent_data.messages) == n_messages + 1 and not agent_data.tool_calls
+        if state != AgentState.TERMINATED or not spoke or self.task is None:
+            return state
+        reply = await asyncio.to_thread(self.user.reply, self.task, list(agent_data.messages))
+        if not reply:
+            return AgentState.TERMINATED
+        previous = list(agent_data.messages)
+        agent_data.messages.append({"role": "user", "content": reply})
+        schemas = getattr(agent_data, "_active_tool_schemas", self.tool_schemas)
+        merged, mask, logprobs = await self.ct_merge_context_msg(
+            previous,
+            agent_data.messages,
+            agent_data.prompt_ids,
+            agent_data.response_mask,
+            agent_data.response_logprobs if agent_data.response_logprobs else None,
+            tools=schemas,
+        )
+        if len(mask) >= self.response_length:
+            return AgentState.TERMINATED
+        agent_data.prompt_ids = merged.token_ids
+        agent_data.response_mask = mask
+        if agent_data.response_logprobs:
+            agent_data.response_logprobs = logprobs or []
+        agent_data.user_turns += 1  # veRL's generating step enforces max_user_turns
+        return AgentState.GENERATING

@@ -1,0 +1,318 @@
+"""SWE-bench adapter on the bundled ``tinycalc`` fixture (CPU, no network, no docker).
+
+Pins: the local sandbox runs commands with a reported timeout and truncation notice, refuses
+paths outside the repository, clones independently and diffs against its start; records are
+validated field by field; grading gives 1 for the gold patch and 0 for no / wrong / breaking
+patches; the veRL tools edit the sandbox, record the patch, clone on fork (deepcopy) and refuse
+calls after ``submit``; the fixture task run through ``HartsToolAgentLoop`` with fork sampling
+and a scripted server yields one resolved and one unresolved branch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from harts_verl.workers.envs import swe
+from harts_verl.workers.envs.sandbox import (
+    ExecResult,
+    LocalSandbox,
+    format_exec_result,
+    truncate_output,
+)
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "swebench"
+OLD = '    """Arithmetic mean of a sequence of numbers."""\n'
+FIX = OLD + '    if not xs:\n        raise ValueError("mean of an empty sequence")\n'
+WRONG = OLD + "    if not xs:\n        return 0\n"
+
+
+@pytest.fixture(scope="module")
+def inst() -> swe.SweInstance:
+    (i,) = swe.fixture_instances()
+    return i
+
+
+@pytest.fixture
+def box(inst):
+    with LocalSandbox(swe.fixture_repo(inst.fixture)) as b:
+        yield b
+
+
+# ---------------------------------------------------------------------- sandbox
+def test_truncation_says_what_it_cut():
+    text = "".join(f"line {i}\n" for i in range(1000))
+    out = truncate_output(text, 200)
+    assert out.startswith("line 0\n") and out.endswith("line 999\n")
+    assert f"output truncated: {len(text) - 200} of {len(text)} characters omitted" in out
+    assert truncate_output("short", 200) == "short"
+    with pytest.raises(ValueError, match="max_chars"):
+        truncate_output("x", 0)
+    assert format_exec_result(ExecResult("ok", 3), 100, 5).endswith("[exit code: 3]")
+    assert "timed out after 5 s" in format_exec_result(ExecResult("", None, True), 100, 5)
+
+
+def test_local_sandbox_exec_timeout_paths_diff_clone(box):
+    res = box.exec("python -c 'print(6*7)'; exit 4", 30)
+    assert res.output.strip() == "42" and res.exit_code == 4 and not res.timed_out
+    t = time.monotonic()
+    res = box.exec("echo started; sleep 30", 1.0)
+    assert res.timed_out and res.exit_code is None and "started" in res.output
+    assert time.monotonic() - t < 15  # the process group was killed, not waited for
+    for bad in ("../outside.txt", "/etc/passwd"):
+        with pytest.raises(ValueError, match="path"):
+            box.read_file(bad)
+    with pytest.raises(ValueError, match="command"):
+        box.exec("  ", 5)
+    assert box.diff() == ""
+    box.exec("python -c 'import tinycalc'", 30)  # creates no __pycache__ in the patch
+    box.write_file("notes/new.txt", "hello\n")
+    other = box.clone()
+    try:
+        other.write_file("tinycalc/stats.py", "broken\n")
+        assert "broken" not in box.read_file("tinycalc/stats.py")
+        assert "notes/new.txt" in box.diff() and "stats.py" not in box.diff()
+        assert "stats.py" in other.diff() and "notes/new.txt" in other.diff()
+    finally:
+        other.close()
+    assert "__pycache__" not in box.diff()
+
+
+# ---------------------------------------------------------------------- records, rows, reward
+def test_record_validation_names_the_field(inst):
+    rec = dict(inst.record)
+    assert swe.SweInstance.from_record(rec).fail_to_pass == (
+        "tests/test_stats.py::test_mean_empty_raises",
+    )
+    for key in ("instance_id", "FAIL_TO_PASS", "PASS_TO_PASS", "problem_statement"):
+        bad = {k: v for k, v in rec.items() if k != key}
+        with pytest.raises(ValueError, match=key):
+            swe.SweInstance.from_record(bad)
+    with pytest.raises(ValueError, match="FAIL_TO_PASS"):
+        swe.SweInstance.from_record({**rec, "FAIL_TO_PASS": "[not json"})
+    with pytest.raises(ValueError, match="FAIL_TO_PASS"):
+        swe.SweInstance.from_record({**rec, "FAIL_TO_PASS": "[]"})
+    with pytest.raises(ValueError, match="PASS_TO_PASS"):
+        swe.SweInstance.from_record({**rec, "PASS_TO_PASS": [1, 2]})
+    with pytest.raises(ValueError, match="fixture"):
+        swe.fixture_repo("nope")
+
+
+def test_dataset_rows_parquet_round_trip(inst, tmp_path):
+    import pandas as pd
+
+    rows = swe.dataset_rows([inst])
+    pd.DataFrame(rows).to_parquet(tmp_path / "t.parquet")
+    back = pd.read_parquet(tmp_path / "t.parquet").iloc[0]
+    assert back["agent_name"] == "harts_tool_agent"
+    assert back["data_source"] == swe.FIXTURE_DATA_SOURCE
+    assert [m["role"] for m in back["prompt"]] == ["system", "user"]
+    assert "mean([])" in back["prompt"][1]["content"]
+    info = back["extra_info"]
+    assert json.loads(info["swe_instance"])["instance_id"] == inst.instance_id
+    for tool in ("bash", "str_replace_editor", "submit"):
+        assert info["tools_kwargs"][tool]["create_kwargs"]["fixture"] == "tinycalc"
+    with pytest.raises(TypeError, match=r"instances\[0\]"):
+        swe.dataset_rows([inst.record])
+
+
+def _patch(box, new: str) -> str:
+    text = box.read_file("tinycalc/stats.py")
+    box.write_file("tinycalc/stats.py", text.replace(OLD, new))
+    return box.diff()
+
+
+def test_reward_gold_one_none_wrong_breaking_zero(inst):
+    def score(patch: str) -> dict:
+        info = {"swe_instance": json.dumps(inst.record), "swe_fixture": "tinycalc"}
+        if patch is not None:
+            info["swe_patch"] = patch
+        return swe.compute_score(swe.FIXTURE_DATA_SOURCE, "", inst.instance_id, info)
+
+    assert score(inst.record["patch"]) == {
+        "score": 1.0,
+        "resolved": True,
+        "patch_applied": True,
+        "fail_to_pass_passed": 1,
+        "pass_to_pass_passed": 2,
+    }
+    assert score(None)["score"] == 0.0 and not score(None)["patch_applied"]
+    with LocalSandbox(swe.fixture_repo("tinycalc")) as b:
+        wrong = _patch(b, WRONG)
+    r = score(wrong)
+    assert r["score"] == 0.0 and r["patch_applied"] and r["fail_to_pass_passed"] == 0
+    with LocalSandbox(swe.fixture_repo("tinycalc")) as b:
+        fix = _patch(b, FIX)
+        b.write_file(
+            "tinycalc/stats.py", b.read_file("tinycalc/stats.py").replace("max(lo", "min(lo")
+        )
+        breaking = b.diff()
+    r = score(breaking)
+    assert r["score"] == 0.0 and r["fail_to_pass_passed"] == 1 and r["pass_to_pass_passed"] == 1
+    assert score(fix)["score"] == 1.0
+    assert score("not a patch\n")["patch_applied"] is False
+    with pytest.raises(ValueError, match="swe_instance"):
+        swe.compute_score("x", "", "", {"swe_patch": fix})
+
+
+# ---------------------------------------------------------------------- veRL tools
+class _AgentData:
+    def __init__(self):
+        self.extra_fields: dict = {}
+
+
+def _tools():
+    pytest.importorskip("verl")
+    from harts_verl.workers.envs.swe_tools import BashTool, EditTool, SubmitTool
+
+    cfg = {"type": "native", "sandbox": "local", "timeout": 2, "max_output_chars": 300}
+    return BashTool(cfg), EditTool(cfg), SubmitTool(cfg)
+
+
+def _call(tool, args, data, create):
+    async def go():
+        iid, _ = await tool.create(create_kwargs=create)
+        try:
+            resp, _reward, _ = await tool.execute(iid, args, agent_data=data)
+        finally:
+            await tool.release(iid)
+        return resp.text
+
+    return asyncio.run(go())
+
+
+def test_tools_edit_record_patch_fork_and_submit(inst):
+    from harts_verl.workers.envs.swe_tools import PATCH_KEY, POOL, SANDBOX_KEY, SweToolConfig
+
+    bash, edit, submit = _tools()
+    create = swe.dataset_rows([inst])[0]["extra_info"]["tools_kwargs"]["bash"]["create_kwargs"]
+    data = _AgentData()
+    n0 = len(POOL)
+    out = _call(bash, {"command": "cat tinycalc/stats.py"}, data, create)
+    assert "def mean(xs)" in out and out.endswith("[exit code: 0]")
+    assert len(POOL) == n0 + 1 and data.extra_fields[PATCH_KEY] == ""
+    # truncation and timeout reach the model as text
+    out = _call(bash, {"command": "seq 1 2000"}, data, create)
+    assert "output truncated" in out and out.startswith("1\n") and "2000" in out
+    out = _call(bash, {"command": "sleep 20"}, data, create)
+    assert "timed out after 2 s" in out
+    # bad arguments name the field
+    for args, field in [
+        ({}, "command"),
+        ({"command": 3}, "command"),
+    ]:
+        with pytest.raises(ValueError, match=field):
+            _call(bash, args, data, create)
+    for args, field in [
+        ({"command": "delete", "path": "x"}, "command"),
+        ({"command": "view"}, "path"),
+        ({"command": "view", "path": "../x"}, "path"),
+        ({"command": "str_replace", "path": "tinycalc/stats.py", "old_str": "nope"}, "old_str"),
+        ({"command": "str_replace", "path": "tinycalc/stats.py", "old_str": "return"}, "old_str"),
+        ({"command": "create", "path": "tinycalc/stats.py", "file_text": "x"}, "path"),
+    ]:
+        with pytest.raises(ValueError, match=field):
+            _call(edit, args, data, create)
+    with pytest.raises(ValueError, match=r"config\.sandbox"):
+        SweToolConfig({"sandbox": "vm"})
+    with pytest.raises(ValueError, match=r"create_kwargs\.fixture"):
+        _call(bash, {"command": "ls"}, _AgentData(), {"instance_id": "x", "fixture": ""})
+    out = _call(edit, {"command": "view", "path": "tinycalc/stats.py"}, data, create)
+    assert '     5\t    """Arithmetic mean' in out
+    # fork: deepcopy of extra_fields clones the sandbox
+    branch = _AgentData()
+    branch.extra_fields = copy.deepcopy(data.extra_fields)
+    assert branch.extra_fields[SANDBOX_KEY] != data.extra_fields[SANDBOX_KEY]
+    assert len(POOL) == n0 + 2
+    args = {"command": "str_replace", "path": "tinycalc/stats.py", "old_str": OLD}
+    assert "Edited" in _call(edit, {**args, "new_str": FIX}, data, create)
+    assert "Edited" in _call(edit, {**args, "new_str": WRONG}, branch, create)
+    assert "empty sequence" in data.extra_fields[PATCH_KEY]
+    assert "return 0" in branch.extra_fields[PATCH_KEY]
+    assert "empty sequence" not in branch.extra_fields[PATCH_KEY]
+    # pickling/str gives a plain key without ownership
+    assert type(json.loads(json.dumps(data.extra_fields))[SANDBOX_KEY]) is str
+    assert "Submitted a patch" in _call(submit, {}, data, create)
+    assert data.extra_fields["swe_submitted"] and SANDBOX_KEY not in data.extra_fields
+    with pytest.raises(ValueError, match="already submitted"):
+        _call(bash, {"command": "ls"}, data, create)
+    info = {"swe_instance": json.dumps(inst.record), "swe_fixture": "tinycalc"}
+    assert swe.compute_score("x", "", "", {**info, **data.extra_fields})["score"] == 1.0
+    assert swe.compute_score("x", "", "", {**info, **branch.extra_fields})["score"] == 0.0
+    del branch  # the last ref goes: its sandbox is closed
+    import gc
+
+    gc.collect()
+    assert len(POOL) == n0
+
+
+def test_docker_sandbox_errors_are_clear(monkeypatch):
+    from harts_verl.workers.envs.sandbox import DockerSandbox
+
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(RuntimeError, match="docker"):
+        DockerSandbox("some/image")
+    with pytest.raises(ValueError, match="image"):
+        DockerSandbox("")
+    try:
+        import swebench  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="swebench"):
+            swe.grade_swebench(swe.fixture_instances()[0], "diff")
+
+
+# ---------------------------------------------------------------------- through the agent loop
+def test_fixture_task_through_harts_tool_agent_with_forks(inst):
+    """Tools run via veRL's ToolAgentLoop tool-call path (hermes format); the fork after turn 1
+    gives two branches with their own sandboxes: one fixes the bug, one does not."""
+    pytest.importorskip("verl")
+    from verl.tools.tool_registry import initialize_tools_from_config
+
+    from harts_verl.workers.envs import testing
+    from harts_verl.workers.rollout.agent_loop import ForkSpec, HartsToolAgentLoop
+
+    tok = testing.byte_tokenizer()
+    row = swe.dataset_rows([inst])[0]
+    tools = initialize_tools_from_config(str(RECIPE / "tools_fixture.yaml"))
+    edits = iter([FIX, WRONG])
+
+    def script(rid: str, turn: int, text: str) -> str:
+        if turn == 0:
+            return "Look first. " + testing.hermes_call(
+                "bash", {"command": "cat tinycalc/stats.py"}
+            )
+        if turn == 1:
+            args = {"command": "str_replace", "path": "tinycalc/stats.py", "old_str": OLD}
+            return testing.hermes_call("str_replace_editor", {**args, "new_str": next(edits)})
+        if turn == 2:
+            return testing.hermes_call("submit", {})
+        return "Done."
+
+    async def main():
+        server = testing.ScriptedServer(tok, script)
+        loop = testing.make_loop(HartsToolAgentLoop, server, tools)
+        outs = await loop.run_tree(
+            {},
+            fork=ForkSpec(turns=(1,), branching=2, budget=2),
+            raw_prompt=row["prompt"],
+            tools_kwargs=row["extra_info"]["tools_kwargs"],
+            extra_info=row["extra_info"],
+        )
+        return server, outs
+
+    server, outs = asyncio.run(main())
+    assert len(outs) == 2 and len({rid for rid, _ in server.calls}) == 3  # prefix + 2 branches
+    scores = []
+    for out in outs:
+        text = tok.decode(out.response_ids)
+        assert "def mean(xs)" in text and "[exit code: 0]" in text and "Submitted a patch" in text
+        assert out.extra_fields["swe_submitted"] is True
+        assert json.loads(out.extra_fields["harts_tree"])["turns"]
+        info = {**row["extra_info"], **out.extra_fields}
+        scores.append(swe.compute_score(row["data_source"], text, inst.instance_id, info)["score"])
+    assert sorted(scores) == [0.0, 1.0]

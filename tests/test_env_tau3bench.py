@@ -1,0 +1,309 @@
+"""τ-bench adapter on the bundled ``retail_mini`` fixture domain (CPU, no network).
+
+Pins: tasks are validated field by field; the reference actions of every task score 1 and a
+wrong action sequence 0 (database hash), a missing required output 0; refused tool calls raise
+``ValueError`` naming the argument and change nothing; replay is cached without aliasing; the
+scripted and LLM users behave as documented (LLM endpoint faked); the veRL tool appends only
+successful calls to the action log; ``harts_tau_agent`` driven by a scripted server produces
+user turns (mask 0) and, with a fork, one rewarded and one unrewarded branch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from harts_verl.workers.envs import tau
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tau3bench"
+CANCEL = {
+    "name": "cancel_pending_order",
+    "arguments": {"order_id": "#W1001", "reason": "no longer needed"},
+}
+
+
+@pytest.fixture(scope="module")
+def dom() -> tau.TauDomain:
+    return tau.get_domain(tau.FIXTURE_DOMAIN)
+
+
+def test_task_validation_names_the_field():
+    ok = {"task_id": "t", "instruction": "i", "actions": [{"name": "x", "arguments": {}}]}
+    assert tau.TauTask.from_dict(ok).actions[0]["requestor"] == "assistant"
+    for key in ("task_id", "instruction", "actions"):
+        with pytest.raises(ValueError, match=key):
+            tau.TauTask.from_dict({k: v for k, v in ok.items() if k != key})
+    with pytest.raises(ValueError, match=r"actions\[0\]\.name"):
+        tau.TauTask.from_dict({**ok, "actions": [{"arguments": {}}]})
+    with pytest.raises(ValueError, match=r"actions\[0\]\.arguments"):
+        tau.TauTask.from_dict({**ok, "actions": [{"name": "x", "arguments": [1]}]})
+    with pytest.raises(ValueError, match="user_script"):
+        tau.TauTask.from_dict({**ok, "user_script": "hello"})
+    with pytest.raises(ValueError, match="domain"):
+        tau.get_domain("no_such_domain")
+
+
+def test_reference_actions_score_one_wrong_actions_zero(dom):
+    assert len(dom.tasks()) == 3
+    for task in dom.tasks():
+        r = tau.score(dom, task.task_id, list(task.actions), "the order is delivered")
+        assert r == {"score": 1.0, "db_match": 1.0, "outputs_found": 1.0}, task.task_id
+    wrong_reason = {**CANCEL, "arguments": {**CANCEL["arguments"], "reason": "ordered by mistake"}}
+    assert tau.score(dom, "cancel_pending", [wrong_reason])["score"] == 0.0
+    assert tau.score(dom, "cancel_pending", [])["score"] == 0.0  # did nothing
+    extra = {
+        "name": "modify_pending_order_address",
+        "arguments": {"order_id": "#W1001", "address": "x"},
+    }
+    assert tau.score(dom, "cancel_pending", [extra, CANCEL])["db_match"] == 0.0
+    # read-only calls and refused calls do not change the database
+    reads = [{"name": "get_order_details", "arguments": {"order_id": "#W1002"}}]
+    refused = [
+        {
+            "name": "cancel_pending_order",
+            "arguments": {"order_id": "#W1002", "reason": "no longer needed"},
+        }
+    ]
+    assert tau.score(dom, "cancel_pending", [*reads, *refused, CANCEL])["score"] == 1.0
+    # a required output that was not said
+    r = tau.score(dom, "refuse_delivered", reads, "sorry, I cannot do that")
+    assert r == {"score": 0.0, "db_match": 1.0, "outputs_found": 0.0}
+    info = {"tau_domain": dom.name, "tau_task_id": "cancel_pending", "tau_actions": [CANCEL]}
+    assert tau.compute_score("tau_bench", "", "cancel_pending", info)["score"] == 1.0
+    with pytest.raises(ValueError, match="tau_task_id"):
+        tau.compute_score("tau_bench", "", "", {"tau_domain": dom.name})
+
+
+def test_refused_calls_name_the_argument_and_change_nothing(dom):
+    task = dom.task("cancel_pending")
+    state = dom.initial_state(task)
+    before = dom.db_hash(state)
+    for action, field in [
+        ({"name": "find_user_id_by_email", "arguments": {}}, "email"),
+        ({"name": "find_user_id_by_email", "arguments": {"email": "nobody@x"}}, "email"),
+        ({"name": "get_order_details", "arguments": {"order_id": "#W9"}}, "order_id"),
+        (
+            {"name": "cancel_pending_order", "arguments": {"order_id": "#W1001", "reason": "meh"}},
+            "reason",
+        ),
+        (
+            {
+                "name": "cancel_pending_order",
+                "arguments": {"order_id": "#W1002", "reason": "no longer needed"},
+            },
+            "order_id",
+        ),
+        ({"name": "drop_tables", "arguments": {}}, "name"),
+    ]:
+        with pytest.raises(ValueError, match=field):
+            dom.call(state, action)
+    assert dom.db_hash(state) == before
+    assert (
+        dom.call(
+            state, {"name": "find_user_id_by_email", "arguments": {"email": "ADA@example.com"}}
+        )
+        == "ada_lovelace_1"
+    )
+    with pytest.raises(ValueError, match="task_id"):
+        dom.task("nope")
+
+
+def test_replay_cache_returns_independent_states(dom):
+    s1 = tau.state_after(dom, "cancel_pending", [CANCEL])
+    assert s1["orders"]["#W1001"]["status"] == "cancelled"
+    s1["orders"]["#W1001"]["status"] = "tampered"
+    s2 = tau.state_after(dom, "cancel_pending", [CANCEL])
+    assert s2["orders"]["#W1001"]["status"] == "cancelled"
+    assert tau.state_after(dom, "cancel_pending", [])["orders"]["#W1001"]["status"] == "pending"
+
+
+def test_users_scripted_and_llm(dom, monkeypatch):
+    task = dom.task("cancel_pending")
+    user = tau.make_user({"kind": "scripted"})
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": task.user_script[0]}]
+    assert user.reply(task, msgs) == task.user_script[1]
+    msgs += [
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "b"},
+        {"role": "user", "content": "c"},
+    ]
+    assert user.reply(task, msgs) is None  # script exhausted: the user stops
+    for cfg, field in [
+        ({"kind": "robot"}, "user.kind"),
+        ({"kind": "scripted", "model": "m"}, "user.model"),
+        ({"kind": "llm", "model": "m"}, "user.base_url"),
+        ({"kind": "llm", "base_url": "http://h/v1", "model": "m", "top_k": 3}, "user.top_k"),
+    ]:
+        with pytest.raises(ValueError, match=field):
+            tau.make_user(cfg)
+    llm = tau.make_user({"kind": "llm", "base_url": "http://sim:8000/v1/", "model": "u"})
+    conv = llm.conversation(
+        task, [{"role": "system", "content": "policy"}, {"role": "assistant", "content": "Hi!"}]
+    )
+    assert conv[0]["role"] == "system" and task.instruction in conv[0]["content"]
+    assert conv[1:] == [{"role": "user", "content": "Hi!"}]  # roles swapped, agent policy hidden
+    sent = []
+
+    class _Resp(io.BytesIO):
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+    replies = iter(["Cancel #W1001 please.", "Thanks! ###STOP###"])
+
+    def fake_urlopen(req, timeout):
+        sent.append((req.full_url, json.loads(req.data)))
+        body = {"choices": [{"message": {"content": next(replies)}}]}
+        return _Resp(json.dumps(body).encode())
+
+    monkeypatch.setattr(tau.urllib.request, "urlopen", fake_urlopen)
+    assert llm.reply(task, [{"role": "assistant", "content": "Hi!"}]) == "Cancel #W1001 please."
+    assert llm.reply(task, [{"role": "assistant", "content": "Done."}]) is None
+    assert sent[0][0] == "http://sim:8000/v1/chat/completions" and sent[0][1]["model"] == "u"
+
+
+def test_tau2_package_is_optional():
+    try:
+        import tau2  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="tau2"):
+            tau.get_domain("tau2:retail")
+    else:  # pragma: no cover - only where tau2 is installed
+        assert tau.get_domain("tau2:retail").tasks()
+
+
+def test_dataset_rows_parquet_round_trip(dom, tmp_path):
+    import pandas as pd
+
+    rows = tau.dataset_rows(dom)
+    pd.DataFrame(rows).to_parquet(tmp_path / "t.parquet")
+    back = pd.read_parquet(tmp_path / "t.parquet")
+    assert list(back["agent_name"].unique()) == ["harts_tau_agent"]
+    first = back.iloc[0]
+    assert [m["role"] for m in first["prompt"]] == ["system", "assistant", "user"]
+    assert "pending" in first["prompt"][0]["content"]  # the policy is in the system message
+    info = first["extra_info"]
+    assert info["interaction_kwargs"]["task_id"] == info["tau_task_id"]
+    names = {s["function"]["name"] for s in dom.tool_schemas()}
+    assert {k for k, v in info["tools_kwargs"].items() if v is not None} == names
+
+
+# ---------------------------------------------------------------------- veRL side
+class _AgentData:
+    def __init__(self):
+        self.extra_fields: dict = {}
+
+
+def test_tool_logs_successful_calls_only(dom):
+    pytest.importorskip("verl")
+    from harts_verl.workers.envs.tau_agent import ACTIONS_KEY, TauTool
+
+    tool = TauTool({"type": "native", "domain": dom.name, "name": "cancel_pending_order"})
+    assert tool.name == "cancel_pending_order"
+    with pytest.raises(ValueError, match=r"config\.name"):
+        TauTool({"type": "native", "domain": dom.name, "name": "nope"})
+    with pytest.raises(ValueError, match=r"config\.colour"):
+        TauTool({"type": "native", "domain": dom.name, "name": "x", "colour": 1})
+    data = _AgentData()
+    create = {"domain": dom.name, "task_id": "cancel_pending"}
+
+    async def call(args, create=create):
+        iid, _ = await tool.create(create_kwargs=create)
+        try:
+            return (await tool.execute(iid, args, agent_data=data))[0].text
+        finally:
+            await tool.release(iid)
+
+    with pytest.raises(ValueError, match="reason"):
+        asyncio.run(call({"order_id": "#W1001", "reason": "bored"}))
+    assert data.extra_fields.get(ACTIONS_KEY) is None
+    assert '"cancelled"' in asyncio.run(call(CANCEL["arguments"]))
+    assert data.extra_fields[ACTIONS_KEY] == [{**CANCEL, "requestor": "assistant"}]
+    with pytest.raises(ValueError, match="order_id"):  # the log's state is used: now cancelled
+        asyncio.run(call(CANCEL["arguments"]))
+    assert len(data.extra_fields[ACTIONS_KEY]) == 1
+    with pytest.raises(ValueError, match=r"create_kwargs\.task_id"):
+        asyncio.run(call(CANCEL["arguments"], create={"domain": dom.name}))
+
+
+def test_tau_agent_loop_user_turns_and_forks(dom):
+    pytest.importorskip("verl")
+    import yaml
+    from hydra.utils import get_class
+    from verl.tools.tool_registry import initialize_tools_from_config
+
+    from harts_verl.workers.envs import testing
+    from harts_verl.workers.envs.tau_agent import HartsTauAgentLoop
+    from harts_verl.workers.rollout.agent_loop import ForkSpec
+
+    (entry,) = yaml.safe_load((RECIPE / "agent_loops.yaml").read_text())
+    assert get_class(entry["_target_"]) is HartsTauAgentLoop
+    tok = testing.byte_tokenizer()
+    row = next(
+        r for r in tau.dataset_rows(dom) if r["extra_info"]["tau_task_id"] == "cancel_pending"
+    )
+    tools = initialize_tools_from_config(str(RECIPE / "tools_retail_mini.yaml"))
+    reasons = iter(["no longer needed", "ordered by mistake"])
+
+    def script(rid: str, turn: int, text: str) -> str:
+        users = text.count("<|user|>")
+        if users == 1:
+            return "Sure, what is your email?"
+        if users == 2 and "find_user_id_by_email" not in text:
+            return testing.hermes_call("find_user_id_by_email", {"email": "ada@example.com"})
+        if users == 2:
+            return "Found you. Why do you want to cancel #W1001?"
+        if users == 3 and "cancel_pending_order" not in text:
+            args = {"order_id": "#W1001", "reason": next(reasons)}
+            return testing.hermes_call("cancel_pending_order", args)
+        return "Your order is cancelled."
+
+    async def main():
+        loop = testing.make_loop(
+            HartsTauAgentLoop, testing.ScriptedServer(tok, script), tools, max_turns=12
+        )
+        return await loop.run_tree(
+            {},
+            fork=ForkSpec(turns=(3,), branching=2, budget=2),
+            raw_prompt=row["prompt"],
+            tools_kwargs=row["extra_info"]["tools_kwargs"],
+            extra_info=row["extra_info"],
+            interaction_kwargs=row["extra_info"]["interaction_kwargs"],
+        )
+
+    outs = asyncio.run(main())
+    assert len(outs) == 2
+    task = dom.task("cancel_pending")
+    scores = []
+    for out in outs:
+        text = tok.decode(out.response_ids)
+        # both scripted user replies after the opening are in the trajectory, not trained on
+        for reply in task.user_script[1:]:
+            assert reply in text
+            start = text.index(reply)
+            ids_before = len(tok.encode(text[:start], add_special_tokens=False))
+            assert out.response_mask[ids_before] == 0
+        assert text.endswith("Your order is cancelled.<|eos|>")
+        assert out.num_turns > 6
+        info = {**row["extra_info"], **out.extra_fields}
+        scores.append(
+            tau.compute_score(row["data_source"], text, row["reward_model"]["ground_truth"], info)[
+                "score"
+            ]
+        )
+    assert sorted(scores) == [0.0, 1.0]
+    with pytest.raises(ValueError, match=r"interaction_kwargs\.task_id"):
+
+        async def bad():
+            loop = testing.make_loop(HartsTauAgentLoop, testing.ScriptedServer(tok, script), tools)
+            return await loop.run_tree(
+                {}, raw_prompt=row["prompt"], interaction_kwargs={"domain": dom.name}
+            )
+
+        asyncio.run(bad())
