@@ -140,65 +140,18 @@ def no_fla(monkeypatch):
 
 @pytest.fixture
 def hf_float64(monkeypatch, no_fla):
-    """HF Qwen3-Next computes its RMSNorms, gated norm and router softmax in float32 even in a
-    float64 model, so its gradients carry float32 rounding whatever the batching. To test our
-    tree machinery at float64 precision these float32 islands compute in the input dtype (same
-    formulas); the unmodified model is tested against HF's own forward separately."""
-    from transformers.models.qwen3_next import modeling_qwen3_next as m
+    """HF's float32 islands (norms, gated norm, router softmax) lifted to float64 (same
+    formulas), so the tree machinery is tested at float64 precision (``_hf_float64``)."""
+    from _hf_float64 import lift_float32_islands
 
-    def rms(self, x):
-        h = x if x.dtype == torch.float64 else x.float()
-        return (self._norm(h) * (1.0 + self.weight.to(h.dtype))).type_as(x)
-
-    def rms_gated(self, hidden_states, gate=None):
-        dt = hidden_states.dtype
-        h = hidden_states if dt == torch.float64 else hidden_states.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        h = (self.weight * h.to(dt)) * torch.nn.functional.silu(gate.to(h.dtype))
-        return h.to(dt)
-
-    def router(self, hidden_states):
-        x = hidden_states.reshape(-1, self.hidden_dim)
-        logits = torch.nn.functional.linear(x, self.weight)
-        probs = torch.softmax(
-            logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32)
-        )
-        top, idx = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            top = top / top.sum(dim=-1, keepdim=True)
-        return logits, top.to(logits.dtype), idx
-
-    monkeypatch.setattr(m.Qwen3NextRMSNorm, "forward", rms)
-    monkeypatch.setattr(m.Qwen3NextRMSNormGated, "forward", rms_gated)
-    monkeypatch.setattr(m.Qwen3NextTopKRouter, "forward", router)
+    lift_float32_islands(monkeypatch)
 
 
 def _tiny_qwen3_next():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.Qwen3NextConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        linear_conv_kernel_dim=4,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=16,
-        decoder_sparse_step=1,
-        full_attention_interval=2,
-        attn_implementation="sdpa",
-        experts_implementation="eager",
-    )
-    torch.manual_seed(5)
-    return transformers.Qwen3NextForCausalLM(cfg).double().eval()
+    pytest.importorskip("transformers")
+    from harts_verl.workers.testing import tiny_hf_model
+
+    return tiny_hf_model("qwen3_next", seed=5).double().eval()
 
 
 def _hf_log_probs(model, seq) -> torch.Tensor:

@@ -1,10 +1,11 @@
 """``harts_fsdp2`` vs veRL's stock ``fsdp2`` engine on CPU (gloo, FSDP2, fp32, tiny models).
 
-Parity: log-probs and entropy ≤ 1e-6, grad_norm ≤ 1e-6 relative, parameters after one AdamW
+Parity: log-probs and entropy ≤ 1e-6, grad_norm ≤ 1e-6 relative, parameters after one SGD
 step ≤ 1e-6, on GRPO-style (shared prompt, n samples) and multi-turn tree batches (shared
-turns, tool tokens masked), for a tiny Qwen2 and a tiny Qwen3-Next, with the ``vanilla``,
-``gspo`` and ``cispo`` policy losses. The Qwen3-Next reference runs veRL's padded path: without
-fla, HF's torch fallback would carry linear-attention state across packed sequences.
+turns, tool tokens masked), for tiny Qwen2, Qwen3-Next, Qwen3.5 and Qwen3.5-MoE models, with the
+``vanilla``, ``gspo`` and ``cispo`` policy losses; AdamW with its own sensitivity bound (see
+``test_adamw_step_parity`` and docs/verl.md). The hybrid references run veRL's padded path:
+without fla, HF's torch fallback would carry linear-attention state across packed sequences.
 """
 
 from __future__ import annotations
@@ -75,23 +76,37 @@ def _params(engine) -> dict[str, torch.Tensor]:
     }
 
 
-def _run(testing, path, strategy, batch, *, loss_mode, harts=None, padded=False, entropy=0.0):
+def _run(
+    testing, path, strategy, batch, *, loss_mode, harts=None, padded=False, entropy=0.0, **optim
+):
+    """Infer, then one train step; returns (model output, metrics, params before, params after,
+    gradients as the optimizer saw them). ``optim``: ``optimizer``, ``lr``, ``weight_decay``."""
     seqs, prompt_lens, spans = batch
     cfg = testing.actor_config(
-        strategy=strategy, loss_mode=loss_mode, harts=harts, entropy_coeff=entropy
+        strategy=strategy, loss_mode=loss_mode, harts=harts, entropy_coeff=entropy, **optim
     )
     engine = testing.build_engine(path, cfg, use_remove_padding=not padded)
     mk = partial(testing.make_batch, seqs, prompt_lens, tool_spans=spans, temperature=0.8)
     with engine.eval_mode():
         inf = engine.infer_batch(mk(calculate_entropy=True, use_remove_padding=not padded))
     before = _params(engine)
+    grads: dict[str, torch.Tensor] = {}
+    step = engine.optimizer.step
+
+    def snapshot_then_step(*args, **kwargs):
+        for n, p in engine.module.named_parameters():
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            grads[n] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+        return step(*args, **kwargs)
+
+    engine.optimizer.step = snapshot_then_step
     with engine.train_mode():
         out = engine.train_batch(
             mk(calculate_entropy=entropy != 0.0, use_remove_padding=not padded),
             loss_function=partial(_ppo_loss(), config=cfg),
         )
     after = _params(engine)
-    return inf["model_output"], out["metrics"], before, after
+    return inf["model_output"], out["metrics"], before, after, grads
 
 
 def _ppo_loss():
@@ -101,7 +116,7 @@ def _ppo_loss():
 
 
 def _compare(ref, tree, *, tol=1e-6):
-    (inf_r, met_r, p0_r, p1_r), (inf_t, met_t, p0_t, p1_t) = ref, tree
+    (inf_r, met_r, p0_r, p1_r, _), (inf_t, met_t, p0_t, p1_t, _) = ref, tree
     for key in ("log_probs", "entropy"):
         for a, b in zip(inf_r[key].unbind(), inf_t[key].unbind(), strict=True):
             assert a.shape == b.shape
@@ -117,12 +132,15 @@ def _compare(ref, tree, *, tol=1e-6):
     assert moved > 1e-6  # the step did something
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3_next"])
+HYBRIDS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+
+
+@pytest.mark.parametrize("kind", ["qwen2", *HYBRIDS])
 @pytest.mark.parametrize("batch", ["grpo", "multiturn"])
 def test_parity_vanilla(verl_cpu, kind, batch):
     testing, paths = verl_cpu
     data = BATCHES[batch](seed=len(kind) + len(batch))
-    padded = kind == "qwen3_next"
+    padded = kind in HYBRIDS
     ref = _run(testing, paths[kind], "fsdp2", data, loss_mode="vanilla", padded=padded)
     # capacity 48 forces several micro-batches (and a sub-forest per micro-batch).
     tree = _run(
@@ -143,7 +161,7 @@ def test_parity_vanilla(verl_cpu, kind, batch):
 def test_parity_loss_modes(verl_cpu, kind, loss_mode):
     testing, paths = verl_cpu
     data = _multiturn_batch(seed=7)
-    padded = kind == "qwen3_next"
+    padded = kind in HYBRIDS
     ref = _run(
         testing, paths[kind], "fsdp2", data, loss_mode=loss_mode, padded=padded, entropy=0.01
     )
@@ -178,3 +196,93 @@ def test_fallback_and_audit(verl_cpu):
             loss_function=partial(_ppo_loss(), config=cfg),
         )
     assert out["metrics"]["harts/fallback"] == [0.0]
+
+
+# torch.optim.AdamW's default; veRL does not set eps (betas (0.9, 0.999), weight decay 0.01).
+ADAM_EPS = 1e-8
+
+
+@pytest.mark.parametrize("lr", [1e-6, 1e-5])
+def test_adamw_step_parity(verl_cpu, lr):
+    """One AdamW step with veRL's optimizer defaults, Qwen3-Next.
+
+    Gradients agree to ≤ 1e-6 × grad_norm everywhere. AdamW's first step moves each entry by
+    lr·g/(|g| + eps): its sensitivity to the gradient is lr/eps (10³ at lr 1e-5) for entries
+    with |g| ≲ eps, so fp32 rounding of a gradient that cancels to ~0 (some ``A_log`` /
+    ``dt_bias`` entries: 1e-10 true value, 1e-9 rounding) moves the parameter by up to
+    lr·|Δg|/eps. The test pins exactly that bound per entry, and |Δparam| ≤ 1e-6 at veRL's
+    default actor lr 1e-6 (at lr 1e-5 one A_log entry differs by ≈1.2e-6; see
+    ``test_gate_gradients_vs_float64`` for which side is closer to the exact gradient).
+    """
+    testing, paths = verl_cpu
+    data = _grpo_batch(seed=len("qwen3_next") + len("grpo"))
+    optim = dict(optimizer="AdamW", lr=lr, weight_decay=0.01)
+    path = paths["qwen3_next"]
+    ref = _run(testing, path, "fsdp2", data, loss_mode="vanilla", padded=True, **optim)
+    harts = {"chunk_size": 8, "capacity_tokens": 48}
+    tree = _run(testing, path, "harts_fsdp2", data, loss_mode="vanilla", harts=harts, **optim)
+    (_, met_r, p0, p1_r, g_r), (_, met_t, p0_t, p1_t, g_t) = ref, tree
+    gn = met_r["grad_norm"]
+    assert abs(gn - met_t["grad_norm"]) <= 1e-6 * gn
+    assert max(float((g_t[n] - g_r[n]).abs().max()) for n in g_r) <= 1e-6 * gn
+    worst = 0.0
+    for n in p0:
+        assert torch.equal(p0_t[n], p0[n])
+        dp = (p1_t[n] - p1_r[n]).abs()
+        sensitivity = lr * torch.clamp((g_t[n] - g_r[n]).abs() / ADAM_EPS, max=2.0)
+        rounding = lr * 1e-5 + 2 * torch.finfo(torch.float32).eps * p1_r[n].abs()
+        assert bool((dp <= sensitivity + rounding).all()), n
+        worst = max(worst, float(dp.max()))
+    if lr <= 1e-6:
+        assert worst <= 1e-6, worst
+
+
+def test_gate_gradients_vs_float64(verl_cpu, monkeypatch):
+    """Which side of the Qwen3-Next gate-gradient difference is rounding: both fp32 engines
+    against the exact (float64) gradient of the same loss. Both are ≤ 1e-6 relative overall;
+    on ``A_log`` / ``dt_bias`` the tree engine is the closer one (HF's torch fallback, which the
+    stock engine runs, accumulates in-chunk log-decays over 64 tokens in fp32)."""
+    import transformers
+    from _hf_float64 import lift_float32_islands
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.losses import ppo_loss
+
+    from harts_verl.runtime import TreeRunner
+
+    testing, paths = verl_cpu
+    path = paths["qwen3_next"]
+    data = _grpo_batch(seed=len("qwen3_next") + len("grpo"))
+    harts = {"chunk_size": 8, "capacity_tokens": 48}
+    g_r = _run(testing, path, "fsdp2", data, loss_mode="vanilla", padded=True)[4]
+    g_t = _run(testing, path, "harts_fsdp2", data, loss_mode="vanilla", harts=harts)[4]
+
+    lift_float32_islands(monkeypatch)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="sdpa", experts_implementation="eager"
+    ).double()
+    seqs, prompt_lens, spans = data
+    cfg = testing.actor_config(strategy="fsdp2")
+    td = testing.make_batch(seqs, prompt_lens, tool_spans=spans, temperature=0.8)
+    tu.assign_non_tensor(td, batch_num_tokens=int(td["loss_mask"].sum()), dp_size=1)
+
+    def loss_fn(lps):
+        full = [torch.cat([lp, lp.new_zeros(1)]) for lp in lps]
+        nested = torch.nested.as_nested_tensor(full, layout=torch.jagged)
+        return ppo_loss(config=cfg, model_output={"log_probs": nested}, data=td)[0]
+
+    TreeRunner(model, chunk_size=16).forward_backward(
+        seqs, loss_fn, temperature=0.8, include_aux_loss=False
+    )
+    g64 = {n: p.grad.detach() for n, p in model.named_parameters() if p.grad is not None}
+    norm = sum(float((g**2).sum()) for g in g64.values()) ** 0.5
+
+    def rel_err(g):
+        return sum(float(((g[n].double() - g64[n]) ** 2).sum()) for n in g64) ** 0.5 / norm
+
+    assert rel_err(g_r) <= 1e-6 and rel_err(g_t) <= 1e-6
+    gates = [n for n in g64 if n.endswith(("A_log", "dt_bias"))]
+    assert gates
+    for n in gates:
+        err_t = float((g_t[n].double() - g64[n]).abs().max())
+        err_r = float((g_r[n].double() - g64[n]).abs().max())
+        assert err_t <= err_r, (n, err_t, err_r)

@@ -1,17 +1,25 @@
 """Run HF transformers hybrids in tree mode on their own weights.
 
-Only the token mixers become tree-aware: the instance ``forward`` of each
-``Qwen3NextGatedDeltaNet`` and ``Qwen3NextAttention`` is wrapped so that, when a
-``harts_layout`` keyword is passed, it runs the tree ops (short conv over each row's path,
-chunkwise gated delta rule over the planned rounds, tree attention); without it the original
-forward runs untouched. Embeddings, norms, MoE, rotary tables and the LM head are HF's own code on
-the ``[1, C, D]`` compact batch. Parameter names and the state dict are unchanged.
+Only the token mixers become tree-aware: the instance ``forward`` of each GatedDeltaNet and
+gated attention module of Qwen3-Next / Qwen3.5 / Qwen3.5-MoE (and of the plain attention of
+Qwen2 / Qwen3 / Llama) is wrapped so that, when a ``harts_layout`` keyword is passed, it runs the
+tree ops (short conv over each row's path, chunkwise gated delta rule over the planned rounds,
+tree attention); without it the original forward runs untouched. Embeddings, norms, MoE, rotary
+tables and the LM head are HF's own code on the ``[1, C, D]`` compact batch. Parameter names and
+the state dict are unchanged.
+
+The hybrid text models' own ``forward`` (``Qwen3NextModel``, ``Qwen3_5TextModel``,
+``Qwen3_5MoeTextModel``) is wrapped too, only so that a tree call never builds HF's ``[C, C]``
+causal mask: tree attention takes its ancestor structure from the layout.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import sys
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -23,35 +31,87 @@ from harts_verl.ops.layout import TreeLayout
 
 _PATCHED = "_harts_original_forward"
 
+# Set while a tree-mode forward runs: a patched mixer reached without ``harts_layout`` inside it
+# means some wrapper on the way dropped the keyword (it would silently run the trajectory-wise
+# code on compact rows), so it raises instead.
+_IN_TREE_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "harts_tree_call", default=False
+)
 
-def _is_qwen3_next(model: nn.Module) -> bool:
-    cfg = getattr(model, "config", None)
-    return getattr(cfg, "model_type", None) in ("qwen3_next",)
 
+@contextlib.contextmanager
+def tree_call() -> Iterator[None]:
+    """Mark a tree-mode forward (see :func:`patch_tree_mixers`)."""
+    token = _IN_TREE_CALL.set(True)
+    try:
+        yield
+    finally:
+        _IN_TREE_CALL.reset(token)
+
+
+def _original(module: nn.Module):
+    if _IN_TREE_CALL.get():
+        raise RuntimeError(
+            f"{type(module).__name__}: called without harts_layout inside a tree-mode forward "
+            "(a wrapper between the model and this module dropped the keyword)"
+        )
+    return getattr(module, _PATCHED)
+
+
+# HF hybrids (GatedDeltaNet + gated full attention): Qwen3-Next and Qwen3.5 (dense / MoE; the
+# text-only CausalLM and the multi-modal wrappers, whose text model runs in tree mode).
+GATED_HYBRID_MODEL_TYPES = (
+    "qwen3_next",
+    "qwen3_5",
+    "qwen3_5_text",
+    "qwen3_5_moe",
+    "qwen3_5_moe_text",
+)
+_GDN_CLASSES = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet")
+_GATED_ATTENTION_CLASSES = ("Qwen3NextAttention", "Qwen3_5Attention", "Qwen3_5MoeAttention")
+_HYBRID_TEXT_MODEL_CLASSES = ("Qwen3NextModel", "Qwen3_5TextModel", "Qwen3_5MoeTextModel")
+_ROUTER_CLASSES = ("Qwen3NextTopKRouter", "Qwen3_5MoeTopKRouter")
 
 # Plain full-attention HF causal LMs whose attention modules :func:`_full_attn_tree_forward`
 # reproduces (q/k/v projections, optional per-head q/k norm, RoPE, o_proj).
 FULL_ATTENTION_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 _FULL_ATTENTION_CLASSES = ("Qwen2Attention", "Qwen3Attention", "LlamaAttention")
 
+# Model types that run in tree mode (``harts_hybrid``: the native model through its HF wrapper).
+TREE_MODEL_TYPES = GATED_HYBRID_MODEL_TYPES + FULL_ATTENTION_MODEL_TYPES + ("harts_hybrid",)
+
+
+def _model_type(model: nn.Module) -> str | None:
+    return getattr(getattr(model, "config", None), "model_type", None)
+
+
+def _is_hf_class(mod: nn.Module, names: tuple[str, ...]) -> bool:
+    cls = type(mod)
+    return cls.__name__ in names and cls.__module__.startswith("transformers.")
+
+
+def _is_gated_hybrid(model: nn.Module) -> bool:
+    return _model_type(model) in GATED_HYBRID_MODEL_TYPES
+
 
 def as_tree_model(model: nn.Module) -> nn.Module:
     """Return a module with the tree interface ``forward(input_ids [C], layout) -> (hidden [C, D],
     aux_loss)`` and an ``lm_head``: the native model as is, HF Qwen3-Next through
-    :class:`Qwen3NextTreeModel`."""
+    :class:`HybridTreeModel`, Qwen2/Qwen3/Llama through :class:`HFCausalTreeModel`."""
     from harts_verl.models.hybrid import HybridForCausalLM
 
-    if isinstance(model, HybridForCausalLM | Qwen3NextTreeModel):
+    if isinstance(model, HybridForCausalLM | HybridTreeModel | HFCausalTreeModel):
         return model
-    if _is_qwen3_next(model):
-        return Qwen3NextTreeModel(model)
-    if isinstance(model, HFCausalTreeModel):
-        return model
-    if getattr(getattr(model, "config", None), "model_type", None) in FULL_ATTENTION_MODEL_TYPES:
+    native = getattr(model, "harts_native_model", None)  # HartsHybridForCausalLM (HF wrapper)
+    if isinstance(native, HybridForCausalLM):
+        return native
+    if _is_gated_hybrid(model):
+        return HybridTreeModel(model)
+    if _model_type(model) in FULL_ATTENTION_MODEL_TYPES:
         return HFCausalTreeModel(model)
     raise TypeError(
         f"model: {type(model).__name__} is not supported in tree mode "
-        "(supported: HybridForCausalLM, transformers Qwen3NextForCausalLM, "
+        "(supported: HybridForCausalLM, transformers Qwen3-Next / Qwen3.5 / Qwen3.5-MoE, "
         "Qwen2/Qwen3/Llama ForCausalLM)"
     )
 
@@ -64,13 +124,19 @@ def _gdn_tree_forward(
     **kwargs: Any,
 ):
     if harts_layout is None:
-        return getattr(self, _PATCHED)(hidden_states, *args, **kwargs)
+        return _original(self)(hidden_states, *args, **kwargs)
     layout = harts_layout
     c = hidden_states.shape[1]
-    qkvz = self.in_proj_qkvz(hidden_states)
-    ba = self.in_proj_ba(hidden_states)
-    query, key, value, z, b, a = self.fix_query_key_value_ordering(qkvz, ba)
-    mixed = torch.cat([x.reshape(c, -1) for x in (query, key, value)], dim=-1)
+    if hasattr(self, "in_proj_qkvz"):  # Qwen3-Next: head-interleaved fused projections
+        qkvz = self.in_proj_qkvz(hidden_states)
+        ba = self.in_proj_ba(hidden_states)
+        query, key, value, z, b, a = self.fix_query_key_value_ordering(qkvz, ba)
+        mixed = torch.cat([x.reshape(c, -1) for x in (query, key, value)], dim=-1)
+    else:  # Qwen3.5 (dense and MoE): separate q|k|v, z, b, a projections
+        mixed = self.in_proj_qkv(hidden_states)[0]
+        z = self.in_proj_z(hidden_states)
+        b = self.in_proj_b(hidden_states)
+        a = self.in_proj_a(hidden_states)
     mixed = layout.short_conv(
         mixed, self.conv1d.weight.squeeze(1), self.conv1d.bias, activation="silu"
     )
@@ -98,11 +164,8 @@ def _attn_tree_forward(
     **kwargs: Any,
 ):
     if harts_layout is None:
-        return getattr(self, _PATCHED)(
-            hidden_states, position_embeddings, attention_mask, *args, **kwargs
-        )
-    from transformers.models.qwen3_next.modeling_qwen3_next import apply_rotary_pos_emb
-
+        return _original(self)(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
+    apply_rotary_pos_emb = sys.modules[type(self).__module__].apply_rotary_pos_emb
     c = hidden_states.shape[1]
     q, gate = torch.chunk(self.q_proj(hidden_states).view(1, c, -1, self.head_dim * 2), 2, dim=-1)
     gate = gate.reshape(1, c, -1)
@@ -122,7 +185,7 @@ def _full_attn_tree_forward(
     """Tree mode of a Qwen2/Qwen3/Llama attention module: the module's own projections,
     q/k norms and RoPE on the compact rows, softmax attention over each row's ancestors."""
     if harts_layout is None:
-        return getattr(self, _PATCHED)(*args, **kwargs)
+        return _original(self)(*args, **kwargs)
     names = ("hidden_states", "position_embeddings")
     vals = list(args[:2]) + [kwargs.get(n) for n in names[len(args[:2]) :]]
     hidden_states, position_embeddings = vals
@@ -143,21 +206,44 @@ def _full_attn_tree_forward(
     return self.o_proj(o.reshape(1, c, -1)), None
 
 
+# A 1-element 4D boolean tensor: HF's ``create_causal_mask`` returns a 4D mask as is, and
+# ``_update_linear_attn_mask`` maps an all-ones mask to None. Tree-mode mixers ignore masks.
+def _no_mask(device: torch.device) -> torch.Tensor:
+    return torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
+
+
+def _hybrid_text_model_tree_forward(
+    self, *args: Any, harts_layout: TreeLayout | None = None, **kwargs
+):
+    """Tree mode of a hybrid text model's ``forward``: HF's own code with ``harts_layout``
+    forwarded to the layers and a 1-element mask in place of the ``[C, C]`` causal mask that HF
+    would otherwise build from the (non-monotone) row depths."""
+    if harts_layout is None:
+        return getattr(self, _PATCHED)(*args, **kwargs)
+    if len(args) > 1 or kwargs.get("attention_mask") is not None:
+        raise ValueError("harts_layout: tree mode takes no attention_mask")
+    kwargs["attention_mask"] = _no_mask(harts_layout.token_ids.device)
+    return getattr(self, _PATCHED)(*args, harts_layout=harts_layout, **kwargs)
+
+
 def patch_tree_mixers(model: nn.Module) -> int:
     """Make every supported token mixer of an HF model tree-aware (idempotent): the instance
     ``forward`` runs the tree ops when called with ``harts_layout=...`` and the original code
-    otherwise. Returns the number of patched modules (0: nothing in ``model`` is supported)."""
+    otherwise. Returns the number of tree-capable modules (0: nothing in ``model`` is supported;
+    the native model's HF wrapper counts as one)."""
+    if getattr(model, "supports_harts_layout", False):
+        return 1
     n = 0
-    qn = None
-    if _is_qwen3_next(model):
-        from transformers.models.qwen3_next import modeling_qwen3_next as qn
     for mod in model.modules():
-        if qn is not None and isinstance(mod, qn.Qwen3NextGatedDeltaNet):
+        if _is_hf_class(mod, _GDN_CLASSES):
             _patch(mod, _gdn_tree_forward)
-        elif qn is not None and isinstance(mod, qn.Qwen3NextAttention):
+        elif _is_hf_class(mod, _GATED_ATTENTION_CLASSES):
             _patch(mod, _attn_tree_forward)
-        elif type(mod).__name__ in _FULL_ATTENTION_CLASSES:
+        elif _is_hf_class(mod, _FULL_ATTENTION_CLASSES):
             _patch(mod, _full_attn_tree_forward)
+        elif _is_hf_class(mod, _HYBRID_TEXT_MODEL_CLASSES):
+            _patch(mod, _hybrid_text_model_tree_forward)
+            continue
         else:
             continue
         n += 1
@@ -170,24 +256,26 @@ def _patch(module: nn.Module, fn) -> None:
         module.forward = types.MethodType(fn, module)
 
 
-class Qwen3NextTreeModel(nn.Module):
-    """Tree-mode view of a transformers ``Qwen3NextForCausalLM`` (weights shared, not copied)."""
+def _text_model(hf_model: nn.Module) -> nn.Module:
+    """The decoder stack of an HF causal LM (``model``; ``model.language_model`` for the
+    multi-modal Qwen3.5 wrappers)."""
+    base = hf_model.model
+    return getattr(base, "language_model", base)
+
+
+class HybridTreeModel(nn.Module):
+    """Tree-mode view of a transformers Qwen3-Next / Qwen3.5 / Qwen3.5-MoE causal LM (weights
+    shared, not copied)."""
 
     def __init__(self, hf_model: nn.Module) -> None:
         super().__init__()
-        from transformers.models.qwen3_next import modeling_qwen3_next as m
-
         self.hf = hf_model
-        self.config = hf_model.config
+        self.base = _text_model(hf_model)
+        self.config = self.base.config
         self.gradient_checkpointing = False
-        self._routers: list[nn.Module] = []
-        for mod in hf_model.modules():
-            if isinstance(mod, m.Qwen3NextGatedDeltaNet):
-                _patch(mod, _gdn_tree_forward)
-            elif isinstance(mod, m.Qwen3NextAttention):
-                _patch(mod, _attn_tree_forward)
-            elif isinstance(mod, m.Qwen3NextTopKRouter):
-                self._routers.append(mod)
+        if patch_tree_mixers(hf_model) == 0:
+            raise TypeError(f"model: {type(hf_model).__name__} has no supported token mixer")
+        self._routers = [m for m in hf_model.modules() if _is_hf_class(m, _ROUTER_CLASSES)]
 
     @property
     def lm_head(self) -> nn.Linear:
@@ -198,7 +286,8 @@ class Qwen3NextTreeModel(nn.Module):
 
         cfg = self.config
         cat = torch.cat(logits, dim=0)
-        route = softmax_topk_route(cat, cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob)
+        norm = getattr(cfg, "norm_topk_prob", True)  # Qwen3.5-MoE always normalizes
+        route = softmax_topk_route(cat, cfg.num_experts_per_tok, norm_topk_prob=norm)
         w = layout.row_weights(route.probs.dtype).repeat(len(logits))
         loss = load_balancing_loss(
             route.probs, route.experts, cfg.num_experts, cfg.num_experts_per_tok, weights=w
@@ -210,7 +299,7 @@ class Qwen3NextTreeModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids ``[C]`` → (final hidden ``[C, D]``, router aux loss weighted by
         multiplicity when ``config.output_router_logits`` else 0)."""
-        base = self.hf.model
+        base = self.base
         pos = layout.position_ids[None]
         h = base.embed_tokens(input_ids[None])
         pe = base.rotary_emb(h, pos)
@@ -225,17 +314,18 @@ class Qwen3NextTreeModel(nn.Module):
             else []
         )
         try:
-            for layer in base.layers[: self.config.num_hidden_layers]:
-                if self.gradient_checkpointing and torch.is_grad_enabled():
-                    h = checkpoint(
-                        lambda x, lyr=layer: lyr(
-                            x, position_embeddings=pe, position_ids=pos, harts_layout=layout
-                        ),
-                        h,
-                        use_reentrant=False,
-                    )
-                else:
-                    h = layer(h, position_embeddings=pe, position_ids=pos, harts_layout=layout)
+            with tree_call():
+                for layer in base.layers[: self.config.num_hidden_layers]:
+                    if self.gradient_checkpointing and torch.is_grad_enabled():
+                        h = checkpoint(
+                            lambda x, lyr=layer: lyr(
+                                x, position_embeddings=pe, position_ids=pos, harts_layout=layout
+                            ),
+                            h,
+                            use_reentrant=False,
+                        )
+                    else:
+                        h = layer(h, position_embeddings=pe, position_ids=pos, harts_layout=layout)
         finally:
             for hk in hooks:
                 hk.remove()
@@ -268,16 +358,17 @@ class HFCausalTreeModel(nn.Module):
         pos = layout.position_ids[None]
         h = base.embed_tokens(input_ids[None])
         pe = base.rotary_emb(h, pos)
-        for layer in base.layers[: self.config.num_hidden_layers]:
-            if self.gradient_checkpointing and torch.is_grad_enabled():
-                h = checkpoint(
-                    lambda x, lyr=layer: lyr(
-                        x, position_embeddings=pe, position_ids=pos, harts_layout=layout
-                    ),
-                    h,
-                    use_reentrant=False,
-                )
-            else:
-                h = layer(h, position_embeddings=pe, position_ids=pos, harts_layout=layout)
+        with tree_call():
+            for layer in base.layers[: self.config.num_hidden_layers]:
+                if self.gradient_checkpointing and torch.is_grad_enabled():
+                    h = checkpoint(
+                        lambda x, lyr=layer: lyr(
+                            x, position_embeddings=pe, position_ids=pos, harts_layout=layout
+                        ),
+                        h,
+                        use_reentrant=False,
+                    )
+                else:
+                    h = layer(h, position_embeddings=pe, position_ids=pos, harts_layout=layout)
         h = base.norm(h)[0]
         return h, h.new_zeros(())

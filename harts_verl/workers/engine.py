@@ -45,7 +45,12 @@ from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.engine.utils import detach_tree
 
-from harts_verl.models.adapter import FULL_ATTENTION_MODEL_TYPES, patch_tree_mixers
+from harts_verl.models.adapter import (
+    FULL_ATTENTION_MODEL_TYPES,
+    TREE_MODEL_TYPES,
+    patch_tree_mixers,
+    tree_call,
+)
 from harts_verl.ops.layout import TreeLayout
 from harts_verl.ops.logprobs import compact_log_probs
 from harts_verl.tree import RolloutForest
@@ -56,6 +61,8 @@ __all__ = ["HartsFSDPEngine", "forest_of_batch"]
 logger = logging.getLogger(__name__)
 
 _HEAD_FN = "_harts_head_fn"
+# Multi-modal wrappers whose decoder layers veRL re-implements (dropping ``harts_layout``).
+_VERL_PATCHED_MULTIMODAL = ("qwen3_5", "qwen3_5_moe")
 _HEAD_ORIG = "_harts_original_forward"
 
 
@@ -178,7 +185,17 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         head = _find_lm_head(module)
         patched = patch_tree_mixers(module) if head is not None else 0
         self._tree_supported = patched > 0
-        if self._tree_supported:
+        if model_type in _VERL_PATCHED_MULTIMODAL:
+            # veRL's monkey patch of these wrappers replaces the decoder-layer forward with one
+            # that does not pass extra keywords to the linear-attention module.
+            self._tree_supported = False
+            logger.warning(
+                "harts_fsdp2: the multi-modal %r wrapper runs the stock fsdp2 path; save the "
+                "text model (%s_text) to train it in tree mode",
+                model_type,
+                model_type,
+            )
+        elif self._tree_supported:
             if not hasattr(head, _HEAD_ORIG):
                 setattr(head, _HEAD_ORIG, head.forward)
                 head.forward = types.MethodType(_lm_head_forward, head)
@@ -186,9 +203,9 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         else:
             logger.warning(
                 "harts_fsdp2: model type %r has no tree-mode support; every batch takes the "
-                "stock fsdp2 path (supported: qwen3_next, %s)",
+                "stock fsdp2 path (supported: %s)",
                 model_type,
-                ", ".join(FULL_ATTENTION_MODEL_TYPES),
+                ", ".join(t for t in TREE_MODEL_TYPES if t not in _VERL_PATCHED_MULTIMODAL),
             )
         self._model_type = model_type
         return module
@@ -419,13 +436,14 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         with autocast_ctx:
             setattr(head_mod, _HEAD_FN, head)
             try:
-                raw = self.module(
-                    input_ids=layout.token_ids[None],
-                    position_ids=layout.position_ids[None],
-                    use_cache=False,
-                    harts_layout=layout,
-                    **kwargs,
-                )
+                with tree_call():
+                    raw = self.module(
+                        input_ids=layout.token_ids[None],
+                        position_ids=layout.position_ids[None],
+                        use_cache=False,
+                        harts_layout=layout,
+                        **kwargs,
+                    )
             finally:
                 setattr(head_mod, _HEAD_FN, None)
             flat = raw.logits[0]  # [S - N, 1 or 2]

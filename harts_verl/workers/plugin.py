@@ -1,4 +1,5 @@
 """veRL plugin entry point (group ``verl.plugins``): registers engine backend ``harts_fsdp2``,
+the native model type ``harts_hybrid`` with transformers' Auto classes,
 the agent loop ``harts_tool_agent`` (with the ``harts_calc`` tool format of the local recipe)
 and the CPU rollout server ``harts_hf`` (:mod:`harts_verl.workers.rollout`).
 
@@ -51,13 +52,16 @@ def register_rollout() -> bool:
 
 
 def register() -> bool:
-    """Import the engine module (its decorator registers ``harts_fsdp2`` for cuda and cpu).
-    Returns True on success; on failure logs a WARNING with the reason and returns False."""
+    """Import the engine module (its decorator registers ``harts_fsdp2`` for cuda and cpu) and
+    register the native model (``model_type: harts_hybrid``) with transformers' Auto classes, so
+    veRL's engines load it from ``model.path``. Returns True on success; on failure logs a
+    WARNING with the reason and returns False."""
     try:
         if os.environ.get("VERL_PLATFORM", "").strip().lower() == "harts_cpu":
             from harts_verl.workers.cpu_platform import install_cpu_platform
 
             install_cpu_platform()
+        importlib.import_module("harts_verl.models.hf")  # registers harts_hybrid on import
         importlib.import_module("harts_verl.workers.engine")  # registers on import
     except Exception as exc:
         logger.warning("harts-verl: could not register engine backend 'harts_fsdp2': %r", exc)

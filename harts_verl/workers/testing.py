@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from tensordict import TensorDict
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
 
 __all__ = [
     "TINY_KINDS",
@@ -24,13 +26,46 @@ __all__ = [
     "make_batch",
     "save_tiny_model",
     "tiny_hf_config",
+    "tiny_hf_model",
 ]
 
-TINY_KINDS = ("qwen2", "qwen3_next")
+TINY_KINDS = ("qwen2", "qwen3_next", "qwen3_5", "qwen3_5_moe")
+
+# Shared by the hybrid kinds: 4 layers (linear, full, linear, full), GQA 4/2 heads of 8 (16
+# for Qwen3.5, whose multi-axis RoPE needs >= 3 frequencies), GatedDeltaNet 2 key / 4 value heads.
+_HYBRID = dict(
+    hidden_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+    full_attention_interval=2,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
+_MOE = dict(
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    shared_expert_intermediate_size=16,
+)
+_QWEN3_5_ROPE = {
+    "rope_type": "default",
+    "rope_theta": 10000.0,
+    "partial_rotary_factor": 0.5,
+    "mrope_section": [2, 1, 1],
+}
 
 
 def tiny_hf_config(kind: str, vocab_size: int = 64):
-    """A tiny transformers config of ``kind`` (``qwen2`` or ``qwen3_next``), sdpa attention."""
+    """A tiny transformers config of ``kind`` (``qwen2``, ``qwen3_next``, ``qwen3_5`` = the
+    text-only Qwen3.5 causal LM, ``qwen3_5_moe`` = the text-only Qwen3.5-MoE causal LM), sdpa
+    attention, eager experts (float64-capable on CPU)."""
     import transformers
 
     if kind == "qwen2":
@@ -47,40 +82,51 @@ def tiny_hf_config(kind: str, vocab_size: int = 64):
     elif kind == "qwen3_next":
         cfg = transformers.Qwen3NextConfig(
             vocab_size=vocab_size,
-            hidden_size=32,
             intermediate_size=64,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=8,
-            linear_value_head_dim=8,
-            linear_conv_kernel_dim=4,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=16,
-            shared_expert_intermediate_size=16,
             decoder_sparse_step=1,
-            full_attention_interval=2,
-            max_position_embeddings=512,
-            tie_word_embeddings=False,
+            **_HYBRID,
+            **_MOE,
+        )
+    elif kind == "qwen3_5":
+        cfg = transformers.Qwen3_5TextConfig(
+            vocab_size=vocab_size,
+            intermediate_size=64,
+            rope_parameters=dict(_QWEN3_5_ROPE),
+            **{**_HYBRID, "head_dim": 16},
+        )
+    elif kind == "qwen3_5_moe":
+        cfg = transformers.Qwen3_5MoeTextConfig(
+            vocab_size=vocab_size,
+            rope_parameters=dict(_QWEN3_5_ROPE),
+            **{**_HYBRID, "head_dim": 16},
+            **_MOE,
         )
     else:
         raise ValueError(f"kind: expected one of {TINY_KINDS}, got {kind!r}")
     cfg._attn_implementation = "sdpa"
+    if kind in ("qwen3_next", "qwen3_5_moe"):
+        cfg._experts_implementation = "eager"
     return cfg
+
+
+def tiny_hf_model(kind: str, *, seed: int = 0, vocab_size: int = 64) -> torch.nn.Module:
+    """A randomly initialised (``torch.manual_seed(seed)``) fp32 tiny causal LM of ``kind``."""
+    import transformers
+
+    cls = {
+        "qwen2": transformers.Qwen2ForCausalLM,
+        "qwen3_next": transformers.Qwen3NextForCausalLM,
+        "qwen3_5": transformers.Qwen3_5ForCausalLM,
+        "qwen3_5_moe": transformers.Qwen3_5MoeForCausalLM,
+    }
+    cfg = tiny_hf_config(kind, vocab_size)
+    torch.manual_seed(seed)
+    return cls[kind](cfg).float()
 
 
 def save_tiny_model(kind: str, path: str, *, seed: int = 0, vocab_size: int = 64) -> str:
     """Build a randomly initialised tiny model of ``kind`` and save it (fp32) to ``path``."""
-    import transformers
-
-    cfg = tiny_hf_config(kind, vocab_size)
-    torch.manual_seed(seed)
-    cls = {"qwen2": transformers.Qwen2ForCausalLM, "qwen3_next": transformers.Qwen3NextForCausalLM}
-    model = cls[kind](cfg).float()
+    model = tiny_hf_model(kind, seed=seed, vocab_size=vocab_size)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     return path
@@ -111,6 +157,7 @@ def actor_config(
     entropy_coeff: float = 0.0,
     optimizer: str = "SGD",
     lr: float = 0.1,
+    weight_decay: float = 0.0,
 ):
     """An actor config as veRL's worker builds it (``HartsFSDPActorConfig`` for the harts
     strategy, veRL's ``FSDPActorConfig`` otherwise)."""
@@ -140,7 +187,11 @@ def actor_config(
         rollout_n=1,
         fsdp_config=fsdp,
         optim=FSDPOptimizerConfig(
-            optimizer=optimizer, lr=lr, total_training_steps=10, clip_grad=1e9, weight_decay=0.0
+            optimizer=optimizer,
+            lr=lr,
+            total_training_steps=10,
+            clip_grad=1e9,
+            weight_decay=weight_decay,
         ),
         use_remove_padding=True,
     )
@@ -196,6 +247,7 @@ def make_batch(
     (default 0..N−1) name the trajectories, so a rank's slice of a batch gets the same values. ``use_remove_padding=False`` makes
     the stock engine run padded rows instead of one packed row (needed for linear-attention
     models without fla: HF's torch fallback would carry state across packed sequences)."""
+    from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
 
     n = len(sequences)

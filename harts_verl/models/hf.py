@@ -1,0 +1,201 @@
+"""The native hybrid model as a transformers model (``model_type = "harts_hybrid"``).
+
+:class:`HartsHybridConfig` (a ``PreTrainedConfig`` holding every :class:`HybridConfig` field) and
+:class:`HartsHybridForCausalLM` (a ``PreTrainedModel`` around :class:`HybridForCausalLM`,
+parameters under ``model.``) are registered with ``AutoConfig`` / ``AutoModelForCausalLM`` when
+this module is imported (and by the veRL plugin), so ``save_pretrained`` / ``from_pretrained`` and
+veRL's FSDP engines, which load the actor through the Auto classes from ``model.path``, work.
+
+``forward`` takes the calls veRL's engines make:
+
+* trajectory-wise (stock ``fsdp2``): packed ``input_ids [1, T]`` with ``cu_seqlens`` (veRL
+  passes it when ``forward`` declares it) or ``position_ids`` restarting at 0 per sequence
+  (``use_remove_padding=True``), or padded ``input_ids [B, L]`` with ``attention_mask``; each
+  sequence runs as its own chain (:meth:`RolloutForest.expanded`), so packing never mixes
+  sequences; ``logits`` has the input's shape plus the vocabulary (zeros at padding);
+* tree mode (``harts_fsdp2``): ``input_ids [1, C]`` = compact rows with ``harts_layout``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+from harts_verl.models.config import HybridConfig
+from harts_verl.models.hybrid import HybridForCausalLM
+from harts_verl.ops.layout import TreeLayout
+from harts_verl.tree import RolloutForest
+
+__all__ = ["MODEL_TYPE", "HartsHybridConfig", "HartsHybridForCausalLM", "register_auto_classes"]
+
+MODEL_TYPE = "harts_hybrid"
+_FIELDS = tuple(f.name for f in dataclasses.fields(HybridConfig))
+
+
+class HartsHybridConfig(PreTrainedConfig):
+    """transformers configuration of the native hybrid model: every :class:`HybridConfig` field
+    (validated by it) plus the usual ``PreTrainedConfig`` keys.
+
+    The mixer of each layer (``HybridConfig.layer_types``: kda, gdn, mla, gqa) is stored as
+    ``mixer_types``; ``layer_types`` holds transformers' names (``linear_attention`` for kda/gdn,
+    ``full_attention`` for mla/gqa), which transformers validates. A ``HybridConfig``-style
+    ``layer_types`` of mixer names is accepted when ``mixer_types`` is absent."""
+
+    model_type = MODEL_TYPE
+
+    def __init__(self, **kwargs: Any) -> None:
+        mixers = kwargs.pop("mixer_types", None)
+        if mixers is not None:
+            kwargs["layer_types"] = list(mixers)
+        hybrid = HybridConfig(**{k: kwargs.pop(k) for k in list(kwargs) if k in _FIELDS})
+        kwargs.pop("num_hidden_layers", None)  # derived from the mixers
+        super().__init__(**kwargs)
+        for key, value in hybrid.to_dict().items():
+            if key != "layer_types":
+                setattr(self, key, value)
+        self.mixer_types = list(hybrid.layer_types)
+        self.layer_types = [
+            "linear_attention" if t in ("kda", "gdn") else "full_attention"
+            for t in hybrid.layer_types
+        ]
+        self.num_hidden_layers = hybrid.num_hidden_layers
+
+    def to_hybrid_config(self) -> HybridConfig:
+        d = {k: getattr(self, k) for k in _FIELDS if k != "layer_types"}
+        return HybridConfig(layer_types=list(self.mixer_types), **d)
+
+    @classmethod
+    def from_hybrid_config(cls, config: HybridConfig, **kwargs: Any) -> HartsHybridConfig:
+        return cls(**config.to_dict(), **kwargs)
+
+
+class HartsHybridForCausalLM(PreTrainedModel):
+    """transformers wrapper of :class:`HybridForCausalLM` (``self.model``); see the module
+    docstring for the calls ``forward`` accepts."""
+
+    config_class = HartsHybridConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    _no_split_modules: ClassVar[list[str]] = ["HybridDecoderLayer"]
+    supports_gradient_checkpointing = True
+    _supports_sdpa = True  # attention is the model's own (tree/varlen ops); any choice is accepted
+    _supports_flash_attn = True
+    supports_harts_layout = True  # the engine's tree call reaches ``forward`` directly
+
+    def __init__(self, config: HartsHybridConfig) -> None:
+        super().__init__(config)
+        self.model = HybridForCausalLM(config.to_hybrid_config())
+        self.post_init()
+
+    @property
+    def harts_native_model(self) -> HybridForCausalLM:
+        return self.model
+
+    def _init_weights(self, module: torch.nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, torch.nn.Linear):
+            torch.nn.init.normal_(module.weight, std=std)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, torch.nn.Embedding):
+            torch.nn.init.normal_(module.weight, std=std)
+
+    def get_input_embeddings(self) -> torch.nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: torch.nn.Embedding) -> None:
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self) -> torch.nn.Linear:
+        return self.model.lm_head
+
+    def set_output_embeddings(self, value: torch.nn.Linear) -> None:
+        self.model.lm_head = value
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None) -> None:
+        self.model.gradient_checkpointing = True
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.model.gradient_checkpointing = False
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return bool(self.model.gradient_checkpointing)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        harts_layout: TreeLayout | None = None,
+        labels: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> MoeCausalLMOutputWithPast:
+        if input_ids is None:
+            raise ValueError("input_ids: required (inputs_embeds is not supported)")
+        if labels is not None:
+            raise ValueError("labels: not supported; take log-probs from the returned logits")
+        if harts_layout is not None:
+            hidden, aux = self.model(input_ids.reshape(-1), harts_layout)
+            logits = self.model.lm_head(hidden[None])
+            return MoeCausalLMOutputWithPast(logits=logits, aux_loss=aux)
+        seqs, index = _trajectories(input_ids, attention_mask, position_ids, cu_seqlens)
+        forest = RolloutForest.expanded(seqs)
+        layout = TreeLayout(forest, chunk_size=self.config.chunk_size, device=input_ids.device)
+        hidden, aux = self.model(layout.token_ids, layout)
+        rows = np.concatenate([forest.rows_of(i) for i in range(len(seqs))])
+        rows_t = torch.as_tensor(rows, dtype=torch.long, device=hidden.device)
+        flat = hidden.index_select(0, rows_t)  # [tokens, D] in the input's (flattened) order
+        out = flat.new_zeros(input_ids.numel(), flat.shape[-1])
+        out = out.index_copy(0, index, flat).reshape(*input_ids.shape, -1)
+        return MoeCausalLMOutputWithPast(logits=self.model.lm_head(out), aux_loss=aux)
+
+
+def _trajectories(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+) -> tuple[list[np.ndarray], torch.Tensor]:
+    """The sequences of a trajectory-wise call and the flat input positions of their tokens."""
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids: expected [B, L], got shape {tuple(input_ids.shape)}")
+    ids = input_ids.detach().cpu().numpy().astype(np.int64, copy=False)
+    b, length = ids.shape
+    if attention_mask is not None:
+        mask = attention_mask.detach().cpu().numpy().astype(bool)
+        if mask.shape != ids.shape:
+            raise ValueError(f"attention_mask: shape {mask.shape} != input_ids {ids.shape}")
+        seqs = [ids[r][mask[r]] for r in range(b)]
+        flat = np.flatnonzero(mask.reshape(-1))
+    elif b == 1 and (cu_seqlens is not None or position_ids is not None):
+        if cu_seqlens is not None:
+            cu = cu_seqlens.detach().cpu().numpy().astype(np.int64)
+            cu = cu[cu <= length]
+        else:
+            pos = position_ids.detach().cpu().numpy().reshape(-1, length)[0]
+            starts = np.flatnonzero(np.r_[True, pos[1:] != pos[:-1] + 1])
+            cu = np.r_[starts, length]
+        seqs = [ids[0, cu[i] : cu[i + 1]] for i in range(cu.shape[0] - 1) if cu[i + 1] > cu[i]]
+        flat = np.arange(int(cu[-1]) - int(cu[0])) + int(cu[0])
+    else:
+        seqs = [ids[r] for r in range(b)]
+        flat = np.arange(b * length)
+    if not seqs or any(s.shape[0] == 0 for s in seqs):
+        raise ValueError("input_ids: every sequence needs at least one token")
+    return seqs, torch.as_tensor(flat, dtype=torch.long, device=input_ids.device)
+
+
+def register_auto_classes() -> None:
+    """Register ``harts_hybrid`` with ``AutoConfig`` and ``AutoModelForCausalLM`` (idempotent)."""
+    AutoConfig.register(MODEL_TYPE, HartsHybridConfig, exist_ok=True)
+    AutoModelForCausalLM.register(HartsHybridConfig, HartsHybridForCausalLM, exist_ok=True)
+
+
+register_auto_classes()
