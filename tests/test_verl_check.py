@@ -1,5 +1,6 @@
 """``harts-verl check`` (``harts_verl.workers.check``): fidelity audit on a saved model and a
-dumped batch."""
+dumped batch, for every model family that runs in tree mode; the analytic FLOP model
+(``harts_verl.runtime.flops``) of the same families."""
 
 from __future__ import annotations
 
@@ -7,22 +8,118 @@ import json
 import sys
 
 import numpy as np
+import pytest
 import torch
 
 
-def test_check_reports_fidelity(tmp_path, capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "fla", None)
-    from harts_verl.workers.check import main
-    from harts_verl.workers.testing import save_tiny_model
-
-    path = save_tiny_model("qwen2", str(tmp_path / "m"), seed=1)
+def _batch(tmp_path) -> str:
     rng = np.random.default_rng(0)
     p = rng.integers(0, 64, 20).tolist()
     seqs = [p + rng.integers(0, 64, 9).tolist(), p[:11] + rng.integers(0, 64, 5).tolist(), p]
     nested = torch.nested.as_nested_tensor([torch.tensor(s) for s in seqs], layout=torch.jagged)
     torch.save({"input_ids": nested}, tmp_path / "batch.pt")
-    assert main(["--model", path, "--batch", str(tmp_path / "batch.pt"), "--chunk-size", "8"]) == 0
+    return str(tmp_path / "batch.pt")
+
+
+def _save_native(path: str) -> str:
+    from harts_verl.models import preset
+    from harts_verl.models.hf import HartsHybridConfig, HartsHybridForCausalLM
+
+    torch.manual_seed(1)
+    cfg = HartsHybridConfig.from_hybrid_config(preset("tiny", vocab_size=64))
+    HartsHybridForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "kind,layers",
+    [("qwen2", 2), ("qwen3_5", 4), ("qwen3_5_moe", 4), ("harts_hybrid", 4)],
+)
+@pytest.mark.parametrize("source", ["weights", "config"])
+def test_check_reports_fidelity(tmp_path, capsys, monkeypatch, kind, layers, source):
+    monkeypatch.setitem(sys.modules, "fla", None)
+    from harts_verl.workers.check import main
+    from harts_verl.workers.testing import save_tiny_model
+
+    if kind == "harts_hybrid":
+        path = _save_native(str(tmp_path / "m"))
+    else:
+        path = save_tiny_model(kind, str(tmp_path / "m"), seed=1)
+    model = path if source == "weights" else f"{path}/config.json"
+    assert main(["--model", model, "--batch", _batch(tmp_path), "--chunk-size", "8"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["trajectories"] == 3 and res["compression"] > 1
     assert res["max_abs_dlogp"] <= 1e-6 and res["mean_cos"] > 0.999999
-    assert len(res["per_layer_max_abs_diff"]) == 2 and res["first_divergent_layer"] is None
+    assert len(res["per_layer_max_abs_diff"]) == layers and res["first_divergent_layer"] is None
+    assert res["ideal_flop_ratio"] > 1
+
+
+def test_cli_check_on_native_config_in_a_fresh_process(tmp_path):
+    """``harts-verl check`` registers the native model's Auto classes itself."""
+    import os
+    import subprocess
+
+    path = _save_native(str(tmp_path / "m"))
+    code = (
+        "import sys; sys.modules['fla'] = None; from harts_verl.cli import main; "
+        "sys.exit(main(sys.argv[1:]))"
+    )
+    args = ["check", "--model", f"{path}/config.json", "--batch", _batch(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout[out.stdout.index("{") :])
+    assert res["max_abs_dlogp"] <= 1e-6 and len(res["per_layer_max_abs_diff"]) == 4
+
+
+def _param_flops(model: torch.nn.Module) -> float:
+    """2 x the weights a token multiplies (linears, convolutions, routers, its share of the
+    routed experts): the per-token forward FLOPs counted from the module tree."""
+    cfg = model.config
+    total = 0.0
+    for m in model.modules():
+        name = type(m).__name__
+        if isinstance(m, torch.nn.Linear | torch.nn.Conv1d) or name.endswith("TopKRouter"):
+            total += m.weight.numel()
+        elif name.endswith("Experts"):
+            own = sum(p.numel() for p in m.parameters(recurse=False))
+            total += own * cfg.num_experts_per_tok / cfg.num_experts
+    return 2.0 * total
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3_next", "qwen3_5", "qwen3_5_moe"])
+def test_flop_model_matches_the_module_tree(kind, monkeypatch):
+    monkeypatch.setitem(sys.modules, "fla", None)
+    from harts_verl.runtime.flops import model_shape
+    from harts_verl.workers.testing import tiny_hf_model
+
+    model = tiny_hf_model(kind)
+    shape = model_shape(model.config)
+    assert shape.dense_per_token == pytest.approx(_param_flops(model), rel=1e-12)
+    cfg = model.config
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    n_full = sum(t == "full_attention" for t in getattr(cfg, "layer_types", None) or [])
+    n_full = n_full or cfg.num_hidden_layers
+    assert shape.attention_per_pair == 4.0 * cfg.num_attention_heads * hd * n_full
+    assert (shape.linear_per_token > 0) == (kind != "qwen2")
+
+
+def test_flop_model_dispatch(monkeypatch):
+    monkeypatch.setitem(sys.modules, "fla", None)
+    import transformers
+
+    from harts_verl.models import preset
+    from harts_verl.models.hf import HartsHybridConfig
+    from harts_verl.runtime.flops import model_shape, native_model_shape
+    from harts_verl.workers.testing import tiny_hf_config
+
+    native = preset("tiny")
+    assert model_shape(native) == native_model_shape(native)
+    assert model_shape(HartsHybridConfig.from_hybrid_config(native)) == native_model_shape(native)
+    text = tiny_hf_config("qwen3_5")
+    wrapper = transformers.Qwen3_5Config(text_config=text.to_dict())
+    assert model_shape(wrapper) == model_shape(text)
+    with pytest.raises(ValueError, match="gpt2"):
+        model_shape(transformers.GPT2Config())

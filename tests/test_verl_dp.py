@@ -2,7 +2,9 @@
 
 Trees are split between ranks by the tree-aware balancer; every trajectory's log-probs come
 back exactly once and equal the single-process run; gradients (gathered from the FSDP shards)
-equal the single-process gradients.
+equal the single-process gradients. A second split gives the ranks very uneven work (one rank
+plans several micro-batches, the other one): every engine call still runs the same number of
+micro-batches on both ranks (splits, then zero-loss dummies), with the same results.
 """
 
 from __future__ import annotations
@@ -26,6 +28,42 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# A rank of dp_worker that also records, per engine call, the planned micro-batch count and
+# each micro-batch step run (dummy or not), to ``out_path + ".json"``.
+_WORKER = """
+import atexit, json, sys
+sys.modules["fla"] = None
+args = json.loads(sys.argv[1])
+from harts_verl.workers import engine as E
+log = []
+plan0, step0 = E.HartsFSDPEngine._plan, E.HartsFSDPEngine._tree_forward_step
+def plan(self, *a, **k):
+    groups, ms = plan0(self, *a, **k)
+    log.append(["plan", self._calls, len(groups)])
+    return groups, ms
+def step(self, *a, **k):
+    log.append(["step", self._calls, bool(k.get("dummy", False))])
+    return step0(self, *a, **k)
+E.HartsFSDPEngine._plan, E.HartsFSDPEngine._tree_forward_step = plan, step
+atexit.register(lambda: json.dump(log, open(args["out_path"] + ".json", "w")))
+from harts_verl.workers.testing import dp_worker
+dp_worker(**args)
+"""
+
+
+def _calls(log: list) -> dict[int, dict]:
+    """Per engine call: planned micro-batches, steps run, dummy steps."""
+    out: dict[int, dict] = {}
+    for kind, call, val in log:
+        c = out.setdefault(call, {"planned": 0, "steps": 0, "dummies": 0})
+        if kind == "plan":
+            c["planned"] = val
+        else:
+            c["steps"] += 1
+            c["dummies"] += int(val)
+    return out
+
+
 def _launch(world: int, args: dict, tmp_path, tag: str, timeout: float = 240.0) -> list[dict]:
     port = _free_port()
     procs, outs = [], []
@@ -34,10 +72,7 @@ def _launch(world: int, args: dict, tmp_path, tag: str, timeout: float = 240.0) 
         out = str(tmp_path / f"{tag}_{rank}.pt")
         outs.append(out)
         call = {**args, "rank": rank, "world_size": world, "port": port, "out_path": out}
-        code = (
-            "import json,sys; from harts_verl.workers.testing import dp_worker; "
-            "dp_worker(**json.loads(sys.argv[1]))"
-        )
+        code = _WORKER
         procs.append(
             subprocess.Popen(
                 [sys.executable, "-c", code, json.dumps(call)],
@@ -58,7 +93,11 @@ def _launch(world: int, args: dict, tmp_path, tag: str, timeout: float = 240.0) 
                 p.kill()
                 p.wait(timeout=30)
     assert not errors, "\n".join(errors)
-    return [torch.load(o) for o in outs]
+    res = [torch.load(o) for o in outs]
+    for r, o in zip(res, outs):
+        with open(o + ".json") as f:
+            r["calls"] = _calls(json.load(f))
+    return res
 
 
 def test_two_rank_dp_equals_single_process(tmp_path):
@@ -82,10 +121,27 @@ def test_two_rank_dp_equals_single_process(tmp_path):
     assert sorted(i for p in parts for i in p) == list(range(len(seqs)))
     base = {"model_path": path, "sequences": seqs, "prompt_lengths": pls}
     single = _launch(1, {**base, "parts": [list(range(len(seqs)))]}, tmp_path, "single")[0]
-    ranks = _launch(2, {**base, "parts": parts}, tmp_path, "dp")
+    # Uneven: rank 0 holds the three big trees (several micro-batches at capacity 40), rank 1
+    # the two-trajectory tree (one micro-batch, splittable once, then dummies).
+    uneven = [list(range(12)), [12, 13]]
+    for tag, split in (("dp", parts), ("uneven", uneven)):
+        ranks = _launch(2, {**base, "parts": split}, tmp_path, tag)
+        _check_against_single(ranks, single, len(seqs))
+        c0, c1 = ranks[0]["calls"], ranks[1]["calls"]
+        assert sorted(c0) == sorted(c1) == [1, 2]  # infer_batch, train_batch
+        for call in c0:  # every engine call: the same number of micro-batches on both ranks
+            assert c0[call]["steps"] == c1[call]["steps"]
+            assert c0[call]["steps"] == max(c0[call]["planned"], c1[call]["planned"])
+        if tag == "uneven":
+            for call in c0:
+                assert c0[call]["planned"] >= 3 and c1[call]["planned"] == 1
+                assert c0[call]["dummies"] == 0
+                assert c1[call]["dummies"] == c0[call]["planned"] - 2  # split once, then pad
 
+
+def _check_against_single(ranks: list[dict], single: dict, n: int) -> None:
     seen = [i for r in ranks for i in r["indices"]]
-    assert sorted(seen) == list(range(len(seqs)))  # each trajectory exactly once
+    assert sorted(seen) == list(range(n))  # each trajectory exactly once
     for r in ranks:
         for i, lp in zip(r["indices"], r["log_probs"]):
             ref = single["log_probs"][i]

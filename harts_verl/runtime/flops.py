@@ -22,6 +22,17 @@ import numpy as np
 
 from harts_verl.tree import RolloutForest
 
+__all__ = [
+    "ModelShape",
+    "forward_flops",
+    "full_attention_shape",
+    "gated_hybrid_shape",
+    "ideal_flop_ratio",
+    "model_shape",
+    "native_model_shape",
+    "qwen3_next_shape",
+]
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -74,11 +85,20 @@ def native_model_shape(cfg: Any) -> ModelShape:
     return ModelShape(dense, attn, lin)
 
 
-def qwen3_next_shape(cfg: Any) -> ModelShape:
-    """Coefficients of a transformers ``Qwen3NextConfig``."""
+def gated_hybrid_shape(cfg: Any) -> ModelShape:
+    """Coefficients of a transformers Qwen3-Next (``Qwen3NextConfig``) or Qwen3.5 text model
+    (``Qwen3_5TextConfig``, ``Qwen3_5MoeTextConfig``): GatedDeltaNet layers (Qwen3-Next fuses
+    the q|k|v|z and b|a projections, Qwen3.5 keeps them separate: same FLOPs), gated softmax
+    attention, and per layer a dense MLP or a sparse MoE block (router, ``num_experts_per_tok``
+    experts, shared expert and its gate). Qwen3-Next's MoE layers follow
+    ``decoder_sparse_step`` / ``mlp_only_layers``; Qwen3.5-MoE has MoE in every layer and the
+    dense Qwen3.5 none."""
     d = cfg.hidden_size
     dense = 2.0 * d * cfg.vocab_size
     attn = lin = 0.0
+    num_experts = int(getattr(cfg, "num_experts", 0) or 0)
+    step = getattr(cfg, "decoder_sparse_step", 1) or 1
+    mlp_only = set(getattr(cfg, "mlp_only_layers", None) or ())
     for i, t in enumerate(cfg.layer_types):
         if t == "linear_attention":
             hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -87,23 +107,65 @@ def qwen3_next_shape(cfg: Any) -> ModelShape:
             dense += 2.0 * proj + 2.0 * cfg.linear_conv_kernel_dim * (2 * hk * k + hv * v)
             lin += hv * (2.0 * 64 * (k + v) + 6.0 * k * v)
         else:
-            hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+            hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+            hd = getattr(cfg, "head_dim", None) or d // hq
             dense += 2.0 * (d * hq * hd * 2 + 2 * d * hkv * hd + hq * hd * d)
             attn += 2.0 * hq * 2 * hd
-        moe = (
-            cfg.num_experts > 0
-            and (i + 1) % cfg.decoder_sparse_step == 0
-            and i not in cfg.mlp_only_layers
-        )
+        moe = num_experts > 0 and (i + 1) % step == 0 and i not in mlp_only
         if moe:
             dense += (
-                2.0 * d * cfg.num_experts
+                2.0 * d * num_experts
                 + 2.0 * 3 * d * cfg.moe_intermediate_size * cfg.num_experts_per_tok
             )
-            dense += 2.0 * (3 * d * cfg.shared_expert_intermediate_size + d)
+            shared = int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
+            if shared:
+                dense += 2.0 * (3 * d * shared + d)
         else:
             dense += 2.0 * 3 * d * cfg.intermediate_size
     return ModelShape(dense, attn, lin)
+
+
+qwen3_next_shape = gated_hybrid_shape  # the name this module used first
+
+
+def full_attention_shape(cfg: Any) -> ModelShape:
+    """Coefficients of a plain full-attention causal LM (Qwen2, Qwen3, Llama): q/k/v/o
+    projections (biases ignored), a gated MLP per layer, the LM head."""
+    d = cfg.hidden_size
+    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads or cfg.num_attention_heads
+    hd = getattr(cfg, "head_dim", None) or d // hq
+    n = cfg.num_hidden_layers
+    per_layer = d * hq * hd + 2 * d * hkv * hd + hq * hd * d + 3 * d * cfg.intermediate_size
+    return ModelShape(2.0 * d * cfg.vocab_size + 2.0 * n * per_layer, n * 2.0 * hq * 2 * hd, 0.0)
+
+
+_GATED_HYBRID_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+_FULL_ATTENTION_TYPES = ("qwen2", "qwen3", "llama")
+
+
+def model_shape(cfg: Any) -> ModelShape:
+    """Coefficients of any model that runs in tree mode, from its config: a native
+    :class:`~harts_verl.models.HybridConfig` or ``HartsHybridConfig`` (``harts_hybrid``), the
+    HF hybrids ``qwen3_next`` / ``qwen3_5_text`` / ``qwen3_5_moe_text`` (and the multi-modal
+    ``qwen3_5`` / ``qwen3_5_moe`` wrappers, through their ``text_config``: the vision tower is
+    not counted), and ``qwen2`` / ``qwen3`` / ``llama``."""
+    from harts_verl.models.config import HybridConfig
+
+    if isinstance(cfg, HybridConfig):
+        return native_model_shape(cfg)
+    model_type = getattr(cfg, "model_type", None)
+    if model_type == "harts_hybrid":
+        return native_model_shape(cfg.to_hybrid_config())
+    if model_type in ("qwen3_5", "qwen3_5_moe"):
+        return model_shape(cfg.text_config)
+    if model_type in _GATED_HYBRID_TYPES:
+        return gated_hybrid_shape(cfg)
+    if model_type in _FULL_ATTENTION_TYPES:
+        return full_attention_shape(cfg)
+    raise ValueError(
+        f"model_shape: no FLOP model for model_type {model_type!r} (known: harts_hybrid, "
+        f"{', '.join(_GATED_HYBRID_TYPES + _FULL_ATTENTION_TYPES)}, qwen3_5, qwen3_5_moe)"
+    )
 
 
 def forward_flops(

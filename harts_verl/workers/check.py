@@ -1,11 +1,15 @@
 """``harts-verl check``: fidelity audit of tree vs expanded execution on your model and batch.
 
 Inputs: ``--model`` an HF model directory (weights) or a ``config.json`` (random weights,
-seeded), ``--batch`` a dump of trajectories: a ``RolloutForest.save`` file (``.npz``), or a
-``torch.save`` file (``.pt``) holding a list of token-id lists or a dict with ``input_ids``
-(list, or a nested tensor as in a veRL batch). Prints JSON: max |Δlogp|, MeanCos of the final
-hidden states' logits, and per decoder layer the max |Δ| of its output with the first layer
-whose difference exceeds ``--tol`` (None when all stay within).
+seeded) of any model that runs in tree mode — Qwen3-Next, the Qwen3.5 / Qwen3.5-MoE text models
+(``qwen3_5_text``, ``qwen3_5_moe_text``) and their multi-modal wrappers (the text model is
+audited), the native model (``harts_hybrid``), Qwen2 / Qwen3 / Llama; ``--batch`` a dump of
+trajectories: a ``RolloutForest.save`` file (``.npz``), or a ``torch.save`` file (``.pt``)
+holding a list of token-id lists or a dict with ``input_ids`` (list, or a nested tensor as in a
+veRL batch). Prints JSON: max |Δlogp|, MeanCos of the final hidden states' logits, per decoder
+layer the max |Δ| of its output with the first layer whose difference exceeds ``--tol`` (None
+when all stay within), and the batch's analytic FLOP ratio expanded ÷ tree
+(:mod:`harts_verl.runtime.flops`; None for a model without a FLOP model).
 
 Run: ``python -m harts_verl.workers.check --model DIR --batch FILE`` (the ``harts-verl check``
 subcommand calls :func:`main`).
@@ -21,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["add_arguments", "load_sequences", "main", "run_check"]
+__all__ = ["add_arguments", "decoder_layers", "load_sequences", "main", "run_check"]
 
 
 def load_sequences(path: str) -> list[list[int]]:
@@ -44,21 +48,71 @@ def _load_model(spec: str, dtype: torch.dtype, seed: int):
 
     import transformers
 
+    from harts_verl.models.hf import register_auto_classes
+
+    register_auto_classes()  # the native model (model_type harts_hybrid) through the Auto classes
     if spec.endswith(".json"):
         cfg = transformers.AutoConfig.from_pretrained(os.path.dirname(spec) or ".")
-        cfg._attn_implementation = "sdpa"
+    else:
+        cfg = transformers.AutoConfig.from_pretrained(spec)
+    cfg._attn_implementation = "sdpa"
+    for sub in (cfg, getattr(cfg, "text_config", None)):
+        if sub is not None and getattr(sub, "num_experts", 0):
+            sub._experts_implementation = "eager"  # float64-capable, any device
+    if spec.endswith(".json"):
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(spec, attn_implementation="sdpa")
+        model = transformers.AutoModelForCausalLM.from_pretrained(spec, config=cfg)
     return model.to(dtype).eval()
+
+
+def decoder_layers(model: Any) -> list[torch.nn.Module]:
+    """The decoder layers of an HF causal LM (``model.layers``), of a multi-modal wrapper's text
+    model (``model.language_model.layers``) or of the native model (its ``layers``, also under
+    the HF wrapper's ``model``); empty when none is found."""
+    from harts_verl.models.adapter import as_tree_model
+
+    candidates = [model, getattr(model, "model", None)]
+    inner = getattr(model, "model", None)
+    candidates.append(getattr(inner, "language_model", None))
+    try:
+        candidates.append(as_tree_model(model))
+    except TypeError:
+        pass
+    for c in candidates:
+        if c is None:
+            continue
+        for owner in (c, getattr(c, "model", None), getattr(c, "base", None)):
+            layers = getattr(owner, "layers", None)
+            if isinstance(layers, torch.nn.ModuleList) and len(layers):
+                return list(layers)
+    return []
+
+
+def _flop_ratio(model: Any, seqs: list[list[int]], chunk_size: int) -> float | None:
+    """Analytic expanded ÷ tree forward FLOPs of the batch (None without a FLOP model)."""
+    from harts_verl.ops.layout import TreeLayout
+    from harts_verl.runtime.flops import ideal_flop_ratio, model_shape
+    from harts_verl.tree import RolloutForest
+
+    try:
+        shape = model_shape(model.config)
+    except (ValueError, AttributeError):
+        return None
+    forest = RolloutForest.from_sequences(seqs)
+    replay = 0
+    if shape.linear_per_token:
+        layout = TreeLayout(forest, chunk_size=chunk_size, device="cpu")
+        replay = int(layout.linear_plan.plan.replay_tokens)
+    return float(ideal_flop_ratio(shape, forest, replay)["ideal_flop_ratio"])
 
 
 def _layer_outputs(runner: Any, model: Any, seqs: list[list[int]]) -> list[list[torch.Tensor]]:
     """Per decoder layer, per trajectory: the layer's output rows ``[L_i, D]``."""
     from harts_verl.ops.layout import TreeLayout
 
-    layers = model.model.layers
+    layers = decoder_layers(model)
     captured: list[torch.Tensor] = []
     hooks = [
         lyr.register_forward_hook(
@@ -102,7 +156,7 @@ def run_check(
         ]
     )
     per_layer = []
-    if hasattr(model, "model") and hasattr(model.model, "layers"):
+    if decoder_layers(model):
         lt_layers = _layer_outputs(tree, model, seqs)
         le_layers = _layer_outputs(exp, model, seqs)
         per_layer = [
@@ -120,6 +174,7 @@ def run_check(
         "per_layer_max_abs_diff": per_layer,
         "first_divergent_layer": first,
         "tol": tol,
+        "ideal_flop_ratio": _flop_ratio(model, seqs, chunk_size),
     }
 
 

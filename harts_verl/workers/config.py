@@ -39,7 +39,7 @@ class HartsConfig(BaseConfig):
       min_compression: when the global batch's compression S/C is below this, the batch runs
         the stock path (metric ``harts/fallback`` = 1).
       audit_every: every N engine calls, recompute the log-probs of a sample of trajectories
-        with the stock (expanded) path and log ``harts/audit_max_abs_diff`` (0 = never).
+        with the stock (expanded) path and log ``harts/audit`` (max abs log-prob difference; 0 = never).
       audit_trajectories: how many trajectories the audit samples.
       rows_per_chunk: rows per chunk of the compact log-prob/entropy kernel (memory bound).
       planner: options passed to ``plan_microbatches`` (``strategies``, ``improve``,

@@ -5,8 +5,11 @@ What changes against the stock engine (everything else is inherited):
 * ``forward_backward_batch``: the local batch's trajectories (nested ``input_ids``) become a
   :class:`~harts_verl.tree.RolloutForest`; micro-batches are planned by compact work
   (``plan_microbatches``, capacity = ``harts.capacity_tokens`` or the batch's
-  ``max_token_len_per_gpu``); every DP rank runs the same number of micro-batches (FSDP
-  collectives stay aligned); outputs are restored to the batch order.
+  ``max_token_len_per_gpu``); every DP rank runs the same number of micro-batches (an
+  all-reduce MAX of the local counts; a rank with fewer splits its heaviest micro-batches at
+  the cut that best halves their work, or runs zero-loss dummy forwards when nothing can be
+  split), so FSDP collectives and the gradient-sync micro-batch stay aligned; outputs are
+  restored to the batch order.
 * ``forward_step`` of a micro-batch: one forward of the FSDP root module on the compact rows
   (``input_ids`` = row tokens, ``position_ids`` = row depths, ``harts_layout`` reaching the
   patched token mixers), with the LM head replaced for that call by
@@ -160,6 +163,24 @@ def _has_multi_modal(data: TensorDict) -> bool:
     )
 
 
+def _split_by_work(forest: RolloutForest, group: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """Cut ``group`` (≥ 2 trajectories) in two consecutive leaf-order ranges: the cut minimising
+    the larger half's compact work, then the common prefix at the cut, then its position.
+    Returns ``[(work, trajectories), (work, trajectories)]`` (work = compact rows)."""
+    sub = forest.subset(group)
+    order = np.asarray(sub.leaf_order, np.int64)
+    lens = np.asarray(sub.lengths, np.int64)[order]
+    adj = np.asarray(sub.adjacent_lcp, np.int64)
+    cl = np.cumsum(lens)
+    ca = np.concatenate([[0], np.cumsum(adj)])
+    j = np.arange(1, order.shape[0])
+    left = cl[j - 1] - ca[j - 1]
+    right = (cl[-1] - cl[j - 1]) - (ca[-1] - ca[j])
+    k = int(np.lexsort((j, adj, np.maximum(left, right)))[0])
+    cut = int(j[k])
+    return [(int(left[k]), group[order[:cut]]), (int(right[k]), group[order[cut:]])]
+
+
 @EngineRegistry.register(model_type="language_model", backend=STRATEGY, device=["cuda", "cpu"])
 class HartsFSDPEngine(FSDPEngineWithLMHead):
     """veRL FSDP2 engine running each micro-batch as its token trie (see module docstring)."""
@@ -226,7 +247,11 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             cap = getattr(self.engine_config, "max_token_len_per_gpu", None)
         return int(cap) if cap else 16384
 
-    def _plan(self, forest: RolloutForest, capacity: int) -> tuple[list[np.ndarray], float]:
+    def _plan(
+        self, forest: RolloutForest, capacity: int
+    ) -> tuple[list[tuple[int, np.ndarray]], float]:
+        """The planner's micro-batches of the local batch as ``(compact work, trajectories)``,
+        and the planning time (ms)."""
         from harts_verl.tree.microbatch import plan_microbatches
 
         opts = dict(self.harts.planner)
@@ -235,25 +260,36 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         plan = plan_microbatches(
             forest, capacity_tokens=capacity, dp_size=1, seed=seed, allow_oversize=True, **opts
         )
-        groups = [np.asarray(mb.trajectories, np.int64) for mb in plan.microbatches]
-        groups = [g for g in groups if g.shape[0]]
+        groups = [
+            (int(mb.compact_tokens), np.asarray(mb.trajectories, np.int64))
+            for mb in plan.microbatches
+            if len(mb.trajectories)
+        ]
         return groups, (time.perf_counter() - t0) * 1e3
 
     @staticmethod
-    def _equalize(groups: list[np.ndarray], target: int) -> list[np.ndarray | None]:
-        """Split the largest micro-batches (in leaf order) until there are ``target``; pad with
-        ``None`` (a zero-loss dummy forward) when nothing can be split."""
-        out: list[np.ndarray | None] = list(groups)
-        while len(out) < target:
-            sizes = [g.shape[0] if g is not None else 0 for g in out]
-            j = int(np.argmax(sizes)) if sizes else 0
-            if not sizes or sizes[j] < 2:
-                out.append(None)
-                continue
-            g = out[j]
-            half = g.shape[0] // 2
-            out[j : j + 1] = [g[:half], g[half:]]
-        return out
+    def _equalize(
+        forest: RolloutForest, groups: list[tuple[int, np.ndarray]], target: int
+    ) -> list[np.ndarray | None]:
+        """``target`` micro-batches from the planned ``groups`` (``(work, trajectories)``;
+        ``target`` = the largest count
+        over the DP ranks, so every rank runs the same number and FSDP collectives stay
+        aligned): the micro-batch with the most compact work is split in two at the leaf-order
+        cut that best halves its work (ties: the cut with the shortest common prefix, i.e. the
+        least duplicated work) until there are ``target``; when only single-trajectory
+        micro-batches are left, ``None`` pads (a zero-loss dummy forward). Real micro-batches
+        are ordered by decreasing work (the same slot order on every rank), dummies last."""
+        items = list(groups)
+        n_dummy = 0
+        while len(items) + n_dummy < target:
+            cand = [k for k, (_, g) in enumerate(items) if g.shape[0] >= 2]
+            if not cand:
+                n_dummy = target - len(items)
+                break
+            j = max(cand, key=lambda k: (items[k][0], -k))
+            items[j : j + 1] = _split_by_work(forest, items[j][1])
+        order = sorted(range(len(items)), key=lambda k: (-items[k][0], k))
+        return [items[k][1] for k in order] + [None] * n_dummy
 
     # ------------------------------------------------------------------ batch
     def forward_backward_batch(self, data: TensorDict, loss_function, forward_only=False):
@@ -318,16 +354,17 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
 
         groups, planning_ms = self._plan(forest, self._capacity(data))
         target = int(self._dp_all_reduce([len(groups)], op=dist.ReduceOp.MAX)[0])
-        groups_eq = self._equalize(groups, target)
+        groups_eq = self._equalize(forest, groups, target)
 
         ctx = torch.no_grad() if forward_only else nullcontext()
         scaler = getattr(self, "scaler", None)
         output_lst: list[dict] = []
         indices: list[list[int]] = []
         stats = {"compact_tokens": 0, "replay_tokens": 0, "rounds": 0}
+        shortest = [int(np.argmin(forest.lengths))]  # what a dummy micro-batch runs
         for k, idx in enumerate(groups_eq):
             dummy = idx is None
-            sel = [0] if dummy else idx.tolist()
+            sel = shortest if dummy else idx.tolist()
             micro_batch = tu.index_select_tensor_dict(data, sel)
             sync_ctx = (
                 nullcontext()
@@ -363,6 +400,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         metrics["harts/replay_tokens"] = [float(stats["replay_tokens"])]
         metrics["harts/rounds"] = [float(stats["rounds"])]
         metrics["harts/microbatches"] = [float(len(groups_eq))]
+        metrics["harts/dummy_microbatches"] = [float(sum(g is None for g in groups_eq))]
         metrics["harts/planning_ms"] = [planning_ms]
         metrics["harts/fallback"] = [0.0]
         if self.harts.audit_every and self._calls % self.harts.audit_every == 0:

@@ -4,9 +4,12 @@
 changes, both active only when ``actor_rollout_ref.actor.strategy=harts_fsdp2``:
 
 * ``_balance_batch`` reorders the batch with :func:`~harts_verl.workers.balance.
-  tree_balanced_partition` (trees stay on one DP rank, compact work balanced; veRL's dispatcher
-  then hands each rank one consecutive equal chunk), instead of veRL's sequence-length
-  Karmarkar-Karp; metrics ``harts/dp_max_work``, ``harts/dp_min_work``;
+  tree_balanced_partition` (trees stay on one DP rank and in one actor mini-batch, compact
+  work balanced per mini-batch and per rank; veRL's dispatcher then hands each rank one
+  consecutive equal chunk, which the worker cuts into consecutive mini-batches), instead of
+  veRL's sequence-length Karmarkar-Karp; metrics ``harts/dp_max_work``, ``harts/dp_min_work``,
+  ``harts/dp_minibatch_imbalance``, ``harts/dp_compression``. The engine then makes the number
+  of micro-batches equal on every rank (:mod:`harts_verl.workers.engine`);
 * the trainer class is chosen by our TaskRunner (``trainer.v1.trainer_mode`` stays ``sync``:
   veRL compares it to that literal in several places).
 
@@ -25,7 +28,14 @@ import verl  # noqa: F401  # first: verl loads our plugin (engine -> config) bef
 from harts_verl.workers.balance import partition_work, tree_balanced_partition
 from harts_verl.workers.config import STRATEGY
 
-__all__ = ["harts_balance_batch", "is_harts_config", "main", "task_runner_class", "trainer_class"]
+__all__ = [
+    "harts_balance_batch",
+    "is_harts_config",
+    "main",
+    "num_mini_batches_of",
+    "task_runner_class",
+    "trainer_class",
+]
 
 
 def is_harts_config(config: Any) -> bool:
@@ -36,19 +46,53 @@ def is_harts_config(config: Any) -> bool:
         return False
 
 
-def harts_balance_batch(sequences: list[Any], dp_size: int) -> tuple[list[int], dict[str, float]]:
-    """The batch order for ``dp_size`` ranks (concatenated equal parts) and its metrics."""
+def harts_balance_batch(
+    sequences: list[Any], dp_size: int, num_mini_batches: int = 1
+) -> tuple[list[int], dict[str, float]]:
+    """The batch order for ``dp_size`` ranks (concatenated equal parts, each the concatenation of
+    ``num_mini_batches`` equal mini-batches) and its metrics: ``harts/dp_max_work`` /
+    ``harts/dp_min_work`` (a rank's compact work summed over its mini-batches),
+    ``harts/dp_minibatch_imbalance`` (the largest ``(max − mean) / max`` of the ranks' work
+    within one mini-batch), ``harts/dp_compression`` (semantic tokens ÷ Σ cell work)."""
+    import numpy as np
+
     from harts_verl.tree import RolloutForest
 
     forest = RolloutForest.from_sequences(sequences)
-    parts = tree_balanced_partition(forest, dp_size)
-    work = [partition_work(forest, p) for p in parts]
+    parts = tree_balanced_partition(forest, dp_size, num_mini_batches)
+    m = len(parts[0]) // num_mini_batches if parts else 0
+    cell = np.array(
+        [
+            [partition_work(forest, p[k * m : (k + 1) * m]) for p in parts]
+            for k in range(num_mini_batches)
+        ],
+        np.float64,
+    )  # [mini-batch, rank]
+    peak = cell.max(axis=1)
+    imb = np.where(peak > 0, (peak - cell.mean(axis=1)) / np.maximum(peak, 1), 0.0)
+    rank_work = cell.sum(axis=0)
     metrics = {
-        "harts/dp_max_work": float(max(work)),
-        "harts/dp_min_work": float(min(work)),
-        "harts/dp_compression": forest.num_semantic_tokens / max(sum(work), 1),
+        "harts/dp_max_work": float(rank_work.max()),
+        "harts/dp_min_work": float(rank_work.min()),
+        "harts/dp_minibatch_imbalance": float(imb.max(initial=0.0)),
+        "harts/dp_compression": forest.num_semantic_tokens / max(float(cell.sum()), 1.0),
     }
     return [j for p in parts for j in p], metrics
+
+
+def num_mini_batches_of(config: Any, batch_size: int) -> int:
+    """How many actor mini-batches veRL cuts a batch of ``batch_size`` into (each rank cuts its
+    chunk into that many consecutive pieces); 1 when it does not divide evenly or when the
+    actor shuffles its mini-batches (then the cells would not survive)."""
+    try:
+        actor = config.actor_rollout_ref.actor
+        global_mini = int(actor.ppo_mini_batch_size) * int(config.actor_rollout_ref.rollout.n)
+        shuffle = bool(getattr(actor, "shuffle", False))
+    except (AttributeError, TypeError, ValueError):
+        return 1
+    if shuffle or global_mini <= 0 or batch_size % global_mini:
+        return 1
+    return max(batch_size // global_mini, 1)
 
 
 @functools.cache
@@ -76,7 +120,10 @@ def trainer_class() -> type:
                 keys=batch.keys, partition_id=batch.partition_id, select_fields=["input_ids"]
             )
             seqs = [t.tolist() for t in data["input_ids"].unbind()]
-            order, stats = harts_balance_batch(seqs, dp_size)
+            nm = num_mini_batches_of(self.config, len(seqs))
+            if len(seqs) % (dp_size * nm):
+                nm = 1
+            order, stats = harts_balance_batch(seqs, dp_size, nm)
             batch.reorder(order)
             metrics.update(stats)
             return batch
