@@ -49,17 +49,23 @@ work (LPT).
 **Choice.** Candidates are compared lexicographically by (total compact work, slot-critical work,
 max replica work, number of microbatches); ties keep the earlier candidate. With
 ``work_slack=ε > 0`` (default 0) the first key is relaxed: any plan within ``(1 + ε)`` of the
-least total work is compared on slot-critical work first, and balance moves may spend work up
-to that bound; an imbalance *repair* pass (:func:`_repair`) also runs from the least-work
-plans within the bound (piece moves screened by Σ (work − mean)², judged by the exact
-within-slot imbalance of the sorted grouping, K grown to a multiple of ``dp_size``), and the
-choice then puts the excess of slot imbalances over 1.5 % first (among plans within the bound
-whose slot-critical work is no worse than the strict choice's). Measured on the SWE-like
-benchmark steps at dp 8 (69 / 66 microbatches at 32K): slack 0.01 → K = 72, P95 within-slot
-imbalance 2.9 % / 5.2 % for +0.96 % / +0.76 % compact tokens (strict: 24 % / 46 %); the 2 %
-target is not reached by single piece moves. The default stays ``work_slack=0`` (strict
-lexicographic order). Everything is a deterministic function of the forest, the capacity,
-``dp_size``, the options and ``seed`` (no wall-clock limits).
+least total work whose slot-critical work is no worse than the strict choice's is compared on
+the excess of its slot imbalances over ``_REPAIR_TAU`` (1.5 %) first. Balance moves may then
+spend work up to that bound, and an imbalance *repair* (:func:`_repair`) runs with K = the next
+multiple of ``dp_size``: first from an *aligned start* (:func:`_aligned_starts`: the tree packer
+at the largest reduced capacity that yields exactly K microbatches — smaller capacities give
+more, more even microbatches — improved by the local search), then from the least-work plan
+with empty microbatches added, until one reaches every slot <= 1.8 %. The repair is a local
+search over piece moves and piece *swaps* between two microbatches (screened with insertion
+costs, verified exactly), minimising (slot-critical work above the strict choice's, Σ excess²,
+Σ imbalance²) under sorted grouping, with a bounded tabu walk out of local minima. Measured
+(``benchmarks/planner.py``, SWE-like steps at dp 8, 32K capacity, 66–74 least-work
+microbatches): ε = 0.02 gives K = 72/80 and P95 within-slot imbalance 1.45–1.65 % for
++1.3–1.95 % compact tokens, never a larger slot-critical work (strict: 24–46 %, dominated by the
+padding slot when K is not a multiple of dp). Where aligning K costs more than ε (e.g. 16K
+capacity with 8K trajectories: ≈ 3 %) the target is not reached. Everything is a deterministic
+function of the forest, the capacity, ``dp_size``, the options and ``seed`` (no wall-clock
+limits).
 
 **Within-slot imbalance** (:meth:`MicrobatchPlan.slot_imbalance`): for each slot,
 ``(max − mean) / max`` of the ``dp_size`` replicas' microbatch works in that slot (empty
@@ -738,22 +744,27 @@ class _State:
             one + d,
         )
 
-    def marginals(self, pc: _Pieces, src: int) -> np.ndarray:
-        """[pieces, bins]: exact work added to each bin by inserting each piece (_INF at src)."""
+    def marginals(self, pc: _Pieces, src: int, cols: np.ndarray | None = None) -> np.ndarray:
+        """[pieces, bins]: exact work added to each bin by inserting each piece (_INF at src);
+        only the bins ``cols`` (in that order) when given."""
         lv = self.lv
+        cols = np.arange(self.k) if cols is None else np.asarray(cols, dtype=np.int64)
         s1 = pc.s1[:, None]
         sm = pc.sm[:, None]
-        lp = lv.pair_lcp(self.nl[pc.s1], s1)
-        ls = lv.pair_lcp(sm, self.nr[pc.sm])
+        nl_sm = self.nl[pc.sm][:, cols]
+        lp = lv.pair_lcp(self.nl[pc.s1][:, cols], s1)
+        ls = lv.pair_lcp(sm, self.nr[pc.sm][:, cols])
         # lcp(pred, succ) = min(lp, depth, ls); 0 when either neighbour is missing.
         marg = pc.w[:, None] - lp - ls + np.minimum(np.minimum(lp, ls), pc.d[:, None])
-        marg[:, src] = _INF
-        inter = self.nl[pc.sm] > s1
-        inter[:, src] = False
+        is_src = cols == src
+        marg[:, is_src] = _INF
+        inter = nl_sm > s1
+        inter[:, is_src] = False
         if inter.any():  # the bin has members inside the piece's span: compute exactly
-            for t, b in zip(*np.nonzero(inter)):
-                u = np.union1d(self.members(int(b)), pc.piece(int(t)))
-                marg[t, b] = lv.set_work(u) - int(self.works[b])
+            for t, c in zip(*np.nonzero(inter)):
+                b = int(cols[c])
+                u = np.union1d(self.members(b), pc.piece(int(t)))
+                marg[t, c] = lv.set_work(u) - int(self.works[b])
         return marg
 
     def move(self, piece: np.ndarray, src: int, dst: int, w_src: int, w_dst: int) -> None:
@@ -803,38 +814,43 @@ def _improve(st: _State, budget: int) -> int:
     return moves
 
 
+def _dissolve(st: _State, a: int) -> _State | None:
+    """A copy of ``st`` with bin ``a`` dissolved into the other bins piece by piece (each piece
+    to the feasible bin with the least added work; a piece that fits nowhere is split at its
+    lowest valley); None when a single trajectory fits nowhere."""
+    lv, cap = st.lv, st.cap
+    trial = st.copy()
+    queue = [trial.members(a)]
+    while queue:
+        piece = queue.pop()
+        pc = trial.single(piece)
+        marg = trial.marginals(pc, a)
+        new = trial.works[None, :] + marg
+        feas = (new <= cap) & (trial.works[None, :] > 0)  # never into an empty bin
+        if feas.any():
+            _, b = _pick(feas, marg, -new)
+            mask = trial.label == a
+            mask[piece] = False
+            trial.move(piece, a, b, lv.set_work(np.flatnonzero(mask)), int(new[0, b]))
+            continue
+        if piece.size == 1:
+            return None
+        c = lv.consec(piece[:-1], piece[1:])
+        cuts = np.flatnonzero(c == c.min()) + 1
+        queue.extend(reversed(np.split(piece, cuts)))
+    return trial
+
+
 def _eliminate(st: _State, tries: int = 6) -> bool:
-    """Dissolve a bin (smallest first) into the others piece by piece, splitting a piece at its
-    lowest valley when it fits nowhere; commit the first dissolution that lowers total work."""
-    cap = st.cap
-    lv = st.lv
+    """Dissolve a bin (smallest first) into the others (:func:`_dissolve`); commit the first
+    dissolution that lowers total work."""
     live = np.flatnonzero(st.works > 0)
     if live.size < 2:
         return False
+    before = st.total()
     for a in live[np.lexsort((live, st.works[live]))][:tries].tolist():
-        trial = st.copy()
-        before = trial.total()
-        queue = [trial.members(a)]
-        ok = True
-        while queue:
-            piece = queue.pop()
-            pc = trial.single(piece)
-            marg = trial.marginals(pc, a)
-            new = trial.works[None, :] + marg
-            feas = new <= cap
-            if feas.any():
-                _, b = _pick(feas, marg, -new)
-                mask = trial.label == a
-                mask[piece] = False
-                trial.move(piece, a, b, lv.set_work(np.flatnonzero(mask)), int(new[0, b]))
-                continue
-            if piece.size == 1:
-                ok = False
-                break
-            c = lv.consec(piece[:-1], piece[1:])
-            cuts = np.flatnonzero(c == c.min()) + 1
-            queue.extend(reversed(np.split(piece, cuts)))
-        if ok and trial.total() < before:
+        trial = _dissolve(st, a)
+        if trial is not None and trial.total() < before:
             st.assign(trial)
             return True
     return False
@@ -927,11 +943,17 @@ def _balance(st: _State, dp: int, budget: int, work_limit: int) -> int:
 
 _REPAIR_TAU = 0.015  # slot imbalance the repair pass aims below (the issue's target is 2 %)
 _REPAIR_CANDS = 1000  # moves per round whose exact slot objective is evaluated
+_REPAIR_GOAL = 0.018  # a repaired plan with every slot at or below this ends the search
+_REPAIR_VERIFY = 24  # most candidates judged exactly per round and mode
+_TABU_TENURE, _TABU_STALL = 8, 20  # repair: rounds a bin pair stays tabu; non-improving rounds
 
 
-def _slot_penalty(works: np.ndarray, dp: int, tau: float = _REPAIR_TAU) -> np.ndarray:
-    """[C, 2] for works [C, k] under sorted grouping: (Σ over slots of max(imbalance − tau, 0)²,
-    Σ over slots of imbalance²). Empty bins count as empty microbatches."""
+def _slot_penalty(
+    works: np.ndarray, dp: int, tau: float = _REPAIR_TAU, crit_limit: float = np.inf
+) -> np.ndarray:
+    """[C, 3] for works [C, k] under sorted grouping: (excess of the slot-critical work over
+    ``crit_limit`` (0 if none), Σ over slots of max(imbalance − tau, 0)², Σ over slots of
+    imbalance²), compared lexicographically. Empty bins count as empty microbatches."""
     w = np.atleast_2d(np.asarray(works, dtype=np.float64))
     c, k = w.shape
     s = -np.sort(-w, axis=1)
@@ -941,74 +963,290 @@ def _slot_penalty(works: np.ndarray, dp: int, tau: float = _REPAIR_TAU) -> np.nd
     g = s.reshape(c, -1, dp)
     mx = g[:, :, 0]
     imb = np.where(mx > 0, (mx - g.mean(axis=2)) / np.maximum(mx, 1.0), 0.0)
-    return np.stack([(np.maximum(imb - tau, 0.0) ** 2).sum(axis=1), (imb**2).sum(axis=1)], axis=1)
+    over = np.maximum(mx.sum(axis=1) - crit_limit, 0.0)
+    return np.stack(
+        [over, (np.maximum(imb - tau, 0.0) ** 2).sum(axis=1), (imb**2).sum(axis=1)], axis=1
+    )
 
 
-def _repair(st: _State, dp: int, budget: int, work_limit: int) -> int:
+def _lex_less(obj: np.ndarray, cur: np.ndarray) -> np.ndarray:
+    """Rows of ``obj`` [C, 3] lexicographically below ``cur`` [3] (1e-12 tolerance on the
+    float keys)."""
+    less = np.zeros(obj.shape[0], dtype=bool)
+    equal = np.ones(obj.shape[0], dtype=bool)
+    for c in range(obj.shape[1]):
+        less |= equal & (obj[:, c] < cur[c] - 1e-12)
+        equal &= np.abs(obj[:, c] - cur[c]) <= 1e-12
+    return less
+
+
+def _fixed_slot_drop(
+    works: np.ndarray, dp: int, a: np.ndarray, b: np.ndarray, wa: np.ndarray, wb: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Screen for candidate changes (bins ``a``/``b`` get works ``wa``/``wb``): the drop of
+    (slot-critical work, Σ over slots of max(imbalance − tau, 0)², Σ imbalance²) if every bin
+    kept its slot of the current sorted grouping (exact when the sort order does not change)."""
+    k = works.shape[0]
+    order = np.lexsort((np.arange(k), -works))
+    slot = np.empty(k, dtype=np.int64)
+    slot[order] = np.arange(k) // dp
+    pad = (-k) % dp
+    ids = np.concatenate([order, np.full(pad, -1)]).reshape(-1, dp)
+    g = np.where(ids >= 0, works[np.maximum(ids, 0)], 0).astype(np.float64)
+    ssum = g.sum(axis=1)
+    top = ids[:, :3] if dp >= 3 else np.concatenate([ids, np.full((ids.shape[0], 3 - dp), -1)], 1)
+    topw = np.where(top >= 0, works[np.maximum(top, 0)], 0).astype(np.float64)
+
+    def imb(mx: np.ndarray, sm: np.ndarray) -> np.ndarray:
+        return np.where(mx > 0, (mx - sm / dp) / np.maximum(mx, 1.0), 0.0)
+
+    def pen(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return np.maximum(x - _REPAIR_TAU, 0.0) ** 2, x**2
+
+    old_imb = imb(g[:, 0], ssum)
+    sa, sb = slot[a], slot[b]
+    same = sa == sb
+    wa = wa.astype(np.float64)
+    wb = wb.astype(np.float64)
+
+    def max_excl(s_: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        t, tw = top[s_], topw[s_]
+        ok = (t != x[:, None]) & (t != y[:, None])
+        first = np.argmax(ok, axis=1)
+        return np.where(ok.any(axis=1), tw[np.arange(t.shape[0]), first], 0.0)
+
+    none = np.full(a.shape[0], -2)
+    # slot of a: a replaced (and b too when in the same slot)
+    mx_a = np.maximum(max_excl(sa, a, np.where(same, b, none)), wa)
+    mx_a = np.where(same, np.maximum(mx_a, wb), mx_a)
+    sum_a = ssum[sa] - works[a] + wa - np.where(same, works[b] - wb, 0.0)
+    new_a = imb(mx_a, sum_a)
+    mx_b = np.maximum(max_excl(sb, b, none), wb)
+    new_b = imb(mx_b, ssum[sb] - works[b] + wb)
+    oa, ob = pen(old_imb[sa]), pen(old_imb[sb])
+    na, nb = pen(new_a), pen(new_b)
+    d0 = oa[0] - na[0] + np.where(same, 0.0, ob[0] - nb[0])
+    d1 = oa[1] - na[1] + np.where(same, 0.0, ob[1] - nb[1])
+    dc = g[sa, 0] - mx_a + np.where(same, 0.0, g[sb, 0] - mx_b)
+    return dc, d0, d1
+
+
+def _slot_of_bins(works: np.ndarray, dp: int) -> tuple[np.ndarray, np.ndarray]:
+    """Slot of each bin under sorted grouping, and each slot's imbalance."""
+    k = works.shape[0]
+    order = np.lexsort((np.arange(k), -works))
+    slot = np.empty(k, dtype=np.int64)
+    slot[order] = np.arange(k) // dp
+    pad = (-k) % dp
+    g = np.concatenate([works[order], np.zeros(pad, works.dtype)]).reshape(-1, dp)
+    return slot, slot_imbalance(g)
+
+
+def _move_candidates(
+    st: _State, pieces: dict[int, _Pieces], margs: dict[int, np.ndarray], work_limit: int
+) -> tuple[np.ndarray, ...]:
+    """All feasible single piece moves as arrays (a, t, b, wa, wb, delta)."""
+    w, cap = st.works, st.cap
+    total = int(w.sum())
+    parts: list[tuple[np.ndarray, ...]] = []
+    for a, pa in pieces.items():
+        marg = margs[a]
+        new = w[None, :] + marg
+        delta = marg - pa.gain[:, None]
+        ok = (new <= cap) & (new < w[a]) & (total + delta <= work_limit)
+        if ok.any():
+            r, c = np.nonzero(ok)
+            parts.append((np.full(r.size, a), r, c, w[a] - pa.gain[r], new[r, c], delta[r, c]))
+    if not parts:
+        return tuple(np.zeros(0, np.int64) for _ in range(6))
+    return tuple(np.concatenate(x) for x in zip(*parts))
+
+
+def _swap_candidates(
+    st: _State,
+    pieces: dict[int, _Pieces],
+    margs: dict[int, np.ndarray],
+    work_limit: int,
+    hot: np.ndarray,
+) -> tuple[np.ndarray, ...]:
+    """Piece swaps between two bins, at least one of them ``hot`` (bool per bin), screened with
+    the insertion costs of the unchanged bins: arrays (a, t, b, u, wa, wb, delta) with
+    approximate works (callers verify with :func:`_swap_exact`)."""
+    w, cap = st.works, st.cap
+    total = int(w.sum())
+    bins = sorted(pieces)
+    pb = np.concatenate([np.full(len(pieces[a].runs), a) for a in bins])
+    pt = np.concatenate([np.arange(len(pieces[a].runs)) for a in bins])
+    whole = pt == 0
+    gain = np.concatenate([pieces[a].gain for a in bins])
+    marg = np.concatenate([margs[a] for a in bins])  # [P, k]
+    hot_p = np.flatnonzero(hot[pb])
+    hb = pb[hot_p]
+    r, jj = np.nonzero(
+        (hb[:, None] != pb[None, :])
+        & ~(whole[hot_p][:, None] & whole[None, :])
+        & (~hot[pb][None, :] | (hb[:, None] < pb[None, :]))  # hot-hot pairs once
+    )
+    ii = hot_p[r]
+    a, b = pb[ii], pb[jj]
+    wa = w[a] - gain[ii] + marg[jj, a]
+    wb = w[b] - gain[jj] + marg[ii, b]
+    delta = wa + wb - w[a] - w[b]
+    ok = (wa <= cap) & (wb <= cap) & (total + delta <= work_limit) & (wa != w[a])
+    ii, jj = ii[ok], jj[ok]
+    return pb[ii], pt[ii], pb[jj], pt[jj], wa[ok], wb[ok], delta[ok]
+
+
+def _swap_exact(
+    st: _State, pieces: dict[int, _Pieces], a: int, t: int, b: int, u: int
+) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """Members and exact works of bins a and b after swapping piece t of a with piece u of b."""
+    lv = st.lv
+    pa, pb = pieces[a].piece(t), pieces[b].piece(u)
+    ma = np.union1d(np.setdiff1d(st.members(a), pa, assume_unique=True), pb)
+    mb = np.union1d(np.setdiff1d(st.members(b), pb, assume_unique=True), pa)
+    return ma, mb, lv.set_work(ma), lv.set_work(mb)
+
+
+def _repair(st: _State, dp: int, budget: int, work_limit: int, crit_limit: float = np.inf) -> int:
     """Slot-imbalance repair: piece moves (any bin to any bin, empty bins offered so K reaches
-    a multiple of ``dp``), keeping total work <= ``work_limit``, that lower
-    :func:`_slot_penalty` lexicographically (the excess of each slot's imbalance over
-    ``_REPAIR_TAU``, then Σ imbalance²) under sorted grouping. Each round screens all moves by
-    the drop of Σ (work − mean)² (free moves first, then per token of extra work), evaluates the
-    exact slot objective of the best ``_REPAIR_CANDS`` and makes the best free improving move,
-    else the improving move with the largest gain per extra token. Returns the moves made."""
-    cap = st.cap
+    a multiple of ``dp``) and piece swaps between two bins (one of them in a slot above
+    ``_REPAIR_TAU``), keeping total work <= ``work_limit``, that lower :func:`_slot_penalty`
+    lexicographically (the excess of each slot's imbalance over ``_REPAIR_TAU``, then
+    Σ imbalance²) under sorted grouping. Each round screens the candidates by the drop of
+    Σ (work − mean)² (free ones first, then per token of extra work), evaluates the exact slot
+    objective of the best ``_REPAIR_CANDS`` (swap works made exact first) and makes the best
+    free improving change, else the improving one with the largest gain per extra token.
+    Returns the changes made."""
     live = int((st.works > 0).sum())
     want = -(-live // dp) * dp
     if want > st.k:
         st.add_bins(want - st.k)
     k = st.k
-    cur = _slot_penalty(st.works, dp)[0]
+    cur = _slot_penalty(st.works, dp, crit_limit=crit_limit)[0]
+    best = (tuple(cur), st.label.copy(), st.works.copy())
+    tabu = np.full((k, k), -(1 << 30), dtype=np.int64)  # round a bin pair last changed
+    stall = 0
     pieces: dict[int, _Pieces] = {}
+    margs: dict[int, np.ndarray] = {}  # per bin: its pieces' insertion costs into every bin
+    stale: list[int] = []  # bins changed since margs were computed
     moves = 0
-    while moves < budget:
+    while moves < budget and (cur[0] > 0 or cur[1] > 0):
         w = st.works
-        total = int(w.sum())
-        mean = total / k
-        parts: list[tuple[np.ndarray, ...]] = []
+        mean = int(w.sum()) / k
+        for a in [a for a in pieces if w[a] == 0]:
+            del pieces[a], margs[a]
         for a in np.flatnonzero(w > 0).tolist():
             if a not in pieces:
                 pieces[a] = st.pieces(a)
-            pa = pieces[a]
-            marg = st.marginals(pa, a)
-            new = w[None, :] + marg
-            delta = marg - pa.gain[:, None]
-            ok = (new <= cap) & (new < w[a]) & (total + delta <= work_limit)
-            if not ok.any():
-                continue
-            r, c = np.nonzero(ok)
-            wa, wb = w[a] - pa.gain[r], new[r, c]
-            drop = (w[a] - mean) ** 2 + (w[c] - mean) ** 2 - (wa - mean) ** 2 - (wb - mean) ** 2
-            parts.append((np.full(r.size, a), r, c, wa, wb, delta[r, c], drop))
-        if not parts:
+                margs[a] = st.marginals(pieces[a], a)
+            elif stale:
+                margs[a][:, stale] = st.marginals(pieces[a], a, np.asarray(stale))
+        stale = []
+        slot, imb = _slot_of_bins(w, dp)
+        hot = imb[slot] > _REPAIR_TAU
+        ma, mt, mb_, mwa, mwb, md = _move_candidates(st, pieces, margs, work_limit)
+        sa, st_, sb, su, swa, swb, sd = _swap_candidates(st, pieces, margs, work_limit, hot)
+        a_ = np.concatenate([ma, sa])
+        t_ = np.concatenate([mt, st_])
+        b_ = np.concatenate([mb_, sb])
+        u_ = np.concatenate([np.full(ma.size, -1), su])
+        wa_ = np.concatenate([mwa, swa]).astype(np.int64)
+        wb_ = np.concatenate([mwb, swb]).astype(np.int64)
+        d_ = np.concatenate([md, sd]).astype(np.int64)
+        if a_.size == 0:
             break
-        a_, t_, b_, wa_, wb_, d_, drop_ = (np.concatenate(x) for x in zip(*parts))
-        screen = np.where(d_ <= 0, drop_ + 1e30, drop_ / np.maximum(d_, 1))
-        sel = np.lexsort((np.arange(screen.size), -screen))[:_REPAIR_CANDS]
+        drop = (w[a_] - mean) ** 2 + (w[b_] - mean) ** 2 - (wa_ - mean) ** 2 - (wb_ - mean) ** 2
+        screen = np.where(d_ <= 0, drop + 1e30, drop / np.maximum(d_, 1))
+        fc, f0, f1 = _fixed_slot_drop(w, dp, a_, b_, wa_, wb_)
+        fs = fc if cur[0] > 0 else (f0 if cur[1] > 0 else f1)
+        fscreen = np.where(d_ <= 0, fs + 1e30, fs / np.maximum(d_, 1))
+        half = _REPAIR_CANDS // 2
+        sel = np.unique(
+            np.concatenate(
+                [
+                    np.lexsort((np.arange(screen.size), -screen))[:half],
+                    np.lexsort((np.arange(fscreen.size), -fscreen))[:half],
+                ]
+            )
+        )
+        total = int(w.sum())
+        feas = (wa_[sel] <= st.cap) & (wb_[sel] <= st.cap) & (total + d_[sel] <= work_limit)
         rows = np.arange(sel.size)
         trial = np.repeat(w[None, :], sel.size, axis=0)
         trial[rows, a_[sel]] = wa_[sel]
         trial[rows, b_[sel]] = wb_[sel]
-        obj = _slot_penalty(trial, dp)
-        better = (obj[:, 0] < cur[0]) | ((obj[:, 0] == cur[0]) & (obj[:, 1] < cur[1] - 1e-12))
-        if not better.any():
+        obj = _slot_penalty(trial, dp, crit_limit=crit_limit)
+        allowed = feas & (tabu[a_[sel], b_[sel]] < moves - _TABU_TENURE)
+        better = allowed & _lex_less(obj, cur)
+        # Preference: free improving changes (least objective), then improving ones by gain
+        # per extra token; when stuck, the least-worsening allowed change (tabu walk), at most
+        # _TABU_STALL times without a new best. Swap works are approximate until verified:
+        # a swap whose exact works differ is skipped.
+        free = np.flatnonzero(better & (d_[sel] <= 0))
+        paid = np.flatnonzero(better & (d_[sel] > 0))
+        col = 0 if cur[0] > 0 else (1 if cur[1] > 0 else 2)
+        gain = (cur[col] - obj[paid, col]) / np.maximum(d_[sel][paid], 1)
+        prefs = [
+            free[np.lexsort((free, obj[free, 2], obj[free, 1], obj[free, 0]))],
+            paid[np.lexsort((paid, -gain))],
+        ]
+        walk = np.flatnonzero(allowed)
+        walk = walk[np.lexsort((walk, d_[sel][walk], obj[walk, 2], obj[walk, 1], obj[walk, 0]))]
+        total_now = int(w.sum())
+        chosen, walking, exact_obj = -1, False, None
+        for mode, cand in ((False, np.concatenate(prefs)), (True, walk)):
+            if mode and stall >= _TABU_STALL:
+                break
+            for j in cand[:_REPAIR_VERIFY].tolist():
+                i = int(sel[j])
+                if u_[i] >= 0:
+                    mem_a, mem_b, ewa, ewb = _swap_exact(
+                        st, pieces, int(a_[i]), int(t_[i]), int(b_[i]), int(u_[i])
+                    )
+                    if ewa != wa_[i] or ewb != wb_[i]:  # approximation off: judge exactly
+                        if (
+                            max(ewa, ewb) > st.cap
+                            or total_now + ewa + ewb - w[a_[i]] - w[b_[i]] > work_limit
+                        ):
+                            continue
+                        tw = w.copy()
+                        tw[a_[i]], tw[b_[i]] = ewa, ewb
+                        eo = _slot_penalty(tw, dp, crit_limit=crit_limit)[0]
+                        if not mode and not _lex_less(eo[None, :], cur)[0]:
+                            continue
+                        wa_[i], wb_[i], exact_obj = ewa, ewb, eo
+                chosen, walking = j, mode
+                break
+            if chosen >= 0:
+                break
+        if chosen < 0:
             break
-        free = better & (d_[sel] <= 0)
-        if free.any():
-            idx = np.flatnonzero(free)
-            j = int(idx[np.lexsort((idx, obj[idx, 1], obj[idx, 0]))[0]])
-        else:
-            idx = np.flatnonzero(better)
-            col = 0 if cur[0] > 0 else 1
-            gain = (cur[col] - obj[idx, col]) / np.maximum(d_[sel][idx], 1)
-            j = int(idx[np.argmax(gain)])
-        i = int(sel[j])
+        stall += int(walking)
+        j, i = chosen, int(sel[chosen])
         a, t, b = int(a_[i]), int(t_[i]), int(b_[i])
-        st.move(pieces[a].piece(t), a, b, int(wa_[i]), int(wb_[i]))
-        pieces.pop(a, None)
-        pieces.pop(b, None)
-        cur = obj[j]
+        if u_[i] < 0:
+            st.move(pieces[a].piece(t), a, b, int(wa_[i]), int(wb_[i]))
+        else:
+            st.label[mem_a] = a
+            st.label[mem_b] = b
+            st.works[a], st.works[b] = int(wa_[i]), int(wb_[i])
+            st._refresh(a)
+            st._refresh(b)
+        for x in (a, b):
+            pieces.pop(x, None)
+            margs.pop(x, None)
+        stale = [a, b]
+        tabu[a, b] = tabu[b, a] = moves
+        cur = obj[j] if exact_obj is None else exact_obj
         moves += 1
+        if tuple(cur) < best[0]:
+            best = (tuple(cur), st.label.copy(), st.works.copy())
+            stall = 0
+    if tuple(cur) > best[0]:  # end on the best state seen
+        st.label, st.works = best[1], best[2]
+        for x in range(k):
+            st._refresh(x)
     return moves
 
 
@@ -1109,6 +1347,50 @@ def plan_microbatches(
     return _build_plan(forest, lv, label, k, big, cap, dp, natural, t0, best_name, scores)
 
 
+_ALIGN_STEP, _ALIGN_STEPS, _ALIGN_STARTS = 0.001, 3, 1
+
+
+def _aligned_starts(
+    lv: _Leaves, cap: int, dp: int, k_target: int, work_limit: int, node_limit: int, budget: int
+) -> list[tuple[str, np.ndarray]]:
+    """Starts for the imbalance repair with exactly ``k_target`` (a multiple of ``dp``)
+    microbatches: tree packings at a reduced capacity (smaller capacities give more, more even
+    microbatches). The largest capacity ``c`` whose first-fit packing has >= ``k_target``
+    microbatches is found by bisection; packings (first and best fit) at ``c·(1 − j·δ)``,
+    j < _ALIGN_STEPS, are improved by the local search at their capacity and kept when they
+    have ``k_target`` microbatches and total work <= ``work_limit``; returns the
+    ``_ALIGN_STARTS`` with the least work, as (name, labels)."""
+
+    def count(c: int) -> int:
+        return int(_tree_pack(lv, c, False, node_limit).max()) + 1
+
+    lo, hi = int(lv.lens.max()), cap  # invariant: count(lo) >= k_target > count(hi)
+    if count(hi) >= k_target:
+        lo = hi
+    elif count(lo) < k_target:
+        return []
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if count(mid) >= k_target:
+            lo = mid
+        else:
+            hi = mid
+    found: dict[bytes, tuple[int, str, np.ndarray]] = {}
+    for j in range(_ALIGN_STEPS):
+        c = int(lo * (1.0 - j * _ALIGN_STEP))
+        for best_fit in (False, True):
+            st0 = _tree_pack(lv, c, best_fit, node_limit)
+            st = _State(lv, st0, int(st0.max()) + 1, c)
+            _improve(st, budget)
+            lab, k = _canonical(st.label)
+            total = int(st.works.sum())
+            if k == k_target and total <= work_limit:
+                name = f"tree-{'bfd' if best_fit else 'ffd'}@{c}"
+                found.setdefault(lab.tobytes(), (total, name, lab))
+    ranked = sorted(found.values(), key=lambda x: (x[0], x[1]))
+    return [(name, lab) for _, name, lab in ranked[:_ALIGN_STARTS]]
+
+
 _Cand = tuple[tuple[int, int, int, int], str, np.ndarray]
 
 
@@ -1126,6 +1408,7 @@ def _search(
     effort = float(opt["effort"])
     slack = float(opt["work_slack"])
     lower = lower_bound_work(lv, cap)
+    budget = int(max(50, 4 * n) * effort)  # local-search moves
     pool: list[_Cand] = []
     seen: set[bytes] = set()
 
@@ -1165,7 +1448,6 @@ def _search(
     pool.sort(key=lambda t: t[0])
 
     if opt["improve"] and pool[0][0][0] > lower:
-        budget = int(max(50, 4 * n) * effort)
         # The best start, and the best start of another family.
         picked = [pool[0]]
         fam0 = pool[0][1].split("-")[0]
@@ -1194,7 +1476,7 @@ def _search(
         # Zero-cost balance from the best starts; with slack, continue each with the budget
         # (so the slack result is never worse in slot-critical work than the strict one).
         bal_budget = int(max(20, n) * effort)
-        rep_budget = int(max(20, n // 2) * effort)
+        rep_budget = int(max(20, n // 4) * effort)
         for sc, name, lab in [c for c in pool if c[0][0] == min_total][:2]:
             st = _State(lv, lab, int(lab.max()) + 1, cap)
             _balance(st, dp, bal_budget, sc[0])
@@ -1202,10 +1484,21 @@ def _search(
             if slack > 0:
                 _balance(st, dp, bal_budget, limit)
                 add(name + "+bal+slack", st.label)
-                # Imbalance repair from the least-work plan, within the same work bound.
+        if slack > 0:
+            # Imbalance repair within the work bound, from the least-work plan (K grown to a
+            # multiple of dp_size) and from tree packings at reduced capacities whose K is one.
+            # Aligned starts first; stop at the first repaired plan with every slot at or
+            # below _REPAIR_GOAL.
+            k_target = -(-(int(pool[0][2].max()) + 1) // dp) * dp
+            starts = _aligned_starts(lv, cap, dp, k_target, limit, int(2000 * effort), budget)
+            starts.append((pool[0][1], pool[0][2]))
+            crit = min(pool, key=lambda t: t[0])[0][1]  # the strict choice's slot-critical work
+            for name, lab in starts:
                 rep = _State(lv, lab, int(lab.max()) + 1, cap)
-                _repair(rep, dp, rep_budget, limit)
+                _repair(rep, dp, rep_budget, limit, crit)
                 add(name + "+repair", rep.label)
+                if _slot_of_bins(rep.works, dp)[1].max(initial=0.0) <= _REPAIR_GOAL:
+                    break
 
     strict_best = min(pool, key=lambda t: t[0])
 
@@ -1215,8 +1508,9 @@ def _search(
             # Within the work bound and no worse than the strict choice in slot-critical work:
             # least excess slot imbalance (over _REPAIR_TAU) first, then the strict keys.
             worse = sc[0] > limit or sc[1] > strict_best[0][1]
-            pen = _slot_penalty(lv.works(t[2], int(t[2].max()) + 1), dp)[0] if dp > 1 else (0,)
-            return (worse, float(pen[0]), sc[1], sc[2], sc[0], sc[3])
+            works = lv.works(t[2], int(t[2].max()) + 1)
+            pen = float(_slot_penalty(works, dp)[0, 1]) if dp > 1 else 0.0
+            return (worse, pen, sc[1], sc[2], sc[0], sc[3])
         return sc
 
     best = min(pool, key=rank)
