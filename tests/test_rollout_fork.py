@@ -16,10 +16,12 @@ import json
 
 import numpy as np
 import pytest
+from _calc_loop import calc_loop_env
 
 pytest.importorskip("verl")
 
 from harts_verl.tree import RolloutForest
+from harts_verl.workers.envs.testing import TokenOut
 from harts_verl.workers.rollout import agent_loop as agent_loop_mod
 from harts_verl.workers.rollout.agent_loop import (
     FORK_GROUP_KEY,
@@ -120,50 +122,11 @@ def test_check_rollout_n():
 
 
 # ---------------------------------------------------------------------- agent loop
-class _Out:
-    """The fields of veRL's ``TokenOutput`` that agent loops read."""
-
-    def __init__(self, token_ids):
-        self.token_ids = token_ids
-        self.log_probs = None
-        self.num_preempted = None
-        self.routed_experts = None
-        self.stop_reason = "completed"
-        self.extra_fields: dict = {}
-
-
 @pytest.fixture(scope="module")
 def env():
-    from omegaconf import OmegaConf
-    from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap
-
-    from harts_verl.workers.rollout import local_task
-    from harts_verl.workers.rollout.agent_loop import HartsToolAgentLoop
-
-    tok = local_task.build_tokenizer()
-    cfg = OmegaConf.create(
-        {
-            "actor_rollout_ref": {
-                "rollout": {
-                    "n": 4,
-                    "prompt_length": 64,
-                    "response_length": 96,
-                    "full_determinism": False,
-                    "multi_turn": {
-                        "max_user_turns": 6,
-                        "max_assistant_turns": 6,
-                        "max_parallel_calls": 1,
-                        "max_tool_response_length": 64,
-                        "tool_response_truncate_side": "right",
-                        "format": "harts_calc",
-                    },
-                }
-            },
-            "data": {},
-        }
-    )
+    calc = calc_loop_env(n=4, prompt_length=64, response_length=96, max_turns=6)
+    tok, ids = calc["tok"], calc["ids"]
     tool_id = tok.convert_tokens_to_ids("<tool>")
-    ids = lambda text: tok.convert_tokens_to_ids(text.split())  # noqa: E731
 
     class Client:
         """Request ``r`` makes ``depth(r)`` calculator calls (operands from its id, so branches
@@ -179,23 +142,16 @@ def env():
             self.calls.append((request_id, done))
             k = int(hashlib.sha256(f"{request_id}/{done}".encode()).hexdigest(), 16)
             if done < self.depth.get(request_id, self.default):
-                return _Out(ids(f"<call> add {k % 10} {k // 10 % 9}"))
-            return _Out(ids(f"answer {k % 19 - 9} <eos>"))
+                return TokenOut(ids(f"<call> add {k % 10} {k // 10 % 9}"))
+            return TokenOut(ids(f"answer {k % 19 - 9} <eos>"))
 
-    def make(client):
-        return HartsToolAgentLoop(
-            trainer_config=DictConfigWrap(cfg),
-            server_manager=client,
-            tokenizer=tok,
-            processor=None,
-            dataset_cls=None,
-            data_config=DictConfigWrap(cfg.data),
-            hf_model_type=None,
-            tools=ToolListWrap([local_task.calc_tool()]),
-        )
-
-    raw_prompt = local_task.make_tasks(1, seed=0)[0]["prompt"]
-    return {"make": make, "Client": Client, "raw_prompt": raw_prompt, "cfg": cfg, "tok": tok}
+    return {
+        "make": calc["make"],
+        "Client": Client,
+        "raw_prompt": calc["raw_prompt"],
+        "cfg": calc["cfg"],
+        "tok": tok,
+    }
 
 
 class _Id:

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from harts_verl.tree import RolloutForest
+from harts_verl.workers.envs.testing import TokenOut
 from harts_verl.workers.rollout.recorder import (
     TREE_KEY,
     RecordingServerClient,
@@ -27,18 +28,6 @@ from harts_verl.workers.rollout.recorder import (
     forest_from_metadata,
     tree_metadata,
 )
-
-
-class _Out:
-    """The fields of veRL's ``TokenOutput`` that agent loops read."""
-
-    def __init__(self, token_ids):
-        self.token_ids = token_ids
-        self.log_probs = None
-        self.num_preempted = None
-        self.routed_experts = None
-        self.stop_reason = "completed"
-        self.extra_fields: dict = {}
 
 
 class _ScriptClient:
@@ -51,7 +40,7 @@ class _ScriptClient:
     async def generate(self, request_id, *, prompt_ids, sampling_params, **kw):
         self.calls.append((request_id, list(prompt_ids)))
         h = hashlib.sha256(f"{request_id}/{len(prompt_ids)}".encode()).digest()
-        return _Out([8 + b % (self.vocab - 8) for b in h[: 2 + h[31] % 4]])
+        return TokenOut([8 + b % (self.vocab - 8) for b in h[: 2 + h[31] % 4]])
 
 
 def _run(coro):
@@ -142,34 +131,10 @@ def test_metadata_forest_in_batch_order_and_fallback():
 @pytest.fixture(scope="module")
 def agent_env():
     pytest.importorskip("verl")
-    from omegaconf import OmegaConf
-    from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap
+    from _calc_loop import calc_loop_env
 
-    from harts_verl.workers.rollout import local_task
-    from harts_verl.workers.rollout.agent_loop import HartsToolAgentLoop
-
-    tok = local_task.build_tokenizer()
-    cfg = OmegaConf.create(
-        {
-            "actor_rollout_ref": {
-                "rollout": {
-                    "prompt_length": 64,
-                    "response_length": 64,
-                    "full_determinism": False,
-                    "multi_turn": {
-                        "max_user_turns": 4,
-                        "max_assistant_turns": 4,
-                        "max_parallel_calls": 1,
-                        "max_tool_response_length": 64,
-                        "tool_response_truncate_side": "right",
-                        "format": "harts_calc",
-                    },
-                }
-            },
-            "data": {},
-        }
-    )
-    w = lambda t: tok.convert_tokens_to_ids(t.split())  # noqa: E731
+    calc = calc_loop_env(prompt_length=64, response_length=64, max_turns=4)
+    tok, w = calc["tok"], calc["ids"]
 
     class CalcClient:
         """Turn 1: a calc call whose operand depends on the request (branches differ);
@@ -182,23 +147,10 @@ def agent_env():
             self.requests.append(request_id)
             k = int(hashlib.sha256(request_id.encode()).hexdigest(), 16)
             if tok.convert_tokens_to_ids("<tool>") not in prompt_ids[-6:]:
-                return _Out(w(f"<call> add 3 {k % 3}"))
-            return _Out(w(f"answer {k % 5 + 3} <eos>"))
+                return TokenOut(w(f"<call> add 3 {k % 3}"))
+            return TokenOut(w(f"answer {k % 5 + 3} <eos>"))
 
-    def make(client):
-        return HartsToolAgentLoop(
-            trainer_config=DictConfigWrap(cfg),
-            server_manager=client,
-            tokenizer=tok,
-            processor=None,
-            dataset_cls=None,
-            data_config=DictConfigWrap(cfg.data),
-            hf_model_type=None,
-            tools=ToolListWrap([local_task.calc_tool()]),
-        )
-
-    raw_prompt = local_task.make_tasks(1, seed=0)[0]["prompt"]
-    return make, CalcClient, raw_prompt, local_task
+    return calc["make"], CalcClient, calc["raw_prompt"], calc["local_task"]
 
 
 def test_agent_loop_records_turns(agent_env):

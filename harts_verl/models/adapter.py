@@ -263,6 +263,31 @@ def _text_model(hf_model: nn.Module) -> nn.Module:
     return getattr(base, "language_model", base)
 
 
+def _tree_decoder_forward(
+    tree_model: nn.Module, base: nn.Module, input_ids: torch.Tensor, layout: TreeLayout
+) -> torch.Tensor:
+    """The decoder stack ``base`` (HF text model) in tree mode: embeddings → the first
+    ``config.num_hidden_layers`` layers with ``position_ids`` = row depth (activation
+    checkpointing when ``tree_model.gradient_checkpointing`` and grad is on) → final norm.
+    input_ids ``[C]`` → hidden ``[C, D]``."""
+    pos = layout.position_ids[None]
+    h = base.embed_tokens(input_ids[None])
+    pe = base.rotary_emb(h, pos)
+    with tree_call():
+        for layer in base.layers[: tree_model.config.num_hidden_layers]:
+            if tree_model.gradient_checkpointing and torch.is_grad_enabled():
+                h = checkpoint(
+                    lambda x, lyr=layer: lyr(
+                        x, position_embeddings=pe, position_ids=pos, harts_layout=layout
+                    ),
+                    h,
+                    use_reentrant=False,
+                )
+            else:
+                h = layer(h, position_embeddings=pe, position_ids=pos, harts_layout=layout)
+    return base.norm(h)[0]
+
+
 class HybridTreeModel(nn.Module):
     """Tree-mode view of a transformers Qwen3-Next / Qwen3.5 / Qwen3.5-MoE causal LM (weights
     shared, not copied)."""
@@ -299,10 +324,6 @@ class HybridTreeModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids ``[C]`` → (final hidden ``[C, D]``, router aux loss weighted by
         multiplicity when ``config.output_router_logits`` else 0)."""
-        base = self.base
-        pos = layout.position_ids[None]
-        h = base.embed_tokens(input_ids[None])
-        pe = base.rotary_emb(h, pos)
         captured: list[torch.Tensor] = []
         want_aux = bool(getattr(self.config, "output_router_logits", False)) and self._routers
         hooks = (
@@ -314,22 +335,10 @@ class HybridTreeModel(nn.Module):
             else []
         )
         try:
-            with tree_call():
-                for layer in base.layers[: self.config.num_hidden_layers]:
-                    if self.gradient_checkpointing and torch.is_grad_enabled():
-                        h = checkpoint(
-                            lambda x, lyr=layer: lyr(
-                                x, position_embeddings=pe, position_ids=pos, harts_layout=layout
-                            ),
-                            h,
-                            use_reentrant=False,
-                        )
-                    else:
-                        h = layer(h, position_embeddings=pe, position_ids=pos, harts_layout=layout)
+            h = _tree_decoder_forward(self, self.base, input_ids, layout)
         finally:
             for hk in hooks:
                 hk.remove()
-        h = base.norm(h)[0]
         aux = self._aux_loss(captured, layout) if captured else h.new_zeros(())
         return h, aux
 
@@ -354,21 +363,5 @@ class HFCausalTreeModel(nn.Module):
         self, input_ids: torch.Tensor, layout: TreeLayout
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids ``[C]`` → (final hidden ``[C, D]``, zero aux loss)."""
-        base = self.hf.model
-        pos = layout.position_ids[None]
-        h = base.embed_tokens(input_ids[None])
-        pe = base.rotary_emb(h, pos)
-        with tree_call():
-            for layer in base.layers[: self.config.num_hidden_layers]:
-                if self.gradient_checkpointing and torch.is_grad_enabled():
-                    h = checkpoint(
-                        lambda x, lyr=layer: lyr(
-                            x, position_embeddings=pe, position_ids=pos, harts_layout=layout
-                        ),
-                        h,
-                        use_reentrant=False,
-                    )
-                else:
-                    h = layer(h, position_embeddings=pe, position_ids=pos, harts_layout=layout)
-        h = base.norm(h)[0]
+        h = _tree_decoder_forward(self, self.hf.model, input_ids, layout)
         return h, h.new_zeros(())

@@ -33,7 +33,6 @@ import shlex
 import threading
 from typing import Any, ClassVar
 
-from verl.tools.base_tool import BaseTool
 from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
 from harts_verl.workers.envs.sandbox import (
@@ -44,6 +43,7 @@ from harts_verl.workers.envs.sandbox import (
     truncate_output,
 )
 from harts_verl.workers.envs.swe import fixture_repo
+from harts_verl.workers.rollout.agent_loop import TrajectoryTool
 
 __all__ = [
     "PATCH_KEY",
@@ -171,31 +171,21 @@ def _schema(name: str, description: str, properties: dict, required: list[str]) 
     )
 
 
-class _SweTool(BaseTool):
+class _SweTool(TrajectoryTool):
     """Shared lifecycle: ``create`` keeps the row's ``create_kwargs`` for the call, the sandbox
     comes from (or is started into) the trajectory's ``extra_fields``."""
 
     NAME: ClassVar[str] = ""
     MUTATES: ClassVar[bool] = True
+    STATE = "SWE tools keep their sandbox"
 
     def __init__(self, config: dict[str, Any] | None = None, tool_schema: Any = None) -> None:
         self.cfg = SweToolConfig(config)
         super().__init__(config or {}, tool_schema or self.default_schema(self.cfg))
-        self._kwargs: dict[str, dict[str, Any]] = {}
 
     @classmethod
     def default_schema(cls, cfg: SweToolConfig) -> Any:
         raise NotImplementedError
-
-    async def create(
-        self, instance_id: str | None = None, create_kwargs: dict | None = None, **kwargs: Any
-    ) -> tuple[str, ToolResponse]:
-        iid, resp = await super().create(instance_id)
-        self._kwargs[iid] = dict(create_kwargs or {})
-        return iid, resp
-
-    async def release(self, instance_id: str, **kwargs: Any) -> None:
-        self._kwargs.pop(instance_id, None)
 
     def _start(self, create: dict[str, Any]) -> Sandbox:
         if self.cfg.sandbox == "local":
@@ -228,11 +218,8 @@ class _SweTool(BaseTool):
     async def execute(
         self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
     ) -> tuple[ToolResponse, float, dict]:
-        agent_data = kwargs.get("agent_data")
-        if agent_data is None:
-            raise ValueError("agent_data: SWE tools keep their sandbox in the trajectory state")
-        if not isinstance(parameters, dict):
-            raise ValueError(f"parameters: expected an object, got {type(parameters).__name__}")
+        agent_data = self._agent_data(kwargs)
+        self._check_parameters(parameters)
         box = self._sandbox(instance_id, agent_data)
         text = await asyncio.to_thread(self.run, box, parameters)
         if self.MUTATES:
@@ -365,9 +352,7 @@ class SubmitTool(_SweTool):
     async def execute(
         self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
     ) -> tuple[ToolResponse, float, dict]:
-        agent_data = kwargs.get("agent_data")
-        if agent_data is None:
-            raise ValueError("agent_data: SWE tools keep their sandbox in the trajectory state")
+        agent_data = self._agent_data(kwargs)
         box = self._sandbox(instance_id, agent_data)
         patch = await asyncio.to_thread(box.diff)
         fields = agent_data.extra_fields

@@ -26,11 +26,10 @@ from typing import Any, ClassVar
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopOutput, register
 from verl.experimental.agent_loop.tool_agent_loop import AgentData, AgentState
-from verl.tools.base_tool import BaseTool
 from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
 from harts_verl.workers.envs.tau import TauTask, get_domain, make_user, state_after
-from harts_verl.workers.rollout.agent_loop import ForkSpec, HartsToolAgentLoop
+from harts_verl.workers.rollout.agent_loop import ForkSpec, HartsToolAgentLoop, TrajectoryTool
 
 __all__ = ["ACTIONS_KEY", "TAU_AGENT_NAME", "HartsTauAgentLoop", "TauTool", "tool_config"]
 
@@ -49,7 +48,7 @@ def _plain(value: Any) -> Any:
     return value
 
 
-class TauTool(BaseTool):
+class TauTool(TrajectoryTool):
     """One tool of a τ domain. ``config``: ``domain`` (``retail_mini`` or ``tau2:<domain>``)
     and ``name`` (the tool); the schema comes from the domain unless given.
 
@@ -59,6 +58,7 @@ class TauTool(BaseTool):
     """
 
     KEYS: ClassVar[set[str]] = {"type", "domain", "name"}
+    STATE = "τ tools keep their action log"
 
     def __init__(self, config: dict[str, Any], tool_schema: Any = None) -> None:
         cfg = dict(_plain(config) or {})
@@ -77,26 +77,12 @@ class TauTool(BaseTool):
                 )
             tool_schema = OpenAIFunctionToolSchema.model_validate(match[0])
         super().__init__(cfg, tool_schema)
-        self._kwargs: dict[str, dict[str, Any]] = {}
-
-    async def create(
-        self, instance_id: str | None = None, create_kwargs: dict | None = None, **kwargs: Any
-    ) -> tuple[str, ToolResponse]:
-        iid, resp = await super().create(instance_id)
-        self._kwargs[iid] = dict(create_kwargs or {})
-        return iid, resp
-
-    async def release(self, instance_id: str, **kwargs: Any) -> None:
-        self._kwargs.pop(instance_id, None)
 
     async def execute(
         self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
     ) -> tuple[ToolResponse, float, dict]:
-        agent_data = kwargs.get("agent_data")
-        if agent_data is None:
-            raise ValueError("agent_data: τ tools keep their action log in the trajectory state")
-        if not isinstance(parameters, dict):
-            raise ValueError(f"parameters: expected an object, got {type(parameters).__name__}")
+        agent_data = self._agent_data(kwargs)
+        self._check_parameters(parameters)
         create = self._kwargs.get(instance_id, {})
         task_id = create.get("task_id")
         if not task_id:

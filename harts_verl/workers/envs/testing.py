@@ -3,10 +3,13 @@
 
 * :func:`byte_tokenizer`: a byte-level tokenizer (every text round-trips, no hub access) with a
   plain chat template;
+* :class:`TokenOut`: the fields of veRL's ``TokenOutput`` that agent loops read (what a fake
+  server's ``generate`` returns);
 * :class:`ScriptedServer`: veRL's ``generate(request_id, *, prompt_ids, sampling_params)``
   contract, answering with texts from a script function;
+* :func:`loop_config`: the trainer config an agent loop reads (rollout lengths, multi-turn);
 * :func:`make_loop`: an agent loop (``HartsToolAgentLoop`` or a subclass) over that server with
-  the hermes tool-call format and the given tools.
+  the hermes tool-call format (or a given config) and the given tools.
 """
 
 from __future__ import annotations
@@ -14,7 +17,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["ScriptedServer", "byte_tokenizer", "hermes_call", "make_loop"]
+__all__ = [
+    "ScriptedServer",
+    "TokenOut",
+    "byte_tokenizer",
+    "hermes_call",
+    "loop_config",
+    "make_loop",
+]
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -45,7 +55,7 @@ def hermes_call(name: str, arguments: dict[str, Any]) -> str:
     return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
 
 
-class _Out:
+class TokenOut:
     """The fields of veRL's ``TokenOutput`` that agent loops read."""
 
     def __init__(self, token_ids: list[int]) -> None:
@@ -68,33 +78,35 @@ class ScriptedServer:
 
     async def generate(
         self, request_id: str, *, prompt_ids: list[int], sampling_params: Any, **kw: Any
-    ) -> _Out:
+    ) -> TokenOut:
         text = self.tok.decode(prompt_ids)
         turn = text.count("<|assistant|>") - 1
         self.calls.append((request_id, turn))
         reply = self.script(request_id, turn, text)
         ids = [*self.tok.encode(reply, add_special_tokens=False), self.tok.eos_token_id]
-        return _Out(ids)
+        return TokenOut(ids)
 
 
-def make_loop(
-    cls: type,
-    server: ScriptedServer,
-    tools: list[Any],
-    response_length: int = 4096,
+def loop_config(
+    *,
     prompt_length: int = 4096,
+    response_length: int = 4096,
     max_turns: int = 8,
-    **kwargs: Any,
+    tool_format: str = "hermes",
+    max_tool_response_length: int = 4000,
+    tool_response_truncate_side: str = "middle",
+    **rollout: Any,
 ) -> Any:
-    """An agent loop of class ``cls`` over ``server`` with ``tools`` (hermes format). Build it
-    inside the event loop that runs it (veRL captures the running loop)."""
+    """The ``DictConfig`` an agent loop reads: ``actor_rollout_ref.rollout`` lengths, extra
+    rollout keys ``rollout`` (e.g. ``n``) and its ``multi_turn`` settings (one tool call per turn,
+    ``max_turns`` user and assistant turns), and an empty ``data``."""
     from omegaconf import OmegaConf
-    from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap
 
-    cfg = OmegaConf.create(
+    return OmegaConf.create(
         {
             "actor_rollout_ref": {
                 "rollout": {
+                    **rollout,
                     "prompt_length": prompt_length,
                     "response_length": response_length,
                     "full_determinism": False,
@@ -102,22 +114,46 @@ def make_loop(
                         "max_user_turns": max_turns,
                         "max_assistant_turns": max_turns,
                         "max_parallel_calls": 1,
-                        "max_tool_response_length": 4000,
-                        "tool_response_truncate_side": "middle",
-                        "format": "hermes",
+                        "max_tool_response_length": max_tool_response_length,
+                        "tool_response_truncate_side": tool_response_truncate_side,
+                        "format": tool_format,
                     },
                 }
             },
             "data": {},
         }
     )
+
+
+def make_loop(
+    cls: type,
+    server: Any,
+    tools: list[Any],
+    response_length: int = 4096,
+    prompt_length: int = 4096,
+    max_turns: int = 8,
+    *,
+    config: Any = None,
+    tokenizer: Any = None,
+    **kwargs: Any,
+) -> Any:
+    """An agent loop of class ``cls`` over ``server`` with ``tools``: the config is ``config``
+    (from :func:`loop_config`) or, when None, the hermes format with the given lengths; the
+    tokenizer is ``tokenizer`` or the server's ``tok``. Build it inside the event loop that
+    runs it (veRL captures the running loop)."""
+    from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap
+
+    if config is None:
+        config = loop_config(
+            prompt_length=prompt_length, response_length=response_length, max_turns=max_turns
+        )
     return cls(
-        trainer_config=DictConfigWrap(cfg),
+        trainer_config=DictConfigWrap(config),
         server_manager=server,
-        tokenizer=server.tok,
+        tokenizer=server.tok if tokenizer is None else tokenizer,
         processor=None,
         dataset_cls=None,
-        data_config=DictConfigWrap(cfg.data),
+        data_config=DictConfigWrap(config.data),
         hf_model_type=None,
         tools=ToolListWrap(tools),
         **kwargs,

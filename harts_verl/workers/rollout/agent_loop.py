@@ -25,11 +25,13 @@ import logging
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 from uuid import uuid4
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopOutput, register
 from verl.experimental.agent_loop.tool_agent_loop import AgentData, AgentState, ToolAgentLoop
+from verl.tools.base_tool import BaseTool
+from verl.tools.schemas import ToolResponse
 
 from harts_verl.workers.rollout.recorder import (
     TREE_KEY,
@@ -45,6 +47,7 @@ __all__ = [
     "GROUP_MODES",
     "ForkSpec",
     "HartsToolAgentLoop",
+    "TrajectoryTool",
     "fork_groups",
     "path_str",
 ]
@@ -172,6 +175,40 @@ def fork_groups(paths: Sequence[Path], mode: str = "fork") -> list[Path]:
         counts[target] += 1
         groups[k] = target
     return groups
+
+
+class TrajectoryTool(BaseTool):
+    """A veRL tool whose state lives in the trajectory (``agent_data.extra_fields``) and that
+    reads its row's ``create_kwargs`` (kept per instance in ``_kwargs`` from ``create`` to
+    ``release``). ``STATE`` says what the tool keeps in the trajectory (error messages)."""
+
+    STATE: ClassVar[str] = "state"
+
+    def __init__(self, config: dict[str, Any], tool_schema: Any) -> None:
+        super().__init__(config, tool_schema)
+        self._kwargs: dict[str, dict[str, Any]] = {}
+
+    async def create(
+        self, instance_id: str | None = None, create_kwargs: dict | None = None, **kwargs: Any
+    ) -> tuple[str, ToolResponse]:
+        iid, resp = await super().create(instance_id)
+        self._kwargs[iid] = dict(create_kwargs or {})
+        return iid, resp
+
+    async def release(self, instance_id: str, **kwargs: Any) -> None:
+        self._kwargs.pop(instance_id, None)
+
+    def _agent_data(self, kwargs: dict[str, Any]) -> AgentData:
+        """The call's ``agent_data`` (``ValueError`` when the caller passed none)."""
+        agent_data = kwargs.get("agent_data")
+        if agent_data is None:
+            raise ValueError(f"agent_data: {self.STATE} in the trajectory state")
+        return agent_data
+
+    @staticmethod
+    def _check_parameters(parameters: Any) -> None:
+        if not isinstance(parameters, dict):
+            raise ValueError(f"parameters: expected an object, got {type(parameters).__name__}")
 
 
 def _shares(total: int, parts: int) -> list[int]:
