@@ -67,3 +67,17 @@ def test_registered_in_verl():
     assert plugin.register_rollout() and plugin.REGISTERED["harts_hf"]
     assert issubclass(get_rollout_replica_class("harts_hf"), RolloutReplica)
     assert get_rollout_class("harts_hf", "async").__name__ == "HFServerAdapter"
+
+
+def test_eos_from_saved_tokenizer(tmp_path):
+    """A model config without eos and a model_config without a tokenizer (as the replica
+    passes it): the server stops at the eos of the tokenizer saved with the model."""
+    from harts_verl.workers import testing
+    from harts_verl.workers.rollout import local_task
+    from harts_verl.workers.rollout.cpu_server import HFGenerationServer
+
+    path = testing.save_tiny_model("qwen2", str(tmp_path / "m"), seed=1)
+    local_task.build_tokenizer(path)
+    cfg = SimpleNamespace(max_model_len=None, prompt_length=16, response_length=16)
+    srv = HFGenerationServer(cfg, SimpleNamespace(path=path))
+    assert srv.eos_token_id == local_task.VOCAB.index("<eos>")

@@ -23,6 +23,10 @@ run() {  # run LABEL STEPS [overrides...]: the recipe in its own session, Ray cl
   [ "$rc" -eq 0 ] || { echo "$label failed (rc=$rc); tail of log:"; tail -20 "$OUT/$label.log"; }
   return "$rc"
 }
+# inputs (SFT warm-started model, agent-prompt tasks) prepared once, shared by both runs
+echo "== prepare: $OUT/inputs"
+"$PY" "$HERE/prepare.py" "$OUT/inputs" 2>"$OUT/prepare.log" || { tail -20 "$OUT/prepare.log"; exit 1; }
+export HARTS_LOCAL_INPUTS="$OUT/inputs"
 run baseline 1 +actor_rollout_ref.actor.harts.enable=false || exit 1
 run harts "$STEPS" || exit 1
 "$PY" "$HERE/summary.py" "$OUT/baseline.log" "$OUT/harts.log"

@@ -1,5 +1,6 @@
-"""Summarise local CPU recipe logs: per-step reward, HARTS compression and actor update time,
-HARTS steps against a stock-path baseline step.
+"""Summarise local CPU recipe logs: per-step reward, mean turns (1 + assistant + tool turns) and
+response length, HARTS compression and actor update time, HARTS steps against a stock-path
+baseline step.
 
 Usage: python summary.py BASELINE_LOG HARTS_LOG
 """
@@ -35,6 +36,7 @@ def row(label: str, m: dict[str, float]) -> str:
     path = "stock" if m.get("actor/harts/fallback", 1.0) else "harts"
     return (
         f"{label:<10} {path:<6} {m.get('critic/score/mean', float('nan')):>7.3f} "
+        f"{m.get('num_turns/mean', float('nan')):>6.2f} {m.get('response_length/mean', float('nan')):>6.1f} "
         f"{m.get('actor/harts/compression', float('nan')):>8.2f} "
         f"{m.get('actor/loss', float('nan')):>9.4f} {m.get('actor/grad_norm', float('nan')):>9.4f} "
         f"{m.get('timing_s/update_actor', float('nan')):>9.3f} {m.get('timing_s/step', float('nan')):>8.2f}"
@@ -47,7 +49,7 @@ def main(baseline_log: str, harts_log: str) -> int:
         print(f"no step metrics in {harts_log}", file=sys.stderr)
         return 1
     print(
-        f"{'step':<10} {'path':<6} {'reward':>7} {'compr':>8} {'loss':>9} {'grad_norm':>9} "
+        f"{'step':<10} {'path':<6} {'reward':>7} {'turns':>6} {'resp':>6} {'compr':>8} {'loss':>9} {'grad_norm':>9} "
         f"{'update_s':>9} {'step_s':>8}"
     )
     for s, m in sorted(base.items()):
@@ -60,6 +62,10 @@ def main(baseline_log: str, harts_log: str) -> int:
         print(
             f"mean update_actor: baseline {b:.3f}s, harts {h:.3f}s (x{b / h if h else float('nan'):.2f})"
         )
+        # like for like: both runs' first step (each includes the first-call warm-up)
+        b1 = base[min(base)].get("timing_s/update_actor", float("nan"))
+        h1 = harts[min(harts)].get("timing_s/update_actor", float("nan"))
+        print(f"first-step update_actor: baseline {b1:.3f}s, harts {h1:.3f}s (x{b1 / h1:.2f})")
     return 0
 
 

@@ -80,6 +80,20 @@ def sample_tokens(
     return out_ids, out_lp
 
 
+def _tokenizer_eos(path: str) -> int | None:
+    """The eos id of the tokenizer saved at ``path`` (None when there is none)."""
+    import os
+
+    if not os.path.isfile(os.path.join(path, "tokenizer_config.json")):
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=True).eos_token_id
+    except (OSError, ValueError):
+        return None
+
+
 class HFGenerationServer:
     """Token-in/token-out generation server on an HF model (CPU, fp32)."""
 
@@ -105,6 +119,10 @@ class HFGenerationServer:
         self.eos_token_id = getattr(tok, "eos_token_id", None) if tok is not None else None
         if self.eos_token_id is None:
             self.eos_token_id = getattr(hf_cfg, "eos_token_id", None)
+        if self.eos_token_id is None:  # the replica's model config may carry no tokenizer
+            self.eos_token_id = _tokenizer_eos(
+                getattr(model_config, "tokenizer_path", None) or path
+            )
         self.max_model_len = int(
             getattr(config, "max_model_len", None)
             or (config.prompt_length + config.response_length)
