@@ -295,7 +295,7 @@ def run_instance(
             )
         row["speedup_vs_cpsat"] = round(cp["wall_seconds"] / max(seconds, 1e-9), 1)
         if slack > 0 and dp > 1:
-            bal, bal_seconds = _timed_plan(forest, cap, dp, 1, work_slack=slack)
+            bal, bal_seconds = _timed_plan(forest, cap, dp, repeats, work_slack=slack)
             sb = bal.summary()
             row["ours_work_slack"] = {
                 "work_slack": slack,

@@ -748,12 +748,16 @@ class _State:
         """[pieces, bins]: exact work added to each bin by inserting each piece (_INF at src);
         only the bins ``cols`` (in that order) when given."""
         lv = self.lv
-        cols = np.arange(self.k) if cols is None else np.asarray(cols, dtype=np.int64)
         s1 = pc.s1[:, None]
         sm = pc.sm[:, None]
-        nl_sm = self.nl[pc.sm][:, cols]
-        lp = lv.pair_lcp(self.nl[pc.s1][:, cols], s1)
-        ls = lv.pair_lcp(sm, self.nr[pc.sm][:, cols])
+        nl_s1, nl_sm, nr_sm = self.nl[pc.s1], self.nl[pc.sm], self.nr[pc.sm]
+        if cols is None:
+            cols = np.arange(self.k)
+        else:
+            cols = np.asarray(cols, dtype=np.int64)
+            nl_s1, nl_sm, nr_sm = nl_s1[:, cols], nl_sm[:, cols], nr_sm[:, cols]
+        lp = lv.pair_lcp(nl_s1, s1)
+        ls = lv.pair_lcp(sm, nr_sm)
         # lcp(pred, succ) = min(lp, depth, ls); 0 when either neighbour is missing.
         marg = pc.w[:, None] - lp - ls + np.minimum(np.minimum(lp, ls), pc.d[:, None])
         is_src = cols == src
@@ -785,9 +789,10 @@ def _pick(ok: np.ndarray, *keys: np.ndarray) -> tuple[int, int]:
     return int(rows[sel]), int(cols[sel])
 
 
-def _improve(st: _State, budget: int) -> int:
-    """Piece moves with negative exact delta, then eliminations of small bins; repeat while
-    total work drops (at most ``budget`` moves). Returns the number of moves."""
+def _improve(st: _State, budget: int, min_bins: int = 1) -> int:
+    """Piece moves with negative exact delta, then eliminations of small bins (not below
+    ``min_bins``, a lower bound on the number of microbatches); repeat while total work drops
+    (at most ``budget`` moves). Returns the number of moves."""
     cap = st.cap
     moves = 0
     while moves < budget:
@@ -806,7 +811,7 @@ def _improve(st: _State, budget: int) -> int:
                 st.move(pc.piece(t), a, b, int(st.works[a] - pc.gain[t]), int(new[t, b]))
                 moves += 1
                 changed = True
-        if moves < budget and _eliminate(st):
+        if moves < budget and _eliminate(st, min_bins=min_bins):
             changed = True
             moves += 1
         if not changed:
@@ -841,11 +846,11 @@ def _dissolve(st: _State, a: int) -> _State | None:
     return trial
 
 
-def _eliminate(st: _State, tries: int = 6) -> bool:
+def _eliminate(st: _State, tries: int = 6, min_bins: int = 1) -> bool:
     """Dissolve a bin (smallest first) into the others (:func:`_dissolve`); commit the first
-    dissolution that lowers total work."""
+    dissolution that lowers total work. Nothing to try at ``min_bins`` live bins or fewer."""
     live = np.flatnonzero(st.works > 0)
-    if live.size < 2:
+    if live.size < 2 or live.size <= min_bins:
         return False
     before = st.total()
     for a in live[np.lexsort((live, st.works[live]))][:tries].tolist():
@@ -1351,7 +1356,14 @@ _ALIGN_STEP, _ALIGN_STEPS, _ALIGN_STARTS = 0.001, 3, 1
 
 
 def _aligned_starts(
-    lv: _Leaves, cap: int, dp: int, k_target: int, work_limit: int, node_limit: int, budget: int
+    lv: _Leaves,
+    cap: int,
+    dp: int,
+    k_target: int,
+    work_limit: int,
+    node_limit: int,
+    budget: int,
+    lower: int,
 ) -> list[tuple[str, np.ndarray]]:
     """Starts for the imbalance repair with exactly ``k_target`` (a multiple of ``dp``)
     microbatches: tree packings at a reduced capacity (smaller capacities give more, more even
@@ -1381,7 +1393,7 @@ def _aligned_starts(
         for best_fit in (False, True):
             st0 = _tree_pack(lv, c, best_fit, node_limit)
             st = _State(lv, st0, int(st0.max()) + 1, c)
-            _improve(st, budget)
+            _improve(st, budget, -(-lower // c))
             lab, k = _canonical(st.label)
             total = int(st.works.sum())
             if k == k_target and total <= work_limit:
@@ -1409,6 +1421,7 @@ def _search(
     slack = float(opt["work_slack"])
     lower = lower_bound_work(lv, cap)
     budget = int(max(50, 4 * n) * effort)  # local-search moves
+    min_bins = max(1, -(-lower // cap))  # no partition has fewer microbatches
     pool: list[_Cand] = []
     seen: set[bytes] = set()
 
@@ -1456,7 +1469,7 @@ def _search(
             picked.append(other[0])
         for _, name, lab in picked:
             st = _State(lv, lab, int(lab.max()) + 1, cap)
-            _improve(st, budget)
+            _improve(st, budget, min_bins)
             add(name + "+ls", st.label)
         pool.sort(key=lambda t: t[0])
         restarts = int(opt["restarts"])
@@ -1466,7 +1479,7 @@ def _search(
             for r in range(restarts):
                 st = _State(lv, lab, int(lab.max()) + 1, cap)
                 _kick(st, rng)
-                _improve(st, budget)
+                _improve(st, budget, min_bins)
                 add(f"{name}+r{r}", st.label)
             pool.sort(key=lambda t: t[0])
 
@@ -1477,11 +1490,11 @@ def _search(
         # (so the slack result is never worse in slot-critical work than the strict one).
         bal_budget = int(max(20, n) * effort)
         rep_budget = int(max(20, n // 4) * effort)
-        for sc, name, lab in [c for c in pool if c[0][0] == min_total][:2]:
+        for i, (sc, name, lab) in enumerate([c for c in pool if c[0][0] == min_total][:2]):
             st = _State(lv, lab, int(lab.max()) + 1, cap)
             _balance(st, dp, bal_budget, sc[0])
             add(name + "+bal", st.label)
-            if slack > 0:
+            if slack > 0 and i == 0:
                 _balance(st, dp, bal_budget, limit)
                 add(name + "+bal+slack", st.label)
         if slack > 0:
@@ -1490,7 +1503,9 @@ def _search(
             # Aligned starts first; stop at the first repaired plan with every slot at or
             # below _REPAIR_GOAL.
             k_target = -(-(int(pool[0][2].max()) + 1) // dp) * dp
-            starts = _aligned_starts(lv, cap, dp, k_target, limit, int(2000 * effort), budget)
+            starts = _aligned_starts(
+                lv, cap, dp, k_target, limit, int(2000 * effort), budget, lower
+            )
             starts.append((pool[0][1], pool[0][2]))
             crit = min(pool, key=lambda t: t[0])[0][1]  # the strict choice's slot-critical work
             for name, lab in starts:
