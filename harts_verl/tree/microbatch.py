@@ -1149,7 +1149,11 @@ def _repair(st: _State, dp: int, budget: int, work_limit: int, crit_limit: float
                 margs[a][:, stale] = st.marginals(pieces[a], a, np.asarray(stale))
         stale = []
         slot, imb = _slot_of_bins(w, dp)
-        hot = imb[slot] > _REPAIR_TAU
+        # Bins that must change: in a slot above _REPAIR_TAU, its largest or at most its mean.
+        smax = np.zeros(imb.size)
+        np.maximum.at(smax, slot, w)
+        smean = np.bincount(slot, weights=w, minlength=imb.size) / dp
+        hot = (imb[slot] > _REPAIR_TAU) & ((w >= smax[slot]) | (w <= smean[slot]))
         ma, mt, mb_, mwa, mwb, md = _move_candidates(st, pieces, margs, work_limit)
         sa, st_, sb, su, swa, swb, sd = _swap_candidates(st, pieces, margs, work_limit, hot)
         a_ = np.concatenate([ma, sa])
