@@ -991,12 +991,7 @@ def _fixed_slot_drop(
     """Screen for candidate changes (bins ``a``/``b`` get works ``wa``/``wb``): the drop of
     (slot-critical work, Σ over slots of max(imbalance − tau, 0)², Σ imbalance²) if every bin
     kept its slot of the current sorted grouping (exact when the sort order does not change)."""
-    k = works.shape[0]
-    order = np.lexsort((np.arange(k), -works))
-    slot = np.empty(k, dtype=np.int64)
-    slot[order] = np.arange(k) // dp
-    pad = (-k) % dp
-    ids = np.concatenate([order, np.full(pad, -1)]).reshape(-1, dp)
+    slot, ids = _sorted_slots(works, dp)
     g = np.where(ids >= 0, works[np.maximum(ids, 0)], 0).astype(np.float64)
     ssum = g.sum(axis=1)
     top = ids[:, :3] if dp >= 3 else np.concatenate([ids, np.full((ids.shape[0], 3 - dp), -1)], 1)
@@ -1036,15 +1031,21 @@ def _fixed_slot_drop(
     return dc, d0, d1
 
 
-def _slot_of_bins(works: np.ndarray, dp: int) -> tuple[np.ndarray, np.ndarray]:
-    """Slot of each bin under sorted grouping, and each slot's imbalance."""
+def _sorted_slots(works: np.ndarray, dp: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted grouping of bins into slots (works decreasing, ties by index, ``dp`` per slot):
+    the slot of each bin, and ``[slots, dp]`` bin ids per slot (-1 pads the last slot)."""
     k = works.shape[0]
     order = np.lexsort((np.arange(k), -works))
     slot = np.empty(k, dtype=np.int64)
     slot[order] = np.arange(k) // dp
-    pad = (-k) % dp
-    g = np.concatenate([works[order], np.zeros(pad, works.dtype)]).reshape(-1, dp)
-    return slot, slot_imbalance(g)
+    ids = np.concatenate([order, np.full((-k) % dp, -1)]).reshape(-1, dp)
+    return slot, ids
+
+
+def _slot_of_bins(works: np.ndarray, dp: int) -> tuple[np.ndarray, np.ndarray]:
+    """Slot of each bin under sorted grouping, and each slot's imbalance."""
+    slot, ids = _sorted_slots(works, dp)
+    return slot, slot_imbalance(np.where(ids >= 0, works[np.maximum(ids, 0)], 0))
 
 
 def _move_candidates(
@@ -1138,7 +1139,8 @@ def _repair(st: _State, dp: int, budget: int, work_limit: int, crit_limit: float
     moves = 0
     while moves < budget and (cur[0] > 0 or cur[1] > 0):
         w = st.works
-        mean = int(w.sum()) / k
+        total = int(w.sum())
+        mean = total / k
         for a in [a for a in pieces if w[a] == 0]:
             del pieces[a], margs[a]
         for a in np.flatnonzero(w > 0).tolist():
@@ -1179,7 +1181,6 @@ def _repair(st: _State, dp: int, budget: int, work_limit: int, crit_limit: float
                 ]
             )
         )
-        total = int(w.sum())
         feas = (wa_[sel] <= st.cap) & (wb_[sel] <= st.cap) & (total + d_[sel] <= work_limit)
         rows = np.arange(sel.size)
         trial = np.repeat(w[None, :], sel.size, axis=0)
@@ -1202,7 +1203,6 @@ def _repair(st: _State, dp: int, budget: int, work_limit: int, crit_limit: float
         ]
         walk = np.flatnonzero(allowed)
         walk = walk[np.lexsort((walk, d_[sel][walk], obj[walk, 2], obj[walk, 1], obj[walk, 0]))]
-        total_now = int(w.sum())
         chosen, walking, exact_obj = -1, False, None
         for mode, cand in ((False, np.concatenate(prefs)), (True, walk)):
             if mode and stall >= _TABU_STALL:
@@ -1216,7 +1216,7 @@ def _repair(st: _State, dp: int, budget: int, work_limit: int, crit_limit: float
                     if ewa != wa_[i] or ewb != wb_[i]:  # approximation off: judge exactly
                         if (
                             max(ewa, ewb) > st.cap
-                            or total_now + ewa + ewb - w[a_[i]] - w[b_[i]] > work_limit
+                            or total + ewa + ewb - w[a_[i]] - w[b_[i]] > work_limit
                         ):
                             continue
                         tw = w.copy()
