@@ -241,6 +241,34 @@ def _timed_plan(forest: RolloutForest, cap: int, dp: int, repeats: int, **option
     return plans[0], min(p.planning_seconds for p in plans)
 
 
+def _pct(value: int, reference: int) -> float:
+    """``value`` relative to ``reference`` in percent (rounded to 4 decimals)."""
+    return round(100.0 * (value / reference - 1.0), 4)
+
+
+def _plan_metrics(plan: Any, seconds: float) -> dict[str, Any]:
+    """JSON figures of one of our plans and its planning time."""
+    s = plan.summary()
+    return {
+        "compact_tokens": plan.total_compact_tokens,
+        "planning_seconds": round(seconds, 5),
+        "microbatches": plan.num_microbatches,
+        "slot_critical_work": plan.slot_critical_work,
+        "slot_imbalance_p50": round(s["slot_imbalance_p50"], 5),
+        "slot_imbalance_p95": round(s["slot_imbalance_p95"], 5),
+        "strategy": plan.strategy,
+    }
+
+
+def _vs_cpsat(plan: Any, seconds: float, cp: dict[str, Any], cp_tokens: int) -> dict[str, Any]:
+    """Speedup over CP-SAT's wall time and, when CP-SAT found bins, the token difference."""
+    out: dict[str, Any] = {}
+    if cp_tokens > 0:
+        out["tokens_vs_cpsat_pct"] = _pct(plan.total_compact_tokens, cp_tokens)
+    out["speedup_vs_cpsat"] = round(cp["wall_seconds"] / max(seconds, 1e-9), 1)
+    return out
+
+
 def run_instance(
     spec: Spec,
     forest: RolloutForest,
@@ -261,7 +289,6 @@ def run_instance(
     rows = []
     for dp in dps:
         plan, seconds = _timed_plan(forest, cap, dp, repeats)
-        s = plan.summary()
         row: dict[str, Any] = {
             "forest": spec.label,
             "size": spec.size,
@@ -272,15 +299,7 @@ def run_instance(
             "capacity_tokens": cap,
             "dp_size": dp,
             "lower_bound": lower,
-            "ours": {
-                "compact_tokens": plan.total_compact_tokens,
-                "planning_seconds": round(seconds, 5),
-                "microbatches": plan.num_microbatches,
-                "slot_critical_work": plan.slot_critical_work,
-                "slot_imbalance_p50": round(s["slot_imbalance_p50"], 5),
-                "slot_imbalance_p95": round(s["slot_imbalance_p95"], 5),
-                "strategy": plan.strategy,
-            },
+            "ours": _plan_metrics(plan, seconds),
             "cpsat": {
                 "status": cp["status"],
                 "compact_tokens": cp_tokens,
@@ -292,32 +311,15 @@ def run_instance(
                 **_placed_metrics(cp_works, dp),
             },
         }
-        if cp_tokens > 0:
-            row["tokens_vs_cpsat_pct"] = round(
-                100.0 * (plan.total_compact_tokens / cp_tokens - 1.0), 4
-            )
-        row["speedup_vs_cpsat"] = round(cp["wall_seconds"] / max(seconds, 1e-9), 1)
+        row.update(_vs_cpsat(plan, seconds, cp, cp_tokens))
         if slack > 0 and dp > 1:
             bal, bal_seconds = _timed_plan(forest, cap, dp, repeats, work_slack=slack)
-            sb = bal.summary()
             row["ours_work_slack"] = {
                 "work_slack": slack,
-                "compact_tokens": bal.total_compact_tokens,
-                "extra_tokens_pct": round(
-                    100.0 * (bal.total_compact_tokens / plan.total_compact_tokens - 1.0), 4
-                ),
-                "planning_seconds": round(bal_seconds, 5),
-                "microbatches": bal.num_microbatches,
-                "slot_critical_work": bal.slot_critical_work,
-                "slot_imbalance_p50": round(sb["slot_imbalance_p50"], 5),
-                "slot_imbalance_p95": round(sb["slot_imbalance_p95"], 5),
-                "strategy": bal.strategy,
-                "speedup_vs_cpsat": round(cp["wall_seconds"] / max(bal_seconds, 1e-9), 1),
+                **_plan_metrics(bal, bal_seconds),
+                "extra_tokens_pct": _pct(bal.total_compact_tokens, plan.total_compact_tokens),
+                **_vs_cpsat(bal, bal_seconds, cp, cp_tokens),
             }
-            if cp_tokens > 0:
-                row["ours_work_slack"]["tokens_vs_cpsat_pct"] = round(
-                    100.0 * (bal.total_compact_tokens / cp_tokens - 1.0), 4
-                )
         rows.append(row)
     return rows
 
