@@ -9,27 +9,39 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Iterable
 
 _STEP = re.compile(r"step:(\d+) - (.*)$")
 
 
-def parse(path: str) -> dict[int, dict[str, float]]:
+def _number(value: str) -> float:
+    """A console metric value, also when printed as ``np.float64(0.5)`` or ``np.int32(6)``."""
+    return float(re.sub(r"^np\.\w+\((.*)\)$", r"\1", value.strip()))
+
+
+def parse_lines(lines: Iterable[str]) -> dict[int, dict[str, float]]:
+    """Numeric metrics of veRL's console ``step:N - key:value - ...`` lines, by step
+    (non-numeric values are left out)."""
     steps: dict[int, dict[str, float]] = {}
-    with open(path, errors="replace") as f:
-        for line in f:
-            m = _STEP.search(line)
-            if not m:
-                continue
-            metrics = {}
-            for item in m.group(2).split(" - "):
-                key, _, value = item.partition(":")
-                value = value.strip().removeprefix("np.float64(").removeprefix("np.int64(")
-                try:
-                    metrics[key.strip()] = float(value.rstrip(")"))
-                except ValueError:
-                    pass
-            steps[int(m.group(1))] = metrics
+    for line in lines:
+        m = _STEP.search(line)
+        if not m:
+            continue
+        metrics = {}
+        for item in m.group(2).split(" - "):
+            key, _, value = item.partition(":")
+            try:
+                metrics[key.strip()] = _number(value)
+            except ValueError:
+                pass
+        steps[int(m.group(1))] = metrics
     return steps
+
+
+def parse(path: str) -> dict[int, dict[str, float]]:
+    """:func:`parse_lines` of a log file."""
+    with open(path, errors="replace") as f:
+        return parse_lines(f)
 
 
 def row(label: str, m: dict[str, float]) -> str:
