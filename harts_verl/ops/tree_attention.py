@@ -266,6 +266,34 @@ def _check_qkv(
 
 
 # --- issue 9 (GPU backends): "cuda" and "cuda:0" name the same device ---
+def _pad_head_dim(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k and v zero-padded on the head dim to ``d`` (>= both head dims; one kernel call for
+    MLA's unequal q/k and v dims). Padding q/k adds 0 to every score."""
+    dqk, dv = q.shape[-1], v.shape[-1]
+    if dqk < d:
+        q = F.pad(q, (0, d - dqk))
+        k = F.pad(k, (0, d - dqk))
+    if dv < d:
+        v = F.pad(v, (0, d - dv))
+    return q, k, v
+
+
+def _finish_heads(
+    o: torch.Tensor, out_index: torch.Tensor | None, dv: int, gate: torch.Tensor | None
+) -> torch.Tensor:
+    """Kernel output ``o`` back to compact rows (``out_index``, None = already in order), the
+    value head dim ``dv`` (drops :func:`_pad_head_dim`'s padding) and the sigmoid output gate."""
+    if out_index is not None:
+        o = o.index_select(0, out_index)
+    if o.shape[-1] > dv:
+        o = o[..., :dv]
+    if gate is not None:
+        o = o * torch.sigmoid(gate)
+    return o
+
+
 def same_device(a: torch.device, b: torch.device) -> bool:
     """Same device type and, where both name one, the same index (``cuda`` == ``cuda:0`` when
     the current device is 0; torch's ``==`` says they differ)."""
@@ -336,11 +364,7 @@ def tree_attention(
     if c == 0:
         return q.new_zeros((0, hq, dv))
     d = max(dqk, dv)
-    if dqk < d:
-        q = F.pad(q, (0, d - dqk))
-        k = F.pad(k, (0, d - dqk))
-    if dv < d:
-        v = F.pad(v, (0, d - dv))
+    q, k, v = _pad_head_dim(q, k, v, d)
     gqa = hq != hkv
     if gqa and not _HAS_ENABLE_GQA:  # pragma: no cover - torch < 2.5
         k = k.repeat_interleave(hq // hkv, dim=1)
@@ -358,12 +382,7 @@ def tree_attention(
         )
         outs.append(ob.transpose(1, 2).reshape(b.nb * b.lq, hq, d))
     o = torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
-    o = o.index_select(0, plan.out_index)
-    if dv < d:
-        o = o[..., :dv]
-    if gate is not None:
-        o = o * torch.sigmoid(gate)
-    return o
+    return _finish_heads(o, plan.out_index, dv, gate)
 
 
 def tree_attention_dense_ref(

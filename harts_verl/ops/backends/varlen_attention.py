@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from harts_verl.ops._index import concat_ranges, segment_ancestors, to_index
-from harts_verl.ops.tree_attention import _check_qkv, same_device
+from harts_verl.ops.tree_attention import _check_qkv, _finish_heads, _pad_head_dim, same_device
 
 __all__ = [
     "VarlenAttentionPlan",
@@ -212,11 +212,7 @@ def tree_attention_varlen(
     d = -(-d // 8) * 8
     if d > MAX_HEAD_DIM:
         raise ValueError(f"varlen flash attention: head dim {d} > {MAX_HEAD_DIM}")
-    if dqk < d:
-        q = F.pad(q, (0, d - dqk))
-        k = F.pad(k, (0, d - dqk))
-    if dv < d:
-        v = F.pad(v, (0, d - dv))
+    q, k, v = _pad_head_dim(q, k, v, d)
     qq = q.contiguous() if plan.q_index is None else q.index_select(0, plan.q_index)
     kk = k.index_select(0, plan.key_index)
     vv = v.index_select(0, plan.key_index)
@@ -231,13 +227,7 @@ def tree_attention_varlen(
         softmax_scale=scale,
         causal=True,
     )
-    if plan.out_index is not None:
-        o = o.index_select(0, plan.out_index)
-    if dv < d:
-        o = o[..., :dv]
-    if gate is not None:
-        o = o * torch.sigmoid(gate)
-    return o
+    return _finish_heads(o, plan.out_index, dv, gate)
 
 
 def sdpa_varlen_reference(
