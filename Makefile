@@ -6,7 +6,14 @@ STAMP := $(VENV)/.harts-installed
 TORCH_VERSION ?= 2.13.0
 EXTRAS ?= dev,bench,verl,rollout
 
-.PHONY: venv test demo lint format bench clean
+# fla's real Triton kernels on the CPU (Triton interpreter), in a venv of their own: fla must not
+# be importable in .venv (transformers would route to its kernels). fla-core needs only einops.
+FLA_VENV ?= .venv-fla
+FLA_PY := $(FLA_VENV)/bin/python
+FLA_STAMP := $(FLA_VENV)/.harts-installed
+FLA_PINS ?= triton==3.6.0 fla-core==0.6.0
+
+.PHONY: venv test test-fla-cpu demo lint format bench clean
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,9 +34,23 @@ format: venv
 	$(VENV)/bin/ruff format harts_verl tests benchmarks
 	$(VENV)/bin/ruff check --fix harts_verl tests benchmarks
 
+$(FLA_STAMP): pyproject.toml Makefile
+	@test -x $(FLA_PY) || $(PYTHON) -m venv $(FLA_VENV)
+	$(FLA_PY) -m pip install -q --upgrade pip
+	$(FLA_PY) -c "import torch" 2>/dev/null || $(FLA_PY) -m pip install -q "torch==$(TORCH_VERSION)"
+	$(FLA_PY) -m pip install -q --no-deps $(FLA_PINS)
+	$(FLA_PY) -m pip install -q einops numpy omegaconf pytest hypothesis
+	$(FLA_PY) -m pip install -q --no-deps -e .
+	@touch $(FLA_STAMP)
+
+# pytest exit code 5 = no tests collected: that is a failure for us, say so.
 test: venv lint
-	@# pytest exit code 5 = no tests collected: that is a failure for us, say so.
-	$(PY) -m pytest tests; rc=$$?; \
+	$(PY) -m pytest tests --ignore=tests/fla_cpu; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
+	$(MAKE) --no-print-directory test-fla-cpu
+
+test-fla-cpu: $(FLA_STAMP)
+	TRITON_INTERPRET=1 HARTS_REQUIRE_FLA=1 $(FLA_PY) -m pytest tests/fla_cpu; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
 # Local CPU recipe: 1 stock-path baseline step, then 3 online HARTS steps (reward, compression,
@@ -41,4 +62,4 @@ bench: venv
 	$(VENV)/bin/harts-verl bench
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(FLA_VENV) build *.egg-info
