@@ -241,3 +241,91 @@ def test_expanded_layout(seqs):
         np.testing.assert_array_equal(e.tokens_of(i), s)
         r = e.rows_of(i)
         assert e.parent[r[0]] == -1 and np.all(e.parent[r[1:]] == r[:-1])
+
+
+def test_empty_forests_have_no_sequences():
+    """An empty forest (no trajectories) lists no trajectories, however it was built."""
+    empty = RolloutForest.from_sequences([])
+    assert empty.sequences == []
+    assert RolloutForest.from_sequences(np.zeros((0, 3), np.int64)).sequences == []
+    assert RolloutForest.expanded([]).sequences == []
+    f = RolloutForest.from_sequences([[1, 2], [1, 3]])
+    assert f.subset([]).sequences == [] and f.subset([]).num_trajectories == 0
+
+
+def test_save_writes_the_given_path(tmp_path):
+    """``save(p)`` then ``load(p)`` round-trips for any file name (numpy would append .npz)."""
+    f = RolloutForest.from_sequences([[1, 2, 3], [1, 2, 4], [7]], group_ids=[3, 3, 4])
+    for name in ("forest", "forest.npz", "forest.bin"):
+        f.save(tmp_path / name)
+        assert (tmp_path / name).exists()
+        assert RolloutForest.load(tmp_path / name).equals(f)
+        assert RolloutForest.load(str(tmp_path / name)).equals(f)
+    e = RolloutForest.expanded([[1, 2], [1, 2]])  # a non-trie layout round-trips as is
+    e.save(tmp_path / "expanded")
+    assert RolloutForest.load(tmp_path / "expanded").equals(e)
+
+
+def _write_forest_file(path, **overrides):
+    arrays = {
+        "format_version": np.int64(1),
+        "flat_tokens": np.array([1, 2, 3, 1, 2, 4]),
+        "row_offsets": np.array([0, 3, 6]),
+        "group_ids": np.zeros(2, np.int64),
+        "leaf_order": np.array([0, 1]),
+        "adjacent_lcp": np.array([2]),
+    }
+    arrays.update(overrides)
+    np.savez(path, **{k: v for k, v in arrays.items() if v is not None})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"row_offsets": None}, "missing array 'row_offsets'"),
+        ({"row_offsets": np.array([0, 3, 9])}, "row_offsets"),
+        ({"row_offsets": np.array([0, 3, 3, 6])}, "row_offsets"),  # an empty trajectory
+        ({"flat_tokens": np.array([1.0, 2, 3, 1, 2, 4])}, "flat_tokens"),
+        ({"flat_tokens": np.array([1, 2, 3, 1, -2, 4])}, "flat_tokens"),
+        ({"group_ids": np.zeros(3, np.int64)}, "group_ids"),
+        ({"leaf_order": np.array([0, 5])}, "leaf_order"),
+        ({"leaf_order": np.array([1, 1])}, "leaf_order"),
+        ({"adjacent_lcp": np.array([2, 0])}, "adjacent_lcp"),
+        ({"adjacent_lcp": np.array([3])}, r"adjacent_lcp\[0\]"),  # claims a shared 3rd token
+        ({"adjacent_lcp": np.array([-1])}, "adjacent_lcp"),
+    ],
+)
+def test_load_rejects_inconsistent_files(tmp_path, overrides, match):
+    """A damaged or hand-made file raises ValueError naming the array, never a deep
+    IndexError/KeyError or a forest with silently wrong tokens."""
+    path = tmp_path / "bad.npz"
+    _write_forest_file(path, **overrides)
+    with pytest.raises(ValueError, match=match):
+        RolloutForest.load(path)
+
+
+def test_load_accepts_a_consistent_hand_made_file(tmp_path):
+    path = tmp_path / "ok.npz"
+    _write_forest_file(path)
+    assert RolloutForest.load(path).equals(RolloutForest.from_sequences([[1, 2, 3], [1, 2, 4]]))
+    _write_forest_file(path, adjacent_lcp=np.array([0]))  # sharing less is a valid layout
+    g = RolloutForest.load(path)
+    assert g.num_compact_tokens == 6 and [s.tolist() for s in g.sequences] == [
+        [1, 2, 3],
+        [1, 2, 4],
+    ]
+
+
+def test_load_rejects_other_files(tmp_path):
+    np.save(tmp_path / "a.npy", np.arange(3))
+    with pytest.raises(ValueError, match="not a forest file"):
+        RolloutForest.load(tmp_path / "a.npy")
+    (tmp_path / "t.txt").write_text("hello")
+    with pytest.raises(ValueError, match="not a forest file"):
+        RolloutForest.load(tmp_path / "t.txt")
+
+
+def test_unconvertible_token_tensor_names_the_trajectory():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(ValueError, match=r"sequences\[1\]"):
+        RolloutForest.from_sequences([[1, 2], torch.tensor([1.0, 2.0], dtype=torch.bfloat16)])

@@ -539,3 +539,26 @@ def test_chunk_size_validation(bad):
 def test_numpy_int_chunk_size_accepted():
     forest = RolloutForest.from_sequences([[1, 2, 3], [1, 2, 4]])
     assert plan_linear_calls(forest, chunk_size=np.int64(2)).chunk_size == 2
+
+
+@pytest.mark.parametrize("bad", [[[1, 2, 3]], np.array([[1, 2]]), None])
+def test_forest_type_validation(bad):
+    with pytest.raises(TypeError, match="RolloutForest"):
+        plan_linear_calls(bad, chunk_size=16)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 16, 64])
+def test_single_row_and_forks_at_every_position_of_a_chunk(chunk):
+    """A one-row forest, and a trunk with a fork (and a prefix end) at every position of its
+    first chunks: valid, exact against trajectory-wise runs, fewest rounds."""
+    single = RolloutForest.from_sequences([[7], [7]])
+    plan = plan_linear_calls(single, chunk_size=chunk)
+    check_plan(single, plan, chunk)
+    assert plan.num_rounds == 1 and plan.num_members == 1 and plan.replay_tokens == 0
+    trunk = [int(x) for x in np.arange(2 * chunk + 3) % 3]
+    seqs = [trunk] + [[*trunk[:f], 3, 0, 1] for f in range(len(trunk))] + [trunk[:5]]
+    forest = RolloutForest.from_sequences(seqs)
+    plan = plan_linear_calls(forest, chunk_size=chunk)
+    check_plan(forest, plan, chunk)
+    check_against_trajectories(forest, plan)
+    assert plan.num_rounds == 2  # forks need the trunk's state (position 0: a new root)

@@ -286,3 +286,43 @@ def test_validation_errors() -> None:
         compact_log_probs(h, w, forest, output="padded")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="labels"):
         expanded_log_probs_ref(h, w, torch.zeros(c, dtype=torch.int64))
+
+
+def test_validation_errors_name_the_argument() -> None:
+    forest = RolloutForest.from_sequences([[1, 2, 3], [1, 4]])
+    h, w, _ = _params(forest.num_compact_tokens, 0)
+    for bad in (None, "hot", [1.0], float("nan"), -1.0, True):
+        with pytest.raises(ValueError, match="temperature"):
+            compact_log_probs(h, w, forest, temperature=bad)
+    with pytest.raises(TypeError, match="forest"):
+        compact_log_probs(h, w, [[1, 2, 3], [1, 4]])
+    with pytest.raises(ValueError, match="rows_per_chunk"):
+        compact_log_probs(h, w, forest, rows_per_chunk=True)
+
+
+def test_temperature_entropy_one_row_per_chunk_gradients() -> None:
+    """temperature != 1, with_entropy and rows_per_chunk=1 together, with gradients from the
+    entropy only, the log-probs only, and both (numpy / 0-d tensor temperatures accepted)."""
+    seqs = [[3], [1, 2, 3, 4], [1, 2, 3, 4], [1, 2], [5], [1, 2, 6, 0], [1, 2, 3, 4, 5, 6, 7]]
+    forest = RolloutForest.from_sequences(seqs)
+    for temperature in (0.3, np.float32(2.5), torch.tensor(0.7, dtype=torch.float64)):
+        hidden, weight, bias = _params(forest.num_compact_tokens, 3)
+        out = compact_log_probs(
+            hidden,
+            weight,
+            forest,
+            lm_head_bias=bias,
+            temperature=temperature,
+            with_entropy=True,
+            rows_per_chunk=1,
+            output="flat",
+        )
+        ref_lp, ref_ent = _reference(forest, hidden, weight, bias, float(temperature), True)
+        assert _max_abs(out.log_probs - ref_lp) <= 1e-10
+        assert _max_abs(out.entropy - ref_ent) <= 1e-10
+        for pick in (lambda a, b: (b**2).sum(), lambda a, b: a.sum(), lambda a, b: (a * b).sum()):
+            params = (hidden, weight, bias)
+            got = torch.autograd.grad(pick(out.log_probs, out.entropy), params, retain_graph=True)
+            want = torch.autograd.grad(pick(ref_lp, ref_ent), params, retain_graph=True)
+            for a, r in zip(got, want):
+                assert _rel(a, r) <= 1e-9

@@ -411,3 +411,86 @@ def test_work_slack_reaches_slot_balance_on_a_realistic_swe_step():
     assert slack.total_compact_tokens <= strict.total_compact_tokens * 1.02
     assert slack.slot_critical_work <= strict.slot_critical_work
     assert slack.summary()["slot_imbalance_p95"] <= 0.02
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"work_slack": None}, "work_slack"),
+        ({"work_slack": "0.1"}, "work_slack"),
+        ({"work_slack": True}, "work_slack"),
+        ({"restarts": -1}, "restarts"),
+        ({"restarts": 1.5}, "restarts"),
+        ({"effort": -1.0}, "effort"),
+        ({"effort": float("nan")}, "effort"),
+        ({"effort": None}, "effort"),
+        ({"max_layers_work": -5}, "max_layers_work"),
+        ({"strategies": ["tree", 3]}, "strategies"),
+        ({"strategies": []}, "strategies"),
+    ],
+)
+def test_bad_option_values_name_the_option(options, match):
+    """Illegal option values raise ValueError naming the option (no bare float() TypeError, no
+    silent truncation of 1.5 restarts or a negative effort)."""
+    f = RolloutForest.from_sequences([[1, 2], [1, 3], [4]])
+    with pytest.raises(ValueError, match=match):
+        plan_microbatches(f, capacity_tokens=5, dp_size=2, **options)
+
+
+def test_single_strategy_name_is_one_family():
+    """``strategies="tree"`` means the tree family, not the letters t, r, e."""
+    f = RolloutForest.from_sequences([[1, 2, 3], [1, 2, 4], [1, 5], [2, 2]])
+    a = plan_microbatches(f, capacity_tokens=5, strategies="tree")
+    b = plan_microbatches(f, capacity_tokens=5, strategies=["tree"])
+    assert a.strategy == b.strategy and a.strategy.startswith("tree")
+    assert a.total_compact_tokens == b.total_compact_tokens
+
+
+def test_helpers_validate_their_arguments():
+    f = RolloutForest.from_sequences([[1, 2, 3], [1, 2, 4], [5]])
+    with pytest.raises(ValueError, match="trajectories"):
+        compact_work(f, [0, 3])
+    with pytest.raises(ValueError, match="trajectories"):
+        compact_work(f, [-1])
+    with pytest.raises(ValueError, match="trajectories"):
+        compact_work(f, [0.0])
+    assert compact_work(f, [0, 0, 1]) == compact_work(f, [0, 1]) == 4  # duplicates count once
+    for bad in (0, -3, 2.5, None, True):
+        with pytest.raises(ValueError, match="capacity_tokens"):
+            natural_partition(f, bad)
+        with pytest.raises(ValueError, match="capacity_tokens"):
+            optimal_contiguous_partition(f, bad)
+        with pytest.raises(ValueError, match="capacity_tokens"):
+            lower_bound_work(f, bad)
+    with pytest.raises(ValueError, match="num_parts"):
+        optimal_contiguous_partition(f, 5, -1)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    forests(max_traj=10),
+    st.integers(1, 6),
+    st.sampled_from([1, 2, 3, 16]),
+    st.sampled_from([0.0, 0.05]),
+)
+def test_oversize_plans_cover_every_trajectory_once(forest, cap, dp, slack):
+    """Capacities below the longest trajectory with ``allow_oversize``, any dp (also > N), with
+    and without work slack: every trajectory once, exact works, consistent accounting."""
+    plan = plan_microbatches(
+        forest, capacity_tokens=cap, dp_size=dp, work_slack=slack, allow_oversize=True
+    )
+    check_plan(forest, plan, cap, dp)
+    for mb in plan.microbatches:
+        if mb.compact_tokens > cap:
+            assert mb.trajectories.size == 1
+
+
+def test_work_slack_with_one_token_trajectories_and_capacity_one():
+    """The aligned starts of the slack repair shrink the capacity by 0.1 % steps; at capacity 1
+    that used to reach 0 (ZeroDivisionError). The reduced capacity never drops below the
+    longest trajectory."""
+    for n, dp in ((2, 2), (3, 2), (4, 4)):
+        f = RolloutForest.from_sequences([[t] for t in range(n)])
+        plan = plan_microbatches(f, capacity_tokens=1, dp_size=dp, work_slack=0.05)
+        check_plan(f, plan, 1, dp)
+        assert plan.total_compact_tokens == n

@@ -246,3 +246,119 @@ def test_separable_microbatched_loss_equals_single_pass():
         r.forward_backward(seqs, loss, separable=sep)
         grads.append(_grads(model))
     _assert_grads_close(grads[1], grads[0])
+
+
+def _tiny_float64(seed: int, **overrides) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = preset("tiny", vocab_size=32, chunk_size=4, **overrides)
+    return HybridForCausalLM.from_config(cfg).double()
+
+
+_P = [5, 9, 1, 30, 2, 2, 7, 11, 4, 0, 19]
+_ODD_BATCHES = {
+    "single": ([_P], None),
+    "one_token_only": ([[3], [3], [5]], None),
+    "dups_prefixes_one_token": ([_P, _P, _P[:5], [_P[0]], [*_P[:9], 1, 2]], None),
+    "capacity_below_one_trajectory": ([_P, _P, _P[:5], [3], [*_P[:9], 1, 2]], 4),
+    "capacity_one": ([_P[:6], [3], [3], _P[:2]], 1),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_ODD_BATCHES))
+def test_odd_batches_tree_equals_expanded_float64(case):
+    """Legal odd batches: tree == expanded (≤ 1e-10 log-probs/entropies/hidden states/loss,
+    ≤ 1e-9 relative gradients), with one-token trajectories giving empty log-probs."""
+    seqs, cap = _ODD_BATCHES[case]
+    model = _tiny_float64(11, moe_layers=[])  # the aux loss is per microbatch
+    w = torch.linspace(-1.0, 1.0, len(seqs), dtype=torch.float64)
+
+    def loss(lps):  # a sum of per-trajectory terms (None: another microbatch's)
+        terms = [
+            (lp * w[i]).sum() + 0.1 * (lp**2).sum() for i, lp in enumerate(lps) if lp is not None
+        ]
+        return sum(terms) / 10.0
+
+    for chunk in (1, 4):
+        tree = TreeRunner(model, chunk_size=chunk, capacity_tokens=cap, rows_per_chunk=1)
+        exp = ExpandedRunner(model, chunk_size=chunk, capacity_tokens=cap, rows_per_chunk=1)
+        lt, et = tree.log_probs(seqs, temperature=0.7, with_entropy=True)
+        le, ee = exp.log_probs(seqs, temperature=0.7, with_entropy=True)
+        ht, he = tree.hidden_states(seqs), exp.hidden_states(seqs)
+        for i, s in enumerate(seqs):
+            assert lt[i].shape == et[i].shape == (len(s) - 1,)
+            assert ht[i].shape[0] == len(s)
+            torch.testing.assert_close(lt[i], le[i], rtol=0, atol=1e-10)
+            torch.testing.assert_close(et[i], ee[i], rtol=0, atol=1e-10)
+            torch.testing.assert_close(ht[i], he[i], rtol=0, atol=1e-10)
+        for separable in (False, True):
+            out, grads = [], []
+            for runner in (tree, exp):
+                model.zero_grad(set_to_none=True)
+                out.append(runner.forward_backward(seqs, loss, separable=separable)["loss"])
+                grads.append(_grads(model))
+            assert abs(out[0] - out[1]) <= 1e-10
+            assert grads[0].keys() == grads[1].keys()
+            for n in grads[1]:
+                err = (grads[0][n] - grads[1][n]).abs().max().item()
+                assert err <= 1e-9 * grads[1][n].abs().max().item() + 1e-15, n
+
+
+def test_empty_batch():
+    """No trajectories: empty results from the inference calls; a training step on nothing is
+    refused with a ValueError (not a reshape error from inside the model)."""
+    model = _tiny_float64(12)
+    for runner_cls in (TreeRunner, ExpandedRunner):
+        runner = runner_cls(model, chunk_size=4, capacity_tokens=8)
+        assert runner.log_probs([]) == []
+        assert runner.log_probs([], with_entropy=True) == ([], [])
+        assert runner.hidden_states([]) == []
+        assert runner.last_stats.semantic_tokens == 0
+        with pytest.raises(ValueError, match="sequences"):
+            runner.forward_backward([], _loss_fn(1))
+
+
+def test_token_ids_outside_the_vocabulary_name_the_trajectory():
+    model = _tiny_float64(13)  # vocabulary 32
+    seqs = [[1, 2, 3], [1, 2, 32, 4]]
+    for runner_cls in (TreeRunner, ExpandedRunner):
+        runner = runner_cls(model, chunk_size=4)
+        match = r"sequences\[1\]: token id 32 .*vocabulary"
+        with pytest.raises(ValueError, match=match):
+            runner.log_probs(seqs)
+        with pytest.raises(ValueError, match=match):
+            runner.hidden_states(seqs)
+        with pytest.raises(ValueError, match=match):
+            runner.forward_backward(seqs, _loss_fn(2))
+
+
+def test_runner_argument_validation():
+    model = _tiny_float64(14)
+    seqs = [[1, 2, 3], [1, 2, 4]]
+    ref = TreeRunner(model, chunk_size=4, capacity_tokens=8).log_probs(seqs)
+    got = TreeRunner(model, chunk_size=np.int64(4), capacity_tokens=np.int32(8)).log_probs(seqs)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for kwargs, match in (
+        ({"chunk_size": True}, "chunk_size"),
+        ({"chunk_size": 0}, "chunk_size"),
+        ({"chunk_size": 4.0}, "chunk_size"),
+        ({"capacity_tokens": True}, "capacity_tokens"),
+        ({"capacity_tokens": -1}, "capacity_tokens"),
+        ({"rows_per_chunk": 0}, "rows_per_chunk"),
+        ({"rows_per_chunk": 2.5}, "rows_per_chunk"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            TreeRunner(model, **kwargs)
+
+
+def test_loss_fn_must_return_a_scalar_tensor():
+    model = _tiny_float64(15)
+    seqs = [[1, 2, 3], [1, 2, 4]]
+    for cap in (None, 3):
+        runner = TreeRunner(model, chunk_size=4, capacity_tokens=cap)
+        with pytest.raises(TypeError, match="loss_fn"):
+            runner.forward_backward(seqs, lambda lps: 0.0)
+        with pytest.raises(TypeError, match="loss_fn"):
+            runner.forward_backward(
+                seqs, lambda lps: torch.cat([lp for lp in lps if lp is not None])
+            )

@@ -243,8 +243,15 @@ def _check_inputs(
     return d, v
 
 
-def _check_temperature(temperature: float) -> float:
-    t = float(temperature)
+def _check_temperature(temperature: Any) -> float:
+    """A finite positive number (python/numpy scalar or one-element tensor), as a float."""
+    is_tensor = isinstance(temperature, Tensor) and temperature.numel() == 1
+    is_number = isinstance(temperature, int | float | np.integer | np.floating)
+    t = (
+        float(temperature)
+        if (is_number or is_tensor) and not isinstance(temperature, bool)
+        else 0.0
+    )
     if not np.isfinite(t) or t <= 0:
         raise ValueError(f"temperature: expected a finite positive number, got {temperature!r}")
     return t
@@ -280,6 +287,8 @@ def compact_log_probs(
     """
     if isinstance(hidden, Tensor) and hidden.ndim == 3 and hidden.shape[0] == 1:
         hidden = hidden[0]
+    if not all(hasattr(forest, a) for a in ("num_compact_tokens", "parent", "semantic_rows")):
+        raise TypeError(f"forest: expected a RolloutForest, got {type(forest).__name__}")
     c = int(forest.num_compact_tokens)
     _check_inputs(hidden, lm_head_weight, lm_head_bias, forest, c)
     temperature = _check_temperature(temperature)

@@ -41,6 +41,23 @@ class StepStats:
         return self.semantic_tokens / self.compact_tokens if self.compact_tokens else 1.0
 
 
+def _positive_int(name: str, value: Any, alternative: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value <= 0:
+        raise ValueError(f"{name}: expected a positive int{alternative}, got {value!r}")
+    return int(value)
+
+
+def _checked_loss(loss: Any) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        got = (
+            f"a tensor of shape {tuple(loss.shape)}"
+            if isinstance(loss, torch.Tensor)
+            else type(loss).__name__
+        )
+        raise TypeError(f"loss_fn: expected a scalar tensor, got {got}")
+    return loss.reshape(())
+
+
 class _Runner:
     tree_mode: bool = True
 
@@ -57,18 +74,14 @@ class _Runner:
         from harts_verl.models.adapter import as_tree_model
 
         self.model = as_tree_model(model)
-        if not isinstance(chunk_size, int) or chunk_size <= 0:
-            raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
-        if capacity_tokens is not None and (
-            not isinstance(capacity_tokens, int) or capacity_tokens <= 0
-        ):
-            raise ValueError(
-                f"capacity_tokens: expected a positive int or None, got {capacity_tokens!r}"
-            )
-        self.chunk_size = chunk_size
-        self.capacity_tokens = capacity_tokens
+        self.chunk_size = _positive_int("chunk_size", chunk_size)
+        self.capacity_tokens = (
+            None
+            if capacity_tokens is None
+            else _positive_int("capacity_tokens", capacity_tokens, " or None")
+        )
         self.recompute = bool(recompute)
-        self.rows_per_chunk = rows_per_chunk
+        self.rows_per_chunk = _positive_int("rows_per_chunk", rows_per_chunk)
         if device is None:
             device = next(self.model.parameters()).device
         self.device = torch.device(device)
@@ -76,10 +89,37 @@ class _Runner:
 
     # ------------------------------------------------------------ layout
     def build_forest(self, sequences: Sequence[Any]) -> RolloutForest:
-        """The layout forest of ``sequences``: the trie (tree) or one chain each (expanded)."""
+        """The layout forest of ``sequences``: the trie (tree) or one chain each (expanded).
+
+        Raises ValueError naming the trajectory when a token id is outside the model's
+        vocabulary (the embedding would fail with an IndexError deep inside)."""
         if self.tree_mode:
-            return RolloutForest.from_sequences(sequences)
-        return RolloutForest.expanded(sequences)
+            forest = RolloutForest.from_sequences(sequences)
+        else:
+            forest = RolloutForest.expanded(sequences)
+        vocab = self._vocab_size()
+        bad_rows = forest.token_ids >= vocab
+        if bad_rows.any():
+            pos = int(np.flatnonzero(bad_rows[forest.semantic_rows])[0])
+            i = int(np.searchsorted(forest.row_offsets, pos, side="right")) - 1
+            tok = int(forest.token_ids[forest.semantic_rows[pos]])
+            raise ValueError(
+                f"sequences[{i}]: token id {tok} at position {pos - int(forest.row_offsets[i])} "
+                f"is outside the model's vocabulary (size {vocab})"
+            )
+        return forest
+
+    def _vocab_size(self) -> int:
+        """Ids the model can embed and predict: the smaller of the LM head's rows and the input
+        embedding's rows (when the model exposes one)."""
+        vocab = int(self.model.lm_head.weight.shape[0])
+        emb = getattr(self.model, "embed_tokens", None)
+        if emb is None:
+            get = getattr(getattr(self.model, "hf", None), "get_input_embeddings", None)
+            emb = get() if callable(get) else None
+        if isinstance(emb, nn.Embedding):
+            vocab = min(vocab, int(emb.num_embeddings))
+        return vocab
 
     def plan(self, forest: RolloutForest) -> list[np.ndarray]:
         """Trajectory index sets, one per microbatch (all trajectories if no capacity)."""
@@ -120,10 +160,11 @@ class _Runner:
         self, sequences: Sequence[Any], temperature: float = 1.0, with_entropy: bool = False
     ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per trajectory a tensor of length L−1: ``log p(x[t+1] | x[≤t])`` (no gradient).
-        With ``with_entropy`` also the predictive entropies at the same positions."""
+        With ``with_entropy`` also the predictive entropies at the same positions. An empty
+        batch gives empty lists."""
         t0 = time.perf_counter()
         forest = self.build_forest(sequences)
-        groups = self.plan(forest)
+        groups = self.plan(forest) if forest.num_trajectories else []
         t1 = time.perf_counter()
         out: list[torch.Tensor | None] = [None] * forest.num_trajectories
         ent: list[torch.Tensor | None] = [None] * forest.num_trajectories
@@ -149,7 +190,7 @@ class _Runner:
         forest = self.build_forest(sequences)
         out: list[torch.Tensor | None] = [None] * forest.num_trajectories
         with torch.no_grad():
-            for idx in self.plan(forest):
+            for idx in self.plan(forest) if forest.num_trajectories else []:
                 sub = self._sub_forest(forest, idx)
                 layout = TreeLayout(sub, chunk_size=self.chunk_size, device=self.device)
                 hidden, _ = self.model(layout.token_ids, layout)
@@ -182,9 +223,14 @@ class _Runner:
         a fixed normalizer, as veRL's ``ppo_loss`` with global token counts): each microbatch then
         runs forward/backward once, and ``loss_fn`` gets a list in which the trajectories of
         other microbatches are ``None``; the returned loss is the sum over microbatches.
+
+        Raises ValueError for an empty batch and TypeError when ``loss_fn`` does not return a
+        one-element tensor.
         """
         t0 = time.perf_counter()
         forest = self.build_forest(sequences)
+        if forest.num_trajectories == 0:
+            raise ValueError("sequences: no trajectories to train on (an empty batch)")
         groups = self.plan(forest)
         t1 = time.perf_counter()
         n = forest.num_trajectories
@@ -200,7 +246,7 @@ class _Runner:
                 part: list[torch.Tensor | None] = [None] * n
                 for j, i in enumerate(idx.tolist()):
                     part[i] = lp[j]
-                loss = loss_fn(part)  # type: ignore[arg-type]
+                loss = _checked_loss(loss_fn(part))  # type: ignore[arg-type]
                 total = loss
                 if include_aux_loss:
                     w = sub.num_semantic_tokens / s_total
@@ -215,7 +261,7 @@ class _Runner:
             ordered: list[torch.Tensor | None] = [None] * n
             for j, i in enumerate(groups[0].tolist()):
                 ordered[i] = lp[j]
-            loss = loss_fn(ordered)  # type: ignore[arg-type]
+            loss = _checked_loss(loss_fn(ordered))  # type: ignore[arg-type]
             total = loss + aux if include_aux_loss else loss
             total.backward()
             loss_value, aux_total = float(loss.detach()), float(aux.detach())
@@ -226,7 +272,7 @@ class _Runner:
                     lp, _, _ = self._forward_mb(self._sub_forest(forest, idx), temperature, False)
                     for j, i in enumerate(idx.tolist()):
                         detached[i] = lp[j].detach().requires_grad_(True)
-            loss = loss_fn(detached)  # type: ignore[arg-type]
+            loss = _checked_loss(loss_fn(detached))  # type: ignore[arg-type]
             grads = torch.autograd.grad(loss, detached, allow_unused=True)
             for idx in groups:
                 sub = self._sub_forest(forest, idx)

@@ -10,6 +10,7 @@ All work is vectorized numpy over arrays; the only Python loops are over traject
 from __future__ import annotations
 
 import os
+import zipfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -70,6 +71,8 @@ def as_trajectory_array(seq: Any, index: int, field: str = "sequences") -> np.nd
         arr = np.asarray(seq)
     except ValueError as exc:  # ragged nesting inside one trajectory
         raise ValueError(f"{field}[{index}]: ragged nesting, expected a flat list of ids") from exc
+    except TypeError as exc:  # e.g. a bfloat16 tensor, which numpy cannot represent
+        raise ValueError(f"{field}[{index}]: expected integer token ids ({exc})") from exc
     if arr.dtype == object:
         raise ValueError(f"{field}[{index}]: expected integer token ids, got objects/ragged data")
     if arr.ndim != 1:
@@ -356,6 +359,8 @@ class RolloutForest:
     @property
     def sequences(self) -> list[np.ndarray]:
         """All trajectories' token ids, in the original order."""
+        if self.num_trajectories == 0:
+            return []
         flat = self.token_ids[self.semantic_rows]
         return np.split(flat, self.row_offsets[1:-1])
 
@@ -432,32 +437,52 @@ class RolloutForest:
         )
 
     # ------------------------------------------------------------------ persistence
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the forest to ``path`` (``.npz``); :meth:`load` rebuilds an identical forest."""
-        np.savez_compressed(
-            path,
-            format_version=np.int64(_FORMAT_VERSION),
-            flat_tokens=self.token_ids[self.semantic_rows],
-            row_offsets=self.row_offsets,
-            group_ids=self.group_ids,
-            leaf_order=self.leaf_order,
-            adjacent_lcp=self.adjacent_lcp,
-        )
+    def save(self, path: str | os.PathLike[str] | Any) -> None:
+        """Write the forest to ``path`` (numpy ``.npz`` format, written to exactly that name: no
+        suffix is appended) or to an open binary file; :meth:`load` rebuilds an identical
+        forest."""
+        arrays = {
+            "format_version": np.int64(_FORMAT_VERSION),
+            "flat_tokens": self.token_ids[self.semantic_rows],
+            "row_offsets": self.row_offsets,
+            "group_ids": self.group_ids,
+            "leaf_order": self.leaf_order,
+            "adjacent_lcp": self.adjacent_lcp,
+        }
+        if isinstance(path, str | os.PathLike):
+            with open(path, "wb") as fh:  # np.savez_compressed(str) would append ".npz"
+                np.savez_compressed(fh, **arrays)
+        else:
+            np.savez_compressed(path, **arrays)
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> RolloutForest:
-        """Read a forest written by :meth:`save`."""
-        with np.load(path) as z:
+    def load(cls, path: str | os.PathLike[str] | Any) -> RolloutForest:
+        """Read a forest written by :meth:`save`.
+
+        Raises ValueError naming the file and the array when it is not a forest file or its
+        arrays are inconsistent (wrong shapes or dtypes, offsets that do not tile the tokens, a
+        leaf order that is not a permutation, an LCP longer than what two neighbours share).
+        """
+        try:
+            z = np.load(path)
+        except (ValueError, EOFError, zipfile.BadZipFile) as exc:  # pickled/text/truncated
+            raise ValueError(f"{path}: not a forest file ({exc})") from exc
+        if not isinstance(z, np.lib.npyio.NpzFile):
+            raise ValueError(f"{path}: not a forest file (expected an .npz archive)")
+        with z:
             version = int(z["format_version"]) if "format_version" in z else -1
             if version != _FORMAT_VERSION:
                 raise ValueError(f"{path}: unsupported forest format version {version}")
-            return cls(
-                z["flat_tokens"].astype(np.int64),
-                z["row_offsets"].astype(np.int64),
-                z["group_ids"].astype(np.int64),
-                z["leaf_order"].astype(np.int64),
-                z["adjacent_lcp"].astype(np.int64),
-            )
+            missing = [k for k in _FILE_ARRAYS if k not in z]
+            if missing:
+                raise ValueError(
+                    f"{path}: not a complete forest file, missing array {missing[0]!r}"
+                )
+            try:
+                arrays = [z[k] for k in _FILE_ARRAYS]
+            except ValueError as exc:  # object arrays
+                raise ValueError(f"{path}: not a forest file ({exc})") from exc
+        return cls(*_checked_file_arrays(path, *arrays))
 
     # ------------------------------------------------------------------ reporting
     def summary(self) -> dict[str, Any]:
@@ -488,6 +513,63 @@ class RolloutForest:
             "adjacent_lcp",
         )
         return all(np.array_equal(getattr(self, a), getattr(other, a)) for a in names)
+
+
+_FILE_ARRAYS = ("flat_tokens", "row_offsets", "group_ids", "leaf_order", "adjacent_lcp")
+
+
+def _checked_file_arrays(path: Any, *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The arrays of a forest file as int64, after checking that they describe a valid layout:
+    offsets tile the tokens (every trajectory >= 1 token), ids are non-negative, the leaf
+    order is a permutation, and leaf-order neighbours really share their first
+    ``adjacent_lcp`` tokens (sharing fewer is a valid non-trie layout, e.g. the expanded one)."""
+
+    def bad(name: str, what: str) -> ValueError:
+        return ValueError(f"{path}: {name}: {what}")
+
+    out = []
+    for name, a in zip(_FILE_ARRAYS, arrays):
+        a = np.asarray(a)
+        if a.ndim != 1 or (a.size and (a.dtype.kind not in "iu" or a.dtype == np.bool_)):
+            raise bad(name, f"expected a 1-D integer array, got dtype {a.dtype} shape {a.shape}")
+        if a.dtype == np.uint64 and a.size and int(a.max()) > np.iinfo(np.int64).max:
+            raise bad(name, f"value {int(a.max())} does not fit in int64")
+        out.append(a.astype(np.int64))
+    flat, offsets, gids, order, lcp = out
+    n = offsets.shape[0] - 1
+    if n < 0 or offsets[0] != 0 or offsets[-1] != flat.shape[0] or (np.diff(offsets) < 1).any():
+        raise bad(
+            "row_offsets",
+            f"expected increasing offsets from 0 to {flat.shape[0]} (every trajectory has >= 1 "
+            f"token), got {offsets.tolist()[:8]}{' ...' if offsets.shape[0] > 8 else ''}",
+        )
+    if flat.size and int(flat.min()) < 0:
+        raise bad("flat_tokens", f"negative token id {int(flat.min())}")
+    if gids.shape != (n,):
+        raise bad("group_ids", f"expected shape ({n},), got {gids.shape}")
+    if order.shape != (n,) or (
+        n and (order.min() < 0 or order.max() >= n or (np.bincount(order, minlength=n) != 1).any())
+    ):
+        raise bad("leaf_order", f"expected a permutation of the {n} trajectory indices")
+    if lcp.shape != (max(n - 1, 0),):
+        raise bad("adjacent_lcp", f"expected shape ({max(n - 1, 0)},), got {lcp.shape}")
+    lens = np.diff(offsets)[order]
+    over = np.flatnonzero((lcp < 0) | (lcp > np.minimum(lens[:-1], lens[1:])))
+    if over.size:
+        j = int(over[0])
+        raise bad(f"adjacent_lcp[{j}]", f"{int(lcp[j])} is not in [0, min of the two lengths]")
+    if n > 1:
+        a = _ranges(offsets[order[:-1]], offsets[order[:-1]] + lcp)
+        b = _ranges(offsets[order[1:]], offsets[order[1:]] + lcp)
+        differ = np.flatnonzero(flat[a] != flat[b])
+        if differ.size:
+            j = int(np.searchsorted(np.cumsum(lcp), differ[0], side="right"))
+            raise bad(
+                f"adjacent_lcp[{j}]",
+                f"claims {int(lcp[j])} shared tokens, but trajectories {int(order[j])} and "
+                f"{int(order[j + 1])} differ before that",
+            )
+    return flat, offsets, gids, order, lcp
 
 
 def _ranges(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:

@@ -439,19 +439,22 @@ def plan_linear_calls(forest: RolloutForest, *, chunk_size: int = 64) -> LinearC
     """Plan the packed varlen linear-attention rounds of ``forest`` with the fewest rounds.
 
     Args:
-      forest: the rollout forest (rows in DFS preorder). Any layout with the forest interface
-        works, e.g. :meth:`RolloutForest.expanded` (one round, no replay).
+      forest: the rollout forest (rows in DFS preorder), or any other layout built as a
+        :class:`RolloutForest`, e.g. :meth:`RolloutForest.expanded` (one round, no replay).
       chunk_size: chunk length ``B`` of the kernel (positive int).
 
     Returns:
       A :class:`LinearCallPlan` (array form in ``.arrays``, object view in ``.rounds``).
 
     Raises:
+      TypeError: ``forest`` is not a :class:`RolloutForest`.
       ValueError: ``chunk_size`` is not a positive int.
 
     Time is linear in the number of rows (plus ``O(chunk_size)`` vectorized steps and a Python
     loop over segments and members). Deterministic.
     """
+    if not isinstance(forest, RolloutForest):
+        raise TypeError(f"forest: expected a RolloutForest, got {type(forest).__name__}")
     chunk = _check_chunk_size(chunk_size)
     seg = forest.segments
     num_seg = len(seg)

@@ -1285,14 +1285,57 @@ def place_microbatches(works: np.ndarray, dp_size: int) -> tuple[np.ndarray, np.
 
 
 # ============================================================================ public API
-def _check_inputs(forest: Any, capacity_tokens: Any, dp_size: Any, seed: Any) -> None:
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int | np.integer) and not isinstance(v, bool)
+
+
+def _check_int(name: str, v: Any, minimum: int) -> int:
+    if not _is_int(v) or v < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {v!r}")
+    return int(v)
+
+
+def _check_forest(forest: Any) -> None:
     if not isinstance(forest, RolloutForest):
         raise TypeError(f"forest: expected a RolloutForest, got {type(forest).__name__}")
-    for name, v in (("capacity_tokens", capacity_tokens), ("dp_size", dp_size)):
-        if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1:
-            raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
+
+
+def _check_inputs(forest: Any, capacity_tokens: Any, dp_size: Any, seed: Any) -> None:
+    _check_forest(forest)
+    _check_int("capacity_tokens", capacity_tokens, 1)
+    _check_int("dp_size", dp_size, 1)
+    if not _is_int(seed):
         raise ValueError(f"seed: expected an int, got {seed!r}")
+
+
+def _check_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The options merged with the defaults, each value checked (ValueError naming it)."""
+    unknown = sorted(set(options) - set(_DEFAULT_OPTIONS))
+    if unknown:
+        raise TypeError(f"plan_microbatches: unknown option {unknown[0]!r}")
+    opt = {**_DEFAULT_OPTIONS, **options}
+    strategies = opt["strategies"]
+    if isinstance(strategies, str):  # one family name
+        strategies = (strategies,)
+    try:
+        families = set(_FAMILIES) if strategies is None else set(strategies)
+    except TypeError:  # not an iterable of names
+        families = set()
+    if not families or families - set(_FAMILIES):
+        raise ValueError(
+            f"strategies: expected a non-empty subset of {list(_FAMILIES)}, got {opt['strategies']!r}"
+        )
+    opt["strategies"] = families
+    for name, lo, hi in (("work_slack", 0.0, 1.0), ("effort", 0.0, np.inf)):
+        v = opt[name]
+        ok = isinstance(v, int | float | np.integer | np.floating) and not isinstance(v, bool)
+        if not ok or not lo <= float(v) < hi:
+            interval = "a fraction in [0, 1)" if hi == 1.0 else "a finite number >= 0"
+            raise ValueError(f"{name}: expected {interval}, got {v!r}")
+        opt[name] = float(v)
+    opt["restarts"] = _check_int("restarts", opt["restarts"], 0)
+    opt["max_layers_work"] = _check_int("max_layers_work", opt["max_layers_work"], 0)
+    return opt
 
 
 def _oversize(forest: RolloutForest, cap: int, allow: bool) -> np.ndarray:
@@ -1319,11 +1362,13 @@ def plan_microbatches(
 
     Options: ``allow_oversize`` (default False: a trajectory longer than ``capacity_tokens``
     raises ValueError naming it; True: it runs alone in its own microbatch); ``strategies``
-    (subset of ``natural``, ``contiguous``, ``tree``, ``greedy``; default all); ``improve``
+    (subset of ``natural``, ``contiguous``, ``tree``, ``greedy``, or one such name; default
+    all); ``improve``
     (local search, default True); ``balance`` (balance moves, default True); ``work_slack``
-    (default 0.0, see the module docstring); ``restarts`` (seeded perturb-and-improve rounds,
-    default 0 — only they use ``seed``); ``effort`` (scales move budgets); ``max_layers_work``
-    (bound on K·n for the fixed-K contiguous DP).
+    (fraction in [0, 1), default 0.0, see the module docstring); ``restarts`` (int >= 0, seeded
+    perturb-and-improve rounds, default 0 — only they use ``seed``); ``effort`` (number >= 0,
+    scales move budgets); ``max_layers_work`` (int >= 0, bound on K·n for the fixed-K contiguous
+    DP). An unknown option raises TypeError, an illegal value ValueError naming the option.
 
     Guarantees: each trajectory is in exactly one microbatch; no microbatch exceeds the
     capacity (except a lone oversize trajectory when allowed); every replica gets the same
@@ -1331,16 +1376,8 @@ def plan_microbatches(
     """
     t0 = time.perf_counter()
     _check_inputs(forest, capacity_tokens, dp_size, seed)
-    unknown = sorted(set(options) - set(_DEFAULT_OPTIONS))
-    if unknown:
-        raise TypeError(f"plan_microbatches: unknown option {unknown[0]!r}")
-    opt = {**_DEFAULT_OPTIONS, **options}
-    families = set(_FAMILIES if opt["strategies"] is None else opt["strategies"])
-    if not families or families - set(_FAMILIES):
-        raise ValueError(f"strategies: expected a non-empty subset of {list(_FAMILIES)}")
-    slack = float(opt["work_slack"])
-    if not 0.0 <= slack < 1.0:
-        raise ValueError(f"work_slack: expected a fraction in [0, 1), got {slack!r}")
+    opt = _check_options(options)
+    families = opt["strategies"]
     cap, dp = int(capacity_tokens), int(dp_size)
     big = _oversize(forest, cap, bool(opt["allow_oversize"]))
     keep = np.ones(forest.num_trajectories, dtype=bool)
@@ -1392,8 +1429,10 @@ def _aligned_starts(
         else:
             hi = mid
     found: dict[bytes, tuple[int, str, np.ndarray]] = {}
-    for j in range(_ALIGN_STEPS):
-        c = int(lo * (1.0 - j * _ALIGN_STEP))
+    # Reduced capacities, largest first, never below the longest trajectory (0 at lo = 1).
+    longest = int(lv.lens.max())
+    caps = {max(int(lo * (1.0 - j * _ALIGN_STEP)), longest) for j in range(_ALIGN_STEPS)}
+    for c in sorted(caps, reverse=True):
         for best_fit in (False, True):
             st0 = _tree_pack(lv, c, best_fit, node_limit)
             st = _State(lv, st0, int(st0.max()) + 1, c)
@@ -1626,6 +1665,7 @@ def lower_bound_work(lv: _Leaves | RolloutForest, cap: int) -> int:
     A bin that touches node ``v`` holds ``depth(v)`` rows of its path, so at most
     ``cap − depth(v)`` rows below it: at least ``⌈below(v) / (cap − depth(v))⌉`` bins touch v
     (and at least as many as touch any child); each pays ``weight(v)`` rows."""
+    cap = _check_int("capacity_tokens", cap, 1)
     if isinstance(lv, RolloutForest):
         lv = _Leaves.of(lv)
     if lv.n == 0:
@@ -1704,20 +1744,29 @@ def _natural_full(
 
 # ============================================================================ helpers
 def compact_work(forest: RolloutForest, trajectories: Sequence[int] | np.ndarray) -> int:
-    """Compact rows of the trie of the given trajectories (any order, no duplicates)."""
-    idx = np.asarray(trajectories, dtype=np.int64)
+    """Compact rows of the trie of the given trajectories (any order; a repeated index counts
+    once)."""
+    _check_forest(forest)
+    idx = np.asarray(trajectories)
+    n = forest.num_trajectories
+    if idx.ndim != 1 or (idx.size and (idx.dtype.kind not in "iu" or idx.dtype == np.bool_)):
+        raise ValueError("trajectories: expected a 1-D array of integer trajectory indices")
     if idx.size == 0:
         return 0
-    pos = np.empty(forest.num_trajectories, dtype=np.int64)
-    pos[forest.leaf_order] = np.arange(forest.num_trajectories)
-    return _Leaves.of(forest).set_work(np.sort(pos[idx]))
+    if int(idx.min()) < 0 or int(idx.max()) >= n:
+        raise ValueError(f"trajectories: index out of range for {n} trajectories")
+    pos = np.empty(n, dtype=np.int64)
+    pos[forest.leaf_order] = np.arange(n)
+    return _Leaves.of(forest).set_work(np.unique(pos[idx.astype(np.int64)]))
 
 
 def natural_partition(forest: RolloutForest, capacity_tokens: int) -> list[np.ndarray]:
     """P0 as trajectory-index arrays in leaf order (a part exceeds the capacity only when it is
     a single oversize trajectory)."""
+    _check_forest(forest)
+    cap = _check_int("capacity_tokens", capacity_tokens, 1)
     lv = _Leaves.of(forest)
-    return [lv.traj[a:b].copy() for a, b in _natural(lv, int(capacity_tokens))]
+    return [lv.traj[a:b].copy() for a, b in _natural(lv, cap)]
 
 
 def optimal_contiguous_partition(
@@ -1726,8 +1775,11 @@ def optimal_contiguous_partition(
     """Exact minimum-work partition of the leaf order into contiguous ranges of work at most
     ``capacity_tokens`` (exactly ``num_parts`` ranges when given). Returns
     ``(total_work, parts)``, or None when no such partition exists."""
+    _check_forest(forest)
+    cap = _check_int("capacity_tokens", capacity_tokens, 1)
+    if num_parts is not None:
+        _check_int("num_parts", num_parts, 0)
     lv = _Leaves.of(forest)
-    cap = int(capacity_tokens)
     if lv.n == 0:
         return (0, []) if num_parts in (None, 0) else None
     if int(lv.lens.max()) > cap:
