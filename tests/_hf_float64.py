@@ -1,9 +1,17 @@
-"""Lift the float32 islands of HF's Qwen3-Next / Qwen3.5 / Qwen3.5-MoE to float64.
+"""Lift the float32 islands of HF's hybrids (Qwen3-Next / Qwen3.5 / Qwen3.5-MoE, OLMo Hybrid)
+to float64.
 
 HF computes these models' RMSNorms, gated norm and router softmax in float32 even in a float64
 model, so their gradients carry float32 rounding whatever the batching. To test the tree
 machinery at float64 precision these islands compute in the input dtype (same formulas); the
 unmodified models are tested against HF's own forward separately.
+
+OLMo Hybrid has more islands on HF's per-trajectory path: its rotary table is float32, its
+GatedDeltaNet casts ``A_log`` and ``a`` to float32 for the gate, and the torch fallback delta rule
+runs in float32. They are lifted too: the rotary table in the input dtype, and the GatedDeltaNet
+forward (no-cache path, the one a training forward takes) transcribed from HF's with the gate in
+at least float32 and HF's torch chunk kernel transcribed in at least float32 (both unchanged in
+float32 models). The tree path never runs HF's GatedDeltaNet forward.
 """
 
 from __future__ import annotations
@@ -11,12 +19,18 @@ from __future__ import annotations
 import importlib
 
 import torch
+import torch.nn.functional as F
 
 _MODULES = {
     "transformers.models.qwen3_next.modeling_qwen3_next": "Qwen3Next",
     "transformers.models.qwen3_5.modeling_qwen3_5": "Qwen3_5",
     "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe": "Qwen3_5Moe",
 }
+_OLMO_HYBRID = "transformers.models.olmo_hybrid.modeling_olmo_hybrid"
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _rms(self, x):
@@ -42,8 +56,104 @@ def _router(self, hidden_states):
     return logits, top.to(logits.dtype), idx
 
 
+def _olmo_rms(self, hidden_states):
+    h = hidden_states.to(_compute_dtype(hidden_states.dtype))
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    return (self.weight * h).to(hidden_states.dtype)
+
+
+@torch.no_grad()
+def _olmo_rotary(self, x, position_ids):
+    dt = _compute_dtype(x.dtype)
+    inv = self.inv_freq[None, :, None].to(dt).expand(position_ids.shape[0], -1, 1).to(x.device)
+    freqs = (inv @ position_ids[:, None, :].to(dt)).transpose(1, 2)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, use_qk_l2norm=True):
+    """HF's ``torch_chunk_gated_delta_rule`` (no initial / final state) in at least float32:
+    q/k ``[B, T, H, K]``, v ``[B, T, H, V]``, g/beta ``[B, T, H]`` → ``[B, T, H, V]``."""
+    initial_dtype = query.dtype
+    dt = _compute_dtype(initial_dtype)
+    if use_qk_l2norm:
+        query, key = _l2norm(query), _l2norm(key)
+    query, key, value, beta, g = [
+        x.transpose(1, 2).contiguous().to(dt) for x in (query, key, value, beta, g)
+    ]
+    batch_size, num_heads, sequence_length, k_head_dim = key.shape
+    v_head_dim = value.shape[-1]
+    pad = (chunk_size - sequence_length % chunk_size) % chunk_size
+    query, key, value = (F.pad(x, (0, 0, 0, pad)) for x in (query, key, value))
+    beta, g = F.pad(beta, (0, pad)), F.pad(g, (0, pad))
+    total = sequence_length + pad
+    query = query * (1 / (query.shape[-1] ** 0.5))
+    v_beta = value * beta.unsqueeze(-1)
+    k_beta = key * beta.unsqueeze(-1)
+    query, key, value, k_beta, v_beta = [
+        x.reshape(x.shape[0], x.shape[1], -1, chunk_size, x.shape[-1])
+        for x in (query, key, value, k_beta, v_beta)
+    ]
+    g = g.reshape(g.shape[0], g.shape[1], -1, chunk_size)
+    dev = query.device
+    mask = torch.triu(torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=dev), diagonal=0)
+    g = g.cumsum(dim=-1)
+    decay_mask = (g.unsqueeze(-1) - g.unsqueeze(-2)).tril().exp().to(dt).tril()
+    attn = -((k_beta @ key.transpose(-1, -2)) * decay_mask).masked_fill(mask, 0)
+    for i in range(1, chunk_size):
+        row = attn[..., i, :i].clone()
+        sub = attn[..., :i, :i].clone()
+        attn[..., i, :i] = row + (row.unsqueeze(-1) * sub).sum(-2)
+    attn = attn + torch.eye(chunk_size, dtype=attn.dtype, device=dev)
+    value = attn @ v_beta
+    k_cumdecay = attn @ (k_beta * g.exp().unsqueeze(-1))
+    state = value.new_zeros(batch_size, num_heads, k_head_dim, v_head_dim)
+    out = torch.zeros_like(value)
+    for i in range(total // chunk_size):
+        q_i, k_i, v_i = query[:, :, i], key[:, :, i], value[:, :, i]
+        attn = q_i @ k_i.transpose(-1, -2) * decay_mask[:, :, i]  # decay_mask is lower-triangular
+        v_new = v_i - k_cumdecay[:, :, i] @ state
+        out[:, :, i] = (q_i * g[:, :, i, :, None].exp()) @ state + attn @ v_new
+        state = (
+            state * g[:, :, i, -1, None, None].exp()
+            + (k_i * (g[:, :, i, -1, None] - g[:, :, i]).exp()[..., None]).transpose(-1, -2) @ v_new
+        )
+    out = out.reshape(out.shape[0], out.shape[1], -1, out.shape[-1])[:, :, :sequence_length]
+    return out.transpose(1, 2).contiguous().to(initial_dtype)
+
+
+def _olmo_gdn(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+    """HF's ``OlmoHybridGatedDeltaNet.forward`` without a cache, gate and kernel lifted."""
+    if cache_params is not None:
+        raise NotImplementedError("the lifted OLMo Hybrid GatedDeltaNet keeps no cache")
+    hf = importlib.import_module(_OLMO_HYBRID)
+    hidden_states = hf.apply_mask_to_padding_states(hidden_states, attention_mask)
+    batch_size, seq_len, _ = hidden_states.shape
+    q = self.q_conv1d(self.q_proj(hidden_states))[0].view(batch_size, seq_len, -1, self.head_k_dim)
+    k = self.k_conv1d(self.k_proj(hidden_states))[0].view(batch_size, seq_len, -1, self.head_k_dim)
+    v = self.v_conv1d(self.v_proj(hidden_states))[0].view(batch_size, seq_len, -1, self.head_v_dim)
+    if self.num_v_heads > self.num_k_heads:
+        ratio = self.num_v_heads // self.num_k_heads
+        q, k = q.repeat_interleave(ratio, dim=2), k.repeat_interleave(ratio, dim=2)
+    beta = self.b_proj(hidden_states).sigmoid()
+    if self.allow_neg_eigval:
+        beta = beta * 2.0
+    a = self.a_proj(hidden_states)
+    dt = _compute_dtype(a.dtype)
+    g = -self.A_log.to(dt).exp() * F.softplus(a.to(dt) + self.dt_bias.to(dt))
+    out = _chunk_gated_delta_rule(q, k, v, g, beta)
+    gate = self.g_proj(hidden_states)
+    out = self.o_norm(out.reshape(-1, self.head_v_dim), gate.reshape(-1, self.head_v_dim))
+    return self.o_proj(out.reshape(batch_size, seq_len, -1))
+
+
 def lift_float32_islands(monkeypatch) -> None:
-    """Patch (through pytest's ``monkeypatch``) every hybrid family's norms and router."""
+    """Patch (through pytest's ``monkeypatch``) every hybrid family's norms and router, and OLMo
+    Hybrid's rotary table and GatedDeltaNet forward (see the module doc)."""
     for name, prefix in _MODULES.items():
         m = importlib.import_module(name)
         monkeypatch.setattr(getattr(m, f"{prefix}RMSNorm"), "forward", _rms)
@@ -51,3 +161,8 @@ def lift_float32_islands(monkeypatch) -> None:
         router = getattr(m, f"{prefix}TopKRouter", None)
         if router is not None:
             monkeypatch.setattr(router, "forward", _router)
+    m = importlib.import_module(_OLMO_HYBRID)
+    monkeypatch.setattr(m.OlmoHybridRMSNorm, "forward", _olmo_rms)
+    monkeypatch.setattr(m.OlmoHybridRMSNormGated, "forward", _rms_gated)
+    monkeypatch.setattr(m.OlmoHybridRotaryEmbedding, "forward", _olmo_rotary)
+    monkeypatch.setattr(m.OlmoHybridGatedDeltaNet, "forward", _olmo_gdn)

@@ -1,16 +1,21 @@
 """Run HF transformers hybrids in tree mode on their own weights.
 
 Only the token mixers become tree-aware: the instance ``forward`` of each GatedDeltaNet and
-gated attention module of Qwen3-Next / Qwen3.5 / Qwen3.5-MoE (and of the plain attention of
-Qwen2 / Qwen3 / Llama) is wrapped so that, when a ``harts_layout`` keyword is passed, it runs the
-tree ops (short conv over each row's path, chunkwise gated delta rule over the planned rounds,
-tree attention); without it the original forward runs untouched. Embeddings, norms, MoE, rotary
-tables and the LM head are HF's own code on the ``[1, C, D]`` compact batch. Parameter names and
-the state dict are unchanged.
+attention module of Qwen3-Next / Qwen3.5 / Qwen3.5-MoE (gated attention), OLMo Hybrid (plain
+GQA attention, RoPE or NoPE) and of the plain attention of Qwen2 / Qwen3 / Llama is wrapped so
+that, in a tree-mode forward, it runs the tree ops (short conv over each row's path, chunkwise
+gated delta rule over the planned rounds, tree attention); outside one the original forward runs
+untouched. Embeddings, norms, MLP / MoE, rotary tables and the LM head are HF's own code on the
+``[1, C, D]`` compact batch. Parameter names and the state dict are unchanged.
+
+A mixer takes its :class:`TreeLayout` from the ``harts_layout`` keyword or, when a decoder layer
+does not forward extra keywords (OLMo Hybrid's linear-attention layer), from the enclosing
+:func:`tree_call`. Such layers are wrapped too, so that a layer re-run by activation
+checkpointing during backward (outside the original tree call) still finds its layout.
 
 The hybrid text models' own ``forward`` (``Qwen3NextModel``, ``Qwen3_5TextModel``,
-``Qwen3_5MoeTextModel``) is wrapped too, only so that a tree call never builds HF's ``[C, C]``
-causal mask: tree attention takes its ancestor structure from the layout.
+``Qwen3_5MoeTextModel``, ``OlmoHybridModel``) is wrapped too, only so that a tree call never
+builds HF's ``[C, C]`` causal mask: tree attention takes its ancestor structure from the layout.
 """
 
 from __future__ import annotations
@@ -31,30 +36,63 @@ from harts_verl.ops.layout import TreeLayout
 
 _PATCHED = "_harts_original_forward"
 
-# Set while a tree-mode forward runs: a patched mixer reached without ``harts_layout`` inside it
-# means some wrapper on the way dropped the keyword (it would silently run the trajectory-wise
-# code on compact rows), so it raises instead.
-_IN_TREE_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "harts_tree_call", default=False
+# Inside a tree call whose layout travels only as the ``harts_layout`` keyword.
+_KEYWORD_ONLY = object()
+
+# The tree call in progress: None outside one; its TreeLayout, or ``_KEYWORD_ONLY``. A patched
+# mixer reached without ``harts_layout`` inside a keyword-only tree call means some wrapper on
+# the way dropped the keyword (it would silently run the trajectory-wise code on compact rows),
+# so it raises instead.
+_TREE_CALL: contextvars.ContextVar[TreeLayout | object | None] = contextvars.ContextVar(
+    "harts_tree_call", default=None
 )
 
 
 @contextlib.contextmanager
-def tree_call() -> Iterator[None]:
-    """Mark a tree-mode forward (see :func:`patch_tree_mixers`)."""
-    token = _IN_TREE_CALL.set(True)
+def tree_call(layout: TreeLayout | None = None) -> Iterator[None]:
+    """Mark a tree-mode forward (see :func:`patch_tree_mixers`).
+
+    With ``layout``, patched mixers reached without a ``harts_layout`` keyword run on it. Without
+    one, the layout of an enclosing tree call stays in force; if there is none, such a mixer
+    raises ``RuntimeError`` (the layout must then arrive by keyword)."""
+    if layout is not None and not isinstance(layout, TreeLayout):
+        raise TypeError(f"layout: expected a TreeLayout or None, got {type(layout).__name__}")
+    current = _TREE_CALL.get()
+    if layout is None:
+        layout = current if current is not None else _KEYWORD_ONLY
+    token = _TREE_CALL.set(layout)
     try:
         yield
     finally:
-        _IN_TREE_CALL.reset(token)
+        _TREE_CALL.reset(token)
 
 
-def _original(module: nn.Module):
-    if _IN_TREE_CALL.get():
+def current_tree_layout() -> TreeLayout | None:
+    """The layout of the enclosing :func:`tree_call` (None outside one, or when it carries none)."""
+    current = _TREE_CALL.get()
+    return current if isinstance(current, TreeLayout) else None
+
+
+def _tree_layout(module: nn.Module, harts_layout: TreeLayout | None) -> TreeLayout | None:
+    """The layout a patched mixer runs on: the keyword, else the enclosing tree call's; None
+    outside a tree call (the original forward runs). Raises ``RuntimeError`` inside a tree call
+    that carries no layout, and ``TypeError`` for a keyword that is not a :class:`TreeLayout`."""
+    if harts_layout is not None:
+        if not isinstance(harts_layout, TreeLayout):
+            raise TypeError(
+                f"harts_layout: expected a TreeLayout, got {type(harts_layout).__name__}"
+            )
+        return harts_layout
+    current = _TREE_CALL.get()
+    if current is _KEYWORD_ONLY:
         raise RuntimeError(
             f"{type(module).__name__}: called without harts_layout inside a tree-mode forward "
             "(a wrapper between the model and this module dropped the keyword)"
         )
+    return current
+
+
+def _original(module: nn.Module):
     return getattr(module, _PATCHED)
 
 
@@ -69,8 +107,24 @@ GATED_HYBRID_MODEL_TYPES = (
 )
 _GDN_CLASSES = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet")
 _GATED_ATTENTION_CLASSES = ("Qwen3NextAttention", "Qwen3_5Attention", "Qwen3_5MoeAttention")
-_HYBRID_TEXT_MODEL_CLASSES = ("Qwen3NextModel", "Qwen3_5TextModel", "Qwen3_5MoeTextModel")
 _ROUTER_CLASSES = ("Qwen3NextTopKRouter", "Qwen3_5MoeTopKRouter")
+
+# OLMo Hybrid: GatedDeltaNet with separate q/k/v/a/b projections and q/k/v convolutions, plain
+# GQA attention (q/k RMSNorm over all heads, RoPE or NoPE), post-norm decoder layers.
+OLMO_HYBRID_MODEL_TYPES = ("olmo_hybrid",)
+_OLMO_GDN_CLASSES = ("OlmoHybridGatedDeltaNet",)
+_OLMO_ATTENTION_CLASSES = ("OlmoHybridAttention",)
+# Decoder layers that call their token mixer without forwarding extra keywords.
+_KEYWORD_DROPPING_LAYER_CLASSES = ("OlmoHybridLinearAttentionDecoderLayer",)
+
+# Linear-attention hybrids, run through :class:`HybridTreeModel`.
+HYBRID_MODEL_TYPES = GATED_HYBRID_MODEL_TYPES + OLMO_HYBRID_MODEL_TYPES
+_HYBRID_TEXT_MODEL_CLASSES = (
+    "Qwen3NextModel",
+    "Qwen3_5TextModel",
+    "Qwen3_5MoeTextModel",
+    "OlmoHybridModel",
+)
 
 # Plain full-attention HF causal LMs whose attention modules :func:`_full_attn_tree_forward`
 # reproduces (q/k/v projections, optional per-head q/k norm, RoPE, o_proj).
@@ -78,7 +132,7 @@ FULL_ATTENTION_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 _FULL_ATTENTION_CLASSES = ("Qwen2Attention", "Qwen3Attention", "LlamaAttention")
 
 # Model types that run in tree mode (``harts_hybrid``: the native model through its HF wrapper).
-TREE_MODEL_TYPES = GATED_HYBRID_MODEL_TYPES + FULL_ATTENTION_MODEL_TYPES + ("harts_hybrid",)
+TREE_MODEL_TYPES = HYBRID_MODEL_TYPES + FULL_ATTENTION_MODEL_TYPES + ("harts_hybrid",)
 
 
 def _model_type(model: nn.Module) -> str | None:
@@ -90,14 +144,15 @@ def _is_hf_class(mod: nn.Module, names: tuple[str, ...]) -> bool:
     return cls.__name__ in names and cls.__module__.startswith("transformers.")
 
 
-def _is_gated_hybrid(model: nn.Module) -> bool:
-    return _model_type(model) in GATED_HYBRID_MODEL_TYPES
+def _is_hybrid(model: nn.Module) -> bool:
+    return _model_type(model) in HYBRID_MODEL_TYPES
 
 
 def as_tree_model(model: nn.Module) -> nn.Module:
     """Return a module with the tree interface ``forward(input_ids [C], layout) -> (hidden [C, D],
-    aux_loss)`` and an ``lm_head``: the native model as is, HF Qwen3-Next through
-    :class:`HybridTreeModel`, Qwen2/Qwen3/Llama through :class:`HFCausalTreeModel`."""
+    aux_loss)`` and an ``lm_head``: the native model as is, HF Qwen3-Next / Qwen3.5 /
+    Qwen3.5-MoE / OLMo Hybrid through :class:`HybridTreeModel`, Qwen2/Qwen3/Llama through
+    :class:`HFCausalTreeModel`. Raises ``TypeError`` for any other model."""
     from harts_verl.models.hybrid import HybridForCausalLM
 
     if isinstance(model, HybridForCausalLM | HybridTreeModel | HFCausalTreeModel):
@@ -105,14 +160,14 @@ def as_tree_model(model: nn.Module) -> nn.Module:
     native = getattr(model, "harts_native_model", None)  # HartsHybridForCausalLM (HF wrapper)
     if isinstance(native, HybridForCausalLM):
         return native
-    if _is_gated_hybrid(model):
+    if _is_hybrid(model):
         return HybridTreeModel(model)
     if _model_type(model) in FULL_ATTENTION_MODEL_TYPES:
         return HFCausalTreeModel(model)
     raise TypeError(
         f"model: {type(model).__name__} is not supported in tree mode "
-        "(supported: HybridForCausalLM, transformers Qwen3-Next / Qwen3.5 / Qwen3.5-MoE, "
-        "Qwen2/Qwen3/Llama ForCausalLM)"
+        "(supported: HybridForCausalLM, transformers Qwen3-Next / Qwen3.5 / Qwen3.5-MoE / "
+        "OLMo Hybrid, Qwen2/Qwen3/Llama ForCausalLM)"
     )
 
 
@@ -123,9 +178,9 @@ def _gdn_tree_forward(
     harts_layout: TreeLayout | None = None,
     **kwargs: Any,
 ):
-    if harts_layout is None:
+    layout = _tree_layout(self, harts_layout)
+    if layout is None:
         return _original(self)(hidden_states, *args, **kwargs)
-    layout = harts_layout
     c = hidden_states.shape[1]
     if hasattr(self, "in_proj_qkvz"):  # Qwen3-Next: head-interleaved fused projections
         qkvz = self.in_proj_qkvz(hidden_states)
@@ -163,7 +218,8 @@ def _attn_tree_forward(
     harts_layout: TreeLayout | None = None,
     **kwargs: Any,
 ):
-    if harts_layout is None:
+    layout = _tree_layout(self, harts_layout)
+    if layout is None:
         return _original(self)(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
     apply_rotary_pos_emb = sys.modules[type(self).__module__].apply_rotary_pos_emb
     c = hidden_states.shape[1]
@@ -174,7 +230,7 @@ def _attn_tree_forward(
     v = self.v_proj(hidden_states).view(1, c, -1, self.head_dim)
     cos, sin = position_embeddings
     q, k = apply_rotary_pos_emb(q, k, cos, sin)
-    o = harts_layout.attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0], scale=self.scaling)
+    o = layout.attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0], scale=self.scaling)
     o = o.reshape(1, c, -1) * torch.sigmoid(gate)
     return self.o_proj(o), None
 
@@ -184,7 +240,8 @@ def _full_attn_tree_forward(
 ) -> tuple[torch.Tensor, None]:
     """Tree mode of a Qwen2/Qwen3/Llama attention module: the module's own projections,
     q/k norms and RoPE on the compact rows, softmax attention over each row's ancestors."""
-    if harts_layout is None:
+    layout = _tree_layout(self, harts_layout)
+    if layout is None:
         return _original(self)(*args, **kwargs)
     names = ("hidden_states", "position_embeddings")
     vals = list(args[:2]) + [kwargs.get(n) for n in names[len(args[:2]) :]]
@@ -202,8 +259,122 @@ def _full_attn_tree_forward(
         q, k = self.q_norm(q), self.k_norm(k)
     cos, sin = position_embeddings
     q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-    o = harts_layout.attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0], scale=self.scaling)
+    o = layout.attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0], scale=self.scaling)
     return self.o_proj(o.reshape(1, c, -1)), None
+
+
+def _bind(args: tuple[Any, ...], kwargs: dict[str, Any], names: tuple[str, ...]) -> list[Any]:
+    """The values of the leading parameters ``names`` of a call (positional or keyword; None
+    where absent)."""
+    return [args[i] if i < len(args) else kwargs.get(n) for i, n in enumerate(names)]
+
+
+def _compact_batch(module: nn.Module, hidden_states: Any) -> int:
+    """The row count ``C`` of a tree-mode mixer input, which must be ``[1, C, D]``."""
+    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
+        raise ValueError(
+            f"hidden_states: {type(module).__name__} in tree mode expects [1, C, D], got "
+            f"{getattr(hidden_states, 'shape', type(hidden_states).__name__)}"
+        )
+    if hidden_states.shape[0] != 1:
+        raise ValueError(
+            f"hidden_states: tree mode runs one compact batch [1, C, D], got batch "
+            f"{hidden_states.shape[0]}"
+        )
+    return int(hidden_states.shape[1])
+
+
+def _olmo_gdn_tree_forward(
+    self, *args: Any, harts_layout: TreeLayout | None = None, **kwargs: Any
+) -> torch.Tensor:
+    """Tree mode of an OLMo Hybrid GatedDeltaNet: HF's separate q/k/v projections and depthwise
+    convolutions (SiLU) over each row's path, q/k heads repeated to the value heads inside the
+    kernel (HF: ``repeat_interleave``), ``beta = sigmoid(b)`` (× 2 with
+    ``linear_allow_neg_eigval``), ``g = -exp(A_log) · softplus(a + dt_bias)`` in at least float32,
+    the chunkwise gated delta rule with q/k L2 norm over the planned rounds, the gated output
+    norm (gate ``g_proj``) and ``o_proj``. hidden_states ``[1, C, D]`` → ``[1, C, D]`` in the
+    input dtype. Tree mode keeps no cache (``cache_params`` must be None) and ignores the
+    attention mask (the layout gives each row its path)."""
+    layout = _tree_layout(self, harts_layout)
+    if layout is None:
+        return _original(self)(*args, **kwargs)
+    hidden_states, cache_params = _bind(args, kwargs, ("hidden_states", "cache_params"))
+    c = _compact_batch(self, hidden_states)
+    if cache_params is not None:
+        raise ValueError("cache_params: tree mode keeps no cache (call with use_cache=False)")
+    convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+    x = torch.cat([p(hidden_states)[0] for p in (self.q_proj, self.k_proj, self.v_proj)], dim=-1)
+    weight = torch.cat([conv.weight.reshape(conv.weight.shape[0], -1) for conv in convs])
+    bias = None
+    if any(conv.bias is not None for conv in convs):
+        bias = torch.cat(
+            [
+                conv.bias if conv.bias is not None else conv.weight.new_zeros(conv.weight.shape[0])
+                for conv in convs
+            ]
+        )
+    x = layout.short_conv(x, weight, bias, activation="silu")
+    q, k, v = torch.split(x, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+    q = q.reshape(c, -1, self.head_k_dim)
+    k = k.reshape(c, -1, self.head_k_dim)
+    v = v.reshape(c, -1, self.head_v_dim)
+    beta = self.b_proj(hidden_states).sigmoid()[0]
+    if self.allow_neg_eigval:
+        beta = beta * 2.0
+    # The HF module's gate formula, computed in at least float32 (float64 stays float64).
+    a = self.a_proj(hidden_states)
+    ct = torch.promote_types(a.dtype, torch.float32)
+    g = (-self.A_log.to(ct).exp() * F.softplus(a.to(ct) + self.dt_bias.to(ct)))[0]
+    o = layout.linear_attention(q, k, v, g, beta, use_qk_l2norm=True).to(hidden_states.dtype)
+    gate = self.g_proj(hidden_states)
+    o = self.o_norm(o.reshape(-1, self.head_v_dim), gate.reshape(-1, self.head_v_dim))
+    return self.o_proj(o.reshape(1, c, -1))
+
+
+def _olmo_attn_tree_forward(
+    self, *args: Any, harts_layout: TreeLayout | None = None, **kwargs: Any
+) -> tuple[torch.Tensor, None]:
+    """Tree mode of an OLMo Hybrid attention module: q/k/v projections, RMSNorm over the whole
+    projected q and k (before the head view), RoPE when ``position_embeddings`` is given (NoPE
+    when None), softmax attention (GQA, ``self.scaling``) of each row over its ancestors, then
+    ``o_proj``. hidden_states ``[1, C, D]`` → (``[1, C, D]``, None). Tree mode keeps no cache
+    and takes no attention dropout."""
+    layout = _tree_layout(self, harts_layout)
+    if layout is None:
+        return _original(self)(*args, **kwargs)
+    names = ("hidden_states", "position_embeddings", "attention_mask", "past_key_values")
+    hidden_states, position_embeddings, _, past_key_values = _bind(args, kwargs, names)
+    c = _compact_batch(self, hidden_states)
+    if past_key_values is not None:
+        raise ValueError("past_key_values: tree mode keeps no cache (call with use_cache=False)")
+    if self.training and self.attention_dropout:
+        raise NotImplementedError(
+            f"{type(self).__name__}: attention dropout ({self.attention_dropout}) is not "
+            "supported in tree mode"
+        )
+    q = self.q_norm(self.q_proj(hidden_states)).view(1, c, -1, self.head_dim).transpose(1, 2)
+    k = self.k_norm(self.k_proj(hidden_states)).view(1, c, -1, self.head_dim).transpose(1, 2)
+    v = self.v_proj(hidden_states).view(1, c, -1, self.head_dim)
+    if position_embeddings is not None:  # RoPE; None: NoPE
+        cos, sin = position_embeddings
+        rope = sys.modules[type(self).__module__].apply_rotary_pos_emb
+        q, k = rope(q, k, cos, sin)
+    o = layout.attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0], scale=self.scaling)
+    return self.o_proj(o.reshape(1, c, -1)), None
+
+
+def _layout_scope_forward(
+    self, *args: Any, harts_layout: TreeLayout | None = None, **kwargs: Any
+) -> Any:
+    """Forward of a decoder layer that calls its token mixer without forwarding extra keywords:
+    with ``harts_layout`` (or inside a tree call that carries a layout) HF's own forward runs in
+    ``tree_call(layout)``, so the mixer finds the layout, also when activation checkpointing
+    re-runs the layer during backward, outside the tree call that ran its forward."""
+    layout = harts_layout if harts_layout is not None else current_tree_layout()
+    if layout is None:
+        return _original(self)(*args, **kwargs)
+    with tree_call(layout):
+        return _original(self)(*args, **kwargs)
 
 
 # A 1-element 4D boolean tensor: HF's ``create_causal_mask`` returns a 4D mask as is, and
@@ -215,22 +386,27 @@ def _no_mask(device: torch.device) -> torch.Tensor:
 def _hybrid_text_model_tree_forward(
     self, *args: Any, harts_layout: TreeLayout | None = None, **kwargs
 ):
-    """Tree mode of a hybrid text model's ``forward``: HF's own code with ``harts_layout``
-    forwarded to the layers and a 1-element mask in place of the ``[C, C]`` causal mask that HF
-    would otherwise build from the (non-monotone) row depths."""
-    if harts_layout is None:
+    """Tree mode of a hybrid text model's ``forward``: HF's own code inside
+    ``tree_call(layout)`` with ``harts_layout`` forwarded to the layers and a 1-element mask in
+    place of the ``[C, C]`` causal mask that HF would otherwise build from the (non-monotone) row
+    depths. The layout is the keyword, else that of the enclosing tree call."""
+    layout = harts_layout if harts_layout is not None else current_tree_layout()
+    if layout is None:
         return getattr(self, _PATCHED)(*args, **kwargs)
     if len(args) > 1 or kwargs.get("attention_mask") is not None:
         raise ValueError("harts_layout: tree mode takes no attention_mask")
-    kwargs["attention_mask"] = _no_mask(harts_layout.token_ids.device)
-    return getattr(self, _PATCHED)(*args, harts_layout=harts_layout, **kwargs)
+    kwargs["attention_mask"] = _no_mask(layout.token_ids.device)
+    with tree_call(layout):
+        return getattr(self, _PATCHED)(*args, harts_layout=layout, **kwargs)
 
 
 def patch_tree_mixers(model: nn.Module) -> int:
     """Make every supported token mixer of an HF model tree-aware (idempotent): the instance
-    ``forward`` runs the tree ops when called with ``harts_layout=...`` and the original code
-    otherwise. Returns the number of tree-capable modules (0: nothing in ``model`` is supported;
-    the native model's HF wrapper counts as one)."""
+    ``forward`` runs the tree ops when called with ``harts_layout=...`` or inside a
+    :func:`tree_call` that carries a layout, and the original code otherwise. Hybrid text models
+    and keyword-dropping decoder layers are wrapped too (not counted). Returns the number of
+    tree-capable modules (0: nothing in ``model`` is supported; the native model's HF wrapper
+    counts as one)."""
     if getattr(model, "supports_harts_layout", False):
         return 1
     n = 0
@@ -241,8 +417,15 @@ def patch_tree_mixers(model: nn.Module) -> int:
             _patch(mod, _attn_tree_forward)
         elif _is_hf_class(mod, _FULL_ATTENTION_CLASSES):
             _patch(mod, _full_attn_tree_forward)
+        elif _is_hf_class(mod, _OLMO_GDN_CLASSES):
+            _patch(mod, _olmo_gdn_tree_forward)
+        elif _is_hf_class(mod, _OLMO_ATTENTION_CLASSES):
+            _patch(mod, _olmo_attn_tree_forward)
         elif _is_hf_class(mod, _HYBRID_TEXT_MODEL_CLASSES):
             _patch(mod, _hybrid_text_model_tree_forward)
+            continue
+        elif _is_hf_class(mod, _KEYWORD_DROPPING_LAYER_CLASSES):
+            _patch(mod, _layout_scope_forward)
             continue
         else:
             continue
@@ -267,30 +450,31 @@ def _tree_decoder_forward(
     tree_model: nn.Module, base: nn.Module, input_ids: torch.Tensor, layout: TreeLayout
 ) -> torch.Tensor:
     """The decoder stack ``base`` (HF text model) in tree mode: embeddings → the first
-    ``config.num_hidden_layers`` layers with ``position_ids`` = row depth (activation
-    checkpointing when ``tree_model.gradient_checkpointing`` and grad is on) → final norm.
-    input_ids ``[C]`` → hidden ``[C, D]``."""
+    ``config.num_hidden_layers`` layers with ``position_ids`` = row depth, each inside
+    ``tree_call(layout)`` (activation checkpointing when ``tree_model.gradient_checkpointing``
+    and grad is on; the recomputation runs inside it too) → final norm. RoPE tables come from
+    ``base.rotary_emb``; a model without one (OLMo Hybrid NoPE) gets ``position_embeddings=None``.
+    No attention mask is built. input_ids ``[C]`` → hidden ``[C, D]``."""
     pos = layout.position_ids[None]
     h = base.embed_tokens(input_ids[None])
-    pe = base.rotary_emb(h, pos)
-    with tree_call():
-        for layer in base.layers[: tree_model.config.num_hidden_layers]:
-            if tree_model.gradient_checkpointing and torch.is_grad_enabled():
-                h = checkpoint(
-                    lambda x, lyr=layer: lyr(
-                        x, position_embeddings=pe, position_ids=pos, harts_layout=layout
-                    ),
-                    h,
-                    use_reentrant=False,
-                )
-            else:
-                h = layer(h, position_embeddings=pe, position_ids=pos, harts_layout=layout)
+    rotary = getattr(base, "rotary_emb", None)
+    pe = rotary(h, pos) if rotary is not None else None
+
+    def run(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+        with tree_call(layout):
+            return layer(x, position_embeddings=pe, position_ids=pos, harts_layout=layout)
+
+    for layer in base.layers[: tree_model.config.num_hidden_layers]:
+        if tree_model.gradient_checkpointing and torch.is_grad_enabled():
+            h = checkpoint(run, h, layer, use_reentrant=False)
+        else:
+            h = run(h, layer)
     return base.norm(h)[0]
 
 
 class HybridTreeModel(nn.Module):
-    """Tree-mode view of a transformers Qwen3-Next / Qwen3.5 / Qwen3.5-MoE causal LM (weights
-    shared, not copied)."""
+    """Tree-mode view of a transformers Qwen3-Next / Qwen3.5 / Qwen3.5-MoE / OLMo Hybrid causal
+    LM (weights shared, not copied)."""
 
     def __init__(self, hf_model: nn.Module) -> None:
         super().__init__()

@@ -30,6 +30,7 @@ __all__ = [
     "ideal_flop_ratio",
     "model_shape",
     "native_model_shape",
+    "olmo_hybrid_shape",
     "qwen3_next_shape",
 ]
 
@@ -128,6 +129,30 @@ def gated_hybrid_shape(cfg: Any) -> ModelShape:
 qwen3_next_shape = gated_hybrid_shape  # the name this module used first
 
 
+def olmo_hybrid_shape(cfg: Any) -> ModelShape:
+    """Coefficients of a transformers OLMo Hybrid (``OlmoHybridConfig``): GatedDeltaNet layers
+    (separate q, k, v, a, b, output-gate ``g_proj`` and ``o_proj`` projections, depthwise q/k/v
+    convolutions), softmax attention without an output gate (q/k/v/o projections; RoPE or NoPE
+    costs no matmul), a gated MLP in every layer, the LM head."""
+    d = cfg.hidden_size
+    dense = 2.0 * d * cfg.vocab_size
+    attn = lin = 0.0
+    for t in cfg.layer_types:
+        if t == "linear_attention":
+            hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+            k, v = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+            proj = d * (2 * hk * k + 2 * hv * v) + d * 2 * hv + hv * v * d
+            dense += 2.0 * proj + 2.0 * cfg.linear_conv_kernel_dim * (2 * hk * k + hv * v)
+            lin += hv * (2.0 * 64 * (k + v) + 6.0 * k * v)
+        else:
+            hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+            hd = getattr(cfg, "head_dim", None) or d // hq
+            dense += 2.0 * (d * hq * hd + 2 * d * hkv * hd + hq * hd * d)
+            attn += 2.0 * hq * 2 * hd
+        dense += 2.0 * 3 * d * cfg.intermediate_size
+    return ModelShape(dense, attn, lin)
+
+
 def full_attention_shape(cfg: Any) -> ModelShape:
     """Coefficients of a plain full-attention causal LM (Qwen2, Qwen3, Llama): q/k/v/o
     projections (biases ignored), a gated MLP per layer, the LM head."""
@@ -148,7 +173,8 @@ def model_shape(cfg: Any) -> ModelShape:
     :class:`~harts_verl.models.HybridConfig` or ``HartsHybridConfig`` (``harts_hybrid``), the
     HF hybrids ``qwen3_next`` / ``qwen3_5_text`` / ``qwen3_5_moe_text`` (and the multi-modal
     ``qwen3_5`` / ``qwen3_5_moe`` wrappers, through their ``text_config``: the vision tower is
-    not counted), and ``qwen2`` / ``qwen3`` / ``llama``."""
+    not counted) and ``olmo_hybrid``, and ``qwen2`` / ``qwen3`` / ``llama``. Raises
+    ``ValueError`` for any other ``model_type``."""
     from harts_verl.models.config import HybridConfig
 
     if isinstance(cfg, HybridConfig):
@@ -160,11 +186,14 @@ def model_shape(cfg: Any) -> ModelShape:
         return model_shape(cfg.text_config)
     if model_type in _GATED_HYBRID_TYPES:
         return gated_hybrid_shape(cfg)
+    if model_type == "olmo_hybrid":
+        return olmo_hybrid_shape(cfg)
     if model_type in _FULL_ATTENTION_TYPES:
         return full_attention_shape(cfg)
     raise ValueError(
         f"model_shape: no FLOP model for model_type {model_type!r} (known: harts_hybrid, "
-        f"{', '.join(_GATED_HYBRID_TYPES + _FULL_ATTENTION_TYPES)}, qwen3_5, qwen3_5_moe)"
+        f"{', '.join(_GATED_HYBRID_TYPES + _FULL_ATTENTION_TYPES)}, qwen3_5, qwen3_5_moe, "
+        "olmo_hybrid)"
     )
 
 

@@ -3,7 +3,8 @@
 Inputs: ``--model`` an HF model directory (weights) or a ``config.json`` (random weights,
 seeded) of any model that runs in tree mode — Qwen3-Next, the Qwen3.5 / Qwen3.5-MoE text models
 (``qwen3_5_text``, ``qwen3_5_moe_text``) and their multi-modal wrappers (the text model is
-audited), the native model (``harts_hybrid``), Qwen2 / Qwen3 / Llama; ``--batch`` a dump of
+audited), OLMo Hybrid (``olmo_hybrid``), the native model (``harts_hybrid``), Qwen2 / Qwen3 /
+Llama; ``--batch`` a dump of
 trajectories: a ``RolloutForest.save`` file (``.npz``), or a ``torch.save`` file (``.pt``)
 holding a list of token-id lists or a dict with ``input_ids`` (list, or a nested tensor as in a
 veRL batch). Prints JSON: max |Δlogp|, MeanCos of the final hidden states' logits, per decoder

@@ -29,7 +29,7 @@ __all__ = [
     "tiny_hf_model",
 ]
 
-TINY_KINDS = ("qwen2", "qwen3_next", "qwen3_5", "qwen3_5_moe")
+TINY_KINDS = ("qwen2", "qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "olmo_hybrid_nope")
 
 # Shared by the hybrid kinds: 4 layers (linear, full, linear, full), GQA 4/2 heads of 8 (16
 # for Qwen3.5, whose multi-axis RoPE needs >= 3 frequencies), GatedDeltaNet 2 key / 4 value heads.
@@ -54,6 +54,28 @@ _MOE = dict(
     moe_intermediate_size=16,
     shared_expert_intermediate_size=16,
 )
+# OLMo Hybrid: 4 layers (linear, full, linear, full), GQA 4/2 heads of 8 (head_dim = hidden /
+# heads), no pad/eos ids (HF's defaults lie outside a tiny vocabulary). ``olmo_hybrid``: RoPE,
+# GatedDeltaNet 2 key / 4 value heads, beta in [0, 2] (``linear_allow_neg_eigval``);
+# ``olmo_hybrid_nope``: NoPE (no ``rope_theta``: the model has no rotary table), 2 / 2 heads,
+# beta in [0, 1]. A larger init range than HF's 0.02 makes the token mixers weigh in the output.
+_OLMO_HYBRID = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    linear_num_key_heads=2,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=512,
+    initializer_range=0.1,
+    pad_token_id=None,
+    eos_token_id=None,
+    tie_word_embeddings=False,
+)
 _QWEN3_5_ROPE = {
     "rope_type": "default",
     "rope_theta": 10000.0,
@@ -64,8 +86,9 @@ _QWEN3_5_ROPE = {
 
 def tiny_hf_config(kind: str, vocab_size: int = 64):
     """A tiny transformers config of ``kind`` (``qwen2``, ``qwen3_next``, ``qwen3_5`` = the
-    text-only Qwen3.5 causal LM, ``qwen3_5_moe`` = the text-only Qwen3.5-MoE causal LM), sdpa
-    attention, eager experts (float64-capable on CPU)."""
+    text-only Qwen3.5 causal LM, ``qwen3_5_moe`` = the text-only Qwen3.5-MoE causal LM,
+    ``olmo_hybrid`` = OLMo Hybrid with RoPE, ``olmo_hybrid_nope`` = OLMo Hybrid with NoPE), sdpa
+    attention, eager experts (float64-capable on CPU). Raises ``ValueError`` for another kind."""
     import transformers
 
     if kind == "qwen2":
@@ -101,6 +124,22 @@ def tiny_hf_config(kind: str, vocab_size: int = 64):
             **{**_HYBRID, "head_dim": 16},
             **_MOE,
         )
+    elif kind == "olmo_hybrid":
+        cfg = transformers.OlmoHybridConfig(
+            vocab_size=vocab_size,
+            linear_num_value_heads=4,
+            linear_allow_neg_eigval=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            **_OLMO_HYBRID,
+        )
+    elif kind == "olmo_hybrid_nope":
+        cfg = transformers.OlmoHybridConfig(
+            vocab_size=vocab_size,
+            linear_num_value_heads=2,
+            linear_allow_neg_eigval=False,
+            rope_parameters={"rope_type": "default", "rope_theta": None},
+            **_OLMO_HYBRID,
+        )
     else:
         raise ValueError(f"kind: expected one of {TINY_KINDS}, got {kind!r}")
     cfg._attn_implementation = "sdpa"
@@ -118,6 +157,8 @@ def tiny_hf_model(kind: str, *, seed: int = 0, vocab_size: int = 64) -> torch.nn
         "qwen3_next": transformers.Qwen3NextForCausalLM,
         "qwen3_5": transformers.Qwen3_5ForCausalLM,
         "qwen3_5_moe": transformers.Qwen3_5MoeForCausalLM,
+        "olmo_hybrid": transformers.OlmoHybridForCausalLM,
+        "olmo_hybrid_nope": transformers.OlmoHybridForCausalLM,
     }
     cfg = tiny_hf_config(kind, vocab_size)
     torch.manual_seed(seed)
