@@ -50,7 +50,7 @@ test: venv lint
 	$(MAKE) --no-print-directory test-fla-cpu
 
 test-fla-cpu: $(FLA_STAMP)
-	TRITON_INTERPRET=1 HARTS_REQUIRE_FLA=1 $(FLA_PY) -m pytest tests/fla_cpu; rc=$$?; \
+	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 HARTS_REQUIRE_FLA=1 $(FLA_PY) -m pytest tests/fla_cpu; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
 # Local CPU recipe: 1 stock-path baseline step, then 3 online HARTS steps (reward, compression,
