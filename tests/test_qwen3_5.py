@@ -60,13 +60,16 @@ _MASK_FNS = {
     "qwen3_5": "transformers.models.qwen3_5.modeling_qwen3_5",
     "qwen3_5_moe": "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
 }
+_MASK_FNS["qwen3_5_mm"] = _MASK_FNS["qwen3_5"]  # the multi-modal wrappers (their text model)
+_MASK_FNS["qwen3_5_moe_mm"] = _MASK_FNS["qwen3_5_moe"]
 
 
-@pytest.mark.parametrize("kind", ["qwen3_next", *KINDS])
+@pytest.mark.parametrize("kind", ["qwen3_next", *KINDS, "qwen3_5_mm", "qwen3_5_moe_mm"])
 def test_tree_call_builds_no_causal_mask(no_fla, monkeypatch, kind):
     """The engine's tree call (``model(input_ids=rows, position_ids=depths, harts_layout=...)``
-    through HF's own model forward) builds no [C, C] mask and equals the runtime's tree forward;
-    without the text-model patch HF would build one (the spy sees it)."""
+    through HF's own model forward, the multi-modal wrappers' included) builds no [C, C] mask
+    and equals the runtime's tree forward; without the text-model patch HF would build one (the
+    spy sees it)."""
     import importlib
 
     from harts_verl.models import adapter

@@ -77,15 +77,28 @@ def _params(engine) -> dict[str, torch.Tensor]:
 
 
 def _run(
-    testing, path, strategy, batch, *, loss_mode, harts=None, padded=False, entropy=0.0, **optim
+    testing,
+    path,
+    strategy,
+    batch,
+    *,
+    loss_mode,
+    harts=None,
+    padded=False,
+    entropy=0.0,
+    gradient_checkpointing=False,
+    **optim,
 ):
     """Infer, then one train step; returns (model output, metrics, params before, params after,
-    gradients as the optimizer saw them). ``optim``: ``optimizer``, ``lr``, ``weight_decay``."""
+    gradients as the optimizer saw them). ``optim``: ``optimizer``, ``lr``, ``weight_decay``;
+    ``gradient_checkpointing``: veRL's (HF's activation checkpointing, non-reentrant)."""
     seqs, prompt_lens, spans = batch
     cfg = testing.actor_config(
         strategy=strategy, loss_mode=loss_mode, harts=harts, entropy_coeff=entropy, **optim
     )
-    engine = testing.build_engine(path, cfg, use_remove_padding=not padded)
+    engine = testing.build_engine(
+        path, cfg, use_remove_padding=not padded, gradient_checkpointing=gradient_checkpointing
+    )
     mk = partial(testing.make_batch, seqs, prompt_lens, tool_spans=spans, temperature=0.8)
     with engine.eval_mode():
         inf = engine.infer_batch(mk(calculate_entropy=True, use_remove_padding=not padded))
@@ -170,16 +183,21 @@ def test_parity_loss_modes(verl_cpu, kind, loss_mode):
 
 
 def test_fallback_and_audit(verl_cpu):
-    """Below ``min_compression`` the batch takes the stock path (counted); the audit compares
-    tree and stock log-probs every ``audit_every`` calls."""
+    """Below ``min_compression`` the batch takes the stock path (counted; every micro-batch
+    through veRL's own step, never the tree step); the audit compares tree and stock log-probs
+    every ``audit_every`` calls."""
     testing, paths = verl_cpu
     seqs, prompt_lens, spans = _grpo_batch(seed=1)
     cfg = testing.actor_config(harts={"min_compression": 100.0})
     engine = testing.build_engine(paths["qwen2"], cfg)
+    tree_steps = []
+    tree_step = engine._tree_forward_step
+    engine._tree_forward_step = lambda *a, **k: tree_steps.append(1) or tree_step(*a, **k)
     with engine.eval_mode():
         out = engine.infer_batch(testing.make_batch(seqs, prompt_lens, tool_spans=spans))
     assert out["metrics"]["harts/fallback"] == [1.0]
     assert out["model_output"]["log_probs"].size(0) == len(seqs)
+    assert not tree_steps
 
     cfg = testing.actor_config(harts={"audit_every": 2, "audit_trajectories": 3})
     engine = testing.build_engine(paths["qwen2"], cfg)

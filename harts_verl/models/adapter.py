@@ -9,9 +9,15 @@ untouched. Embeddings, norms, MLP / MoE, rotary tables and the LM head are HF's 
 ``[1, C, D]`` compact batch. Parameter names and the state dict are unchanged.
 
 A mixer takes its :class:`TreeLayout` from the ``harts_layout`` keyword or, when a decoder layer
-does not forward extra keywords (OLMo Hybrid's linear-attention layer), from the enclosing
+does not forward extra keywords (OLMo Hybrid's linear-attention layer; Qwen3.5's decoder layers
+once veRL's monkey patch has replaced their class ``forward``), from the enclosing
 :func:`tree_call`. Such layers are wrapped too, so that a layer re-run by activation
 checkpointing during backward (outside the original tree call) still finds its layout.
+
+Every wrapper calls the module's *current* original forward: an instance-level forward that was
+there before the wrapper, else the class ``forward`` looked up at call time, so a class-level
+patch applied after ours (veRL's ``apply_monkey_patch``) is honoured, not bypassed by a method
+bound before it.
 
 The hybrid text models' own ``forward`` (``Qwen3NextModel``, ``Qwen3_5TextModel``,
 ``Qwen3_5MoeTextModel``, ``OlmoHybridModel``) is wrapped too, only so that a tree call never
@@ -96,6 +102,12 @@ def _original(module: nn.Module):
     return getattr(module, _PATCHED)
 
 
+def _class_forward(self, *args: Any, **kwargs: Any) -> Any:
+    """The ``forward`` of the module's class as it is at call time (what ``module.forward``
+    would resolve to without an instance-level wrapper)."""
+    return type(self).forward(self, *args, **kwargs)
+
+
 # HF hybrids (GatedDeltaNet + gated full attention): Qwen3-Next and Qwen3.5 (dense / MoE; the
 # text-only CausalLM and the multi-modal wrappers, whose text model runs in tree mode).
 GATED_HYBRID_MODEL_TYPES = (
@@ -114,8 +126,16 @@ _ROUTER_CLASSES = ("Qwen3NextTopKRouter", "Qwen3_5MoeTopKRouter")
 OLMO_HYBRID_MODEL_TYPES = ("olmo_hybrid",)
 _OLMO_GDN_CLASSES = ("OlmoHybridGatedDeltaNet",)
 _OLMO_ATTENTION_CLASSES = ("OlmoHybridAttention",)
-# Decoder layers that call their token mixer without forwarding extra keywords.
-_KEYWORD_DROPPING_LAYER_CLASSES = ("OlmoHybridLinearAttentionDecoderLayer",)
+# Decoder layers that call their token mixer without forwarding extra keywords: OLMo Hybrid's
+# linear-attention layer, and Qwen3.5's (dense, MoE) once veRL's monkey patch
+# (``verl.models.transformers.qwen3_5.qwen3_5_decoder_layer_forward``, applied to the classes
+# for the multi-modal ``qwen3_5`` / ``qwen3_5_moe`` models) has replaced HF's, which does forward
+# them. Wrapped whichever forward the class has, before or after the patch.
+_KEYWORD_DROPPING_LAYER_CLASSES = (
+    "OlmoHybridLinearAttentionDecoderLayer",
+    "Qwen3_5DecoderLayer",
+    "Qwen3_5MoeDecoderLayer",
+)
 
 # Linear-attention hybrids, run through :class:`HybridTreeModel`.
 HYBRID_MODEL_TYPES = GATED_HYBRID_MODEL_TYPES + OLMO_HYBRID_MODEL_TYPES
@@ -434,9 +454,14 @@ def patch_tree_mixers(model: nn.Module) -> int:
 
 
 def _patch(module: nn.Module, fn) -> None:
-    if not hasattr(module, _PATCHED):
-        setattr(module, _PATCHED, module.forward)
-        module.forward = types.MethodType(fn, module)
+    """Install ``fn`` as the instance ``forward`` of ``module`` (once). The original it falls
+    back to (``getattr(module, _PATCHED)``) is an instance-level forward already there, else
+    the class ``forward`` resolved at each call (see :func:`_class_forward`)."""
+    if hasattr(module, _PATCHED):
+        return
+    own = module.__dict__.get("forward")
+    setattr(module, _PATCHED, own if own is not None else types.MethodType(_class_forward, module))
+    module.forward = types.MethodType(fn, module)
 
 
 def _text_model(hf_model: nn.Module) -> nn.Module:

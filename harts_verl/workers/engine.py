@@ -24,8 +24,11 @@ sequence's first token); veRL's losses never read it (``no_padding_2_padding`` s
 ``[prompt_len − 1, L − 1)``).
 
 Fallback (stock path, metric ``harts/fallback`` = 1): harts disabled, a model without tree
-support, per-sample temperatures, multi-modal inputs, or global compression below
-``harts.min_compression``. The decision is taken jointly by all DP ranks.
+support, per-sample temperatures, a batch that carries multi-modal inputs (vision embeddings and
+3-D mrope positions have no tree form; text-only batches of the same multi-modal model run in
+tree mode), fused kernels, or global compression below ``harts.min_compression``. The decision
+is taken jointly by all DP ranks; each reason is logged at WARNING the first time it occurs.
+Every micro-batch of a fallback batch runs veRL's own ``forward_step``.
 """
 
 from __future__ import annotations
@@ -64,8 +67,12 @@ __all__ = ["HartsFSDPEngine", "forest_of_batch"]
 logger = logging.getLogger(__name__)
 
 _HEAD_FN = "_harts_head_fn"
-# Multi-modal wrappers whose decoder layers veRL re-implements (dropping ``harts_layout``).
-_VERL_PATCHED_MULTIMODAL = ("qwen3_5", "qwen3_5_moe")
+# No model type is sent to the stock path wholesale. The multi-modal Qwen3.5 wrappers
+# (``qwen3_5``, ``qwen3_5_moe``), whose decoder-layer forward veRL replaces by one that drops
+# extra keywords on the way to the GatedDeltaNet, run text-only batches in tree mode: the adapter
+# wraps those layers so the mixer takes the layout from the enclosing tree call (also when
+# activation checkpointing re-runs a layer during backward). What still needs the stock path is
+# decided per batch: vision inputs (``multi_modal_inputs``), see ``_local_fallback_reasons``.
 _HEAD_ORIG = "_harts_original_forward"
 
 
@@ -196,8 +203,11 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             )
         super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
         self._tree_supported = False
+        self._model_type: str | None = None
         self._lm_head: torch.nn.Module | None = None
         self._calls = 0
+        self._stock_batch = False  # inside a fallback batch: forward_step is veRL's
+        self._fallback_logged: set[str] = set()  # fallback reasons already logged
 
     # ------------------------------------------------------------------ model build
     def _build_module(self):
@@ -206,17 +216,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         head = _find_lm_head(module)
         patched = patch_tree_mixers(module) if head is not None else 0
         self._tree_supported = patched > 0
-        if model_type in _VERL_PATCHED_MULTIMODAL:
-            # veRL's monkey patch of these wrappers replaces the decoder-layer forward with one
-            # that does not pass extra keywords to the linear-attention module.
-            self._tree_supported = False
-            logger.warning(
-                "harts_fsdp2: the multi-modal %r wrapper runs the stock fsdp2 path; save the "
-                "text model (%s_text) to train it in tree mode",
-                model_type,
-                model_type,
-            )
-        elif self._tree_supported:
+        if self._tree_supported:
             if not hasattr(head, _HEAD_ORIG):
                 setattr(head, _HEAD_ORIG, head.forward)
                 head.forward = types.MethodType(_lm_head_forward, head)
@@ -226,7 +226,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
                 "harts_fsdp2: model type %r has no tree-mode support; every batch takes the "
                 "stock fsdp2 path (supported: %s)",
                 model_type,
-                ", ".join(t for t in TREE_MODEL_TYPES if t not in _VERL_PATCHED_MULTIMODAL),
+                ", ".join(TREE_MODEL_TYPES),
             )
         self._model_type = model_type
         return module
@@ -292,6 +292,41 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         return [items[k][1] for k in order] + [None] * n_dummy
 
     # ------------------------------------------------------------------ batch
+    def _local_fallback_reasons(
+        self, data: TensorDict, temperature: float | None
+    ) -> dict[str, str]:
+        """Why this rank's batch cannot run in tree mode, as ``{key: explanation}`` (empty: it
+        can)."""
+        reasons: dict[str, str] = {}
+        if not self.harts.enable:
+            reasons["disabled"] = "harts.enable is false"
+        if not self._tree_supported:
+            reasons["model"] = f"model type {self._model_type!r} has no tree-mode support"
+        if temperature is None:
+            reasons["temperature"] = "per-sample temperatures (tree mode takes one temperature)"
+        if _has_multi_modal(data):
+            reasons["multi_modal"] = (
+                "the batch carries multi-modal inputs (multi_modal_inputs: pixel values / "
+                "vision embeddings and 3-D mrope positions have no tree form; text-only batches "
+                "of this model run in tree mode)"
+            )
+        if tu.get_non_tensor_data(data=data, key="use_fused_kernels", default=False) is not False:
+            reasons["fused"] = (
+                "use_fused_kernels is set (veRL's fused forward computes the log-probs itself)"
+            )
+        return reasons
+
+    def _log_fallback(self, reasons: dict[str, str]) -> None:
+        """WARNING the first time each fallback reason occurs (keyed by reason)."""
+        new = {k: v for k, v in reasons.items() if k not in self._fallback_logged}
+        if new:
+            self._fallback_logged.update(new)
+            logger.warning(
+                "harts_fsdp2: stock fsdp2 path (harts/fallback = 1): %s (each reason is logged "
+                "once)",
+                "; ".join(new.values()),
+            )
+
     def forward_backward_batch(self, data: TensorDict, loss_function, forward_only=False):
         self._calls += 1
         n = len(data)
@@ -299,32 +334,26 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         forest = forest_of_batch(data) if n else None
         s = forest.num_semantic_tokens if forest is not None else 0
         c = forest.num_compact_tokens if forest is not None else 0
-        local_ok = (
-            self.harts.enable
-            and self._tree_supported
-            and temperature is not None
-            and not _has_multi_modal(data)
-            and tu.get_non_tensor_data(data=data, key="use_fused_kernels", default=False) is False
-        )
+        reasons = self._local_fallback_reasons(data, temperature)
         # All ranks take the same path (FSDP collectives must stay aligned).
         s_all, c_all = self._dp_all_reduce([s, c])
-        ok_min = self._dp_all_reduce([1.0 if local_ok else 0.0], op=dist.ReduceOp.MIN)[0]
+        ok_min = self._dp_all_reduce([0.0 if reasons else 1.0], op=dist.ReduceOp.MIN)[0]
         compression = s_all / c_all if c_all else 1.0
-        if ok_min < 1 or compression < self.harts.min_compression:
-            if not getattr(self, "_fallback_logged", False):
-                self._fallback_logged = True
-                logger.warning(
-                    "harts: stock path (enable=%s tree_supported=%s temperature=%s "
-                    "multi_modal=%s fused=%s compression=%.3f min=%.3f)",
-                    self.harts.enable,
-                    self._tree_supported,
-                    temperature,
-                    _has_multi_modal(data),
-                    tu.get_non_tensor_data(data=data, key="use_fused_kernels", default=False),
-                    compression,
-                    self.harts.min_compression,
-                )
-            out = super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+        if ok_min < 1 and not reasons:
+            reasons["peer"] = "another data-parallel rank's batch cannot run in tree mode"
+        if compression < self.harts.min_compression:
+            reasons["compression"] = (
+                f"compression {compression:.3f} < harts.min_compression "
+                f"{self.harts.min_compression:.3f}"
+            )
+        if reasons:
+            self._log_fallback(reasons)
+            # veRL's batch loop calls ``self.forward_step``: make it the stock one.
+            self._stock_batch = True
+            try:
+                out = super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+            finally:
+                self._stock_batch = False
             out.setdefault("metrics", {})
             for k, v in {"fallback": 1.0, "compression": compression}.items():
                 out["metrics"][f"harts/{k}"] = [v]
@@ -524,9 +553,10 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         return loss, meta, stats
 
     def forward_step(self, micro_batch: TensorDict, loss_function, forward_only):
-        """One micro-batch in tree mode (the stock step when tree mode is unavailable)."""
+        """One micro-batch in tree mode; veRL's stock step inside a fallback batch, and for a
+        micro-batch that cannot run in tree mode (see ``_local_fallback_reasons``)."""
         temperature = _scalar_temperature(micro_batch)
-        if not (self.harts.enable and self._tree_supported and temperature is not None):
+        if self._stock_batch or self._local_fallback_reasons(micro_batch, temperature):
             return super().forward_step(micro_batch, loss_function, forward_only)
         loss, meta, _ = self._tree_forward_step(
             micro_batch,

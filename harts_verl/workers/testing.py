@@ -18,7 +18,9 @@ if TYPE_CHECKING:
     from tensordict import TensorDict
 
 __all__ = [
+    "TINY_IMAGE_TOKEN_ID",
     "TINY_KINDS",
+    "TINY_MULTIMODAL_KINDS",
     "actor_config",
     "build_engine",
     "dp_worker",
@@ -30,6 +32,12 @@ __all__ = [
 ]
 
 TINY_KINDS = ("qwen2", "qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "olmo_hybrid_nope")
+# The multi-modal Qwen3.5 wrappers (``Qwen3_5ForConditionalGeneration`` /
+# ``Qwen3_5MoeForConditionalGeneration``, model_type ``qwen3_5`` / ``qwen3_5_moe``): the text
+# model of the ``qwen3_5`` / ``qwen3_5_moe`` kind and a one-block vision tower.
+TINY_MULTIMODAL_KINDS = ("qwen3_5_mm", "qwen3_5_moe_mm")
+# Token ids of the tiny multi-modal configs (inside the default 64-token vocabulary).
+TINY_IMAGE_TOKEN_ID = 60
 
 # Shared by the hybrid kinds: 4 layers (linear, full, linear, full), GQA 4/2 heads of 8 (16
 # for Qwen3.5, whose multi-axis RoPE needs >= 3 frequencies), GatedDeltaNet 2 key / 4 value heads.
@@ -84,13 +92,64 @@ _QWEN3_5_ROPE = {
 }
 
 
+# One vision block of width 16 (2 heads), 2×2 patches of 2 frames × 3 channels (24 values a
+# patch), 2×2 patches merged into one token of the text width; a 4×4 table of position
+# embeddings (veRL's dummy image for text-only batches is a 4×4 grid).
+_TINY_VISION = dict(
+    depth=1,
+    hidden_size=16,
+    intermediate_size=32,
+    num_heads=2,
+    in_channels=3,
+    patch_size=2,
+    temporal_patch_size=2,
+    spatial_merge_size=2,
+    num_position_embeddings=16,
+    out_hidden_size=_HYBRID["hidden_size"],
+)
+
+
+def _multimodal_config(kind: str, vocab_size: int):
+    """The config of a multi-modal kind (see :func:`tiny_hf_config`)."""
+    import transformers
+
+    text_kind = kind.removesuffix("_mm")
+    text = tiny_hf_config(text_kind, vocab_size)
+    if vocab_size < TINY_IMAGE_TOKEN_ID + 4:
+        raise ValueError(
+            f"vocab_size: the multi-modal kinds need ids {TINY_IMAGE_TOKEN_ID}.."
+            f"{TINY_IMAGE_TOKEN_ID + 3} inside the vocabulary, got {vocab_size}"
+        )
+    cls = transformers.Qwen3_5Config if text_kind == "qwen3_5" else transformers.Qwen3_5MoeConfig
+    cfg = cls(
+        text_config=text.to_dict(),
+        vision_config=dict(_TINY_VISION),
+        image_token_id=TINY_IMAGE_TOKEN_ID,
+        video_token_id=TINY_IMAGE_TOKEN_ID + 1,
+        vision_start_token_id=TINY_IMAGE_TOKEN_ID + 2,
+        vision_end_token_id=TINY_IMAGE_TOKEN_ID + 3,
+        tie_word_embeddings=False,
+    )
+    for sub in (cfg, cfg.text_config, cfg.vision_config):
+        sub._attn_implementation = "sdpa"
+    if text_kind == "qwen3_5_moe":
+        for sub in (cfg, cfg.text_config):
+            sub._experts_implementation = "eager"
+    return cfg
+
+
 def tiny_hf_config(kind: str, vocab_size: int = 64):
     """A tiny transformers config of ``kind`` (``qwen2``, ``qwen3_next``, ``qwen3_5`` = the
     text-only Qwen3.5 causal LM, ``qwen3_5_moe`` = the text-only Qwen3.5-MoE causal LM,
-    ``olmo_hybrid`` = OLMo Hybrid with RoPE, ``olmo_hybrid_nope`` = OLMo Hybrid with NoPE), sdpa
-    attention, eager experts (float64-capable on CPU). Raises ``ValueError`` for another kind."""
+    ``olmo_hybrid`` = OLMo Hybrid with RoPE, ``olmo_hybrid_nope`` = OLMo Hybrid with NoPE,
+    ``qwen3_5_mm`` / ``qwen3_5_moe_mm`` = the multi-modal wrappers, whose text config is that of
+    ``qwen3_5`` / ``qwen3_5_moe`` and whose vision tower has one block; image token id
+    ``TINY_IMAGE_TOKEN_ID``, then video, vision start and vision end), sdpa attention, eager
+    experts (float64-capable on CPU). Raises ``ValueError`` for another kind."""
     import transformers
 
+    if kind in TINY_MULTIMODAL_KINDS:
+        return _multimodal_config(kind, vocab_size)
     if kind == "qwen2":
         cfg = transformers.Qwen2Config(
             vocab_size=vocab_size,
@@ -141,7 +200,9 @@ def tiny_hf_config(kind: str, vocab_size: int = 64):
             **_OLMO_HYBRID,
         )
     else:
-        raise ValueError(f"kind: expected one of {TINY_KINDS}, got {kind!r}")
+        raise ValueError(
+            f"kind: expected one of {TINY_KINDS + TINY_MULTIMODAL_KINDS}, got {kind!r}"
+        )
     cfg._attn_implementation = "sdpa"
     if kind in ("qwen3_next", "qwen3_5_moe"):
         cfg._experts_implementation = "eager"
@@ -149,10 +210,13 @@ def tiny_hf_config(kind: str, vocab_size: int = 64):
 
 
 def tiny_hf_model(kind: str, *, seed: int = 0, vocab_size: int = 64) -> torch.nn.Module:
-    """A randomly initialised (``torch.manual_seed(seed)``) fp32 tiny causal LM of ``kind``."""
+    """A randomly initialised (``torch.manual_seed(seed)``) fp32 tiny causal LM of ``kind`` (a
+    ``…ForConditionalGeneration`` for the multi-modal kinds)."""
     import transformers
 
     cls = {
+        "qwen3_5_mm": transformers.Qwen3_5ForConditionalGeneration,
+        "qwen3_5_moe_mm": transformers.Qwen3_5MoeForConditionalGeneration,
         "qwen2": transformers.Qwen2ForCausalLM,
         "qwen3_next": transformers.Qwen3NextForCausalLM,
         "qwen3_5": transformers.Qwen3_5ForCausalLM,
@@ -241,9 +305,16 @@ def actor_config(
     return FSDPActorConfig(strategy=strategy, **common)
 
 
-def build_engine(model_path: str, actor_cfg: Any, *, use_remove_padding: bool = True):
+def build_engine(
+    model_path: str,
+    actor_cfg: Any,
+    *,
+    use_remove_padding: bool = True,
+    gradient_checkpointing: bool = False,
+):
     """Build and initialise the engine of ``actor_cfg.strategy`` for the model at
-    ``model_path`` through veRL's ``EngineRegistry`` (as ``TrainingWorker`` does)."""
+    ``model_path`` through veRL's ``EngineRegistry`` (as ``TrainingWorker`` does);
+    ``gradient_checkpointing``: veRL's ``enable_gradient_checkpointing`` (HF's, non-reentrant)."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import HFModelConfig
     from verl.workers.engine import EngineRegistry
@@ -252,7 +323,7 @@ def build_engine(model_path: str, actor_cfg: Any, *, use_remove_padding: bool = 
         path=model_path,
         load_tokenizer=False,
         override_config={"attn_implementation": "sdpa"},
-        enable_gradient_checkpointing=False,
+        enable_gradient_checkpointing=gradient_checkpointing,
         use_remove_padding=use_remove_padding,
     )
     model_cfg.model_type = "language_model"
@@ -280,6 +351,7 @@ def make_batch(
     use_remove_padding: bool = True,
     global_batch_size: int | None = None,
     trajectory_ids: Sequence[int] | None = None,
+    multi_modal_inputs: Sequence[dict[str, Any] | None] | None = None,
 ) -> TensorDict:
     """A veRL engine batch (no-padding format) for trajectories ``sequences`` whose first
     ``prompt_lengths[i]`` tokens are prompt. ``tool_spans`` = (trajectory, start, end) ranges of
@@ -287,7 +359,10 @@ def make_batch(
     log-probs are deterministic pseudo-random values of (seed, trajectory id); ``trajectory_ids``
     (default 0..N−1) name the trajectories, so a rank's slice of a batch gets the same values. ``use_remove_padding=False`` makes
     the stock engine run padded rows instead of one packed row (needed for linear-attention
-    models without fla: HF's torch fallback would carry state across packed sequences)."""
+    models without fla: HF's torch fallback would carry state across packed sequences).
+    ``multi_modal_inputs``: per trajectory, the model's vision keywords (e.g. ``pixel_values``,
+    ``image_grid_thw``) or an empty dict / None for a text-only one, stored as veRL stores them
+    (a ``NonTensorStack`` under ``multi_modal_inputs``); position ids stay the text positions."""
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
 
@@ -325,6 +400,17 @@ def make_batch(
         },
         batch_size=n,
     )
+    if multi_modal_inputs is not None:
+        from tensordict import NonTensorData, NonTensorStack
+
+        if len(multi_modal_inputs) != n:
+            raise ValueError(
+                f"multi_modal_inputs: expected one entry per trajectory ({n}), got "
+                f"{len(multi_modal_inputs)}"
+            )
+        td["multi_modal_inputs"] = NonTensorStack.from_list(
+            [NonTensorData(item) for item in multi_modal_inputs]
+        )
     tu.assign_non_tensor(
         td,
         temperature=temperature,
