@@ -60,8 +60,11 @@ def check_plan(forest: RolloutForest, plan: MicrobatchPlan, cap: int, dp: int) -
         assert mb.trajectories.dtype == np.int64
         seen[mb.trajectories] += 1
         assert mb.compact_tokens == naive_work(forest, mb.trajectories)
-        if mb.trajectories.size > 1:
-            assert mb.compact_tokens <= cap
+        if mb.compact_tokens > cap:  # allowed only for copies of one oversize trajectory
+            first = forest.tokens_of(int(mb.trajectories[0]))
+            assert mb.compact_tokens == first.shape[0]
+            for i in mb.trajectories[1:]:
+                assert np.array_equal(forest.tokens_of(int(i)), first)
         # trajectories listed in leaf order
         pos = np.empty(n, dtype=np.int64)
         pos[forest.leaf_order] = np.arange(n)
@@ -480,9 +483,24 @@ def test_oversize_plans_cover_every_trajectory_once(forest, cap, dp, slack):
         forest, capacity_tokens=cap, dp_size=dp, work_slack=slack, allow_oversize=True
     )
     check_plan(forest, plan, cap, dp)
+    seqs = forest.sequences
     for mb in plan.microbatches:
-        if mb.compact_tokens > cap:
-            assert mb.trajectories.size == 1
+        if mb.compact_tokens > cap:  # only copies of one oversize trajectory
+            first = seqs[int(mb.trajectories[0])]
+            assert all(np.array_equal(seqs[int(i)], first) for i in mb.trajectories)
+            assert mb.compact_tokens == first.shape[0]
+
+
+def test_oversize_copies_share_one_microbatch():
+    """Identical copies of an oversize trajectory run together: they cost one copy."""
+    long_a, long_b = list(range(100, 110)), list(range(200, 208))
+    seqs = [long_a, [1, 2], long_b, long_a, [1, 3], long_a, long_b]
+    f = RolloutForest.from_sequences(seqs)
+    plan = plan_microbatches(f, capacity_tokens=5, allow_oversize=True, dp_size=2)
+    check_plan(f, plan, 5, 2)
+    groups = sorted(mb.trajectories.tolist() for mb in plan.microbatches if mb.compact_tokens > 5)
+    assert groups == [[0, 3, 5], [2, 6]]
+    assert plan.total_compact_tokens == 10 + 8 + naive_work(f, [1, 4])
 
 
 def test_work_slack_with_one_token_trajectories_and_capacity_one():

@@ -134,8 +134,8 @@ class MicrobatchPlan:
     """A microbatch / DP-replica / slot plan.
 
     Guarantees: every trajectory is in exactly one microbatch; every microbatch has at most
-    ``capacity_tokens`` compact rows (except a lone oversize trajectory with
-    ``allow_oversize=True``); every replica has exactly ``num_slots`` microbatches (padding ones
+    ``capacity_tokens`` compact rows (except one holding only copies of one oversize trajectory,
+    with ``allow_oversize=True``); every replica has exactly ``num_slots`` microbatches (padding ones
     are empty), one per slot; ``microbatches`` is ordered by (slot, replica).
 
     ``total_compact_tokens`` = Σ microbatch works; ``slot_critical_work`` = Σ over slots of the
@@ -1345,7 +1345,7 @@ def _oversize(forest: RolloutForest, cap: int, allow: bool) -> np.ndarray:
         more = f" (and {big.size - 1} more)" if big.size > 1 else ""
         raise ValueError(
             f"trajectory {i} has {int(forest.lengths[i])} tokens, more than capacity_tokens="
-            f"{cap}{more}; raise the capacity or pass allow_oversize=True to run it alone"
+            f"{cap}{more}; raise the capacity or pass allow_oversize=True to run it in a microbatch of its own"
         )
     return big
 
@@ -1361,7 +1361,8 @@ def plan_microbatches(
     """Plan microbatches, DP replicas and slots for ``forest`` (see the module docstring).
 
     Options: ``allow_oversize`` (default False: a trajectory longer than ``capacity_tokens``
-    raises ValueError naming it; True: it runs alone in its own microbatch); ``strategies``
+    raises ValueError naming it; True: it runs in its own microbatch, together with its
+    identical copies, which cost nothing more); ``strategies``
     (subset of ``natural``, ``contiguous``, ``tree``, ``greedy``, or one such name; default
     all); ``improve``
     (local search, default True); ``balance`` (balance moves, default True); ``work_slack``
@@ -1371,7 +1372,7 @@ def plan_microbatches(
     DP). An unknown option raises TypeError, an illegal value ValueError naming the option.
 
     Guarantees: each trajectory is in exactly one microbatch; no microbatch exceeds the
-    capacity (except a lone oversize trajectory when allowed); every replica gets the same
+    capacity (except the copies of one oversize trajectory, when allowed); every replica gets the same
     number of slots; the plan is a deterministic function of the inputs and ``seed``.
     """
     t0 = time.perf_counter()
@@ -1698,8 +1699,10 @@ def _build_plan(
     order = np.argsort(label, kind="stable")
     counts = np.bincount(label, minlength=k) if k else np.zeros(0, np.int64)
     groups = [lv.traj[g] for g in np.split(order, np.cumsum(counts)[:-1])] if k else []
-    groups += [np.asarray([i], dtype=np.int64) for i in big.tolist()]
-    works = np.concatenate([lv.works(label, k), forest.lengths[big]]).astype(np.int64)
+    big_groups = _oversize_groups(forest, big)
+    groups += big_groups
+    big_works = [int(forest.lengths[g[0]]) for g in big_groups]
+    works = np.concatenate([lv.works(label, k), big_works]).astype(np.int64)
     slot, replica, num_slots = place_microbatches(works, dp)
     table = {
         (int(s), int(r)): Microbatch(g.astype(np.int64), int(w), int(r), int(s))
@@ -1726,6 +1729,19 @@ def _build_plan(
         strategy=strategy,
         candidates=scores,
     )
+
+
+def _oversize_groups(forest: RolloutForest, big: np.ndarray) -> list[np.ndarray]:
+    """The oversize trajectories ``big`` grouped by token sequence (ascending first index): the
+    copies of one sequence share a microbatch, whose work is one copy's length."""
+    if big.size == 0:
+        return []
+    # A trajectory's last row determines its whole sequence (its path from the root).
+    last = forest.semantic_rows[forest.row_offsets[1:] - 1][big]
+    _, inverse = np.unique(last, return_inverse=True)
+    order = np.argsort(inverse, kind="stable")
+    parts = np.split(order, np.cumsum(np.bincount(inverse))[:-1])
+    return sorted((big[p].astype(np.int64) for p in parts), key=lambda g: int(g[0]))
 
 
 def _natural_full(
