@@ -66,7 +66,8 @@ def forest_statistics(
     **plan_options: Any,
 ) -> dict[str, Any]:
     """Statistics of ``forest`` as a JSON-ready dict; with ``capacity_tokens`` also the planned
-    microbatches (:func:`plan_microbatches`; an oversize trajectory and its copies get a microbatch of their own).
+    microbatches (:func:`plan_microbatches`; an oversize trajectory and its copies get a
+    microbatch of their own).
 
     Keys: ``summary`` (sizes, compression), ``trajectory_length`` (quantiles),
     ``depth_histogram`` (segments per trajectory path), ``branching_histogram`` (children per
