@@ -351,6 +351,22 @@ def test_runner_argument_validation():
             TreeRunner(model, **kwargs)
 
 
+def test_loss_independent_of_log_probs_gives_zero_gradients():
+    """A loss that does not read the log-probs (e.g. a constant) trains nothing: zero gradients
+    on the single-pass and on the multi-microbatch (non-separable) path, no error."""
+    model = _tiny_float64(16)
+    seqs = [[1, 2, 3, 5], [1, 2, 4], [7, 8, 9, 10]]
+    for cap in (None, 4):
+        model.zero_grad(set_to_none=True)
+        runner = TreeRunner(model, chunk_size=4, capacity_tokens=cap)
+        out = runner.forward_backward(
+            seqs, lambda lps: torch.tensor(1.5, dtype=torch.float64), include_aux_loss=False
+        )
+        assert out["loss"] == 1.5
+        for p in model.parameters():
+            assert p.grad is None or float(p.grad.abs().max()) == 0.0
+
+
 def test_loss_fn_must_return_a_scalar_tensor():
     model = _tiny_float64(15)
     seqs = [[1, 2, 3], [1, 2, 4]]

@@ -47,6 +47,13 @@ def _positive_int(name: str, value: Any, alternative: str = "") -> int:
     return int(value)
 
 
+def _backward(total: torch.Tensor) -> None:
+    """Backward of a step's loss; a loss that does not depend on the parameters (e.g. a
+    constant) leaves every gradient untouched instead of failing."""
+    if total.requires_grad:
+        total.backward()
+
+
 def _checked_loss(loss: Any) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         got = (
@@ -252,7 +259,7 @@ class _Runner:
                     w = sub.num_semantic_tokens / s_total
                     total = total + aux * w
                     aux_total += float(aux.detach()) * w
-                total.backward()
+                _backward(total)
                 loss_value += float(loss.detach())
         elif len(groups) == 1:
             sub = self._sub_forest(forest, groups[0])
@@ -263,7 +270,7 @@ class _Runner:
                 ordered[i] = lp[j]
             loss = _checked_loss(loss_fn(ordered))  # type: ignore[arg-type]
             total = loss + aux if include_aux_loss else loss
-            total.backward()
+            _backward(total)
             loss_value, aux_total = float(loss.detach()), float(aux.detach())
         else:
             detached: list[torch.Tensor | None] = [None] * n
@@ -273,7 +280,12 @@ class _Runner:
                     for j, i in enumerate(idx.tolist()):
                         detached[i] = lp[j].detach().requires_grad_(True)
             loss = _checked_loss(loss_fn(detached))  # type: ignore[arg-type]
-            grads = torch.autograd.grad(loss, detached, allow_unused=True)
+            # A loss that does not depend on the log-probs has no gradient to push back.
+            grads = (
+                torch.autograd.grad(loss, detached, allow_unused=True)
+                if loss.requires_grad
+                else (None,) * n
+            )
             for idx in groups:
                 sub = self._sub_forest(forest, idx)
                 compact += sub.num_compact_tokens
