@@ -86,6 +86,29 @@ def native_model_shape(cfg: Any) -> ModelShape:
     return ModelShape(dense, attn, lin)
 
 
+def _hf_gdn_layer(cfg: Any) -> tuple[float, float]:
+    """(row-wise FLOPs per token, chunkwise-kernel FLOPs per processed token) of one HF
+    GatedDeltaNet layer: q/k/v, z (output gate), a, b and output projections, depthwise q/k/v
+    convolutions, the chunk-64 delta rule."""
+    d = cfg.hidden_size
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    k, v = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    proj = d * (2 * hk * k + 2 * hv * v) + d * 2 * hv + hv * v * d
+    dense = 2.0 * proj + 2.0 * cfg.linear_conv_kernel_dim * (2 * hk * k + hv * v)
+    return dense, hv * (2.0 * 64 * (k + v) + 6.0 * k * v)
+
+
+def _hf_attention_layer(cfg: Any, *, output_gate: bool) -> tuple[float, float]:
+    """(projection FLOPs per token, softmax-attention FLOPs per (query, key) pair) of one HF
+    GQA attention layer; ``output_gate``: q_proj also yields a per-head gate (Qwen3-Next /
+    Qwen3.5)."""
+    d = cfg.hidden_size
+    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    hd = getattr(cfg, "head_dim", None) or d // hq
+    q_out = hq * hd * (2 if output_gate else 1)
+    return 2.0 * (d * q_out + 2 * d * hkv * hd + hq * hd * d), 2.0 * hq * 2 * hd
+
+
 def gated_hybrid_shape(cfg: Any) -> ModelShape:
     """Coefficients of a transformers Qwen3-Next (``Qwen3NextConfig``) or Qwen3.5 text model
     (``Qwen3_5TextConfig``, ``Qwen3_5MoeTextConfig``): GatedDeltaNet layers (Qwen3-Next fuses
@@ -102,16 +125,11 @@ def gated_hybrid_shape(cfg: Any) -> ModelShape:
     mlp_only = set(getattr(cfg, "mlp_only_layers", None) or ())
     for i, t in enumerate(cfg.layer_types):
         if t == "linear_attention":
-            hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-            k, v = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-            proj = d * (2 * hk * k + 2 * hv * v) + d * 2 * hv + hv * v * d
-            dense += 2.0 * proj + 2.0 * cfg.linear_conv_kernel_dim * (2 * hk * k + hv * v)
-            lin += hv * (2.0 * 64 * (k + v) + 6.0 * k * v)
+            dense_i, lin_i = _hf_gdn_layer(cfg)
+            dense, lin = dense + dense_i, lin + lin_i
         else:
-            hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-            hd = getattr(cfg, "head_dim", None) or d // hq
-            dense += 2.0 * (d * hq * hd * 2 + 2 * d * hkv * hd + hq * hd * d)
-            attn += 2.0 * hq * 2 * hd
+            dense_i, attn_i = _hf_attention_layer(cfg, output_gate=True)
+            dense, attn = dense + dense_i, attn + attn_i
         moe = num_experts > 0 and (i + 1) % step == 0 and i not in mlp_only
         if moe:
             dense += (
@@ -139,16 +157,11 @@ def olmo_hybrid_shape(cfg: Any) -> ModelShape:
     attn = lin = 0.0
     for t in cfg.layer_types:
         if t == "linear_attention":
-            hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-            k, v = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-            proj = d * (2 * hk * k + 2 * hv * v) + d * 2 * hv + hv * v * d
-            dense += 2.0 * proj + 2.0 * cfg.linear_conv_kernel_dim * (2 * hk * k + hv * v)
-            lin += hv * (2.0 * 64 * (k + v) + 6.0 * k * v)
+            dense_i, lin_i = _hf_gdn_layer(cfg)
+            dense, lin = dense + dense_i, lin + lin_i
         else:
-            hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-            hd = getattr(cfg, "head_dim", None) or d // hq
-            dense += 2.0 * (d * hq * hd + 2 * d * hkv * hd + hq * hd * d)
-            attn += 2.0 * hq * 2 * hd
+            dense_i, attn_i = _hf_attention_layer(cfg, output_gate=False)
+            dense, attn = dense + dense_i, attn + attn_i
         dense += 2.0 * 3 * d * cfg.intermediate_size
     return ModelShape(dense, attn, lin)
 
