@@ -191,6 +191,13 @@ def as_tree_model(model: nn.Module) -> nn.Module:
     )
 
 
+def _gdn_log_decay(module: nn.Module, a: torch.Tensor) -> torch.Tensor:
+    """An HF GatedDeltaNet's log decay ``g = -exp(A_log) · softplus(a + dt_bias)`` for ``a``
+    ``[1, C, HV]`` → ``[C, HV]``, computed in at least float32 (float64 stays float64)."""
+    ct = torch.promote_types(a.dtype, torch.float32)
+    return (-module.A_log.to(ct).exp() * F.softplus(a.to(ct) + module.dt_bias.to(ct)))[0]
+
+
 def _gdn_tree_forward(
     self,
     hidden_states: torch.Tensor,
@@ -220,9 +227,7 @@ def _gdn_tree_forward(
     k = k.reshape(c, self.num_k_heads, self.head_k_dim)
     v = v.reshape(c, self.num_v_heads, self.head_v_dim)
     beta = b.sigmoid()[0]
-    # The HF module's gate formula, computed in at least float32 (float64 stays float64).
-    ct = torch.promote_types(a.dtype, torch.float32)
-    g = (-self.A_log.to(ct).exp() * F.softplus(a.to(ct) + self.dt_bias.to(ct)))[0]
+    g = _gdn_log_decay(self, a)
     o = layout.linear_attention(q, k, v, g, beta, use_qk_l2norm=True)
     o = o.to(hidden_states.dtype)
     o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
@@ -341,10 +346,7 @@ def _olmo_gdn_tree_forward(
     beta = self.b_proj(hidden_states).sigmoid()[0]
     if self.allow_neg_eigval:
         beta = beta * 2.0
-    # The HF module's gate formula, computed in at least float32 (float64 stays float64).
-    a = self.a_proj(hidden_states)
-    ct = torch.promote_types(a.dtype, torch.float32)
-    g = (-self.A_log.to(ct).exp() * F.softplus(a.to(ct) + self.dt_bias.to(ct)))[0]
+    g = _gdn_log_decay(self, self.a_proj(hidden_states))
     o = layout.linear_attention(q, k, v, g, beta, use_qk_l2norm=True).to(hidden_states.dtype)
     gate = self.g_proj(hidden_states)
     o = self.o_norm(o.reshape(-1, self.head_v_dim), gate.reshape(-1, self.head_v_dim))
