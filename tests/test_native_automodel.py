@@ -9,7 +9,6 @@ grad_norm ≤ 1e-6 relative, parameters after one step ≤ 1e-6).
 
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
@@ -86,15 +85,9 @@ def test_automodel_round_trip(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def native_cpu(tmp_path_factory):
     pytest.importorskip("verl")
-    sys.modules["fla"] = None
-    os.environ["VERL_PLATFORM"] = "harts_cpu"
-    from harts_verl.workers.cpu_platform import install_cpu_platform
+    from _verl_cpu import verl_cpu_process
 
-    install_cpu_platform()
-    from harts_verl.workers import plugin, testing
-
-    assert plugin.register()
-    testing.init_process_group(port=29000 + os.getpid() % 2000)
+    testing = verl_cpu_process()
     return testing, _save_native(str(tmp_path_factory.mktemp("models") / "native"))
 
 

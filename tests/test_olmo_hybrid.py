@@ -17,7 +17,6 @@ kernel, float32 gate, norms and rotary table) ≤ 1.5e-6 (log-probs) and ≤ 4.5
 from __future__ import annotations
 
 import importlib
-import sys
 
 import numpy as np
 import pytest
@@ -42,18 +41,6 @@ from harts_verl.workers.testing import tiny_hf_model
 KINDS = ["olmo_hybrid", "olmo_hybrid_nope"]  # RoPE, beta in [0, 2], 2/4 heads; NoPE, [0, 1], 2/2
 VOCAB = 256
 HF_MODULE = "transformers.models.olmo_hybrid.modeling_olmo_hybrid"
-
-
-@pytest.fixture
-def no_fla(monkeypatch):
-    monkeypatch.setitem(sys.modules, "fla", None)
-
-
-@pytest.fixture
-def hf_float64(monkeypatch, no_fla):
-    from _hf_float64 import lift_float32_islands
-
-    lift_float32_islands(monkeypatch)
 
 
 def _model(kind: str, seed: int, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
@@ -353,19 +340,12 @@ def test_engine_parity_vs_stock_fsdp2(tmp_path):
     float32 this model's log-probs carry ≈ 4e-6 rounding against float64 on either path (HF's
     own forward 3.5e-6), above the 1e-6 of the Qwen tests."""
     pytest.importorskip("verl")
-    import os
 
-    sys.modules["fla"] = None  # as the other engine tests: no fla fast paths for the session
-    os.environ["VERL_PLATFORM"] = "harts_cpu"
-    from harts_verl.workers.cpu_platform import install_cpu_platform
+    from _verl_cpu import verl_cpu_process
 
-    install_cpu_platform()
+    testing = verl_cpu_process()
     import test_verl_engine as ve
 
-    from harts_verl.workers import plugin, testing
-
-    assert plugin.register()
-    testing.init_process_group(port=29000 + os.getpid() % 2000)
     path = testing.save_tiny_model("olmo_hybrid", str(tmp_path / "olmo_hybrid"), seed=3)
     data = ve.BATCHES["multiturn"](seed=len("olmo_hybrid") + len("multiturn"))
     ref = ve._run(testing, path, "fsdp2", data, loss_mode="vanilla", padded=True)

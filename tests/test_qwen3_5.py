@@ -8,8 +8,6 @@ RoPE) and dense FFNs (Qwen3.5) or an always-normalised top-k router (Qwen3.5-MoE
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 from test_runtime import _check_model, _forest_sequences, _hf_log_probs
@@ -23,18 +21,6 @@ from harts_verl.tree import RolloutForest
 from harts_verl.workers.testing import tiny_hf_model
 
 KINDS = ["qwen3_5", "qwen3_5_moe"]
-
-
-@pytest.fixture
-def no_fla(monkeypatch):
-    monkeypatch.setitem(sys.modules, "fla", None)
-
-
-@pytest.fixture
-def hf_float64(monkeypatch, no_fla):
-    from _hf_float64 import lift_float32_islands
-
-    lift_float32_islands(monkeypatch)
 
 
 @pytest.mark.parametrize("kind", KINDS)

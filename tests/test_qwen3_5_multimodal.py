@@ -23,7 +23,6 @@ float32 gate and kernel): log-probs ≤ 4.8e-7, asserted 1e-5.
 from __future__ import annotations
 
 import importlib
-import sys
 
 import numpy as np
 import pytest
@@ -43,11 +42,6 @@ _HF_MODULES = (
     "transformers.models.qwen3_5.modeling_qwen3_5",
     "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
 )
-
-
-@pytest.fixture
-def no_fla(monkeypatch):
-    monkeypatch.setitem(sys.modules, "fla", None)
 
 
 def _model(kind: str, seed: int, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
@@ -316,19 +310,12 @@ def verl_engine(monkeypatch):
     """CPU platform shim, a world-size-1 gloo group, veRL's class patches undone at teardown;
     returns (``harts_verl.workers.testing``, the ``test_verl_engine`` module)."""
     pytest.importorskip("verl")
-    import os
 
-    sys.modules["fla"] = None  # as the other engine tests: no fla fast paths for the session
-    os.environ["VERL_PLATFORM"] = "harts_cpu"
-    from harts_verl.workers.cpu_platform import install_cpu_platform
+    from _verl_cpu import verl_cpu_process
 
-    install_cpu_platform()
+    testing = verl_cpu_process()
     import test_verl_engine as ve
 
-    from harts_verl.workers import plugin, testing
-
-    assert plugin.register()
-    testing.init_process_group(port=29000 + os.getpid() % 2000)
     _restore_after_verl_patch(monkeypatch)  # both engines apply veRL's patch when built
     return testing, ve
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import pytest
 import torch
@@ -131,20 +129,6 @@ def test_bf16_logit_cosine():
     cos_exp = mean_cos(ExpandedRunner(bf_model, chunk_size=16).hidden_states(seqs))
     assert cos_tree >= 0.9999
     assert cos_tree >= cos_exp - 1e-5
-
-
-@pytest.fixture
-def no_fla(monkeypatch):
-    monkeypatch.setitem(sys.modules, "fla", None)
-
-
-@pytest.fixture
-def hf_float64(monkeypatch, no_fla):
-    """HF's float32 islands (norms, gated norm, router softmax) lifted to float64 (same
-    formulas), so the tree machinery is tested at float64 precision (``_hf_float64``)."""
-    from _hf_float64 import lift_float32_islands
-
-    lift_float32_islands(monkeypatch)
 
 
 def _tiny_qwen3_next():

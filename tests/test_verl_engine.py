@@ -10,8 +10,6 @@ without fla, HF's torch fallback would carry linear-attention state across packe
 
 from __future__ import annotations
 
-import os
-import sys
 from functools import partial
 
 import numpy as np
@@ -26,15 +24,9 @@ VOCAB = 64
 @pytest.fixture(scope="module")
 def verl_cpu(tmp_path_factory):
     """CPU platform shim + a world-size-1 gloo group + tiny saved models (once per module)."""
-    sys.modules["fla"] = None  # no fla fast paths (and no triton) in tests
-    os.environ["VERL_PLATFORM"] = "harts_cpu"
-    from harts_verl.workers.cpu_platform import install_cpu_platform
+    from _verl_cpu import verl_cpu_process
 
-    install_cpu_platform()
-    from harts_verl.workers import plugin, testing
-
-    assert plugin.register()
-    testing.init_process_group(port=29000 + os.getpid() % 2000)
+    testing = verl_cpu_process()
     root = tmp_path_factory.mktemp("models")
     paths = {k: testing.save_tiny_model(k, str(root / k), seed=3) for k in testing.TINY_KINDS}
     return testing, paths
