@@ -20,33 +20,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from _delta_rule_cases import delta_rule_inputs, err_ratio, per_trajectory
 
 from harts_verl.ops.layout import TreeLayout
-from harts_verl.ops.linear_attention import chunk_delta_rule_varlen, gdn_gate, kda_gate
+from harts_verl.ops.linear_attention import chunk_delta_rule_varlen
 from harts_verl.tree import RolloutForest
 
 TOL = 2e-5
 
 
-def err_ratio(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """fla's ``get_err_ratio``: rmse of the difference over rmse of the reference."""
-    x, ref = x.detach().double().flatten(), ref.detach().double().flatten()
-    return float((x - ref).square().mean().sqrt() / (ref.square().mean().sqrt() + 1e-12))
-
-
-def _inputs(t: int, kda: bool, *, h: int = 1, hv: int = 2, d: int = 16, seed: int = 0):
-    """Model-like float32 inputs: raw q/k, gates from the model's gate functions, beta logits."""
-    gen = torch.Generator().manual_seed(seed)
-    q, k = (torch.randn(t, h, d, generator=gen) for _ in range(2))
-    v = torch.randn(t, hv, d, generator=gen)
-    a_log = torch.log(torch.empty(hv).uniform_(1, 16, generator=gen))
-    if kda:
-        dt = torch.empty(hv * d).uniform_(-4, -2, generator=gen)
-        g = kda_gate(torch.randn(t, hv, d, generator=gen), a_log, dt)
-    else:
-        g = gdn_gate(torch.randn(t, hv, generator=gen), a_log, torch.ones(hv))
-    beta_logits = torch.randn(t, hv, generator=gen)
-    return q, k, v, g, beta_logits
+def _inputs(t: int, kda: bool, *, seed: int = 0):
+    """Tiny heads (1 key head, 2 value heads of 16): interpreted kernels are slow."""
+    return delta_rule_inputs(t, kda, h=1, hv=2, d=16, seed=seed)
 
 
 # ------------------------------------------------------------------------------ kernel vs reference
@@ -129,12 +114,6 @@ def _forest(chunk: int, seed: int = 0) -> RolloutForest:
     return RolloutForest.from_sequences(seqs)
 
 
-def _per_trajectory(forest: RolloutForest, x: torch.Tensor) -> torch.Tensor:
-    return x[
-        torch.as_tensor(np.concatenate([forest.rows_of(i) for i in range(forest.num_trajectories)]))
-    ]
-
-
 def _run_layout(layout: TreeLayout, inputs, seed: int):
     xs = [x.clone().requires_grad_(True) for x in inputs]
     o = layout.linear_attention(*xs, use_qk_l2norm=True)
@@ -183,7 +162,7 @@ def test_tree_vs_trajectories_on_fla(fla_kernel):
     o_exp = TreeLayout(expanded, chunk_size=chunk, linear_backend=kern).linear_attention(
         *(x.index_select(0, sem) for x in inputs), use_qk_l2norm=True
     )
-    a, b = _per_trajectory(forest, o_tree), _per_trajectory(expanded, o_exp)
+    a, b = per_trajectory(forest, o_tree), per_trajectory(expanded, o_exp)
     assert err_ratio(a, b) <= TOL
     assert float((a - b).abs().max()) <= 1e-4
 

@@ -14,10 +14,11 @@ import os
 import numpy as np
 import pytest
 import torch
+from _delta_rule_cases import delta_rule_inputs, err_ratio, per_trajectory
 
 from harts_verl.ops import backends
 from harts_verl.ops.layout import TreeLayout
-from harts_verl.ops.linear_attention import chunk_delta_rule_varlen, gdn_gate, kda_gate
+from harts_verl.ops.linear_attention import chunk_delta_rule_varlen
 from harts_verl.ops.tree_attention import build_attention_plan, tree_attention
 from harts_verl.tree import RolloutForest
 
@@ -36,12 +37,6 @@ def _need(kind: str, name: str, device: torch.device):
         if REQUIRE_FAST:
             pytest.fail(f"required fast backend missing: {exc}")
         pytest.skip(str(exc))
-
-
-def err_ratio(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """fla's ``get_err_ratio``: rmse of the difference over rmse of the reference."""
-    x, ref = x.detach().double().flatten(), ref.detach().double().flatten()
-    return float((x - ref).square().mean().sqrt() / (ref.square().mean().sqrt() + 1e-12))
 
 
 def mean_cos(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -71,26 +66,16 @@ def _forest(seed: int = 0, chunk: int = 64, scale: int = 1) -> RolloutForest:
 
 
 def _linear_inputs(t: int, kda: bool, dtype: torch.dtype, device, seed: int = 0):
-    """Model-like inputs: q/k raw (l2-normalised in the kernel), gates from the model's gate
-    functions, beta post-sigmoid (float32, as the mixers produce it)."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    h, hv, kd, vd = 2, 4, 64, 64
-    q = torch.randn(t, h, kd, generator=gen)
-    k = torch.randn(t, h, kd, generator=gen)
-    v = torch.randn(t, hv, vd, generator=gen)
-    a_log = torch.log(torch.empty(hv).uniform_(1, 16, generator=gen))
-    if kda:
-        dt = torch.empty(hv * kd).uniform_(-4, -2, generator=gen)
-        g = kda_gate(torch.randn(t, hv, kd, generator=gen), a_log, dt)
-    else:
-        g = gdn_gate(torch.randn(t, hv, generator=gen), a_log, torch.ones(hv))
-    beta = torch.sigmoid(torch.randn(t, hv, generator=gen))
+    """Model-like inputs (2 key heads, 4 value heads of 64): q/k raw (l2-normalised in the
+    kernel), gates from the model's gate functions, beta post-sigmoid (float32, as the mixers
+    produce it); q/k/v in ``dtype``."""
+    q, k, v, g, beta_logits = delta_rule_inputs(t, kda, h=2, hv=4, d=64, seed=seed)
     return (
         q.to(device, dtype),
         k.to(device, dtype),
         v.to(device, dtype),
         g.to(device),
-        beta.to(device),
+        torch.sigmoid(beta_logits).to(device),
     )
 
 
@@ -180,11 +165,6 @@ def test_varlen_attention_vs_sdpa(cuda, report, name, hq, hkv, dqk, dv):
 
 
 # ------------------------------------------------------------------------------ tree vs trajectories
-def _per_trajectory(forest: RolloutForest, x: torch.Tensor) -> torch.Tensor:
-    rows = np.concatenate([forest.rows_of(i) for i in range(forest.num_trajectories)])
-    return x[torch.as_tensor(rows, device=x.device)]
-
-
 def _compare(report, key, tree_sem: torch.Tensor, exp_sem: torch.Tensor) -> None:
     bitwise = bool(torch.equal(tree_sem, exp_sem))
     cos = mean_cos(tree_sem, exp_sem)
@@ -215,8 +195,8 @@ def test_tree_vs_trajectories_linear(cuda, report, kda):
     _compare(
         report,
         f"tree_vs_traj_linear_{'kda' if kda else 'gdn'}",
-        _per_trajectory(forest, o_tree),
-        _per_trajectory(expanded, o_exp),
+        per_trajectory(forest, o_tree),
+        per_trajectory(expanded, o_exp),
     )
 
 
@@ -239,8 +219,8 @@ def test_tree_vs_trajectories_attention(cuda, report):
     _compare(
         report,
         f"tree_vs_traj_attention_{kern.name}",
-        _per_trajectory(forest, o_tree),
-        _per_trajectory(expanded, o_exp),
+        per_trajectory(forest, o_tree),
+        per_trajectory(expanded, o_exp),
     )
 
 
