@@ -33,7 +33,14 @@ def _save_native(path: str) -> str:
 
 @pytest.mark.parametrize(
     "kind,layers",
-    [("qwen2", 2), ("qwen3_5", 4), ("qwen3_5_moe", 4), ("harts_hybrid", 4)],
+    [
+        ("qwen2", 2),
+        ("qwen3_5", 4),
+        ("qwen3_5_moe", 4),
+        ("harts_hybrid", 4),
+        ("deepseek_v3", 2),
+        ("qwen3_moe", 2),
+    ],
 )
 @pytest.mark.parametrize("source", ["weights", "config"])
 def test_check_reports_fidelity(tmp_path, capsys, monkeypatch, kind, layers, source):
@@ -76,20 +83,26 @@ def test_cli_check_on_native_config_in_a_fresh_process(tmp_path):
 
 def _param_flops(model: torch.nn.Module) -> float:
     """2 x the weights a token multiplies (linears, convolutions, routers, its share of the
-    routed experts): the per-token forward FLOPs counted from the module tree."""
-    cfg = model.config
+    routed experts): the per-token forward FLOPs counted from the module tree. Routers:
+    ``…TopKRouter`` / ``…TopkRouter``; stacked routed experts: ``…Experts`` / ``…NaiveMoe``
+    (their own parameters, each with one leading row per expert)."""
+    top_k = getattr(model.config, "num_experts_per_tok", 0)
     total = 0.0
     for m in model.modules():
         name = type(m).__name__
-        if isinstance(m, torch.nn.Linear | torch.nn.Conv1d) or name.endswith("TopKRouter"):
+        if isinstance(m, torch.nn.Linear | torch.nn.Conv1d) or name.lower().endswith("topkrouter"):
             total += m.weight.numel()
-        elif name.endswith("Experts"):
-            own = sum(p.numel() for p in m.parameters(recurse=False))
-            total += own * cfg.num_experts_per_tok / cfg.num_experts
+        elif name.endswith(("Experts", "NaiveMoe")):
+            own = list(m.parameters(recurse=False))
+            total += sum(p.numel() for p in own) * top_k / own[0].shape[0]
     return 2.0 * total
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3_next", "qwen3_5", "qwen3_5_moe"])
+_FLOP_KINDS = ("qwen2", "qwen3_next", "qwen3_5", "qwen3_5_moe", "llama", "qwen3", "mistral")
+_FLOP_MOE_KINDS = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe")
+
+
+@pytest.mark.parametrize("kind", _FLOP_KINDS + _FLOP_MOE_KINDS)
 def test_flop_model_matches_the_module_tree(kind, monkeypatch):
     monkeypatch.setitem(sys.modules, "fla", None)
     from harts_verl.runtime.flops import model_shape
@@ -99,11 +112,15 @@ def test_flop_model_matches_the_module_tree(kind, monkeypatch):
     shape = model_shape(model.config)
     assert shape.dense_per_token == pytest.approx(_param_flops(model), rel=1e-12)
     cfg = model.config
-    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     n_full = sum(t == "full_attention" for t in getattr(cfg, "layer_types", None) or [])
     n_full = n_full or cfg.num_hidden_layers
-    assert shape.attention_per_pair == 4.0 * cfg.num_attention_heads * hd * n_full
-    assert (shape.linear_per_token > 0) == (kind != "qwen2")
+    h = cfg.num_attention_heads
+    if kind == "deepseek_v3":  # MLA: q·k over nope + rope dims, p·v over v_head_dim
+        per_layer = 2.0 * h * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
+    else:
+        per_layer = 4.0 * h * (getattr(cfg, "head_dim", None) or cfg.hidden_size // h)
+    assert shape.attention_per_pair == per_layer * n_full
+    assert (shape.linear_per_token > 0) == (kind in ("qwen3_next", "qwen3_5", "qwen3_5_moe"))
 
 
 def test_flop_model_dispatch(monkeypatch):

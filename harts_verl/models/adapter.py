@@ -2,10 +2,12 @@
 
 Only the token mixers become tree-aware: the instance ``forward`` of each GatedDeltaNet and
 attention module of Qwen3-Next / Qwen3.5 / Qwen3.5-MoE (gated attention), OLMo Hybrid (plain
-GQA attention, RoPE or NoPE) and of the plain attention of Qwen2 / Qwen3 / Llama is wrapped so
-that, in a tree-mode forward, it runs the tree ops (short conv over each row's path, chunkwise
-gated delta rule over the planned rounds, tree attention); outside one the original forward runs
-untouched. Embeddings, norms, MLP / MoE, rotary tables and the LM head are HF's own code on the
+GQA attention, RoPE or NoPE) is wrapped so that, in a tree-mode forward, it runs the tree ops
+(short conv over each row's path, chunkwise gated delta rule over the planned rounds, tree
+attention); outside one the original forward runs untouched. The attention modules of the
+full-attention models (Qwen2 / Qwen3 / Llama / Mistral, Qwen2-MoE / Qwen3-MoE / Mixtral,
+DeepSeek-V3's MLA, GLM-4-MoE) run their own forward in tree mode, with transformers' attention
+interface pointed at tree attention (:func:`tree_attention_interface`). Embeddings, norms, MLP / MoE, rotary tables and the LM head are HF's own code on the
 ``[1, C, D]`` compact batch. Parameter names and the state dict are unchanged.
 
 A mixer takes its :class:`TreeLayout` from the ``harts_layout`` keyword or, when a decoder layer
@@ -146,10 +148,38 @@ _HYBRID_TEXT_MODEL_CLASSES = (
     "OlmoHybridModel",
 )
 
-# Plain full-attention HF causal LMs whose attention modules :func:`_full_attn_tree_forward`
-# reproduces (q/k/v projections, optional per-head q/k norm, RoPE, o_proj).
-FULL_ATTENTION_MODEL_TYPES = ("qwen2", "qwen3", "llama")
-_FULL_ATTENTION_CLASSES = ("Qwen2Attention", "Qwen3Attention", "LlamaAttention")
+# Full-attention HF causal LMs (dense or MoE; GQA, or MLA for DeepSeek-V3) whose attention modules
+# compute q/k/v with their own code and call transformers' attention interface, which
+# :func:`_interface_attn_tree_forward` points at tree attention. A model type is listed only once
+# its tree forward is tested against HF's own per-trajectory forward in float64
+# (``tests/test_full_attention_models.py``): the tree path runs embeddings → decoder layers →
+# final norm → LM head, so a family that scales embeddings or logits outside these modules
+# (Gemma, Granite, Cohere) needs its own adapter.
+FULL_ATTENTION_MODEL_TYPES = (
+    "qwen2",
+    "qwen3",
+    "llama",
+    "mistral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "mixtral",
+    "deepseek_v3",
+    "glm4_moe",
+)
+_FULL_ATTENTION_CLASSES = (
+    "Qwen2Attention",
+    "Qwen3Attention",
+    "LlamaAttention",
+    "MistralAttention",
+    "Qwen2MoeAttention",
+    "Qwen3MoeAttention",
+    "MixtralAttention",
+    "DeepseekV3Attention",
+    "Glm4MoeAttention",
+)
+# Softmax top-k routers whose load-balancing loss HF computes from the router logits
+# (``output_router_logits``); DeepSeek-V3 / GLM-4-MoE route by sigmoid scores without one.
+_FULL_ATTENTION_ROUTER_CLASSES = ("Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter", "MixtralTopKRouter")
 
 # Model types that run in tree mode (``harts_hybrid``: the native model through its HF wrapper).
 TREE_MODEL_TYPES = HYBRID_MODEL_TYPES + FULL_ATTENTION_MODEL_TYPES + ("harts_hybrid",)
@@ -171,7 +201,8 @@ def _is_hybrid(model: nn.Module) -> bool:
 def as_tree_model(model: nn.Module) -> nn.Module:
     """Return a module with the tree interface ``forward(input_ids [C], layout) -> (hidden [C, D],
     aux_loss)`` and an ``lm_head``: the native model as is, HF Qwen3-Next / Qwen3.5 /
-    Qwen3.5-MoE / OLMo Hybrid through :class:`HybridTreeModel`, Qwen2/Qwen3/Llama through
+    Qwen3.5-MoE / OLMo Hybrid through :class:`HybridTreeModel`, the full-attention models of
+    :data:`FULL_ATTENTION_MODEL_TYPES` through
     :class:`HFCausalTreeModel`. Raises ``TypeError`` for any other model."""
     from harts_verl.models.hybrid import HybridForCausalLM
 
@@ -187,7 +218,7 @@ def as_tree_model(model: nn.Module) -> nn.Module:
     raise TypeError(
         f"model: {type(model).__name__} is not supported in tree mode "
         "(supported: HybridForCausalLM, transformers Qwen3-Next / Qwen3.5 / Qwen3.5-MoE / "
-        "OLMo Hybrid, Qwen2/Qwen3/Llama ForCausalLM)"
+        f"OLMo Hybrid, and the causal LMs of {', '.join(FULL_ATTENTION_MODEL_TYPES)})"
     )
 
 
@@ -260,32 +291,99 @@ def _attn_tree_forward(
     return self.o_proj(o), None
 
 
-def _full_attn_tree_forward(
-    self, *args: Any, harts_layout: TreeLayout | None = None, **kwargs: Any
+# Name under which :func:`tree_attention_interface` is registered in transformers'
+# ``AttentionInterface``; a wrapped attention module's config names it only while the module runs
+# in tree mode (see :func:`_interface_attn_tree_forward`).
+TREE_ATTENTION = "harts_tree"
+
+# Keywords of transformers' attention interface that change what attention computes and that tree
+# attention does not implement (logit soft-capping, attention sinks).
+_UNSUPPORTED_ATTENTION_KWARGS = ("softcap", "s_aux", "sinks")
+
+
+def tree_attention_interface(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any = None,
+    *,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    harts_layout: TreeLayout | None = None,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Tree mode of a Qwen2/Qwen3/Llama attention module: the module's own projections,
-    q/k norms and RoPE on the compact rows, softmax attention over each row's ancestors."""
+    """transformers attention-interface function for tree mode: softmax attention of each compact
+    row over its ancestors and itself (the layout's ancestor structure replaces the causal mask,
+    which is ignored). query ``[1, Hq, C, Dk]``, key ``[1, Hkv, C, Dk]``, value
+    ``[1, Hkv, C, Dv]`` (Hq a multiple of Hkv, query head h reads key/value head
+    ``h // (Hq / Hkv)``) → (``[1, C, Hq, Dv]`` in the query dtype, None). The layout is
+    ``harts_layout``, else that of the enclosing :func:`tree_call`.
+
+    Raises ``NotImplementedError`` for attention dropout, logit soft-capping, attention sinks, a
+    non-causal module, or a sliding window shorter than a trajectory of the layout (a window at
+    least as long as every trajectory changes nothing and is accepted)."""
+    layout = harts_layout if harts_layout is not None else current_tree_layout()
+    name = type(module).__name__
+    if layout is None:
+        raise RuntimeError(f"{name}: the {TREE_ATTENTION!r} attention runs only in a tree call")
+    if dropout:
+        raise NotImplementedError(f"{name}: attention dropout ({dropout}) in tree mode")
+    for kw in _UNSUPPORTED_ATTENTION_KWARGS:
+        if kwargs.get(kw) is not None:
+            raise NotImplementedError(f"{name}: {kw!r} attention is not supported in tree mode")
+    if not getattr(module, "is_causal", True):
+        raise NotImplementedError(f"{name}: non-causal attention has no tree form")
+    if sliding_window is not None:
+        longest = int(layout.forest.depth.max()) + 1 if layout.forest.num_compact_tokens else 0
+        if longest > int(sliding_window):
+            raise NotImplementedError(
+                f"{name}: sliding-window attention (window {int(sliding_window)}) over a "
+                f"trajectory of {longest} tokens is not supported in tree mode"
+            )
+    for t, what in ((query, "query"), (key, "key"), (value, "value")):
+        if t.dim() != 4 or t.shape[0] != 1:
+            raise ValueError(
+                f"{what}: {name} in tree mode expects [1, H, C, D], got {tuple(t.shape)}"
+            )
+    o = layout.attention(
+        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), scale=scaling
+    )
+    return o[None], None
+
+
+def _register_tree_attention() -> None:
+    """Register :func:`tree_attention_interface` as ``harts_tree`` in transformers (once)."""
+    from transformers import AttentionInterface
+
+    if AttentionInterface._global_mapping.get(TREE_ATTENTION) is not tree_attention_interface:
+        AttentionInterface.register(TREE_ATTENTION, tree_attention_interface)
+
+
+def _interface_attn_tree_forward(
+    self, *args: Any, harts_layout: TreeLayout | None = None, **kwargs: Any
+) -> Any:
+    """Tree mode of an HF attention module that computes its q/k/v with its own code (projections,
+    q/k norms, RoPE, MLA's low-rank paths) and then calls transformers' attention interface: the
+    module's own forward runs with its config naming :data:`TREE_ATTENTION` for the duration of
+    the call (restored after), and ``harts_layout`` travels with the interface keywords.
+    hidden_states ``[1, C, D]``; tree mode keeps no cache."""
     layout = _tree_layout(self, harts_layout)
     if layout is None:
         return _original(self)(*args, **kwargs)
-    names = ("hidden_states", "position_embeddings")
-    vals = list(args[:2]) + [kwargs.get(n) for n in names[len(args[:2]) :]]
-    hidden_states, position_embeddings = vals
-    if getattr(self, "sliding_window", None):
-        raise NotImplementedError(
-            f"{type(self).__name__}: sliding-window attention is not supported in tree mode"
-        )
-    rope = sys.modules[type(self).__module__].apply_rotary_pos_emb
-    c = hidden_states.shape[1]
-    q = self.q_proj(hidden_states).view(1, c, -1, self.head_dim)
-    k = self.k_proj(hidden_states).view(1, c, -1, self.head_dim)
-    v = self.v_proj(hidden_states).view(1, c, -1, self.head_dim)
-    if getattr(self, "q_norm", None) is not None:
-        q, k = self.q_norm(q), self.k_norm(k)
-    cos, sin = position_embeddings
-    q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-    o = layout.attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0], scale=self.scaling)
-    return self.o_proj(o.reshape(1, c, -1)), None
+    names = ("hidden_states", "position_embeddings", "attention_mask", "past_key_values")
+    hidden_states, _, _, past_key_values = _bind(args, kwargs, names)
+    _compact_batch(self, hidden_states)
+    if past_key_values is not None:
+        raise ValueError("past_key_values: tree mode keeps no cache (call with use_cache=False)")
+    config = self.config
+    saved = config._attn_implementation_internal
+    config._attn_implementation_internal = TREE_ATTENTION
+    try:
+        return _original(self)(*args, harts_layout=layout, **kwargs)
+    finally:
+        config._attn_implementation_internal = saved
 
 
 def _bind(args: tuple[Any, ...], kwargs: dict[str, Any], names: tuple[str, ...]) -> list[Any]:
@@ -399,9 +497,12 @@ def _layout_scope_forward(
         return _original(self)(*args, **kwargs)
 
 
-# A 1-element 4D boolean tensor: HF's ``create_causal_mask`` returns a 4D mask as is, and
-# ``_update_linear_attn_mask`` maps an all-ones mask to None. Tree-mode mixers ignore masks.
-def _no_mask(device: torch.device) -> torch.Tensor:
+def tree_mode_attention_mask(device: torch.device | str | None = None) -> torch.Tensor:
+    """The ``attention_mask`` an HF model's own forward takes in tree mode: a 1-element 4D
+    boolean tensor. transformers' mask builders (``create_causal_mask``, the sliding-window one)
+    return a 4D mask as is, and ``_update_linear_attn_mask`` maps an all-ones mask to None, so
+    no ``[C, C]`` mask is built from the (non-monotone) row depths; tree-mode mixers ignore
+    masks (the layout gives each row its ancestors)."""
     return torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
 
 
@@ -417,7 +518,7 @@ def _hybrid_text_model_tree_forward(
         return getattr(self, _PATCHED)(*args, **kwargs)
     if len(args) > 1 or kwargs.get("attention_mask") is not None:
         raise ValueError("harts_layout: tree mode takes no attention_mask")
-    kwargs["attention_mask"] = _no_mask(layout.token_ids.device)
+    kwargs["attention_mask"] = tree_mode_attention_mask(layout.token_ids.device)
     with tree_call(layout):
         return getattr(self, _PATCHED)(*args, harts_layout=layout, **kwargs)
 
@@ -438,7 +539,8 @@ def patch_tree_mixers(model: nn.Module) -> int:
         elif _is_hf_class(mod, _GATED_ATTENTION_CLASSES):
             _patch(mod, _attn_tree_forward)
         elif _is_hf_class(mod, _FULL_ATTENTION_CLASSES):
-            _patch(mod, _full_attn_tree_forward)
+            _register_tree_attention()
+            _patch(mod, _interface_attn_tree_forward)
         elif _is_hf_class(mod, _OLMO_GDN_CLASSES):
             _patch(mod, _olmo_gdn_tree_forward)
         elif _is_hf_class(mod, _OLMO_ATTENTION_CLASSES):
@@ -499,9 +601,13 @@ def _tree_decoder_forward(
     return base.norm(h)[0]
 
 
-class HybridTreeModel(nn.Module):
-    """Tree-mode view of a transformers Qwen3-Next / Qwen3.5 / Qwen3.5-MoE / OLMo Hybrid causal
-    LM (weights shared, not copied)."""
+class _HFTreeModel(nn.Module):
+    """Tree-mode view of an HF causal LM (weights shared, not copied): embeddings → decoder
+    layers with ``position_ids`` = row depth and tree-aware token mixers → final norm. Router
+    load-balancing loss (``config.output_router_logits``) from the router classes ``routers``,
+    each row weighted by its multiplicity, so it equals the trajectory-wise value."""
+
+    routers: tuple[str, ...] = ()
 
     def __init__(self, hf_model: nn.Module) -> None:
         super().__init__()
@@ -511,7 +617,7 @@ class HybridTreeModel(nn.Module):
         self.gradient_checkpointing = False
         if patch_tree_mixers(hf_model) == 0:
             raise TypeError(f"model: {type(hf_model).__name__} has no supported token mixer")
-        self._routers = [m for m in hf_model.modules() if _is_hf_class(m, _ROUTER_CLASSES)]
+        self._routers = [m for m in hf_model.modules() if _is_hf_class(m, self.routers)]
 
     @property
     def lm_head(self) -> nn.Linear:
@@ -522,11 +628,12 @@ class HybridTreeModel(nn.Module):
 
         cfg = self.config
         cat = torch.cat(logits, dim=0)
-        norm = getattr(cfg, "norm_topk_prob", True)  # Qwen3.5-MoE always normalizes
+        norm = getattr(cfg, "norm_topk_prob", True)  # Qwen3.5-MoE / Mixtral always normalize
+        n_experts = getattr(cfg, "num_experts", None) or cfg.num_local_experts
         route = softmax_topk_route(cat, cfg.num_experts_per_tok, norm_topk_prob=norm)
         w = layout.row_weights(route.probs.dtype).repeat(len(logits))
         loss = load_balancing_loss(
-            route.probs, route.experts, cfg.num_experts, cfg.num_experts_per_tok, weights=w
+            route.probs, route.experts, n_experts, cfg.num_experts_per_tok, weights=w
         )
         return loss * cfg.router_aux_loss_coef
 
@@ -554,25 +661,16 @@ class HybridTreeModel(nn.Module):
         return h, aux
 
 
-class HFCausalTreeModel(nn.Module):
-    """Tree-mode view of a plain full-attention HF causal LM (Qwen2, Qwen3, Llama): embeddings
-    → decoder layers with ``position_ids`` = row depth and tree attention → final norm."""
+class HybridTreeModel(_HFTreeModel):
+    """Tree-mode view of a transformers Qwen3-Next / Qwen3.5 / Qwen3.5-MoE / OLMo Hybrid causal
+    LM (weights shared, not copied)."""
 
-    def __init__(self, hf_model: nn.Module) -> None:
-        super().__init__()
-        self.hf = hf_model
-        self.config = hf_model.config
-        self.gradient_checkpointing = False
-        if patch_tree_mixers(hf_model) == 0:
-            raise TypeError(f"model: {type(hf_model).__name__} has no supported attention module")
+    routers = _ROUTER_CLASSES
 
-    @property
-    def lm_head(self) -> nn.Linear:
-        return self.hf.lm_head
 
-    def forward(
-        self, input_ids: torch.Tensor, layout: TreeLayout
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """input_ids ``[C]`` → (final hidden ``[C, D]``, zero aux loss)."""
-        h = _tree_decoder_forward(self, self.hf.model, input_ids, layout)
-        return h, h.new_zeros(())
+class HFCausalTreeModel(_HFTreeModel):
+    """Tree-mode view of a full-attention HF causal LM of :data:`FULL_ATTENTION_MODEL_TYPES`
+    (Qwen2 / Qwen3 / Llama / Mistral, the MoE Qwen2-MoE / Qwen3-MoE / Mixtral, DeepSeek-V3 with
+    MLA, GLM-4-MoE)."""
+
+    routers = _FULL_ATTENTION_ROUTER_CLASSES

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from harts_verl.models.adapter import FULL_ATTENTION_MODEL_TYPES
 from harts_verl.tree import RolloutForest
 
 __all__ = [
@@ -63,13 +64,8 @@ def native_model_shape(cfg: Any) -> ModelShape:
             b = cfg.chunk_size
             lin += hv * (2.0 * b * (k + v) + 6.0 * k * v)
         elif t == "mla":
-            h = cfg.num_attention_heads
-            qd = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-            q = d * cfg.q_lora_rank + cfg.q_lora_rank * h * qd if cfg.q_lora_rank else d * h * qd
-            kv = d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-            kv += cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-            dense += 2.0 * (q + kv + h * cfg.v_head_dim * d)
-            attn += 2.0 * h * (qd + cfg.v_head_dim)
+            dense_i, attn_i = _mla_attention_layer(cfg)
+            dense, attn = dense + dense_i, attn + attn_i
         else:  # gqa
             hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
             dense += 2.0 * (
@@ -103,10 +99,56 @@ def _hf_attention_layer(cfg: Any, *, output_gate: bool) -> tuple[float, float]:
     GQA attention layer; ``output_gate``: q_proj also yields a per-head gate (Qwen3-Next /
     Qwen3.5)."""
     d = cfg.hidden_size
-    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    hq = cfg.num_attention_heads
+    hkv = getattr(cfg, "num_key_value_heads", None) or hq
     hd = getattr(cfg, "head_dim", None) or d // hq
     q_out = hq * hd * (2 if output_gate else 1)
     return 2.0 * (d * q_out + 2 * d * hkv * hd + hq * hd * d), 2.0 * hq * 2 * hd
+
+
+def _mla_attention_layer(cfg: Any) -> tuple[float, float]:
+    """(projection FLOPs per token, softmax-attention FLOPs per (query, key) pair) of one
+    multi-head latent attention layer (DeepSeek-V3, native ``mla``): q through the
+    ``q_lora_rank`` bottleneck (``q_a_proj``, ``q_b_proj``; one ``q_proj`` without it), the
+    joint kv latent plus the shared rope key (``kv_a_proj_with_mqa``), per-head no-rope keys
+    and values from the latent (``kv_b_proj``), ``o_proj``; per pair, q·k over
+    ``qk_nope_head_dim + qk_rope_head_dim`` and p·v over ``v_head_dim``."""
+    d, h, r = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank
+    qk, v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    q = d * cfg.q_lora_rank + cfg.q_lora_rank * h * qk if cfg.q_lora_rank else d * h * qk
+    kv = d * (r + cfg.qk_rope_head_dim) + r * h * (cfg.qk_nope_head_dim + v)
+    return 2.0 * (q + kv + h * v * d), 2.0 * h * (qk + v)
+
+
+def _ffn_layer(cfg: Any, i: int) -> float:
+    """Row-wise FLOPs per token of layer ``i``'s feed-forward block in an HF model: a gated MLP
+    of ``intermediate_size``, or a sparse MoE block: the router (one weight row per routed
+    expert), ``num_experts_per_tok`` gated experts (``moe_intermediate_size`` wide; Mixtral's
+    ``intermediate_size``), and in full any shared expert: Qwen2-MoE / Qwen3-Next / Qwen3.5-MoE's
+    ``shared_expert_intermediate_size`` wide one and its sigmoid gate, DeepSeek-V3 / GLM-4-MoE's
+    ``n_shared_experts`` fused into one ``n_shared_experts × moe_intermediate_size`` wide MLP.
+    Sparse layers: with ``first_k_dense_replace`` (DeepSeek-V3, GLM-4-MoE) those from that index
+    on, else those with ``(i + 1) % decoder_sparse_step == 0`` not in ``mlp_only_layers``
+    (every layer where the config has neither, e.g. Mixtral)."""
+    d = cfg.hidden_size
+    num_experts = 0
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        num_experts = num_experts or int(getattr(cfg, key, 0) or 0)
+    first_dense = getattr(cfg, "first_k_dense_replace", None)
+    if first_dense is not None:
+        sparse = i >= first_dense
+    else:
+        step = getattr(cfg, "decoder_sparse_step", None) or 1
+        sparse = (i + 1) % step == 0 and i not in (getattr(cfg, "mlp_only_layers", None) or ())
+    if not (num_experts and sparse):
+        return 2.0 * 3 * d * cfg.intermediate_size
+    width = cfg.intermediate_size if cfg.model_type == "mixtral" else cfg.moe_intermediate_size
+    flops = d * num_experts + 3 * d * width * cfg.num_experts_per_tok
+    shared = getattr(cfg, "shared_expert_intermediate_size", None)
+    if shared is not None:
+        flops += 3 * d * shared + d
+    flops += 3 * d * cfg.moe_intermediate_size * (getattr(cfg, "n_shared_experts", None) or 0)
+    return 2.0 * flops
 
 
 def gated_hybrid_shape(cfg: Any) -> ModelShape:
@@ -117,12 +159,8 @@ def gated_hybrid_shape(cfg: Any) -> ModelShape:
     experts, shared expert and its gate). Qwen3-Next's MoE layers follow
     ``decoder_sparse_step`` / ``mlp_only_layers``; Qwen3.5-MoE has MoE in every layer and the
     dense Qwen3.5 none."""
-    d = cfg.hidden_size
-    dense = 2.0 * d * cfg.vocab_size
+    dense = 2.0 * cfg.hidden_size * cfg.vocab_size
     attn = lin = 0.0
-    num_experts = int(getattr(cfg, "num_experts", 0) or 0)
-    step = getattr(cfg, "decoder_sparse_step", 1) or 1
-    mlp_only = set(getattr(cfg, "mlp_only_layers", None) or ())
     for i, t in enumerate(cfg.layer_types):
         if t == "linear_attention":
             dense_i, lin_i = _hf_gdn_layer(cfg)
@@ -130,17 +168,7 @@ def gated_hybrid_shape(cfg: Any) -> ModelShape:
         else:
             dense_i, attn_i = _hf_attention_layer(cfg, output_gate=True)
             dense, attn = dense + dense_i, attn + attn_i
-        moe = num_experts > 0 and (i + 1) % step == 0 and i not in mlp_only
-        if moe:
-            dense += (
-                2.0 * d * num_experts
-                + 2.0 * 3 * d * cfg.moe_intermediate_size * cfg.num_experts_per_tok
-            )
-            shared = int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
-            if shared:
-                dense += 2.0 * (3 * d * shared + d)
-        else:
-            dense += 2.0 * 3 * d * cfg.intermediate_size
+        dense += _ffn_layer(cfg, i)
     return ModelShape(dense, attn, lin)
 
 
@@ -167,18 +195,24 @@ def olmo_hybrid_shape(cfg: Any) -> ModelShape:
 
 
 def full_attention_shape(cfg: Any) -> ModelShape:
-    """Coefficients of a plain full-attention causal LM (Qwen2, Qwen3, Llama): q/k/v/o
-    projections (biases ignored), a gated MLP per layer, the LM head."""
-    d = cfg.hidden_size
-    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads or cfg.num_attention_heads
-    hd = getattr(cfg, "head_dim", None) or d // hq
-    n = cfg.num_hidden_layers
-    per_layer = d * hq * hd + 2 * d * hkv * hd + hq * hd * d + 3 * d * cfg.intermediate_size
-    return ModelShape(2.0 * d * cfg.vocab_size + 2.0 * n * per_layer, n * 2.0 * hq * 2 * hd, 0.0)
+    """Coefficients of a full-attention HF causal LM (Qwen2, Qwen3, Llama, Mistral, Qwen2-MoE,
+    Qwen3-MoE, Mixtral, DeepSeek-V3, GLM-4-MoE): per layer GQA q/k/v/o projections (biases and
+    q/k norms ignored) or DeepSeek-V3's multi-head latent attention (configs with
+    ``kv_lora_rank``), a gated MLP or a sparse MoE block (see :func:`_ffn_layer`); the LM
+    head."""
+    dense, attn = 2.0 * cfg.hidden_size * cfg.vocab_size, 0.0
+    mla = getattr(cfg, "kv_lora_rank", None) is not None
+    for i in range(cfg.num_hidden_layers):
+        if mla:
+            dense_i, attn_i = _mla_attention_layer(cfg)
+        else:
+            dense_i, attn_i = _hf_attention_layer(cfg, output_gate=False)
+        dense, attn = dense + dense_i + _ffn_layer(cfg, i), attn + attn_i
+    return ModelShape(dense, attn, 0.0)
 
 
 _GATED_HYBRID_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
-_FULL_ATTENTION_TYPES = ("qwen2", "qwen3", "llama")
+_FULL_ATTENTION_TYPES = FULL_ATTENTION_MODEL_TYPES
 
 
 def model_shape(cfg: Any) -> ModelShape:
@@ -186,8 +220,9 @@ def model_shape(cfg: Any) -> ModelShape:
     :class:`~harts_verl.models.HybridConfig` or ``HartsHybridConfig`` (``harts_hybrid``), the
     HF hybrids ``qwen3_next`` / ``qwen3_5_text`` / ``qwen3_5_moe_text`` (and the multi-modal
     ``qwen3_5`` / ``qwen3_5_moe`` wrappers, through their ``text_config``: the vision tower is
-    not counted) and ``olmo_hybrid``, and ``qwen2`` / ``qwen3`` / ``llama``. Raises
-    ``ValueError`` for any other ``model_type``."""
+    not counted) and ``olmo_hybrid``, and the full-attention ``qwen2`` / ``qwen3`` / ``llama`` /
+    ``mistral`` / ``qwen2_moe`` / ``qwen3_moe`` / ``mixtral`` / ``deepseek_v3`` / ``glm4_moe``.
+    Raises ``ValueError`` for any other ``model_type``."""
     from harts_verl.models.config import HybridConfig
 
     if isinstance(cfg, HybridConfig):

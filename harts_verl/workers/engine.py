@@ -56,6 +56,7 @@ from harts_verl.models.adapter import (
     TREE_MODEL_TYPES,
     patch_tree_mixers,
     tree_call,
+    tree_mode_attention_mask,
 )
 from harts_verl.ops.layout import TreeLayout
 from harts_verl.ops.logprobs import compact_log_probs
@@ -498,7 +499,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         )
         kwargs: dict[str, Any] = {}
         if self._model_type in FULL_ATTENTION_MODEL_TYPES:
-            kwargs["attention_mask"] = {"full_attention": None, "sliding_attention": None}
+            kwargs["attention_mask"] = tree_mode_attention_mask(device)
         head_mod = self._lm_head
         with autocast_ctx:
             setattr(head_mod, _HEAD_FN, head)

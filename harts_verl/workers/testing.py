@@ -31,7 +31,15 @@ __all__ = [
     "tiny_hf_model",
 ]
 
-TINY_KINDS = ("qwen2", "qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "olmo_hybrid_nope")
+TINY_KINDS = (
+    "qwen2",
+    "qwen3_next",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "olmo_hybrid",
+    "olmo_hybrid_nope",
+    *("llama", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe"),
+)
 # The multi-modal Qwen3.5 wrappers (``Qwen3_5ForConditionalGeneration`` /
 # ``Qwen3_5MoeForConditionalGeneration``, model_type ``qwen3_5`` / ``qwen3_5_moe``): the text
 # model of the ``qwen3_5`` / ``qwen3_5_moe`` kind and a one-block vision tower.
@@ -56,6 +64,55 @@ _HYBRID = dict(
     max_position_embeddings=512,
     tie_word_embeddings=False,
 )
+# The full-attention kinds: 2 layers, GQA 4/2 heads of 8 on hidden 32 (the MoE kinds: 4 experts,
+# top-2, 16 wide; DeepSeek-V3 / GLM-4-MoE: one dense layer first, a shared expert, sigmoid routing
+# over 2 groups; DeepSeek-V3's MLA: q and kv low-rank paths, 8 + 8 q/k head dims, value heads of
+# 4 so that the value width differs from the q/k width).
+_DENSE = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
+_SOFTMAX_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=16)
+_SIGMOID_MOE = dict(
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    n_shared_experts=1,
+    n_group=2,
+    topk_group=1,
+    first_k_dense_replace=1,
+    routed_scaling_factor=1.5,
+)
+_FULL_ATTENTION = {
+    "qwen2": ("Qwen2Config", {}),
+    "llama": ("LlamaConfig", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 8}),
+    "mistral": ("MistralConfig", {"head_dim": 8}),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        {**_SOFTMAX_MOE, "num_experts": 4, "shared_expert_intermediate_size": 16},
+    ),
+    "qwen3_moe": ("Qwen3MoeConfig", {**_SOFTMAX_MOE, "num_experts": 4, "head_dim": 8}),
+    "mixtral": ("MixtralConfig", {**_SOFTMAX_MOE, "num_local_experts": 4, "head_dim": 8}),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        {
+            **_SIGMOID_MOE,
+            "num_key_value_heads": 4,
+            "q_lora_rank": 16,
+            "kv_lora_rank": 16,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": 4,
+        },
+    ),
+    "glm4_moe": ("Glm4MoeConfig", {**_SIGMOID_MOE, "head_dim": 8, "use_qk_norm": True}),
+}
 _MOE = dict(
     num_experts=4,
     num_experts_per_tok=2,
@@ -144,23 +201,17 @@ def tiny_hf_config(kind: str, vocab_size: int = 64):
     ``olmo_hybrid`` = OLMo Hybrid with RoPE, ``olmo_hybrid_nope`` = OLMo Hybrid with NoPE,
     ``qwen3_5_mm`` / ``qwen3_5_moe_mm`` = the multi-modal wrappers, whose text config is that of
     ``qwen3_5`` / ``qwen3_5_moe`` and whose vision tower has one block; image token id
-    ``TINY_IMAGE_TOKEN_ID``, then video, vision start and vision end), sdpa attention, eager
-    experts (float64-capable on CPU). Raises ``ValueError`` for another kind."""
+    ``TINY_IMAGE_TOKEN_ID``, then video, vision start and vision end; the full-attention causal
+    LMs ``llama``, ``qwen3``, ``mistral``, ``qwen2_moe``, ``qwen3_moe``, ``mixtral``,
+    ``deepseek_v3``, ``glm4_moe``), sdpa attention, eager experts (float64-capable on CPU).
+    Raises ``ValueError`` for another kind."""
     import transformers
 
     if kind in TINY_MULTIMODAL_KINDS:
         return _multimodal_config(kind, vocab_size)
-    if kind == "qwen2":
-        cfg = transformers.Qwen2Config(
-            vocab_size=vocab_size,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=512,
-            tie_word_embeddings=False,
-        )
+    if kind in _FULL_ATTENTION:
+        cls_name, extra = _FULL_ATTENTION[kind]
+        cfg = getattr(transformers, cls_name)(vocab_size=vocab_size, **{**_DENSE, **extra})
     elif kind == "qwen3_next":
         cfg = transformers.Qwen3NextConfig(
             vocab_size=vocab_size,
@@ -204,7 +255,7 @@ def tiny_hf_config(kind: str, vocab_size: int = 64):
             f"kind: expected one of {TINY_KINDS + TINY_MULTIMODAL_KINDS}, got {kind!r}"
         )
     cfg._attn_implementation = "sdpa"
-    if kind in ("qwen3_next", "qwen3_5_moe"):
+    if hasattr(cfg, "_experts_implementation"):
         cfg._experts_implementation = "eager"
     return cfg
 
@@ -218,6 +269,14 @@ def tiny_hf_model(kind: str, *, seed: int = 0, vocab_size: int = 64) -> torch.nn
         "qwen3_5_mm": transformers.Qwen3_5ForConditionalGeneration,
         "qwen3_5_moe_mm": transformers.Qwen3_5MoeForConditionalGeneration,
         "qwen2": transformers.Qwen2ForCausalLM,
+        "llama": transformers.LlamaForCausalLM,
+        "qwen3": transformers.Qwen3ForCausalLM,
+        "mistral": transformers.MistralForCausalLM,
+        "qwen2_moe": transformers.Qwen2MoeForCausalLM,
+        "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+        "mixtral": transformers.MixtralForCausalLM,
+        "deepseek_v3": transformers.DeepseekV3ForCausalLM,
+        "glm4_moe": transformers.Glm4MoeForCausalLM,
         "qwen3_next": transformers.Qwen3NextForCausalLM,
         "qwen3_5": transformers.Qwen3_5ForCausalLM,
         "qwen3_5_moe": transformers.Qwen3_5MoeForCausalLM,

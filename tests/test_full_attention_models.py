@@ -1,0 +1,222 @@
+"""Full-attention HF causal LMs in tree mode (``FULL_ATTENTION_MODEL_TYPES``): Llama, Qwen2,
+Qwen3, Mistral, the MoE Qwen2-MoE / Qwen3-MoE / Mixtral, DeepSeek-V3 (MLA: low-rank q and kv
+paths, decoupled RoPE, a value width different from the q/k width; sigmoid group routing) and
+GLM-4-MoE (partial RoPE, q/k norm, sigmoid routing).
+
+Each attention module runs its own forward with transformers' attention interface pointed at tree
+attention. The oracle is HF's own forward of each trajectory on its own (sdpa, float64): log-probs
+of the unmodified models, and — with HF's float32 islands (RMSNorms, routers) computing in float64
+— gradients too. Weights are re-drawn with a larger spread than HF's 0.02 init, so attention
+weighs in the output and a wrong ancestor set would show.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from harts_verl.models.adapter import (
+    FULL_ATTENTION_MODEL_TYPES,
+    TREE_MODEL_TYPES,
+    HFCausalTreeModel,
+    as_tree_model,
+    tree_attention_interface,
+    tree_call,
+)
+from harts_verl.ops.layout import TreeLayout
+from harts_verl.runtime import TreeRunner
+from harts_verl.tree import RolloutForest
+from harts_verl.workers.testing import TINY_KINDS, tiny_hf_config, tiny_hf_model
+
+KINDS = list(FULL_ATTENTION_MODEL_TYPES)
+MOE_SOFTMAX = ["qwen2_moe", "qwen3_moe", "mixtral"]
+
+
+def _model(kind: str, seed: int = 3, **cfg_overrides) -> torch.nn.Module:
+    """A float64 tiny model of ``kind`` with weights drawn from N(0, 0.2²) (norm weights 1 ± 0.2,
+    routers' correction biases as drawn), in eval mode."""
+    import transformers
+
+    cfg = tiny_hf_config(kind)
+    for k, v in cfg_overrides.items():
+        setattr(cfg, k, v)
+    torch.manual_seed(seed)
+    cls = getattr(transformers, type(tiny_hf_model(kind)).__name__)
+    model = cls(cfg).double().eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.2
+            p.copy_(1.0 + noise if name.endswith("norm.weight") else noise)
+    return model
+
+
+def _sequences(seed: int = 0, vocab: int = 64) -> list[list[int]]:
+    """A shared prompt, forks, a prefix of another trajectory, an identical pair, a second root,
+    a one-token trajectory."""
+    rng = np.random.default_rng(seed)
+    p = rng.integers(0, vocab, 24).tolist()
+    a = p + rng.integers(0, vocab, 14).tolist()
+    return [
+        a,
+        p[:9] + rng.integers(0, vocab, 11).tolist(),
+        p[:17] + rng.integers(0, vocab, 6).tolist(),
+        p,
+        list(a),
+        rng.integers(0, vocab, 13).tolist(),
+        [int(p[0])],
+    ]
+
+
+def _hf_log_probs(model: torch.nn.Module, seq: list[int]) -> torch.Tensor:
+    ids = torch.tensor([seq])
+    logits = model(ids, use_cache=False).logits[0]
+    return torch.log_softmax(logits.double(), -1)[:-1].gather(1, ids[0, 1:, None])[:, 0]
+
+
+def _loss(lps: list[torch.Tensor]) -> torch.Tensor:
+    w = torch.linspace(-1.0, 1.0, len(lps), dtype=torch.float64)
+    return sum((lp * w[i]).sum() + 0.1 * (lp**2).sum() for i, lp in enumerate(lps)) / 10.0
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.fixture
+def lifted(monkeypatch, no_fla):
+    from _hf_float64 import lift_full_attention_islands
+
+    lift_full_attention_islands(monkeypatch)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_log_probs_equal_hf_per_trajectory_float64(lifted, kind):
+    """Tree log-probs and entropies (microbatched, rows shared inside each microbatch) vs HF's
+    own per-trajectory forward. (Unlifted, DeepSeek-V3's float32 router matmul rounds
+    differently for different row counts: 3e-8 apart; see the float32 test.)"""
+    model = _model(kind)
+    seqs = _sequences(1)
+    runner = TreeRunner(model, capacity_tokens=48)
+    with torch.no_grad():
+        lps, ents = runner.log_probs(seqs, with_entropy=True)
+        for s, lp, ent in zip(seqs, lps, ents):
+            ids = torch.tensor([s])
+            logp = torch.log_softmax(model(ids, use_cache=False).logits[0].double(), -1)[:-1]
+            torch.testing.assert_close(
+                lp, logp.gather(1, ids[0, 1:, None])[:, 0], rtol=0, atol=1e-10
+            )
+            torch.testing.assert_close(ent, -(logp.exp() * logp).sum(-1), rtol=0, atol=1e-10)
+    assert runner.last_stats.compact_tokens < sum(len(s) for s in seqs)
+    assert runner.last_stats.microbatches > 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_float32_log_probs_close_to_hf(no_fla, kind):
+    """The unmodified models in float32 (a production dtype): tree log-probs vs HF's own
+    per-trajectory forward, within float32 rounding."""
+    model = _model(kind, seed=6).float()
+    seqs = _sequences(6)
+    with torch.no_grad():
+        lps = TreeRunner(model).log_probs(seqs)
+        for s, lp in zip(seqs, lps):
+            torch.testing.assert_close(lp.double(), _hf_log_probs(model, s), rtol=0, atol=5e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gradients_equal_hf_per_trajectory_float64(lifted, kind):
+    """With HF's float32 islands in float64: the tree loss and every parameter gradient equal
+    those of HF's per-trajectory forward/backward (≤ 1e-9 relative to each tensor's scale)."""
+    model = _model(kind, seed=4)
+    seqs = _sequences(2)
+    model.zero_grad(set_to_none=True)
+    out = TreeRunner(model).forward_backward(seqs, _loss)
+    tree = _grads(model)
+    model.zero_grad(set_to_none=True)
+    ref_loss = _loss([_hf_log_probs(model, s) for s in seqs])
+    ref_loss.backward()
+    ref = _grads(model)
+    assert abs(out["loss"] - ref_loss.item()) <= 1e-10 * max(1.0, abs(ref_loss.item()))
+    assert tree.keys() == ref.keys() and ref
+    for name, g in ref.items():
+        scale = g.abs().max().item()
+        err = (tree[name] - g).abs().max().item()
+        assert err <= 1e-9 * max(scale, 1e-30), f"{name}: {err} vs scale {scale}"
+
+
+@pytest.mark.parametrize("kind", MOE_SOFTMAX)
+def test_router_aux_loss_equals_hf_padded_batch(lifted, kind):
+    """``output_router_logits``: the tree model's load-balancing loss (rows weighted by their
+    multiplicity) equals HF's over the padded batch of all trajectories (padding masked)."""
+    model = _model(kind, seed=5, output_router_logits=True, router_aux_loss_coef=0.37)
+    seqs = _sequences(3)
+    forest = RolloutForest.from_sequences(seqs)
+    layout = TreeLayout(forest)
+    with torch.no_grad():
+        _, aux = as_tree_model(model)(layout.token_ids, layout)
+        n = max(len(s) for s in seqs)
+        ids = torch.tensor([s + [0] * (n - len(s)) for s in seqs])
+        mask = torch.tensor([[1] * len(s) + [0] * (n - len(s)) for s in seqs])
+        ref = model(ids, attention_mask=mask, use_cache=False).aux_loss
+    assert aux.item() > 0
+    # HF averages its expert mask in float32
+    torch.testing.assert_close(aux, ref * model.config.router_aux_loss_coef, rtol=1e-6, atol=0)
+
+
+def test_every_full_attention_type_has_a_tiny_model():
+    """Each listed model type is exercised by the tests above (a tiny config of that type)."""
+    for kind in KINDS:
+        assert kind in TINY_KINDS and tiny_hf_config(kind).model_type == kind
+        assert kind in TREE_MODEL_TYPES
+    assert isinstance(as_tree_model(tiny_hf_model("llama")), HFCausalTreeModel)
+
+
+def test_attention_config_restored_and_original_forward_outside_tree_calls(no_fla):
+    """The attention implementation is switched only while a module runs in tree mode; outside
+    a tree call the patched model is HF's own (sdpa) code."""
+    model = _model("deepseek_v3")
+    seqs = _sequences(4)
+    with torch.no_grad():
+        before = [_hf_log_probs(model, s) for s in seqs]
+        TreeRunner(model).log_probs(seqs)
+        assert model.config._attn_implementation == "sdpa"
+        after = [_hf_log_probs(model, s) for s in seqs]
+    for a, b in zip(before, after):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_sliding_window(no_fla):
+    """A sliding window at least as long as every trajectory changes nothing; a shorter one
+    raises, naming the window and the length (no silent full attention)."""
+    seqs = _sequences(5)
+    longest = max(len(s) for s in seqs)
+    model = _model("mistral", sliding_window=longest)
+    with torch.no_grad():
+        lps = TreeRunner(model).log_probs(seqs)
+        for s, lp in zip(seqs, lps):
+            torch.testing.assert_close(lp, _hf_log_probs(model, s), rtol=0, atol=1e-10)
+    model.config.sliding_window = longest - 1
+    with pytest.raises(NotImplementedError, match=f"window {longest - 1}.*{longest} tokens"):
+        TreeRunner(model).log_probs(seqs)
+
+
+def test_interface_errors(no_fla):
+    model = _model("llama")
+    as_tree_model(model)  # wraps the attention modules
+    attn = model.model.layers[0].self_attn
+    q = torch.zeros(1, 4, 3, 8, dtype=torch.float64)
+    k = torch.zeros(1, 2, 3, 8, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="tree call"):
+        tree_attention_interface(attn, q, k, k, None)
+    layout = TreeLayout(RolloutForest.from_sequences([[1, 2, 3]]))
+    with tree_call(layout):
+        with pytest.raises(NotImplementedError, match="dropout"):
+            tree_attention_interface(attn, q, k, k, None, dropout=0.1)
+        with pytest.raises(NotImplementedError, match="softcap"):
+            tree_attention_interface(attn, q, k, k, None, softcap=30.0)
+        out, weights = tree_attention_interface(attn, q, k, k, None, scaling=0.5)
+    assert out.shape == (1, 3, 4, 8) and weights is None
+    hidden = torch.zeros(2, 3, 32, dtype=torch.float64)
+    with pytest.raises(ValueError, match="one compact batch"):
+        attn(hidden, (hidden, hidden), None, harts_layout=layout)
