@@ -23,7 +23,7 @@ import torch
 
 from harts_verl.models import HybridForCausalLM, preset
 from harts_verl.runtime import ExpandedRunner, TreeRunner
-from harts_verl.runtime.flops import ideal_flop_ratio, native_model_shape
+from harts_verl.runtime.flops import ideal_flop_ratio, model_shape
 from harts_verl.tree import RolloutForest
 from harts_verl.tree.linear_plan import plan_linear_calls
 from harts_verl.tree.workloads import WORKLOADS
@@ -46,6 +46,9 @@ class BenchConfig:
     )
     max_semantic_tokens: int | None = None
     preset: str = "bench"
+    # An HF model directory or config.json (random weights, seeded) of any model that runs in
+    # tree mode; when set it replaces ``preset``.
+    model: str | None = None
     dtype: str = "float32"
     repeats: int = 3
     warmup: int = 1
@@ -101,6 +104,32 @@ def _logit_cosine(
     return acc / max(n, 1)
 
 
+def _bench_model(
+    cfg: BenchConfig, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.nn.Module, Any]:
+    """The benchmarked model on ``device`` in ``dtype`` and its config: the native preset, or
+    the HF model / config of ``cfg.model`` (MoE experts in transformers' eager implementation
+    off CUDA). Raises ``ValueError`` for a model that has no tree mode or no FLOP model."""
+    if cfg.model is None:
+        mcfg = preset(cfg.preset)
+        torch.manual_seed(cfg.seed)
+        return HybridForCausalLM.from_config(mcfg).to(device=device, dtype=dtype), mcfg
+    from harts_verl.models.adapter import TREE_MODEL_TYPES
+    from harts_verl.models.hf import load_causal_lm
+
+    model = load_causal_lm(
+        cfg.model, dtype=dtype, seed=cfg.seed, eager_experts=device.type != "cuda"
+    )
+    mcfg = model.config
+    if mcfg.model_type not in TREE_MODEL_TYPES:
+        raise ValueError(
+            f"model: {cfg.model!r} is a {mcfg.model_type!r} model, which has no tree mode "
+            f"(supported: {', '.join(TREE_MODEL_TYPES)})"
+        )
+    model_shape(mcfg)  # a ValueError here names the model type without a FLOP model
+    return model.to(device), mcfg
+
+
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     """Run the benchmark and return the JSON-ready result."""
     if cfg.dtype not in DTYPES:
@@ -109,16 +138,14 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         raise ValueError(f"workload: expected one of {sorted(WORKLOADS)}, got {cfg.workload!r}")
     dtype = DTYPES[cfg.dtype]
     device = torch.device(cfg.device)
-    mcfg = preset(cfg.preset)
+    model, mcfg = _bench_model(cfg, dtype, device)
+    vocab_size = getattr(mcfg, "vocab_size", None) or mcfg.get_text_config().vocab_size
     w = WORKLOADS[cfg.workload](
-        scale=cfg.scale, seed=cfg.seed, vocab_size=mcfg.vocab_size, **cfg.workload_overrides
+        scale=cfg.scale, seed=cfg.seed, vocab_size=vocab_size, **cfg.workload_overrides
     )
     idx = _select(w.sequences, w.group_ids, cfg.max_semantic_tokens)
     seqs = [w.sequences[i] for i in idx]
     forest = RolloutForest.from_sequences(seqs)
-
-    torch.manual_seed(cfg.seed)
-    model = HybridForCausalLM.from_config(mcfg).to(device=device, dtype=dtype)
     kw = dict(
         chunk_size=cfg.chunk_size,
         capacity_tokens=cfg.capacity_tokens,
@@ -130,7 +157,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     groups = tree.plan(forest)
     subs = [forest.subset(g) if len(groups) > 1 else forest for g in groups]
     replay = sum(plan_linear_calls(s, chunk_size=cfg.chunk_size).replay_tokens for s in subs)
-    shape = native_model_shape(mcfg)
+    shape = model_shape(mcfg)
     flops = {"expanded_flops": 0.0, "tree_flops": 0.0}
     for s in subs:
         r = ideal_flop_ratio(
@@ -187,7 +214,9 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         "workload": cfg.workload,
         "scale": cfg.scale,
         "seed": cfg.seed,
-        "preset": cfg.preset,
+        "preset": None if cfg.model else cfg.preset,
+        "model": cfg.model,
+        "model_type": getattr(mcfg, "model_type", "harts_native"),
         "dtype": cfg.dtype,
         "device": str(device),
         "threads": torch.get_num_threads(),

@@ -38,6 +38,12 @@ def _add_bench_args(
         help="use the first trajectories up to this many semantic tokens (0 = all)",
     )
     p.add_argument("--preset", default=d.preset, help="model preset: tiny | bench | kimi_tiny")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="HF model dir or config.json (random init) of a model with a tree mode; "
+        "replaces --preset",
+    )
     p.add_argument("--dtype", default=d.dtype, help="float32 | bfloat16 | float64")
     p.add_argument("--repeats", type=int, default=repeats)
     p.add_argument("--warmup", type=int, default=warmup)
@@ -89,6 +95,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         workload_overrides=_parse_overrides(args.workload_option, args._overrides_default),
         max_semantic_tokens=args.max_semantic_tokens or None,
         preset=args.preset,
+        model=args.model,
         dtype=args.dtype,
         repeats=args.repeats,
         warmup=args.warmup,

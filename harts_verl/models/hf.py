@@ -31,7 +31,13 @@ from harts_verl.models.hybrid import HybridForCausalLM
 from harts_verl.ops.layout import TreeLayout
 from harts_verl.tree import RolloutForest
 
-__all__ = ["MODEL_TYPE", "HartsHybridConfig", "HartsHybridForCausalLM", "register_auto_classes"]
+__all__ = [
+    "MODEL_TYPE",
+    "HartsHybridConfig",
+    "HartsHybridForCausalLM",
+    "load_causal_lm",
+    "register_auto_classes",
+]
 
 MODEL_TYPE = "harts_hybrid"
 _FIELDS = tuple(f.name for f in dataclasses.fields(HybridConfig))
@@ -196,6 +202,40 @@ def register_auto_classes() -> None:
     """Register ``harts_hybrid`` with ``AutoConfig`` and ``AutoModelForCausalLM`` (idempotent)."""
     AutoConfig.register(MODEL_TYPE, HartsHybridConfig, exist_ok=True)
     AutoModelForCausalLM.register(HartsHybridConfig, HartsHybridForCausalLM, exist_ok=True)
+
+
+def load_causal_lm(
+    spec: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    eager_experts: bool = True,
+) -> torch.nn.Module:
+    """A causal LM from ``spec``: an HF model directory (its weights) or a ``config.json``
+    (random weights after ``torch.manual_seed(seed)``), the native model included
+    (``harts_hybrid``). sdpa attention; ``eager_experts``: MoE experts run transformers' eager
+    implementation (float64-capable on any device). Returned in ``dtype``, in eval mode.
+    Raises ``ValueError`` naming ``spec`` when it is neither."""
+    import os
+
+    register_auto_classes()
+    is_config = spec.endswith(".json")
+    if is_config and not os.path.isfile(spec):
+        raise ValueError(f"model: config file {spec!r} does not exist")
+    if not is_config and not os.path.isdir(spec):
+        raise ValueError(f"model: expected an HF model directory or a config.json, got {spec!r}")
+    cfg = AutoConfig.from_pretrained(os.path.dirname(spec) or "." if is_config else spec)
+    cfg._attn_implementation = "sdpa"
+    if eager_experts:
+        for sub in (cfg, getattr(cfg, "text_config", None)):
+            if sub is not None and hasattr(sub, "_experts_implementation"):
+                sub._experts_implementation = "eager"
+    if is_config:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(spec, config=cfg)
+    return model.to(dtype).eval()
 
 
 register_auto_classes()

@@ -3,9 +3,9 @@
 Inputs: ``--model`` an HF model directory (weights) or a ``config.json`` (random weights,
 seeded) of any model that runs in tree mode — Qwen3-Next, the Qwen3.5 / Qwen3.5-MoE text models
 (``qwen3_5_text``, ``qwen3_5_moe_text``) and their multi-modal wrappers (the text model is
-audited), OLMo Hybrid (``olmo_hybrid``), the native model (``harts_hybrid``), Qwen2 / Qwen3 /
-Llama; ``--batch`` a dump of
-trajectories: a ``RolloutForest.save`` file (``.npz``), or a ``torch.save`` file (``.pt``)
+audited), OLMo Hybrid (``olmo_hybrid``), the native model (``harts_hybrid``), the full-attention
+causal LMs of ``FULL_ATTENTION_MODEL_TYPES`` (Qwen2 / Qwen3 / Llama / Mistral, Qwen2-MoE /
+Qwen3-MoE / Mixtral, DeepSeek-V3, GLM-4-MoE); ``--batch`` a dump of trajectories: a ``RolloutForest.save`` file (``.npz``), or a ``torch.save`` file (``.pt``)
 holding a list of token-id lists or a dict with ``input_ids`` (list, or a nested tensor as in a
 veRL batch). Prints JSON: max |Δlogp|, MeanCos of the final hidden states' logits, per decoder
 layer the max |Δ| of its output with the first layer whose difference exceeds ``--tol`` (None
@@ -42,30 +42,6 @@ def load_sequences(path: str) -> list[list[int]]:
     if isinstance(obj, torch.Tensor) and obj.is_nested:
         obj = list(obj.unbind())
     return [np.asarray(t).astype(np.int64).tolist() for t in obj]
-
-
-def _load_model(spec: str, dtype: torch.dtype, seed: int):
-    import os
-
-    import transformers
-
-    from harts_verl.models.hf import register_auto_classes
-
-    register_auto_classes()  # the native model (model_type harts_hybrid) through the Auto classes
-    if spec.endswith(".json"):
-        cfg = transformers.AutoConfig.from_pretrained(os.path.dirname(spec) or ".")
-    else:
-        cfg = transformers.AutoConfig.from_pretrained(spec)
-    cfg._attn_implementation = "sdpa"
-    for sub in (cfg, getattr(cfg, "text_config", None)):
-        if sub is not None and getattr(sub, "num_experts", 0):
-            sub._experts_implementation = "eager"  # float64-capable, any device
-    if spec.endswith(".json"):
-        torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
-    else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(spec, config=cfg)
-    return model.to(dtype).eval()
 
 
 def decoder_layers(model: Any) -> list[torch.nn.Module]:
@@ -201,7 +177,12 @@ def run_args(args: argparse.Namespace) -> int:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
     if args.dtype not in dtype:
         raise SystemExit(f"--dtype: expected one of {sorted(dtype)}, got {args.dtype!r}")
-    model = _load_model(args.model, dtype[args.dtype], args.seed)
+    from harts_verl.models.hf import load_causal_lm
+
+    try:
+        model = load_causal_lm(args.model, dtype=dtype[args.dtype], seed=args.seed)
+    except ValueError as e:
+        raise SystemExit(f"--model: {e}") from None
     res = run_check(model, load_sequences(args.batch), chunk_size=args.chunk_size, tol=args.tol)
     print(json.dumps(res, indent=2))
     return 0

@@ -1,0 +1,71 @@
+"""``harts-verl bench`` (``harts_verl.benchmark``) on small workloads: the native preset and HF
+models given as ``--model`` (a config.json, random weights), the JSON figures it reports, and its
+errors. Speed itself is measured by running the benchmark, never asserted here."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from harts_verl.benchmark import BenchConfig, run_bench
+
+SMALL = dict(
+    scale=0.004,
+    workload_overrides={"path_caps": [512], "prompt_tokens": [100, 200]},
+    repeats=1,
+    warmup=0,
+    chunk_size=16,
+    capacity_tokens=1024,
+    progress=False,
+)
+
+
+def _config_json(tmp_path, kind: str) -> str:
+    from harts_verl.workers.testing import tiny_hf_config
+
+    tiny_hf_config(kind).save_pretrained(str(tmp_path / kind))
+    return str(tmp_path / kind / "config.json")
+
+
+def _check_result(res: dict) -> None:
+    assert res["trajectories"] > 1 and res["compression"] > 1.5
+    assert res["compact_tokens"] < res["semantic_tokens"]
+    assert res["ideal_flop_ratio"] > 1.0
+    assert res["speedup"] > 0 and res["efficiency"] == pytest.approx(
+        res["speedup"] / res["ideal_flop_ratio"], rel=1e-3
+    )
+    assert res["max_abs_dlogp"] <= 1e-4 and res["mean_logit_cos"] > 0.99999
+    assert len(res["tree_seconds"]) == len(res["expanded_seconds"]) == 1
+    json.dumps(res)
+
+
+def test_native_preset():
+    res = run_bench(BenchConfig(preset="tiny", **SMALL))
+    assert res["preset"] == "tiny" and res["model"] is None
+    _check_result(res)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5_moe", "deepseek_v3"])
+def test_hf_model_from_config(tmp_path, monkeypatch, kind):
+    monkeypatch.setitem(sys.modules, "fla", None)
+    path = _config_json(tmp_path, kind)
+    res = run_bench(BenchConfig(model=path, **SMALL))
+    assert res["model"] == path and res["preset"] is None
+    assert res["model_type"] == ("qwen3_5_moe_text" if kind == "qwen3_5_moe" else kind)
+    _check_result(res)
+
+
+def test_model_errors(tmp_path):
+    import transformers
+
+    transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64).save_pretrained(
+        str(tmp_path / "gpt2")
+    )
+    with pytest.raises(ValueError, match="'gpt2' model, which has no tree mode"):
+        run_bench(BenchConfig(model=str(tmp_path / "gpt2" / "config.json"), **SMALL))
+    with pytest.raises(ValueError, match="does not exist"):
+        run_bench(BenchConfig(model=str(tmp_path / "nothing.json"), **SMALL))
+    with pytest.raises(ValueError, match=r"HF model directory or a config\.json"):
+        run_bench(BenchConfig(model=str(tmp_path / "missing_dir"), **SMALL))
