@@ -162,20 +162,15 @@ def test_parity_vanilla(verl_cpu, kind, batch):
 
 
 # Full-attention families beyond Qwen2: Llama (no per-layer mask mapping), the MoE Qwen3-MoE and
-# Mixtral, DeepSeek-V3 (MLA, sigmoid routing), GLM-4-MoE (partial RoPE); packed stock reference.
+# Mixtral, DeepSeek-V3 (MLA, sigmoid routing), GLM-4-MoE (partial RoPE); packed stock reference,
+# veRL's gradient checkpointing on (its default: layers re-run in backward, in tree mode too).
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe"])
 def test_parity_full_attention_families(verl_cpu, kind):
     testing, paths = verl_cpu
     data = _multiturn_batch(seed=len(kind))
-    ref = _run(testing, paths[kind], "fsdp2", data, loss_mode="vanilla")
-    tree = _run(
-        testing,
-        paths[kind],
-        "harts_fsdp2",
-        data,
-        loss_mode="vanilla",
-        harts={"capacity_tokens": 48},
-    )
+    run = partial(_run, testing, paths[kind], batch=data, gradient_checkpointing=True)
+    ref = run(strategy="fsdp2", loss_mode="vanilla")
+    tree = run(strategy="harts_fsdp2", loss_mode="vanilla", harts={"capacity_tokens": 48})
     _compare(ref, tree)
     assert tree[1]["harts/microbatches"][0] >= 2
 
