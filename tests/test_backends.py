@@ -491,6 +491,23 @@ def test_varlen_kernel_dtype_rules():
     )
 
 
+def test_varlen_kernel_runs_sliding_windows_on_the_sdpa_path():
+    """A sliding-window call never reaches the varlen kernel (it takes no window here): it runs
+    the bucketed SDPA path with the window, in every dtype; through a layout too."""
+
+    def never(*_a, **_k):
+        raise AssertionError("the varlen kernel ran a sliding-window call")
+
+    forest = _forest(0, 16)
+    q, k, v, _ = _attn_inputs(forest.num_compact_tokens, dtype=torch.bfloat16)
+    kernel = VarlenAttentionKernel("flash_like", never)
+    plan = kernel.build_plan(forest)
+    o = kernel(q, k, v, plan, window=4)
+    assert torch.equal(o, tree_attention(q, k, v, build_attention_plan(forest), window=4))
+    layout = TreeLayout(forest, attention_backend=kernel)
+    assert torch.equal(layout.attention(q, k, v, window=4), o)
+
+
 def test_layout_with_varlen_standin_and_model_forward():
     """A tiny hybrid model (KDA, MLA, GDN, GQA) through a layout with both stand-ins equals the
     default (reference) layout: linear layers bitwise, attention to rounding."""

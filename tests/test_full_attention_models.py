@@ -186,19 +186,56 @@ def test_attention_config_restored_and_original_forward_outside_tree_calls(no_fl
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_sliding_window(no_fla):
-    """A sliding window at least as long as every trajectory changes nothing; a shorter one
-    raises, naming the window and the length (no silent full attention)."""
+def _windowed(kind: str, window: int, seed: int) -> torch.nn.Module:
+    """Mistral with ``sliding_window`` on every layer, or Qwen3 with it on layer 1 only
+    (``use_sliding_window``, ``max_window_layers=1``: per-layer windows)."""
+    if kind == "mistral":
+        return _model("mistral", seed=seed, sliding_window=window)
+    model = _model("qwen3", seed=seed)
+    import transformers
+
+    d = tiny_hf_config("qwen3").to_dict()
+    d.pop("layer_types", None)  # recomputed from the window settings
+    d.update(use_sliding_window=True, sliding_window=window, max_window_layers=1)
+    cfg = transformers.Qwen3Config(**d)
+    cfg._attn_implementation = "sdpa"
+    assert cfg.layer_types == ["full_attention", "sliding_attention"]
+    windowed = transformers.Qwen3ForCausalLM(cfg).double().eval()
+    windowed.load_state_dict(model.state_dict())
+    return windowed
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen3"])
+def test_sliding_window_equals_hf_per_trajectory_float64(lifted, kind):
+    """A sliding window shorter than the trajectories runs as a window over each row's ancestor
+    path: log-probs and every gradient equal HF's per-trajectory forward (whose sliding-window
+    mask applies it); a window as long as every trajectory gives the unwindowed result."""
     seqs = _sequences(5)
-    longest = max(len(s) for s in seqs)
-    model = _model("mistral", sliding_window=longest)
+    model = _windowed(kind, 5, seed=7)
+    model.zero_grad(set_to_none=True)
+    out = TreeRunner(model, capacity_tokens=48).forward_backward(seqs, _loss)
+    tree = _grads(model)
+    model.zero_grad(set_to_none=True)
+    ref_lps = [_hf_log_probs(model, s) for s in seqs]
+    ref_loss = _loss(ref_lps)
+    ref_loss.backward()
+    assert abs(out["loss"] - ref_loss.item()) <= 1e-10 * max(1.0, abs(ref_loss.item()))
+    for name, g in _grads(model).items():
+        err = (tree[name] - g).abs().max().item()
+        assert err <= 1e-9 * max(g.abs().max().item(), 1e-30), name
     with torch.no_grad():
         lps = TreeRunner(model).log_probs(seqs)
-        for s, lp in zip(seqs, lps):
-            torch.testing.assert_close(lp, _hf_log_probs(model, s), rtol=0, atol=1e-10)
-    model.config.sliding_window = longest - 1
-    with pytest.raises(NotImplementedError, match=f"window {longest - 1}.*{longest} tokens"):
-        TreeRunner(model).log_probs(seqs)
+        for lp, ref in zip(lps, ref_lps):
+            torch.testing.assert_close(lp, ref.detach(), rtol=0, atol=1e-10)
+        longest = max(len(s) for s in seqs)
+        full = _windowed(kind, longest, seed=7)
+        unwindowed = _windowed(kind, 10_000, seed=7)
+        for a, b in zip(TreeRunner(full).log_probs(seqs), TreeRunner(unwindowed).log_probs(seqs)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        # the window matters here: window 5 differs from no window
+        assert any(
+            (a - b).abs().max() > 1e-3 for a, b in zip(lps, TreeRunner(full).log_probs(seqs))
+        )
 
 
 def test_interface_errors(no_fla):

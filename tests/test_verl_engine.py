@@ -175,6 +175,29 @@ def test_parity_full_attention_families(verl_cpu, kind):
     assert tree[1]["harts/microbatches"][0] >= 2
 
 
+def test_parity_sliding_window(verl_cpu, tmp_path):
+    """Mistral with a 6-token sliding window (shorter than every trajectory): the tree path
+    windows each row's ancestor path; the stock engine's packed sdpa path its sliding mask."""
+    import transformers
+
+    testing, _ = verl_cpu
+    cfg = testing.tiny_hf_config("mistral")
+    cfg.sliding_window = 6
+    torch.manual_seed(3)
+    transformers.MistralForCausalLM(cfg).float().save_pretrained(str(tmp_path / "m"))
+    data = _multiturn_batch(seed=11)
+    ref = _run(testing, str(tmp_path / "m"), "fsdp2", data, loss_mode="vanilla")
+    tree = _run(
+        testing,
+        str(tmp_path / "m"),
+        "harts_fsdp2",
+        data,
+        loss_mode="vanilla",
+        harts={"capacity_tokens": 48},
+    )
+    _compare(ref, tree)
+
+
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3_next"])
 @pytest.mark.parametrize("loss_mode", ["gspo", "cispo"])
 def test_parity_loss_modes(verl_cpu, kind, loss_mode):

@@ -321,9 +321,9 @@ def tree_attention_interface(
     ``h // (Hq / Hkv)``) → (``[1, C, Hq, Dv]`` in the query dtype, None). The layout is
     ``harts_layout``, else that of the enclosing :func:`tree_call`.
 
-    Raises ``NotImplementedError`` for attention dropout, logit soft-capping, attention sinks, a
-    non-causal module, or a sliding window shorter than a trajectory of the layout (a window at
-    least as long as every trajectory changes nothing and is accepted)."""
+    ``sliding_window`` (transformers' convention: a row sees the keys less than that many tokens
+    above it) runs as a window over each row's ancestor path. Raises ``NotImplementedError`` for
+    attention dropout, logit soft-capping, attention sinks or a non-causal module."""
     layout = harts_layout if harts_layout is not None else current_tree_layout()
     name = type(module).__name__
     if layout is None:
@@ -335,20 +335,22 @@ def tree_attention_interface(
             raise NotImplementedError(f"{name}: {kw!r} attention is not supported in tree mode")
     if not getattr(module, "is_causal", True):
         raise NotImplementedError(f"{name}: non-causal attention has no tree form")
+    window = None
     if sliding_window is not None:
         longest = int(layout.forest.depth.max()) + 1 if layout.forest.num_compact_tokens else 0
-        if longest > int(sliding_window):
-            raise NotImplementedError(
-                f"{name}: sliding-window attention (window {int(sliding_window)}) over a "
-                f"trajectory of {longest} tokens is not supported in tree mode"
-            )
+        if longest > int(sliding_window):  # else the window changes nothing
+            window = int(sliding_window)
     for t, what in ((query, "query"), (key, "key"), (value, "value")):
         if t.dim() != 4 or t.shape[0] != 1:
             raise ValueError(
                 f"{what}: {name} in tree mode expects [1, H, C, D], got {tuple(t.shape)}"
             )
     o = layout.attention(
-        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), scale=scaling
+        query[0].transpose(0, 1),
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        scale=scaling,
+        window=window,
     )
     return o[None], None
 

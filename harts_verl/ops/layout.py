@@ -135,9 +135,12 @@ class TreeLayout:
         *,
         scale: float | None = None,
         gate: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """Softmax attention of each row over its ancestors and itself; ``[C, Hq, Dv]``."""
-        return self.attention_kernel(q, k, v, self.attention_plan, scale=scale, gate=gate)
+        """Softmax attention of each row over its ancestors and itself (with ``window``: only
+        those less than ``window`` tokens above it); ``[C, Hq, Dv]``."""
+        kw = {} if window is None else {"window": window}
+        return self.attention_kernel(q, k, v, self.attention_plan, scale=scale, gate=gate, **kw)
 
     def linear_attention(
         self,

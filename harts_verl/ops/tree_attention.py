@@ -310,22 +310,39 @@ def same_device(a: torch.device, b: torch.device) -> bool:
 # --- end issue 9 ---
 
 
-def _bucket_mask(b: AttentionBucket, device: torch.device) -> tuple[torch.Tensor | None, bool]:
+def _bucket_mask(
+    b: AttentionBucket, device: torch.device, window: int | None = None
+) -> tuple[torch.Tensor | None, bool]:
     """``(attn_mask, is_causal)`` for one bucket: True = attend.
 
-    Member ``s``, query slot ``i``, key slot ``j``: ``j < Lk_s and j <= i + Lk_s - Lq_s``.
-    Padded query slots (``i >= Lq_s``) therefore see every valid key (never fully masked).
+    Member ``s``, query slot ``i``, key slot ``j``: ``j < Lk_s and j <= i + Lk_s - Lq_s`` (key
+    slot = depth: a member's keys are its whole root path), and with a sliding ``window`` also
+    ``j > i + Lk_s - Lq_s - window`` for valid query slots. Padded query slots (``i >= Lq_s``)
+    see every valid key (never fully masked, so no NaN; their outputs are dropped).
     """
-    if b.uniform:
+    if window is None and b.uniform:
         if b.lq == b.lk:
             return None, True
         return torch.ones(b.lq, b.lk, dtype=torch.bool, device=device).tril(b.lk - b.lq), False
     qpos = torch.arange(b.lq, device=device).view(1, b.lq, 1)
     kpos = torch.arange(b.lk, device=device).view(1, 1, b.lk)
-    k_len = b.k_len.view(-1, 1, 1)
-    shift = (b.k_len - b.q_len).view(-1, 1, 1)
+    if b.uniform:
+        k_len, q_len = b.lk, b.lq
+    else:
+        k_len, q_len = b.k_len.view(-1, 1, 1), b.q_len.view(-1, 1, 1)
+    shift = k_len - q_len
     mask = (kpos < k_len) & (kpos <= qpos + shift)
+    if window is not None:
+        mask = mask & ((kpos > qpos + shift - window) | (qpos >= q_len))
     return mask.unsqueeze(1), False
+
+
+def _check_window(window: int | None) -> int | None:
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int | np.integer) or window < 1:
+        raise ValueError(f"window: expected a positive int or None, got {window!r}")
+    return int(window)
 
 
 def tree_attention(
@@ -336,6 +353,7 @@ def tree_attention(
     *,
     scale: float | None = None,
     gate: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal softmax attention where each compact row attends to its ancestors and itself.
 
@@ -348,6 +366,9 @@ def tree_attention(
       scale: softmax scale, default ``1 / sqrt(Dqk)``.
       gate: optional ``[C, Hq, Dv]`` pre-sigmoid output-gate logits: returns
         ``o * sigmoid(gate)`` (Qwen3-Next).
+      window: sliding window (transformers' ``sliding_window``): a row attends only to the
+        ancestors-or-self less than ``window`` tokens above it (``depth_q - depth_k < window``);
+        None = unlimited.
 
     Returns:
       ``[C, Hq, Dv]`` in q's dtype and compact row order. Row ``r`` equals the trajectory-wise
@@ -357,6 +378,7 @@ def tree_attention(
     """
     c = plan.num_rows
     hq, hkv, dqk, dv = _check_qkv(q, k, v, gate, c)
+    window = _check_window(window)
     if not same_device(q.device, plan.device):
         raise ValueError(f"plan: built for {plan.device}, but q is on {q.device}")
     if scale is None:
@@ -376,7 +398,7 @@ def tree_attention(
         qb = q.index_select(0, b.q_index).view(b.nb, b.lq, hq, d).transpose(1, 2)
         kb = k.index_select(0, b.k_index).view(b.nb, b.lk, hkv, d).transpose(1, 2)
         vb = v.index_select(0, b.k_index).view(b.nb, b.lk, hkv, d).transpose(1, 2)
-        mask, causal = _bucket_mask(b, q.device)
+        mask, causal = _bucket_mask(b, q.device, window)
         ob = F.scaled_dot_product_attention(
             qb, kb, vb, attn_mask=mask, is_causal=causal, scale=scale, **extra
         )
@@ -393,6 +415,7 @@ def tree_attention_dense_ref(
     *,
     scale: float | None = None,
     gate: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """TEST ORACLE ONLY — O(C²) time and memory. Same contract as :func:`tree_attention`.
 
@@ -406,6 +429,10 @@ def tree_attention_dense_ref(
         scale = 1.0 / math.sqrt(dqk)
     rows = np.arange(c)
     allowed = forest.is_ancestor_or_self(rows[None, :], rows[:, None])  # [query, key]
+    window = _check_window(window)
+    if window is not None:
+        depth = np.asarray(forest.depth)
+        allowed &= depth[:, None] - depth[None, :] < window
     mask = torch.from_numpy(np.ascontiguousarray(allowed)).to(q.device)
     rep = hq // hkv
     qh = q.transpose(0, 1)

@@ -151,6 +151,7 @@ class AttentionKernel(Protocol):
         *,
         scale: float | None = None,
         gate: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -259,10 +260,11 @@ class SdpaAttentionKernel:
         *,
         scale: float | None = None,
         gate: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         from harts_verl.ops.tree_attention import tree_attention
 
-        return tree_attention(q, k, v, plan, scale=scale, gate=gate)
+        return tree_attention(q, k, v, plan, scale=scale, gate=gate, window=window)
 
 
 class VarlenAttentionKernel:
@@ -307,14 +309,17 @@ class VarlenAttentionKernel:
         *,
         scale: float | None = None,
         gate: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
-        if self.require_half and q.dtype not in FLASH_DTYPES and self.sdpa_fallback:
+        unsupported_dtype = self.require_half and q.dtype not in FLASH_DTYPES
+        if window is not None or (unsupported_dtype and self.sdpa_fallback):
+            # Sliding-window layers run the bucketed SDPA path (same layout, exact).
             from harts_verl.ops.tree_attention import build_attention_plan, tree_attention
 
             cache = plan.cache
             if "sdpa" not in cache:
                 cache["sdpa"] = build_attention_plan(plan.forest, device=plan.device)
-            return tree_attention(q, k, v, cache["sdpa"], scale=scale, gate=gate)
+            return tree_attention(q, k, v, cache["sdpa"], scale=scale, gate=gate, window=window)
         return tree_attention_varlen(
             q,
             k,
