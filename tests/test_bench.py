@@ -8,6 +8,7 @@ import json
 import sys
 
 import pytest
+import torch
 
 from harts_verl.benchmark import BenchConfig, run_bench
 
@@ -69,3 +70,17 @@ def test_model_errors(tmp_path):
         run_bench(BenchConfig(model=str(tmp_path / "nothing.json"), **SMALL))
     with pytest.raises(ValueError, match=r"HF model directory or a config\.json"):
         run_bench(BenchConfig(model=str(tmp_path / "missing_dir"), **SMALL))
+
+
+def test_load_causal_lm_reads_the_named_config_file(tmp_path, monkeypatch):
+    """A ``.json`` spec is that file, not the ``config.json`` beside it."""
+    monkeypatch.setitem(sys.modules, "fla", None)
+    from harts_verl.models.hf import load_causal_lm
+    from harts_verl.workers.testing import tiny_hf_config
+
+    tiny_hf_config("llama").save_pretrained(str(tmp_path))  # tmp_path/config.json: llama
+    tiny_hf_config("mistral").to_json_file(str(tmp_path / "variant.json"))
+    model = load_causal_lm(str(tmp_path / "variant.json"), dtype=torch.float64, seed=1)
+    assert model.config.model_type == "mistral" and not model.training
+    assert next(model.parameters()).dtype == torch.float64
+    assert load_causal_lm(str(tmp_path / "config.json")).config.model_type == "llama"

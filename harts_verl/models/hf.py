@@ -224,7 +224,7 @@ def load_causal_lm(
         raise ValueError(f"model: config file {spec!r} does not exist")
     if not is_config and not os.path.isdir(spec):
         raise ValueError(f"model: expected an HF model directory or a config.json, got {spec!r}")
-    cfg = AutoConfig.from_pretrained(os.path.dirname(spec) or "." if is_config else spec)
+    cfg = AutoConfig.from_pretrained(spec)  # a directory, or the named config file
     cfg._attn_implementation = "sdpa"
     if eager_experts:
         for sub in (cfg, getattr(cfg, "text_config", None)):
