@@ -198,6 +198,47 @@ def test_parity_sliding_window(verl_cpu, tmp_path):
     _compare(ref, tree)
 
 
+def _save_variant(testing, kind: str, path, **overrides) -> str:
+    import transformers
+
+    cfg = testing.tiny_hf_config(kind)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    torch.manual_seed(3)
+    cls = getattr(transformers, type(testing.tiny_hf_model(kind)).__name__)
+    cls(cfg).float().save_pretrained(str(path))
+    return str(path)
+
+
+def test_parity_with_router_logits_requested(verl_cpu, tmp_path):
+    """A checkpoint saved with ``output_router_logits = True`` (Qwen3-MoE): HF's load-balancing
+    loss must not read the tree-mode mask; veRL's losses ignore the aux loss either way."""
+    testing, _ = verl_cpu
+    path = _save_variant(testing, "qwen3_moe", tmp_path / "m", output_router_logits=True)
+    data = _grpo_batch(seed=5)
+    ref = _run(testing, path, "fsdp2", data, loss_mode="vanilla")
+    tree = _run(testing, path, "harts_fsdp2", data, loss_mode="vanilla")
+    _compare(ref, tree)
+
+
+def test_length_dependent_rope_falls_back(verl_cpu, tmp_path):
+    """Dynamic-NTK rope beyond the original context has no exact tree form: such a batch takes
+    the stock path (and equals it), with the reason counted in ``harts/fallback``."""
+    testing, _ = verl_cpu
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    path = _save_variant(
+        testing, "llama", tmp_path / "m", rope_parameters=rope, max_position_embeddings=16
+    )
+    seqs, prompt_lens, spans = _grpo_batch(seed=2)
+    cfg = testing.actor_config(strategy="harts_fsdp2")
+    engine = testing.build_engine(path, cfg)
+    assert engine._rope_limit == ("dynamic", 15)
+    with engine.eval_mode():
+        out = engine.infer_batch(testing.make_batch(seqs, prompt_lens, tool_spans=spans))
+    assert out["metrics"]["harts/fallback"] == [1.0]
+    assert out["model_output"]["log_probs"].size(0) == len(seqs)
+
+
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3_next"])
 @pytest.mark.parametrize("loss_mode", ["gspo", "cispo"])
 def test_parity_loss_modes(verl_cpu, kind, loss_mode):

@@ -301,6 +301,22 @@ TREE_ATTENTION = "harts_tree"
 _UNSUPPORTED_ATTENTION_KWARGS = ("softcap", "s_aux", "sinks")
 
 
+def _sliding_window(module: nn.Module, keyword: int | None) -> int | None:
+    """The sliding window HF applies in ``module``'s layer: the interface keyword, else the
+    module's ``sliding_window`` (Qwen2-MoE sets it on its sliding layers without passing it on;
+    HF applies it through the layer's sliding mask), else the config's ``sliding_window`` when
+    ``config.layer_types`` marks the layer ``sliding_attention``. None (or 0): no window."""
+    window = keyword or getattr(module, "sliding_window", None)
+    if not window:
+        config = getattr(module, "config", None)
+        types = getattr(config, "layer_types", None)
+        idx = getattr(module, "layer_idx", None)
+        if types is not None and idx is not None and 0 <= idx < len(types):
+            if types[idx] == "sliding_attention":
+                window = getattr(config, "sliding_window", None)
+    return int(window) if window else None
+
+
 def tree_attention_interface(
     module: nn.Module,
     query: torch.Tensor,
@@ -335,11 +351,11 @@ def tree_attention_interface(
             raise NotImplementedError(f"{name}: {kw!r} attention is not supported in tree mode")
     if not getattr(module, "is_causal", True):
         raise NotImplementedError(f"{name}: non-causal attention has no tree form")
-    window = None
-    if sliding_window is not None:
+    window = _sliding_window(module, sliding_window)
+    if window is not None:
         longest = int(layout.forest.depth.max()) + 1 if layout.forest.num_compact_tokens else 0
-        if longest > int(sliding_window):  # else the window changes nothing
-            window = int(sliding_window)
+        if longest <= window:  # the window changes nothing
+            window = None
     for t, what in ((query, "query"), (key, "key"), (value, "value")):
         if t.dim() != 4 or t.shape[0] != 1:
             raise ValueError(
@@ -577,6 +593,46 @@ def _text_model(hf_model: nn.Module) -> nn.Module:
     return getattr(base, "language_model", base)
 
 
+def _rope_types(rotary: nn.Module) -> list[str]:
+    rope_type = getattr(rotary, "rope_type", None)
+    if isinstance(rope_type, dict):  # per layer type
+        return [str(t) for t in rope_type.values()]
+    return [str(rope_type)] if rope_type is not None else []
+
+
+def length_dependent_rope(model: nn.Module) -> tuple[str, int] | None:
+    """``(rope_type, longest)`` when a rotary embedding of ``model`` picks its frequencies from
+    the longest position of the batch (transformers' ``dynamic`` NTK scaling and ``longrope``):
+    a tree batch would give every row the frequencies of its microbatch's longest trajectory
+    while trajectory-wise each trajectory gets its own, so tree mode is exact only for
+    trajectories of at most ``longest`` tokens (below the original context, where these
+    scalings leave the frequencies unchanged). None when no such rotary exists."""
+    for mod in model.modules():
+        types = _rope_types(mod) if type(mod).__name__.endswith("RotaryEmbedding") else []
+        original = getattr(mod, "original_max_seq_len", None)
+        if original is None:
+            continue
+        if any("dynamic" in t for t in types):
+            return next(t for t in types if "dynamic" in t), int(original) - 1
+        if "longrope" in types:
+            params = getattr(getattr(mod, "config", None), "rope_parameters", None) or {}
+            limit = params.get("original_max_position_embeddings") or original
+            return "longrope", int(limit)
+    return None
+
+
+def check_rope_lengths(model: nn.Module, longest: int) -> None:
+    """Raise ``NotImplementedError`` when :func:`length_dependent_rope` limits ``model`` to
+    shorter trajectories than ``longest`` tokens (naming the rope type and both lengths)."""
+    found = length_dependent_rope(model)
+    if found is not None and longest > found[1]:
+        raise NotImplementedError(
+            f"rope_type {found[0]!r}: the rotary frequencies depend on the sequence length, "
+            f"so tree mode is exact only up to {found[1]} tokens per trajectory; this batch has "
+            f"a trajectory of {longest} tokens"
+        )
+
+
 def _tree_decoder_forward(
     tree_model: nn.Module, base: nn.Module, input_ids: torch.Tensor, layout: TreeLayout
 ) -> torch.Tensor:
@@ -589,6 +645,8 @@ def _tree_decoder_forward(
     pos = layout.position_ids[None]
     h = base.embed_tokens(input_ids[None])
     rotary = getattr(base, "rotary_emb", None)
+    if rotary is not None and layout.forest.num_compact_tokens:
+        check_rope_lengths(rotary, int(layout.forest.depth.max()) + 1)
     pe = rotary(h, pos) if rotary is not None else None
 
     def run(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
@@ -644,6 +702,13 @@ class _HFTreeModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids ``[C]`` → (final hidden ``[C, D]``, router aux loss weighted by
         multiplicity when ``config.output_router_logits`` else 0)."""
+        jitter = getattr(self.config, "router_jitter_noise", 0.0)
+        if jitter and self.hf.training:
+            raise NotImplementedError(
+                f"router_jitter_noise = {jitter}: training-mode router noise is drawn per token, "
+                "so rows shared by several trajectories would share it (call model.eval(), or "
+                "set router_jitter_noise = 0)"
+            )
         captured: list[torch.Tensor] = []
         want_aux = bool(getattr(self.config, "output_router_logits", False)) and self._routers
         hooks = (

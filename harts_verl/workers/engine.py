@@ -54,6 +54,7 @@ from verl.workers.engine.utils import detach_tree
 from harts_verl.models.adapter import (
     FULL_ATTENTION_MODEL_TYPES,
     TREE_MODEL_TYPES,
+    length_dependent_rope,
     patch_tree_mixers,
     tree_call,
     tree_mode_attention_mask,
@@ -205,6 +206,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
         self._tree_supported = False
         self._model_type: str | None = None
+        self._rope_limit: tuple[str, int] | None = None
         self._lm_head: torch.nn.Module | None = None
         self._calls = 0
         self._stock_batch = False  # inside a fallback batch: forward_step is veRL's
@@ -230,6 +232,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
                 ", ".join(TREE_MODEL_TYPES),
             )
         self._model_type = model_type
+        self._rope_limit = length_dependent_rope(module)  # dynamic / longrope scaling
         return module
 
     # ------------------------------------------------------------------ helpers
@@ -336,6 +339,19 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         s = forest.num_semantic_tokens if forest is not None else 0
         c = forest.num_compact_tokens if forest is not None else 0
         reasons = self._local_fallback_reasons(data, temperature)
+        jitter = getattr(getattr(self.module, "config", None), "router_jitter_noise", 0.0)
+        if jitter and not forward_only:
+            reasons["router_jitter"] = (
+                f"router_jitter_noise = {jitter} draws noise per token in training: shared rows "
+                "would share it across trajectories"
+            )
+        rope = self._rope_limit
+        if forest is not None and rope is not None and int(forest.lengths.max()) > rope[1]:
+            reasons["rope"] = (
+                f"rope_type {rope[0]!r} picks its frequencies from the sequence length: tree mode "
+                f"is exact up to {rope[1]} tokens per trajectory, this batch has "
+                f"{int(forest.lengths.max())}"
+            )
         # All ranks take the same path (FSDP collectives must stay aligned).
         s_all, c_all = self._dp_all_reduce([s, c])
         ok_min = self._dp_all_reduce([0.0 if reasons else 1.0], op=dist.ReduceOp.MIN)[0]
@@ -500,6 +516,10 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         kwargs: dict[str, Any] = {}
         if self._model_type in FULL_ATTENTION_MODEL_TYPES:
             kwargs["attention_mask"] = tree_mode_attention_mask(device)
+        if hasattr(getattr(self.module, "config", None), "output_router_logits"):
+            # HF's load-balancing loss would read the tree-mode mask as a padding mask; veRL's
+            # losses do not use it.
+            kwargs["output_router_logits"] = False
         head_mod = self._lm_head
         with autocast_ctx:
             setattr(head_mod, _HEAD_FN, head)
