@@ -57,6 +57,8 @@ def test_check_reports_fidelity(tmp_path, capsys, monkeypatch, kind, layers, sou
     res = json.loads(capsys.readouterr().out)
     assert res["trajectories"] == 3 and res["compression"] > 1
     assert res["max_abs_dlogp"] <= 1e-6 and res["mean_cos"] > 0.999999
+    # vs the model's own forward of each trajectory (HF's code; float32 rounding only)
+    assert 0 < res["own_forward_max_abs_dlogp"] <= 5e-6
     assert len(res["per_layer_max_abs_diff"]) == layers and res["first_divergent_layer"] is None
     assert res["ideal_flop_ratio"] > 1
 

@@ -7,7 +7,9 @@ audited), OLMo Hybrid (``olmo_hybrid``), the native model (``harts_hybrid``), th
 causal LMs of ``FULL_ATTENTION_MODEL_TYPES`` (Qwen2 / Qwen3 / Llama / Mistral, Qwen2-MoE /
 Qwen3-MoE / Mixtral, DeepSeek-V3, GLM-4-MoE); ``--batch`` a dump of trajectories: a ``RolloutForest.save`` file (``.npz``), or a ``torch.save`` file (``.pt``)
 holding a list of token-id lists or a dict with ``input_ids`` (list, or a nested tensor as in a
-veRL batch). Prints JSON: max |Δlogp|, MeanCos of the final hidden states' logits, per decoder
+veRL batch). Prints JSON: max |Δlogp| tree vs expanded (``max_abs_dlogp``) and tree vs the
+model's own forward of each trajectory alone (``own_forward_max_abs_dlogp``: HF's code, no tree
+machinery, the independent oracle), MeanCos of the final hidden states' logits, per decoder
 layer the max |Δ| of its output with the first layer whose difference exceeds ``--tol`` (None
 when all stay within), and the batch's analytic FLOP ratio expanded ÷ tree
 (:mod:`harts_verl.runtime.flops`; None for a model without a FLOP model).
@@ -112,6 +114,22 @@ def _layer_outputs(runner: Any, model: Any, seqs: list[list[int]]) -> list[list[
     return out
 
 
+def _own_forward_log_probs(model: Any, seqs: list[list[int]]) -> list[torch.Tensor] | None:
+    """Per trajectory, the model's own (non-tree) forward on that trajectory alone: log-probs of
+    tokens 1.. ``[L_i - 1]`` in float64 (None for a model without an HF-style forward)."""
+    if not callable(getattr(model, "forward", None)) or not hasattr(model, "config"):
+        return None
+    device = next(model.parameters()).device
+    out = []
+    with torch.no_grad():
+        for s in seqs:
+            ids = torch.as_tensor([s], dtype=torch.long, device=device)
+            logits = model(input_ids=ids, use_cache=False).logits[0].double()
+            logp = torch.log_softmax(logits, dim=-1)[:-1]
+            out.append(logp.gather(1, ids[0, 1:, None])[:, 0])
+    return out
+
+
 def run_check(
     model: Any, seqs: list[list[int]], *, chunk_size: int = 64, tol: float = 1e-5
 ) -> dict[str, Any]:
@@ -141,12 +159,22 @@ def run_check(
             for x, y in zip(lt_layers, le_layers)
         ]
     first = next((k for k, d in enumerate(per_layer) if d > tol), None)
+    own = _own_forward_log_probs(model, seqs)
+    own_dlogp = (
+        None
+        if own is None
+        else max(
+            (float((a.double().cpu() - b.cpu()).abs().max()) for a, b in zip(lt, own) if a.numel()),
+            default=0.0,
+        )
+    )
     return {
         "trajectories": len(seqs),
         "semantic_tokens": tree.last_stats.semantic_tokens,
         "compact_tokens": tree.last_stats.compact_tokens,
         "compression": tree.last_stats.compression,
         "max_abs_dlogp": dlogp,
+        "own_forward_max_abs_dlogp": own_dlogp,
         "mean_cos": float(cos.mean()),
         "per_layer_max_abs_diff": per_layer,
         "first_divergent_layer": first,
