@@ -539,7 +539,7 @@ def _fake_varlen_module(monkeypatch, *, new_api: bool) -> list[dict]:
             assert enable_gqa or k.shape[1] == q.shape[1]
             return sdpa_varlen_reference(
                 q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale,
-                causal=window_size == (-1, 0),
+                window_size=window_size,
             )  # fmt: skip
     else:
 
@@ -568,6 +568,51 @@ def test_torch_varlen_adapter(monkeypatch, new_api):
         assert calls[-1] == {"window_size": (-1, 0), "enable_gqa": True}
     else:
         assert calls[-1] == {"is_causal": True}
+
+
+@pytest.mark.parametrize("new_api", [True, False], ids=["window_size", "is_causal"])
+def test_torch_varlen_adapter_windows(monkeypatch, new_api):
+    """Newer torch takes sliding windows as ``window_size=(w - 1, 0)``; the older API has none:
+    the adapter says so (``supports_window``) and the kernel then routes windows to SDPA."""
+    calls = _fake_varlen_module(monkeypatch, new_api=new_api)
+    fn = load_torch_varlen()
+    assert fn.supports_window is new_api
+    forest = _forest(5, 16)
+    q, k, v, _ = _attn_inputs(forest.num_compact_tokens, 4, 2, dtype=torch.float64)
+    ref = tree_attention(q, k, v, build_attention_plan(forest), scale=0.2, window=5)
+    kernel = VarlenAttentionKernel("torch_varlen", fn, require_half=False)
+    o = kernel(q, k, v, kernel.build_plan(forest), scale=0.2, window=5)
+    torch.testing.assert_close(o, ref)
+    if new_api:
+        assert calls and calls[-1] == {"window_size": (4, 0), "enable_gqa": True}
+    else:
+        assert not calls
+        plan = build_varlen_attention_plan(forest)
+        with pytest.raises(NotImplementedError, match="no window"):
+            tree_attention_varlen(q, k, v, plan, varlen_fn=fn, require_half=False, window=5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), window=st.sampled_from([1, 2, 5, 9, 64]))
+def test_varlen_window_matches_bucketed_sdpa(seed, window):
+    """Sliding windows through the varlen packing (bottom-right ``window_size=(w - 1, 0)``)
+    equal the bucketed SDPA path's band: outputs and q/k/v gradients, float64."""
+    forest = _forest(seed % 7, 16)
+    xs = [
+        x.requires_grad_()
+        for x in _attn_inputs(forest.num_compact_tokens, 4, 2, dtype=torch.float64)[:3]
+    ]
+    plan = build_varlen_attention_plan(forest)
+    o = tree_attention_varlen(
+        *xs, plan, varlen_fn=sdpa_varlen_reference, scale=0.3, require_half=False, window=window
+    )
+    ref = tree_attention(*xs, build_attention_plan(forest), scale=0.3, window=window)
+    assert float((o - ref).detach().abs().max()) <= 1e-12
+    w = torch.randn(o.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    ga = torch.autograd.grad((o * w).sum(), xs)
+    gb = torch.autograd.grad((ref * w).sum(), xs)
+    for a, b in zip(ga, gb):
+        assert float((a - b).abs().max()) <= 1e-10
 
 
 def test_real_torch_varlen_signature_is_supported():

@@ -164,6 +164,44 @@ def test_varlen_attention_vs_sdpa(cuda, report, name, hq, hkv, dqk, dv):
     assert all(errs[g] <= 2e-2 for g in ("dq", "dk", "dv")), errs
 
 
+@pytest.mark.parametrize("name", ["flash_attn", "torch_varlen"])
+@pytest.mark.parametrize("window", [1, 7, 40])
+def test_varlen_attention_sliding_window(cuda, report, name, window):
+    """Sliding windows through the varlen kernel (``window_size=(w - 1, 0)``, bottom-right)
+    vs the bucketed SDPA band in float32; GQA 8/2, head dim 64, bf16."""
+    try:
+        kern = backends.attention_kernel(name, cuda)
+    except backends.BackendUnavailableError as exc:
+        if name == "torch_varlen" and REQUIRE_FAST:
+            pytest.fail(str(exc))
+        pytest.skip(str(exc))
+    forest = _forest(3)
+    c = forest.num_compact_tokens
+    gen = torch.Generator(device="cpu").manual_seed(4)
+    base = [torch.randn(c, h, 64, generator=gen) for h in (8, 2, 2)]
+    res = {}
+    for tag, dtype, fn, plan in (
+        ("fast", torch.bfloat16, kern, kern.build_plan(forest, device=cuda)),
+        ("sdpa_bf16", torch.bfloat16, tree_attention, build_attention_plan(forest, device=cuda)),
+        ("sdpa_fp32", torch.float32, tree_attention, build_attention_plan(forest, device=cuda)),
+    ):
+        xs = [x.to(cuda, dtype).requires_grad_(True) for x in base]
+        o = fn(*xs, plan, scale=0.125, window=window)
+        w = torch.randn(o.shape, generator=torch.Generator(device=cuda).manual_seed(1), device=cuda)
+        (o.float() * w).sum().backward()
+        res[tag] = (o.float(), [x.grad.float() for x in xs])
+    errs = {
+        "supports_window": bool(getattr(kern.varlen_fn, "supports_window", False)),
+        "o_vs_fp32": err_ratio(res["fast"][0], res["sdpa_fp32"][0]),
+        "sdpa_bf16_vs_fp32": err_ratio(res["sdpa_bf16"][0], res["sdpa_fp32"][0]),
+    }
+    for gname, ga, gb in zip(("dq", "dk", "dv"), res["fast"][1], res["sdpa_fp32"][1]):
+        errs[gname] = err_ratio(ga, gb)
+    report[f"attn_window_{name}_{window}"] = errs
+    assert errs["o_vs_fp32"] <= max(1e-2, 2 * errs["sdpa_bf16_vs_fp32"]), errs
+    assert all(errs[g] <= 2e-2 for g in ("dq", "dk", "dv")), errs
+
+
 # ------------------------------------------------------------------------------ tree vs trajectories
 def _compare(report, key, tree_sem: torch.Tensor, exp_sem: torch.Tensor) -> None:
     bitwise = bool(torch.equal(tree_sem, exp_sem))

@@ -312,8 +312,9 @@ class VarlenAttentionKernel:
         window: int | None = None,
     ) -> torch.Tensor:
         unsupported_dtype = self.require_half and q.dtype not in FLASH_DTYPES
-        if window is not None or (unsupported_dtype and self.sdpa_fallback):
-            # Sliding-window layers run the bucketed SDPA path (same layout, exact).
+        no_window = window is not None and not getattr(self.varlen_fn, "supports_window", False)
+        if no_window or (unsupported_dtype and self.sdpa_fallback):
+            # Sliding windows the kernel cannot take run the bucketed SDPA path (exact).
             from harts_verl.ops.tree_attention import build_attention_plan, tree_attention
 
             cache = plan.cache
@@ -329,6 +330,7 @@ class VarlenAttentionKernel:
             scale=scale,
             gate=gate,
             require_half=self.require_half,
+            window=window,
         )
 
 

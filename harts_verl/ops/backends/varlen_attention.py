@@ -12,8 +12,12 @@ contiguous preorder row ranges, so in preorder the packed queries are the compac
 Kernel contract (:data:`VarlenFn`)::
 
     fn(q [Tq, Hq, D], k [Tk, Hkv, D], v [Tk, Hkv, D], cu_seqlens_q int32 [N+1],
-       cu_seqlens_k int32 [N+1], max_seqlen_q, max_seqlen_k, softmax_scale=..., causal=True)
-       -> o [Tq, Hq, D]
+       cu_seqlens_k int32 [N+1], max_seqlen_q, max_seqlen_k, softmax_scale=..., causal=True
+       [, window_size=(left, 0)]) -> o [Tq, Hq, D]
+
+``window_size`` (flash-attn's convention, passed only for sliding-window layers, and only to a
+kernel whose ``supports_window`` attribute is true): query ``t`` sees the keys
+``fork_position + t - left .. fork_position + t``; a window of ``w`` tokens is ``left = w - 1``.
 
 GQA is passed through (``Hq`` a multiple of ``Hkv``). Head dims: flash kernels need equal q/k and
 v head dims, a multiple of 8, ``<= 256``: the narrower side is zero-padded (exact: zeros add
@@ -69,6 +73,7 @@ class VarlenFn(Protocol):
         *,
         softmax_scale: float | None = None,
         causal: bool = False,
+        window_size: tuple[int, int] = (-1, -1),
     ) -> torch.Tensor: ...
 
 
@@ -184,6 +189,7 @@ def tree_attention_varlen(
     scale: float | None = None,
     gate: torch.Tensor | None = None,
     require_half: bool = True,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Tree attention with a varlen kernel; same contract as
     :func:`~harts_verl.ops.tree_attention.tree_attention` (q ``[C, Hq, Dqk]``, k ``[C, Hkv,
@@ -194,6 +200,8 @@ def tree_attention_varlen(
         from :func:`load_torch_varlen`, or :func:`sdpa_varlen_reference`.
       require_half: refuse dtypes other than fp16/bf16 (flash kernels); False for the SDPA
         test double.
+      window: sliding window in tokens (a row sees the ancestors-or-self less than ``window``
+        above it), passed as ``window_size=(window - 1, 0)``; None = unlimited.
     """
     c = plan.num_rows
     hq, _hkv, dqk, dv = _check_qkv(q, k, v, gate, c)
@@ -204,6 +212,8 @@ def tree_attention_varlen(
             f"varlen flash attention supports float16/bfloat16 only, got {q.dtype}; use "
             f"attention_backend='sdpa' (or 'auto', which routes other dtypes to SDPA)"
         )
+    if window is not None and (isinstance(window, bool) or int(window) < 1):
+        raise ValueError(f"window: expected a positive int or None, got {window!r}")
     if scale is None:
         scale = 1.0 / math.sqrt(dqk)
     if c == 0:
@@ -226,6 +236,7 @@ def tree_attention_varlen(
         plan.max_seqlen_k,
         softmax_scale=scale,
         causal=True,
+        **({} if window is None else {"window_size": (int(window) - 1, 0)}),
     )
     return _finish_heads(o, plan.out_index, dv, gate)
 
@@ -241,10 +252,13 @@ def sdpa_varlen_reference(
     *,
     softmax_scale: float | None = None,
     causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
 ) -> torch.Tensor:
     """The :data:`VarlenFn` contract implemented with SDPA, one sequence at a time (any device,
-    any float dtype). Causal masks are aligned bottom-right, like flash-attn. Test double only:
-    a Python loop over sequences."""
+    any float dtype). Causal masks and windows are aligned bottom-right, like flash-attn
+    (``window_size = (left, right)``, -1 = unlimited). Test double only: a Python loop over
+    sequences."""
+    left, right = (int(x) for x in window_size)
     cq = [int(x) for x in cu_seqlens_q.tolist()]
     ck = [int(x) for x in cu_seqlens_k.tolist()]
     if len(cq) != len(ck):
@@ -259,14 +273,21 @@ def sdpa_varlen_reference(
         qi = q[cq[i] : cq[i + 1]].transpose(0, 1)
         ki = k[ck[i] : ck[i + 1]].repeat_interleave(rep, dim=1).transpose(0, 1)
         vi = v[ck[i] : ck[i + 1]].repeat_interleave(rep, dim=1).transpose(0, 1)
-        mask = None
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device)
         if causal:
-            mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+            right = 0
+        if right >= 0:
+            mask = mask.tril(lk - lq + right)
+        if left >= 0:
+            mask = mask.triu(lk - lq - left)
         oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=softmax_scale)
         outs.append(oi.transpose(0, 1))
     if not outs:
         return q.new_zeros((0, hq, v.shape[2]))
     return torch.cat(outs, dim=0)
+
+
+sdpa_varlen_reference.supports_window = True  # type: ignore[attr-defined]
 
 
 def load_flash_attn_varlen() -> Callable[..., torch.Tensor]:
@@ -282,14 +303,21 @@ def load_flash_attn_varlen() -> Callable[..., torch.Tensor]:
             f"flash-attn unavailable: cannot import flash_attn.flash_attn_varlen_func "
             f"({type(exc).__name__}: {exc}); install flash-attn >= 2.1 built for this torch/CUDA"
         ) from exc
-    return flash_attn_varlen_func
+    supports = "window_size" in inspect.signature(flash_attn_varlen_func).parameters
+
+    def fn(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return flash_attn_varlen_func(*args, **kwargs)
+
+    fn.supports_window = supports  # type: ignore[attr-defined]  # flash-attn >= 2.3
+    return fn
 
 
 def load_torch_varlen() -> Callable[..., torch.Tensor]:
     """An adapter of ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.9, CUDA; torch's
     built-in flash kernel, bottom-right causal) to the :data:`VarlenFn` contract.
 
-    Causal is requested as ``window_size=(-1, 0)`` (newer torch) or ``is_causal=True`` (older);
+    Causal is requested as ``window_size=(-1, 0)`` (newer torch; ``(left, 0)`` with a sliding
+    window, ``supports_window`` set) or ``is_causal=True`` (older torch: no windows);
     GQA as ``enable_gqa=True`` where supported, else by repeating k/v heads; without a ``scale``
     keyword (torch 2.9) the scale is folded into q.
 
@@ -322,17 +350,20 @@ def load_torch_varlen() -> Callable[..., torch.Tensor]:
         *,
         softmax_scale: float | None = None,
         causal: bool = False,
+        window_size: tuple[int, int] = (-1, -1),
     ) -> torch.Tensor:
         kw: dict[str, Any] = {}
+        if tuple(window_size) != (-1, -1) and "window_size" not in params:
+            raise NotImplementedError(f"torch {torch.__version__}: varlen_attn has no window")
         if "scale" in params:
             kw["scale"] = softmax_scale
         elif softmax_scale is not None:  # oldest API (torch 2.9): fixed 1/sqrt(D); fold into q
             q = q * (softmax_scale * math.sqrt(q.shape[-1]))
-        if causal:
-            if "window_size" in params:
-                kw["window_size"] = (-1, 0)
-            else:
-                kw["is_causal"] = True
+        if "window_size" in params:
+            left, right = (int(x) for x in window_size)
+            kw["window_size"] = (left, 0 if causal else right)
+        elif causal:
+            kw["is_causal"] = True
         if k.shape[1] != q.shape[1]:
             if has_gqa:
                 kw["enable_gqa"] = True
@@ -342,4 +373,5 @@ def load_torch_varlen() -> Callable[..., torch.Tensor]:
                 v = v.repeat_interleave(rep, dim=1)
         return varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kw)
 
+    fn.supports_window = "window_size" in params  # type: ignore[attr-defined]
     return fn
