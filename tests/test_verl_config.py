@@ -99,6 +99,39 @@ def test_hydra_compose_resolves_to_harts_engine_and_config(monkeypatch):
         omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
 
 
+def test_strategy_alone_enables_harts_through_main_ppo():
+    """``harts_verl.main_ppo``: ``strategy=harts_fsdp2`` is the one flag; ``harts.*`` options
+    need no ``_target_`` override; other strategies and explicit classes are left alone."""
+    from hydra import compose, initialize_config_module
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from harts_verl.workers.config import HartsFSDPActorConfig
+    from harts_verl.workers.trainer import apply_harts_actor_config
+
+    def composed(*overrides: str):
+        batch = ["actor_rollout_ref.actor.ppo_mini_batch_size=8"]
+        batch += ["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.rollout.n=4"]
+        with initialize_config_module("verl.trainer.config", version_base=None):
+            return compose("ppo_trainer", overrides=[*overrides, *batch])
+
+    cfg = composed(
+        "actor_rollout_ref.actor.strategy=harts_fsdp2",
+        "+actor_rollout_ref.actor.harts.chunk_size=16",
+    )
+    assert apply_harts_actor_config(cfg)
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    assert isinstance(actor, HartsFSDPActorConfig) and actor.harts.chunk_size == 16
+    assert not apply_harts_actor_config(cfg)  # idempotent
+    stock = composed("actor_rollout_ref.actor.strategy=fsdp2")
+    assert not apply_harts_actor_config(stock)
+    assert stock.actor_rollout_ref.actor._target_ == "verl.workers.config.FSDPActorConfig"
+    custom = composed(
+        "actor_rollout_ref.actor.strategy=harts_fsdp2", "actor_rollout_ref.actor._target_=my.Cls"
+    )
+    assert not apply_harts_actor_config(custom)
+    assert custom.actor_rollout_ref.actor._target_ == "my.Cls"
+
+
 def test_tree_balanced_partition_keeps_trees_and_balances_work():
     from harts_verl.tree import RolloutForest
     from harts_verl.workers.balance import partition_work, tree_balanced_partition

@@ -3,8 +3,11 @@
 Enable HARTS in a veRL PPO config::
 
     actor_rollout_ref.actor.strategy=harts_fsdp2
-    actor_rollout_ref.actor._target_=harts_verl.workers.config.HartsFSDPActorConfig
-    +actor_rollout_ref.actor.harts.chunk_size=64     # any key of HartsConfig
+    +actor_rollout_ref.actor.harts.chunk_size=64     # optional: any key of HartsConfig
+
+(``python -m harts_verl.main_ppo`` selects this class for that strategy; with veRL's own entry
+point add ``actor_rollout_ref.actor._target_=harts_verl.workers.config.HartsFSDPActorConfig``
+to pass ``harts.*`` options.)
 
 veRL's ``FSDPActorConfig.__post_init__`` copies ``actor.strategy`` into the engine config; we
 attach the validated :class:`HartsConfig` to the same engine config object (attribute

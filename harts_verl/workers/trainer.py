@@ -1,8 +1,11 @@
 """Tree-aware DP for veRL's V1 trainer: ``PPOTrainerSync`` subclass + TaskRunner + ``main``.
 
-``python -m harts_verl.main_ppo <hydra overrides>`` runs veRL's PPO entry point with two
-changes, both active only when ``actor_rollout_ref.actor.strategy=harts_fsdp2``:
+``python -m harts_verl.main_ppo <hydra overrides>`` runs veRL's PPO entry point with three
+changes, all active only when ``actor_rollout_ref.actor.strategy=harts_fsdp2``:
 
+* the actor config class becomes ``HartsFSDPActorConfig`` (:func:`apply_harts_actor_config`),
+  so the strategy is the one flag that enables HARTS and ``+actor_rollout_ref.actor.harts.*``
+  options are accepted;
 * ``_balance_batch`` reorders the batch with :func:`~harts_verl.workers.balance.
   tree_balanced_partition` (trees stay on one DP rank and in one actor mini-batch, compact
   work balanced per mini-batch and per rank; veRL's dispatcher then hands each rank one
@@ -29,6 +32,7 @@ from harts_verl.workers.balance import partition_work, tree_balanced_partition
 from harts_verl.workers.config import STRATEGY
 
 __all__ = [
+    "apply_harts_actor_config",
     "harts_balance_batch",
     "is_harts_config",
     "main",
@@ -44,6 +48,28 @@ def is_harts_config(config: Any) -> bool:
         return config.actor_rollout_ref.actor.strategy == STRATEGY
     except AttributeError:
         return False
+
+
+_VERL_FSDP_ACTOR = "verl.workers.config.FSDPActorConfig"
+_HARTS_ACTOR = "harts_verl.workers.config.HartsFSDPActorConfig"
+
+
+def apply_harts_actor_config(config: Any) -> bool:
+    """With ``actor.strategy=harts_fsdp2`` and veRL's default actor config class, select
+    :class:`~harts_verl.workers.config.HartsFSDPActorConfig` (``actor._target_``) so that the
+    ``harts:`` options (``+actor_rollout_ref.actor.harts.*``) are accepted and validated: the
+    strategy is then the one flag that enables HARTS. An explicitly chosen other class is left
+    alone. Returns whether the config was changed."""
+    from omegaconf import open_dict
+
+    if not is_harts_config(config):
+        return False
+    actor = config.actor_rollout_ref.actor
+    if actor.get("_target_") != _VERL_FSDP_ACTOR:
+        return False
+    with open_dict(actor):
+        actor["_target_"] = _HARTS_ACTOR
+    return True
 
 
 def harts_balance_batch(
@@ -186,6 +212,7 @@ def main() -> None:
         config_path="pkg://verl.trainer.config", config_name="ppo_trainer", version_base=None
     )
     def _main(config) -> None:
+        apply_harts_actor_config(config)
         auto_set_device(config)
         validate_config(
             config=config,
