@@ -57,6 +57,15 @@ def test_harts_section_validation():
         ({"audit_every": 1.5}, "harts.audit_every"),
         ({"chunk": 8}, "harts.chunk"),
         ({"planner": {"bogus": 1}}, "harts.planner.bogus"),
+        ({"planner": "abc"}, "harts.planner"),
+        ({"planner": {"work_slack": -5}}, "harts.planner.work_slack"),
+        ({"planner": {"effort": "lots"}}, "harts.planner.effort"),
+        ({"planner": {"strategies": 5}}, "harts.planner.strategies"),
+        ({"planner": {"strategies": ["tree", "bogus"]}}, "harts.planner.strategies"),
+        ({"planner": {"restarts": -1}}, "harts.planner.restarts"),
+        ({"planner": {"improve": "yes"}}, "harts.planner.improve"),
+        ({"planner": {"seed": 1.9}}, "harts.planner.seed"),
+        ({"planner": {"seed": None}}, "harts.planner.seed"),
         ({"enable": "yes"}, "harts.enable"),
     ]:
         with pytest.raises(ValueError, match=key.replace(".", r"\.")):
@@ -97,6 +106,29 @@ def test_hydra_compose_resolves_to_harts_engine_and_config(monkeypatch):
         cfg = compose("ppo_trainer", overrides=bad)
     with pytest.raises(Exception, match=r"harts\.chunk_sise"):
         omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+
+
+def test_importing_config_first_registers_the_engine():
+    """A process whose first import is the config module (``import verl`` inside it loads our
+    plugin, which imports the engine) still registers ``harts_fsdp2``."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['fla'] = None\n"
+        "from harts_verl.workers.config import HartsFSDPActorConfig\n"
+        "from harts_verl.workers import plugin\n"
+        "from verl.workers.engine import EngineRegistry\n"
+        "assert plugin.REGISTERED['harts_fsdp2'], plugin.REGISTERED\n"
+        "assert 'harts_fsdp2' in EngineRegistry._engines['language_model']\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "could not register" not in out.stderr
 
 
 def test_strategy_alone_enables_harts_through_main_ppo():

@@ -97,6 +97,7 @@ __all__ = [
     "place_microbatches",
     "plan_microbatches",
     "slot_imbalance",
+    "validate_options",
 ]
 
 _INF = np.int64(1) << 62
@@ -1335,7 +1336,18 @@ def _check_options(options: dict[str, Any]) -> dict[str, Any]:
         opt[name] = float(v)
     opt["restarts"] = _check_int("restarts", opt["restarts"], 0)
     opt["max_layers_work"] = _check_int("max_layers_work", opt["max_layers_work"], 0)
+    for name in ("allow_oversize", "improve", "balance"):
+        if not isinstance(opt[name], bool | np.bool_):
+            raise ValueError(f"{name}: expected a bool, got {opt[name]!r}")
+        opt[name] = bool(opt[name])
     return opt
+
+
+def validate_options(options: dict[str, Any]) -> None:
+    """Check ``plan_microbatches`` keyword options (the planner's own, without ``forest`` /
+    ``capacity_tokens`` / ``dp``) as the planner would, before any planning: ``TypeError`` for
+    an unknown option, ``ValueError`` naming the option and what it expects."""
+    _check_options(dict(options))
 
 
 def _oversize(forest: RolloutForest, cap: int, allow: bool) -> np.ndarray:

@@ -21,12 +21,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from verl.base_config import BaseConfig
+from verl.base_config import BaseConfig  # loads our plugin (-> engine) if verl was not loaded
 from verl.workers.config import FSDPActorConfig
+
+from harts_verl.workers import STRATEGY
 
 __all__ = ["STRATEGY", "HartsConfig", "HartsFSDPActorConfig", "harts_config_of"]
 
-STRATEGY = "harts_fsdp2"
 _PLANNER_KEYS = {"strategies", "improve", "balance", "work_slack", "restarts", "effort", "seed"}
 
 
@@ -85,6 +86,16 @@ class HartsConfig(BaseConfig):
                 raise ValueError(
                     f"harts.planner.{key}: unknown planner option (known: {sorted(_PLANNER_KEYS)})"
                 )
+        options = {str(k): v for k, v in self.planner.items()}
+        seed = options.pop("seed", 0)
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"harts.planner.seed: expected an int >= 0, got {seed!r}")
+        from harts_verl.tree.microbatch import validate_options
+
+        try:
+            validate_options(options)
+        except (TypeError, ValueError) as exc:  # the planner names the option
+            raise ValueError(f"harts.planner.{exc}") from None
 
     @classmethod
     def from_any(cls, value: Any) -> HartsConfig:
@@ -103,8 +114,10 @@ class HartsConfig(BaseConfig):
                 raise ValueError(
                     f"harts.{key}: unknown key (known: {sorted(known - {'_target_'})})"
                 )
-        if "planner" in items:
-            items["planner"] = dict(items["planner"] or {})
+        if isinstance(items.get("planner"), Mapping):
+            items["planner"] = dict(items["planner"])
+        elif items.get("planner", {}) is None:
+            items["planner"] = {}
         return cls(**items)
 
 

@@ -37,7 +37,7 @@ import logging
 import time
 import types
 from contextlib import nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -62,7 +62,10 @@ from harts_verl.models.adapter import (
 from harts_verl.ops.layout import TreeLayout
 from harts_verl.ops.logprobs import compact_log_probs
 from harts_verl.tree import RolloutForest
-from harts_verl.workers.config import STRATEGY, HartsConfig, harts_config_of
+from harts_verl.workers import STRATEGY
+
+if TYPE_CHECKING:
+    from harts_verl.workers.config import HartsConfig
 
 __all__ = ["HartsFSDPEngine", "forest_of_batch"]
 
@@ -195,6 +198,8 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
     """veRL FSDP2 engine running each micro-batch as its token trie (see module docstring)."""
 
     def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config) -> None:
+        from harts_verl.workers.config import harts_config_of  # not at import: see STRATEGY
+
         self.harts: HartsConfig = harts_config_of(engine_config)
         # FSDP build code branches on the literal strategy name.
         if getattr(engine_config, "strategy", None) in (STRATEGY, None):
