@@ -142,3 +142,44 @@ def test_flop_model_dispatch(monkeypatch):
     assert model_shape(wrapper) == model_shape(text)
     with pytest.raises(ValueError, match="gpt2"):
         model_shape(transformers.GPT2Config())
+
+
+def test_load_sequences_formats_and_errors(tmp_path):
+    """Every dump format a veRL user produces loads to the same trajectories (dense batches
+    through their attention mask); malformed dumps raise ValueError naming the file."""
+    from tensordict import TensorDict
+
+    from harts_verl.tree import RolloutForest
+    from harts_verl.workers.check import load_sequences, run_check
+
+    seqs = [[5, 6, 7], [5, 6], [9]]
+    nested = torch.nested.as_nested_tensor([torch.tensor(s) for s in seqs], layout=torch.jagged)
+    dense = torch.tensor([[5, 6, 7], [5, 6, 0], [9, 0, 0]])
+    mask = (torch.arange(3)[None] < torch.tensor([3, 2, 1])[:, None]).long()
+    good = {
+        "list": seqs,
+        "tensors": [torch.tensor(s) for s in seqs],
+        "nested": nested,
+        "dict": {"input_ids": nested},
+        "dense": {"input_ids": dense, "attention_mask": mask},
+        "tensordict": TensorDict({"input_ids": dense, "attention_mask": mask}, batch_size=[3]),
+    }
+    for name, obj in good.items():
+        torch.save(obj, tmp_path / f"{name}.pt")
+        assert load_sequences(str(tmp_path / f"{name}.pt")) == seqs, name
+    RolloutForest.from_sequences(seqs).save(str(tmp_path / "f.npz"))
+    assert load_sequences(str(tmp_path / "f.npz")) == seqs
+    bad = {
+        "floats": ([[1.0, 2.0]], "integer token ids"),
+        "empty": ([], "no trajectories"),
+        "nokey": ({"sequences": seqs}, "no 'input_ids'"),
+        "densenomask": ({"input_ids": dense}, "without attention_mask"),
+        "maskshape": ({"input_ids": dense, "attention_mask": mask[:2]}, "does not match"),
+    }
+    for name, (obj, msg) in bad.items():
+        torch.save(obj, tmp_path / f"{name}.pt")
+        with pytest.raises(ValueError, match=msg) as info:
+            load_sequences(str(tmp_path / f"{name}.pt"))
+        assert f"{name}.pt" in str(info.value)
+    with pytest.raises(ValueError, match="no trajectories"):
+        run_check(None, [])

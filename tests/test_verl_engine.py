@@ -374,3 +374,28 @@ def test_gate_gradients_vs_float64(verl_cpu, monkeypatch):
         err_t = float((g_t[n].double() - g64[n]).abs().max())
         err_r = float((g_r[n].double() - g64[n]).abs().max())
         assert err_t <= err_r, (n, err_t, err_r)
+
+
+def test_scalar_temperature_validation():
+    """One temperature per batch (None: per-sample values differ, the batch falls back); a
+    missing, non-finite or non-positive one is a ValueError naming ``temperature``."""
+    from tensordict import TensorDict
+
+    from harts_verl.workers.engine import _scalar_temperature
+
+    def batch(t):
+        td = TensorDict({"input_ids": torch.zeros(2, 1)}, batch_size=[2])
+        if t is not None:
+            td["temperature"] = t
+        return td
+
+    assert _scalar_temperature(batch(None)) == 1.0
+    assert _scalar_temperature(batch(torch.tensor([0.7, 0.7]))) == pytest.approx(0.7)
+    assert _scalar_temperature(batch(torch.tensor([0.7, 0.9]))) is None
+    for bad in (
+        torch.tensor([float("nan"), 0.7]),
+        torch.tensor([0.0, 0.0]),
+        torch.tensor([-1.0, -1.0]),
+    ):
+        with pytest.raises(ValueError, match="temperature"):
+            _scalar_temperature(batch(bad))

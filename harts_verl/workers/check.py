@@ -32,18 +32,62 @@ __all__ = ["add_arguments", "decoder_layers", "load_sequences", "main", "run_che
 
 
 def load_sequences(path: str) -> list[list[int]]:
-    """Trajectories of a batch dump (see module doc)."""
+    """Trajectories of a batch dump (see module doc): a ``RolloutForest.save`` ``.npz``, or a
+    ``torch.save`` file of a list of token-id lists / 1-D integer tensors, a nested (jagged)
+    ``input_ids`` tensor, or a mapping (dict, TensorDict) with ``input_ids`` — nested, a list,
+    or dense ``[B, L]`` with ``attention_mask`` (the masked-in tokens of each row). Raises
+    ``ValueError`` naming the file and what is wrong (no trajectories, non-integer ids, a
+    missing key, a dense batch without its mask)."""
     from harts_verl.tree import RolloutForest
 
     if path.endswith(".npz"):
         f = RolloutForest.load(path)
-        return [f.tokens_of(i).tolist() for i in range(f.num_trajectories)]
-    obj = torch.load(path, map_location="cpu", weights_only=False)
-    if isinstance(obj, dict):
+        seqs = [f.tokens_of(i).tolist() for i in range(f.num_trajectories)]
+    else:
+        obj = torch.load(path, map_location="cpu", weights_only=False)
+        seqs = _sequences_of(obj, path)
+    if not seqs:
+        raise ValueError(f"{path}: the batch has no trajectories")
+    return seqs
+
+
+def _sequences_of(obj: Any, path: str) -> list[list[int]]:
+    mask = None
+    if hasattr(obj, "keys") and callable(obj.keys):  # dict, TensorDict
+        keys = list(obj.keys())
+        if "input_ids" not in keys:
+            raise ValueError(f"{path}: no 'input_ids' in the saved mapping (keys: {keys})")
+        mask = obj["attention_mask"] if "attention_mask" in keys else None
         obj = obj["input_ids"]
     if isinstance(obj, torch.Tensor) and obj.is_nested:
         obj = list(obj.unbind())
-    return [np.asarray(t).astype(np.int64).tolist() for t in obj]
+    elif isinstance(obj, torch.Tensor):
+        if obj.dim() == 1:
+            obj = [obj]
+        elif obj.dim() == 2 and mask is not None:
+            if tuple(mask.shape) != tuple(obj.shape):
+                raise ValueError(
+                    f"{path}: attention_mask {tuple(mask.shape)} does not match input_ids "
+                    f"{tuple(obj.shape)}"
+                )
+            obj = [row[m.bool()] for row, m in zip(obj, mask)]
+        else:
+            raise ValueError(
+                f"{path}: input_ids is a dense {tuple(obj.shape)} tensor without attention_mask "
+                "(padding cannot be told from tokens); save a nested tensor or token lists"
+            )
+    if not isinstance(obj, list | tuple):
+        raise ValueError(f"{path}: expected trajectories as a list, got {type(obj).__name__}")
+    seqs = []
+    for i, t in enumerate(obj):
+        a = t.numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
+        if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+            raise ValueError(
+                f"{path}: trajectory {i}: expected a 1-D sequence of integer token ids, got "
+                f"dtype {a.dtype} shape {a.shape}"
+            )
+        seqs.append(a.astype(np.int64).tolist())
+    return seqs
 
 
 def decoder_layers(model: Any) -> list[torch.nn.Module]:
@@ -135,6 +179,9 @@ def run_check(
 ) -> dict[str, Any]:
     """Tree vs expanded on one model and batch: the figures described in the module doc."""
     from harts_verl.runtime import ExpandedRunner, TreeRunner
+
+    if not seqs:
+        raise ValueError("seqs: the batch has no trajectories")
 
     tree = TreeRunner(model, chunk_size=chunk_size)
     exp = ExpandedRunner(model, chunk_size=chunk_size)

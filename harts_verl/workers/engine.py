@@ -125,6 +125,9 @@ def _tree_metadata(data: TensorDict) -> list[Any] | None:
     return out if len(out) == len(data) else None
 
 
+_METADATA_WARNED: set[bool] = set()
+
+
 def forest_of_batch(data: TensorDict) -> RolloutForest:
     """The rollout forest of a batch's trajectories (``input_ids``), in batch order.
 
@@ -141,22 +144,36 @@ def forest_of_batch(data: TensorDict) -> RolloutForest:
         if forest is not None:
             forest.harts_source = "metadata"
             return forest
-        logger.warning("harts_fsdp2: tree metadata not used (%s); detecting prefixes", why)
+        # Same numbers either way; one WARNING per process (veRL's padding samples copy sample
+        # 0's metadata, which then disagrees with their tokens on every step).
+        log = logger.debug if _METADATA_WARNED else logger.warning
+        _METADATA_WARNED.add(True)
+        log("harts_fsdp2: tree metadata not used (%s); detecting prefixes", why)
     forest = RolloutForest.from_sequences(seqs)
     forest.harts_source = "tokens"
     return forest
 
 
 def _scalar_temperature(micro_batch: TensorDict) -> float | None:
+    """The batch's one sampling temperature (1.0 when absent); None when samples carry
+    different ones. Raises ``ValueError`` naming ``temperature`` for a missing, non-numeric,
+    non-finite or non-positive value."""
     t = micro_batch["temperature"] if "temperature" in micro_batch.keys() else 1.0
     t = tu.unwrap_non_tensor_data(t) if not isinstance(t, torch.Tensor | float | int) else t
     if isinstance(t, torch.Tensor):
         if t.numel() == 0:
             return 1.0
-        flat = t.reshape(-1).float()
+        flat = t.reshape(-1).double()
+        bad = ~torch.isfinite(flat) | (flat <= 0)
+        if bool(bad.any()):
+            raise ValueError(
+                f"temperature: expected finite positive values, got {float(flat[bad][0])}"
+            )
         if not bool((flat == flat[0]).all()):
             return None
         return float(flat[0])
+    if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < float(t) < float("inf"):
+        raise ValueError(f"temperature: expected a finite positive number, got {t!r}")
     return float(t)
 
 
