@@ -121,6 +121,87 @@ def test_check_rollout_n():
     assert "rollout.n=2" in check_rollout_n(cfg(2, 4))
 
 
+# ---------------------------------------------------------------------- ForkSpec config (pure)
+@pytest.mark.parametrize(
+    ("cfg", "match"),
+    [
+        ({"budget": 4.7}, r"fork\.budget: expected an int >= 1, got 4\.7"),
+        ({"branching": 2.9}, r"fork\.branching: expected an int >= 1, got 2\.9"),
+        ({"turns": [0.5, 1.5]}, r"fork\.turns: expected integer turn numbers, got 0\.5"),
+        ({"turns": "01"}, r"fork\.turns: expected a list of turn numbers"),
+        ({"turns": 1}, r"fork\.turns: expected a list of turn numbers"),
+        ({"turns": [0, True]}, r"fork\.turns: expected integer turn numbers, got True"),
+        ({"budgte": 8}, r"fork\.budgte: unknown key \(did you mean 'budget'\?\)"),
+        ({"budget": "four"}, r"fork\.budget: expected an int >= 1, got 'four'"),
+        ({"budget": True}, r"fork\.budget: expected an int >= 1, got True"),
+        ({"budget": float("inf")}, r"fork\.budget: expected an int >= 1, got inf"),
+        ({"budget": 0}, r"fork\.budget: expected >= 1, got 0"),
+        ({"policy": 3}, r"fork\.policy: expected 'turns' or 'every', got 3"),
+        ({"group": None}, r"fork\.group: expected one of"),
+    ],
+)
+def test_fork_spec_from_config_rejects_bad_values(cfg, match):
+    """No truncation (4.7 is not 4), no string-to-list splitting, no ignored typos."""
+    with pytest.raises(ValueError, match=match):
+        ForkSpec.from_config(cfg)
+
+
+def test_fork_spec_rejects_bad_values_directly():
+    for kw, field in (
+        ({"budget": 4.7}, "budget"),
+        ({"budget": float("inf")}, "budget"),
+        ({"branching": 2.0}, "branching"),
+        ({"turns": "01"}, "turns"),
+        ({"turns": (0, 1.5)}, "turns"),
+    ):
+        with pytest.raises(ValueError, match=rf"fork\.{field}"):
+            ForkSpec(**kw)
+    with pytest.raises(ValueError, match=r"fork: expected a mapping"):
+        ForkSpec.from_config(["budget", 4])
+
+
+def test_fork_spec_accepts_numpy_ints_and_normalises():
+    spec = ForkSpec(turns=[np.int64(0), 2], branching=np.int32(3), budget=np.int64(6))
+    assert spec.turns == (0, 2) and type(spec.turns[0]) is int
+    assert type(spec.branching) is int and type(spec.budget) is int
+    assert hash(spec) == hash(ForkSpec(turns=(0, 2), branching=3, budget=6))
+    assert ForkSpec.from_config({"turns": None, "enable": True}) == ForkSpec()
+
+
+def test_fork_spec_of_reads_enable_strictly(monkeypatch):
+    from omegaconf import OmegaConf
+
+    from harts_verl.workers.rollout.fork import fork_spec_of
+
+    def cfg(fork):
+        return OmegaConf.create({"harts_rollout": {"fork": fork}})
+
+    # bool("false") is True: a string must not switch forking on (or off)
+    for value in ("false", "true", 1, None):
+        with pytest.raises(ValueError, match=r"harts_rollout\.fork\.enable: expected a bool"):
+            fork_spec_of(cfg({"enable": value}))
+    with pytest.raises(ValueError, match=r"oc\.decode"):
+        fork_spec_of(cfg({"enable": "false"}))
+    assert fork_spec_of(cfg({"enable": False})) is None
+    assert fork_spec_of(cfg({"enable": True, "budget": 8})).budget == 8
+    # the documented way to take it from the environment
+    monkeypatch.setenv("HARTS_TEST_FORK", "false")
+    assert fork_spec_of(cfg({"enable": "${oc.decode:${oc.env:HARTS_TEST_FORK,true}}"})) is None
+    monkeypatch.setenv("HARTS_TEST_FORK", "true")
+    assert fork_spec_of(cfg({"enable": "${oc.decode:${oc.env:HARTS_TEST_FORK,false}}"}))
+    # misspelled keys are errors even while disabled; malformed nodes name their key
+    with pytest.raises(ValueError, match=r"fork\.budgte: unknown key"):
+        fork_spec_of(cfg({"enable": True, "budgte": 8}))
+    with pytest.raises(ValueError, match=r"fork\.brnaching: unknown key"):
+        fork_spec_of(cfg({"enable": False, "brnaching": 8}))
+    with pytest.raises(ValueError, match=r"harts_rollout\.fork: expected a mapping"):
+        fork_spec_of(cfg("on"))
+    with pytest.raises(ValueError, match=r"harts_rollout: expected a mapping"):
+        fork_spec_of(OmegaConf.create({"harts_rollout": 3}))
+    assert fork_spec_of(OmegaConf.create({"harts_rollout": None})) is None
+    assert fork_spec_of(OmegaConf.create({"harts_rollout": {"fork": None}})) is None
+
+
 # ---------------------------------------------------------------------- agent loop
 @pytest.fixture(scope="module")
 def env():

@@ -127,6 +127,130 @@ def test_metadata_forest_in_batch_order_and_fallback():
     assert forest_from_metadata(seqs, [None, *meta[1:]])[1].startswith("trajectory 0")
 
 
+_GOOD = ["b", None, 0, 4]
+
+
+@pytest.mark.parametrize(
+    ("turns", "why"),
+    [
+        (
+            [["a", None, 4]],
+            "turns[0]: expected a [turn_id, parent_turn_id, start, end] list, got 3",
+        ),
+        ([["a", None, 0, 4, "x"]], "turns[0]: expected a [turn_id, parent_turn_id, start, end]"),
+        ([None], "turns[0]: expected a [turn_id, parent_turn_id, start, end] list, got NoneType"),
+        ([1, 2], "turns[0]: expected a [turn_id, parent_turn_id, start, end] list, got int"),
+        ([{"id": "a", "start": 0, "end": 4}], "got dict"),
+        ([["a", None, 0, 3.0], ["t", "a", 3.0, 4]], "turns[0]: end: expected an integer"),
+        ([["a", None, "0", 4]], "turns[0]: start: expected an integer"),
+        ([["a", None, 0, True], ["c", "a", 1, 4]], "turns[0]: end: expected an integer"),
+        ([[7, None, 0, 4]], "turns[0]: turn_id: expected a string, got int"),
+        ([["a", None, 0, 2], ["c", 3, 2, 4]], "turns[1]: parent_turn_id: expected a string"),
+        ([["a", None, 0, 2], ["c", "a", 2, 2], ["d", "c", 2, 4]], "turns[1]: span [2, 2)"),
+        ([["a", None, -1, 4]], "turns[0]: span [-1, 4)"),
+        ([["a", None, 0, 9]], "turns[0]: span [0, 9)"),
+        ([["a", None, 0, 2], ["c", "x", 2, 4]], "turns[1]: parent_turn_id 'x'"),
+        ([["a", None, 0, 2]], "spans cover 2 of 4 tokens"),
+    ],
+)
+def test_malformed_spans_are_refused_with_a_reason(turns, why):
+    """Spans of the wrong shape or type never raise: ``(None, reason)`` naming the trajectory
+    and the span, so the engine detects prefixes from the tokens instead."""
+    seqs = [[1, 2, 3, 4], [1, 2, 3, 5]]
+    meta = [json.dumps({"v": 1, "turns": turns}), tree_metadata([_GOOD])]
+    forest, reason = forest_from_metadata(seqs, meta)
+    assert forest is None
+    assert reason.startswith("trajectory 0: ") and why in reason, reason
+
+
+@pytest.mark.parametrize(
+    ("raw", "why"),
+    [
+        (json.dumps([["a", None, 0, 4]]), "expected a JSON object, got list"),
+        (json.dumps({"v": 2, "turns": [["a", None, 0, 4]]}), "unsupported version 2"),
+        (json.dumps({"turns": []}), "non-empty 'turns' list"),
+        ("{not json", "not a JSON string"),
+        (None, "no tree metadata"),
+    ],
+)
+def test_malformed_metadata_is_refused_with_a_reason(raw, why):
+    forest, reason = forest_from_metadata([[1, 2, 3, 4]], [raw])
+    assert forest is None and reason.startswith("trajectory 0: ") and why in reason, reason
+
+
+def test_metadata_spans_accept_numpy_ints_and_tuples():
+    seqs = [[1, 2, 3, 4], [1, 2, 3, 5]]
+    meta = [
+        {"turns": [("p", None, np.int64(0), np.int32(3)), ("a", "p", np.int64(3), np.int64(4))]},
+        {"v": 1, "turns": [["p", None, 0, 3], ["b", "p", 3, 4]]},
+    ]
+    forest, why = forest_from_metadata(seqs, meta)
+    assert why == "" and forest.equals(RolloutForest.from_sequences(seqs))
+
+
+def test_metadata_count_must_match_sequences():
+    with pytest.raises(ValueError, match=r"metadata: expected one value per sequence \(2\), got 1"):
+        forest_from_metadata([[1, 2], [1, 3]], [tree_metadata([["a", None, 0, 2]])])
+
+
+def test_tree_metadata_reserved_keys():
+    with pytest.raises(ValueError, match="reserved"):
+        tree_metadata([["a", None, 0, 2]], turns=[])
+    assert json.loads(tree_metadata([["a", None, 0, 2]], fork_path="0"))["fork_path"] == "0"
+
+
+def test_engine_falls_back_to_tokens_on_malformed_spans():
+    """A custom loop's 3-item spans (or dict spans) reach ``forest_of_batch``: documented
+    fallback to prefix detection, not a crash."""
+    pytest.importorskip("verl")
+    import torch
+    from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+    from harts_verl.workers.engine import forest_of_batch
+
+    seqs = [[1, 2, 3, 4], [1, 2, 3, 5]]
+    for spans in ([["t", 0, 4]], [{"id": "t", "start": 0, "end": 4}], [["t", None, 0, 4.0]]):
+        rows = [
+            {"input_ids": torch.tensor(s), "extra_fields": {TREE_KEY: tree_metadata(spans)}}
+            for s in seqs
+        ]
+        forest = forest_of_batch(list_of_dict_to_tensordict(rows))
+        assert forest.harts_source == "tokens"
+        assert forest.equals(RolloutForest.from_sequences(seqs))
+
+
+def test_turn_that_adds_no_tokens_is_not_recorded():
+    """An empty generation with no new prompt tokens (aborted request) is not a turn: spans,
+    metadata and the recorder's forest stay valid."""
+    rec = TurnRecorder()
+    t1 = rec.record("r", [1, 2], [3])
+    assert rec.record("r", [1, 2, 3], []) is None
+    assert len(rec.turns) == 1 and rec.heads["r"] == t1.turn_id and rec.rewrites == 0
+    spans = rec.spans("r", [1, 2, 3])
+    assert spans == [[t1.turn_id, None, 0, 3]]
+    forest, why = forest_from_metadata([[1, 2, 3]], [tree_metadata(spans)])
+    assert why == "" and forest.equals(RolloutForest.from_sequences([[1, 2, 3]]))
+    assert rec.forest().equals(forest)
+    # the next real turn still hangs below t1
+    t2 = rec.record("r", [1, 2, 3, 4], [5])
+    assert t2.parent_turn_id == t1.turn_id and t2.token_ids == [4, 5]
+    # a rewrite back to exactly t1's context with an empty generation: head moves to t1
+    assert rec.record("r", [1, 2, 3], []) is None
+    assert rec.heads["r"] == t1.turn_id and rec.rewrites == 1
+    t3 = rec.record("r", [1, 2, 3, 6], [7])
+    assert t3.parent_turn_id == t1.turn_id
+    assert rec.forest().equals(RolloutForest.from_sequences(rec.leaf_contexts()))
+    assert rec.forest().num_trajectories == 2
+    # an empty call of a fresh request (nothing to record) and of a forked child
+    assert rec.record("s", [], []) is None and rec.heads["s"] is None
+    rec.fork("r", "c")
+    assert rec.record("c", [1, 2, 3, 6, 7], []) is None and rec.heads["c"] == t3.turn_id
+    seqs = [[1, 2, 3, 4, 5], [1, 2, 3, 6, 7], [1, 2, 3, 6, 7, 8]]
+    meta = [tree_metadata(rec.spans(r, s)) for r, s in zip(["r", "r", "c"], seqs, strict=True)]
+    forest, why = forest_from_metadata(seqs, meta)
+    assert why == "" and forest.equals(RolloutForest.from_sequences(seqs))
+
+
 # ---------------------------------------------------------------------- agent loop
 @pytest.fixture(scope="module")
 def agent_env():

@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import difflib
 import logging
+import numbers
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 from uuid import uuid4
 
+import numpy as np
 from verl.experimental.agent_loop.agent_loop import AgentLoopOutput, register
 from verl.experimental.agent_loop.tool_agent_loop import AgentData, AgentState, ToolAgentLoop
 from verl.tools.base_tool import BaseTool
@@ -43,6 +46,7 @@ from harts_verl.workers.rollout.recorder import (
 __all__ = [
     "AGENT_NAME",
     "FORK_GROUP_KEY",
+    "FORK_KEYS",
     "FORK_PATH_KEY",
     "GROUP_MODES",
     "ForkSpec",
@@ -65,6 +69,14 @@ FORK_GROUP_KEY = "harts_fork_group"
 
 GROUP_MODES = ("prompt", "fork")
 """Values of ``harts_rollout.fork.group`` (see :func:`fork_groups`)."""
+
+FORK_KEYS = ("enable", "turns", "branching", "budget", "policy", "group")
+"""Keys of ``harts_rollout.fork`` (:meth:`ForkSpec.from_config`)."""
+
+
+def _is_int(value: Any) -> bool:
+    """A Python/numpy integer, not a bool (``True`` is no fork budget)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool | np.bool_)
 
 
 @dataclass(frozen=True)
@@ -94,9 +106,25 @@ class ForkSpec:
     group: str = "prompt"
 
     def __post_init__(self) -> None:
-        if self.policy not in ("turns", "every"):
+        # Types first (no silent truncation: 4.7 is not a budget); numpy ints are kept as ints.
+        if isinstance(self.turns, str | bytes) or not isinstance(self.turns, Sequence):
+            raise ValueError(
+                f"fork.turns: expected a list of turn numbers, e.g. [0, 1], got {self.turns!r}"
+            )
+        for t in self.turns:
+            if not _is_int(t):
+                raise ValueError(
+                    f"fork.turns: expected integer turn numbers, got {t!r} in {list(self.turns)!r}"
+                )
+        object.__setattr__(self, "turns", tuple(int(t) for t in self.turns))
+        for name in ("branching", "budget"):
+            value = getattr(self, name)
+            if not _is_int(value):
+                raise ValueError(f"fork.{name}: expected an int >= 1, got {value!r}")
+            object.__setattr__(self, name, int(value))
+        if not isinstance(self.policy, str) or self.policy not in ("turns", "every"):
             raise ValueError(f"fork.policy: expected 'turns' or 'every', got {self.policy!r}")
-        if self.group not in GROUP_MODES:
+        if not isinstance(self.group, str) or self.group not in GROUP_MODES:
             raise ValueError(f"fork.group: expected one of {GROUP_MODES}, got {self.group!r}")
         if self.branching < 1:
             raise ValueError(f"fork.branching: expected >= 1, got {self.branching}")
@@ -108,16 +136,24 @@ class ForkSpec:
     @classmethod
     def from_config(cls, cfg: Any) -> ForkSpec:
         """From a mapping/DictConfig with keys ``turns``, ``branching``, ``budget``, ``policy``,
-        ``group``."""
-        get = cfg.get if hasattr(cfg, "get") else lambda k, d=None: getattr(cfg, k, d)
-        turns = get("turns", (0,))
-        return cls(
-            turns=tuple(int(t) for t in (turns if turns is not None else (0,))),
-            branching=int(get("branching", 2)),
-            budget=int(get("budget", 4)),
-            policy=str(get("policy", "turns")),
-            group=str(get("group", "prompt")),
-        )
+        ``group`` (absent keys take the defaults; ``turns: null`` is the default ``[0]``) and
+        ``enable`` (read by :func:`~harts_verl.workers.rollout.fork.fork_spec_of`, ignored
+        here). ``ValueError`` naming ``fork.<key>`` for an unknown key or a value of the wrong
+        type (no conversion: ``budget: 4.7`` or ``turns: "01"`` are errors, not 4 and (0, 1))."""
+        if not hasattr(cfg, "keys") or not hasattr(cfg, "get"):
+            raise ValueError(f"fork: expected a mapping of fork settings, got {type(cfg).__name__}")
+        unknown = [k for k in cfg.keys() if k not in FORK_KEYS]
+        if unknown:
+            key = unknown[0]
+            close = difflib.get_close_matches(str(key), FORK_KEYS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(
+                f"fork.{key}: unknown key{hint}; expected some of {', '.join(FORK_KEYS)}"
+            )
+        kwargs = {k: cfg.get(k) for k in FORK_KEYS if k != "enable" and k in cfg.keys()}
+        if kwargs.get("turns", ()) is None:
+            del kwargs["turns"]
+        return cls(**kwargs)
 
     def boundary(self, level: int) -> int | None:
         """Turn boundary of fork level ``level`` (None: no more forks)."""

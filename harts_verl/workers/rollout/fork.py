@@ -38,6 +38,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from harts_verl.workers.rollout.agent_loop import FORK_GROUP_KEY, FORK_PATH_KEY, ForkSpec
 
 __all__ = [
@@ -63,15 +65,46 @@ PROMPT_UID_KEY = "harts_prompt_uid"
 
 
 def fork_spec_of(config: Any) -> ForkSpec | None:
-    """The :class:`ForkSpec` of a PPO config (``harts_rollout.fork``), None when disabled."""
+    """The :class:`ForkSpec` of a PPO config (``harts_rollout.fork``), None when disabled (no
+    ``harts_rollout.fork`` node, or ``enable`` absent/false).
+
+    ``ValueError`` naming the key for a malformed node: ``harts_rollout``/``harts_rollout.fork``
+    not a mapping, ``enable`` not a bool (a string such as ``"false"`` is not read as a bool:
+    ``bool("false")`` is True; OmegaConf's ``${oc.env:...}`` gives strings, wrap it in
+    ``${oc.decode:...}``), or a bad fork setting (:meth:`ForkSpec.from_config`)."""
     try:
         cfg = config.get("harts_rollout", None)
     except AttributeError:
         cfg = None
-    fork = cfg.get("fork", None) if cfg is not None else None
-    if fork is None or not bool(fork.get("enable", False)):
+    if cfg is None:
         return None
-    return ForkSpec.from_config(fork)
+    if not _is_mapping(cfg):
+        raise ValueError(f"harts_rollout: expected a mapping, got {type(cfg).__name__}")
+    fork = cfg.get("fork", None)
+    if fork is None:
+        return None
+    if not _is_mapping(fork):
+        raise ValueError(
+            f"harts_rollout.fork: expected a mapping of fork settings, got {type(fork).__name__}"
+        )
+    enable = fork.get("enable", False)
+    if not isinstance(enable, bool | np.bool_):
+        hint = (
+            " (a string is not read as a bool; OmegaConf's ${oc.env:...} gives strings: use "
+            "${oc.decode:${oc.env:VAR,false}})"
+            if isinstance(enable, str)
+            else ""
+        )
+        raise ValueError(
+            f"harts_rollout.fork.enable: expected a bool (true/false), got {enable!r}{hint}"
+        )
+    spec = ForkSpec.from_config(fork)  # validates the settings even when disabled
+    return spec if enable else None
+
+
+def _is_mapping(value: Any) -> bool:
+    """A dict/DictConfig-like node (``keys`` and ``get``)."""
+    return hasattr(value, "keys") and hasattr(value, "get")
 
 
 def check_rollout_n(config: Any) -> str | None:

@@ -4,7 +4,9 @@ veRL's ``ToolAgentLoop`` calls ``server_manager.generate(request_id, prompt_ids=
 sampling_params=...)`` once per assistant turn, token in / token out. :class:`RecordingServerClient`
 forwards each call unchanged and records, per request id, the context it was given and the tokens
 it returned. A turn's ``token_ids`` are the tokens it adds to its parent turn's context: the new
-prompt tokens (tool responses, user messages) followed by the generated response.
+prompt tokens (tool responses, user messages) followed by the generated response. A call that
+adds no tokens (no new prompt tokens and an empty generation, e.g. an aborted request) is not a
+turn and is not recorded, so every turn and every metadata span holds at least one token.
 
 Parent links: a turn's parent is the deepest earlier turn of its request (or of the request it was
 forked from, see :meth:`TurnRecorder.fork`) whose full context (prompt + response) is a token
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import numbers
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -117,8 +120,13 @@ class TurnRecorder:
         prompt_ids: Sequence[int],
         response_ids: Sequence[int],
         log_probs: Sequence[float] | None = None,
-    ) -> RecordedTurn:
-        """Record one generate call of ``request_id`` and return its turn."""
+    ) -> RecordedTurn | None:
+        """Record one generate call of ``request_id`` and return its turn.
+
+        A call that adds no tokens to its parent's context (no new prompt tokens and an empty
+        generation, e.g. an aborted request) is not a turn: nothing is recorded and None is
+        returned. The request's head moves to the parent, the turn whose context the call
+        ended with (so a rewrite back to an earlier context still counts in ``rewrites``)."""
         prompt = [int(t) for t in prompt_ids]
         response = [int(t) for t in response_ids]
         with self._lock:
@@ -131,13 +139,17 @@ class TurnRecorder:
             rewrite = bool(chain) and parent is not chain[-1]
             if rewrite:
                 self.rewrites += 1
+            start = len(parent.context) if parent is not None else 0
+            if len(prompt) + len(response) == start:  # adds no tokens: not a turn
+                self.heads[request_id] = parent.turn_id if parent is not None else None
+                return None
             turn = RecordedTurn(
                 turn_id=f"{request_id}#{next(self._counter)}",
                 parent_turn_id=parent.turn_id if parent is not None else None,
                 request_id=request_id,
                 prompt_ids=prompt,
                 response_ids=response,
-                start=len(parent.context) if parent is not None else 0,
+                start=start,
                 log_probs=list(log_probs) if log_probs is not None else None,
                 rewrite=rewrite,
             )
@@ -222,25 +234,65 @@ class RecordingServerClient:
 # ---------------------------------------------------------------------- metadata
 def tree_metadata(spans: list[list[Any]], **extra: Any) -> str:
     """Encode a trajectory's turn spans (and ``extra`` JSON fields) as the ``harts_tree`` string.
-    A string survives veRL's TensorDict/TransferQueue conversions unchanged."""
+    A string survives veRL's TensorDict/TransferQueue conversions unchanged. ``extra`` must not
+    use the reserved keys ``v`` and ``turns`` (``ValueError``)."""
+    reserved = sorted({"v", "turns"} & extra.keys())
+    if reserved:
+        raise ValueError(f"tree_metadata: extra field(s) {reserved} are reserved (v, turns)")
     return json.dumps({"v": _METADATA_VERSION, "turns": spans, **extra}, separators=(",", ":"))
 
 
-def parse_tree_metadata(value: Any) -> dict[str, Any] | None:
-    """Decode a ``harts_tree`` value (JSON string or dict); None when absent/invalid."""
+def _decode_tree_metadata(value: Any) -> tuple[dict[str, Any] | None, str]:
+    """``(meta, "")`` for a usable ``harts_tree`` value, else ``(None, what is wrong)``."""
     if value is None:
-        return None
+        return None, "no tree metadata"
     if isinstance(value, dict):
         meta = value
     else:
         try:
             meta = json.loads(value)
         except (TypeError, ValueError):
-            return None
-    turns = meta.get("turns") if isinstance(meta, dict) else None
+            return None, f"tree metadata is not a JSON string or object ({type(value).__name__})"
+    if not isinstance(meta, dict):
+        return None, f"tree metadata: expected a JSON object, got {type(meta).__name__}"
+    version = meta.get("v", _METADATA_VERSION)
+    if type(version) is not int or version != _METADATA_VERSION:
+        return (
+            None,
+            f"tree metadata: unsupported version {version!r} (expected {_METADATA_VERSION})",
+        )
+    turns = meta.get("turns")
     if not isinstance(turns, list) or not turns:
-        return None
-    return meta
+        return None, "tree metadata: expected a non-empty 'turns' list"
+    return meta, ""
+
+
+def parse_tree_metadata(value: Any) -> dict[str, Any] | None:
+    """Decode a ``harts_tree`` value (JSON string or dict); None when absent/invalid (not an
+    object, another version, no non-empty ``turns`` list). Spans are checked by
+    :func:`forest_from_metadata`."""
+    return _decode_tree_metadata(value)[0]
+
+
+def _is_index(value: Any) -> bool:
+    """A Python/numpy integer, not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool | np.bool_)
+
+
+def _check_span(span: Any) -> tuple[str, str | None, int, int] | str:
+    """A span as ``(turn_id, parent_turn_id, start, end)``, or what is wrong with it."""
+    if not isinstance(span, list | tuple) or len(span) != 4:
+        got = f"{len(span)} items" if isinstance(span, list | tuple) else type(span).__name__
+        return f"expected a [turn_id, parent_turn_id, start, end] list, got {got}"
+    tid, parent, start, end = span
+    if not isinstance(tid, str):
+        return f"turn_id: expected a string, got {type(tid).__name__}"
+    if parent is not None and not isinstance(parent, str):
+        return f"parent_turn_id: expected a string or null, got {type(parent).__name__}"
+    for name, v in (("start", start), ("end", end)):
+        if not _is_index(v):
+            return f"{name}: expected an integer token index, got {v!r}"
+    return tid, parent, int(start), int(end)
 
 
 def forest_from_metadata(
@@ -250,24 +302,42 @@ def forest_from_metadata(
 
     ``sequences[i]``: token ids of trajectory i (prompt + response); ``metadata[i]``: its
     ``harts_tree`` value. Returns ``(forest, "")`` or ``(None, reason)`` when the metadata is
-    missing, inconsistent with the tokens (a shared turn id spelling different tokens, spans not
-    covering the trajectory), or ambiguous — the caller then detects prefixes from the tokens.
+    missing, malformed (a span that is not ``[turn_id: str, parent_turn_id: str | null,
+    start: int, end: int]``), inconsistent with the tokens (a shared turn id spelling different
+    tokens, spans not chaining over the trajectory), or ambiguous — the caller then detects
+    prefixes from the tokens. The reason names the trajectory and, for a bad span, its index.
+    Raises ``ValueError`` only when ``metadata`` does not have one value per sequence.
     """
     seqs = [np.asarray(s, dtype=np.int64).reshape(-1) for s in sequences]
+    metadata = list(metadata)
+    if len(metadata) != len(seqs):
+        raise ValueError(
+            f"metadata: expected one value per sequence ({len(seqs)}), got {len(metadata)}"
+        )
     turns: dict[str, Turn] = {}
     end_of: list[str] = []
     for i, (seq, raw) in enumerate(zip(seqs, metadata, strict=True)):
-        meta = parse_tree_metadata(raw)
+        meta, why = _decode_tree_metadata(raw)
         if meta is None:
-            return None, f"trajectory {i}: no tree metadata"
+            return None, f"trajectory {i}: {why}"
         pos = 0
         prev: str | None = None
-        for span in meta["turns"]:
-            tid, parent, start, end = span
-            tid = str(tid)
-            parent = None if parent is None else str(parent)
-            if start != pos or end <= start or end > seq.shape[0] or parent != prev:
-                return None, f"trajectory {i}: spans do not chain over its tokens"
+        n = seq.shape[0]
+        for k, span in enumerate(meta["turns"]):
+            checked = _check_span(span)
+            if isinstance(checked, str):
+                return None, f"trajectory {i}: turns[{k}]: {checked}"
+            tid, parent, start, end = checked
+            if start != pos or not start < end <= n:
+                return None, (
+                    f"trajectory {i}: turns[{k}]: span [{start}, {end}) does not continue at "
+                    f"token {pos} inside its {n} tokens (spans must chain, each >= 1 token)"
+                )
+            if parent != prev:
+                return None, (
+                    f"trajectory {i}: turns[{k}]: parent_turn_id {parent!r} is not the previous "
+                    f"span's turn {prev!r}"
+                )
             tokens = seq[start:end]
             known = turns.get(tid)
             if known is None:
@@ -275,8 +345,8 @@ def forest_from_metadata(
             elif known.parent_turn_id != parent or not np.array_equal(known.token_ids, tokens):
                 return None, f"trajectory {i}: turn {tid!r} differs from an earlier trajectory's"
             pos, prev = end, tid
-        if pos != seq.shape[0]:
-            return None, f"trajectory {i}: spans cover {pos} of {seq.shape[0]} tokens"
+        if pos != n:
+            return None, f"trajectory {i}: spans cover {pos} of {n} tokens"
         end_of.append(prev)  # type: ignore[arg-type]
     if len(set(end_of)) != len(end_of):
         return None, "two trajectories end at the same turn"
