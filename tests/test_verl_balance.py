@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _strategies import sequence_lists
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from harts_verl.tree import RolloutForest
 from harts_verl.tree.microbatch import compact_work
@@ -241,3 +244,229 @@ def test_trainer_balance_batch_override(monkeypatch):
     assert batch.order == order and metrics == expected
     for q in range(8):  # rank r, mini-batch k = the q-th consecutive block of 4: one whole tree
         assert len({tree_of[i] for i in order[q * 4 : (q + 1) * 4]}) == 1
+
+
+# ----------------------------------------------------------------------------- placement search
+def _sized_trees(sizes, prefix_lens=None, tail=1):
+    """Tree t: ``sizes[t]`` trajectories sharing a root token ``100 + t`` and a prefix of
+    ``prefix_lens[t]`` tokens, each with its own ``tail``-token suffix."""
+    seqs, tree_of = [], []
+    for t, size in enumerate(sizes):
+        plen = 5 if prefix_lens is None else prefix_lens[t]
+        for k in range(size):
+            seqs.append([100 + t] + [t % 7] * plen + [k] * tail)
+            tree_of.append(t)
+    return seqs, tree_of
+
+
+def _split_trees(parts, nm, tree_of):
+    """Trees whose trajectories lie in more than one (rank, mini-batch) cell."""
+    cell_of = {}
+    for r, row in enumerate(zip(*_cells(parts, nm), strict=True)):
+        for k, cell in enumerate(row):
+            for i in cell:
+                cell_of[i] = (r, k)
+    seen: dict[int, set] = {}
+    for i, t in enumerate(tree_of):
+        seen.setdefault(t, set()).add(cell_of[i])
+    return {t for t, c in seen.items() if len(c) > 1}
+
+
+def _split_free_exists(sizes, cells, share):
+    """Brute force: can whole trees fill ``cells`` cells of exactly ``share`` each?"""
+    from functools import cache
+
+    sizes = sorted(sizes, reverse=True)
+
+    @cache
+    def go(i, rooms):  # rooms sorted: cells with equal room are interchangeable
+        if i == len(sizes):
+            return all(r == 0 for r in rooms)
+        return any(
+            go(i + 1, tuple(sorted((*rooms[:c], r - sizes[i], *rooms[c + 1 :]))))
+            for c, r in enumerate(rooms)
+            if r >= sizes[i] and r not in rooms[:c]
+        )
+
+    return go(0, (share,) * cells)
+
+
+def _check_shape(parts, n, dp, nm, forest):
+    assert len(parts) == dp
+    assert sorted(i for p in parts for i in p) == list(range(n))  # every trajectory once
+    assert {len(p) for p in parts} <= {n // dp}
+    rank = np.argsort(forest.leaf_order)
+    for row in _cells(parts, nm):
+        for cell in row:  # leaf order inside a cell
+            assert list(rank[cell]) == sorted(rank[cell])
+
+
+def test_split_free_placement_when_greedy_would_cut():
+    """Sizes 3,3,2,2,2 on two cells of 6: largest-first onto the least-loaded cell ends 3+2 per
+    cell and would cut a 2; the exact search finds {3,3} | {2,2,2}."""
+    seqs, tree_of = _sized_trees([3, 3, 2, 2, 2], prefix_lens=[20, 20, 10, 10, 10])
+    parts = tree_balanced_partition(seqs, 2)
+    forest = RolloutForest.from_sequences(seqs)
+    _check_shape(parts, len(seqs), 2, 1, forest)
+    assert not _split_trees(parts, 1, tree_of)
+    assert sorted(sorted({tree_of[i] for i in p}) for p in parts) == [[0, 1], [2, 3, 4]]
+    # nothing is duplicated across ranks: the ranks' work adds up to the whole trie
+    assert sum(partition_work(forest, p) for p in parts) == forest.num_compact_tokens
+
+
+@pytest.mark.parametrize(
+    "dp,nm,sizes",
+    [
+        (2, 1, [5, 5, 2, 2, 2, 2, 2]),
+        (2, 1, [4, 4, 4, 3, 3, 3, 3]),
+        (3, 1, [6, 6, 4, 4, 4, 4, 4, 4]),
+        (1, 3, [3, 3, 3, 3, 2, 2, 2]),
+        (2, 2, [5, 5, 5, 5, 5, 5, 2, 2, 2, 2, 2]),
+    ],
+)
+def test_split_free_placement_greedy_hard_cases(dp, nm, sizes, monkeypatch):
+    """Instances where the greedy placement alone cuts a tree (checked with the search off)."""
+    import harts_verl.workers.balance as balance
+
+    seqs, tree_of = _sized_trees(sizes, prefix_lens=[3 * s + t for t, s in enumerate(sizes)])
+    parts = tree_balanced_partition(seqs, dp, nm)
+    _check_shape(parts, len(seqs), dp, nm, RolloutForest.from_sequences(seqs))
+    assert not _split_trees(parts, nm, tree_of)
+    monkeypatch.setattr(balance, "_SEARCH_BUDGET", 0)
+    assert _split_trees(tree_balanced_partition(seqs, dp, nm), nm, tree_of)
+
+
+def test_cut_only_when_no_split_free_placement_or_budget(monkeypatch):
+    import harts_verl.workers.balance as balance
+
+    # 4,4,4 into cells of 6: impossible without cutting a tree; sizes stay equal
+    seqs, tree_of = _sized_trees([4, 4, 4])
+    parts = tree_balanced_partition(seqs, 2)
+    _check_shape(parts, 12, 2, 1, RolloutForest.from_sequences(seqs))
+    assert len(_split_trees(parts, 1, tree_of)) == 1
+    # search budget exhausted: the greedy placement with its cut, still a valid partition
+    monkeypatch.setattr(balance, "_SEARCH_BUDGET", 0)
+    seqs, tree_of = _sized_trees([3, 3, 2, 2, 2])
+    parts = tree_balanced_partition(seqs, 2)
+    _check_shape(parts, 12, 2, 1, RolloutForest.from_sequences(seqs))
+    assert len(_split_trees(parts, 1, tree_of)) == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.sampled_from([(2, 1), (3, 1), (2, 2), (4, 1), (1, 3)]),
+    st.sampled_from([1, 2, 3, 4, 5, 6, 8, 10, 12]),
+    st.booleans(),
+    st.data(),
+)
+def test_no_tree_split_when_a_split_free_placement_exists(grid, share, built, data):
+    """Random tree sizes (brute force decides whether a split-free placement exists), or cells
+    built from equal trees of a divisor of the cell size (one exists; greedy often misses it)."""
+    dp, nm = grid
+    cells = dp * nm
+    sizes: list[int] = []
+    if built:
+        divisors = [d for d in range(1, share + 1) if share % d == 0]
+        for _ in range(cells):
+            d = data.draw(st.sampled_from(divisors), label="tree size")
+            sizes += [d] * (share // d)
+        sizes = data.draw(st.permutations(sizes), label="order")
+    else:
+        while sum(sizes) < cells * share:
+            left = cells * share - sum(sizes)
+            sizes.append(data.draw(st.integers(1, min(share, left)), label="size"))
+    plens = data.draw(st.lists(st.integers(0, 30), min_size=len(sizes), max_size=len(sizes)))
+    tail = data.draw(st.integers(1, 4), label="tail")
+    seqs, tree_of = _sized_trees(sizes, plens, tail)
+    parts = tree_balanced_partition(seqs, dp, nm)
+    forest = RolloutForest.from_sequences(seqs)
+    _check_shape(parts, len(seqs), dp, nm, forest)
+    if built or _split_free_exists(sizes, cells, share):
+        assert not _split_trees(parts, nm, tree_of)
+        cell_work = [partition_work(forest, c) for row in _cells(parts, nm) for c in row]
+        assert sum(cell_work) == forest.num_compact_tokens
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    sequence_lists(max_traj=24, alphabet=3),
+    st.sampled_from([(1, 1), (2, 1), (3, 1), (2, 2), (4, 1), (2, 3), (4, 2)]),
+)
+def test_partition_covers_once_equal_sizes_deterministic(seqs, grid):
+    dp, nm = grid
+    seqs = seqs[: len(seqs) // (dp * nm) * (dp * nm)]
+    forest = RolloutForest.from_sequences(seqs)
+    parts = tree_balanced_partition(seqs, dp, nm)
+    _check_shape(parts, len(seqs), dp, nm, forest)
+    assert parts == tree_balanced_partition(forest, dp, nm)  # deterministic, same on a forest
+    assert parts == tree_balanced_partition([list(s) for s in seqs], dp, nm)
+
+
+@settings(max_examples=80, deadline=None)
+@given(sequence_lists(max_traj=16, alphabet=3), st.data())
+def test_partition_work_matches_compact_work(seqs, data):
+    forest = RolloutForest.from_sequences(seqs)
+    part = data.draw(st.lists(st.integers(0, len(seqs) - 1), max_size=2 * len(seqs)))
+    assert partition_work(forest, part) == compact_work(forest, part)  # any order, repeats once
+    assert partition_work(forest, part) == partition_work(forest, sorted(set(part)))
+
+
+def test_partition_work_errors():
+    forest = RolloutForest.from_sequences([[1, 2], [1, 3]])
+    with pytest.raises(ValueError, match="out of range"):
+        partition_work(forest, [0, 2])
+    with pytest.raises(ValueError, match="1-D"):
+        partition_work(forest, [[0, 1]])
+    with pytest.raises(TypeError, match="RolloutForest"):
+        partition_work([[1, 2]], [0])
+
+
+def _swap_reference(sizes, work, ids):
+    """The plain-loop swap rule (first strictly best swap in (other cell, a, b) order)."""
+    for _ in range(64):
+        loads = [sum(work[i] for i in c) for c in ids]
+        hi = int(np.argmax(loads))
+        best = None
+        for lo in range(len(ids)):
+            if lo == hi:
+                continue
+            for a in ids[hi]:
+                for b in ids[lo]:
+                    if sizes[a] != sizes[b] or work[a] <= work[b]:
+                        continue
+                    d = work[a] - work[b]
+                    new_max = max(loads[hi] - d, loads[lo] + d)
+                    if new_max < loads[hi] and (best is None or new_max < best[0]):
+                        best = (new_max, lo, a, b)
+        if best is None:
+            return
+        _, lo, a, b = best
+        ids[hi][ids[hi].index(a)] = b
+        ids[lo][ids[lo].index(b)] = a
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(2, 5), st.integers(1, 14), st.data())
+def test_vectorized_swap_matches_reference(cells, p, data):
+    from harts_verl.workers.balance import _swap
+
+    sizes = data.draw(st.lists(st.integers(1, 3), min_size=p, max_size=p))
+    work = data.draw(st.lists(st.integers(1, 40), min_size=p, max_size=p))  # ties likely
+    cell = data.draw(st.lists(st.integers(0, cells - 1), min_size=p, max_size=p))
+    ids = [[i for i in range(p) if cell[i] == c] for c in range(cells)]
+    ref = [list(c) for c in ids]
+    _swap_reference(sizes, work, ref)
+    _swap(np.array(sizes, np.int64), np.array(work, np.int64), ids)
+    assert ids == ref
+
+
+def test_many_single_trajectory_trees():
+    """rollout.n = 1: every trajectory its own tree (2496 of them, dp 8; this was cubic)."""
+    rng = np.random.default_rng(0)
+    seqs = [[i + 1, *rng.integers(0, 1000, int(rng.integers(5, 40))).tolist()] for i in range(2496)]
+    forest = RolloutForest.from_sequences(seqs)
+    parts = tree_balanced_partition(forest, 8, 2)
+    _check_shape(parts, len(seqs), 8, 2, forest)
+    work = np.array([[partition_work(forest, c) for c in row] for row in _cells(parts, 2)])
+    assert work.sum() == forest.num_compact_tokens
+    assert work.max() <= forest.num_compact_tokens / 16 + max(len(s) for s in seqs)

@@ -6,12 +6,20 @@ optimizer step each, a synchronisation point of all ranks). :func:`tree_balanced
 chooses which trajectories go to which (rank, mini-batch) *cell* so that
 
 * trajectories of one tree (same root row of the batch's token trie) stay in one cell whenever
-  the equal-size constraint allows it (a tree larger than a cell is cut between leaf-order
-  neighbours at its lowest common prefix, i.e. where cutting duplicates least work);
+  the equal-size constraint allows it. A tree larger than a cell is first cut between leaf-order
+  neighbours at its lowest common prefix (where cutting duplicates least work) into *pieces*
+  that fit a cell. Pieces are then placed whole: greedily (below) and, when the greedy placement
+  would have to cut a piece, by an exact search over the pieces' sizes (cells must be filled
+  exactly: a multi-way subset-sum, depth-first with memoised dead states and subset-sum
+  pruning) for a placement that cuts none. Only when no such placement exists, or the search
+  exceeds its budget (:data:`_SEARCH_BUDGET` cell visits, far more than typical batches need),
+  is a piece cut between leaf-order neighbours to fill the cells;
 * the cells' work is balanced. Work is the planner's model
   (:func:`harts_verl.tree.microbatch.compact_work`: rows of the cell's own trie, what the tree
-  engine runs): pieces are placed largest first on the feasible cell with the least work (LPT),
-  then pairwise swaps of equal-size pieces lower the largest cell's work;
+  engine runs): pieces are placed largest first on the feasible cell with the least work (LPT;
+  the exact search tries cells in the same order, then spends at most :data:`_IMPROVE_BUDGET`
+  more cell visits on a placement with a smaller largest cell), then pairwise swaps of
+  equal-size pieces lower the largest cell's work;
 * cells are grouped into mini-batches with the planner's slot placement
   (:func:`harts_verl.tree.microbatch.place_microbatches`: works sorted decreasingly, ``dp_size``
   consecutive cells per mini-batch, larger cells to ranks with less work so far), so the ranks'
@@ -20,6 +28,10 @@ chooses which trajectories go to which (rank, mini-batch) *cell* so that
 Each cell's trajectories are listed in leaf order (prefix-sharing neighbours adjacent). The
 result is a deterministic function of the sequences, ``dp_size`` and ``num_mini_batches``.
 
+Work is evaluated on one leaf-order view of the batch built once per call (prefix sums of
+lengths and neighbour LCPs): a piece's work in O(1), a cell's in O(its leaf-order span) (the
+LCP of consecutive members is a minimum of neighbour LCPs), no pairwise LCP table.
+
 Every rank gets the same number of trajectories here; the engine then plans each rank's
 micro-batches by compact work and makes their number equal across ranks (see
 :mod:`harts_verl.workers.engine`).
@@ -27,107 +39,301 @@ micro-batches by compact work and makes their number equal across ranks (see
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from harts_verl.tree import RolloutForest
-from harts_verl.tree.microbatch import compact_work, place_microbatches
+from harts_verl.tree.microbatch import place_microbatches
 
 __all__ = ["partition_work", "tree_balanced_partition"]
 
 _SWAP_ROUNDS = 64  # bound on improving swaps (each lowers the largest cell's work)
+_SEARCH_BUDGET = 200_000  # bound on the search for a placement cutting no piece (cell visits)
+_IMPROVE_BUDGET = 40_000  # then bound on the search for a better one (cell visits)
+
+
+class _Work:
+    """Leaf-order view of a forest with its compact-work oracle, built once in O(n).
+
+    Positions are leaf-order ranks. The work of a set of positions ``p_0 < … < p_k`` is
+    ``Σ len(p_i) − Σ LCP(p_i, p_{i+1})`` with ``LCP(p, q) = min(adj[p:q])`` (the trie of the set:
+    :func:`~harts_verl.tree.microbatch.compact_work`)."""
+
+    def __init__(self, forest: RolloutForest) -> None:
+        self.order = np.asarray(forest.leaf_order, np.int64)
+        n = self.n = int(self.order.shape[0])
+        self.rank = np.empty(n, np.int64)
+        self.rank[self.order] = np.arange(n, dtype=np.int64)
+        self.lens = np.asarray(forest.lengths, np.int64)[self.order]
+        self.adj = np.asarray(forest.adjacent_lcp, np.int64)
+        self.cl = np.zeros(n + 1, np.int64)
+        np.cumsum(self.lens, out=self.cl[1:])
+        self.ca = np.zeros(max(n, 1), np.int64)
+        if n > 1:
+            np.cumsum(self.adj, out=self.ca[1:])
+
+    def range_work(self, a: int, b: int) -> int:
+        """Work of the positions ``[a, b)``."""
+        if b <= a:
+            return 0
+        return int(self.cl[b] - self.cl[a] - (self.ca[b - 1] - self.ca[a]))
+
+    def set_work(self, pos: np.ndarray) -> int:
+        """Work of the positions ``pos`` (sorted ascending, no duplicates), O(span)."""
+        if pos.shape[0] == 0:
+            return 0
+        w = int(self.lens[pos].sum())
+        if pos.shape[0] > 1:
+            w -= int(np.minimum.reduceat(self.adj[: int(pos[-1])], pos[:-1]).sum())
+        return w
 
 
 def partition_work(forest: RolloutForest, part: Sequence[int]) -> int:
-    """Compact rows of the trie of trajectories ``part`` (0 for an empty part): the planner's
-    work model, :func:`~harts_verl.tree.microbatch.compact_work`."""
-    return int(compact_work(forest, np.asarray(part, np.int64)))
+    """Compact rows of the trie of trajectories ``part`` (any order, a repeated index counts
+    once; 0 for an empty part): the planner's work model,
+    :func:`~harts_verl.tree.microbatch.compact_work`, in O(n) without the planner's leaf view."""
+    if not isinstance(forest, RolloutForest):
+        raise TypeError(f"forest: expected a RolloutForest, got {type(forest).__name__}")
+    idx = np.asarray(part, np.int64)
+    n = forest.num_trajectories
+    if idx.ndim != 1:
+        raise ValueError("trajectories: expected a 1-D array of integer trajectory indices")
+    if idx.size == 0:
+        return 0
+    if int(idx.min()) < 0 or int(idx.max()) >= n:
+        raise ValueError(f"trajectories: index out of range for {n} trajectories")
+    lv = _Work(forest)
+    return lv.set_work(np.unique(lv.rank[idx]))
 
 
-def _trees(forest: RolloutForest) -> list[np.ndarray]:
-    """Trajectory indices of each tree, in leaf order; trees in leaf order of their roots."""
-    order = np.asarray(forest.leaf_order, np.int64)
-    lcp = np.asarray(forest.adjacent_lcp, np.int64)
-    cuts = np.flatnonzero(lcp == 0) + 1  # neighbours sharing no token start a new tree
-    return [g for g in np.split(order, cuts) if g.shape[0]]
-
-
-def _pieces(forest: RolloutForest, share: int) -> list[np.ndarray]:
-    """Trees, cut recursively at their lowest adjacent LCP until every piece fits one cell."""
-    pieces: list[np.ndarray] = []
-    lcp_of = dict(zip(forest.leaf_order[1:].tolist(), forest.adjacent_lcp.tolist()))
-    for tree in _trees(forest):
-        stack = [tree]
+def _pieces(lv: _Work, share: int) -> list[tuple[int, int]]:
+    """Trees (maximal leaf-order ranges whose neighbours share a token), cut recursively at their
+    lowest adjacent LCP (the cut nearest ``share`` among ties) until every piece fits one cell.
+    Pieces as position ranges ``[a, b)``."""
+    starts = np.concatenate([[0], np.flatnonzero(lv.adj == 0) + 1, [lv.n]]).tolist()
+    pieces: list[tuple[int, int]] = []
+    for a0, b0 in itertools.pairwise(starts):
+        if b0 <= a0:
+            continue
+        stack = [(a0, b0)]
         while stack:
-            t = stack.pop()
-            if t.shape[0] <= share:
-                pieces.append(t)
+            a, b = stack.pop()
+            if b - a <= share:
+                pieces.append((a, b))
                 continue
-            inner = np.array([lcp_of[int(j)] for j in t[1:]], np.int64)
+            inner = lv.adj[a : b - 1]
             cands = np.flatnonzero(inner == inner.min()) + 1
-            cut = int(cands[np.argmin(np.abs(cands - share))])
-            stack.extend([t[cut:], t[:cut]])
+            cut = a + int(cands[np.argmin(np.abs(cands - share))])
+            stack.extend([(cut, b), (a, cut)])
     return pieces
 
 
 def _lpt(
-    forest: RolloutForest, pieces: list[np.ndarray], work: list[int], cells: int, share: int
-) -> tuple[list[list[int]], list[list[int]]]:
+    lv: _Work,
+    pieces: list[tuple[int, int]],
+    size: np.ndarray,
+    work: np.ndarray,
+    share: int,
+    cells: int,
+) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
     """Pieces → cells of ``share`` trajectories: largest (size, work) first onto the feasible
     cell with the least work. Returns per cell its piece ids (−1: a fragment of a piece that fit
-    nowhere whole) and its trajectories."""
-    order = sorted(range(len(pieces)), key=lambda i: (-pieces[i].shape[0], -work[i], i))
-    members: list[list[int]] = [[] for _ in range(cells)]
+    nowhere whole) and its position ranges."""
+    order = np.lexsort((np.arange(len(pieces)), -work, -size)).tolist()
     ids: list[list[int]] = [[] for _ in range(cells)]
-    loads = [0] * cells
+    ranges: list[list[tuple[int, int]]] = [[] for _ in range(cells)]
+    fill = np.zeros(cells, np.int64)
+    loads = np.zeros(cells, np.int64)
+    top = np.iinfo(np.int64).max
     for i in order:
-        piece = pieces[i]
-        room = [r for r in range(cells) if share - len(members[r]) >= piece.shape[0]]
-        if room:
-            r = min(room, key=lambda q: (loads[q], q))
-            members[r].extend(piece.tolist())
+        s = int(size[i])
+        room = share - fill >= s
+        if room.any():  # least work among the cells with room (ties: lowest cell)
+            r = int(np.argmin(np.where(room, loads, top)))
             ids[r].append(i)
+            ranges[r].append(pieces[i])
+            fill[r] += s
             loads[r] += work[i]
             continue
-        rest = piece.tolist()  # no cell has room for the whole piece: fill the emptiest first
-        while rest:
-            r = max(range(cells), key=lambda q: (share - len(members[q]), -loads[q], -q))
-            take = share - len(members[r])
-            members[r].extend(rest[:take])
+        a, b = pieces[i]  # no cell has room for the whole piece: fill the emptiest first
+        while a < b:
+            free = share - fill
+            r = int(np.argmin(np.where(free == free.max(), loads, top)))
+            take = min(int(free[r]), b - a)
             ids[r].append(-1)
-            loads[r] += partition_work(forest, rest[:take])
-            rest = rest[take:]
-    return ids, members
+            ranges[r].append((a, a + take))
+            fill[r] += take
+            loads[r] += lv.range_work(a, a + take)
+            a += take
+    return ids, ranges
 
 
-def _swap(pieces: list[np.ndarray], work: list[int], ids: list[list[int]]) -> None:
+def _exact(size: np.ndarray, work: np.ndarray, share: int, cells: int) -> list[list[int]] | None:
+    """Whole pieces → cells filled exactly (``share`` trajectories each), or None when there is
+    no such placement or none is found within :data:`_SEARCH_BUDGET` cell visits.
+
+    Depth-first over the pieces in LPT order (size, then work, decreasing); a piece tries the
+    cells with room in order of least work so far. A state (next piece, multiset of free rooms)
+    proven infeasible is skipped, and a placement is pruned unless every free room stays a
+    subset sum of the pieces still to place. Until a first placement is found, cells with equal
+    room count once (interchangeable for feasibility); after it, the search goes on (branch and
+    bound on the largest cell work, within the budget) for a placement with a smaller maximum."""
+    p = int(size.shape[0])
+    order = np.lexsort((np.arange(p), -work, -size)).tolist()
+    sz = [int(size[i]) for i in order]
+    wk = [int(work[i]) for i in order]
+    full = (1 << (share + 1)) - 1
+    reach = [1] * (p + 1)  # reach[k]: bit r set iff r is a subset sum of sz[k:]
+    for k in range(p - 1, -1, -1):
+        reach[k] = (reach[k + 1] | (reach[k + 1] << sz[k])) & full
+    if not (reach[0] >> share) & 1:
+        return None
+    lower = -(-sum(wk) // cells)  # no placement has a smaller maximum
+    rooms = [share] * cells
+    loads = [0] * cells
+    cell_of = [-1] * p
+    dead: set[tuple[int, tuple[int, ...]]] = set()  # infeasible whatever the loads
+    best: list[int] | None = None
+    best_max = 0
+    visits, limit = 0, _SEARCH_BUDGET
+
+    def candidates(k: int) -> list[int]:
+        nonlocal visits
+        visits += cells
+        s, nxt = sz[k], reach[k + 1]
+        bad = [r for r in set(rooms) if not (nxt >> r) & 1]  # rooms piece k itself must shrink
+        if len(bad) > 1 or (bad and rooms.count(bad[0]) > 1):
+            return []
+        out, seen = [], set()
+        for c in sorted(range(cells), key=lambda q: (loads[q], q)):
+            r = rooms[c]
+            if r < s or not (nxt >> (r - s)) & 1 or (bad and r != bad[0]):
+                continue
+            sym = r if best is None else (r, loads[c])
+            if sym in seen:
+                continue
+            seen.add(sym)
+            out.append(c)
+        return out
+
+    # frame: [state key, candidate cells, next candidate, a bound cut something below]
+    frames: list[list[Any]] = [[(0, tuple(rooms)), candidates(0), 0, False]]
+    while frames:
+        k = len(frames) - 1
+        frame = frames[-1]
+        if cell_of[k] >= 0:  # back from a child (or a skipped one): undo piece k
+            c = cell_of[k]
+            rooms[c] += sz[k]
+            loads[c] -= wk[k]
+            cell_of[k] = -1
+        if visits > limit:
+            break
+        if frame[2] == len(frame[1]):
+            if not frame[3]:
+                dead.add(frame[0])
+            elif k:
+                frames[-2][3] = True
+            frames.pop()
+            continue
+        c = frame[1][frame[2]]
+        frame[2] += 1
+        if best is not None and loads[c] + wk[k] >= best_max:
+            frame[3] = True
+            continue
+        rooms[c] -= sz[k]
+        loads[c] += wk[k]
+        cell_of[k] = c
+        if k + 1 == p:
+            if best is None:
+                limit = visits + _IMPROVE_BUDGET
+            best, best_max = list(cell_of), max(loads)
+            frame[3] = True
+            if best_max <= lower:
+                break
+            continue
+        key = (k + 1, tuple(sorted(rooms)))
+        if key not in dead:
+            frames.append([key, candidates(k + 1), 0, False])
+    if best is None:
+        return None
+    ids: list[list[int]] = [[] for _ in range(cells)]
+    for j in range(p):
+        ids[best[j]].append(order[j])
+    return ids
+
+
+def _swap(size: np.ndarray, work: np.ndarray, ids: list[list[int]]) -> None:
     """Swap equal-size whole pieces between the heaviest cell and another cell while that lowers
     the pair's larger work (pieces are disjoint trees or tree parts, so cell work ≈ Σ piece
-    work; exact for whole trees). In place."""
-    if any(-1 in c for c in ids):
+    work; exact for whole trees). Each round takes the swap with the smallest new pair maximum
+    (ties: lowest other cell, then the pieces' order in their cells). In place.
+
+    Vectorized: for every piece ``a`` of the heaviest cell and every other cell, the best
+    partner is the piece of equal size whose work is nearest ``work[a] − gap / 2`` (``gap``: the
+    two cells' work difference), found by binary search in the pieces sorted by (cell, size,
+    work)."""
+    cells = len(ids)
+    p = int(size.shape[0])
+    if p == 0 or cells < 2:
         return
+    cell = np.empty(p, np.int64)
+    for c, members in enumerate(ids):
+        cell[members] = c
+    uw, wrank = np.unique(work, return_inverse=True)
+    nu = int(uw.shape[0])
+    smax = int(size.max()) + 1
+    loads = np.array([sum(int(work[i]) for i in c) for c in ids], np.int64)
+    others = np.arange(cells, dtype=np.int64)
     for _ in range(_SWAP_ROUNDS):
-        loads = [sum(work[i] for i in c) for c in ids]
         hi = int(np.argmax(loads))
-        best: tuple[int, int, int, int] | None = None  # (new pair max, other cell, a, b)
-        for lo in range(len(ids)):
-            if lo == hi:
-                continue
-            for a in ids[hi]:
-                for b in ids[lo]:
-                    if pieces[a].shape[0] != pieces[b].shape[0] or work[a] <= work[b]:
-                        continue
-                    d = work[a] - work[b]
-                    new_max = max(loads[hi] - d, loads[lo] + d)
-                    if new_max < loads[hi] and (best is None or new_max < best[0]):
-                        best = (new_max, lo, a, b)
-        if best is None:
+        lh = int(loads[hi])
+        lo = others[others != hi]
+        gap = lh - loads[lo]
+        lo, gap = lo[gap >= 2], gap[gap >= 2]  # a swap moves 0 < d < gap
+        if lo.size == 0:
             return
-        _, lo, a, b = best
-        ids[hi][ids[hi].index(a)] = b
-        ids[lo][ids[lo].index(b)] = a
+        key = (cell * smax + size) * nu + wrank
+        srt = np.argsort(key, kind="stable")
+        ks = key[srt]
+        a = np.asarray(ids[hi], np.int64)
+        wa = work[a][:, None]
+        g = gap[None, :]
+        base = (lo[None, :] * smax + size[a][:, None]) * nu  # [a, lo]
+        # partner below the ideal (work <= wa − ceil(gap/2)) and above it (>= wa − gap // 2)
+        r1 = np.searchsorted(uw, wa - (g + 1) // 2, side="right") - 1
+        i1 = np.searchsorted(ks, base + r1, side="right") - 1
+        r2 = np.searchsorted(uw, wa - g // 2, side="left")
+        i2 = np.searchsorted(ks, base + r2, side="left")
+        best = np.full(base.shape, np.iinfo(np.int64).max, np.int64)
+        ll = loads[lo][None, :]
+        for i, ok in ((i1, i1 >= 0), (i2, i2 < p)):
+            ic = np.clip(i, 0, p - 1)
+            kc = ks[ic]
+            wb = work[srt[ic]]
+            ok = ok & (kc >= base) & (kc < base + nu) & (wb < wa) & (wb > wa - g)
+            new_max = np.maximum(lh - wa + wb, ll + wa - wb)
+            best = np.where(ok, np.minimum(best, new_max), best)
+        v = int(best.min())
+        if v >= lh:
+            return
+        ia, jl = np.nonzero(best == v)
+        pick = np.lexsort((ia, lo[jl]))[0]
+        pa, c_lo = int(a[ia[pick]]), int(lo[jl[pick]])
+        cand = np.asarray(ids[c_lo], np.int64)
+        wb = work[cand]
+        wpa, llo = int(work[pa]), int(loads[c_lo])
+        fit = (size[cand] == size[pa]) & (wb < wpa) & (wb > wpa - (lh - llo))
+        fit &= np.maximum(lh - wpa + wb, llo + wpa - wb) == v
+        pb = int(cand[np.flatnonzero(fit)[0]])
+        ids[hi][ids[hi].index(pa)] = pb
+        ids[c_lo][ids[c_lo].index(pb)] = pa
+        cell[pa], cell[pb] = c_lo, hi
+        d = wpa - int(work[pb])
+        loads[hi] -= d
+        loads[c_lo] += d
 
 
 def tree_balanced_partition(
@@ -152,18 +358,27 @@ def tree_balanced_partition(
             f"num_mini_batches={num_mini_batches}"
         )
     share = n // cells
-    pieces = _pieces(forest, share)
-    work = [partition_work(forest, p) for p in pieces]
-    ids, members = _lpt(forest, pieces, work, cells, share)
+    lv = _Work(forest)  # the one leaf-order view every work evaluation below uses
+    pieces = _pieces(lv, share)
+    size = np.array([b - a for a, b in pieces], np.int64)
+    work = np.array([lv.range_work(a, b) for a, b in pieces], np.int64)
+    ids, ranges = _lpt(lv, pieces, size, work, share, cells)
+    if any(-1 in c for c in ids):  # greedy had to cut a piece: look for a placement that doesn't
+        found = _exact(size, work, share, cells)
+        if found is not None:
+            ids = found
     if all(-1 not in c for c in ids):
-        _swap(pieces, work, ids)
-        members = [[j for i in c for j in pieces[i].tolist()] for c in ids]
-    rank_of_leaf = np.empty(n, np.int64)
-    rank_of_leaf[forest.leaf_order] = np.arange(n)
-    members = [sorted(m, key=lambda j: int(rank_of_leaf[j])) for m in members]
-    cell_work = np.array([partition_work(forest, m) for m in members], np.int64)
+        _swap(size, work, ids)
+        ranges = [[pieces[i] for i in c] for c in ids]
+    members = [
+        np.sort(np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in r]))
+        if r
+        else np.zeros(0, np.int64)
+        for r in ranges
+    ]  # positions, i.e. leaf order
+    cell_work = np.array([lv.set_work(m) for m in members], np.int64)
     slot, replica, _ = place_microbatches(cell_work, int(dp_size))
     parts: list[list[int]] = [[] for _ in range(dp_size)]
     for c in np.lexsort((replica, slot)).tolist():  # mini-batch 0 first on every rank
-        parts[int(replica[c])].extend(members[c])
+        parts[int(replica[c])].extend(lv.order[members[c]].tolist())
     return parts
