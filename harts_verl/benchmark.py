@@ -11,6 +11,7 @@ Fidelity: ``max_abs_dlogp`` between tree and expanded log-probs in the run dtype
 from __future__ import annotations
 
 import json
+import os
 import resource
 import statistics
 import sys
@@ -130,14 +131,47 @@ def _bench_model(
     return model.to(device), mcfg
 
 
-def run_bench(cfg: BenchConfig) -> dict[str, Any]:
-    """Run the benchmark and return the JSON-ready result."""
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int | np.integer) and not isinstance(v, bool)
+
+
+def _check_config(cfg: BenchConfig) -> torch.device:
+    """Every setting checked before anything is built (ValueError naming it); the device."""
     if cfg.dtype not in DTYPES:
         raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {cfg.dtype!r}")
     if cfg.workload not in WORKLOADS:
         raise ValueError(f"workload: expected one of {sorted(WORKLOADS)}, got {cfg.workload!r}")
+    for name, lo in (("repeats", 1), ("warmup", 0), ("chunk_size", 1)):
+        v = getattr(cfg, name)
+        if not _is_int(v) or v < lo:
+            raise ValueError(f"{name}: expected an int >= {lo}, got {v!r}")
+    for name in ("max_semantic_tokens", "capacity_tokens"):
+        v = getattr(cfg, name)
+        if v is not None and (not _is_int(v) or v < 1):
+            raise ValueError(f"{name}: expected None or an int >= 1, got {v!r}")
+    if "vocab_size" in cfg.workload_overrides:
+        raise ValueError(
+            "workload_overrides: vocab_size is the model's (token ids must fit its vocabulary)"
+        )
+    if cfg.plot:
+        parent = os.path.dirname(os.path.abspath(cfg.plot))
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+            raise ValueError(f"plot: cannot write {cfg.plot!r} (no writable directory {parent!r})")
+    try:
+        device = torch.device(cfg.device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device: {cfg.device!r} is not a torch device ({exc})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {cfg.device!r}, but CUDA is not available")
+    return device
+
+
+def run_bench(cfg: BenchConfig) -> dict[str, Any]:
+    """Run the benchmark and return the JSON-ready result (every setting that shapes the
+    measurement included, so a result reproduces from its own output). Settings are checked
+    first (ValueError naming the bad one)."""
+    device = _check_config(cfg)
     dtype = DTYPES[cfg.dtype]
-    device = torch.device(cfg.device)
     model, mcfg = _bench_model(cfg, dtype, device)
     vocab_size = getattr(mcfg, "vocab_size", None) or mcfg.get_text_config().vocab_size
     w = WORKLOADS[cfg.workload](
@@ -240,14 +274,22 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         "mean_logit_cos": cos,
         "recompute": cfg.recompute,
         "capacity_tokens": cfg.capacity_tokens,
+        "chunk_size": cfg.chunk_size,
+        "workload_overrides": dict(cfg.workload_overrides),
+        "max_semantic_tokens": cfg.max_semantic_tokens,
+        "repeats": cfg.repeats,
+        "warmup": cfg.warmup,
     }
     if peak:
         result["peak_memory_mib"] = {k: round(v, 1) for k, v in peak.items()}
     else:
         result["max_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     if cfg.plot:
-        plot_bench(result, cfg.plot)
-        result["plot"] = cfg.plot
+        try:
+            plot_bench(result, cfg.plot)
+            result["plot"] = cfg.plot
+        except Exception as exc:  # the measurements are kept (and printed) either way
+            result["plot_error"] = f"{type(exc).__name__}: {exc}"
     return result
 
 

@@ -28,8 +28,8 @@ def _add_bench_args(
         action="append",
         default=None,
         metavar="KEY=VALUE",
-        help="generator override (repeatable); default: "
-        + ",".join(f"{k}={v}" for k, v in d.workload_overrides.items()),
+        help="generator option (repeatable, value as JSON); any given replace all the "
+        "defaults: " + ",".join(f"{k}={v}" for k, v in d.workload_overrides.items()),
     )
     p.add_argument(
         "--max-semantic-tokens",
@@ -61,9 +61,21 @@ def _add_bench_args(
         help="per-layer activation recomputation (both runners)",
     )
     p.add_argument("--device", default=d.device)
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument(
+        "--threads", type=_positive_int, default=None, help="torch intra-op threads (>= 1)"
+    )
     p.add_argument("--plot", default=None, help="write a PNG summary here")
     p.add_argument("--no-progress", action="store_true")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {v}")
+    return v
 
 
 def _parse_overrides(items: list[str] | None, default: dict) -> dict:
@@ -72,8 +84,11 @@ def _parse_overrides(items: list[str] | None, default: dict) -> dict:
     out: dict = {}
     for it in items:
         key, sep, val = it.partition("=")
-        if not sep:
+        key = key.strip()
+        if not sep or not key:
             raise SystemExit(f"--workload-option: expected KEY=VALUE, got {it!r}")
+        if key in out:
+            raise SystemExit(f"--workload-option: {key!r} given twice")
         try:
             out[key] = json.loads(val)
         except json.JSONDecodeError:
@@ -86,7 +101,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     from harts_verl.benchmark import BenchConfig, main_json
 
-    if args.threads:
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
     cfg = BenchConfig(
         workload=args.workload,
@@ -113,6 +128,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     from harts_verl.tree import RolloutForest
     from harts_verl.tree.inspect import forest_statistics, plot_statistics
 
+    if args.dp != 1 and not args.capacity:
+        raise SystemExit("inspect: --dp needs --capacity (the planned microbatches it places)")
     forest = RolloutForest.load(args.forest)
     stats = forest_statistics(
         forest,
@@ -137,8 +154,13 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
         "planned microbatches and within-slot imbalance of a saved forest (.npz).",
     )
     p.add_argument("forest", help="a forest written by RolloutForest.save (.npz)")
-    p.add_argument("--capacity", type=int, default=None, help="compact tokens per microbatch")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
+    p.add_argument(
+        "--capacity",
+        type=int,
+        default=None,
+        help="compact tokens per microbatch (omitted or 0: no microbatch plan)",
+    )
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (with --capacity)")
     p.add_argument("--chunk-size", type=int, default=64, help="linear-attention chunk size")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(

@@ -84,3 +84,53 @@ def test_load_causal_lm_reads_the_named_config_file(tmp_path, monkeypatch):
     assert model.config.model_type == "mistral" and not model.training
     assert next(model.parameters()).dtype == torch.float64
     assert load_causal_lm(str(tmp_path / "config.json")).config.model_type == "llama"
+
+
+@pytest.mark.parametrize(
+    "field,value,msg",
+    [
+        ("repeats", 0, "repeats"),
+        ("warmup", -1, "warmup"),
+        ("chunk_size", 0, "chunk_size"),
+        ("max_semantic_tokens", -5, "max_semantic_tokens"),
+        ("capacity_tokens", -1, "capacity_tokens"),
+        ("workload_overrides", {"vocab_size": 100}, "vocab_size"),
+        ("plot", "/nonexistent_dir/x.png", "plot"),
+        ("device", "nope", "device"),
+        ("dtype", "float8", "dtype"),
+    ],
+)
+def test_settings_checked_before_running(field, value, msg, monkeypatch):
+    """A bad setting is a ValueError naming it, raised before any model or workload is built."""
+    import harts_verl.benchmark as bench
+
+    monkeypatch.setattr(bench, "_bench_model", lambda *a: pytest.fail("built before checking"))
+    with pytest.raises(ValueError, match=msg):
+        run_bench(BenchConfig(**{**SMALL, field: value}))
+
+
+def test_result_records_its_settings_and_survives_a_failed_plot(tmp_path, monkeypatch):
+    import harts_verl.benchmark as bench
+
+    def broken_plot(result, path):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(bench, "plot_bench", broken_plot)
+    res = run_bench(BenchConfig(preset="tiny", plot=str(tmp_path / "b.png"), **SMALL))
+    assert res["plot_error"] == "OSError: disk full" and "plot" not in res
+    for key in ("chunk_size", "workload_overrides", "max_semantic_tokens", "repeats", "warmup"):
+        assert res[key] == (SMALL.get(key) if key != "max_semantic_tokens" else None)
+
+
+def test_cli_argument_errors(tmp_path, capsys):
+    from harts_verl.cli import main
+
+    for argv, msg in [
+        (["bench", "--threads", "0"], "expected an int >= 1"),
+        (["bench", "--workload-option", "=5"], "KEY=VALUE"),
+        (["bench", "--workload-option", "a=1", "--workload-option", "a=2"], "given twice"),
+        (["inspect", str(tmp_path / "f.npz"), "--dp", "2"], "--dp needs --capacity"),
+    ]:
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert msg in str(info.value) + capsys.readouterr().err, argv
