@@ -3,11 +3,70 @@
 from __future__ import annotations
 
 import json
+import math
+import numbers
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 MIXERS = ("kda", "gdn", "mla", "gqa")
 ROUTERS = ("softmax", "sigmoid_grouped")
+
+
+_INT_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "linear_num_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "conv_size",
+    "chunk_size",
+    "num_attention_heads",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "num_key_value_heads",
+    "head_dim",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "n_group",
+    "topk_group",
+)
+_REAL_FIELDS = (
+    "rms_norm_eps",
+    "rope_theta",
+    "initializer_range",
+    "partial_rotary_factor",
+    "routed_scaling_factor",
+    "router_aux_loss_coef",
+)
+_BOOL_FIELDS = ("tie_word_embeddings", "attn_output_gate", "norm_topk_prob")
+
+
+def _as_int(name: str, value: Any, expected: str = "an int") -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name}: expected {expected}, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def _as_real(name: str, value: Any, suffix: str = "") -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(
+            f"{name}: expected a finite float{suffix}, got {type(value).__name__} {value!r}"
+        )
+    return float(value)
+
+
+def _positive(name: str, value: float, why: str = "") -> None:
+    if value <= 0:
+        what = "float" if isinstance(value, float) else "int"
+        raise ValueError(
+            f"{name}: expected a positive {what}{' ' + why if why else ''}, got {value}"
+        )
 
 
 @dataclass
@@ -61,23 +120,170 @@ class HybridConfig:
     router_aux_loss_coef: float = 0.01
 
     def __post_init__(self) -> None:
-        for i, t in enumerate(self.layer_types):
-            if t not in MIXERS:
+        """Validate every field: types first (sizes are ints, not bools; rates are finite
+        reals), then ranges of the fields the configured layers use (MoE fields only when a layer
+        is MoE, MLA fields only with MLA layers, ...), then the relations between them. Ints are
+        normalized to ``int``, reals to ``float``, ``layer_types`` / ``moe_layers`` to lists."""
+        self._check_types()
+        self._check_ranges()
+
+    def _check_types(self) -> None:
+        lt = self.layer_types
+        if isinstance(lt, str) or not isinstance(lt, list | tuple):
+            raise ValueError(
+                f"layer_types: expected a list of mixer names from {MIXERS}, got "
+                f"{type(lt).__name__} {lt!r}"
+            )
+        for i, t in enumerate(lt):
+            if not isinstance(t, str) or t not in MIXERS:
                 raise ValueError(f"layer_types[{i}]: unknown mixer {t!r}, expected one of {MIXERS}")
-        n = len(self.layer_types)
-        for i in self.moe_layers:
-            if not 0 <= i < n:
-                raise ValueError(f"moe_layers: layer {i} out of range for {n} layers")
-        if self.router not in ROUTERS:
+        self.layer_types = list(lt)
+        ml = self.moe_layers
+        if isinstance(ml, str) or not isinstance(ml, list | tuple):
+            raise ValueError(
+                f"moe_layers: expected a list of layer indices, got {type(ml).__name__} {ml!r}"
+            )
+        self.moe_layers = [_as_int(f"moe_layers[{i}]", v) for i, v in enumerate(ml)]
+        for name in _INT_FIELDS:
+            setattr(self, name, _as_int(name, getattr(self, name)))
+        if self.q_lora_rank is not None:
+            self.q_lora_rank = _as_int("q_lora_rank", self.q_lora_rank, "an int or None")
+        for name in _REAL_FIELDS:
+            setattr(self, name, _as_real(name, getattr(self, name)))
+        if self.kda_lower_bound is not None:
+            self.kda_lower_bound = _as_real("kda_lower_bound", self.kda_lower_bound, " or None")
+        for name in _BOOL_FIELDS:
+            v = getattr(self, name)
+            if not isinstance(v, bool):
+                raise ValueError(f"{name}: expected a bool, got {type(v).__name__} {v!r}")
+        if not isinstance(self.router, str) or self.router not in ROUTERS:
             raise ValueError(f"router: expected one of {ROUTERS}, got {self.router!r}")
+
+    def _check_ranges(self) -> None:
+        n = len(self.layer_types)
+        if n == 0:
+            raise ValueError("layer_types: expected at least one layer, got []")
+        for name in ("vocab_size", "hidden_size", "chunk_size"):
+            _positive(name, getattr(self, name))
+        _positive("rms_norm_eps", self.rms_norm_eps)
+        if self.initializer_range < 0:
+            raise ValueError(f"initializer_range: expected >= 0, got {self.initializer_range}")
+        if self.router_aux_loss_coef < 0:
+            raise ValueError(
+                f"router_aux_loss_coef: expected >= 0, got {self.router_aux_loss_coef}"
+            )
+        seen: set[int] = set()
+        for i, layer in enumerate(self.moe_layers):
+            if not 0 <= layer < n:
+                raise ValueError(f"moe_layers: layer {layer} out of range for {n} layers")
+            if layer in seen:
+                raise ValueError(f"moe_layers[{i}]: layer {layer} listed twice")
+            seen.add(layer)
+        types = set(self.layer_types)
+        moe = bool(self.moe_layers) and self.num_experts > 0
+        if self.num_experts < 0:
+            raise ValueError(
+                f"num_experts: expected an int >= 0 (0: no MoE), got {self.num_experts}"
+            )
+        if len(seen) < n or not moe:  # some layer has a dense SwiGLU FFN
+            _positive("intermediate_size", self.intermediate_size, "(dense FFN layers)")
+        if types & {"kda", "gdn"}:
+            self._check_linear("kda" in types)
+        if types & {"mla", "gqa"}:
+            _positive("num_attention_heads", self.num_attention_heads, "(mla/gqa layers)")
+        if "mla" in types:
+            self._check_mla()
+        if "gqa" in types:
+            self._check_gqa()
+        if moe:
+            self._check_moe()
+
+    def _check_linear(self, kda: bool) -> None:
+        why = "(kda/gdn layers)"
+        for name in (
+            "linear_num_heads",
+            "linear_num_value_heads",
+            "linear_key_head_dim",
+            "linear_value_head_dim",
+            "conv_size",
+        ):
+            _positive(name, getattr(self, name), why)
         if self.linear_num_value_heads % self.linear_num_heads:
-            raise ValueError("linear_num_value_heads must be a multiple of linear_num_heads")
+            raise ValueError(
+                f"linear_num_value_heads: expected a multiple of linear_num_heads="
+                f"{self.linear_num_heads}, got {self.linear_num_value_heads}"
+            )
+        if kda and self.kda_lower_bound is not None and self.kda_lower_bound >= 0:
+            raise ValueError(
+                f"kda_lower_bound: expected a negative float or None, got {self.kda_lower_bound}"
+            )
+
+    def _check_mla(self) -> None:
+        why = "(mla layers)"
+        if self.q_lora_rank is not None and self.q_lora_rank < 0:
+            raise ValueError(
+                f"q_lora_rank: expected None, 0 (no q bottleneck) or a positive int, "
+                f"got {self.q_lora_rank}"
+            )
+        _positive("kv_lora_rank", self.kv_lora_rank, why)
+        _positive("v_head_dim", self.v_head_dim, why)
+        if self.qk_nope_head_dim < 0:
+            raise ValueError(f"qk_nope_head_dim: expected an int >= 0, got {self.qk_nope_head_dim}")
+        r = self.qk_rope_head_dim
+        if r < 0 or r % 2:
+            raise ValueError(f"qk_rope_head_dim: expected an even int >= 0 (0: NoPE), got {r}")
+        if self.qk_nope_head_dim + r == 0:
+            raise ValueError(
+                "qk_nope_head_dim: expected > 0 when qk_rope_head_dim = 0 (query/key dim 0)"
+            )
+        if r:
+            _positive("rope_theta", self.rope_theta, "(mla rope)")
+
+    def _check_gqa(self) -> None:
+        why = "(gqa layers)"
+        _positive("num_key_value_heads", self.num_key_value_heads, why)
+        _positive("head_dim", self.head_dim, why)
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-        if self.num_experts and self.num_experts % self.n_group:
-            raise ValueError("num_experts must be a multiple of n_group")
-        if self.chunk_size <= 0:
-            raise ValueError(f"chunk_size: expected a positive int, got {self.chunk_size}")
+            raise ValueError(
+                f"num_attention_heads: expected a multiple of num_key_value_heads="
+                f"{self.num_key_value_heads}, got {self.num_attention_heads}"
+            )
+        f = self.partial_rotary_factor
+        if not 0.0 <= f <= 1.0:
+            raise ValueError(f"partial_rotary_factor: expected a float in [0, 1], got {f}")
+        if int(self.head_dim * f) >= 2:
+            _positive("rope_theta", self.rope_theta, "(gqa rope)")
+
+    def _check_moe(self) -> None:
+        e, k = self.num_experts, self.num_experts_per_tok
+        if not 1 <= k <= e:
+            raise ValueError(
+                f"num_experts_per_tok: expected an int in [1, {e}] (num_experts), got {k}"
+            )
+        _positive("moe_intermediate_size", self.moe_intermediate_size, "(MoE layers)")
+        if self.shared_expert_intermediate_size < 0:
+            raise ValueError(
+                f"shared_expert_intermediate_size: expected an int >= 0 (0: no shared expert), "
+                f"got {self.shared_expert_intermediate_size}"
+            )
+        g, tg = self.n_group, self.topk_group
+        _positive("n_group", g, "(MoE layers)")
+        _positive("topk_group", tg, "(MoE layers)")
+        if e % g:
+            raise ValueError(f"n_group: expected a divisor of num_experts={e}, got {g}")
+        if self.router != "sigmoid_grouped":
+            return
+        if tg > g:
+            raise ValueError(f"topk_group: expected an int in [1, {g}] (n_group), got {tg}")
+        if k > tg * (e // g):
+            raise ValueError(
+                f"num_experts_per_tok: expected at most {tg * (e // g)} (the experts of "
+                f"topk_group={tg} groups of {e // g}), got {k}"
+            )
+        if self.routed_scaling_factor <= 0:
+            raise ValueError(
+                f"routed_scaling_factor: expected a positive float, got {self.routed_scaling_factor}"
+            )
 
     @property
     def num_hidden_layers(self) -> int:
@@ -88,6 +294,10 @@ class HybridConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> HybridConfig:
+        if not isinstance(d, dict):
+            raise TypeError(f"HybridConfig.from_dict: expected a dict, got {type(d).__name__}")
+        if d.get("model_type", "harts_hybrid") != "harts_hybrid":
+            raise ValueError(f"model_type: expected 'harts_hybrid', got {d['model_type']!r}")
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known - {"model_type"}
         if unknown:
@@ -138,7 +348,11 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def preset(name: str, **overrides: Any) -> HybridConfig:
-    """A named configuration (``tiny``, ``bench``, ``kimi_tiny``) with optional overrides."""
+    """A named configuration (``tiny``, ``bench``, ``kimi_tiny``) with optional overrides (any
+    :class:`HybridConfig` field; validated like the constructor)."""
     if name not in PRESETS:
         raise ValueError(f"preset: unknown {name!r}, expected one of {sorted(PRESETS)}")
+    unknown = set(overrides) - {f.name for f in fields(HybridConfig)}
+    if unknown:
+        raise ValueError(f"preset: unknown HybridConfig fields {sorted(unknown)}")
     return HybridConfig(**{**PRESETS[name], **overrides})

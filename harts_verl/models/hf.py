@@ -56,19 +56,35 @@ class HartsHybridConfig(PreTrainedConfig):
 
     def __init__(self, **kwargs: Any) -> None:
         mixers = kwargs.pop("mixer_types", None)
+        hf_types = None
         if mixers is not None:
-            kwargs["layer_types"] = list(mixers)
-        hybrid = HybridConfig(**{k: kwargs.pop(k) for k in list(kwargs) if k in _FIELDS})
-        kwargs.pop("num_hidden_layers", None)  # derived from the mixers
+            hf_types = kwargs.pop("layer_types", None)
+            kwargs["layer_types"] = mixers
+        try:
+            hybrid = HybridConfig(**{k: kwargs.pop(k) for k in list(kwargs) if k in _FIELDS})
+        except ValueError as e:
+            msg = str(e)
+            if mixers is not None and msg.startswith("layer_types"):
+                msg = "mixer_types" + msg[len("layer_types") :]  # the name the caller used
+            raise ValueError(msg) from None
+        derived = _hf_layer_types(hybrid.layer_types)
+        if hf_types is not None and list(hf_types) != derived:
+            raise ValueError(
+                f"layer_types: {list(hf_types)!r} does not match mixer_types "
+                f"{hybrid.layer_types!r} (expected {derived!r})"
+            )
+        layers = kwargs.pop("num_hidden_layers", None)  # derived from the mixers
+        if layers is not None and layers != hybrid.num_hidden_layers:
+            raise ValueError(
+                f"num_hidden_layers: {layers!r} does not match the {hybrid.num_hidden_layers} "
+                "layers of mixer_types / layer_types"
+            )
         super().__init__(**kwargs)
         for key, value in hybrid.to_dict().items():
             if key != "layer_types":
                 setattr(self, key, value)
         self.mixer_types = list(hybrid.layer_types)
-        self.layer_types = [
-            "linear_attention" if t in ("kda", "gdn") else "full_attention"
-            for t in hybrid.layer_types
-        ]
+        self.layer_types = derived
         self.num_hidden_layers = hybrid.num_hidden_layers
 
     def to_hybrid_config(self) -> HybridConfig:
@@ -77,7 +93,14 @@ class HartsHybridConfig(PreTrainedConfig):
 
     @classmethod
     def from_hybrid_config(cls, config: HybridConfig, **kwargs: Any) -> HartsHybridConfig:
-        return cls(**config.to_dict(), **kwargs)
+        """The transformers configuration of ``config``; keyword arguments override its fields
+        (validated together with the rest) or set ``PreTrainedConfig`` keys."""
+        if not isinstance(config, HybridConfig):
+            raise TypeError(f"config: expected a HybridConfig, got {type(config).__name__}")
+        base = config.to_dict()
+        if "mixer_types" in kwargs:  # replaces the mixers (``layer_types``) of ``config``
+            base.pop("layer_types")
+        return cls(**{**base, **kwargs})
 
 
 class HartsHybridForCausalLM(PreTrainedModel):
@@ -88,6 +111,11 @@ class HartsHybridForCausalLM(PreTrainedModel):
     base_model_prefix = "model"
     main_input_name = "input_ids"
     _no_split_modules: ClassVar[list[str]] = ["HybridDecoderLayer"]
+    # {target: source}, applied when ``config.tie_word_embeddings`` (the native model ties the
+    # two already); save_pretrained stores the source only, from_pretrained re-ties.
+    _tied_weights_keys: ClassVar[dict[str, str]] = {
+        "model.lm_head.weight": "model.embed_tokens.weight"
+    }
     supports_gradient_checkpointing = True
     _supports_sdpa = True  # attention is the model's own (tree/varlen ops); any choice is accepted
     _supports_flash_attn = True
@@ -161,6 +189,11 @@ class HartsHybridForCausalLM(PreTrainedModel):
         out = flat.new_zeros(input_ids.numel(), flat.shape[-1])
         out = out.index_copy(0, index, flat).reshape(*input_ids.shape, -1)
         return MoeCausalLMOutputWithPast(logits=self.model.lm_head(out), aux_loss=aux)
+
+
+def _hf_layer_types(mixers: list[str]) -> list[str]:
+    """transformers' layer type of each mixer (validated by ``PreTrainedConfig``)."""
+    return ["linear_attention" if t in ("kda", "gdn") else "full_attention" for t in mixers]
 
 
 def _trajectories(
