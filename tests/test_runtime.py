@@ -299,6 +299,8 @@ def test_empty_batch():
         assert runner.last_stats.semantic_tokens == 0
         with pytest.raises(ValueError, match="sequences"):
             runner.forward_backward([], _loss_fn(1))
+        with pytest.raises(ValueError, match="temperature"):  # checked for an empty batch too
+            runner.log_probs([], temperature=-1.0)
 
 
 def test_token_ids_outside_the_vocabulary_name_the_trajectory():

@@ -169,6 +169,9 @@ class _Runner:
         """Per trajectory a tensor of length L−1: ``log p(x[t+1] | x[≤t])`` (no gradient).
         With ``with_entropy`` also the predictive entropies at the same positions. An empty
         batch gives empty lists."""
+        from harts_verl.ops.logprobs import _check_temperature
+
+        _check_temperature(temperature)  # also for an empty batch
         t0 = time.perf_counter()
         forest = self.build_forest(sequences)
         groups = self.plan(forest) if forest.num_trajectories else []
