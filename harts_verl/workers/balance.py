@@ -12,8 +12,10 @@ chooses which trajectories go to which (rank, mini-batch) *cell* so that
   would have to cut a piece, by an exact search over the pieces' sizes (cells must be filled
   exactly: a multi-way subset-sum, depth-first with memoised dead states and subset-sum
   pruning) for a placement that cuts none. Only when no such placement exists, or the search
-  exceeds its budget (:data:`_SEARCH_BUDGET` cell visits, far more than typical batches need),
-  is a piece cut between leaf-order neighbours to fill the cells;
+  exceeds its budget (:data:`_SEARCH_BUDGET` cell visits: enough for up to ~32 cells of
+  variable-size trees; with 64+ cells and hundreds of trees of varied sizes it can run out and
+  then keeps the greedy placement), is a piece cut between leaf-order neighbours to fill the
+  cells;
 * the cells' work is balanced. Work is the planner's model
   (:func:`harts_verl.tree.microbatch.compact_work`: rows of the cell's own trie, what the tree
   engine runs): pieces are placed largest first on the feasible cell with the least work (LPT;
