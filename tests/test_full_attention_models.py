@@ -12,9 +12,9 @@ weighs in the output and a wrong ancestor set would show.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
+from _forked import forked_sequences
 
 from harts_verl.models.adapter import (
     FULL_ATTENTION_MODEL_TYPES,
@@ -53,20 +53,9 @@ def _model(kind: str, seed: int = 3, **cfg_overrides) -> torch.nn.Module:
 
 
 def _sequences(seed: int = 0, vocab: int = 64) -> list[list[int]]:
-    """A shared prompt, forks, a prefix of another trajectory, an identical pair, a second root,
-    a one-token trajectory."""
-    rng = np.random.default_rng(seed)
-    p = rng.integers(0, vocab, 24).tolist()
-    a = p + rng.integers(0, vocab, 14).tolist()
-    return [
-        a,
-        p[:9] + rng.integers(0, vocab, 11).tolist(),
-        p[:17] + rng.integers(0, vocab, 6).tolist(),
-        p,
-        list(a),
-        rng.integers(0, vocab, 13).tolist(),
-        [int(p[0])],
-    ]
+    """A shared prompt, forks (9, 17), a prefix of another trajectory, an identical pair, a
+    second root, a one-token trajectory."""
+    return forked_sequences(seed, vocab, prompt=24, extension=14, forks=[(9, 11), (17, 6)], root=13)
 
 
 def _hf_log_probs(model: torch.nn.Module, seq: list[int]) -> torch.Tensor:

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import importlib
 
-import numpy as np
 import pytest
 import torch
+from _forked import forked_sequences
 from test_runtime import _assert_grads_close, _check_model, _grads, _hf_log_probs, _loss_fn
 
 pytest.importorskip("transformers")
@@ -51,20 +51,8 @@ def _forest(seed: int) -> list[list[int]]:
     """Shared prompt over two 64-chunks; forks on a 64 boundary (64), on a 16 boundary inside a
     64-chunk (48), inside chunks (37, 70); a prefix-of-another trajectory, an identical pair, a
     second root, a length-1 trajectory."""
-    rng = np.random.default_rng(seed)
-    p = rng.integers(0, VOCAB, 100).tolist()
-    a = p + rng.integers(0, VOCAB, 40).tolist()
-    return [
-        a,
-        p[:64] + rng.integers(0, VOCAB, 30).tolist(),
-        p[:37] + rng.integers(0, VOCAB, 25).tolist(),
-        p[:48] + rng.integers(0, VOCAB, 20).tolist(),
-        p[:70] + rng.integers(0, VOCAB, 15).tolist(),
-        p,
-        list(a),
-        rng.integers(0, VOCAB, 25).tolist(),
-        [int(p[0])],
-    ]
+    forks = [(64, 30), (37, 25), (48, 20), (70, 15)]
+    return forked_sequences(seed, VOCAB, prompt=100, extension=40, forks=forks, root=25)
 
 
 def _hf_grads(model, seqs, loss_fn) -> tuple[list[torch.Tensor], float, dict]:

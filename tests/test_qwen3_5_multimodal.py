@@ -27,6 +27,7 @@ import importlib
 import numpy as np
 import pytest
 import torch
+from _forked import forked_sequences
 from test_runtime import _assert_grads_close, _grads, _loss_fn
 
 pytest.importorskip("transformers")
@@ -62,19 +63,8 @@ def _forest(seed: int) -> list[list[int]]:
     """Shared prompt over > 2 chunks of 16, forks inside a chunk (37), on a chunk boundary (48)
     and later (55); a prefix-of-another trajectory, an identical pair, a second root, a
     length-1 trajectory. Text tokens only."""
-    rng = np.random.default_rng(seed)
-    p = rng.integers(0, TEXT_VOCAB, 70).tolist()
-    a = p + rng.integers(0, TEXT_VOCAB, 30).tolist()
-    return [
-        a,
-        p[:37] + rng.integers(0, TEXT_VOCAB, 25).tolist(),
-        p[:48] + rng.integers(0, TEXT_VOCAB, 12).tolist(),
-        p[:55] + rng.integers(0, TEXT_VOCAB, 9).tolist(),
-        p,
-        list(a),
-        rng.integers(0, TEXT_VOCAB, 21).tolist(),
-        [int(p[0])],
-    ]
+    forks = [(37, 25), (48, 12), (55, 9)]
+    return forked_sequences(seed, TEXT_VOCAB, prompt=70, extension=30, forks=forks, root=21)
 
 
 def _restore_after_verl_patch(monkeypatch) -> None:

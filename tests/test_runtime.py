@@ -5,27 +5,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from _forked import forked_sequences
 
 from harts_verl.models import HybridForCausalLM, preset
 from harts_verl.runtime import ExpandedRunner, TreeRunner
 
 
 def _forest_sequences(seed: int, vocab: int) -> list[list[int]]:
-    """Shared prompt over > 2 chunks of 16, forks inside chunks and on a boundary, a
-    prefix-of-another trajectory, an identical pair, a second root, a length-1 trajectory."""
-    rng = np.random.default_rng(seed)
-    p = rng.integers(0, vocab, 70).tolist()
-    a = p + rng.integers(0, vocab, 40).tolist()
-    return [
-        a,
-        p[:37] + rng.integers(0, vocab, 30).tolist(),
-        p[:48] + rng.integers(0, vocab, 20).tolist(),  # fork on a chunk boundary (16 | 48)
-        p[:40] + rng.integers(0, vocab, 9).tolist(),
-        p,  # prefix of a
-        list(a),  # identical to a
-        rng.integers(0, vocab, 25).tolist(),  # another root
-        [int(p[0])],
-    ]
+    """Shared prompt over > 2 chunks of 16, forks inside chunks (37, 40) and on a boundary
+    (48), a prefix-of-another trajectory, an identical pair, a second root, a length-1
+    trajectory."""
+    return forked_sequences(
+        seed, vocab, prompt=70, extension=40, forks=[(37, 30), (48, 20), (40, 9)], root=25
+    )
 
 
 def _loss_fn(n: int):
