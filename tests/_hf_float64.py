@@ -212,22 +212,12 @@ def lift_float32_islands(monkeypatch) -> None:
     monkeypatch.setattr(m.OlmoHybridGatedDeltaNet, "forward", _olmo_gdn)
 
 
-# The full-attention families (``harts_verl.models.adapter.FULL_ATTENTION_MODEL_TYPES``): their
-# RMSNorms (``weight * x.to(float32)-normalised``, q/k norms and MLA's low-rank norms included)
-# and routers (softmax top-k: Qwen2-MoE / Qwen3-MoE / Mixtral; DeepSeek-V3 / GLM-4-MoE's router
-# logits) compute in float32. Rotary tables are float32 too, but the same for every path (they
-# depend on the position only) and carry no gradient, so they stay.
-_FULL_ATTENTION_MODULES = (
-    "llama",
-    "qwen2",
-    "qwen3",
-    "mistral",
-    "qwen2_moe",
-    "qwen3_moe",
-    "mixtral",
-    "deepseek_v3",
-    "glm4_moe",
-)
+# The full-attention families (``harts_verl.models.adapter.FULL_ATTENTION_MODEL_TYPES``, each in
+# ``transformers.models.<type>.modeling_<type>``): their RMSNorms (``weight *
+# x.to(float32)-normalised``, q/k norms and MLA's low-rank norms included) and routers (softmax
+# top-k: Qwen2-MoE / Qwen3-MoE / Mixtral; DeepSeek-V3 / GLM-4-MoE's router logits) compute in
+# float32. Rotary tables are float32 too, but the same for every path (they depend on the
+# position only) and carry no gradient, so they stay.
 
 
 def _llama_rms(self, hidden_states):
@@ -245,7 +235,9 @@ def _sigmoid_router_logits(self, hidden_states):
 def lift_full_attention_islands(monkeypatch) -> None:
     """Patch (through pytest's ``monkeypatch``) the RMSNorms and routers of every full-attention
     family to compute in the input dtype (same formulas; unchanged in float32 models)."""
-    for short in _FULL_ATTENTION_MODULES:
+    from harts_verl.models.adapter import FULL_ATTENTION_MODEL_TYPES
+
+    for short in FULL_ATTENTION_MODEL_TYPES:
         m = importlib.import_module(f"transformers.models.{short}.modeling_{short}")
         for name, obj in vars(m).items():
             if not isinstance(obj, type) or obj.__module__ != m.__name__:
