@@ -126,21 +126,21 @@ def test_fla_vs_reference(cuda, report, kda, dtype):
 
 
 # ------------------------------------------------------------------------------ attention
-@pytest.mark.parametrize("name", ["flash_attn", "torch_varlen"])
-@pytest.mark.parametrize(
-    "hq,hkv,dqk,dv", [(4, 4, 64, 64), (8, 2, 64, 64), (4, 4, 96, 64)], ids=["mha", "gqa", "mla"]
-)
-def test_varlen_attention_vs_sdpa(cuda, report, name, hq, hkv, dqk, dv):
+def _varlen_kernel(name: str, cuda):
+    """The named varlen attention kernel, or skip (``torch_varlen`` must exist with
+    ``REQUIRE_FAST``; flash-attn is optional: torch_varlen covers the same packing)."""
     try:
-        kern = backends.attention_kernel(name, cuda)
+        return backends.attention_kernel(name, cuda)
     except backends.BackendUnavailableError as exc:
         if name == "torch_varlen" and REQUIRE_FAST:
             pytest.fail(str(exc))
-        pytest.skip(str(exc))  # flash-attn is optional (torch_varlen covers the same packing)
-    forest = _forest(2)
-    c = forest.num_compact_tokens
-    gen = torch.Generator(device="cpu").manual_seed(3)
-    base = [torch.randn(c, h, d, generator=gen) for h, d in ((hq, dqk), (hkv, dqk), (hkv, dv))]
+        pytest.skip(str(exc))
+
+
+def _varlen_vs_sdpa(kern, cuda, forest, base: list[torch.Tensor], scale: float, **kw) -> dict:
+    """Error ratios of ``kern`` (bf16) against bucketed SDPA tree attention in float32 (and SDPA
+    in bf16 for scale): outputs and q/k/v gradients of one random output weighting; ``kw``
+    goes to both (e.g. ``window``). ``base``: CPU q, k, v ``[C, H, D]`` of ``forest``'s rows."""
     res = {}
     for tag, dtype, fn, plan in (
         ("fast", torch.bfloat16, kern, kern.build_plan(forest, device=cuda)),
@@ -148,7 +148,7 @@ def test_varlen_attention_vs_sdpa(cuda, report, name, hq, hkv, dqk, dv):
         ("sdpa_fp32", torch.float32, tree_attention, build_attention_plan(forest, device=cuda)),
     ):
         xs = [x.to(cuda, dtype).requires_grad_(True) for x in base]
-        o = fn(*xs, plan, scale=dqk**-0.5)
+        o = fn(*xs, plan, scale=scale, **kw)
         w = torch.randn(o.shape, generator=torch.Generator(device=cuda).manual_seed(1), device=cuda)
         (o.float() * w).sum().backward()
         res[tag] = (o.float(), [x.grad.float() for x in xs])
@@ -159,9 +159,27 @@ def test_varlen_attention_vs_sdpa(cuda, report, name, hq, hkv, dqk, dv):
     }
     for gname, ga, gb in zip(("dq", "dk", "dv"), res["fast"][1], res["sdpa_fp32"][1]):
         errs[gname] = err_ratio(ga, gb)
-    report[f"attn_{name}_{hq}x{hkv}_{dqk}_{dv}"] = errs
+    return errs
+
+
+def _assert_varlen_close(errs: dict) -> None:
     assert errs["o_vs_fp32"] <= max(1e-2, 2 * errs["sdpa_bf16_vs_fp32"]), errs
     assert all(errs[g] <= 2e-2 for g in ("dq", "dk", "dv")), errs
+
+
+@pytest.mark.parametrize("name", ["flash_attn", "torch_varlen"])
+@pytest.mark.parametrize(
+    "hq,hkv,dqk,dv", [(4, 4, 64, 64), (8, 2, 64, 64), (4, 4, 96, 64)], ids=["mha", "gqa", "mla"]
+)
+def test_varlen_attention_vs_sdpa(cuda, report, name, hq, hkv, dqk, dv):
+    kern = _varlen_kernel(name, cuda)
+    forest = _forest(2)
+    c = forest.num_compact_tokens
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    base = [torch.randn(c, h, d, generator=gen) for h, d in ((hq, dqk), (hkv, dqk), (hkv, dv))]
+    errs = _varlen_vs_sdpa(kern, cuda, forest, base, dqk**-0.5)
+    report[f"attn_{name}_{hq}x{hkv}_{dqk}_{dv}"] = errs
+    _assert_varlen_close(errs)
 
 
 @pytest.mark.parametrize("name", ["flash_attn", "torch_varlen"])
@@ -169,37 +187,15 @@ def test_varlen_attention_vs_sdpa(cuda, report, name, hq, hkv, dqk, dv):
 def test_varlen_attention_sliding_window(cuda, report, name, window):
     """Sliding windows through the varlen kernel (``window_size=(w - 1, 0)``, bottom-right)
     vs the bucketed SDPA band in float32; GQA 8/2, head dim 64, bf16."""
-    try:
-        kern = backends.attention_kernel(name, cuda)
-    except backends.BackendUnavailableError as exc:
-        if name == "torch_varlen" and REQUIRE_FAST:
-            pytest.fail(str(exc))
-        pytest.skip(str(exc))
+    kern = _varlen_kernel(name, cuda)
     forest = _forest(3)
     c = forest.num_compact_tokens
     gen = torch.Generator(device="cpu").manual_seed(4)
     base = [torch.randn(c, h, 64, generator=gen) for h in (8, 2, 2)]
-    res = {}
-    for tag, dtype, fn, plan in (
-        ("fast", torch.bfloat16, kern, kern.build_plan(forest, device=cuda)),
-        ("sdpa_bf16", torch.bfloat16, tree_attention, build_attention_plan(forest, device=cuda)),
-        ("sdpa_fp32", torch.float32, tree_attention, build_attention_plan(forest, device=cuda)),
-    ):
-        xs = [x.to(cuda, dtype).requires_grad_(True) for x in base]
-        o = fn(*xs, plan, scale=0.125, window=window)
-        w = torch.randn(o.shape, generator=torch.Generator(device=cuda).manual_seed(1), device=cuda)
-        (o.float() * w).sum().backward()
-        res[tag] = (o.float(), [x.grad.float() for x in xs])
-    errs = {
-        "supports_window": bool(getattr(kern.varlen_fn, "supports_window", False)),
-        "o_vs_fp32": err_ratio(res["fast"][0], res["sdpa_fp32"][0]),
-        "sdpa_bf16_vs_fp32": err_ratio(res["sdpa_bf16"][0], res["sdpa_fp32"][0]),
-    }
-    for gname, ga, gb in zip(("dq", "dk", "dv"), res["fast"][1], res["sdpa_fp32"][1]):
-        errs[gname] = err_ratio(ga, gb)
+    errs = _varlen_vs_sdpa(kern, cuda, forest, base, 0.125, window=window)
+    errs["supports_window"] = bool(getattr(kern.varlen_fn, "supports_window", False))
     report[f"attn_window_{name}_{window}"] = errs
-    assert errs["o_vs_fp32"] <= max(1e-2, 2 * errs["sdpa_bf16_vs_fp32"]), errs
-    assert all(errs[g] <= 2e-2 for g in ("dq", "dk", "dv")), errs
+    _assert_varlen_close(errs)
 
 
 # ------------------------------------------------------------------------------ tree vs trajectories
