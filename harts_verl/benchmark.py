@@ -26,6 +26,7 @@ from harts_verl.models import HybridForCausalLM, preset
 from harts_verl.runtime import ExpandedRunner, TreeRunner
 from harts_verl.runtime.flops import ideal_flop_ratio, model_shape
 from harts_verl.tree import RolloutForest
+from harts_verl.tree._checks import is_int as _is_int
 from harts_verl.tree.linear_plan import plan_linear_calls
 from harts_verl.tree.workloads import WORKLOADS
 
@@ -129,10 +130,6 @@ def _bench_model(
         )
     model_shape(mcfg)  # a ValueError here names the model type without a FLOP model
     return model.to(device), mcfg
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int | np.integer) and not isinstance(v, bool)
 
 
 def _check_config(cfg: BenchConfig) -> torch.device:

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from harts_verl.ops._index import concat_ranges, segment_ancestors, to_index
+from harts_verl.tree._checks import is_int
 
 __all__ = [
     "AttentionBucket",
@@ -340,7 +341,7 @@ def _bucket_mask(
 def _check_window(window: int | None) -> int | None:
     if window is None:
         return None
-    if isinstance(window, bool) or not isinstance(window, int | np.integer) or window < 1:
+    if not is_int(window) or window < 1:
         raise ValueError(f"window: expected a positive int or None, got {window!r}")
     return int(window)
 

@@ -82,6 +82,7 @@ from typing import Any
 
 import numpy as np
 
+from harts_verl.tree._checks import is_int as _is_int
 from harts_verl.tree._rangemin import RangeMin
 from harts_verl.tree.forest import RolloutForest
 
@@ -1286,10 +1287,6 @@ def place_microbatches(works: np.ndarray, dp_size: int) -> tuple[np.ndarray, np.
 
 
 # ============================================================================ public API
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int | np.integer) and not isinstance(v, bool)
-
-
 def _check_int(name: str, v: Any, minimum: int) -> int:
     if not _is_int(v) or v < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {v!r}")

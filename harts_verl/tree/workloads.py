@@ -76,6 +76,7 @@ from typing import Any
 
 import numpy as np
 
+from harts_verl.tree._checks import is_int as _is_int
 from harts_verl.tree.forest import RolloutForest, Turn
 
 __all__ = ["TOKENS_PER_SCALE", "WORKLOADS", "Workload", "grpo_flat", "swe_like", "tau_like"]
@@ -256,10 +257,6 @@ _FLAT: dict[str, Any] = {
     "assistant_tokens": (200, 4000),
     "path_caps": (32768,),
 }
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int | np.integer) and not isinstance(v, bool)
 
 
 def _is_real(v: Any) -> bool:

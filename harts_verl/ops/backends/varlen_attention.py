@@ -42,7 +42,13 @@ import torch
 import torch.nn.functional as F
 
 from harts_verl.ops._index import concat_ranges, segment_ancestors, to_index
-from harts_verl.ops.tree_attention import _check_qkv, _finish_heads, _pad_head_dim, same_device
+from harts_verl.ops.tree_attention import (
+    _check_qkv,
+    _check_window,
+    _finish_heads,
+    _pad_head_dim,
+    same_device,
+)
 
 __all__ = [
     "VarlenAttentionPlan",
@@ -212,8 +218,7 @@ def tree_attention_varlen(
             f"varlen flash attention supports float16/bfloat16 only, got {q.dtype}; use "
             f"attention_backend='sdpa' (or 'auto', which routes other dtypes to SDPA)"
         )
-    if window is not None and (isinstance(window, bool) or int(window) < 1):
-        raise ValueError(f"window: expected a positive int or None, got {window!r}")
+    window = _check_window(window)
     if scale is None:
         scale = 1.0 / math.sqrt(dqk)
     if c == 0:

@@ -23,19 +23,18 @@ import asyncio
 import copy
 import difflib
 import logging
-import numbers
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 from uuid import uuid4
 
-import numpy as np
 from verl.experimental.agent_loop.agent_loop import AgentLoopOutput, register
 from verl.experimental.agent_loop.tool_agent_loop import AgentData, AgentState, ToolAgentLoop
 from verl.tools.base_tool import BaseTool
 from verl.tools.schemas import ToolResponse
 
+from harts_verl.tree._checks import is_int as _is_int
 from harts_verl.workers.rollout.recorder import (
     TREE_KEY,
     RecordingServerClient,
@@ -72,11 +71,6 @@ GROUP_MODES = ("prompt", "fork")
 
 FORK_KEYS = ("enable", "turns", "branching", "budget", "policy", "group")
 """Keys of ``harts_rollout.fork`` (:meth:`ForkSpec.from_config`)."""
-
-
-def _is_int(value: Any) -> bool:
-    """A Python/numpy integer, not a bool (``True`` is no fork budget)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool | np.bool_)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import numbers
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from harts_verl.tree import RolloutForest
+from harts_verl.tree._checks import is_int as _is_index
 from harts_verl.tree.forest import Turn
 
 __all__ = [
@@ -272,11 +272,6 @@ def parse_tree_metadata(value: Any) -> dict[str, Any] | None:
     object, another version, no non-empty ``turns`` list). Spans are checked by
     :func:`forest_from_metadata`."""
     return _decode_tree_metadata(value)[0]
-
-
-def _is_index(value: Any) -> bool:
-    """A Python/numpy integer, not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool | np.bool_)
 
 
 def _check_span(span: Any) -> tuple[str, str | None, int, int] | str:
