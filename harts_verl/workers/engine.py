@@ -125,7 +125,7 @@ def _tree_metadata(data: TensorDict) -> list[Any] | None:
     return out if len(out) == len(data) else None
 
 
-_METADATA_WARNED: set[bool] = set()
+_metadata_warned = False  # the unusable-metadata WARNING was given in this process
 
 
 def forest_of_batch(data: TensorDict) -> RolloutForest:
@@ -146,8 +146,9 @@ def forest_of_batch(data: TensorDict) -> RolloutForest:
             return forest
         # Same numbers either way; one WARNING per process (veRL's padding samples copy sample
         # 0's metadata, which then disagrees with their tokens on every step).
-        log = logger.debug if _METADATA_WARNED else logger.warning
-        _METADATA_WARNED.add(True)
+        global _metadata_warned
+        log = logger.debug if _metadata_warned else logger.warning
+        _metadata_warned = True
         log("harts_fsdp2: tree metadata not used (%s); detecting prefixes", why)
     forest = RolloutForest.from_sequences(seqs)
     forest.harts_source = "tokens"
@@ -319,10 +320,10 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
 
     # ------------------------------------------------------------------ batch
     def _local_fallback_reasons(
-        self, data: TensorDict, temperature: float | None
+        self, data: TensorDict, temperature: float | None, longest: int, forward_only: bool
     ) -> dict[str, str]:
-        """Why this rank's batch cannot run in tree mode, as ``{key: explanation}`` (empty: it
-        can)."""
+        """Why this rank's batch (whose longest trajectory has ``longest`` tokens) cannot run in
+        tree mode, as ``{key: explanation}`` (empty: it can)."""
         reasons: dict[str, str] = {}
         if not self.harts.enable:
             reasons["disabled"] = "harts.enable is false"
@@ -339,6 +340,18 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         if tu.get_non_tensor_data(data=data, key="use_fused_kernels", default=False) is not False:
             reasons["fused"] = (
                 "use_fused_kernels is set (veRL's fused forward computes the log-probs itself)"
+            )
+        jitter = getattr(getattr(self.module, "config", None), "router_jitter_noise", 0.0)
+        if jitter and not forward_only:
+            reasons["router_jitter"] = (
+                f"router_jitter_noise = {jitter} draws noise per token in training: shared rows "
+                "would share it across trajectories"
+            )
+        rope = self._rope_limit
+        if rope is not None and longest > rope[1]:
+            reasons["rope"] = (
+                f"rope_type {rope[0]!r} picks its frequencies from the sequence length: tree mode "
+                f"is exact up to {rope[1]} tokens per trajectory, this batch has {longest}"
             )
         return reasons
 
@@ -360,20 +373,8 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         forest = forest_of_batch(data) if n else None
         s = forest.num_semantic_tokens if forest is not None else 0
         c = forest.num_compact_tokens if forest is not None else 0
-        reasons = self._local_fallback_reasons(data, temperature)
-        jitter = getattr(getattr(self.module, "config", None), "router_jitter_noise", 0.0)
-        if jitter and not forward_only:
-            reasons["router_jitter"] = (
-                f"router_jitter_noise = {jitter} draws noise per token in training: shared rows "
-                "would share it across trajectories"
-            )
-        rope = self._rope_limit
-        if forest is not None and rope is not None and int(forest.lengths.max()) > rope[1]:
-            reasons["rope"] = (
-                f"rope_type {rope[0]!r} picks its frequencies from the sequence length: tree mode "
-                f"is exact up to {rope[1]} tokens per trajectory, this batch has "
-                f"{int(forest.lengths.max())}"
-            )
+        longest = int(forest.lengths.max()) if forest is not None else 0
+        reasons = self._local_fallback_reasons(data, temperature, longest, forward_only)
         # All ranks take the same path (FSDP collectives must stay aligned).
         s_all, c_all = self._dp_all_reduce([s, c])
         ok_min = self._dp_all_reduce([0.0 if reasons else 1.0], op=dist.ReduceOp.MIN)[0]
@@ -599,7 +600,10 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         """One micro-batch in tree mode; veRL's stock step inside a fallback batch, and for a
         micro-batch that cannot run in tree mode (see ``_local_fallback_reasons``)."""
         temperature = _scalar_temperature(micro_batch)
-        if self._stock_batch or self._local_fallback_reasons(micro_batch, temperature):
+        if self._stock_batch:
+            return super().forward_step(micro_batch, loss_function, forward_only)
+        longest = max((len(t) for t in _sequences(micro_batch["input_ids"])), default=0)
+        if self._local_fallback_reasons(micro_batch, temperature, longest, forward_only):
             return super().forward_step(micro_batch, loss_function, forward_only)
         loss, meta, _ = self._tree_forward_step(
             micro_batch,
