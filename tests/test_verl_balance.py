@@ -333,6 +333,7 @@ def test_split_free_placement_greedy_hard_cases(dp, nm, sizes, monkeypatch):
     _check_shape(parts, len(seqs), dp, nm, RolloutForest.from_sequences(seqs))
     assert not _split_trees(parts, nm, tree_of)
     monkeypatch.setattr(balance, "_SEARCH_BUDGET", 0)
+    monkeypatch.setattr(balance, "_COMPLETE_BUDGET", 0)
     assert _split_trees(tree_balanced_partition(seqs, dp, nm), nm, tree_of)
 
 
@@ -344,12 +345,63 @@ def test_cut_only_when_no_split_free_placement_or_budget(monkeypatch):
     parts = tree_balanced_partition(seqs, 2)
     _check_shape(parts, 12, 2, 1, RolloutForest.from_sequences(seqs))
     assert len(_split_trees(parts, 1, tree_of)) == 1
-    # search budget exhausted: the greedy placement with its cut, still a valid partition
+    # search budgets exhausted: the greedy placement with its cut, still a valid partition
     monkeypatch.setattr(balance, "_SEARCH_BUDGET", 0)
+    monkeypatch.setattr(balance, "_COMPLETE_BUDGET", 0)
     seqs, tree_of = _sized_trees([3, 3, 2, 2, 2])
     parts = tree_balanced_partition(seqs, 2)
     _check_shape(parts, 12, 2, 1, RolloutForest.from_sequences(seqs))
     assert len(_split_trees(parts, 1, tree_of)) == 1
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 10), st.data())
+def test_cell_by_cell_search_finds_a_placement_iff_one_exists(cells, share, data):
+    """``_complete`` alone vs brute force: a placement of whole pieces filling every cell
+    exactly whenever one exists (returns every piece once), None otherwise."""
+    from harts_verl.workers.balance import _complete
+
+    sizes: list[int] = []
+    while sum(sizes) < cells * share:
+        left = cells * share - sum(sizes)
+        sizes.append(data.draw(st.integers(1, min(share, left)), label="size"))
+    size = np.array(sizes, np.int64)
+    work = np.array(
+        data.draw(st.lists(st.integers(1, 99), min_size=len(sizes), max_size=len(sizes))), np.int64
+    )
+    ids = _complete(size, work, share, cells)
+    assert (ids is not None) == _split_free_exists(sizes, cells, share)
+    if ids is not None:
+        assert sorted(i for c in ids for i in c) == list(range(len(sizes)))
+        assert [int(size[c].sum()) for c in ids] == [share] * cells
+
+
+@pytest.mark.parametrize("dp,nm,share,smallest", [(8, 8, 16, 5), (8, 16, 24, 7), (16, 16, 16, 4)])
+def test_no_tree_split_with_many_cells(dp, nm, share, smallest, monkeypatch):
+    """64-256 cells built from trees of ``smallest``..``share`` trajectories (a split-free
+    placement exists by construction): the first search runs out on these, the cell-by-cell one
+    finds a placement; with both budgets at zero, trees are cut."""
+    import harts_verl.workers.balance as balance
+
+    rng = np.random.default_rng(dp * nm + share)
+    sizes: list[int] = []
+    for _ in range(dp * nm):
+        left = share
+        while left:
+            s = int(rng.integers(min(smallest, left), left + 1)) if left > smallest else left
+            sizes.append(s)
+            left -= s
+    sizes = rng.permutation(sizes).tolist()
+    seqs, tree_of = _sized_trees(sizes, prefix_lens=rng.integers(0, 30, len(sizes)).tolist())
+    forest = RolloutForest.from_sequences(seqs)
+    parts = tree_balanced_partition(forest, dp, nm)
+    _check_shape(parts, len(seqs), dp, nm, forest)
+    assert not _split_trees(parts, nm, tree_of)
+    cell_work = [partition_work(forest, c) for row in _cells(parts, nm) for c in row]
+    assert sum(cell_work) == forest.num_compact_tokens  # whole trees: nothing duplicated
+    assert parts == tree_balanced_partition(seqs, dp, nm)  # deterministic
+    monkeypatch.setattr(balance, "_COMPLETE_BUDGET", 0)
+    assert _split_trees(tree_balanced_partition(forest, dp, nm), nm, tree_of)
 
 
 @settings(max_examples=200, deadline=None)

@@ -11,11 +11,12 @@ chooses which trajectories go to which (rank, mini-batch) *cell* so that
   that fit a cell. Pieces are then placed whole: greedily (below) and, when the greedy placement
   would have to cut a piece, by an exact search over the pieces' sizes (cells must be filled
   exactly: a multi-way subset-sum, depth-first with memoised dead states and subset-sum
-  pruning) for a placement that cuts none. Only when no such placement exists, or the search
-  exceeds its budget (:data:`_SEARCH_BUDGET` cell visits: enough for up to ~32 cells of
-  variable-size trees; with 64+ cells and hundreds of trees of varied sizes it can run out and
-  then keeps the greedy placement), is a piece cut between leaf-order neighbours to fill the
-  cells;
+  pruning) for a placement that cuts none. That search balances work as it goes and suits up
+  to ~32 cells; when it finds nothing within :data:`_SEARCH_BUDGET` cell visits (many cells), a
+  second search fills the cells one at a time over the pieces' size counts (bin completion,
+  :data:`_COMPLETE_BUDGET` completions; e.g. 256 cells of 16 built from trees of 4–16 in
+  ~0.05 s). Only when neither finds a placement (none exists, or both budgets run out) is a
+  piece cut between leaf-order neighbours to fill the cells;
 * the cells' work is balanced. Work is the planner's model
   (:func:`harts_verl.tree.microbatch.compact_work`: rows of the cell's own trie, what the tree
   engine runs): pieces are placed largest first on the feasible cell with the least work (LPT;
@@ -42,7 +43,7 @@ micro-batches by compact work and makes their number equal across ranks (see
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -55,6 +56,7 @@ __all__ = ["partition_work", "tree_balanced_partition"]
 _SWAP_ROUNDS = 64  # bound on improving swaps (each lowers the largest cell's work)
 _SEARCH_BUDGET = 200_000  # bound on the search for a placement cutting no piece (cell visits)
 _IMPROVE_BUDGET = 40_000  # then bound on the search for a better one (cell visits)
+_COMPLETE_BUDGET = 20_000  # bound on the cell-by-cell search (completions tried)
 
 
 class _Work:
@@ -267,6 +269,94 @@ def _exact(size: np.ndarray, work: np.ndarray, share: int, cells: int) -> list[l
     return ids
 
 
+def _completions(counts: list[int], share: int) -> Iterator[tuple[list[int], list[int]]]:
+    """Fillings of one cell: one piece of the largest remaining size ``s`` plus a sub-multiset of
+    the other pieces summing to ``share − s`` (sizes ``<= s``, larger sizes taken first). Yields
+    ``(taken, rest)``: the cell's piece count per size and the counts that remain."""
+    s = max(v for v, c in enumerate(counts) if c)
+    rest = list(counts)
+    rest[s] -= 1
+    sizes = [v for v in range(s, 0, -1) if rest[v]]  # decreasing
+    # below[j]: bitset of the sums of sub-multisets of the sizes sizes[j:]
+    full = (1 << (share + 1)) - 1
+    below = [1] * (len(sizes) + 1)
+    for j in range(len(sizes) - 1, -1, -1):
+        v, c, k, bits = sizes[j], rest[sizes[j]], 1, below[j + 1]
+        while c > 0:  # a bounded multiset by binary splitting: blocks of 1, 2, 4, … pieces
+            t = min(k, c)
+            bits = (bits | (bits << (t * v))) & full
+            c, k = c - t, k << 1
+        below[j] = bits
+    taken = [0] * len(counts)
+    taken[s] = 1
+
+    def go(j: int, need: int) -> Iterator[tuple[list[int], list[int]]]:
+        if need == 0:
+            yield list(taken), [c - t for c, t in zip(counts, taken, strict=True)]
+            return
+        if j == len(sizes) or not (below[j] >> need) & 1:
+            return
+        v = sizes[j]
+        for k in range(min(rest[v], need // v), -1, -1):
+            if (below[j + 1] >> (need - k * v)) & 1:
+                taken[v] += k
+                yield from go(j + 1, need - k * v)
+                taken[v] -= k
+
+    yield from go(0, share - s)
+
+
+def _complete(size: np.ndarray, work: np.ndarray, share: int, cells: int) -> list[list[int]] | None:
+    """Whole pieces → cells filled exactly, one cell at a time (bin completion), or None when
+    there is none or none is found within :data:`_COMPLETE_BUDGET` completions.
+
+    Feasibility depends only on how many pieces of each size remain, so the search runs over
+    size counts: each cell takes the largest remaining size (cells are interchangeable) and a
+    completion to exactly ``share``; count vectors proven infeasible are not revisited. Pieces
+    of each size are then dealt to the cells that take that size, heaviest piece first onto the
+    cell with the least work so far."""
+    if int(size.max(initial=0)) > share or int(size.sum()) != share * cells:
+        return None
+    counts = np.bincount(size, minlength=share + 1).tolist()
+    dead: set[tuple[int, ...]] = set()
+    stack = [_completions(counts, share)]
+    keys = [tuple(counts)]
+    patterns: list[list[int]] = []
+    tried = 0
+    while stack:
+        if tried >= _COMPLETE_BUDGET:
+            return None
+        nxt = next(stack[-1], None)
+        if nxt is None:
+            dead.add(keys.pop())
+            stack.pop()
+            if patterns:  # the filling that led here fails
+                patterns.pop()
+            continue
+        tried += 1
+        pattern, rest = nxt
+        key = tuple(rest)
+        if key in dead:
+            continue
+        patterns.append(pattern)
+        if len(patterns) == cells:
+            break
+        stack.append(_completions(rest, share))
+        keys.append(key)
+    else:
+        return None
+    ids: list[list[int]] = [[] for _ in range(cells)]
+    loads = np.zeros(cells, np.int64)
+    for v in range(share, 0, -1):
+        need = np.array([p[v] for p in patterns], np.int64)
+        for i in sorted(np.flatnonzero(size == v).tolist(), key=lambda i: (-int(work[i]), i)):
+            c = int(np.argmin(np.where(need > 0, loads, np.iinfo(np.int64).max)))
+            ids[c].append(i)
+            need[c] -= 1
+            loads[c] += int(work[i])
+    return ids
+
+
 def _swap(size: np.ndarray, work: np.ndarray, ids: list[list[int]]) -> None:
     """Swap equal-size whole pieces between the heaviest cell and another cell while that lowers
     the pair's larger work (pieces are disjoint trees or tree parts, so cell work ≈ Σ piece
@@ -367,6 +457,8 @@ def tree_balanced_partition(
     ids, ranges = _lpt(lv, pieces, size, work, share, cells)
     if any(-1 in c for c in ids):  # greedy had to cut a piece: look for a placement that doesn't
         found = _exact(size, work, share, cells)
+        if found is None:  # none, or the search ran out (many cells): fill cell by cell
+            found = _complete(size, work, share, cells)
         if found is not None:
             ids = found
     if all(-1 not in c for c in ids):
