@@ -33,23 +33,27 @@ def _params(c: int, seed: int, dtype: torch.dtype = torch.float64, bias: bool = 
     return cast
 
 
-def _reference(forest, hidden, weight, bias, temperature, with_entropy):
+def _reference(forest, hidden, weight, bias, temperature, with_entropy, with_sq=False):
     """Trajectory-wise oracle over expanded hidden states (a gather of the row hidden states)."""
     expanded = hidden[torch.from_numpy(forest.semantic_rows)]
-    logps, ents = [], []
+    logps, ents, sqs = [], [], []
     for i in range(forest.num_trajectories):
         s0, s1 = int(forest.row_offsets[i]), int(forest.row_offsets[i + 1])
         labels = torch.from_numpy(forest.tokens_of(i)[1:])
-        lp_i, ent_i = expanded_log_probs_ref(
+        lp_i, ent_i, sq_i = expanded_log_probs_ref(
             expanded[s0:s1],
             weight,
             labels,
             lm_head_bias=bias,
             temperature=temperature,
             with_entropy=with_entropy,
+            with_sum_pi_squared=with_sq,
         )
         logps.append(lp_i)
         ents.append(ent_i)
+        sqs.append(sq_i)
+    if with_sq:
+        return torch.cat(logps), (torch.cat(ents) if with_entropy else None), torch.cat(sqs)
     return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
 
 
@@ -71,6 +75,7 @@ def _rel(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
     temperature=st.sampled_from([1.0, 0.7, 1.6]),
     chunk=st.sampled_from([1, 3, 7, 4096]),
     with_entropy=st.booleans(),
+    with_sq=st.booleans(),
     bias=st.booleans(),
 )
 def test_compact_equals_trajectory_wise_float64(
@@ -79,6 +84,7 @@ def test_compact_equals_trajectory_wise_float64(
     temperature: float,
     chunk: int,
     with_entropy: bool,
+    with_sq: bool,
     bias: bool,
 ) -> None:
     forest = RolloutForest.from_sequences(seqs)
@@ -90,10 +96,13 @@ def test_compact_equals_trajectory_wise_float64(
         lm_head_bias=b,
         temperature=temperature,
         with_entropy=with_entropy,
+        with_sum_pi_squared=with_sq,
         rows_per_chunk=chunk,
         output="flat",
     )
-    ref_lp, ref_ent = _reference(forest, hidden, weight, b, temperature, with_entropy)
+    ref_lp, ref_ent, ref_sq = _reference(
+        forest, hidden, weight, b, temperature, with_entropy, with_sq=True
+    )
     assert out.log_probs.dtype == torch.float64
     assert out.log_probs.shape == (forest.num_semantic_tokens - forest.num_trajectories,)
     assert out.offsets.tolist() == [0, *np.cumsum(forest.lengths - 1).tolist()]
@@ -102,21 +111,29 @@ def test_compact_equals_trajectory_wise_float64(
         assert _max_abs(out.entropy - ref_ent) <= 1e-10
     else:
         assert out.entropy is None
+    if with_sq:  # Σp² of each position's distribution
+        assert _max_abs(out.sum_pi_squared - ref_sq) <= 1e-10
+    else:
+        assert out.sum_pi_squared is None
 
     # Gradients of an arbitrary loss over semantic positions (row gradient = sum over positions).
     g = torch.Generator().manual_seed(seed + 1)
     c1 = torch.randn(ref_lp.shape, generator=g, dtype=torch.float64)
     c2 = torch.randn(ref_lp.shape, generator=g, dtype=torch.float64)
+    c3 = torch.randn(ref_lp.shape, generator=g, dtype=torch.float64)
     params = [p for p in (hidden, weight, b) if p is not None]
 
-    def loss(lp_: torch.Tensor, ent_: torch.Tensor | None) -> torch.Tensor:
+    def loss(lp_: torch.Tensor, ent_: torch.Tensor | None, sq_: torch.Tensor | None):
         total = (lp_ * c1).sum()
-        return total + (ent_ * c2).sum() if ent_ is not None else total
+        total = total + (ent_ * c2).sum() if ent_ is not None else total
+        return total + (sq_ * c3).sum() if sq_ is not None else total
 
     if ref_lp.numel() == 0:
         return
-    grads = torch.autograd.grad(loss(out.log_probs, out.entropy), params)
-    grads_ref = torch.autograd.grad(loss(ref_lp, ref_ent), params)
+    grads = torch.autograd.grad(loss(out.log_probs, out.entropy, out.sum_pi_squared), params)
+    grads_ref = torch.autograd.grad(
+        loss(ref_lp, ref_ent if with_entropy else None, ref_sq if with_sq else None), params
+    )
     for a, r in zip(grads, grads_ref):
         assert _rel(a, r) <= 1e-9
 

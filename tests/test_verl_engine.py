@@ -252,6 +252,80 @@ def test_parity_loss_modes(verl_cpu, kind, loss_mode):
     _compare(ref, tree)
 
 
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3_next"])
+def test_sum_pi_squared_parity(verl_cpu, kind):
+    """``calculate_sum_pi_squared`` (veRL's optimal-token-baseline estimators): the tree engine
+    returns ``sum_pi_squared`` equal to the stock engine's (≤ 1e-6, float32), in tree mode."""
+    from verl.utils import tensordict_utils as tu
+
+    testing, paths = verl_cpu
+    seqs, prompt_lens, spans = _multiturn_batch(seed=5)
+    outs = {}
+    for strategy in ("fsdp2", "harts_fsdp2"):
+        padded = strategy == "fsdp2" and kind in HYBRIDS
+        engine = testing.build_engine(
+            paths[kind], testing.actor_config(strategy=strategy), use_remove_padding=not padded
+        )
+        td = testing.make_batch(
+            seqs,
+            prompt_lens,
+            tool_spans=spans,
+            temperature=0.8,
+            calculate_entropy=True,
+            use_remove_padding=not padded,
+        )
+        tu.assign_non_tensor(td, calculate_sum_pi_squared=True)
+        with engine.eval_mode():
+            outs[strategy] = engine.infer_batch(td)
+    assert outs["harts_fsdp2"]["metrics"]["harts/fallback"] == [0.0]
+    ref, tree = (outs[k]["model_output"] for k in ("fsdp2", "harts_fsdp2"))
+    for key in ("log_probs", "entropy", "sum_pi_squared"):
+        for a, b in zip(ref[key].unbind(), tree[key].unbind(), strict=True):
+            assert a.shape == b.shape  # float32: ≤ 1e-6 relative to max(1, |value|)
+            err = (a[:-1] - b[:-1]).abs() / a[:-1].abs().clamp_min(1.0)
+            assert float(err.max()) <= 1e-6, key
+    for sq in tree["sum_pi_squared"].unbind():  # a distribution over VOCAB tokens
+        assert 1 / VOCAB - 1e-7 <= float(sq[:-1].min()) and float(sq[:-1].max()) <= 1.0
+
+
+def test_distillation_falls_back(verl_cpu):
+    """Top-k distillation reads full logits through veRL's logits processor: stock path."""
+    from verl.utils import tensordict_utils as tu
+
+    testing, paths = verl_cpu
+    seqs, prompt_lens, spans = _grpo_batch(seed=2)
+    engine = testing.build_engine(paths["qwen2"], testing.actor_config())
+    td = testing.make_batch(seqs, prompt_lens, tool_spans=spans)
+    tu.assign_non_tensor(td, distillation_use_topk=True)
+    reasons = engine._local_fallback_reasons(td, 1.0, max(map(len, seqs)), True)
+    assert "distillation_use_topk" in reasons["distillation"]
+
+
+def test_split_dependent_losses_are_named(verl_cpu, caplog):
+    """Losses whose value depends on the micro-batching (per-micro-batch padded width or
+    covariance selection) are named once in a WARNING; the others are not."""
+    from harts_verl.workers.engine import split_dependent_loss
+
+    testing, paths = verl_cpu
+    loss = lambda cfg: partial(_ppo_loss(), config=cfg)  # noqa: E731
+    assert split_dependent_loss(loss(testing.actor_config())) is None
+    assert split_dependent_loss(lambda **kw: None) is None
+    norm = testing.actor_config(loss_agg_mode="seq-mean-token-sum-norm")
+    assert "loss_scale_factor" in split_dependent_loss(loss(norm))
+    for mode in ("kl_cov", "clip_cov"):
+        assert mode in split_dependent_loss(loss(testing.actor_config(loss_mode=mode)))
+
+    seqs, prompt_lens, spans = _grpo_batch(seed=3)
+    engine = testing.build_engine(paths["qwen2"], norm)
+    with caplog.at_level("WARNING"), engine.train_mode():
+        for _ in range(2):
+            out = engine.train_batch(
+                testing.make_batch(seqs, prompt_lens, tool_spans=spans), loss_function=loss(norm)
+            )
+    assert out["metrics"]["harts/fallback"] == [0.0]
+    assert sum("seq-mean-token-sum-norm" in r.getMessage() for r in caplog.records) == 1
+
+
 def test_fallback_and_audit(verl_cpu):
     """Below ``min_compression`` the batch takes the stock path (counted; every micro-batch
     through veRL's own step, never the tree step); the audit compares tree and stock log-probs

@@ -55,11 +55,14 @@ class LogProbResult(NamedTuple):
       entropy: same layout, entropy of the predictive distribution at t = 0..L_i−2
         (None unless ``with_entropy``).
       offsets: int64 [N+1], trajectory i occupies ``flat[offsets[i]:offsets[i+1]]``.
+      sum_pi_squared: same layout, ``Σ_v p(v | x_i[≤t])²`` of the (temperature-scaled)
+        predictive distribution at t = 0..L_i−2 (None unless ``with_sum_pi_squared``).
     """
 
     log_probs: Tensor | list[Tensor]
     entropy: Tensor | list[Tensor] | None
     offsets: Tensor
+    sum_pi_squared: Tensor | list[Tensor] | None = None
 
 
 def label_rows(forest: Any) -> LabelPairs:
@@ -115,12 +118,13 @@ class _Workspace:
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
-    """Per-pair log-probs and per-hidden-row entropy, chunked over hidden rows.
+    """Per-pair log-probs and per-hidden-row entropy and Σp², chunked over hidden rows.
 
     Inputs: hidden [C, D], weight [V, D], bias [V] | None, hid_rows int64 [H] (distinct hidden
     rows, ascending), pair_hidx int64 [P] (index into hid_rows, non-decreasing), pair_label int64
     [P], pair_bounds (python list: pairs of chunk j are ``pair_bounds[j]:pair_bounds[j+1]``),
-    chunk, temperature, with_entropy. Outputs: log-probs [P], entropy [H] (or [0]).
+    chunk, temperature, with_entropy, with_sq. Outputs: log-probs [P], entropy [H] (or [0]),
+    Σp² [H] (or [0]); all three differentiable.
     """
 
     @staticmethod
@@ -136,20 +140,25 @@ class _ChunkedLogProbs(torch.autograd.Function):
         chunk: int,
         temperature: float,
         with_entropy: bool,
-    ) -> tuple[Tensor, Tensor]:
+        with_sq: bool,
+    ) -> tuple[Tensor, Tensor, Tensor]:
         cdt = _compute_dtype(hidden.dtype)
         n_hid = hid_rows.shape[0]
         logp = torch.empty(pair_label.shape[0], dtype=cdt, device=hidden.device)
         ent = torch.empty(n_hid if with_entropy else 0, dtype=cdt, device=hidden.device)
+        sq = torch.empty(n_hid if with_sq else 0, dtype=cdt, device=hidden.device)
         ws = _Workspace(min(chunk, n_hid), weight, cdt)
         for j, a in enumerate(range(0, n_hid, chunk)):
             b = min(a + chunk, n_hid)
             logp_full = ws.log_softmax(hidden[hid_rows[a:b]], weight, bias, temperature)
             p0, p1 = pair_bounds[j], pair_bounds[j + 1]
             logp[p0:p1] = logp_full[pair_hidx[p0:p1] - a, pair_label[p0:p1]]
-            if with_entropy:
+            if with_entropy or with_sq:
                 p = torch.exp(logp_full, out=ws.a[: b - a])
-                ent[a:b] = -torch.linalg.vecdot(p, logp_full)
+                if with_entropy:
+                    ent[a:b] = -torch.linalg.vecdot(p, logp_full)
+                if with_sq:
+                    sq[a:b] = torch.linalg.vecdot(p, p)
         ctx.save_for_backward(hidden, weight, bias, hid_rows, pair_hidx, pair_label)
         ctx.pair_bounds = pair_bounds
         ctx.chunk = chunk
@@ -157,17 +166,21 @@ class _ChunkedLogProbs(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         if not with_entropy:
             ctx.mark_non_differentiable(ent)
-        return logp, ent
+        if not with_sq:
+            ctx.mark_non_differentiable(sq)
+        return logp, ent, sq
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, g_logp: Tensor | None, g_ent: Tensor | None) -> tuple[Any, ...]:
+    def backward(
+        ctx: Any, g_logp: Tensor | None, g_ent: Tensor | None, g_sq: Tensor | None
+    ) -> tuple[Any, ...]:
         hidden, weight, bias, hid_rows, pair_hidx, pair_label = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        none_rest = (None,) * 7
-        if (g_logp is None and (g_ent is None or g_ent.numel() == 0)) or not (
-            need_h or need_w or need_b
-        ):
+        none_rest = (None,) * 8
+        use_ent = g_ent is not None and g_ent.numel() > 0
+        use_sq = g_sq is not None and g_sq.numel() > 0
+        if (g_logp is None and not use_ent and not use_sq) or not (need_h or need_w or need_b):
             return (None, None, None, *none_rest)
         cdt = _compute_dtype(hidden.dtype)
         temperature, chunk, bounds = ctx.temperature, ctx.chunk, ctx.pair_bounds
@@ -179,15 +192,18 @@ class _ChunkedLogProbs(torch.autograd.Function):
             if need_b and bias is not None
             else None
         )
-        use_ent = g_ent is not None and g_ent.numel() > 0
         ws = _Workspace(min(chunk, n_hid), weight, cdt)
         for j, a in enumerate(range(0, n_hid, chunk)):
             b = min(a + chunk, n_hid)
             rows = hid_rows[a:b]
             h = hidden[rows]
             logp_full = ws.log_softmax(h, weight, bias, temperature)
-            # d logp[label] / dz = onehot(label) - p;  d entropy / dz = -p * (logp + entropy).
+            # d logp[label] / dz = onehot(label) - p;  d entropy / dz = -p * (logp + entropy);
+            # d Σp² / dz = 2 p (p - Σp²).
             p = torch.exp(logp_full, out=ws.a[: b - a])
+            if use_sq:
+                gq = g_sq[a:b].to(cdt)[:, None]
+                d_sq = (p - torch.linalg.vecdot(p, p)[:, None]).mul_(p).mul_(2.0 * gq)
             gsum = torch.zeros(b - a, dtype=cdt, device=p.device)
             if g_logp is not None:
                 p0, p1 = bounds[j], bounds[j + 1]
@@ -201,6 +217,8 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 dz = p.mul_(coef)
             else:
                 dz = p.mul_(-gsum[:, None])
+            if use_sq:
+                dz.add_(d_sq)
             if g_logp is not None:
                 dz.index_put_((local, pair_label[p0:p1]), g, accumulate=True)
             if temperature != 1.0:
@@ -265,10 +283,11 @@ def compact_log_probs(
     lm_head_bias: Tensor | None = None,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    with_sum_pi_squared: bool = False,
     rows_per_chunk: int = 4096,
     output: Literal["nested", "flat"] = "nested",
 ) -> LogProbResult:
-    """Per-trajectory shifted log-probs (and entropy) from compact hidden states.
+    """Per-trajectory shifted log-probs (and entropy, Σp²) from compact hidden states.
 
     ``hidden``: [C, D] (or [1, C, D]) final hidden states of the compact rows of ``forest`` (a
     RolloutForest or its expanded layout); ``lm_head_weight``: [V, D] and optional
@@ -280,10 +299,12 @@ def compact_log_probs(
     Guarantees: position t of trajectory i holds ``log p(x_i[t+1] | x_i[≤t])``, equal to a
     trajectory-wise log-softmax over the gathered hidden states (:func:`expanded_log_probs_ref`;
     float64: ≤ 1e-10, tested); every semantic position t < L_i − 1 appears exactly once, in
-    order; length-1 trajectories give empty tensors. Gradients flow to hidden, weight and bias
-    (float64: ≤ 1e-9 relative to the reference); a row's gradient is the sum over its semantic
-    positions. Memory: two (three for bf16/fp16) reusable [min(rows_per_chunk, H), V] buffers
-    per pass plus, in backward, a [V, D] compute-dtype weight-gradient accumulator.
+    order; length-1 trajectories give empty tensors. Entropy and ``Σ_v p_v²`` (veRL's
+    ``sum_pi_squared``) take the same layout. Gradients of all outputs flow to hidden, weight
+    and bias (float64: ≤ 1e-9 relative to the reference); a row's gradient is the sum over its
+    semantic positions. Memory: two (three for bf16/fp16) reusable [min(rows_per_chunk, H), V]
+    buffers per pass (one more in a backward through Σp²) plus, in backward, a [V, D]
+    compute-dtype weight-gradient accumulator.
     """
     if isinstance(hidden, Tensor) and hidden.ndim == 3 and hidden.shape[0] == 1:
         hidden = hidden[0]
@@ -314,7 +335,7 @@ def compact_log_probs(
     pair_bounds = np.searchsorted(pair_hidx, chunk_starts).tolist()
 
     dev = hidden.device
-    logp_pairs, ent_hid = _ChunkedLogProbs.apply(
+    logp_pairs, ent_hid, sq_hid = _ChunkedLogProbs.apply(
         hidden,
         lm_head_weight,
         lm_head_bias,
@@ -325,23 +346,27 @@ def compact_log_probs(
         chunk,
         temperature,
         bool(with_entropy),
+        bool(with_sum_pi_squared),
     )
 
     pair_of_row = np.full(c, -1, dtype=np.int64)
     pair_of_row[pair_child] = np.arange(pair_child.shape[0], dtype=np.int64)
     pos_pair = pair_of_row[semantic_to_row_index(forest)]
     logp = logp_pairs[torch.from_numpy(pos_pair).to(dev)]
-    ent = ent_hid[torch.from_numpy(pair_hidx[pos_pair]).to(dev)] if with_entropy else None
+    hid_of_pos = torch.from_numpy(pair_hidx[pos_pair]).to(dev)
+    ent = ent_hid[hid_of_pos] if with_entropy else None
+    sq = sq_hid[hid_of_pos] if with_sum_pi_squared else None
     lengths = np.asarray(forest.lengths, dtype=np.int64) - 1
     offsets = torch.zeros(lengths.shape[0] + 1, dtype=torch.int64)
     torch.cumsum(torch.from_numpy(lengths), 0, out=offsets[1:])
     if output == "flat":
-        return LogProbResult(logp, ent, offsets)
+        return LogProbResult(logp, ent, offsets, sq)
     sizes = lengths.tolist()
     return LogProbResult(
         list(torch.split(logp, sizes)),
         list(torch.split(ent, sizes)) if ent is not None else None,
         offsets,
+        list(torch.split(sq, sizes)) if sq is not None else None,
     )
 
 
@@ -353,13 +378,14 @@ def expanded_log_probs_ref(
     lm_head_bias: Tensor | None = None,
     temperature: float = 1.0,
     with_entropy: bool = False,
-) -> tuple[Tensor, Tensor | None]:
+    with_sum_pi_squared: bool = False,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Trajectory-wise oracle: full ``log_softmax`` over one trajectory (O(L·V) memory).
 
     ``hidden_seq``: [L, D] hidden states of one trajectory; ``labels``: int [L−1],
     ``labels[t] = x[t+1]`` (the last hidden row predicts nothing). Returns (log-probs [L−1],
-    entropy [L−1] or None) in float32 (float64 for float64 inputs), using the same dtype
-    policy as :func:`compact_log_probs`.
+    entropy [L−1] or None, Σp² [L−1] or None) in float32 (float64 for float64 inputs), using
+    the same dtype policy as :func:`compact_log_probs`.
     """
     if not isinstance(hidden_seq, Tensor) or hidden_seq.ndim != 2:
         shape = tuple(hidden_seq.shape) if isinstance(hidden_seq, Tensor) else None
@@ -374,4 +400,5 @@ def expanded_log_probs_ref(
     logp_full = torch.log_softmax(z, dim=-1)
     logp = logp_full.gather(1, labels.long()[:, None])[:, 0]
     ent = -(logp_full.exp() * logp_full).sum(dim=-1) if with_entropy else None
-    return logp, ent
+    sq = (logp_full.exp() ** 2).sum(dim=-1) if with_sum_pi_squared else None
+    return logp, ent, sq

@@ -18,7 +18,10 @@ What changes against the stock engine (everything else is inherited):
   position t holds log p(x[t+1] | x[≤t]) — so ``ppo_loss`` and every policy-loss mode run
   unchanged, with veRL's global token counts (trajectory-wise meaning).
 
-Position L−1 (no next token) holds 0 for log-probs and entropy. The stock engine leaves a value
+With ``calculate_sum_pi_squared`` (veRL's optimal-token-baseline estimators) the output also
+holds ``sum_pi_squared`` (Σ_v p_v² per position, same layout).
+
+Position L−1 (no next token) holds 0 for log-probs, entropy and Σp². The stock engine leaves a value
 there that depends on packing (it rolls the packed ids, so it is the log-prob of the *next*
 sequence's first token); veRL's losses never read it (``no_padding_2_padding`` slices
 ``[prompt_len − 1, L − 1)``).
@@ -26,7 +29,8 @@ sequence's first token); veRL's losses never read it (``no_padding_2_padding`` s
 Fallback (stock path, metric ``harts/fallback`` = 1): harts disabled, a model without tree
 support, per-sample temperatures, a batch that carries multi-modal inputs (vision embeddings and
 3-D mrope positions have no tree form; text-only batches of the same multi-modal model run in
-tree mode), fused kernels, or global compression below ``harts.min_compression``. The decision
+tree mode), fused kernels, top-k distillation, training with router jitter, dynamic RoPE beyond
+its original context, or global compression below ``harts.min_compression``. The decision
 is taken jointly by all DP ranks; each reason is logged at WARNING the first time it occurs.
 Every micro-batch of a fallback batch runs veRL's own ``forward_step``.
 """
@@ -193,6 +197,34 @@ def _has_multi_modal(data: TensorDict) -> bool:
     )
 
 
+def split_dependent_loss(loss_function: Any) -> str | None:
+    """Why the actor loss ``loss_function`` (veRL's ``partial(ppo_loss, config=…)``) depends on
+    how a batch is cut into micro-batches, or None when it does not (or cannot be told).
+
+    Such losses give different numbers under any other micro-batching, the stock engine's own
+    dynamic batching included; tree micro-batches are formed by compact work, so they differ
+    from stock fsdp2 there (see docs/verl.md)."""
+    config = getattr(loss_function, "keywords", {}).get("config")
+    if config is None:
+        return None
+    out = []
+    if (
+        getattr(config, "loss_agg_mode", None) == "seq-mean-token-sum-norm"
+        and getattr(config, "loss_scale_factor", 0) is None
+    ):
+        out.append(
+            "loss_agg_mode 'seq-mean-token-sum-norm' without loss_scale_factor divides by each "
+            "micro-batch's padded response width (set actor.loss_scale_factor, e.g. to the "
+            "maximum response length)"
+        )
+    mode = getattr(getattr(config, "policy_loss", None), "loss_mode", None)
+    if mode in ("clip_cov", "kl_cov"):
+        out.append(
+            f"policy loss {mode!r} selects tokens by covariance statistics of each micro-batch"
+        )
+    return "; ".join(out) or None
+
+
 def _split_by_work(forest: RolloutForest, group: np.ndarray) -> list[tuple[int, np.ndarray]]:
     """Cut ``group`` (≥ 2 trajectories) in two consecutive leaf-order ranges: the cut minimising
     the larger half's compact work, then the common prefix at the cut, then its position.
@@ -341,6 +373,16 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             reasons["fused"] = (
                 "use_fused_kernels is set (veRL's fused forward computes the log-probs itself)"
             )
+        distill = [
+            k
+            for k in ("distillation_use_topk", "distillation_only")
+            if tu.get_non_tensor_data(data=data, key=k, default=False)
+        ]
+        if distill:
+            reasons["distillation"] = (
+                f"{' and '.join(distill)} set (top-k distillation reads each trajectory's full "
+                "logits through veRL's logits processor)"
+            )
         jitter = getattr(getattr(self.module, "config", None), "router_jitter_noise", 0.0)
         if jitter and not forward_only:
             reasons["router_jitter"] = (
@@ -398,6 +440,16 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             for k, v in {"fallback": 1.0, "compression": compression}.items():
                 out["metrics"][f"harts/{k}"] = [v]
             return out
+        if not forward_only and "split_dependent" not in self._fallback_logged:
+            why = split_dependent_loss(loss_function)
+            if why is not None:
+                self._fallback_logged.add("split_dependent")
+                logger.warning(
+                    "harts_fsdp2: the actor loss depends on how the batch is cut into "
+                    "micro-batches (%s); tree micro-batches are planned by compact work, so its "
+                    "values differ from stock fsdp2's micro-batching (logged once)",
+                    why,
+                )
         return self._tree_forward_backward_batch(
             data, loss_function, forward_only, forest, temperature, compression
         )
@@ -514,6 +566,9 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         with_entropy = bool(
             tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False)
         )
+        with_sq = bool(
+            tu.get_non_tensor_data(data=micro_batch, key="calculate_sum_pi_squared", default=False)
+        )
         rows_per_chunk = self.harts.rows_per_chunk
 
         def head(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -524,11 +579,13 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
                 lm_head_bias=bias,
                 temperature=temperature,
                 with_entropy=with_entropy,
+                with_sum_pi_squared=with_sq,
                 rows_per_chunk=rows_per_chunk,
                 output="flat",
             )
             cols = [res.log_probs[None]] + ([res.entropy[None]] if with_entropy else [])
-            return torch.stack(cols, dim=-1)  # [1, S - N, 1 or 2], not a view (FSDP2 hooks)
+            cols += [res.sum_pi_squared[None]] if with_sq else []
+            return torch.stack(cols, dim=-1)  # [1, S - N, 1 to 3], not a view (FSDP2 hooks)
 
         autocast_dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
         autocast_ctx = (
@@ -557,7 +614,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
                     )
             finally:
                 setattr(head_mod, _HEAD_FN, None)
-            flat = raw.logits[0]  # [S - N, 1 or 2]
+            flat = raw.logits[0]  # [S - N, 1 to 3]: log-probs, [entropy], [Σp²]
             s = forest.num_semantic_tokens
             keep = np.ones(s, dtype=bool)
             keep[forest.row_offsets[1:] - 1] = False
@@ -571,6 +628,8 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             model_output = {"log_probs": nested(flat[:, 0])}
             if with_entropy:
                 model_output["entropy"] = nested(flat[:, 1])
+            if with_sq:
+                model_output["sum_pi_squared"] = nested(flat[:, -1])
             if dummy:
                 loss = flat.sum() * 0.0
                 metrics: dict = {}
