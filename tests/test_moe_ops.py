@@ -294,6 +294,13 @@ def test_validation_errors() -> None:
         load_balancing_loss(r.probs, r.experts, E, 3)
     with pytest.raises(ValueError, match="probs"):
         load_balancing_loss(r.probs[:, :4], r.experts, E, 2)
+    for bad in (torch.zeros(4), torch.tensor([1.0, -1.0, 1.0, 1.0]), torch.full((4,), np.nan)):
+        with pytest.raises(ValueError, match="weights"):  # a NaN loss otherwise
+            load_balancing_loss(r.probs, r.experts, E, 2, weights=bad)
+    with pytest.raises(ValueError, match="no tokens"):
+        load_balancing_loss(r.probs[:0], r.experts[:0], E, 2)
+    with pytest.raises(ValueError, match="no tokens"):
+        router_z_loss(logits[:0])
     with pytest.raises(ValueError, match="w_down"):
         moe_forward(
             torch.randn(4, 3),

@@ -327,6 +327,14 @@ def test_runner_argument_validation():
     ):
         with pytest.raises(ValueError, match=match):
             TreeRunner(model, **kwargs)
+    from harts_verl.ops.layout import TreeLayout
+    from harts_verl.tree import RolloutForest
+
+    forest = RolloutForest.from_sequences(seqs)
+    assert TreeLayout(forest, chunk_size=np.int64(4)).chunk_size == 4  # numpy ints as in runner
+    for bad in (True, 0, 4.0):
+        with pytest.raises(ValueError, match="chunk_size"):
+            TreeLayout(forest, chunk_size=bad)
 
 
 def test_loss_independent_of_log_probs_gives_zero_gradients():

@@ -326,6 +326,37 @@ def test_split_dependent_losses_are_named(verl_cpu, caplog):
     assert sum("seq-mean-token-sum-norm" in r.getMessage() for r in caplog.records) == 1
 
 
+def test_fixed_micro_batch_size_bounds_capacity(verl_cpu):
+    """``use_dynamic_bsz`` false: no tree micro-batch holds more rows than a stock micro-batch
+    of ``micro_batch_size_per_gpu`` trajectories could; outputs equal the stock engine's."""
+    from verl.utils import tensordict_utils as tu
+
+    testing, paths = verl_cpu
+    seqs, prompt_lens, spans = _grpo_batch(seed=4)
+    outs, caps = {}, []
+    for strategy in ("fsdp2", "harts_fsdp2"):
+        engine = testing.build_engine(paths["qwen2"], testing.actor_config(strategy=strategy))
+        if strategy == "harts_fsdp2":
+            engine._plan = partial(
+                lambda plan, forest, cap: caps.append(cap) or plan(forest, cap), engine._plan
+            )
+        td = testing.make_batch(seqs, prompt_lens, tool_spans=spans, calculate_entropy=True)
+        tu.assign_non_tensor(td, use_dynamic_bsz=False, micro_batch_size_per_gpu=1)
+        with engine.eval_mode():
+            outs[strategy] = engine.infer_batch(td)
+    tree = outs["harts_fsdp2"]
+    assert caps == [max(map(len, seqs))]
+    assert tree["metrics"]["harts/fallback"] == [0.0]
+    assert tree["metrics"]["harts/microbatches"][0] >= 2  # two trees, each near the cap
+    for key in ("log_probs", "entropy"):
+        for a, b in zip(
+            outs["fsdp2"]["model_output"][key].unbind(),
+            tree["model_output"][key].unbind(),
+            strict=True,
+        ):
+            assert float((a[:-1] - b[:-1]).abs().max()) <= 1e-6, key
+
+
 def test_fallback_and_audit(verl_cpu):
     """Below ``min_compression`` the batch takes the stock path (counted; every micro-batch
     through veRL's own step, never the tree step); the audit compares tree and stock log-probs

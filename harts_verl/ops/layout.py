@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from harts_verl.tree import RolloutForest
+from harts_verl.tree._checks import is_int
 
 
 class TreeLayout:
@@ -37,10 +38,10 @@ class TreeLayout:
     ) -> None:
         if not isinstance(forest, RolloutForest):
             raise TypeError(f"forest: expected a RolloutForest, got {type(forest).__name__}")
-        if not isinstance(chunk_size, int) or chunk_size <= 0:
+        if not is_int(chunk_size) or chunk_size <= 0:
             raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
         self.forest = forest
-        self.chunk_size = chunk_size
+        self.chunk_size = int(chunk_size)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.linear_backend = linear_backend
         self.attention_backend = attention_backend

@@ -211,6 +211,12 @@ def _as_weights(weights: Any, t: int, device: torch.device, name: str = "weights
     w = torch.as_tensor(weights, device=device)
     if w.shape != (t,):
         raise ValueError(f"{name}: expected shape ({t},), got {tuple(w.shape)}")
+    if w.dtype == torch.bool or w.is_complex():
+        raise ValueError(f"{name}: expected real row weights, got {w.dtype}")
+    if w.device.type == "cpu" and t:  # checked where it costs no device sync
+        wf = w.double()
+        if not bool(torch.isfinite(wf).all()) or float(wf.min()) < 0:
+            raise ValueError(f"{name}: expected finite non-negative row weights")
     return w
 
 
@@ -251,9 +257,14 @@ def expert_load(experts: Tensor, num_experts: int, weights: Any = None) -> Tenso
 
 
 def _weighted_mean(values: Tensor, w: Tensor | None) -> Tensor:
-    """Mean over dim 0 of ``values`` [T, ...] with row weights ``w`` [T] (None: plain mean)."""
+    """Mean over dim 0 of ``values`` [T, ...] with row weights ``w`` [T] (None: plain mean).
+    Raises ValueError for T = 0 or (weights on the CPU) weights summing to 0."""
+    if values.shape[0] == 0:
+        raise ValueError("tokens: no tokens to average over (T = 0)")
     if w is None:
         return values.mean(dim=0)
+    if w.device.type == "cpu" and float(w.double().sum()) == 0:
+        raise ValueError("weights: sum to 0 (no token to average over)")
     w = w.to(values.dtype)
     shape = (-1,) + (1,) * (values.ndim - 1)
     return (values * w.view(shape)).sum(dim=0) / w.sum()

@@ -39,7 +39,8 @@ class HartsConfig(BaseConfig):
       enable: run the compact tree forward/backward (False: the stock fsdp2 path).
       chunk_size: linear-attention chunk size B (members start on multiples of B).
       capacity_tokens: compact rows per micro-batch; None = the batch's
-        ``max_token_len_per_gpu`` (train: ``ppo_max_token_len_per_gpu``).
+        ``max_token_len_per_gpu`` (train: ``ppo_max_token_len_per_gpu``), or with
+        ``use_dynamic_bsz`` false ``micro_batch_size_per_gpu`` × the batch's longest trajectory.
       min_compression: when the global batch's compression S/C is below this, the batch runs
         the stock path (metric ``harts/fallback`` = 1).
       audit_every: every N engine calls, recompute the log-probs of a sample of trajectories

@@ -298,9 +298,17 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             dist.all_reduce(t, op=op, group=group)
         return t.tolist()
 
-    def _capacity(self, data: TensorDict) -> int:
+    def _capacity(self, data: TensorDict, longest: int) -> int:
+        """Compact rows per micro-batch: ``harts.capacity_tokens``; else, with fixed-size
+        micro-batches (``use_dynamic_bsz`` false), the most tokens a stock micro-batch of this
+        batch can hold (``micro_batch_size_per_gpu`` × the longest trajectory, ``longest``
+        tokens), so memory stays within the stock engine's; else ``max_token_len_per_gpu``."""
         if self.harts.capacity_tokens is not None:
             return int(self.harts.capacity_tokens)
+        if not tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
+            mbs = tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=None)
+            if mbs:
+                return max(int(mbs) * int(longest), 1)
         cap = tu.get_non_tensor_data(data=data, key="max_token_len_per_gpu", default=None)
         if cap is None:
             cap = getattr(self.engine_config, "max_token_len_per_gpu", None)
@@ -473,7 +481,8 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item())
         tu.assign_non_tensor(data, dp_size=self.get_data_parallel_size())
 
-        groups, planning_ms = self._plan(forest, self._capacity(data))
+        capacity = self._capacity(data, int(forest.lengths.max()) if len(data) else 1)
+        groups, planning_ms = self._plan(forest, capacity)
         target = int(self._dp_all_reduce([len(groups)], op=dist.ReduceOp.MAX)[0])
         groups_eq = self._equalize(forest, groups, target)
 
