@@ -288,17 +288,23 @@ def test_sum_pi_squared_parity(verl_cpu, kind):
         assert 1 / VOCAB - 1e-7 <= float(sq[:-1].min()) and float(sq[:-1].max()) <= 1.0
 
 
-def test_distillation_falls_back(verl_cpu):
-    """Top-k distillation reads full logits through veRL's logits processor: stock path."""
+def test_distillation_and_sequence_parallel_fall_back(verl_cpu):
+    """Top-k distillation reads full logits through veRL's logits processor, and Ulysses slices
+    every sequence across ranks: both take the stock path."""
     from verl.utils import tensordict_utils as tu
 
     testing, paths = verl_cpu
     seqs, prompt_lens, spans = _grpo_batch(seed=2)
     engine = testing.build_engine(paths["qwen2"], testing.actor_config())
     td = testing.make_batch(seqs, prompt_lens, tool_spans=spans)
+    longest = max(map(len, seqs))
+    assert engine._local_fallback_reasons(td, 1.0, longest, True) == {}
     tu.assign_non_tensor(td, distillation_use_topk=True)
-    reasons = engine._local_fallback_reasons(td, 1.0, max(map(len, seqs)), True)
+    reasons = engine._local_fallback_reasons(td, 1.0, longest, True)
     assert "distillation_use_topk" in reasons["distillation"]
+    engine.ulysses_sequence_parallel_size = 2
+    reasons = engine._local_fallback_reasons(td, 1.0, longest, False)
+    assert set(reasons) == {"distillation", "sequence_parallel"}
 
 
 def test_split_dependent_losses_are_named(verl_cpu, caplog):

@@ -29,7 +29,7 @@ sequence's first token); veRL's losses never read it (``no_padding_2_padding`` s
 Fallback (stock path, metric ``harts/fallback`` = 1): harts disabled, a model without tree
 support, per-sample temperatures, a batch that carries multi-modal inputs (vision embeddings and
 3-D mrope positions have no tree form; text-only batches of the same multi-modal model run in
-tree mode), fused kernels, top-k distillation, training with router jitter, dynamic RoPE beyond
+tree mode), Ulysses sequence parallelism, fused kernels, top-k distillation, training with router jitter, dynamic RoPE beyond
 its original context, or global compression below ``harts.min_compression``. The decision
 is taken jointly by all DP ranks; each reason is logged at WARNING the first time it occurs.
 Every micro-batch of a fallback batch runs veRL's own ``forward_step``.
@@ -369,6 +369,12 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             reasons["disabled"] = "harts.enable is false"
         if not self._tree_supported:
             reasons["model"] = f"model type {self._model_type!r} has no tree-mode support"
+        sp = int(getattr(self, "ulysses_sequence_parallel_size", 1) or 1)
+        if sp > 1:
+            reasons["sequence_parallel"] = (
+                f"ulysses_sequence_parallel_size = {sp} (Ulysses slices every sequence across "
+                "ranks; tree mode runs whole trees on one rank)"
+            )
         if temperature is None:
             reasons["temperature"] = "per-sample temperatures (tree mode takes one temperature)"
         if _has_multi_modal(data):
