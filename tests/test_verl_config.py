@@ -164,6 +164,40 @@ def test_strategy_alone_enables_harts_through_main_ppo():
     assert custom.actor_rollout_ref.actor._target_ == "my.Cls"
 
 
+def test_critic_strategy_selects_the_harts_critic_config(tmp_path):
+    """``critic.strategy=harts_fsdp2``: ``HartsFSDPCriticConfig`` with its ``harts:`` section on
+    the engine config; a stock critic strategy is left alone."""
+    from hydra import compose, initialize_config_module
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from harts_verl.workers import testing
+    from harts_verl.workers.config import HartsFSDPCriticConfig
+    from harts_verl.workers.trainer import apply_harts_critic_config
+
+    path = testing.save_tiny_model("qwen2", str(tmp_path / "critic"), seed=0)
+
+    def composed(*overrides: str):
+        batch = ["critic.ppo_mini_batch_size=8", "critic.use_dynamic_bsz=true"]
+        batch += ["actor_rollout_ref.rollout.n=4", f"critic.model.path={path}"]
+        batch += ["+critic.model.load_tokenizer=false"]
+        with initialize_config_module("verl.trainer.config", version_base=None):
+            return compose("ppo_trainer", overrides=[*overrides, *batch])
+
+    cfg = composed("critic.strategy=harts_fsdp2", "+critic.harts.chunk_size=16")
+    assert apply_harts_critic_config(cfg)
+    critic = omega_conf_to_dataclass(cfg.critic)
+    assert isinstance(critic, HartsFSDPCriticConfig) and critic.harts.chunk_size == 16
+    assert critic.engine.harts.chunk_size == 16 and critic.engine.strategy == "harts_fsdp2"
+    assert not apply_harts_critic_config(cfg)  # idempotent
+    stock = composed("critic.strategy=fsdp2")
+    assert not apply_harts_critic_config(stock)
+    assert stock.critic._target_ == "verl.workers.config.FSDPCriticConfig"
+    with pytest.raises(Exception, match=r"harts\.chunk: unknown key"):  # hydra wraps it
+        bad = composed("critic.strategy=harts_fsdp2", "+critic.harts.chunk=16")
+        apply_harts_critic_config(bad)
+        omega_conf_to_dataclass(bad.critic)
+
+
 def test_tree_balanced_partition_keeps_trees_and_balances_work():
     from harts_verl.tree import RolloutForest
     from harts_verl.workers.balance import partition_work, tree_balanced_partition

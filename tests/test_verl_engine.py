@@ -363,6 +363,21 @@ def test_fixed_micro_batch_size_bounds_capacity(verl_cpu):
             assert float((a[:-1] - b[:-1]).abs().max()) <= 1e-6, key
 
 
+def test_dropout_in_training_is_named():
+    """Dropout draws one mask per row, which a shared row would share across trajectories:
+    training such a model in tree mode is refused by name (inference is unaffected)."""
+    from types import SimpleNamespace
+
+    from harts_verl.workers.engine import _dropout_reason
+
+    plain = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.0))
+    assert _dropout_reason(plain) is None
+    assert "p = 0.1" in _dropout_reason(torch.nn.Sequential(torch.nn.Dropout(0.1)))
+    attn = torch.nn.Linear(2, 2)
+    attn.config = SimpleNamespace(text_config=SimpleNamespace(attention_dropout=0.2))
+    assert "attention_dropout = 0.2" in _dropout_reason(attn)
+
+
 def test_fallback_and_audit(verl_cpu):
     """Below ``min_compression`` the batch takes the stock path (counted; every micro-batch
     through veRL's own step, never the tree step); the audit compares tree and stock log-probs

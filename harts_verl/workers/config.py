@@ -1,15 +1,18 @@
-"""Actor config with a ``harts:`` section (``actor_rollout_ref.actor._target_``).
+"""Actor and critic configs with a ``harts:`` section (``actor_rollout_ref.actor._target_``,
+``critic._target_``).
 
 Enable HARTS in a veRL PPO config::
 
     actor_rollout_ref.actor.strategy=harts_fsdp2
     +actor_rollout_ref.actor.harts.chunk_size=64     # optional: any key of HartsConfig
+    critic.strategy=harts_fsdp2                      # optional: the critic too (PPO with GAE)
 
-(``python -m harts_verl.main_ppo`` selects this class for that strategy; with veRL's own entry
-point add ``actor_rollout_ref.actor._target_=harts_verl.workers.config.HartsFSDPActorConfig``
+(``python -m harts_verl.main_ppo`` selects these classes for that strategy; with veRL's own
+entry point add ``actor_rollout_ref.actor._target_=harts_verl.workers.config.
+HartsFSDPActorConfig`` / ``critic._target_=harts_verl.workers.config.HartsFSDPCriticConfig``
 to pass ``harts.*`` options.)
 
-veRL's ``FSDPActorConfig.__post_init__`` copies ``actor.strategy`` into the engine config; we
+veRL's ``FSDP{Actor,Critic}Config.__post_init__`` copies ``strategy`` into the engine config; we
 attach the validated :class:`HartsConfig` to the same engine config object (attribute
 ``harts``), which is how the engine receives it.
 """
@@ -22,11 +25,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from verl.base_config import BaseConfig  # loads our plugin (-> engine) if verl was not loaded
-from verl.workers.config import FSDPActorConfig
+from verl.workers.config import FSDPActorConfig, FSDPCriticConfig
 
 from harts_verl.workers import STRATEGY
 
-__all__ = ["STRATEGY", "HartsConfig", "HartsFSDPActorConfig", "harts_config_of"]
+__all__ = [
+    "STRATEGY",
+    "HartsConfig",
+    "HartsFSDPActorConfig",
+    "HartsFSDPCriticConfig",
+    "harts_config_of",
+]
 
 _PLANNER_KEYS = {"strategies", "improve", "balance", "work_slack", "restarts", "effort", "seed"}
 
@@ -125,6 +134,21 @@ class HartsConfig(BaseConfig):
 @dataclass
 class HartsFSDPActorConfig(FSDPActorConfig):
     """``FSDPActorConfig`` plus the ``harts:`` section; ``strategy`` defaults to
+    ``harts_fsdp2``. The validated section is attached to the engine config as ``harts``."""
+
+    strategy: str = STRATEGY
+    harts: Any = field(default_factory=HartsConfig)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "harts", HartsConfig.from_any(self.harts))
+        super().__post_init__()
+        object.__setattr__(self.engine, "harts", self.harts)
+
+
+@dataclass
+class HartsFSDPCriticConfig(FSDPCriticConfig):
+    """``FSDPCriticConfig`` plus the ``harts:`` section (``critic.strategy=harts_fsdp2``: the
+    critic's value-head engine runs tree micro-batches); ``strategy`` defaults to
     ``harts_fsdp2``. The validated section is attached to the engine config as ``harts``."""
 
     strategy: str = STRATEGY

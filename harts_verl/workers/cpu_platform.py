@@ -6,8 +6,9 @@ makes a process run veRL's engine path on CPU:
 
 * registers and selects a :class:`PlatformCPU` (device ``"cpu"``, collective backend ``gloo``,
   ``current_device() -> "cpu"`` so every ``.to(get_device_id())`` stays on CPU);
-* registers veRL's stock ``FSDPEngineWithLMHead`` for ``fsdp``/``fsdp2`` on device ``cpu`` (the
-  parity reference of our tests; FSDP2 works on CPU with gloo, FSDP1 does not).
+* registers veRL's stock ``FSDPEngineWithLMHead`` (and the critic's ``FSDPEngineWithValueHead``)
+  for ``fsdp``/``fsdp2`` on device ``cpu`` (the parity references of our tests; FSDP2 works on
+  CPU with gloo, FSDP1 does not), and loads value models without flash attention.
 
 Call it **before** anything imports ``verl.workers.engine`` (a few veRL modules read the device
 name at import time). It is idempotent. The ``harts_fsdp2`` engine itself registers for ``cpu``
@@ -178,13 +179,42 @@ def install_cpu_platform() -> None:
         if not hasattr(torch.cpu, name):
             setattr(torch.cpu, name, fn)
     _patch_process_group_backend()
+    _patch_value_model_loader()
     from verl.workers.engine.base import EngineRegistry
-    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+    from verl.workers.engine.fsdp.transformer_impl import (
+        FSDPEngineWithLMHead,
+        FSDPEngineWithValueHead,
+    )
 
-    registry = EngineRegistry._engines.setdefault("language_model", {})
-    for backend in ("fsdp", "fsdp2"):
-        if "cpu" not in registry.get(backend, {}):
-            EngineRegistry.register("language_model", backend=backend, device="cpu")(
-                FSDPEngineWithLMHead
-            )
+    for model_type, cls in (
+        ("language_model", FSDPEngineWithLMHead),
+        ("value_model", FSDPEngineWithValueHead),
+    ):
+        registry = EngineRegistry._engines.setdefault(model_type, {})
+        for backend in ("fsdp", "fsdp2"):
+            if "cpu" not in registry.get(backend, {}):
+                EngineRegistry.register(model_type, backend=backend, device="cpu")(cls)
     _INSTALLED = True
+
+
+def _patch_value_model_loader() -> None:
+    """veRL's ``load_valuehead_model`` asks for ``flash_attention_2`` (a CUDA kernel) and, when
+    that fails, for trl; on the CPU load the token classifier with the attention implementation
+    of its config instead (SDPA by default). The engine imports the function at call time."""
+    from verl.utils import model as verl_model
+
+    if getattr(verl_model.load_valuehead_model, "_harts_cpu", False):
+        return
+
+    def load_valuehead_model(local_path, torch_dtype, model_config, trust_remote_code):
+        from transformers import AutoModelForTokenClassification
+
+        return AutoModelForTokenClassification.from_pretrained(
+            pretrained_model_name_or_path=local_path,
+            torch_dtype=torch_dtype,
+            config=model_config,
+            trust_remote_code=trust_remote_code,
+        )
+
+    load_valuehead_model._harts_cpu = True  # type: ignore[attr-defined]
+    verl_model.load_valuehead_model = load_valuehead_model

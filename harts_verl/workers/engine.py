@@ -52,7 +52,10 @@ from verl.utils.device import get_device_id, get_device_name
 from verl.utils.py_functional import append_to_dict
 from verl.utils.seqlen_balancing import restore_dynamic_batch
 from verl.workers.engine.base import EngineRegistry
-from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+from verl.workers.engine.fsdp.transformer_impl import (
+    FSDPEngineWithLMHead,
+    FSDPEngineWithValueHead,
+)
 from verl.workers.engine.utils import detach_tree
 
 from harts_verl.models.adapter import (
@@ -71,7 +74,7 @@ from harts_verl.workers import STRATEGY
 if TYPE_CHECKING:
     from harts_verl.workers.config import HartsConfig
 
-__all__ = ["HartsFSDPEngine", "forest_of_batch"]
+__all__ = ["HartsFSDPEngine", "HartsFSDPValueEngine", "forest_of_batch"]
 
 logger = logging.getLogger(__name__)
 
@@ -225,6 +228,20 @@ def split_dependent_loss(loss_function: Any) -> str | None:
     return "; ".join(out) or None
 
 
+def _dropout_reason(module: torch.nn.Module) -> str | None:
+    """Why training ``module`` in tree mode would not be trajectory-wise (dropout draws one mask
+    per row, which a shared row would share across its trajectories), or None."""
+    ps = sorted({float(m.p) for m in module.modules() if isinstance(m, torch.nn.Dropout) and m.p})
+    config = getattr(module, "config", None)
+    configs = [config, getattr(config, "text_config", None)]
+    att = max((float(getattr(c, "attention_dropout", 0.0) or 0.0) for c in configs if c), default=0)
+    parts = [f"dropout p = {', '.join(map(str, ps))}"] if ps else []
+    parts += [f"attention_dropout = {att}"] if att > 0 else []
+    if not parts:
+        return None
+    return f"{' and '.join(parts)} in training (a shared row would share its dropout mask)"
+
+
 def _split_by_work(forest: RolloutForest, group: np.ndarray) -> list[tuple[int, np.ndarray]]:
     """Cut ``group`` (≥ 2 trajectories) in two consecutive leaf-order ranges: the cut minimising
     the larger half's compact work, then the common prefix at the cut, then its position.
@@ -262,24 +279,35 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         self._tree_supported = False
         self._model_type: str | None = None
         self._rope_limit: tuple[str, int] | None = None
+        self._dropout: str | None = None
         self._lm_head: torch.nn.Module | None = None
         self._calls = 0
         self._stock_batch = False  # inside a fallback batch: forward_step is veRL's
         self._fallback_logged: set[str] = set()  # fallback reasons already logged
 
     # ------------------------------------------------------------------ model build
+    # which model output the audit compares, and whether positions are shifted by one
+    _audit_key, _audit_shifted = "log_probs", True
+    _uses_temperature = True
+
+    def _tree_head(self, module: torch.nn.Module) -> bool:
+        """Prepare the output head of ``module`` for tree calls; False when it has none that
+        tree mode can drive. Here: the LM head (``get_output_embeddings``, an ``nn.Linear``)
+        gets a switchable forward that the compact log-prob kernel replaces during a call."""
+        head = _find_lm_head(module)
+        if head is None:
+            return False
+        if not hasattr(head, _HEAD_ORIG):
+            setattr(head, _HEAD_ORIG, head.forward)
+            head.forward = types.MethodType(_lm_head_forward, head)
+        self._lm_head = head
+        return True
+
     def _build_module(self):
         module = super()._build_module()
         model_type = getattr(getattr(module, "config", None), "model_type", None)
-        head = _find_lm_head(module)
-        patched = patch_tree_mixers(module) if head is not None else 0
-        self._tree_supported = patched > 0
-        if self._tree_supported:
-            if not hasattr(head, _HEAD_ORIG):
-                setattr(head, _HEAD_ORIG, head.forward)
-                head.forward = types.MethodType(_lm_head_forward, head)
-            self._lm_head = head
-        else:
+        self._tree_supported = self._tree_head(module) and patch_tree_mixers(module) > 0
+        if not self._tree_supported:
             logger.warning(
                 "harts_fsdp2: model type %r has no tree-mode support; every batch takes the "
                 "stock fsdp2 path (supported: %s)",
@@ -288,6 +316,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             )
         self._model_type = model_type
         self._rope_limit = length_dependent_rope(module)  # dynamic / longrope scaling
+        self._dropout = _dropout_reason(module)
         return module
 
     # ------------------------------------------------------------------ helpers
@@ -375,7 +404,9 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
                 f"ulysses_sequence_parallel_size = {sp} (Ulysses slices every sequence across "
                 "ranks; tree mode runs whole trees on one rank)"
             )
-        if temperature is None:
+        if self._dropout and not forward_only:
+            reasons["dropout"] = self._dropout
+        if temperature is None and self._uses_temperature:
             reasons["temperature"] = "per-sample temperatures (tree mode takes one temperature)"
         if _has_multi_modal(data):
             reasons["multi_modal"] = (
@@ -564,20 +595,37 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         return {"model_output": restored, "loss": losses, "metrics": metrics}
 
     # ------------------------------------------------------------------ micro-batch
-    def _tree_forward_step(
+    def _run_tree_model(self, layout: TreeLayout, device: torch.device) -> Any:
+        """One forward of the FSDP root module on the compact rows of ``layout`` (row tokens,
+        row depths as positions, the layout reaching the patched token mixers)."""
+        kwargs: dict[str, Any] = {}
+        if self._model_type in FULL_ATTENTION_MODEL_TYPES:
+            kwargs["attention_mask"] = tree_mode_attention_mask(device)
+        if hasattr(getattr(self.module, "config", None), "output_router_logits"):
+            # HF's load-balancing loss would read the tree-mode mask as a padding mask; veRL's
+            # losses do not use it.
+            kwargs["output_router_logits"] = False
+        with tree_call():
+            return self.module(
+                input_ids=layout.token_ids[None],
+                position_ids=layout.position_ids[None],
+                use_cache=False,
+                harts_layout=layout,
+                **kwargs,
+            )
+
+    def _tree_outputs(
         self,
         micro_batch: TensorDict,
-        *,
-        loss_function,
-        forward_only: bool,
+        forest: RolloutForest,
+        layout: TreeLayout,
         temperature: float,
-        dummy: bool = False,
-    ) -> tuple[torch.Tensor, dict, dict]:
-        micro_batch = micro_batch.to(get_device_id())
-        input_ids = micro_batch["input_ids"]
-        forest = RolloutForest.from_sequences(_sequences(input_ids))
-        device = input_ids.values().device
-        layout = TreeLayout(forest, chunk_size=self.harts.chunk_size, device=device)
+        device: torch.device,
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """veRL's model output of a tree micro-batch (nested per trajectory, batch order) and
+        one tensor of the graph (a dummy micro-batch's zero loss hangs on it). Here: shifted
+        ``log_probs`` (+ ``entropy``, ``sum_pi_squared`` on request) through the compact LM
+        head; 0 at position L−1."""
         with_entropy = bool(
             tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False)
         )
@@ -602,51 +650,56 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             cols += [res.sum_pi_squared[None]] if with_sq else []
             return torch.stack(cols, dim=-1)  # [1, S - N, 1 to 3], not a view (FSDP2 hooks)
 
+        head_mod = self._lm_head
+        setattr(head_mod, _HEAD_FN, head)
+        try:
+            raw = self._run_tree_model(layout, device)
+        finally:
+            setattr(head_mod, _HEAD_FN, None)
+        flat = raw.logits[0]  # [S - N, 1 to 3]: log-probs, [entropy], [Σp²]
+        s = forest.num_semantic_tokens
+        keep = np.ones(s, dtype=bool)
+        keep[forest.row_offsets[1:] - 1] = False
+        pos = torch.from_numpy(np.flatnonzero(keep)).to(device)
+        offsets = torch.from_numpy(forest.row_offsets).to(device)
+
+        def nested(col: torch.Tensor) -> torch.Tensor:
+            full = torch.zeros(s, dtype=col.dtype, device=device).index_put((pos,), col)
+            return torch.nested.nested_tensor_from_jagged(full, offsets)
+
+        model_output = {"log_probs": nested(flat[:, 0])}
+        if with_entropy:
+            model_output["entropy"] = nested(flat[:, 1])
+        if with_sq:
+            model_output["sum_pi_squared"] = nested(flat[:, -1])
+        return model_output, flat
+
+    def _tree_forward_step(
+        self,
+        micro_batch: TensorDict,
+        *,
+        loss_function,
+        forward_only: bool,
+        temperature: float,
+        dummy: bool = False,
+    ) -> tuple[torch.Tensor, dict, dict]:
+        micro_batch = micro_batch.to(get_device_id())
+        input_ids = micro_batch["input_ids"]
+        forest = RolloutForest.from_sequences(_sequences(input_ids))
+        device = input_ids.values().device
+        layout = TreeLayout(forest, chunk_size=self.harts.chunk_size, device=device)
         autocast_dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
         autocast_ctx = (
             nullcontext()
             if autocast_dtype == torch.float32
             else torch.autocast(device_type=get_device_name(), dtype=autocast_dtype)
         )
-        kwargs: dict[str, Any] = {}
-        if self._model_type in FULL_ATTENTION_MODEL_TYPES:
-            kwargs["attention_mask"] = tree_mode_attention_mask(device)
-        if hasattr(getattr(self.module, "config", None), "output_router_logits"):
-            # HF's load-balancing loss would read the tree-mode mask as a padding mask; veRL's
-            # losses do not use it.
-            kwargs["output_router_logits"] = False
-        head_mod = self._lm_head
         with autocast_ctx:
-            setattr(head_mod, _HEAD_FN, head)
-            try:
-                with tree_call():
-                    raw = self.module(
-                        input_ids=layout.token_ids[None],
-                        position_ids=layout.position_ids[None],
-                        use_cache=False,
-                        harts_layout=layout,
-                        **kwargs,
-                    )
-            finally:
-                setattr(head_mod, _HEAD_FN, None)
-            flat = raw.logits[0]  # [S - N, 1 to 3]: log-probs, [entropy], [Σp²]
-            s = forest.num_semantic_tokens
-            keep = np.ones(s, dtype=bool)
-            keep[forest.row_offsets[1:] - 1] = False
-            pos = torch.from_numpy(np.flatnonzero(keep)).to(device)
-            offsets = torch.from_numpy(forest.row_offsets).to(device)
-
-            def nested(col: torch.Tensor) -> torch.Tensor:
-                full = torch.zeros(s, dtype=col.dtype, device=device).index_put((pos,), col)
-                return torch.nested.nested_tensor_from_jagged(full, offsets)
-
-            model_output = {"log_probs": nested(flat[:, 0])}
-            if with_entropy:
-                model_output["entropy"] = nested(flat[:, 1])
-            if with_sq:
-                model_output["sum_pi_squared"] = nested(flat[:, -1])
+            model_output, anchor = self._tree_outputs(
+                micro_batch, forest, layout, temperature, device
+            )
             if dummy:
-                loss = flat.sum() * 0.0
+                loss = anchor.sum() * 0.0
                 metrics: dict = {}
             elif loss_function is not None:
                 loss, metrics = loss_function(
@@ -689,26 +742,65 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
 
     # ------------------------------------------------------------------ audit
     def _audit(self, data: TensorDict, model_output: dict, temperature: float) -> float:
-        """max |Δlogp| between the tree result and the stock (expanded) forward on the first
-        ``harts.audit_trajectories`` trajectories of the local batch (positions 0..L−2)."""
+        """max |Δ| of the audited output (log-probs; values for the critic) between the tree
+        result and the stock (expanded) forward on the first ``harts.audit_trajectories``
+        trajectories of the local batch (positions 0..L−2 for shifted outputs, else all)."""
         n = min(self.harts.audit_trajectories, len(data))
         sub = tu.index_select_tensor_dict(data, list(range(n)))
         with torch.no_grad():
             _, ref = FSDPEngineWithLMHead.forward_step(
                 self, sub, loss_function=None, forward_only=True
             )
-        ref_lp = ref["model_output"]["log_probs"].unbind()
-        tree_lp = model_output.get("log_probs")
-        if tree_lp is None:  # training without return_model_output: recompute the tree side
+        key, cut = self._audit_key, (1 if self._audit_shifted else 0)
+        ref_out = ref["model_output"][key].unbind()
+        tree_out = model_output.get(key)
+        if tree_out is None:  # training without return_model_output: recompute the tree side
             with torch.no_grad():
                 _, meta, _ = self._tree_forward_step(
                     sub, loss_function=None, forward_only=True, temperature=temperature
                 )
-            tree = meta["model_output"]["log_probs"].unbind()
+            tree = meta["model_output"][key].unbind()
         else:
-            tree = tree_lp.unbind()[:n]
+            tree = tree_out.unbind()[:n]
         diff = 0.0
-        for a, b in zip(tree, ref_lp):
-            if a.shape[0] > 1:
-                diff = max(diff, float((a[:-1].float() - b[:-1].float()).abs().max()))
+        for a, b in zip(tree, ref_out):
+            m = a.shape[0] - cut
+            if m > 0:
+                diff = max(diff, float((a[:m].float() - b[:m].float()).abs().max()))
         return diff
+
+
+@EngineRegistry.register(model_type="value_model", backend=STRATEGY, device=["cuda", "cpu"])
+class HartsFSDPValueEngine(HartsFSDPEngine, FSDPEngineWithValueHead):
+    """The critic (``critic.strategy=harts_fsdp2``): veRL's FSDP2 value-head engine with tree
+    micro-batches. The backbone runs once per compact row; the value head (a token
+    classifier's ``score``, ``num_labels = 1``) maps each row's hidden state to its value, and
+    every semantic position (i, t) takes the value of its row: ``values`` nested per
+    trajectory, all L positions, as the stock engine returns them. Everything else (planning,
+    equal micro-batch counts across ranks, fallbacks, audit of ``values``) is the actor
+    engine's."""
+
+    _audit_key, _audit_shifted = "values", False
+    _uses_temperature = False
+
+    def _tree_head(self, module: torch.nn.Module) -> bool:
+        """A token classifier with a one-label head runs as is; trl's ``v_head`` wrapper has
+        no tree mode."""
+        if hasattr(module, "v_head"):
+            return False
+        return int(getattr(getattr(module, "config", None), "num_labels", 1)) == 1
+
+    def _tree_outputs(
+        self,
+        micro_batch: TensorDict,
+        forest: RolloutForest,
+        layout: TreeLayout,
+        temperature: float,
+        device: torch.device,
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        raw = self._run_tree_model(layout, device)
+        rows = raw.logits[0]  # [C, 1]: one value per compact row
+        rows = rows[..., 0] if rows.dim() == 2 else rows
+        values = rows[torch.from_numpy(forest.semantic_rows).to(device)]
+        offsets = torch.from_numpy(forest.row_offsets).to(device)
+        return {"values": torch.nested.nested_tensor_from_jagged(values, offsets)}, rows

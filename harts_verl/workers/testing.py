@@ -288,6 +288,22 @@ def tiny_hf_model(kind: str, *, seed: int = 0, vocab_size: int = 64) -> torch.nn
     return cls[kind](cfg).float()
 
 
+def save_tiny_value_model(kind: str, path: str, *, seed: int = 0, vocab_size: int = 64) -> str:
+    """A randomly initialised tiny critic of ``kind``: the token classifier with one label
+    (``AutoModelForTokenClassification``, what veRL loads for a value model; weights of the
+    value head included, so every load is identical), saved (fp32) to ``path``."""
+    from transformers import AutoModelForTokenClassification
+
+    cfg = tiny_hf_config(kind, vocab_size)
+    cfg.num_labels = 1
+    cfg.classifier_dropout = 0.0
+    torch.manual_seed(seed)
+    model = AutoModelForTokenClassification.from_config(cfg).float()
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    return path
+
+
 def save_tiny_model(kind: str, path: str, *, seed: int = 0, vocab_size: int = 64) -> str:
     """Build a randomly initialised tiny model of ``kind`` and save it (fp32) to ``path``."""
     model = tiny_hf_model(kind, seed=seed, vocab_size=vocab_size)
@@ -364,16 +380,58 @@ def actor_config(
     return FSDPActorConfig(strategy=strategy, **common)
 
 
+def critic_config(
+    *,
+    harts: dict[str, Any] | None = None,
+    strategy: str = "harts_fsdp2",
+    max_token_len: int = 4096,
+    loss_agg_mode: str = "token-mean",
+    lr: float = 0.1,
+):
+    """A critic config as veRL's trainer builds it (``HartsFSDPCriticConfig`` for the harts
+    strategy, veRL's ``FSDPCriticConfig`` otherwise): fp32, dynamic batching, SGD."""
+    from verl.workers.config import FSDPCriticConfig, FSDPEngineConfig, FSDPOptimizerConfig
+
+    from harts_verl.workers.config import HartsFSDPCriticConfig
+
+    fsdp = FSDPEngineConfig(
+        strategy="fsdp2",
+        model_dtype="fp32",
+        mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+        use_torch_compile=False,
+        use_dynamic_bsz=True,
+        max_token_len_per_gpu=max_token_len,
+        infer_max_token_len_per_gpu=max_token_len,
+    )
+    common = dict(
+        ppo_mini_batch_size=8,
+        use_dynamic_bsz=True,
+        ppo_max_token_len_per_gpu=max_token_len,
+        forward_max_token_len_per_gpu=max_token_len,
+        loss_agg_mode=loss_agg_mode,
+        rollout_n=1,
+        fsdp=fsdp,
+        optim=FSDPOptimizerConfig(
+            optimizer="SGD", lr=lr, total_training_steps=10, clip_grad=1e9, weight_decay=0.0
+        ),
+    )
+    if strategy == "harts_fsdp2":
+        return HartsFSDPCriticConfig(strategy=strategy, harts=harts or {}, **common)
+    return FSDPCriticConfig(strategy=strategy, **common)
+
+
 def build_engine(
     model_path: str,
     actor_cfg: Any,
     *,
     use_remove_padding: bool = True,
     gradient_checkpointing: bool = False,
+    model_type: str = "language_model",
 ):
     """Build and initialise the engine of ``actor_cfg.strategy`` for the model at
     ``model_path`` through veRL's ``EngineRegistry`` (as ``TrainingWorker`` does);
-    ``gradient_checkpointing``: veRL's ``enable_gradient_checkpointing`` (HF's, non-reentrant)."""
+    ``gradient_checkpointing``: veRL's ``enable_gradient_checkpointing`` (HF's, non-reentrant);
+    ``model_type="value_model"`` with a :func:`critic_config` builds the critic's engine."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import HFModelConfig
     from verl.workers.engine import EngineRegistry
@@ -385,9 +443,9 @@ def build_engine(
         enable_gradient_checkpointing=gradient_checkpointing,
         use_remove_padding=use_remove_padding,
     )
-    model_cfg.model_type = "language_model"
+    model_cfg.model_type = model_type
     engine = EngineRegistry.new(
-        model_type="language_model",
+        model_type=model_type,
         backend=actor_cfg.engine.strategy,
         model_config=model_cfg,
         engine_config=actor_cfg.engine,
@@ -445,6 +503,15 @@ def make_batch(
         torch.as_tensor(-g.uniform(0.5, 5.0, r.shape[0]), dtype=torch.float32)
         for r, g in zip(responses, rngs)
     ]
+    # the critic's targets: old values and returns per response token
+    values = [
+        torch.as_tensor(g.normal(0, 0.5, r.shape[0]), dtype=torch.float32)
+        for r, g in zip(responses, rngs)
+    ]
+    returns = [
+        torch.as_tensor(g.normal(0, 1.0, r.shape[0]), dtype=torch.float32)
+        for r, g in zip(responses, rngs)
+    ]
     td = TensorDict(
         {
             "input_ids": nested(ids),
@@ -456,6 +523,8 @@ def make_batch(
             "attention_mask": nested([torch.ones(t.shape[0], dtype=torch.long) for t in ids]),
             "advantages": nested(adv),
             "old_log_probs": nested(old),
+            "values": nested(values),
+            "returns": nested(returns),
         },
         batch_size=n,
     )

@@ -5,7 +5,8 @@ changes, all active only when ``actor_rollout_ref.actor.strategy=harts_fsdp2``:
 
 * the actor config class becomes ``HartsFSDPActorConfig`` (:func:`apply_harts_actor_config`),
   so the strategy is the one flag that enables HARTS and ``+actor_rollout_ref.actor.harts.*``
-  options are accepted;
+  options are accepted; likewise ``HartsFSDPCriticConfig`` for ``critic.strategy=harts_fsdp2``
+  (:func:`apply_harts_critic_config`, the critic's value-head engine in tree mode);
 * ``_balance_batch`` reorders the batch with :func:`~harts_verl.workers.balance.
   tree_balanced_partition` (trees stay on one DP rank and in one actor mini-batch, compact
   work balanced per mini-batch and per rank; veRL's dispatcher then hands each rank one
@@ -33,6 +34,7 @@ from harts_verl.workers.config import STRATEGY
 
 __all__ = [
     "apply_harts_actor_config",
+    "apply_harts_critic_config",
     "harts_balance_batch",
     "is_harts_config",
     "main",
@@ -52,6 +54,8 @@ def is_harts_config(config: Any) -> bool:
 
 _VERL_FSDP_ACTOR = "verl.workers.config.FSDPActorConfig"
 _HARTS_ACTOR = "harts_verl.workers.config.HartsFSDPActorConfig"
+_VERL_FSDP_CRITIC = "verl.workers.config.FSDPCriticConfig"
+_HARTS_CRITIC = "harts_verl.workers.config.HartsFSDPCriticConfig"
 
 
 def apply_harts_actor_config(config: Any) -> bool:
@@ -69,6 +73,23 @@ def apply_harts_actor_config(config: Any) -> bool:
         return False
     with open_dict(actor):
         actor["_target_"] = _HARTS_ACTOR
+    return True
+
+
+def apply_harts_critic_config(config: Any) -> bool:
+    """With ``critic.strategy=harts_fsdp2`` and veRL's default critic config class, select
+    :class:`~harts_verl.workers.config.HartsFSDPCriticConfig` (``critic._target_``), so that
+    ``+critic.harts.*`` options are accepted and validated. Returns whether the config was
+    changed."""
+    from omegaconf import open_dict
+
+    critic = config.get("critic") if hasattr(config, "get") else None
+    if critic is None or critic.get("strategy") != STRATEGY:
+        return False
+    if critic.get("_target_") != _VERL_FSDP_CRITIC:
+        return False
+    with open_dict(critic):
+        critic["_target_"] = _HARTS_CRITIC
     return True
 
 
@@ -213,6 +234,7 @@ def main() -> None:
     )
     def _main(config) -> None:
         apply_harts_actor_config(config)
+        apply_harts_critic_config(config)
         auto_set_device(config)
         validate_config(
             config=config,
