@@ -206,6 +206,13 @@ def test_edge_cases():
         ([[1], [[1, 2], [3, 4]]], r"sequences\[1\]: expected a 1-D"),
         ([[1], "abc"], r"sequences\[1\]: expected a 1-D sequence of token ids, got a string"),
         ([[True, False]], r"sequences\[0\]: token ids must be integers"),
+        # Python ints past int64 turn the array into floats/objects: name the value instead.
+        ([[1], [-1, 2**63]], r"sequences\[1\]: token id 9223372036854775808 does not fit in int64"),
+        ([[2**64]], r"sequences\[0\]: token id 18446744073709551616 does not fit in int64"),
+        ([[2**63]], r"sequences\[0\]: token id 9223372036854775808 does not fit in int64"),
+        ([[1, -(2**64)]], r"sequences\[0\]: negative token id -18446744073709551616"),
+        ([np.array([2**64 - 1], np.uint64)], r"sequences\[0\]: token id 1844\d+ does not fit"),
+        ([[1, None]], r"sequences\[0\]: expected integer token ids"),
     ],
 )
 def test_bad_inputs(seqs, match):
@@ -228,6 +235,98 @@ def test_bad_group_ids_and_turns():
         RolloutForest.from_sequences([[1]]).rows_of(3)
     with pytest.raises(ValueError, match="trajectory_indices"):
         RolloutForest.from_sequences([[1]]).subset([1])
+
+
+@pytest.mark.parametrize(
+    ("turns", "match"),
+    [
+        # a 2-cycle and a self-parent that no turn hangs off (used to be dropped silently)
+        ([Turn("a", None, [1, 2]), Turn("x", "y", [7]), Turn("y", "x", [8])], r"'x' -> 'y' -> 'x'"),
+        ([Turn("a", None, [1, 2]), Turn("s", "s", [9])], r"turns\[1\] \(turn_id 's'\).*cycle"),
+        ([Turn("s", "s", [9], True)], r"turns\[0\].*cycle \('s' -> 's'\)"),
+        # a chain hanging off a cycle: the cycle is named, not the chain
+        (
+            [Turn("a", None, [1]), Turn("c", "d", [2]), Turn("d", "c", [3]), Turn("e", "c", [4])],
+            r"turns\[1\] \(turn_id 'c'\): parent links form a cycle \('c' -> 'd' -> 'c'\)",
+        ),
+        ([Turn(0, 1, [1]), Turn(1, 0, [2])], r"turns\[0\] \(turn_id 0\).*cycle"),
+    ],
+)
+def test_from_turns_refuses_every_parent_cycle(turns, match):
+    """Every turn must lead to a root: cycles are refused whether or not an end turn hangs off
+    them (before, a cycle without a leaf under it vanished from the forest)."""
+    with pytest.raises(ValueError, match=match):
+        RolloutForest.from_turns(turns)
+
+
+def test_from_turns_checks_ids_and_end_flags():
+    with pytest.raises(TypeError, match=r"turns\[0\]\.turn_id"):
+        RolloutForest.from_turns([Turn([1], None, [1])])
+    with pytest.raises(TypeError, match=r"turns\[1\]\.parent_turn_id"):
+        RolloutForest.from_turns(
+            [Turn(0, None, [1]), {"turn_id": 1, "parent_turn_id": [0], "token_ids": [1]}]
+        )
+    # 'False' is truthy: a string flag is refused, not read as True
+    for flag in ("False", 1, None):
+        bad = {"turn_id": 0, "parent_turn_id": None, "token_ids": [1], "is_trajectory_end": flag}
+        child = {"turn_id": 1, "parent_turn_id": 0, "token_ids": [2]}
+        with pytest.raises(TypeError, match=r"turns\[0\]\.is_trajectory_end: expected a bool"):
+            RolloutForest.from_turns([bad, child])
+        with pytest.raises(TypeError, match=r"turns\[1\]\.is_trajectory_end"):
+            RolloutForest.from_turns([(0, None, [1]), (1, 0, [2], flag)])
+    # numpy bools are bools
+    f = RolloutForest.from_turns([Turn(0, None, [1], np.bool_(True)), Turn(1, 0, [2])])
+    assert [s.tolist() for s in f.sequences] == [[1], [1, 2]]
+
+
+@pytest.mark.parametrize(
+    "group_ids",
+    [
+        np.array([2**64 - 1, 2**63], np.uint64),
+        np.array([0, 2**63], np.uint64),
+        [0, 2**63],
+        [0, 2**64],
+        [0, -(2**64)],
+    ],
+)
+def test_group_ids_outside_int64_are_refused(group_ids):
+    """They used to wrap around silently (2**64 - 1 became -1); ``load`` refuses them too."""
+    with pytest.raises(ValueError, match=r"group_ids: value -?\d+ does not fit in int64"):
+        RolloutForest.from_sequences([[1], [2]], group_ids=group_ids)
+
+
+def test_group_ids_within_int64_are_kept():
+    gids = np.array([0, 2**63 - 1], np.uint64)
+    f = RolloutForest.from_sequences([[1], [2]], group_ids=gids)
+    np.testing.assert_array_equal(f.group_ids, [0, 2**63 - 1])
+    g = RolloutForest.from_sequences([[1], [2]], group_ids=[-5, 3])  # negative ids are ids
+    np.testing.assert_array_equal(g.group_ids, [-5, 3])
+
+
+def test_equals_compares_group_ids():
+    a = RolloutForest.from_sequences([[1, 2], [1, 3]], group_ids=[0, 0])
+    b = RolloutForest.from_sequences([[1, 2], [1, 3]], group_ids=[7, 9])
+    assert not a.equals(b) and not b.equals(a)
+    assert a.equals(b, group_ids=False)  # same rows when group ids do not matter
+    assert a.equals(RolloutForest.from_sequences([[1, 2], [1, 3]]))  # default ids are zeros
+    assert b.equals(RolloutForest.from_sequences([[1, 2], [1, 3]], group_ids=[7, 9]))
+    # None counts as the default (all zeros)
+    c = RolloutForest.from_sequences([[1, 2], [1, 3]])
+    c.group_ids = None
+    assert c.equals(a) and a.equals(c) and not c.equals(b)
+    assert not a.equals([[1, 2], [1, 3]])  # type: ignore[arg-type]
+
+
+def test_is_ancestor_or_self_checks_rows():
+    f = RolloutForest.from_sequences([[1, 2, 3], [1, 2, 4]])  # 4 rows
+    assert bool(f.is_ancestor_or_self(0, 3)) and not bool(f.is_ancestor_or_self(2, 3))
+    for k, q in ((10, 0), (-1, 0), (0, 4), (0, -1), (np.array([0, 4]), 0)):
+        with pytest.raises(ValueError, match="out of range for 4 compact rows"):
+            f.is_ancestor_or_self(k, q)
+    with pytest.raises(ValueError, match="k: expected integer row"):
+        f.is_ancestor_or_self(0.0, 1)
+    with pytest.raises(ValueError, match="q: expected integer row"):
+        f.is_ancestor_or_self(0, True)
 
 
 @settings(max_examples=50, deadline=None)
@@ -293,6 +392,14 @@ def _write_forest_file(path, **overrides):
         ({"adjacent_lcp": np.array([2, 0])}, "adjacent_lcp"),
         ({"adjacent_lcp": np.array([3])}, r"adjacent_lcp\[0\]"),  # claims a shared 3rd token
         ({"adjacent_lcp": np.array([-1])}, "adjacent_lcp"),
+        # format_version: one integer, nothing that merely converts to 1
+        ({"format_version": np.array([1, 1])}, r"format_version: expected one integer.*\(2,\)"),
+        ({"format_version": np.array([1, "a"], dtype=object)}, "format_version"),
+        ({"format_version": np.array("1")}, "format_version: expected one integer"),
+        ({"format_version": np.float64(1.5)}, "format_version: expected one integer"),
+        ({"format_version": np.float64(1.0)}, "format_version: expected one integer"),
+        ({"format_version": np.bool_(True)}, "format_version: expected one integer"),
+        ({"format_version": np.int64(2)}, "unsupported forest format version 2"),
     ],
 )
 def test_load_rejects_inconsistent_files(tmp_path, overrides, match):

@@ -6,9 +6,12 @@ import json
 
 import numpy as np
 import pytest
+from _strategies import sequence_lists
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from harts_verl.cli import main
-from harts_verl.tree import RolloutForest
+from harts_verl.tree import RolloutForest, plan_linear_calls
 from harts_verl.tree.inspect import forest_statistics, plot_statistics, segment_depths
 
 # Root 1: [1,2] forks at depth 2 into [3,4] (forks at depth 4 into [5,6] / [7,8]) and [9].
@@ -26,7 +29,12 @@ def test_statistics_of_a_known_forest():
     forks = st["forks"]
     assert forks["count"] == 4  # child segments at depths 2, 4, 4, 2
     assert forks["inside_chunk"] == 2 and forks["inside_chunk_fraction"] == pytest.approx(0.5)
-    assert forks["replay_tokens"] == 4
+    # Replay is the linear plan's: of the two depth-2 children of [1, 2], one continues the
+    # root's member (no replay) and the other starts a member at boundary 0 and replays rows
+    # [0, 2): 2 tokens. The depth-4 forks sit on a chunk boundary. (Σ fork % chunk over all
+    # child segments, 2 + 0 + 0 + 2 = 4, charged the continuing child too.)
+    assert forks["replay_tokens"] == 2 == plan_linear_calls(f, chunk_size=4).replay_tokens
+    assert forks["linear_rounds"] == plan_linear_calls(f, chunk_size=4).num_rounds == 2
     assert forest_statistics(f, chunk_size=2)["forks"]["inside_chunk_fraction"] == 0.0
     assert forest_statistics(f, chunk_size=64)["forks"]["inside_chunk_fraction"] == 1.0
     assert "plan" not in st
@@ -53,8 +61,51 @@ def test_statistics_oversize_runs_alone_by_default():
 
 def test_bad_chunk_size():
     f = RolloutForest.from_sequences(SEQS)
-    with pytest.raises(ValueError, match="chunk_size"):
-        forest_statistics(f, chunk_size=0)
+    for bad in (0, -1, 2.0, True, None, 2**63, 2**64):
+        with pytest.raises(ValueError, match="chunk_size"):
+            forest_statistics(f, chunk_size=bad)
+    # numpy integers are ints, as in plan_linear_calls
+    st = forest_statistics(f, chunk_size=np.int64(2))
+    assert st["forks"]["chunk_size"] == 2 and isinstance(st["forks"]["chunk_size"], int)
+    assert st["forks"]["replay_tokens"] == plan_linear_calls(f, chunk_size=2).replay_tokens
+    json.dumps(st)
+
+
+def test_not_a_forest_is_a_type_error():
+    with pytest.raises(TypeError, match="forest"):
+        forest_statistics([[1, 2]])  # type: ignore[arg-type]
+
+
+def test_replay_is_the_linear_plans():
+    """One fork at depth 3 with chunk 2: the continuing child replays nothing, the other one
+    replays row [2, 3) — 1 token (Σ fork % chunk over both children said 2)."""
+    g = RolloutForest.from_sequences([[0, 1, 2, 3, 4], [0, 1, 2, 9, 9]])
+    assert forest_statistics(g, chunk_size=2)["forks"]["replay_tokens"] == 1
+    assert plan_linear_calls(g, chunk_size=2).replay_tokens == 1
+
+
+def test_lower_bound_counts_oversize_copies_once():
+    """Two copies of an oversize trajectory share one microbatch (7 = 6 + 1 planned): the bound
+    charges one copy (it charged both: 13 > 7)."""
+    f = RolloutForest.from_sequences([[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6], [7]])
+    plan = forest_statistics(f, capacity_tokens=4)["plan"]
+    assert plan["total_compact_tokens"] == 7
+    assert plan["lower_bound_compact_tokens"] == 7
+
+
+@settings(max_examples=40, deadline=None)
+@given(sequence_lists(max_traj=8), st.integers(1, 8), st.sampled_from([1, 2, 3]))
+def test_statistics_match_the_planners(seqs, cap, chunk):
+    """With copies, prefixes and capacities below the longest trajectory: the lower bound never
+    exceeds the planned total, and the replay is the linear call plan's."""
+    f = RolloutForest.from_sequences(seqs)
+    st_ = forest_statistics(f, chunk_size=chunk, capacity_tokens=cap, dp_size=2)
+    plan = st_["plan"]
+    assert f.num_compact_tokens <= plan["lower_bound_compact_tokens"]
+    assert plan["lower_bound_compact_tokens"] <= plan["total_compact_tokens"]
+    linear = plan_linear_calls(f, chunk_size=chunk)
+    assert st_["forks"]["replay_tokens"] == linear.replay_tokens
+    assert st_["forks"]["linear_rounds"] == linear.num_rounds
 
 
 def test_plot_writes_png(tmp_path):

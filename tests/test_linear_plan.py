@@ -529,8 +529,9 @@ def test_summary_and_empty_forest():
     assert empty.num_rounds == 0 and empty.members == () and empty.summary()["members"] == 0
 
 
-@pytest.mark.parametrize("bad", [0, -64, 1.5, True, "64", None])
+@pytest.mark.parametrize("bad", [0, -64, 1.5, True, "64", None, 2**63, 2**64])
 def test_chunk_size_validation(bad):
+    """Also past int64 (was an OverflowError from numpy); 2**63 - 1 still plans."""
     forest = RolloutForest.from_sequences([[1, 2, 3]])
     with pytest.raises(ValueError, match="chunk_size"):
         plan_linear_calls(forest, chunk_size=bad)
@@ -539,6 +540,8 @@ def test_chunk_size_validation(bad):
 def test_numpy_int_chunk_size_accepted():
     forest = RolloutForest.from_sequences([[1, 2, 3], [1, 2, 4]])
     assert plan_linear_calls(forest, chunk_size=np.int64(2)).chunk_size == 2
+    huge = plan_linear_calls(forest, chunk_size=2**63 - 1)
+    assert huge.num_rounds == 1 and huge.replay_tokens == 2  # one chunk: replay [0, 2)
 
 
 @pytest.mark.parametrize("bad", [[[1, 2, 3]], np.array([[1, 2]]), None])

@@ -76,8 +76,24 @@ def check_plan(forest: RolloutForest, plan: MicrobatchPlan, cap: int, dp: int) -
     assert plan.slot_critical_work == int(sw.max(axis=1).sum()) if plan.num_slots else True
     np.testing.assert_array_equal(plan.replica_work, sw.sum(axis=0))
     assert (plan.slot_imbalance() >= 0).all() and (plan.slot_imbalance() <= 1).all()
-    # every replica has the same number of slots, non-empty microbatches first in each slot set
-    assert plan.num_microbatches <= plan.num_slots * dp
+    # Layout (place_microbatches): the works, sorted decreasingly, fill the slots dp at a time,
+    # so there are ceil(K / dp) slots, every work in a slot is >= every work in the next slot,
+    # and the padding (empty, work-0) microbatches all sit in the last slot, fewer than dp.
+    k = plan.num_microbatches
+    assert plan.num_slots == -(-k // dp)
+    for mb in plan.microbatches:
+        assert (mb.compact_tokens == 0) == (mb.trajectories.size == 0)
+        if mb.trajectories.size == 0:
+            assert mb.slot == plan.num_slots - 1
+    if plan.num_slots > 1:
+        assert np.all(sw[:-1].min(axis=1) >= sw[1:].max(axis=1))
+    # Inside a slot, larger works go to replicas with less cumulative work before the slot
+    # (ties: lower replica id): along that replica order the slot's works do not increase.
+    cum = np.zeros(dp, dtype=np.int64)
+    for s in range(plan.num_slots):
+        along = sw[s, np.lexsort((np.arange(dp), cum))]
+        assert np.all(np.diff(along) <= 0), (s, cum, sw[s])
+        cum += sw[s]
     assert np.array_equal(plan.assignment(n) >= 0, np.ones(n, bool))
     # natural partition covers everything once, contiguous in leaf order
     flat = np.concatenate(plan.natural_partition) if plan.natural_partition else np.zeros(0)
@@ -274,6 +290,71 @@ def test_bad_arguments():
         plan_microbatches(f, capacity_tokens=5, strategies=["magic"])
     with pytest.raises(TypeError, match="RolloutForest"):
         plan_microbatches([[1, 2]], capacity_tokens=5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("seed", [-1, -(2**70), 1.0, True, None])
+def test_bad_seed_is_refused_up_front(seed):
+    """A negative seed used to pass the check and fail (or not) deep in numpy, depending on
+    whether restarts ran: it is refused before any planning, whatever the forest."""
+    easy = RolloutForest.from_sequences([[1, 2], [3, 4]])
+    hard = RolloutForest.from_sequences(
+        [
+            [2, 2, 1, 2, 2, 1, 2],
+            [2, 1, 2, 0, 1],
+            [2, 1, 1, 0, 1, 1],
+            [2, 0, 2, 1, 1, 2],
+            [0, 0, 2, 1, 1],
+            [2, 1, 0],
+            [0, 0, 2, 1, 0, 0, 1],
+        ]
+    )
+    for f, cap in ((easy, 2), (hard, 11)):
+        with pytest.raises(ValueError, match="seed"):
+            plan_microbatches(f, capacity_tokens=cap, seed=seed, restarts=1)
+    # a huge non-negative seed is a valid numpy seed
+    assert plan_microbatches(hard, capacity_tokens=11, seed=2**70, restarts=1).num_slots >= 1
+
+
+@pytest.mark.parametrize("cap", [2**63, 2**64, 2**70])
+def test_capacity_beyond_int64_is_a_value_error(cap):
+    """Capacities past int64 raised OverflowError from numpy; they are refused naming the field
+    (2**63 - 1 still plans)."""
+    f = RolloutForest.from_sequences([[1, 2, 3], [1, 2, 4], [5, 6], [5, 7, 8]])
+    calls = (
+        lambda: plan_microbatches(f, capacity_tokens=cap),
+        lambda: plan_microbatches(f, capacity_tokens=cap, dp_size=2, work_slack=0.1),
+        lambda: lower_bound_work(f, cap),
+        lambda: optimal_contiguous_partition(f, cap),
+        lambda: natural_partition(f, cap),
+    )
+    for call in calls:
+        with pytest.raises(ValueError, match="capacity_tokens"):
+            call()
+    with pytest.raises(ValueError, match="dp_size"):
+        plan_microbatches(f, capacity_tokens=4, dp_size=cap)
+    top = 2**63 - 1
+    assert plan_microbatches(f, capacity_tokens=top, dp_size=2).total_compact_tokens == 8
+    assert lower_bound_work(f, top) == optimal_contiguous_partition(f, top)[0] == 8
+
+
+def test_lower_bound_work_needs_a_forest():
+    with pytest.raises(TypeError, match="forest"):
+        lower_bound_work([[1, 2]], 3)  # type: ignore[arg-type]
+
+
+def test_assignment_checks_its_length():
+    f = RolloutForest.from_sequences([[1, 2, 3], [1, 2, 4], [5]])
+    plan = plan_microbatches(f, capacity_tokens=4)
+    assert plan.assignment().shape == (3,) and (plan.assignment() >= 0).all()
+    padded = plan.assignment(5)  # longer is fine: indices no microbatch holds get -1
+    np.testing.assert_array_equal(padded[:3], plan.assignment())
+    np.testing.assert_array_equal(padded[3:], [-1, -1])
+    for bad in (2, 0):
+        with pytest.raises(ValueError, match="num_trajectories"):
+            plan.assignment(bad)
+    for bad in (-1, 3.0, True):
+        with pytest.raises(ValueError, match="num_trajectories"):
+            plan.assignment(bad)  # type: ignore[arg-type]
 
 
 def test_each_strategy_family_alone_is_valid():

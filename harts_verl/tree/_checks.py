@@ -6,7 +6,20 @@ from typing import Any
 
 import numpy as np
 
+INT64_MAX = int(np.iinfo(np.int64).max)
+
 
 def is_int(value: Any) -> bool:
     """A Python or numpy integer, not a bool (``True`` is no count)."""
     return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: Any, minimum: int, maximum: int | None = INT64_MAX) -> int:
+    """``value`` as a Python int after checking it is an integer (:func:`is_int`) in
+    ``[minimum, maximum]`` (``maximum=None``: no upper bound; by default the int64 range, so
+    numpy arithmetic never overflows). Raises ValueError naming ``name``."""
+    if not is_int(value) or value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name}: expected an int <= {maximum}, got {value!r}")
+    return int(value)

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from harts_verl.tree._checks import INT64_MAX, is_int
 from harts_verl.tree._rangemin import RangeMin
 
 __all__ = ["RolloutForest", "Segments", "Turn", "as_trajectory_array"]
@@ -73,6 +74,12 @@ def as_trajectory_array(seq: Any, index: int, field: str = "sequences") -> np.nd
         raise ValueError(f"{field}[{index}]: ragged nesting, expected a flat list of ids") from exc
     except TypeError as exc:  # e.g. a bfloat16 tensor, which numpy cannot represent
         raise ValueError(f"{field}[{index}]: expected integer token ids ({exc})") from exc
+    if arr.dtype == object or arr.dtype.kind == "f":
+        # Python ints outside the int64 range make numpy fall back to objects or floats.
+        wide = _int_outside_int64(seq)
+        if wide is not None:
+            what = "negative token id" if wide < 0 else "token id"
+            raise ValueError(f"{field}[{index}]: {what} {wide} does not fit in int64")
     if arr.dtype == object:
         raise ValueError(f"{field}[{index}]: expected integer token ids, got objects/ragged data")
     if arr.ndim != 1:
@@ -88,6 +95,21 @@ def as_trajectory_array(seq: Any, index: int, field: str = "sequences") -> np.nd
     if arr.dtype == np.uint64 and int(arr.max()) > np.iinfo(np.int64).max:
         raise ValueError(f"{field}[{index}]: token id {int(arr.max())} does not fit in int64")
     return arr.astype(np.int64, copy=False)
+
+
+def _int_outside_int64(seq: Any) -> int | None:
+    """The first value of a flat list/tuple of Python ints that lies outside the int64 range
+    (too large first: that is what turns the array into floats/objects); None when ``seq`` is
+    not such a list or every value fits."""
+    if not isinstance(seq, list | tuple) or not all(is_int(x) for x in seq):
+        return None
+    for x in seq:
+        if x > INT64_MAX:
+            return int(x)
+    for x in seq:
+        if x < -INT64_MAX - 1:
+            return int(x)
+    return None
 
 
 def _leaf_order_and_lcp(flat: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -204,53 +226,83 @@ class RolloutForest:
         ``token_ids`` (optional ``is_trajectory_end``), or a tuple in that field order.
         Trajectories, in the order their end turns appear: every leaf turn and every turn marked
         ``is_trajectory_end``. Equals ``from_sequences`` of the flattened trajectories.
+
+        Raises TypeError naming ``turns[i]`` for an unhashable ``turn_id``/``parent_turn_id`` or
+        an ``is_trajectory_end`` that is not a bool, and ValueError naming the turn for a
+        duplicate ``turn_id``, an unknown parent, bad token ids, or parent links that do not
+        lead to a root (a cycle, e.g. a turn that is its own parent, whether or not other turns
+        hang off it): every turn must be reached from a turn without parent.
         """
         records = [_as_turn(t, i) for i, t in enumerate(turns)]
         index: dict[Any, int] = {}
         for i, t in enumerate(records):
-            if t.turn_id in index:
+            try:
+                known = t.turn_id in index
+            except TypeError as exc:
+                raise TypeError(
+                    f"turns[{i}].turn_id: expected a hashable id, got {type(t.turn_id).__name__}"
+                ) from exc
+            if known:
                 raise ValueError(f"turns[{i}]: duplicate turn_id {t.turn_id!r}")
             index[t.turn_id] = i
+            if not isinstance(t.is_trajectory_end, bool | np.bool_):
+                raise TypeError(
+                    f"turns[{i}].is_trajectory_end: expected a bool, got {t.is_trajectory_end!r}"
+                )
         parent_idx = np.full(len(records), -1, dtype=np.int64)
         has_child = np.zeros(len(records), dtype=bool)
         for i, t in enumerate(records):
             if t.parent_turn_id is not None:
-                p = index.get(t.parent_turn_id)
+                try:
+                    p = index.get(t.parent_turn_id)
+                except TypeError as exc:
+                    raise TypeError(
+                        f"turns[{i}].parent_turn_id: expected a hashable id or None, got "
+                        f"{type(t.parent_turn_id).__name__}"
+                    ) from exc
                 if p is None:
                     raise ValueError(
                         f"turns[{i}] (turn_id {t.turn_id!r}): unknown parent_turn_id {t.parent_turn_id!r}"
                     )
                 parent_idx[i] = p
                 has_child[p] = True
+        _check_turns_reach_a_root(records, parent_idx)
         token_arrays = [
             as_trajectory_array(t.token_ids, i, field="turns") for i, t in enumerate(records)
         ]
         ends = [i for i, t in enumerate(records) if t.is_trajectory_end or not has_child[i]]
         sequences = []
-        for e in ends:
+        parents = parent_idx.tolist()
+        for e in ends:  # every chain ends at a root (checked above)
             chain = []
             node = e
             while node >= 0:
                 chain.append(node)
-                if len(chain) > len(records):
-                    raise ValueError(
-                        f"turns: parent links of turn {records[e].turn_id!r} form a cycle"
-                    )
-                node = int(parent_idx[node])
+                node = parents[node]
             sequences.append(np.concatenate([token_arrays[c] for c in reversed(chain)]))
-        if not sequences and records:
-            raise ValueError("turns: parent links form a cycle (no leaf turn)")
         return cls.from_sequences(sequences)
 
     @staticmethod
     def _check_group_ids(group_ids: Any, n: int) -> np.ndarray:
+        """``group_ids`` as int64 of shape ``(n,)`` (zeros for None); ValueError naming
+        ``group_ids`` for another shape, non-integers, or values outside int64 (as
+        :meth:`load` refuses them), never a silent wrap-around."""
         if group_ids is None:
             return np.zeros(n, dtype=np.int64)
-        g = np.asarray(group_ids)
+        try:
+            g = np.asarray(group_ids)
+        except (ValueError, TypeError) as exc:  # ragged / unconvertible
+            raise ValueError(f"group_ids: expected {n} integers ({exc})") from exc
         if g.shape != (n,):
             raise ValueError(f"group_ids: expected shape ({n},), got {g.shape}")
+        if n and (g.dtype == object or g.dtype.kind == "f"):  # Python ints past int64
+            wide = _int_outside_int64(group_ids)
+            if wide is not None:
+                raise ValueError(f"group_ids: value {wide} does not fit in int64")
         if n and (g.dtype.kind not in "iu" or g.dtype == np.bool_):
             raise ValueError(f"group_ids: expected integers, got dtype {g.dtype}")
+        if n and g.dtype == np.uint64 and int(g.max()) > INT64_MAX:
+            raise ValueError(f"group_ids: value {int(g.max())} does not fit in int64")
         return g.astype(np.int64, copy=False)
 
     def _build(self, flat: np.ndarray) -> None:
@@ -389,10 +441,22 @@ class RolloutForest:
         return self._segment_of_row
 
     def is_ancestor_or_self(self, k: np.ndarray | int, q: np.ndarray | int) -> np.ndarray:
-        """Vectorized preorder ancestor test ``k <= q < k + subtree_size[k]``."""
-        k = np.asarray(k)
-        q = np.asarray(q)
+        """Vectorized preorder ancestor test ``k <= q < k + subtree_size[k]`` (broadcast over
+        ``k`` and ``q``). Both must be integer rows in ``[0, num_compact_tokens)``: ValueError
+        naming ``k`` or ``q`` otherwise (no negative indexing from the end)."""
+        k = self._check_rows("k", k)
+        q = self._check_rows("q", q)
         return (k <= q) & (q < k + self.subtree_size[k])
+
+    def _check_rows(self, name: str, rows: Any) -> np.ndarray:
+        r = np.asarray(rows)
+        if r.dtype.kind not in "iu" or r.dtype == np.bool_:
+            raise ValueError(f"{name}: expected integer row indices, got dtype {r.dtype}")
+        c = self.num_compact_tokens
+        if r.size and (int(r.min()) < 0 or int(r.max()) >= c):
+            bad = int(r.min()) if int(r.min()) < 0 else int(r.max())
+            raise ValueError(f"{name}: row {bad} out of range for {c} compact rows")
+        return r
 
     # ------------------------------------------------------------------ derived forests
     def subset(self, trajectory_indices: Sequence[int] | np.ndarray) -> RolloutForest:
@@ -470,7 +534,7 @@ class RolloutForest:
         if not isinstance(z, np.lib.npyio.NpzFile):
             raise ValueError(f"{path}: not a forest file (expected an .npz archive)")
         with z:
-            version = int(z["format_version"]) if "format_version" in z else -1
+            version = _file_format_version(path, z)
             if version != _FORMAT_VERSION:
                 raise ValueError(f"{path}: unsupported forest format version {version}")
             missing = [k for k in _FILE_ARRAYS if k not in z]
@@ -499,8 +563,17 @@ class RolloutForest:
             "forks": int((self.num_children >= 2).sum()),
         }
 
-    def equals(self, other: RolloutForest) -> bool:
-        """True iff both forests have identical rows, CSR maps and trajectory attributes."""
+    def equals(self, other: RolloutForest, *, group_ids: bool = True) -> bool:
+        """True iff both forests have identical rows, CSR maps and trajectory attributes
+        (lengths, leaf order, adjacent LCPs and, unless ``group_ids=False``, group ids; a forest
+        whose ``group_ids`` is None counts as all zeros, the default of
+        :meth:`from_sequences`). False for an object that is not a forest."""
+        if not isinstance(other, RolloutForest):
+            return False
+        if group_ids:
+            mine, theirs = self._group_ids_or_zeros(), other._group_ids_or_zeros()
+            if mine.shape != theirs.shape or not np.array_equal(mine, theirs):
+                return False
         names = (
             "token_ids",
             "parent",
@@ -514,8 +587,30 @@ class RolloutForest:
         )
         return all(np.array_equal(getattr(self, a), getattr(other, a)) for a in names)
 
+    def _group_ids_or_zeros(self) -> np.ndarray:
+        g = self.group_ids
+        return np.zeros(self.num_trajectories, np.int64) if g is None else np.asarray(g)
+
 
 _FILE_ARRAYS = ("flat_tokens", "row_offsets", "group_ids", "leaf_order", "adjacent_lcp")
+
+
+def _file_format_version(path: Any, z: Any) -> int:
+    """The file's ``format_version`` (-1 when absent). ValueError naming the path and the
+    field unless it is one integer (a 0-d integer array, as :meth:`RolloutForest.save`
+    writes): no shapes, strings, objects or floats (``1.5`` must not read as version 1)."""
+    if "format_version" not in z:
+        return -1
+    try:
+        v = z["format_version"]
+    except ValueError as exc:  # an object array (needs pickle)
+        raise ValueError(f"{path}: format_version: expected one integer ({exc})") from exc
+    v = np.asarray(v)
+    if v.shape != () or v.dtype.kind not in "iu" or v.dtype == np.bool_:
+        raise ValueError(
+            f"{path}: format_version: expected one integer, got dtype {v.dtype} shape {v.shape}"
+        )
+    return int(v)
 
 
 def _checked_file_arrays(path: Any, *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -593,10 +688,48 @@ def _as_turn(t: Any, i: int) -> Turn:
             t["turn_id"],
             t["parent_turn_id"],
             t["token_ids"],
-            bool(t.get("is_trajectory_end", False)),
+            t.get("is_trajectory_end", False),  # type-checked by from_turns
         )
     if isinstance(t, tuple | list) and len(t) in (3, 4):
-        return Turn(*t[:3], bool(t[3]) if len(t) == 4 else False)
+        return Turn(*t[:3], t[3] if len(t) == 4 else False)
     raise ValueError(
         f"turns[{i}]: expected a Turn, a dict or a (turn_id, parent_turn_id, token_ids) tuple, got {type(t).__name__}"
+    )
+
+
+def _check_turns_reach_a_root(records: list[Turn], parent_idx: np.ndarray) -> None:
+    """ValueError naming a turn on a parent-link cycle unless every turn is reached from a
+    root (a turn without parent). Linear time: one pass down the children lists from the
+    roots."""
+    n = len(records)
+    if n == 0:
+        return
+    order = np.argsort(parent_idx, kind="stable")  # children grouped by parent; roots first
+    counts = np.bincount(parent_idx[parent_idx >= 0], minlength=n)
+    num_roots = n - int(counts.sum())
+    child_off = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(counts, out=child_off[1:])
+    children = order[num_roots:]
+    reached = np.zeros(n, dtype=bool)
+    frontier = order[:num_roots]
+    while frontier.size:  # one vectorized step per turn-tree level
+        reached[frontier] = True
+        lo, hi = child_off[frontier], child_off[frontier + 1]
+        frontier = children[_ranges(lo, hi)]
+    if reached.all():
+        return
+    # Walk up from the first unreached turn until a turn repeats: that loop is a cycle.
+    node = int(np.flatnonzero(~reached)[0])
+    seen: dict[int, int] = {}
+    path: list[int] = []
+    while node not in seen:
+        seen[node] = len(path)
+        path.append(node)
+        node = int(parent_idx[node])
+    cycle = path[seen[node] :]
+    i = min(cycle)
+    ids = " -> ".join(repr(records[c].turn_id) for c in [*cycle, cycle[0]])
+    raise ValueError(
+        f"turns[{i}] (turn_id {records[i].turn_id!r}): parent links form a cycle ({ids}); "
+        "every turn must lead to a root turn (parent_turn_id None)"
     )

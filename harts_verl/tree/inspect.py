@@ -10,8 +10,10 @@ Definitions:
 * **branching**: the number of children of every branch row (a row with >= 2 children); the
   histogram counts branch rows per child count. Roots are reported separately.
 * **forks inside a chunk**: a fork is a child segment (any segment with a parent); its fork
-  position is the depth of its first row. The fraction of forks whose position is not a multiple
-  of ``chunk_size`` is the fraction that needs replay in chunked linear attention.
+  position is the depth of its first row. A fork whose position is not a multiple of
+  ``chunk_size`` needs replay in chunked linear attention when it starts a new member (the child
+  that continues its parent's member replays nothing). ``replay_tokens`` and ``linear_rounds``
+  are the figures of the linear-attention call plan (:func:`plan_linear_calls`).
 * **slot imbalance**: see :func:`harts_verl.tree.microbatch.slot_imbalance`.
 """
 
@@ -22,8 +24,10 @@ from typing import Any
 
 import numpy as np
 
+from harts_verl.tree._checks import check_int
 from harts_verl.tree.forest import RolloutForest
-from harts_verl.tree.microbatch import lower_bound_work, plan_microbatches
+from harts_verl.tree.linear_plan import plan_linear_calls
+from harts_verl.tree.microbatch import _oversize_groups, lower_bound_work, plan_microbatches
 
 __all__ = ["forest_statistics", "plot_statistics", "segment_depths"]
 
@@ -71,11 +75,24 @@ def forest_statistics(
 
     Keys: ``summary`` (sizes, compression), ``trajectory_length`` (quantiles),
     ``depth_histogram`` (segments per trajectory path), ``branching_histogram`` (children per
-    branch row), ``roots``, ``forks`` (count, inside-chunk fraction, fork-position quantiles),
-    and ``plan`` (summary, per-slot works and imbalance, P0 size, lower bound) when planned.
+    branch row), ``roots``, ``forks`` (count, inside-chunk fraction, fork-position quantiles,
+    and the linear-attention call plan's ``replay_tokens`` and ``linear_rounds``), and ``plan``
+    (summary, per-slot works and imbalance, P0 size, lower bound) when planned.
+
+    Guarantees: ``forks.replay_tokens`` equals ``plan_linear_calls(forest,
+    chunk_size=chunk_size).replay_tokens``; ``plan.lower_bound_compact_tokens`` is at most the
+    total work of any plan that runs each oversize sequence in a microbatch of its own, as the
+    planner does (hence at most ``plan.total_compact_tokens``): the
+    :func:`lower_bound_work` of the trajectories that fit plus one copy's length for each
+    distinct oversize sequence (its copies share one microbatch, as the planner runs them).
+
+    Raises TypeError naming ``forest`` when it is not a :class:`RolloutForest`, ValueError
+    naming ``chunk_size`` unless it is an int (Python or numpy) in ``[1, 2**63 - 1]``, and the
+    planner's errors for the planning arguments.
     """
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size: expected an int >= 1, got {chunk_size!r}")
+    if not isinstance(forest, RolloutForest):
+        raise TypeError(f"forest: expected a RolloutForest, got {type(forest).__name__}")
+    chunk_size = check_int("chunk_size", chunk_size, 1)
     seg = forest.segments
     n = forest.num_trajectories
     depth = segment_depths(forest)
@@ -87,6 +104,7 @@ def forest_statistics(
     branch = forest.num_children[forest.num_children >= 2]
     forks = seg.fork_position[seg.parent_segment >= 0]
     inside = forks % chunk_size != 0
+    linear = plan_linear_calls(forest, chunk_size=chunk_size)
     out: dict[str, Any] = {
         "summary": forest.summary(),
         "trajectory_length": _quantiles(forest.lengths.astype(np.float64)),
@@ -100,7 +118,8 @@ def forest_statistics(
             "inside_chunk": int(inside.sum()),
             "inside_chunk_fraction": float(inside.mean()) if forks.size else 0.0,
             "position": _quantiles(forks.astype(np.float64)),
-            "replay_tokens": int((forks % chunk_size).sum()),
+            "replay_tokens": linear.replay_tokens,
+            "linear_rounds": linear.num_rounds,
         },
     }
     if capacity_tokens is not None:
@@ -115,12 +134,14 @@ def forest_statistics(
         sw = plan.slot_work
         imb = plan.slot_imbalance()
         keep = forest.lengths <= capacity_tokens
+        # Copies of one oversize sequence share a microbatch: count each distinct one once.
+        big = _oversize_groups(forest, np.flatnonzero(~keep))
         out["plan"] = {
             **plan.summary(),
             "lower_bound_compact_tokens": lower_bound_work(
                 forest.subset(np.flatnonzero(keep)), capacity_tokens
             )
-            + int(forest.lengths[~keep].sum()),
+            + sum(int(forest.lengths[g[0]]) for g in big),
             "expansion_vs_forest": plan.total_compact_tokens / max(forest.num_compact_tokens, 1),
             "slot_work": sw.tolist(),
             "slot_imbalance": [round(float(x), 6) for x in imb],

@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from harts_verl.tree._checks import check_int
 from harts_verl.tree.forest import RolloutForest
 
 __all__ = [
@@ -344,13 +345,8 @@ class LinearCallPlan:
 
 # ------------------------------------------------------------------------------ planning
 def _check_chunk_size(chunk_size: Any) -> int:
-    if (
-        isinstance(chunk_size, bool)
-        or not isinstance(chunk_size, int | np.integer)
-        or int(chunk_size) <= 0
-    ):
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    return int(chunk_size)
+    """``chunk_size`` as an int in ``[1, 2**63 - 1]`` (ValueError naming it otherwise)."""
+    return check_int("chunk_size", chunk_size, 1)
 
 
 def _ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
@@ -448,7 +444,7 @@ def plan_linear_calls(forest: RolloutForest, *, chunk_size: int = 64) -> LinearC
 
     Raises:
       TypeError: ``forest`` is not a :class:`RolloutForest`.
-      ValueError: ``chunk_size`` is not a positive int.
+      ValueError: ``chunk_size`` is not an int in ``[1, 2**63 - 1]``.
 
     Time is linear in the number of rows (plus ``O(chunk_size)`` vectorized steps and a Python
     loop over segments and members). Deterministic.

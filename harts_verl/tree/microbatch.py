@@ -82,7 +82,7 @@ from typing import Any
 
 import numpy as np
 
-from harts_verl.tree._checks import is_int as _is_int
+from harts_verl.tree._checks import check_int as _check_int
 from harts_verl.tree._rangemin import RangeMin
 from harts_verl.tree.forest import RolloutForest
 
@@ -176,10 +176,23 @@ class MicrobatchPlan:
         return slot_imbalance(self.slot_work)
 
     def assignment(self, num_trajectories: int | None = None) -> np.ndarray:
-        """Index into ``microbatches`` of each trajectory's microbatch."""
-        n = num_trajectories
-        if n is None:
-            n = sum(int(mb.trajectories.size) for mb in self.microbatches)
+        """Index into ``microbatches`` of each trajectory's microbatch (int64, length
+        ``num_trajectories``, default: the number of planned trajectories; -1 for an index no
+        microbatch holds). ValueError when ``num_trajectories`` is not an int or is smaller than
+        a planned trajectory index + 1."""
+        planned = sum(int(mb.trajectories.size) for mb in self.microbatches)
+        top = max(
+            (int(mb.trajectories.max()) for mb in self.microbatches if mb.trajectories.size),
+            default=-1,
+        )
+        if num_trajectories is None:
+            n = planned
+        else:
+            n = _check_int("num_trajectories", num_trajectories, 0)
+            if n <= top:
+                raise ValueError(
+                    f"num_trajectories: {n} is too small, the plan holds trajectory {top}"
+                )
         out = np.full(n, -1, dtype=np.int64)
         for k, mb in enumerate(self.microbatches):
             out[mb.trajectories] = k
@@ -1287,12 +1300,6 @@ def place_microbatches(works: np.ndarray, dp_size: int) -> tuple[np.ndarray, np.
 
 
 # ============================================================================ public API
-def _check_int(name: str, v: Any, minimum: int) -> int:
-    if not _is_int(v) or v < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {v!r}")
-    return int(v)
-
-
 def _check_forest(forest: Any) -> None:
     if not isinstance(forest, RolloutForest):
         raise TypeError(f"forest: expected a RolloutForest, got {type(forest).__name__}")
@@ -1302,8 +1309,7 @@ def _check_inputs(forest: Any, capacity_tokens: Any, dp_size: Any, seed: Any) ->
     _check_forest(forest)
     _check_int("capacity_tokens", capacity_tokens, 1)
     _check_int("dp_size", dp_size, 1)
-    if not _is_int(seed):
-        raise ValueError(f"seed: expected an int, got {seed!r}")
+    _check_int("seed", seed, 0, None)  # numpy's generators take any non-negative int
 
 
 def _check_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -1378,7 +1384,9 @@ def plan_microbatches(
     (fraction in [0, 1), default 0.0, see the module docstring); ``restarts`` (int >= 0, seeded
     perturb-and-improve rounds, default 0 — only they use ``seed``); ``effort`` (number >= 0,
     scales move budgets); ``max_layers_work`` (int >= 0, bound on K·n for the fixed-K contiguous
-    DP). An unknown option raises TypeError, an illegal value ValueError naming the option.
+    DP). An unknown option raises TypeError, an illegal value ValueError naming the option;
+    ``capacity_tokens`` and ``dp_size`` must be ints in ``[1, 2**63 - 1]`` and ``seed`` an int
+    ``>= 0`` (ValueError naming it, checked before any planning).
 
     Guarantees: each trajectory is in exactly one microbatch; no microbatch exceeds the
     capacity (except the copies of one oversize trajectory, when allowed); every replica gets the same
@@ -1674,7 +1682,12 @@ def lower_bound_work(lv: _Leaves | RolloutForest, cap: int) -> int:
 
     A bin that touches node ``v`` holds ``depth(v)`` rows of its path, so at most
     ``cap − depth(v)`` rows below it: at least ``⌈below(v) / (cap − depth(v))⌉`` bins touch v
-    (and at least as many as touch any child); each pays ``weight(v)`` rows."""
+    (and at least as many as touch any child); each pays ``weight(v)`` rows.
+
+    TypeError when ``lv`` is not a :class:`RolloutForest` (or the planner's leaf view);
+    ValueError naming ``capacity_tokens`` unless ``1 <= cap <= 2**63 - 1``."""
+    if not isinstance(lv, _Leaves):
+        _check_forest(lv)
     cap = _check_int("capacity_tokens", cap, 1)
     if isinstance(lv, RolloutForest):
         lv = _Leaves.of(lv)
