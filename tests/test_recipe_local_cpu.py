@@ -4,8 +4,9 @@ Runs ``python -m harts_verl.main_ppo`` (harts_fsdp2 engine, CPU platform shim, `
 rollout server, ``harts_tool_agent``, tiny Qwen3-Next) in a subprocess in its own session with a
 hard timeout, then checks the console metrics (finite loss, ``harts/compression`` > 2 from the
 shared agent prompt, HARTS path taken, multi-turn tool use by the SFT warm-started model) and
-that the saved step-2 weights differ from the initial ones. Every process of the run's session
-(driver, Ray GCS/raylet, Ray workers) is killed by PID afterwards.
+that the saved step-2 weights differ from the initial ones; then one PPO step with a GAE critic
+that runs ``harts_fsdp2`` too. Every process of a run's session (driver, Ray GCS/raylet, Ray
+workers) is killed by PID afterwards.
 """
 
 from __future__ import annotations
@@ -79,20 +80,13 @@ def _load_weights(path: Path) -> dict:
     return out
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="uses /proc to clean up the Ray cluster")
-def test_local_cpu_recipe_two_steps(tmp_path):
-    work = tmp_path / "w"
+def _run_recipe(work: Path, steps: int, *overrides: str) -> str:
+    """``recipes/local_cpu/run.sh steps overrides…`` in its own session (killed afterwards);
+    fails the test on a timeout or a non-zero exit. Returns the console output."""
     env = dict(os.environ, HARTS_LOCAL_DIR=str(work), PY=sys.executable)
     env.pop("RAY_ADDRESS", None)  # always a fresh local cluster of our own
-    cmd = [
-        "bash",
-        str(RUN),
-        "2",
-        "trainer.save_freq=2",
-        "actor_rollout_ref.actor.checkpoint.save_contents=[model,hf_model]",
-    ]
     proc = subprocess.Popen(
-        cmd,
+        ["bash", str(RUN), str(steps), *overrides],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -110,6 +104,18 @@ def test_local_cpu_recipe_two_steps(tmp_path):
     finally:
         _kill_session(proc.pid)
     assert proc.returncode == 0, out[-6000:]
+    return out
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="uses /proc to clean up the Ray cluster")
+def test_local_cpu_recipe_two_steps(tmp_path):
+    work = tmp_path / "w"
+    out = _run_recipe(
+        work,
+        2,
+        "trainer.save_freq=2",
+        "actor_rollout_ref.actor.checkpoint.save_contents=[model,hf_model]",
+    )
     steps = _summary_module().parse_lines(out.splitlines())
     assert sorted(steps) == [1, 2], out[-6000:]
     for step, metrics in steps.items():
@@ -128,3 +134,28 @@ def test_local_cpu_recipe_two_steps(tmp_path):
     assert before and set(before) == set(after)
     changed = [k for k in before if not bool((before[k] == after[k].to(before[k].dtype)).all())]
     assert changed, "no parameter changed after 2 steps"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="uses /proc to clean up the Ray cluster")
+def test_local_cpu_recipe_ppo_with_tree_critic(tmp_path):
+    """PPO with GAE: the critic (a token classifier on the same backbone) also runs
+    ``harts_fsdp2`` (values and its update in tree mode)."""
+    work = tmp_path / "w"
+    out = _run_recipe(
+        work,
+        1,
+        "algorithm.adv_estimator=gae",
+        "critic.strategy=harts_fsdp2",
+        f"critic.model.path={work / 'model'}",
+        "+critic.model.override_config={attn_implementation: sdpa}",
+        "critic.fsdp.model_dtype=fp32",
+        "critic.optim.lr=1e-3",
+        "+critic.harts={chunk_size: 8}",
+    )
+    steps = _summary_module().parse_lines(out.splitlines())
+    assert sorted(steps) == [1], out[-6000:]
+    m = steps[1]
+    for key in ("critic/vf_loss", "critic/grad_norm", "critic/values/mean", "actor/loss"):
+        assert math.isfinite(m[key]), (key, m)
+    assert m["critic/harts/fallback"] == 0.0 and m["actor/harts/fallback"] == 0.0, m
+    assert m["critic/harts/compression"] > 2.0, m  # the shared agent prompt, computed once
