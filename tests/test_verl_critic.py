@@ -100,8 +100,8 @@ def test_critic_parity_with_stock_value_engine(critics, kind):
 
 
 def test_critic_engine_refuses_nothing_silently(critics):
-    """The value engine reads no temperature, and a model without a one-label head (or a
-    trl value-head wrapper) takes the stock path with a named reason."""
+    """The value engine reads no temperature (not even an invalid one), and a model without
+    tree support takes the stock path with a named reason."""
     testing, paths = critics
     cfg = testing.critic_config()
     engine = testing.build_engine(paths["qwen2"], cfg, model_type="value_model")
@@ -109,5 +109,8 @@ def test_critic_engine_refuses_nothing_silently(critics):
     seqs, plens, spans = _tree_batch(4)
     td = testing.make_batch(seqs, plens, tool_spans=spans)
     assert engine._local_fallback_reasons(td, None, max(map(len, seqs)), True) == {}
+    with engine.eval_mode():  # a greedy rollout's temperature 0 means nothing to a critic
+        out = engine.infer_batch(testing.make_batch(seqs, plens, tool_spans=spans, temperature=0))
+    assert out["metrics"]["harts/fallback"] == [0.0]
     engine._tree_supported = False
     assert "model" in engine._local_fallback_reasons(td, 1.0, max(map(len, seqs)), True)

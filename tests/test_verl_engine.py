@@ -363,6 +363,22 @@ def test_fixed_micro_batch_size_bounds_capacity(verl_cpu):
             assert float((a[:-1] - b[:-1]).abs().max()) <= 1e-6, key
 
 
+def test_dropout_added_after_build_is_seen(verl_cpu):
+    """veRL wraps LoRA adapters (whose dropout counts) after the module is built: the engine
+    looks at the module as it trains, on first use."""
+    testing, paths = verl_cpu
+    engine = testing.build_engine(paths["qwen2"], testing.actor_config())
+    seqs, prompt_lens, spans = _grpo_batch(seed=2)
+    td = testing.make_batch(seqs, prompt_lens, tool_spans=spans)
+    longest = max(map(len, seqs))
+    assert engine._local_fallback_reasons(td, 1.0, longest, False) == {}
+    engine._dropout = False  # as built, before a wrapper adds dropout
+    engine.module.lora_dropout = torch.nn.Dropout(0.05)
+    reasons = engine._local_fallback_reasons(td, 1.0, longest, False)
+    assert "p = 0.05" in reasons["dropout"]
+    assert engine._local_fallback_reasons(td, 1.0, longest, True) == {}  # inference: no dropout
+
+
 def test_dropout_in_training_is_named():
     """Dropout draws one mask per row, which a shared row would share across trajectories:
     training such a model in tree mode is refused by name (inference is unaffected)."""

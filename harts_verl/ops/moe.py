@@ -208,16 +208,16 @@ def semantic_row_weights(forest: Any, semantic_weights: Any = None) -> np.ndarra
 def _as_weights(weights: Any, t: int, device: torch.device, name: str = "weights") -> Tensor | None:
     if weights is None:
         return None
-    w = torch.as_tensor(weights, device=device)
+    w = torch.as_tensor(weights)  # host data stays on the host until checked
     if w.shape != (t,):
         raise ValueError(f"{name}: expected shape ({t},), got {tuple(w.shape)}")
     if w.dtype == torch.bool or w.is_complex():
         raise ValueError(f"{name}: expected real row weights, got {w.dtype}")
-    if w.device.type == "cpu" and t:  # checked where it costs no device sync
+    if w.device.type == "cpu" and t:  # checked where it costs no device sync (host data)
         wf = w.double()
         if not bool(torch.isfinite(wf).all()) or float(wf.min()) < 0:
             raise ValueError(f"{name}: expected finite non-negative row weights")
-    return w
+    return w.to(device)
 
 
 def _check_experts(experts: Tensor, num_experts: int) -> None:

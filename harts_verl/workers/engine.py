@@ -4,8 +4,9 @@ What changes against the stock engine (everything else is inherited):
 
 * ``forward_backward_batch``: the local batch's trajectories (nested ``input_ids``) become a
   :class:`~harts_verl.tree.RolloutForest`; micro-batches are planned by compact work
-  (``plan_microbatches``, capacity = ``harts.capacity_tokens`` or the batch's
-  ``max_token_len_per_gpu``); every DP rank runs the same number of micro-batches (an
+  (``plan_microbatches``, capacity = ``harts.capacity_tokens``, else the batch's
+  ``max_token_len_per_gpu``, or with ``use_dynamic_bsz`` false ``micro_batch_size_per_gpu`` ×
+  the longest trajectory); every DP rank runs the same number of micro-batches (an
   all-reduce MAX of the local counts; a rank with fewer splits its heaviest micro-batches at
   the cut that best halves their work, or runs zero-loss dummy forwards when nothing can be
   split), so FSDP collectives and the gradient-sync micro-batch stay aligned; outputs are
@@ -18,20 +19,24 @@ What changes against the stock engine (everything else is inherited):
   position t holds log p(x[t+1] | x[≤t]) — so ``ppo_loss`` and every policy-loss mode run
   unchanged, with veRL's global token counts (trajectory-wise meaning).
 
-With ``calculate_sum_pi_squared`` (veRL's optimal-token-baseline estimators) the output also
-holds ``sum_pi_squared`` (Σ_v p_v² per position, same layout).
+With ``calculate_sum_pi_squared`` (veRL's optimal-token-baseline estimators, set by its legacy
+trainer) the output also holds ``sum_pi_squared`` (Σ_v p_v² per position, same layout).
 
-Position L−1 (no next token) holds 0 for log-probs, entropy and Σp². The stock engine leaves a value
-there that depends on packing (it rolls the packed ids, so it is the log-prob of the *next*
-sequence's first token); veRL's losses never read it (``no_padding_2_padding`` slices
+Position L−1 (no next token) holds 0 for log-probs, entropy and Σp². The stock engine's
+log-prob there depends on packing (it rolls the packed ids: the log-prob of the *next*
+sequence's first token); its entropy and Σp² there describe the distribution after the last
+token. veRL's losses never read position L−1 (``no_padding_2_padding`` slices
 ``[prompt_len − 1, L − 1)``).
 
+:class:`HartsFSDPValueEngine` is the critic's counterpart (values of every position, see there).
+
 Fallback (stock path, metric ``harts/fallback`` = 1): harts disabled, a model without tree
-support, per-sample temperatures, a batch that carries multi-modal inputs (vision embeddings and
-3-D mrope positions have no tree form; text-only batches of the same multi-modal model run in
-tree mode), Ulysses sequence parallelism, fused kernels, top-k distillation, training with router jitter, dynamic RoPE beyond
-its original context, or global compression below ``harts.min_compression``. The decision
-is taken jointly by all DP ranks; each reason is logged at WARNING the first time it occurs.
+support, per-sample temperatures, dropout in training, a batch that carries multi-modal inputs
+(vision embeddings and 3-D mrope positions have no tree form; text-only batches of the same
+multi-modal model run in tree mode), Ulysses sequence parallelism, fused kernels, top-k
+distillation, training with router jitter, dynamic RoPE beyond its original context, or global
+compression below ``harts.min_compression``. The decision is taken jointly by all DP ranks;
+each reason is logged at WARNING the first time it occurs.
 Every micro-batch of a fallback batch runs veRL's own ``forward_step``.
 """
 
@@ -201,7 +206,8 @@ def _has_multi_modal(data: TensorDict) -> bool:
 
 
 def split_dependent_loss(loss_function: Any) -> str | None:
-    """Why the actor loss ``loss_function`` (veRL's ``partial(ppo_loss, config=…)``) depends on
+    """Why the loss ``loss_function`` (veRL's ``partial(ppo_loss, config=…)``, or the critic's
+    ``value_loss``) depends on
     how a batch is cut into micro-batches, or None when it does not (or cannot be told).
 
     Such losses give different numbers under any other micro-batching, the stock engine's own
@@ -217,7 +223,7 @@ def split_dependent_loss(loss_function: Any) -> str | None:
     ):
         out.append(
             "loss_agg_mode 'seq-mean-token-sum-norm' without loss_scale_factor divides by each "
-            "micro-batch's padded response width (set actor.loss_scale_factor, e.g. to the "
+            "micro-batch's padded response width (set loss_scale_factor, e.g. to the "
             "maximum response length)"
         )
     mode = getattr(getattr(config, "policy_loss", None), "loss_mode", None)
@@ -279,7 +285,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         self._tree_supported = False
         self._model_type: str | None = None
         self._rope_limit: tuple[str, int] | None = None
-        self._dropout: str | None = None
+        self._dropout: str | bool | None = False  # False: not computed yet (_dropout_of_module)
         self._lm_head: torch.nn.Module | None = None
         self._calls = 0
         self._stock_batch = False  # inside a fallback batch: forward_step is veRL's
@@ -316,8 +322,14 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             )
         self._model_type = model_type
         self._rope_limit = length_dependent_rope(module)  # dynamic / longrope scaling
-        self._dropout = _dropout_reason(module)
         return module
+
+    def _dropout_of_module(self) -> str | None:
+        """:func:`_dropout_reason` of the module as it trains (computed once, on first use:
+        veRL wraps LoRA adapters, whose dropout counts too, only after ``_build_module``)."""
+        if self._dropout is False:
+            self._dropout = _dropout_reason(self.module)
+        return self._dropout
 
     # ------------------------------------------------------------------ helpers
     def _dp_all_reduce(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
@@ -404,8 +416,8 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
                 f"ulysses_sequence_parallel_size = {sp} (Ulysses slices every sequence across "
                 "ranks; tree mode runs whole trees on one rank)"
             )
-        if self._dropout and not forward_only:
-            reasons["dropout"] = self._dropout
+        if not forward_only and self._dropout_of_module():
+            reasons["dropout"] = self._dropout_of_module()
         if temperature is None and self._uses_temperature:
             reasons["temperature"] = "per-sample temperatures (tree mode takes one temperature)"
         if _has_multi_modal(data):
@@ -456,7 +468,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
     def forward_backward_batch(self, data: TensorDict, loss_function, forward_only=False):
         self._calls += 1
         n = len(data)
-        temperature = _scalar_temperature(data)
+        temperature = _scalar_temperature(data) if self._uses_temperature else 1.0
         forest = forest_of_batch(data) if n else None
         s = forest.num_semantic_tokens if forest is not None else 0
         c = forest.num_compact_tokens if forest is not None else 0
@@ -490,7 +502,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             if why is not None:
                 self._fallback_logged.add("split_dependent")
                 logger.warning(
-                    "harts_fsdp2: the actor loss depends on how the batch is cut into "
+                    "harts_fsdp2: the loss depends on how the batch is cut into "
                     "micro-batches (%s); tree micro-batches are planned by compact work, so its "
                     "values differ from stock fsdp2's micro-batching (logged once)",
                     why,
@@ -726,7 +738,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
     def forward_step(self, micro_batch: TensorDict, loss_function, forward_only):
         """One micro-batch in tree mode; veRL's stock step inside a fallback batch, and for a
         micro-batch that cannot run in tree mode (see ``_local_fallback_reasons``)."""
-        temperature = _scalar_temperature(micro_batch)
+        temperature = _scalar_temperature(micro_batch) if self._uses_temperature else 1.0
         if self._stock_batch:
             return super().forward_step(micro_batch, loss_function, forward_only)
         longest = max((len(t) for t in _sequences(micro_batch["input_ids"])), default=0)
