@@ -6,9 +6,9 @@ model, so their gradients carry float32 rounding whatever the batching. To test 
 machinery at float64 precision these islands compute in the input dtype (same formulas); the
 unmodified models are tested against HF's own forward separately.
 
-Qwen3.5 / Qwen3.5-MoE's GatedDeltaNet casts ``A_log`` and ``a`` to float32 for the gate and runs
-HF's torch fallback delta rule in float32: its forward (no-cache path) is transcribed too, gate in
-at least float32, kernel lifted as OLMo's below. veRL's monkey patch
+Qwen3-Next's, Qwen3.5's and Qwen3.5-MoE's GatedDeltaNets cast ``A_log`` and ``a`` to float32 for
+the gate and run HF's torch fallback delta rule with a float32 decay mask: their forwards
+(no-cache path) are transcribed too, gate in at least float32, kernel lifted as OLMo's below. veRL's monkey patch
 (``qwen3_5_gated_delta_net_forward``) computes the same without packing (``cu_seqlens=None``); it
 is replaced by this one when lifted after veRL's patch.
 
@@ -192,10 +192,46 @@ def _qwen3_5_gdn(self, hidden_states, cache_params=None, attention_mask=None, **
     return self.out_proj(out.reshape(batch_size, seq_len, -1))
 
 
+def _qwen3_next_gdn(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+    """HF's ``Qwen3NextGatedDeltaNet.forward`` without a cache or packing (interleaved
+    ``in_proj_qkvz`` / ``in_proj_ba`` projections), gate and kernel lifted as in
+    :func:`_qwen3_5_gdn`."""
+    if cache_params is not None:
+        raise NotImplementedError("the lifted Qwen3-Next GatedDeltaNet keeps no cache")
+    packed = [k for k in _PACKED_KEYS if kwargs.get(k) is not None]
+    if packed:
+        raise NotImplementedError(
+            f"{packed[0]}: the lifted Qwen3-Next GatedDeltaNet runs no packing"
+        )
+    hf = importlib.import_module(type(self).__module__)
+    hidden_states = hf.apply_mask_to_padding_states(hidden_states, attention_mask)
+    batch_size, seq_len, _ = hidden_states.shape
+    q, k, v, z, b, a = self.fix_query_key_value_ordering(
+        self.in_proj_qkvz(hidden_states), self.in_proj_ba(hidden_states)
+    )
+    q, k, v = (x.reshape(batch_size, seq_len, -1) for x in (q, k, v))
+    mixed = torch.cat((q, k, v), dim=-1).transpose(1, 2)
+    mixed = F.silu(self.conv1d(mixed)[:, :, :seq_len]).transpose(1, 2)
+    q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+    q = q.reshape(batch_size, seq_len, -1, self.head_k_dim)
+    k = k.reshape(batch_size, seq_len, -1, self.head_k_dim)
+    v = v.reshape(batch_size, seq_len, -1, self.head_v_dim)
+    beta = b.sigmoid()
+    dt = _compute_dtype(a.dtype)
+    g = -self.A_log.to(dt).exp() * F.softplus(a.to(dt) + self.dt_bias.to(dt))
+    if self.num_v_heads // self.num_k_heads > 1:
+        ratio = self.num_v_heads // self.num_k_heads
+        q, k = q.repeat_interleave(ratio, dim=2), k.repeat_interleave(ratio, dim=2)
+    out = _chunk_gated_delta_rule(q, k, v, g, beta)
+    z_shape = z.shape
+    out = self.norm(out.reshape(-1, out.shape[-1]), z.reshape(-1, z.shape[-1]))
+    return self.out_proj(out.reshape(z_shape).reshape(batch_size, seq_len, -1))
+
+
 def lift_float32_islands(monkeypatch) -> None:
-    """Patch (through pytest's ``monkeypatch``) every hybrid family's norms and router,
-    Qwen3.5 / Qwen3.5-MoE's GatedDeltaNet forward, and OLMo Hybrid's rotary table and
-    GatedDeltaNet forward (see the module doc)."""
+    """Patch (through pytest's ``monkeypatch``) every hybrid family's norms, router and
+    GatedDeltaNet forward, and OLMo Hybrid's rotary table and GatedDeltaNet forward (see the
+    module doc)."""
     for name, prefix in _MODULES.items():
         m = importlib.import_module(name)
         monkeypatch.setattr(getattr(m, f"{prefix}RMSNorm"), "forward", _rms)
@@ -203,8 +239,8 @@ def lift_float32_islands(monkeypatch) -> None:
         router = getattr(m, f"{prefix}TopKRouter", None)
         if router is not None:
             monkeypatch.setattr(router, "forward", _router)
-        if prefix != "Qwen3Next":
-            monkeypatch.setattr(getattr(m, f"{prefix}GatedDeltaNet"), "forward", _qwen3_5_gdn)
+        gdn = _qwen3_next_gdn if prefix == "Qwen3Next" else _qwen3_5_gdn
+        monkeypatch.setattr(getattr(m, f"{prefix}GatedDeltaNet"), "forward", gdn)
     m = importlib.import_module(_OLMO_HYBRID)
     monkeypatch.setattr(m.OlmoHybridRMSNorm, "forward", _olmo_rms)
     monkeypatch.setattr(m.OlmoHybridRMSNormGated, "forward", _rms_gated)
