@@ -81,3 +81,114 @@ def test_eos_from_saved_tokenizer(tmp_path):
     cfg = SimpleNamespace(max_model_len=None, prompt_length=16, response_length=16)
     srv = HFGenerationServer(cfg, SimpleNamespace(path=path))
     assert srv.eos_token_id == local_task.VOCAB.index("<eos>")
+
+
+# ---------------------------------------------------------------------- seeds and lengths
+def test_request_seed_is_a_stable_pure_function():
+    """Python's ``hash`` of a str is salted per process; the seed must not be."""
+    from harts_verl.workers.rollout.cpu_server import request_seed
+
+    assert request_seed("det-0", 3) == 1838102988540427636  # sha256, fixed forever
+    assert request_seed("det-0", 3) == request_seed("det-0", 3)
+    assert request_seed("det-0", 4) != request_seed("det-0", 3)  # turns of one request differ
+    assert request_seed("det-1", 3) != request_seed("det-0", 3)
+    assert 0 <= request_seed("x" * 1000, 10**6) < 2**63
+    # sampling_params["seed"] wins when given (numpy ints too)
+    assert request_seed("det-0", 3, seed=7) == request_seed("other", 9, seed=np_int(7)) == 7
+    with pytest.raises(TypeError, match=r"sampling_params\.seed: expected an int, got 1\.5"):
+        request_seed("r", 1, seed=1.5)
+    with pytest.raises(TypeError, match=r"sampling_params\.seed"):
+        request_seed("r", 1, seed=True)
+    with pytest.raises(ValueError, match=r"sampling_params\.seed: expected an int in"):
+        request_seed("r", 1, seed=-1)
+
+
+def np_int(v):
+    import numpy as np
+
+    return np.int64(v)
+
+
+_SEED_SCRIPT = """
+import asyncio, sys
+from types import SimpleNamespace
+from harts_verl.workers.rollout.cpu_server import HFGenerationServer
+cfg = SimpleNamespace(max_model_len=None, prompt_length=16, response_length=16)
+srv = HFGenerationServer(cfg, SimpleNamespace(path=sys.argv[1], tokenizer=None))
+out = asyncio.new_event_loop().run_until_complete(srv.generate(
+    prompt_ids=[1, 2, 3], sampling_params={"temperature": 1.0, "max_tokens": 8},
+    request_id="det-0"))
+print("TOKENS", out.token_ids)
+"""
+
+
+def test_sampling_is_reproducible_across_processes(tmp_path):
+    """Same request id and prompt, two processes with different str-hash salts: same tokens."""
+    import os
+    import subprocess
+    import sys
+
+    from harts_verl.workers import testing
+
+    path = testing.save_tiny_model("qwen2", str(tmp_path / "m"), seed=1)
+    outs = []
+    for salt in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": salt, "OMP_NUM_THREADS": "1"}
+        res = subprocess.run(
+            [sys.executable, "-c", _SEED_SCRIPT, path],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+        )
+        outs.append([ln for ln in res.stdout.splitlines() if ln.startswith("TOKENS")])
+    assert len(outs[0]) == 1 and outs[0] == outs[1], outs
+
+
+def _gen_id(server, prompt, request_id, **sp):
+    return asyncio.new_event_loop().run_until_complete(
+        server.generate(prompt_ids=prompt, sampling_params=sp, request_id=request_id)
+    )
+
+
+def test_sampling_params_seed_is_honoured(server):
+    a = _gen_id(server, [1, 2, 3], "a", temperature=1.0, max_tokens=8, seed=11).token_ids
+    b = _gen_id(server, [1, 2, 3], "b", temperature=1.0, max_tokens=8, seed=11).token_ids
+    c = _gen_id(server, [1, 2, 3], "a", temperature=1.0, max_tokens=8, seed=12).token_ids
+    assert a == b and a != c
+
+
+def test_max_new_tokens_rule():
+    """vLLM's rule in veRL's server: default min(response_length, lengths left), clamp to
+    [1, room]; an explicit 0 is one token, never the whole context."""
+    from harts_verl.workers.rollout.cpu_server import max_new_tokens
+
+    def n(sp, prompt, max_model_len=32):
+        return max_new_tokens(
+            sp, prompt, max_model_len=max_model_len, config_prompt_length=16, response_length=16
+        )
+
+    assert n({}, 3) == 16  # not the 29 tokens of room
+    assert n({"max_tokens": None}, 3) == 16
+    assert n({}, 20) == 12 and n({}, 31) == 1
+    assert n({"max_tokens": 0}, 3) == 1 and n({"max_tokens": -4}, 3) == 1
+    assert n({"max_tokens": 5}, 3) == 5 and n({"max_new_tokens": 5}, 3) == 5
+    assert n({"max_tokens": 100}, 3) == 29  # never past the room
+    assert n({"max_tokens": np_int(100)}, 30) == 2
+    # a larger max_model_len raises the cap, not the default
+    assert n({}, 3, max_model_len=64) == 16 and n({"max_tokens": 100}, 3, max_model_len=64) == 61
+    assert n({}, 40, max_model_len=64) == 1
+    with pytest.raises(TypeError, match=r"sampling_params\.max_tokens: expected an int, got 2\.5"):
+        n({"max_tokens": 2.5}, 3)
+    with pytest.raises(TypeError, match=r"sampling_params\.max_new_tokens"):
+        n({"max_new_tokens": "8"}, 3)
+    with pytest.raises(ValueError, match=r"prompt_ids: 32 tokens leave no room"):
+        n({}, 32)
+
+
+def test_generation_length_on_the_server(server):
+    sp = {"temperature": 1.0, "ignore_eos": True}
+    assert len(_gen(server, [1, 2, 3], max_tokens=0, **sp).token_ids) == 1
+    assert len(_gen(server, [1, 2, 3], **sp).token_ids) == 16
+    assert len(_gen(server, [1, 2, 3], max_tokens=100, **sp).token_ids) == 29

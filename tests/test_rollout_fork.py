@@ -524,3 +524,103 @@ def test_fork_worker_accepts_subclasses_of_the_tree_loop():
     assert not _forks("verl.experimental.agent_loop.tool_agent_loop.ToolAgentLoop")
     assert not _forks("")
     assert not _forks("no.such.module.Loop")
+
+
+# ---------------------------------------------------------------------- review fixes
+def test_fork_spec_accepts_integer_arrays():
+    spec = ForkSpec(turns=np.array([0, 1]), budget=4)
+    assert spec.turns == (0, 1) and all(type(t) is int for t in spec.turns)
+    assert spec == ForkSpec(turns=(0, 1), budget=4) == ForkSpec(turns=[0, 1], budget=4)
+    assert ForkSpec(turns=np.array([], dtype=np.int64)).turns == ()
+    assert ForkSpec(turns=np.array([2], dtype=np.uint8)).turns == (2,)
+    with pytest.raises(ValueError, match=r"fork\.turns: expected a 1-D list .* shape \(1, 2\)"):
+        ForkSpec(turns=np.array([[0, 1]]))
+    with pytest.raises(ValueError, match=r"fork\.turns: expected integer turn numbers, got 0\.5"):
+        ForkSpec(turns=np.array([0.5]))
+    with pytest.raises(ValueError, match=r"fork\.turns: expected integer turn numbers, got"):
+        ForkSpec(turns=np.array([True]))
+    with pytest.raises(ValueError, match=r"fork\.turns: expected a 1-D list"):
+        ForkSpec(turns=np.array(1))
+
+
+def test_independent_samples_start_together(env, seq_ids):
+    """``turns=[]``: every sample's first generate starts before any sample's second one (the
+    first sample used to run to its end before the others started)."""
+    base = env["Client"]
+
+    class Sleepy(base):
+        def __init__(self):
+            super().__init__(default=1)
+            self.events: list[tuple[str, int]] = []
+
+        async def generate(self, request_id, *, prompt_ids, sampling_params, **kw):
+            out = await super().generate(
+                request_id, prompt_ids=prompt_ids, sampling_params=sampling_params
+            )
+            self.events.append(self.calls[-1])  # (request id, calls done) at start
+            await asyncio.sleep(0.01)
+            return out
+
+    client = Sleepy()
+    outs = _tree(env, client, ForkSpec(turns=(), budget=4))
+    _check_tree(outs, 4)
+    assert _paths(outs) == ["0", "1", "2", "3"]
+    turns = [done for _, done in client.events]
+    assert turns == [0] * 4 + [1] * 4, client.events
+    assert len({rid for rid, _ in client.events}) == 4
+
+
+def test_fork_with_state_that_cannot_be_copied_names_the_key(env, seq_ids):
+    import threading
+
+    base = env["Client"]
+
+    class LockClient(base):
+        async def generate(self, request_id, **kw):
+            out = await super().generate(request_id, **kw)
+            out.extra_fields = {"session": threading.Lock(), "step": 1}
+            return out
+
+    with pytest.raises(TypeError) as info:
+        _tree(env, LockClient(), ForkSpec(turns=(1,), branching=2, budget=2))
+    msg = str(info.value)
+    assert "fork branch '0' (turn boundary 1 of request" in msg
+    assert "agent_data.extra_fields['session'] (lock) is not deep-copyable" in msg
+    assert "cannot pickle" in msg and isinstance(info.value.__cause__, TypeError)
+
+
+def test_prompt_media_pass_through_and_are_copied_per_branch(env, seq_ids, monkeypatch):
+    """As veRL's ``ToolAgentLoop.run``: the prompt's images/videos/audios (from
+    ``process_multi_modal_info``) go to every generate call and to each output's
+    ``multi_modal_data``; branches hold their own copies (a tool that appends an image to one
+    branch must not change another)."""
+    from harts_verl.workers.rollout.agent_loop import HartsToolAgentLoop
+
+    seen = []
+
+    async def mm(self, messages):  # what a VLM processor returns for one image and one audio
+        return {"images": [["pixels"]], "audios": [[0.0, 0.5]]}
+
+    monkeypatch.setattr(HartsToolAgentLoop, "process_multi_modal_info", mm)
+    monkeypatch.setattr(HartsToolAgentLoop, "_assert_mm_supported", lambda self, flag: None)
+    base = env["Client"]
+
+    class MMClient(base):
+        async def generate(self, request_id, **kw):
+            seen.append((kw.pop("image_data"), kw.pop("audio_data"), kw.pop("video_data")))
+            kw = {k: kw[k] for k in ("prompt_ids", "sampling_params")}
+            return await super().generate(request_id, **kw)
+
+    outs = _tree(env, MMClient(default=1), ForkSpec(turns=(1,), branching=2, budget=2))
+    _check_tree(outs, 2)
+    assert len(seen) == 3 and all(s == ([["pixels"]], [[0.0, 0.5]], None) for s in seen)
+    mm0, mm1 = (o.multi_modal_data for o in outs)
+    assert mm0 == mm1 == {"images": [["pixels"]], "audios": [[0.0, 0.5]]}
+    assert mm0["images"] is not mm1["images"] and mm0["images"][0] is not mm1["images"][0]
+    mm0["images"].append("tool image")
+    assert mm1["images"] == [["pixels"]]
+    # one trajectory without forks: the same pass-through
+    seen.clear()
+    (out,) = _tree(env, MMClient(default=0), None)
+    assert out.multi_modal_data == {"images": [["pixels"]], "audios": [[0.0, 0.5]]}
+    assert seen == [([["pixels"]], [[0.0, 0.5]], None)]

@@ -102,7 +102,7 @@ def test_rewrite_becomes_sibling():
     assert forest.equals(RolloutForest.from_sequences(rec.leaf_contexts()))
     # the final trajectory's spans cover it exactly (tail span for tokens after the last call)
     spans = rec.spans("r", [9, 9, 1, 7])
-    assert spans == [[t4.turn_id, None, 0, 3], ["r#tail4", t4.turn_id, 3, 4]]
+    assert spans == [[t4.turn_id, None, 0, 3], [f"{rec.prefix}:r#tail4", t4.turn_id, 3, 4]]
 
 
 def test_metadata_forest_in_batch_order_and_fallback():
@@ -125,6 +125,78 @@ def test_metadata_forest_in_batch_order_and_fallback():
     bad[0] = tree_metadata([["x", None, 0, 3]])
     assert forest_from_metadata(seqs, bad)[0] is None
     assert forest_from_metadata(seqs, [None, *meta[1:]])[1].startswith("trajectory 0")
+
+
+def test_turn_ids_unique_across_recorders_with_the_same_request_id():
+    """veRL's ``rollout.full_determinism`` gives every sample the request id ``det-0`` and each
+    agent loop has its own recorder: the samples' turn ids must still differ, so the batch's
+    forest comes from the metadata (it used to be refused: "turn 'det-0#0' differs")."""
+    seqs, metas, ids = [], [], []
+    for prompt, gen in (([1, 2, 3], [4, 5]), ([1, 2, 3], [6, 7]), ([1, 2, 3], [4, 5, 9])):
+        rec = TurnRecorder()  # one recorder per agent loop instance
+        rec.record("det-0", prompt, gen)
+        seq = [*prompt, *gen, 8]  # a tail span too
+        spans = rec.spans("det-0", seq)
+        ids.append({s[0] for s in spans})
+        seqs.append(seq)
+        metas.append(tree_metadata(spans))
+    assert all(not (a & b) for a, b in itertools.combinations(ids, 2))
+    forest, why = forest_from_metadata(seqs, metas)
+    assert why == "" and forest.equals(RolloutForest.from_sequences(seqs))
+    # ids are unique per recorder, deterministic in form
+    rec = TurnRecorder(prefix="p")
+    assert rec.record("det-0", [1], [2]).turn_id == "p:det-0#0"
+    assert rec.spans("det-0", [1, 2, 3])[-1][0] == "p:det-0#tail3"
+    with pytest.raises(TypeError, match=r"prefix: expected a non-empty string"):
+        TurnRecorder(prefix=3)
+
+
+def test_full_determinism_batch_forest_from_metadata():
+    """Two ``harts_tool_agent`` samples under ``rollout.full_determinism`` (request id
+    ``det-0`` each): the engine builds the batch forest from the metadata."""
+    pytest.importorskip("verl")
+    import torch
+    from _calc_loop import calc_loop_env
+    from omegaconf import OmegaConf
+    from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+    from harts_verl.workers.engine import forest_of_batch
+    from harts_verl.workers.envs.testing import make_loop
+    from harts_verl.workers.rollout.agent_loop import HartsToolAgentLoop
+
+    calc = calc_loop_env(prompt_length=64, response_length=64, max_turns=2)
+    cfg = OmegaConf.merge(
+        calc["cfg"], {"actor_rollout_ref": {"rollout": {"full_determinism": True}}}
+    )
+    answers = iter(["answer 3 <eos>", "answer 4 <eos>"])
+
+    class Client:
+        async def generate(self, request_id, *, prompt_ids, sampling_params, **kw):
+            assert request_id == "det-0"
+            return TokenOut(calc["ids"](next(answers)))
+
+    async def main():
+        outs = []
+        for _ in range(2):
+            loop = make_loop(
+                HartsToolAgentLoop,
+                Client(),
+                [calc["local_task"].calc_tool()],
+                config=cfg,
+                tokenizer=calc["tok"],
+            )
+            outs.append(await loop.run({"temperature": 1.0}, raw_prompt=calc["raw_prompt"]))
+        return outs
+
+    outs = _run(main())
+    seqs = [o.prompt_ids + o.response_ids for o in outs]
+    rows = [
+        {"input_ids": torch.tensor(s), "extra_fields": {TREE_KEY: o.extra_fields[TREE_KEY]}}
+        for s, o in zip(seqs, outs, strict=True)
+    ]
+    forest = forest_of_batch(list_of_dict_to_tensordict(rows))
+    assert forest.harts_source == "metadata"
+    assert forest.equals(RolloutForest.from_sequences(seqs))
 
 
 _GOOD = ["b", None, 0, 4]

@@ -14,7 +14,12 @@
 
 The state machine is veRL's (``_handle_*_state`` are inherited unchanged); only ``run`` is
 re-assembled so it can stop at a boundary and fork. Tools must not keep per-trajectory state
-outside ``AgentData`` (veRL's ``FunctionTool`` and ``BaseTool`` create/release per call).
+outside ``AgentData`` (veRL's ``FunctionTool`` and ``BaseTool`` create/release per call), and
+the state inside it must be deep-copyable: each branch deep-copies messages, token state,
+metrics, ``extra_fields`` and the prompt's media (a lock or client there is a ``TypeError``
+naming the branch and the ``extra_fields`` key). Multi-modal prompts are handled as in veRL's
+``ToolAgentLoop.run`` (``process_multi_modal_info``; media passed to every ``generate`` call and
+to ``multi_modal_data``).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 from uuid import uuid4
 
+import numpy as np
 from verl.experimental.agent_loop.agent_loop import AgentLoopOutput, register
 from verl.experimental.agent_loop.tool_agent_loop import AgentData, AgentState, ToolAgentLoop
 from verl.tools.base_tool import BaseTool
@@ -79,7 +85,9 @@ class ForkSpec:
 
     Attributes:
       turns: turn boundaries to fork at, as numbers of completed assistant turns (0 = after the
-        prompt, before the first generate; 1 = after the first turn's tool responses; ...).
+        prompt, before the first generate; 1 = after the first turn's tool responses; ...): a
+        list, tuple or 1-D integer numpy array (stored as a tuple of ints). ``()``: no fork
+        point, ``budget`` independent samples that all start at once (as ``turns=(0,)``).
       branching: children per fork (>= 1).
       budget: leaf trajectories per prompt (>= 1), exact: a branch that ends before its next
         fork point hands its unused share back to its fork point, which starts more children;
@@ -101,6 +109,13 @@ class ForkSpec:
 
     def __post_init__(self) -> None:
         # Types first (no silent truncation: 4.7 is not a budget); numpy ints are kept as ints.
+        if isinstance(self.turns, np.ndarray):
+            if self.turns.ndim != 1:
+                raise ValueError(
+                    f"fork.turns: expected a 1-D list of turn numbers, got an array of shape "
+                    f"{self.turns.shape}"
+                )
+            object.__setattr__(self, "turns", self.turns.tolist())  # checked below
         if isinstance(self.turns, str | bytes) or not isinstance(self.turns, Sequence):
             raise ValueError(
                 f"fork.turns: expected a list of turn numbers, e.g. [0, 1], got {self.turns!r}"
@@ -246,23 +261,58 @@ def _shares(total: int, parts: int) -> list[int]:
     return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
 
 
-def _copy_agent_data(src: AgentData, request_id: str) -> AgentData:
-    """A branch copy of the agent state: token/message state and metrics are copied, tools and
-    media are shared."""
+_COPIED_FIELDS = (
+    "messages",
+    "prompt_ids",
+    "response_ids",
+    "response_mask",
+    "response_logprobs",
+    "turn_scores",
+    "tool_rewards",
+    "metrics",
+    "extra_fields",
+    "tool_calls",
+    "image_data",
+    "video_data",
+    "audio_data",
+    "mm_processor_kwargs",
+    "mm_processor_output",
+)
+"""``AgentData`` attributes a branch deep-copies (everything a turn mutates or appends to: the
+media lists grow when a tool returns images)."""
+
+
+def _deepcopy_field(value: Any, name: str, what: str) -> Any:
+    """``copy.deepcopy(value)``; a ``TypeError`` naming ``agent_data.<name>`` (and, for a dict,
+    the first key whose value cannot be copied) when it fails."""
+    try:
+        return copy.deepcopy(value)
+    except Exception as exc:
+        where = f"agent_data.{name}"
+        if isinstance(value, dict):
+            for key, item in value.items():
+                try:
+                    copy.deepcopy(item)
+                except Exception:
+                    where = f"agent_data.{name}[{key!r}] ({type(item).__name__})"
+                    break
+        raise TypeError(
+            f"harts_tool_agent: cannot copy the agent state for {what}: {where} is not "
+            f"deep-copyable ({type(exc).__name__}: {exc}). Forked branches deep-copy the "
+            "trajectory state (messages, token state, extra_fields, media); keep locks, clients "
+            "and sessions outside AgentData (e.g. on the tool, keyed by request id)"
+        ) from exc
+
+
+def _copy_agent_data(src: AgentData, request_id: str, what: str = "a fork branch") -> AgentData:
+    """A branch copy of the agent state: every field in :data:`_COPIED_FIELDS` (token and
+    message state, metrics, ``extra_fields``, the prompt's media) is deep-copied, so branches
+    never share a mutable list; tools and tool selection are shared. ``TypeError`` naming
+    ``what`` (the branch) and the field (``extra_fields`` key) that cannot be deep-copied."""
     dst = copy.copy(src)
-    for name in (
-        "messages",
-        "prompt_ids",
-        "response_ids",
-        "response_mask",
-        "response_logprobs",
-        "turn_scores",
-        "tool_rewards",
-        "metrics",
-        "extra_fields",
-        "tool_calls",
-    ):
-        setattr(dst, name, copy.deepcopy(getattr(src, name)))
+    for name in _COPIED_FIELDS:
+        if hasattr(src, name):
+            setattr(dst, name, _deepcopy_field(getattr(src, name), name, what))
     dst.request_id = request_id
     return dst
 
@@ -283,15 +333,20 @@ class HartsToolAgentLoop(ToolAgentLoop):
         return outputs[0]
 
     # ------------------------------------------------------------------ tree rollout
-    def _new_agent_data(self, priority: int, kwargs: dict[str, Any]) -> AgentData:
+    async def _new_agent_data(self, priority: int, kwargs: dict[str, Any]) -> AgentData:
+        """The initial agent state, as ``ToolAgentLoop.run`` builds it: the prompt's images,
+        videos and audios come from ``process_multi_modal_info`` (veRL then checks in the
+        pending state that the model can take them)."""
         messages = list(kwargs["raw_prompt"])
+        multi_modal_data = await self.process_multi_modal_info(messages)
+        audios = multi_modal_data.get("audios")
         request_id = self._make_request_id(priority, self.rollout_config.full_determinism)
         agent_data = AgentData(
             messages=messages,
-            image_data=None,
-            video_data=None,
-            audio_data=None,
-            mm_processor_kwargs=self._get_mm_processor_kwargs(None),
+            image_data=multi_modal_data.get("images"),
+            video_data=multi_modal_data.get("videos"),
+            audio_data=audios,
+            mm_processor_kwargs=self._get_mm_processor_kwargs(audios),
             metrics={},
             request_id=request_id,
             tools_kwargs=kwargs.get("tools_kwargs", {}),
@@ -338,18 +393,27 @@ class HartsToolAgentLoop(ToolAgentLoop):
         return state
 
     def _finalize(self, agent_data: AgentData, path: Path, group: Path) -> AgentLoopOutput:
-        """The ``AgentLoopOutput`` of one trajectory (as ``ToolAgentLoop.run`` builds it) with
-        the tree metadata and fork path/group in ``extra_fields``."""
+        """The ``AgentLoopOutput`` of one trajectory (as ``ToolAgentLoop.run`` builds it: the
+        branch's own media in ``multi_modal_data``) with the tree metadata and fork path/group
+        in ``extra_fields``."""
         n_resp = len(agent_data.response_mask)
         response_ids = agent_data.prompt_ids[len(agent_data.prompt_ids) - n_resp :]
         prompt_ids = agent_data.prompt_ids[: len(agent_data.prompt_ids) - n_resp]
         response_ids = response_ids[: self.response_length]
+        multi_modal_data = {}
+        if agent_data.image_data is not None:
+            multi_modal_data["images"] = agent_data.image_data
+        if agent_data.video_data is not None:
+            multi_modal_data["videos"] = agent_data.video_data
+        if agent_data.audio_data is not None:
+            multi_modal_data["audios"] = agent_data.audio_data
         output = AgentLoopOutput(
             prompt_ids=prompt_ids,
             response_ids=response_ids,
             response_mask=agent_data.response_mask[: self.response_length],
-            multi_modal_data={},
+            multi_modal_data=multi_modal_data,
             mm_processor_kwargs=agent_data.mm_processor_kwargs,
+            mm_processor_output=agent_data.mm_processor_output,
             response_logprobs=agent_data.response_logprobs[: self.response_length]
             if agent_data.response_logprobs
             else None,
@@ -426,15 +490,20 @@ class HartsToolAgentLoop(ToolAgentLoop):
             for share in _shares(total, total if last else min(fork.branching, total)):
                 child_id = uuid4().hex
                 self.recorder.fork(point.request_id, child_id)
-                child = _copy_agent_data(point, child_id)
+                child = _copy_agent_data(
+                    point,
+                    child_id,
+                    f"fork branch {path_str((*path, index))!r} (turn boundary "
+                    f"{point.assistant_turns} of request {point.request_id})",
+                )
                 task = asyncio.ensure_future(
                     self._grow(child, state, sampling_params, fork, level, share, (*path, index))
                 )
                 pending[task] = (index, share)
                 index += 1
 
-        spawn(budget)
         try:
+            spawn(budget)
             while pending:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
@@ -455,12 +524,21 @@ class HartsToolAgentLoop(ToolAgentLoop):
         **kwargs: Any,
     ) -> list[AgentLoopOutput]:
         """Roll out one prompt; with ``fork``, a tree of exactly ``fork.budget`` trajectories
-        (branches in depth-first order of their fork paths). Each output's ``extra_fields``
+        (branches in depth-first order of their fork paths; with no fork point, ``turns=()``,
+        all ``budget`` samples start at once). Each output's ``extra_fields``
         holds ``harts_tree`` (its turn spans, shared turns keep their ids),
         ``harts_fork_path`` (e.g. ``"1.0"``) and ``harts_fork_group`` (:func:`fork_groups`)."""
-        agent_data = self._new_agent_data(priority, kwargs)
+        agent_data = await self._new_agent_data(priority, kwargs)
         budget = fork.budget if fork is not None else 1
-        prompt_state = _copy_agent_data(agent_data, uuid4().hex) if budget > 1 else None
+        if fork is not None and budget > 1 and fork.boundary(0) is None:
+            # No fork point (turns=[]): budget independent samples, all started at once from
+            # the tokenized prompt (as turns=[0]), not one after the other.
+            state = await self._advance(agent_data, AgentState.PENDING, sampling_params, 0)
+            leaves = await self._fork(agent_data, state, sampling_params, fork, 0, budget, ())
+            return self._outputs(leaves, fork)
+        prompt_state = (
+            _copy_agent_data(agent_data, uuid4().hex, "the prompt snapshot") if budget > 1 else None
+        )
         leaves = await self._grow(
             agent_data, AgentState.PENDING, sampling_params, fork, 0, budget, ()
         )
@@ -473,5 +551,11 @@ class HartsToolAgentLoop(ToolAgentLoop):
                 prompt_state, AgentState.PENDING, sampling_params, fork, 0, missing, (), 1
             )
             leaves = [(first, (0,)), *more]
+        return self._outputs(leaves, fork)
+
+    def _outputs(
+        self, leaves: list[tuple[AgentData, Path]], fork: ForkSpec | None
+    ) -> list[AgentLoopOutput]:
+        """The outputs of a tree's leaves (in order) with their GRPO fork groups."""
         groups = fork_groups([p for _, p in leaves], fork.group if fork is not None else "prompt")
         return [self._finalize(d, p, g) for (d, p), g in zip(leaves, groups, strict=True)]

@@ -19,13 +19,23 @@ Select it with ``actor_rollout_ref.rollout.name=harts_hf`` (tensor parallel size
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import time
 from typing import Any
 
 import torch
 
-__all__ = ["NAME", "HFGenerationServer", "register", "sample_tokens"]
+from harts_verl.tree._checks import is_int as _is_int
+
+__all__ = [
+    "NAME",
+    "HFGenerationServer",
+    "max_new_tokens",
+    "register",
+    "request_seed",
+    "sample_tokens",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +88,57 @@ def sample_tokens(
                 break
             ids = torch.tensor([[tok]], dtype=torch.long)
     return out_ids, out_lp
+
+
+def request_seed(request_id: str, prompt_length: int, seed: Any = None) -> int:
+    """The sampling seed of one ``generate`` call: ``seed`` (``sampling_params["seed"]``) when
+    given, else derived from the request id and the prompt length with SHA-256 (a pure function
+    of its inputs: the same request samples the same tokens in every process, unlike Python's
+    salted ``hash``; turns of one request differ by their prompt length). Result in
+    ``[0, 2**63)``. ``TypeError`` naming ``sampling_params.seed`` for a non-integer seed,
+    ``ValueError`` for a negative one."""
+    if seed is not None:
+        if not _is_int(seed):
+            raise TypeError(f"sampling_params.seed: expected an int, got {seed!r}")
+        if int(seed) < 0 or int(seed) >= 2**63:
+            raise ValueError(f"sampling_params.seed: expected an int in [0, 2**63), got {seed!r}")
+        return int(seed)
+    digest = hashlib.sha256(f"{request_id}\x00{int(prompt_length)}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def max_new_tokens(
+    sampling_params: dict[str, Any],
+    prompt_length: int,
+    *,
+    max_model_len: int,
+    config_prompt_length: int,
+    response_length: int,
+) -> int:
+    """How many tokens one ``generate`` call may sample, as veRL's vLLM server decides it.
+
+    ``room = max_model_len - prompt_length`` (``max_model_len`` defaults to the rollout's
+    ``prompt_length + response_length``); a prompt with ``room < 1`` is a ``ValueError``. The
+    request's ``max_tokens`` (or ``max_new_tokens``; ``None`` = absent) defaults to
+    ``min(response_length, config_prompt_length + response_length - prompt_length)`` and is
+    clamped to ``[1, room]``: an explicit ``max_tokens <= 0`` samples one token (vLLM rejects
+    ``max_tokens < 1``, veRL clamps it to 1), never the whole context. ``TypeError`` naming
+    ``sampling_params.max_tokens`` for a non-integer value."""
+    room = int(max_model_len) - int(prompt_length)
+    if room < 1:
+        raise ValueError(
+            f"prompt_ids: {prompt_length} tokens leave no room to generate within "
+            f"max_model_len={max_model_len} (need at least 1 token of headroom)"
+        )
+    key = "max_tokens" if sampling_params.get("max_tokens") is not None else "max_new_tokens"
+    requested = sampling_params.get(key)
+    if requested is None:
+        requested = min(
+            int(response_length), int(config_prompt_length) + int(response_length) - prompt_length
+        )
+    elif not _is_int(requested):
+        raise TypeError(f"sampling_params.{key}: expected an int, got {requested!r}")
+    return max(1, min(int(requested), room))
 
 
 def _tokenizer_eos(path: str) -> int | None:
@@ -139,7 +200,13 @@ class HFGenerationServer:
         request_id: str,
         **_: Any,
     ) -> Any:
-        """veRL's server ``generate``: returns a ``TokenOutput`` with token ids and log-probs."""
+        """veRL's server ``generate``: returns a ``TokenOutput`` with token ids and log-probs.
+
+        Length: :func:`max_new_tokens` (vLLM's rule: default ``min(response_length, what the
+        rollout lengths leave)``, clamped to ``[1, room]``). Sampling is seeded by
+        :func:`request_seed`: ``sampling_params["seed"]`` when given, else a stable hash of
+        ``(request_id, len(prompt_ids))``, so the same call samples the same tokens in any
+        process (same weights, CPU fp32)."""
         import asyncio
 
         from verl.workers.rollout.replica import TokenOutput
@@ -147,13 +214,17 @@ class HFGenerationServer:
         if self._lock is None:
             self._lock = asyncio.Lock()
         sp = dict(sampling_params or {})
-        room = self.max_model_len - len(prompt_ids)
-        max_new = int(sp.get("max_tokens", sp.get("max_new_tokens", room)) or room)
-        max_new = max(0, min(max_new, room))
+        max_new = max_new_tokens(
+            sp,
+            len(prompt_ids),
+            max_model_len=self.max_model_len,
+            config_prompt_length=self.config.prompt_length,
+            response_length=self.config.response_length,
+        )
         stops = list(sp.get("stop_token_ids") or [])
         if self.eos_token_id is not None and not sp.get("ignore_eos", False):
             stops.append(int(self.eos_token_id))
-        seed = abs(hash((request_id, len(prompt_ids)))) % (2**31)
+        seed = request_seed(request_id, len(prompt_ids), sp.get("seed"))
         async with self._lock:  # one generation at a time per server (CPU)
             ids, lps = await asyncio.get_running_loop().run_in_executor(
                 None,

@@ -32,6 +32,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from uuid import uuid4
 
 import numpy as np
 
@@ -95,13 +96,25 @@ class TurnRecorder:
 
     ``heads[request_id]`` is the id of the last turn of a request; a request's ancestor chain is
     followed through parent links, so a forked request (:meth:`fork`) sees its parent's turns.
+
+    Turn ids are ``"{prefix}:{request_id}#{n}"`` (tail spans ``"...#tail{len}"``) with ``prefix``
+    a random 128-bit hex string per recorder, so ids are unique across recorders even when
+    their request ids coincide (veRL's ``rollout.full_determinism`` gives every sample the
+    request id ``det-0``, and each agent loop has its own recorder): a batch's metadata never
+    joins turns of different agent loops. Ids are names only (never parsed); determinism of a
+    rollout does not depend on them.
     """
 
     turns: dict[str, RecordedTurn] = field(default_factory=dict)
     heads: dict[str, str | None] = field(default_factory=dict)
     rewrites: int = 0
+    prefix: str = field(default_factory=lambda: uuid4().hex)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _counter: Any = field(default_factory=itertools.count, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prefix, str) or not self.prefix:
+            raise TypeError(f"prefix: expected a non-empty string, got {self.prefix!r}")
 
     # ------------------------------------------------------------------ recording
     def chain(self, request_id: str) -> list[RecordedTurn]:
@@ -144,7 +157,7 @@ class TurnRecorder:
                 self.heads[request_id] = parent.turn_id if parent is not None else None
                 return None
             turn = RecordedTurn(
-                turn_id=f"{request_id}#{next(self._counter)}",
+                turn_id=f"{self.prefix}:{request_id}#{next(self._counter)}",
                 parent_turn_id=parent.turn_id if parent is not None else None,
                 request_id=request_id,
                 prompt_ids=prompt,
@@ -183,7 +196,8 @@ class TurnRecorder:
 
         The request's chain is matched against ``sequence``: the deepest turn whose context is a
         prefix of it and its ancestors become spans; a remainder (tokens added after the last
-        generate call, or a truncated last turn) becomes one extra span with a fresh id.
+        generate call, or a truncated last turn) becomes one extra span with a fresh id
+        (``{prefix}:{request_id}#tail{len(sequence)}``).
         """
         seq = [int(t) for t in sequence]
         chain = self.chain(request_id)
@@ -204,7 +218,7 @@ class TurnRecorder:
         end = spans[-1][3] if spans else 0
         if end < len(seq):
             parent = spans[-1][0] if spans else None
-            spans.append([f"{request_id}#tail{len(seq)}", parent, end, len(seq)])
+            spans.append([f"{self.prefix}:{request_id}#tail{len(seq)}", parent, end, len(seq)])
         return spans
 
 
