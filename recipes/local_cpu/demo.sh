@@ -27,6 +27,10 @@ run() {  # run LABEL STEPS [overrides...]: the recipe in its own session, Ray cl
 echo "== prepare: $OUT/inputs"
 "$PY" "$HERE/prepare.py" "$OUT/inputs" 2>"$OUT/prepare.log" || { tail -20 "$OUT/prepare.log"; exit 1; }
 export HARTS_LOCAL_INPUTS="$OUT/inputs"
-run baseline 1 +actor_rollout_ref.actor.harts.enable=false || exit 1
+# The stock baseline runs padded rows: without fla (CPU), HF's torch fallback for Qwen3-Next's
+# GatedDeltaNet would carry the linear-attention state across veRL's packed sequences (wrong
+# log-probs and gradients); on GPUs with fla, packing is exact.
+run baseline 1 +actor_rollout_ref.actor.harts.enable=false \
+  actor_rollout_ref.model.use_remove_padding=false || exit 1
 run harts "$STEPS" || exit 1
 "$PY" "$HERE/summary.py" "$OUT/baseline.log" "$OUT/harts.log"
