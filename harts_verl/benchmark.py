@@ -1,17 +1,26 @@
 """``harts-verl bench``: tree vs trajectory-wise (expanded) training speed and fidelity.
 
 Both runners execute the same model with the same ops, capacity and recomputation setting; they
-run interleaved in one process after a warm-up, and the median forward+backward(+grad) wall time
-of each gives ``speedup``. ``ideal_flop_ratio`` is the analytic FLOP ratio for this model and
-forest (see :mod:`harts_verl.runtime.flops`), ``efficiency = speedup / ideal_flop_ratio``.
+run interleaved in one process after at least one warm-up iteration (the first step of a process
+pays one-time costs, which a timed run must not carry), in alternating order (expanded first in
+even iterations, tree first in odd ones, so neither always runs in the other's wake), and the
+median forward+backward(+grad) wall time of each gives ``speedup``. ``ideal_flop_ratio`` is the
+analytic FLOP ratio for this model and forest (see :mod:`harts_verl.runtime.flops`),
+``efficiency = speedup / ideal_flop_ratio``.
 Fidelity: ``max_abs_dlogp`` between tree and expanded log-probs in the run dtype, and
 ``mean_logit_cos`` (mean over semantic positions of the full-vocabulary logit cosine).
+``replay_tokens`` counts the chunked linear-attention replay of the tree layout (0 for a model
+without linear-attention layers, which replays nothing).
+
+:func:`prepare_bench` checks every setting and builds everything (model, workload, forest, plan)
+before :func:`measure_bench` times anything: a bad setting or input file raises there, naming
+the setting, not after minutes of measurement. The result is printed as strict JSON
+(:func:`harts_verl.tree.inspect.json_text`: never NaN or Infinity).
 """
 
 from __future__ import annotations
 
-import json
-import os
+import math
 import resource
 import statistics
 import sys
@@ -27,6 +36,7 @@ from harts_verl.runtime import ExpandedRunner, TreeRunner
 from harts_verl.runtime.flops import ideal_flop_ratio, model_shape
 from harts_verl.tree import RolloutForest
 from harts_verl.tree._checks import is_int as _is_int
+from harts_verl.tree.inspect import json_text, plot_path
 from harts_verl.tree.linear_plan import plan_linear_calls
 from harts_verl.tree.workloads import WORKLOADS
 
@@ -53,7 +63,7 @@ class BenchConfig:
     model: str | None = None
     dtype: str = "float32"
     repeats: int = 3
-    warmup: int = 1
+    warmup: int = 1  # >= 1: the first iteration of a process is never timed
     chunk_size: int = 64
     capacity_tokens: int | None = 16384
     recompute: bool = True
@@ -116,29 +126,28 @@ def _bench_model(
         mcfg = preset(cfg.preset)
         torch.manual_seed(cfg.seed)
         return HybridForCausalLM.from_config(mcfg).to(device=device, dtype=dtype), mcfg
-    from harts_verl.models.adapter import TREE_MODEL_TYPES
-    from harts_verl.models.hf import load_causal_lm
+    from harts_verl.workers.check import load_tree_model
 
-    model = load_causal_lm(
+    # The model type is checked (tree mode) before anything is built.
+    model = load_tree_model(
         cfg.model, dtype=dtype, seed=cfg.seed, eager_experts=device.type != "cuda"
     )
     mcfg = model.config
-    if mcfg.model_type not in TREE_MODEL_TYPES:
-        raise ValueError(
-            f"model: {cfg.model!r} is a {mcfg.model_type!r} model, which has no tree mode "
-            f"(supported: {', '.join(TREE_MODEL_TYPES)})"
-        )
-    model_shape(mcfg)  # a ValueError here names the model type without a FLOP model
+    try:
+        model_shape(mcfg)
+    except ValueError as exc:  # names the model type without a FLOP model
+        raise ValueError(f"model: {cfg.model!r}: {exc}") from exc
     return model.to(device), mcfg
 
 
-def _check_config(cfg: BenchConfig) -> torch.device:
-    """Every setting checked before anything is built (ValueError naming it); the device."""
+def _check_config(cfg: BenchConfig) -> tuple[torch.device, str | None]:
+    """Every setting checked before anything is built (ValueError naming it); the device and
+    the file the plot is written to (:func:`plot_path`; None without ``plot``)."""
     if cfg.dtype not in DTYPES:
         raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {cfg.dtype!r}")
     if cfg.workload not in WORKLOADS:
         raise ValueError(f"workload: expected one of {sorted(WORKLOADS)}, got {cfg.workload!r}")
-    for name, lo in (("repeats", 1), ("warmup", 0), ("chunk_size", 1)):
+    for name, lo in (("repeats", 1), ("warmup", 1), ("seed", 0), ("chunk_size", 1)):
         v = getattr(cfg, name)
         if not _is_int(v) or v < lo:
             raise ValueError(f"{name}: expected an int >= {lo}, got {v!r}")
@@ -146,34 +155,72 @@ def _check_config(cfg: BenchConfig) -> torch.device:
         v = getattr(cfg, name)
         if v is not None and (not _is_int(v) or v < 1):
             raise ValueError(f"{name}: expected None or an int >= 1, got {v!r}")
+    scale = cfg.scale
+    if (
+        isinstance(scale, bool)
+        or not isinstance(scale, int | float)
+        or not math.isfinite(scale)
+        or scale <= 0
+    ):
+        raise ValueError(f"scale: expected a finite number > 0, got {scale!r}")
+    if not isinstance(cfg.workload_overrides, dict):
+        raise ValueError(
+            f"workload_overrides: expected a dict, got {type(cfg.workload_overrides).__name__}"
+        )
     if "vocab_size" in cfg.workload_overrides:
         raise ValueError(
             "workload_overrides: vocab_size is the model's (token ids must fit its vocabulary)"
         )
-    if cfg.plot:
-        parent = os.path.dirname(os.path.abspath(cfg.plot))
-        if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-            raise ValueError(f"plot: cannot write {cfg.plot!r} (no writable directory {parent!r})")
+    plot = plot_path(cfg.plot) if cfg.plot else None
     try:
         device = torch.device(cfg.device)
     except (RuntimeError, TypeError) as exc:
         raise ValueError(f"device: {cfg.device!r} is not a torch device ({exc})") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device: {cfg.device!r}, but CUDA is not available")
-    return device
+    return device, plot
 
 
-def run_bench(cfg: BenchConfig) -> dict[str, Any]:
-    """Run the benchmark and return the JSON-ready result (every setting that shapes the
-    measurement included, so a result reproduces from its own output). Settings are checked
-    first (ValueError naming the bad one)."""
-    device = _check_config(cfg)
+@dataclass
+class PreparedBench:
+    """Everything :func:`measure_bench` times, built and checked by :func:`prepare_bench`."""
+
+    cfg: BenchConfig
+    device: torch.device
+    plot: str | None  # the file the plot is written to (None: no plot)
+    model: torch.nn.Module
+    mcfg: Any
+    seqs: list[np.ndarray]
+    forest: RolloutForest
+    tree: TreeRunner
+    expanded: ExpandedRunner
+    microbatches: int
+    replay_tokens: int
+    ideal_flop_ratio: float
+
+
+def prepare_bench(cfg: BenchConfig) -> PreparedBench:
+    """Check every setting, then build the model, the workload's forest, the runners and the
+    microbatch plan; nothing is timed.
+
+    Raises ``ValueError`` whose message starts with the setting at fault (``dtype:``,
+    ``workload:``, ``repeats:``, ``warmup:`` (>= 1), ``seed:``, ``chunk_size:``, ``scale:``,
+    ``max_semantic_tokens:``, ``capacity_tokens:``, ``workload_overrides:`` (a generator option
+    it does not know or cannot use), ``plot:`` (:func:`plot_path`), ``device:``, ``preset:``,
+    ``model:`` (:func:`harts_verl.workers.check.load_tree_model`: missing or unreadable files,
+    a model type without a tree mode, checked before the model is built)) before any model or
+    workload is built for the settings checked up front. ``replay_tokens`` is 0 for a model
+    without linear-attention layers."""
+    device, plot = _check_config(cfg)
     dtype = DTYPES[cfg.dtype]
     model, mcfg = _bench_model(cfg, dtype, device)
     vocab_size = getattr(mcfg, "vocab_size", None) or mcfg.get_text_config().vocab_size
-    w = WORKLOADS[cfg.workload](
-        scale=cfg.scale, seed=cfg.seed, vocab_size=vocab_size, **cfg.workload_overrides
-    )
+    try:
+        w = WORKLOADS[cfg.workload](
+            scale=cfg.scale, seed=cfg.seed, vocab_size=vocab_size, **cfg.workload_overrides
+        )
+    except (ValueError, TypeError) as exc:  # scale and seed are checked: the overrides
+        raise ValueError(f"workload_overrides: {exc}") from exc
     idx = _select(w.sequences, w.group_ids, cfg.max_semantic_tokens)
     seqs = [w.sequences[i] for i in idx]
     forest = RolloutForest.from_sequences(seqs)
@@ -187,17 +234,56 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
 
     groups = tree.plan(forest)
     subs = [forest.subset(g) if len(groups) > 1 else forest for g in groups]
-    replay = sum(plan_linear_calls(s, chunk_size=cfg.chunk_size).replay_tokens for s in subs)
     shape = model_shape(mcfg)
+    # Replay exists only where chunked linear attention runs.
+    replays = [
+        plan_linear_calls(s, chunk_size=cfg.chunk_size).replay_tokens
+        if shape.linear_per_token
+        else 0
+        for s in subs
+    ]
     flops = {"expanded_flops": 0.0, "tree_flops": 0.0}
-    for s in subs:
-        r = ideal_flop_ratio(
-            shape, s, plan_linear_calls(s, chunk_size=cfg.chunk_size).replay_tokens
-        )
+    for s, r_tokens in zip(subs, replays):
+        r = ideal_flop_ratio(shape, s, r_tokens)
         flops["expanded_flops"] += r["expanded_flops"]
         flops["tree_flops"] += r["tree_flops"]
-    ideal = flops["expanded_flops"] / flops["tree_flops"]
+    ideal = flops["expanded_flops"] / flops["tree_flops"] if flops["tree_flops"] else 1.0
+    return PreparedBench(
+        cfg=cfg,
+        device=device,
+        plot=plot,
+        model=model,
+        mcfg=mcfg,
+        seqs=seqs,
+        forest=forest,
+        tree=tree,
+        expanded=expanded,
+        microbatches=len(groups),
+        replay_tokens=int(sum(replays)),
+        ideal_flop_ratio=ideal,
+    )
 
+
+def timing_order(iteration: int) -> tuple[str, str]:
+    """The runners' order in timing iteration ``iteration`` (warm-up included): expanded first
+    in even iterations, tree first in odd ones."""
+    return ("expanded", "tree") if iteration % 2 == 0 else ("tree", "expanded")
+
+
+def run_bench(cfg: BenchConfig) -> dict[str, Any]:
+    """Run the benchmark and return the JSON-ready result (every setting that shapes the
+    measurement included, so a result reproduces from its own output): :func:`measure_bench` of
+    :func:`prepare_bench`, so settings are checked first (ValueError naming the bad one)."""
+    return measure_bench(prepare_bench(cfg))
+
+
+def measure_bench(prep: PreparedBench) -> dict[str, Any]:
+    """Time both runners (``warmup`` untimed then ``repeats`` timed iterations, order
+    :func:`timing_order`), measure fidelity, and write the plot when one was asked for (a
+    failed plot is reported as ``plot_error``; the measurements are returned either way)."""
+    cfg, device, model, forest, seqs = prep.cfg, prep.device, prep.model, prep.forest, prep.seqs
+    runners = {"expanded": prep.expanded, "tree": prep.tree}
+    tree, expanded, mcfg, ideal = prep.tree, prep.expanded, prep.mcfg, prep.ideal_flop_ratio
     loss_fn = _grpo_like_loss([len(s) for s in seqs], cfg.seed)
     times: dict[str, list[float]] = {"expanded": [], "tree": []}
     peak: dict[str, float] = {}
@@ -211,7 +297,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         except ImportError:  # pragma: no cover - tqdm is in the bench extra
             bar = None
     for it in range(total_iters):
-        for name, runner in (("expanded", expanded), ("tree", tree)):
+        for name in timing_order(it):
+            runner = runners[name]
             model.zero_grad(set_to_none=True)
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -235,7 +322,12 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     lp_tree = tree.log_probs(seqs)
     lp_exp = expanded.log_probs(seqs)
     max_dlogp = max(
-        float((a.double() - b.double()).abs().max()) for a, b in zip(lp_tree, lp_exp) if a.numel()
+        (
+            float((a.double() - b.double()).abs().max())
+            for a, b in zip(lp_tree, lp_exp)
+            if a.numel()
+        ),
+        default=0.0,
     )
     cos = _logit_cosine(
         tree.hidden_states(seqs), expanded.hidden_states(seqs), model.lm_head.weight
@@ -255,8 +347,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         "semantic_tokens": forest.num_semantic_tokens,
         "compact_tokens": forest.num_compact_tokens,
         "compression": round(forest.compression, 4),
-        "microbatches": len(groups),
-        "replay_tokens": int(replay),
+        "microbatches": prep.microbatches,
+        "replay_tokens": prep.replay_tokens,
         "ideal_flop_ratio": round(ideal, 4),
         "expanded_seconds_median": round(t_exp, 4),
         "tree_seconds_median": round(t_tree, 4),
@@ -281,17 +373,18 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         result["peak_memory_mib"] = {k: round(v, 1) for k, v in peak.items()}
     else:
         result["max_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
-    if cfg.plot:
+    if prep.plot:
         try:
-            plot_bench(result, cfg.plot)
-            result["plot"] = cfg.plot
+            plot_bench(result, prep.plot)
+            result["plot"] = prep.plot
         except Exception as exc:  # the measurements are kept (and printed) either way
             result["plot_error"] = f"{type(exc).__name__}: {exc}"
     return result
 
 
 def plot_bench(result: dict[str, Any], path: str) -> None:
-    """Bar chart of wall times and the speedup vs the ideal ratio."""
+    """Bar chart of wall times and the speedup vs the ideal ratio, written to ``path`` as it
+    stands (:func:`prepare_bench` resolves a path without suffix to ``.png`` beforehand)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -316,10 +409,13 @@ def plot_bench(result: dict[str, Any], path: str) -> None:
     )
     ax.set_title(f"efficiency {result['efficiency']:.3f}")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
 
 
 def main_json(cfg: BenchConfig) -> int:
-    print(json.dumps(run_bench(cfg), indent=2))
+    """Run the benchmark and print its result as strict JSON (:func:`json_text`)."""
+    print(json_text(run_bench(cfg)))
     return 0

@@ -1,28 +1,142 @@
-"""Command line: ``harts-verl demo | bench | inspect | check``."""
+"""Command line: ``harts-verl demo | bench | inspect | check``.
+
+Exit status: 0 on success; 2 for a user error — a bad option value or input file, reported as
+one line ``harts-verl <command>: <message>`` on stderr that names the option (``--capacity``,
+``--model``, ...) or the file; 1 with a traceback for anything else (an internal error is never
+turned into a one-line message). Only the steps that read and check inputs (options, model
+configs and weights, forest and batch files, plot destinations) are treated as user errors:
+their ValueError (``json.JSONDecodeError`` included), TypeError, OSError (FileNotFoundError,
+...), ``pickle.UnpicklingError`` and EOFError. Set ``HARTS_VERL_DEBUG=1`` to get the full
+traceback of a user error instead. Results are printed as strict JSON (never NaN or Infinity: a
+non-finite figure is an error with a traceback, not output).
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
+import os
+import pickle
 import sys
+from collections.abc import Iterator
 
-# `harts-verl demo`: the bench on a smaller SWE-like step (≈10K semantic tokens, ≈5.6×) that
-# finishes in about a minute on a 2-core CPU.
+# `harts-verl demo`: the bench on a smaller SWE-like step (≈10K semantic tokens, ≈5.6×, one
+# timed repeat after one warm-up; measured 1 min 36 s with one thread on a CPU).
 DEMO_DEFAULTS = {"scale": 0.002, "workload_overrides": {"max_forks": 64}}
+
+# Errors of the input-reading steps that are the user's (see the module doc).
+_USER_ERRORS = (
+    ValueError,  # json.JSONDecodeError included
+    TypeError,
+    OSError,  # FileNotFoundError, PermissionError, IsADirectoryError, ...
+    pickle.UnpicklingError,
+    EOFError,  # a truncated pickle
+)
+
+# Config / planner field names in messages -> the flags that set them.
+_BENCH_FLAGS = {
+    "capacity_tokens": "--capacity",
+    "max_semantic_tokens": "--max-semantic-tokens",
+    "workload_overrides": "--workload-option",
+    "chunk_size": "--chunk-size",
+    "workload": "--workload",
+    "scale": "--scale",
+    "seed": "--seed",
+    "preset": "--preset",
+    "model": "--model",
+    "dtype": "--dtype",
+    "repeats": "--repeats",
+    "warmup": "--warmup",
+    "device": "--device",
+    "plot": "--plot",
+}
+_INSPECT_FLAGS = {
+    "capacity_tokens": "--capacity",
+    "dp_size": "--dp",
+    "chunk_size": "--chunk-size",
+    "work_slack": "--work-slack",
+    "seed": "--seed",
+    "plot": "--plot",
+}
+
+
+class _UserError(Exception):
+    """A user error of a subcommand, its message phrased for the command line."""
+
+
+def _debug() -> bool:
+    return os.environ.get("HARTS_VERL_DEBUG", "") not in ("", "0")
+
+
+def _phrase(exc: BaseException, flags: dict[str, str]) -> str:
+    """The message of ``exc`` with a leading config field name (``capacity_tokens: ...``)
+    replaced by its flag, and the flag in place of multi-word field names elsewhere."""
+    msg = str(exc) or type(exc).__name__
+    for field, flag in flags.items():
+        if msg.startswith(field + ":") or msg.startswith(field + "["):
+            msg = flag + msg[len(field) :]
+            break
+    for field, flag in flags.items():
+        if "_" in field:
+            msg = msg.replace(field, flag)
+    return msg
+
+
+@contextlib.contextmanager
+def _inputs(flags: dict[str, str] | None = None) -> Iterator[None]:
+    """Treat the user-error exceptions raised inside as user errors (:class:`_UserError`, or
+    re-raised as they are with ``HARTS_VERL_DEBUG=1``)."""
+    try:
+        yield
+    except _USER_ERRORS as exc:
+        if _debug():
+            raise
+        raise _UserError(_phrase(exc, flags or {})) from exc
+
+
+def _int_at_least(lo: int):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int >= {lo}, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"expected an int >= {lo}, got {v}")
+        return v
+
+    parse.__name__ = f"int>={lo}"
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}") from None
+    if not math.isfinite(v) or v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return v
 
 
 def _add_bench_args(
     p: argparse.ArgumentParser, *, repeats: int, warmup: int, **defaults: object
 ) -> None:
-    from harts_verl.benchmark import BenchConfig
+    from harts_verl.benchmark import DTYPES, BenchConfig
+    from harts_verl.models import PRESETS
+    from harts_verl.tree.workloads import WORKLOADS
 
     d = BenchConfig(**defaults)  # type: ignore[arg-type]
     p.set_defaults(_overrides_default=dict(d.workload_overrides))
-    p.add_argument("--workload", default=d.workload, help="swe_like | tau_like | grpo_flat")
+    p.add_argument("--workload", default=d.workload, choices=sorted(WORKLOADS))
     p.add_argument(
-        "--scale", type=float, default=d.scale, help="workload scale (≈ scale × 1M tokens)"
+        "--scale",
+        type=_positive_float,
+        default=d.scale,
+        help="workload scale (≈ scale × 1M tokens; finite, > 0)",
     )
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=_int_at_least(0), default=d.seed)
     p.add_argument(
         "--workload-option",
         action="append",
@@ -33,25 +147,30 @@ def _add_bench_args(
     )
     p.add_argument(
         "--max-semantic-tokens",
-        type=int,
-        default=d.max_semantic_tokens,
+        type=_int_at_least(0),
+        default=d.max_semantic_tokens or 0,
         help="use the first trajectories up to this many semantic tokens (0 = all)",
     )
-    p.add_argument("--preset", default=d.preset, help="model preset: tiny | bench | kimi_tiny")
+    p.add_argument("--preset", default=d.preset, choices=sorted(PRESETS), help="model preset")
     p.add_argument(
         "--model",
         default=None,
         help="HF model dir or config.json (random init) of a model with a tree mode; "
         "replaces --preset",
     )
-    p.add_argument("--dtype", default=d.dtype, help="float32 | bfloat16 | float64")
-    p.add_argument("--repeats", type=int, default=repeats)
-    p.add_argument("--warmup", type=int, default=warmup)
-    p.add_argument("--chunk-size", type=int, default=d.chunk_size)
+    p.add_argument("--dtype", default=d.dtype, choices=sorted(DTYPES))
+    p.add_argument("--repeats", type=_int_at_least(1), default=repeats, help="timed iterations")
+    p.add_argument(
+        "--warmup",
+        type=_int_at_least(1),
+        default=warmup,
+        help="untimed iterations first (>= 1: a process's first step is never timed)",
+    )
+    p.add_argument("--chunk-size", type=_int_at_least(1), default=d.chunk_size)
     p.add_argument(
         "--capacity",
-        type=int,
-        default=d.capacity_tokens,
+        type=_int_at_least(0),
+        default=d.capacity_tokens or 0,
         help="tokens per microbatch (both runners; 0 = one microbatch)",
     )
     p.add_argument(
@@ -60,22 +179,17 @@ def _add_bench_args(
         default=d.recompute,
         help="per-layer activation recomputation (both runners)",
     )
-    p.add_argument("--device", default=d.device)
+    p.add_argument("--device", default=d.device, help="torch device (cpu, cuda, cuda:1, ...)")
     p.add_argument(
-        "--threads", type=_positive_int, default=None, help="torch intra-op threads (>= 1)"
+        "--threads", type=_int_at_least(1), default=None, help="torch intra-op threads (>= 1)"
     )
-    p.add_argument("--plot", default=None, help="write a PNG summary here")
+    p.add_argument(
+        "--plot",
+        default=None,
+        help="write a summary figure here (format from the suffix, png without one; the path "
+        "written is reported as 'plot')",
+    )
     p.add_argument("--no-progress", action="store_true")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {v}")
-    return v
 
 
 def _parse_overrides(items: list[str] | None, default: dict) -> dict:
@@ -86,9 +200,9 @@ def _parse_overrides(items: list[str] | None, default: dict) -> dict:
         key, sep, val = it.partition("=")
         key = key.strip()
         if not sep or not key:
-            raise SystemExit(f"--workload-option: expected KEY=VALUE, got {it!r}")
+            raise ValueError(f"--workload-option: expected KEY=VALUE, got {it!r}")
         if key in out:
-            raise SystemExit(f"--workload-option: {key!r} given twice")
+            raise ValueError(f"--workload-option: {key!r} given twice")
         try:
             out[key] = json.loads(val)
         except json.JSONDecodeError:
@@ -96,80 +210,117 @@ def _parse_overrides(items: list[str] | None, default: dict) -> dict:
     return out
 
 
+def _print_json(obj: dict) -> None:
+    from harts_verl.tree.inspect import json_text
+
+    print(json_text(obj))
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
-    from harts_verl.benchmark import BenchConfig, main_json
+    from harts_verl.benchmark import BenchConfig, measure_bench, prepare_bench
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    cfg = BenchConfig(
-        workload=args.workload,
-        scale=args.scale,
-        seed=args.seed,
-        workload_overrides=_parse_overrides(args.workload_option, args._overrides_default),
-        max_semantic_tokens=args.max_semantic_tokens or None,
-        preset=args.preset,
-        model=args.model,
-        dtype=args.dtype,
-        repeats=args.repeats,
-        warmup=args.warmup,
-        chunk_size=args.chunk_size,
-        capacity_tokens=args.capacity or None,
-        recompute=args.recompute,
-        device=args.device,
-        plot=args.plot,
-        progress=not args.no_progress,
-    )
-    return main_json(cfg)
+    with _inputs(_BENCH_FLAGS):
+        cfg = BenchConfig(
+            workload=args.workload,
+            scale=args.scale,
+            seed=args.seed,
+            workload_overrides=_parse_overrides(args.workload_option, args._overrides_default),
+            max_semantic_tokens=args.max_semantic_tokens or None,
+            preset=args.preset,
+            model=args.model,
+            dtype=args.dtype,
+            repeats=args.repeats,
+            warmup=args.warmup,
+            chunk_size=args.chunk_size,
+            capacity_tokens=args.capacity or None,
+            recompute=args.recompute,
+            device=args.device,
+            plot=args.plot,
+            progress=not args.no_progress,
+        )
+        prepared = prepare_bench(cfg)
+    result = measure_bench(prepared)
+    if "plot_error" in result:
+        print(f"harts-verl {args.command}: plot failed: {result['plot_error']}", file=sys.stderr)
+    _print_json(result)
+    return 0
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from harts_verl.tree import RolloutForest
-    from harts_verl.tree.inspect import forest_statistics, plot_statistics
+    from harts_verl.tree.inspect import forest_statistics, load_forest, plot_path, plot_statistics
 
-    if args.dp != 1 and not args.capacity:
-        raise SystemExit("inspect: --dp needs --capacity (the planned microbatches it places)")
-    forest = RolloutForest.load(args.forest)
-    stats = forest_statistics(
-        forest,
-        chunk_size=args.chunk_size,
-        capacity_tokens=args.capacity or None,
-        dp_size=args.dp,
-        seed=args.seed,
-        work_slack=args.work_slack,
-    )
-    if args.plot:
-        plot_statistics(stats, args.plot, title=str(args.forest))
-        stats["plot"] = str(args.plot)
-    print(json.dumps(stats, indent=2))
+    with _inputs(_INSPECT_FLAGS):
+        if args.dp != 1 and not args.capacity:
+            raise ValueError("--dp needs --capacity (the planned microbatches it places)")
+        plot = plot_path(args.plot) if args.plot else None
+        forest = load_forest(args.forest)
+        stats = forest_statistics(
+            forest,
+            chunk_size=args.chunk_size,
+            capacity_tokens=args.capacity or None,
+            dp_size=args.dp,
+            seed=args.seed,
+            work_slack=args.work_slack,
+        )
+    if plot:
+        try:
+            stats["plot"] = plot_statistics(stats, plot, title=str(args.forest))
+        except Exception as exc:  # the statistics are printed either way
+            if _debug():
+                raise
+            stats["plot_error"] = f"{type(exc).__name__}: {exc}"
+            print(f"harts-verl inspect: plot failed: {stats['plot_error']}", file=sys.stderr)
+    _print_json(stats)
+    return 0
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from harts_verl.workers import check
+
+    with _inputs():  # load_inputs names the flag at fault itself
+        model, seqs = check.load_inputs(args)
+    _print_json(check.run_check(model, seqs, chunk_size=args.chunk_size, tol=args.tol))
     return 0
 
 
 def _add_inspect(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "inspect",
-        help="forest statistics and planned microbatches (JSON), optional PNG",
+        help="forest statistics and planned microbatches (JSON), optional figure",
         description="Compression, depth and branching histograms, forks inside chunks, "
         "planned microbatches and within-slot imbalance of a saved forest (.npz).",
     )
     p.add_argument("forest", help="a forest written by RolloutForest.save (.npz)")
     p.add_argument(
         "--capacity",
-        type=int,
-        default=None,
+        type=_int_at_least(0),
+        default=0,
         help="compact tokens per microbatch (omitted or 0: no microbatch plan)",
     )
-    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (with --capacity)")
-    p.add_argument("--chunk-size", type=int, default=64, help="linear-attention chunk size")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--dp", type=_int_at_least(1), default=1, help="data-parallel replicas (with --capacity)"
+    )
+    p.add_argument(
+        "--chunk-size", type=_int_at_least(1), default=64, help="linear-attention chunk size"
+    )
+    p.add_argument("--seed", type=_int_at_least(0), default=0)
     p.add_argument(
         "--work-slack",
         type=float,
         default=0.0,
-        help="planner work_slack: extra compact tokens allowed for slot balance",
+        help="planner work_slack in [0, 1): extra compact tokens allowed for slot balance",
     )
-    p.add_argument("--plot", default=None, help="write a multi-panel PNG here")
+    p.add_argument(
+        "--plot",
+        default=None,
+        help="write a multi-panel figure here (format from the suffix, png without one; "
+        "checked before the forest is read; a failed plot is reported as 'plot_error' and the "
+        "statistics are printed anyway)",
+    )
     p.set_defaults(func=_cmd_inspect)
 
 
@@ -183,11 +334,18 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
         "mean logit cosine, per-layer max difference and the first divergent layer.",
     )
     check.add_arguments(p)
-    p.set_defaults(func=check.run_args)
+    p.set_defaults(func=_cmd_check)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="harts-verl", description=__doc__)
+    """Run ``harts-verl`` with ``argv``; the exit status (see the module doc): a user error is
+    one line on stderr and 2, argparse's own errors exit 2 as well."""
+    parser = argparse.ArgumentParser(
+        prog="harts-verl",
+        description=__doc__.split("\n\n")[0],
+        epilog="Exit status 2 = bad option or input file (one line on stderr; "
+        "HARTS_VERL_DEBUG=1 shows its traceback), 1 = internal error (traceback).",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo", help="the embedded default job: tree vs expanded training on a SWE-like step"
@@ -200,7 +358,11 @@ def main(argv: list[str] | None = None) -> int:
     _add_inspect(sub)
     _add_check(sub)
     args = parser.parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except _UserError as exc:
+        print(f"harts-verl {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

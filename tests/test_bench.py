@@ -4,19 +4,23 @@ errors. Speed itself is measured by running the benchmark, never asserted here."
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from harts_verl.benchmark import BenchConfig, run_bench
+from harts_verl.benchmark import BenchConfig, run_bench, timing_order
+from harts_verl.cli import main
 
 SMALL = dict(
     scale=0.004,
     workload_overrides={"path_caps": [512], "prompt_tokens": [100, 200]},
     repeats=1,
-    warmup=0,
+    warmup=1,
     chunk_size=16,
     capacity_tokens=1024,
     progress=False,
@@ -42,10 +46,30 @@ def _check_result(res: dict) -> None:
     json.dumps(res)
 
 
-def test_native_preset():
+def test_native_preset(monkeypatch):
+    """Also: the runners alternate (expanded first in even iterations, tree first in odd ones),
+    warm-up included."""
+    import harts_verl.benchmark as bench
+
+    order = []
+    for name, cls in (("tree", bench.TreeRunner), ("expanded", bench.ExpandedRunner)):
+        orig = cls.forward_backward
+
+        def spy(self, *a, _orig=orig, _name=name, **k):
+            order.append(_name)
+            return _orig(self, *a, **k)
+
+        monkeypatch.setattr(cls, "forward_backward", spy)
     res = run_bench(BenchConfig(preset="tiny", **SMALL))
     assert res["preset"] == "tiny" and res["model"] is None
+    assert res["replay_tokens"] > 0  # the tiny preset has linear-attention layers
     _check_result(res)
+    assert order == ["expanded", "tree", "tree", "expanded"]  # warm-up, then the timed one
+    assert [timing_order(i) for i in range(3)] == [
+        ("expanded", "tree"),
+        ("tree", "expanded"),
+        ("expanded", "tree"),
+    ]
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5_moe", "deepseek_v3"])
@@ -55,21 +79,45 @@ def test_hf_model_from_config(tmp_path, monkeypatch, kind):
     res = run_bench(BenchConfig(model=path, **SMALL))
     assert res["model"] == path and res["preset"] is None
     assert res["model_type"] == ("qwen3_5_moe_text" if kind == "qwen3_5_moe" else kind)
+    # Replay exists only with linear attention: DeepSeek-V3 (MLA) has none.
+    assert (res["replay_tokens"] > 0) == (kind == "qwen3_5_moe")
     _check_result(res)
 
 
-def test_model_errors(tmp_path):
+def test_model_errors(tmp_path, monkeypatch):
+    """Unsupported or unreadable models are ValueErrors naming ``model``; an unsupported type
+    is refused from its config, before any model is built."""
     import transformers
+
+    import harts_verl.models.hf as hf
 
     transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64).save_pretrained(
         str(tmp_path / "gpt2")
     )
-    with pytest.raises(ValueError, match="'gpt2' model, which has no tree mode"):
-        run_bench(BenchConfig(model=str(tmp_path / "gpt2" / "config.json"), **SMALL))
-    with pytest.raises(ValueError, match="does not exist"):
-        run_bench(BenchConfig(model=str(tmp_path / "nothing.json"), **SMALL))
-    with pytest.raises(ValueError, match=r"HF model directory or a config\.json"):
-        run_bench(BenchConfig(model=str(tmp_path / "missing_dir"), **SMALL))
+    (tmp_path / "bad.json").write_text("{bad")
+    (tmp_path / "notype.json").write_text('{"hidden_size": 4}')
+    (tmp_path / "empty").mkdir()
+    real_load = hf.load_causal_lm
+    monkeypatch.setattr(hf, "load_causal_lm", lambda *a, **k: pytest.fail("model built"))
+    for spec, msg in [
+        (tmp_path / "gpt2" / "config.json", "'gpt2' model, which has no tree mode"),
+        (tmp_path / "gpt2", "'gpt2' model, which has no tree mode"),
+        (tmp_path / "nothing.json", "does not exist"),
+        (tmp_path / "missing_dir", r"HF model directory or a config\.json"),
+        (tmp_path / "bad.json", "not a valid JSON file"),
+        (tmp_path / "notype.json", "model_type"),
+        (tmp_path / "empty", "has no config.json"),
+    ]:
+        with pytest.raises(ValueError, match=msg) as info:
+            run_bench(BenchConfig(model=str(spec), **SMALL))
+        assert str(info.value).startswith("model: "), spec
+    # A directory with a config but no weights: the loader's OSError, as a model error.
+    monkeypatch.setattr(hf, "load_causal_lm", real_load)
+    from harts_verl.workers.testing import tiny_hf_config
+
+    tiny_hf_config("qwen2").save_pretrained(str(tmp_path / "noweights"))
+    with pytest.raises(ValueError, match=r"^model: .*no file named.*config\.json for random"):
+        run_bench(BenchConfig(model=str(tmp_path / "noweights"), **SMALL))
 
 
 def test_load_causal_lm_reads_the_named_config_file(tmp_path, monkeypatch):
@@ -91,11 +139,19 @@ def test_load_causal_lm_reads_the_named_config_file(tmp_path, monkeypatch):
     [
         ("repeats", 0, "repeats"),
         ("warmup", -1, "warmup"),
+        ("warmup", 0, "warmup"),
+        ("scale", float("nan"), "scale"),
+        ("scale", 0, "scale"),
+        ("seed", -1, "seed"),
+        ("workload", "nope", "workload"),
+        ("workload_overrides", None, "workload_overrides"),
         ("chunk_size", 0, "chunk_size"),
         ("max_semantic_tokens", -5, "max_semantic_tokens"),
         ("capacity_tokens", -1, "capacity_tokens"),
         ("workload_overrides", {"vocab_size": 100}, "vocab_size"),
         ("plot", "/nonexistent_dir/x.png", "plot"),
+        ("plot", "/tmp", "plot: '/tmp' is a directory"),
+        ("plot", "/tmp/x.nosuchformat", "plot: unsupported format '.nosuchformat'"),
         ("device", "nope", "device"),
         ("dtype", "float8", "dtype"),
     ],
@@ -105,8 +161,18 @@ def test_settings_checked_before_running(field, value, msg, monkeypatch):
     import harts_verl.benchmark as bench
 
     monkeypatch.setattr(bench, "_bench_model", lambda *a: pytest.fail("built before checking"))
-    with pytest.raises(ValueError, match=msg):
+    with pytest.raises(ValueError, match=msg) as info:
         run_bench(BenchConfig(**{**SMALL, field: value}))
+    assert str(info.value).startswith(field + ":")
+
+
+def test_plot_path_resolved_before_running(tmp_path):
+    """A plot path without suffix is written (and reported) as PATH.png, decided up front."""
+    import harts_verl.benchmark as bench
+
+    assert bench._check_config(BenchConfig(plot=str(tmp_path / "x")))[1] == str(tmp_path) + "/x.png"
+    assert bench._check_config(BenchConfig(plot=str(tmp_path / "x.pdf")))[1].endswith("x.pdf")
+    assert bench._check_config(BenchConfig())[1] is None
 
 
 def test_result_records_its_settings_and_survives_a_failed_plot(tmp_path, monkeypatch):
@@ -118,19 +184,171 @@ def test_result_records_its_settings_and_survives_a_failed_plot(tmp_path, monkey
     monkeypatch.setattr(bench, "plot_bench", broken_plot)
     res = run_bench(BenchConfig(preset="tiny", plot=str(tmp_path / "b.png"), **SMALL))
     assert res["plot_error"] == "OSError: disk full" and "plot" not in res
+    json.dumps(res, allow_nan=False)
     for key in ("chunk_size", "workload_overrides", "max_semantic_tokens", "repeats", "warmup"):
         assert res[key] == (SMALL.get(key) if key != "max_semantic_tokens" else None)
 
 
-def test_cli_argument_errors(tmp_path, capsys):
-    from harts_verl.cli import main
+def _one_line_error(capsys, argv: list[str], prefix: str, msg: str) -> str:
+    """``main(argv)`` is a user error: exit status 2, one stderr line ``prefix: ...msg...``."""
+    assert main(argv) == 2, argv
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(prefix + ": "), (argv, err)
+    assert msg in err[0], (argv, err)
+    assert "Traceback" not in err[0]
+    return err[0]
 
+
+def test_cli_argument_errors(tmp_path, capsys, monkeypatch):
+    """Bad option values are argparse errors (exit 2, naming the option)."""
     for argv, msg in [
-        (["bench", "--threads", "0"], "expected an int >= 1"),
-        (["bench", "--workload-option", "=5"], "KEY=VALUE"),
-        (["bench", "--workload-option", "a=1", "--workload-option", "a=2"], "given twice"),
-        (["inspect", str(tmp_path / "f.npz"), "--dp", "2"], "--dp needs --capacity"),
+        (["bench", "--threads", "0"], "argument --threads: expected an int >= 1"),
+        (["bench", "--capacity", "-5"], "argument --capacity: expected an int >= 0"),
+        (["bench", "--repeats", "0"], "argument --repeats: expected an int >= 1"),
+        (["bench", "--warmup", "0"], "argument --warmup: expected an int >= 1"),
+        (["bench", "--max-semantic-tokens", "-1"], "argument --max-semantic-tokens"),
+        (["bench", "--chunk-size", "0"], "argument --chunk-size"),
+        (["bench", "--seed", "-1"], "argument --seed"),
+        (["bench", "--scale", "nan"], "argument --scale: expected a finite number > 0"),
+        (["bench", "--scale", "inf"], "argument --scale"),
+        (["bench", "--dtype", "float16"], "argument --dtype: invalid choice: 'float16'"),
+        (["bench", "--workload", "nope"], "argument --workload: invalid choice: 'nope'"),
+        (["bench", "--preset", "nope"], "argument --preset: invalid choice"),
+        (["demo", "--repeats", "0"], "argument --repeats"),
+        (["inspect", "f.npz", "--dp", "0"], "argument --dp"),
+        (["inspect", "f.npz", "--capacity", "-5"], "argument --capacity"),
     ]:
         with pytest.raises(SystemExit) as info:
             main(argv)
-        assert msg in str(info.value) + capsys.readouterr().err, argv
+        assert info.value.code == 2, argv
+        assert msg in capsys.readouterr().err, argv
+
+
+def test_cli_input_errors_are_one_line(tmp_path, capsys, monkeypatch):
+    """Bad inputs found while reading them: exit status 2 and one line naming the flag (config
+    field names mapped to flags), before any model is built where the input allows."""
+    import harts_verl.benchmark as bench
+
+    monkeypatch.delenv("HARTS_VERL_DEBUG", raising=False)
+    monkeypatch.setattr(bench, "measure_bench", lambda *a: pytest.fail("measured"))
+    (tmp_path / "bad.json").write_text("{bad")
+    (tmp_path / "d").mkdir()
+    tiny = ["--preset", "tiny", "--no-progress"]
+    for argv, msg in [
+        (["bench", "--device", "foo"], "--device: 'foo' is not a torch device"),
+        (["bench", "--device", "nocuda:0"], "--device:"),
+        (["bench", "--workload-option", "=5"], "--workload-option: expected KEY=VALUE"),
+        (["bench", "--workload-option", "a=1", "--workload-option", "a=2"], "given twice"),
+        (["bench", "--workload-option", "vocab_size=3"], "--workload-option: vocab_size"),
+        (["bench", *tiny, "--workload-option", "foo=1"], "--workload-option: foo: unknown"),
+        (["bench", "--model", "nofile.json"], "--model: config file 'nofile.json' does not"),
+        (["bench", "--model", str(tmp_path / "bad.json")], "not a valid JSON file"),
+        (["bench", "--plot", str(tmp_path / "d")], "--plot: "),
+        (["bench", "--plot", str(tmp_path / "x.nope")], "--plot: unsupported format"),
+        (["demo", "--plot", str(tmp_path / "no" / "x.png")], "--plot: cannot write"),
+    ]:
+        _one_line_error(capsys, argv, f"harts-verl {argv[0]}", msg)
+    if not torch.cuda.is_available():
+        _one_line_error(capsys, ["bench", "--device", "cuda"], "harts-verl bench", "--device")
+    line = _one_line_error(
+        capsys, ["bench", "--model", "nofile.json"], "harts-verl bench", "--model"
+    )
+    assert "model: config" not in line.replace("--model: config", "")  # no doubled prefix
+
+
+def test_cli_capacity_field_is_named_as_the_flag(capsys, monkeypatch):
+    """A config-field message (``capacity_tokens: ...``) is shown with the flag's name."""
+    import harts_verl.benchmark as bench
+
+    def fail(cfg):
+        raise ValueError("capacity_tokens: expected an int >= 1, got -5")
+
+    monkeypatch.setattr(bench, "prepare_bench", fail)
+    _one_line_error(capsys, ["bench"], "harts-verl bench", "--capacity: expected an int >= 1")
+
+
+def test_cli_debug_and_internal_errors(capsys, monkeypatch):
+    """HARTS_VERL_DEBUG=1 re-raises a user error; an error of the measurement (not an input)
+    is never turned into a one-line message."""
+    import harts_verl.benchmark as bench
+
+    monkeypatch.setenv("HARTS_VERL_DEBUG", "1")
+    with pytest.raises(ValueError, match="device: 'foo'"):
+        main(["bench", "--device", "foo"])
+    monkeypatch.delenv("HARTS_VERL_DEBUG")
+
+    def internal(prep):
+        raise ValueError("an internal bug")
+
+    monkeypatch.setattr(bench, "prepare_bench", lambda cfg: object())
+    monkeypatch.setattr(bench, "measure_bench", internal)
+    with pytest.raises(ValueError, match="an internal bug"):
+        main(["bench"])
+
+
+def test_cli_never_prints_invalid_json(capsys, monkeypatch):
+    """A non-finite figure is an error naming it (a bug to surface), not NaN in the output."""
+    import harts_verl.benchmark as bench
+
+    monkeypatch.setattr(bench, "prepare_bench", lambda cfg: object())
+    monkeypatch.setattr(bench, "measure_bench", lambda p: {"speedup": math.nan, "x": [1.0]})
+    with pytest.raises(ValueError, match="non-finite values in the result: speedup"):
+        main(["bench"])
+    assert "NaN" not in capsys.readouterr().out
+    monkeypatch.setattr(bench, "measure_bench", lambda p: {"speedup": 2.0})
+    assert main(["bench"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"speedup": 2.0}
+
+
+def _load_benchmark(name: str):
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses resolve their module while it executes
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        del sys.modules[spec.name]
+    return mod
+
+
+@pytest.mark.parametrize("name", ["linear_plan", "forest"])
+def test_benchmark_scripts_need_positive_repeats(name, capsys):
+    mod = _load_benchmark(name)
+    for bad in ("0", "-1"):
+        with pytest.raises(SystemExit) as info:
+            mod.main(["--repeats", bad])
+        assert info.value.code == 2
+        assert "argument --repeats: expected an int >= 1" in capsys.readouterr().err
+
+
+def test_planner_summary_pass_is_null_without_instances():
+    """A check that saw no instance neither passes nor fails (``pass: null``)."""
+    planner = _load_benchmark("planner")
+    empty = planner.summarize([])
+    assert empty["speed"]["pass"] is None
+    row = {
+        "size": "small",
+        "workload": "tau_like",
+        "dp_size": 1,
+        "capacity_tokens": 10,
+        "forest": "f",
+        "cpsat": {"status": "OPTIMAL", "compact_tokens": 100, "slot_imbalance_p95": 0.0},
+        "ours": {"compact_tokens": 100, "microbatches": 2, "slot_imbalance_p95": 0.0},
+        "tokens_vs_cpsat_pct": 0.0,
+        "speedup_vs_cpsat": 50.0,
+    }
+    out = planner.summarize([row, {**row, "dp_size": 8, "speedup_vs_cpsat": 5.0}])
+    assert out["small_cpsat_optimal_dp1"]["pass"] is True
+    assert out["small_cpsat_optimal_dp8"]["pass"] is True
+    assert out["speed"]["pass"] is False  # 5 < 10 on one instance
+    assert out["swe_dp8_ge64_microbatches"]["instances"] == 0
+    assert out["swe_dp8_ge64_microbatches"]["pass"] is None
+    json.dumps(out, allow_nan=False)
+    real = {**row, "size": "realistic", "cpsat": {**row["cpsat"], "status": "FEASIBLE"}}
+    out = planner.summarize([real])
+    assert out["realistic_time_limited_dp1"]["pass"] is False  # 0 % fewer tokens
+    failed = {**real, "cpsat": {**real["cpsat"], "compact_tokens": -1}}
+    out = planner.summarize([failed])
+    assert out["realistic_time_limited_dp1"]["instances"] == 0
+    assert out["realistic_time_limited_dp1"]["pass"] is None

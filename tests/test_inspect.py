@@ -142,3 +142,147 @@ def test_cli_inspect(tmp_path, capsys):
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert out["forks"]["inside_chunk_fraction"] == 0.0 and "plan" not in out
+
+
+def _one_line_error(capsys, argv: list[str], msg: str) -> str:
+    assert main(argv) == 2, argv
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("harts-verl inspect: "), (argv, err)
+    assert msg in err[0], (argv, err)
+    return err[0]
+
+
+def test_cli_inspect_input_errors(tmp_path, capsys, monkeypatch):
+    """Missing, directory, junk and foreign files, bad planner values and bad plot paths: exit
+    status 2 and one line naming the file or the flag."""
+    monkeypatch.delenv("HARTS_VERL_DEBUG", raising=False)
+    good = tmp_path / "f.npz"
+    RolloutForest.from_sequences(SEQS).save(good)
+    (tmp_path / "junk.npz").write_bytes(b"junk\n")
+    (tmp_path / "trunc.npz").write_bytes(good.read_bytes()[:300])
+    np.savez(tmp_path / "other.npz", a=np.arange(3))
+    (tmp_path / "plots").mkdir()
+    for argv, msg in [
+        ([str(tmp_path / "missing.npz")], "missing.npz: no such file"),
+        ([str(tmp_path)], "is a directory"),
+        ([str(tmp_path / "junk.npz")], "junk.npz: not a forest file"),
+        ([str(tmp_path / "trunc.npz")], "trunc.npz: not a forest file"),
+        ([str(tmp_path / "other.npz")], "other.npz: not a forest file (an .npz archive with"),
+        ([str(good), "--dp", "2"], "--dp needs --capacity"),
+        ([str(good), "--capacity", "4", "--work-slack", "-1"], "--work-slack: expected"),
+        ([str(good), "--capacity", "4", "--work-slack", "nan"], "--work-slack: expected"),
+        ([str(good), "--plot", str(tmp_path / "plots")], "--plot: "),
+        ([str(good), "--plot", str(tmp_path / "x.nope")], "--plot: unsupported format '.nope'"),
+        ([str(good), "--plot", str(tmp_path / "no" / "x.png")], "--plot: cannot write"),
+        # the plot destination is checked before the forest is read
+        ([str(tmp_path / "missing.npz"), "--plot", str(tmp_path / "x.nope")], "--plot"),
+    ]:
+        _one_line_error(capsys, ["inspect", *argv], msg)
+    assert list((tmp_path / "plots").iterdir()) == []
+
+
+def test_cli_inspect_capacity_is_named_as_the_flag(tmp_path, capsys, monkeypatch):
+    import harts_verl.tree.inspect as insp
+
+    def fail(*a, **k):
+        raise ValueError("capacity_tokens: expected an int >= 1, got -5")
+
+    monkeypatch.setattr(insp, "forest_statistics", fail)
+    path = tmp_path / "f.npz"
+    RolloutForest.from_sequences(SEQS).save(path)
+    _one_line_error(capsys, ["inspect", str(path), "--capacity", "3"], "--capacity: expected")
+
+
+def test_cli_inspect_keeps_statistics_when_the_plot_fails(tmp_path, capsys, monkeypatch):
+    """A plot that fails after the statistics were computed is reported as ``plot_error``; the
+    JSON is printed and the exit status is 0."""
+    import harts_verl.tree.inspect as insp
+
+    def broken(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(insp, "plot_statistics", broken)
+    path = tmp_path / "f.npz"
+    RolloutForest.from_sequences(SEQS).save(path)
+    assert main(["inspect", str(path), "--plot", str(tmp_path / "p.png")]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert out["plot_error"] == "OSError: disk full" and "plot" not in out
+    assert out["summary"]["trajectories"] == 4
+    assert "plot failed" in captured.err
+
+
+def test_cli_inspect_reports_the_written_plot_path(tmp_path, capsys):
+    """``--plot X`` without a suffix writes X.png and reports it."""
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "f.npz"
+    RolloutForest.from_sequences(SEQS).save(path)
+    assert main(["inspect", str(path), "--plot", str(tmp_path / "fig")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["plot"] == str(tmp_path / "fig.png")
+    assert (tmp_path / "fig.png").read_bytes()[:4] == b"\x89PNG"
+    assert not (tmp_path / "fig").exists()
+
+
+def test_empty_forest_statistics_and_plot(tmp_path, capsys):
+    """The empty forest has statistics (zero counts, a plan without slots) and a plot."""
+    pytest.importorskip("matplotlib")
+    f = RolloutForest.from_sequences([])
+    st_ = forest_statistics(f, capacity_tokens=4, dp_size=2)
+    assert st_["plan"]["slots"] == 0 and st_["plan"]["slot_work"] == []
+    assert st_["summary"]["trajectories"] == 0 and st_["depth_histogram"] == {}
+    out = plot_statistics(st_, tmp_path / "empty.png")
+    assert out == str(tmp_path / "empty.png")
+    assert (tmp_path / "empty.png").read_bytes()[:4] == b"\x89PNG"
+    path = tmp_path / "empty.npz"
+    f.save(path)
+    png = tmp_path / "cli.png"
+    args = ["inspect", str(path), "--capacity", "4", "--dp", "2", "--plot", str(png)]
+    assert main(args) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["plot"] == str(png) and "plot_error" not in res
+    assert res["plan"]["microbatches"] == 0
+
+
+def test_plot_path_checks(tmp_path):
+    pytest.importorskip("matplotlib")
+    from harts_verl.tree.inspect import plot_path
+
+    assert plot_path(tmp_path / "a") == str(tmp_path / "a.png")
+    assert plot_path(str(tmp_path / "a.PDF")) == str(tmp_path / "a.PDF")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "e.png").mkdir()
+    for bad, msg in [
+        (tmp_path / "d", "is a directory"),
+        (tmp_path / "e", "is a directory"),  # e -> e.png, a directory
+        (tmp_path / "x.foo", "unsupported format '.foo'"),
+        (tmp_path / "none" / "x.png", "cannot write"),
+        ("", "expected a file name"),
+    ]:
+        with pytest.raises(ValueError, match=msg) as info:
+            plot_path(bad)
+        assert str(info.value).startswith("plot: ")
+
+
+def test_json_text_is_strict():
+    from harts_verl.tree.inspect import json_text
+
+    assert json.loads(json_text({"a": [1.0, 2]})) == {"a": [1.0, 2]}
+    with pytest.raises(ValueError, match=r"non-finite values in the result: a\[1\], b\.c"):
+        json_text({"a": [1.0, float("nan")], "b": {"c": float("inf")}})
+
+
+def test_load_forest_errors(tmp_path):
+    from harts_verl.tree.inspect import load_forest
+
+    good = tmp_path / "f.npz"
+    RolloutForest.from_sequences(SEQS).save(good)
+    assert load_forest(good).equals(RolloutForest.from_sequences(SEQS))
+    np.savez(tmp_path / "other.npz", a=np.arange(3), b=np.arange(2))
+    for bad, msg in [
+        (tmp_path / "nope.npz", "no such file"),
+        (tmp_path, "is a directory"),
+        (tmp_path / "other.npz", r"not a forest file \(an \.npz archive with arrays 'a', 'b'"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            load_forest(bad)

@@ -183,3 +183,111 @@ def test_load_sequences_formats_and_errors(tmp_path):
         assert f"{name}.pt" in str(info.value)
     with pytest.raises(ValueError, match="no trajectories"):
         run_check(None, [])
+
+
+def _check_error(capsys, argv: list[str], msg: str, *, entry: str = "cli") -> str:
+    """``check`` with ``argv`` is a user error: exit status 2, one stderr line naming it."""
+    if entry == "cli":
+        from harts_verl.cli import main
+
+        rc = main(["check", *argv])
+    else:
+        from harts_verl.workers.check import main
+
+        rc = main(argv)
+    assert rc == 2, argv
+    err = [ln for ln in capsys.readouterr().err.strip().splitlines() if ln.startswith("harts")]
+    assert len(err) == 1 and err[0].startswith("harts-verl check: "), (argv, err)
+    assert msg in err[0], (argv, err)
+    return err[0]
+
+
+def test_check_input_errors(tmp_path, capsys, monkeypatch):
+    """Bad models and batches end ``harts-verl check`` (and ``python -m ...check``) with one
+    line naming the flag; an unsupported model type is refused before the model is built."""
+    monkeypatch.setitem(sys.modules, "fla", None)
+    monkeypatch.delenv("HARTS_VERL_DEBUG", raising=False)
+    import transformers
+
+    import harts_verl.models.hf as hf
+    from harts_verl.workers.testing import tiny_hf_config
+
+    tiny_hf_config("qwen2").save_pretrained(str(tmp_path / "noweights"))
+    model = str(tmp_path / "noweights" / "config.json")
+    batch = _batch(tmp_path)
+    transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64).save_pretrained(
+        str(tmp_path / "gpt2")
+    )
+    (tmp_path / "bad.json").write_text("{bad")
+    (tmp_path / "junk.pt").write_bytes(b"junk\n")
+    (tmp_path / "trunc.pt").write_bytes((tmp_path / "batch.pt").read_bytes()[:200])
+    torch.save([[1, 2, 3], [1, 2, 64]], tmp_path / "oov.pt")
+    torch.save([[1, 2, 3], [1, -5]], tmp_path / "neg.pt")
+    torch.save([[1.0, 2.0]], tmp_path / "floats.pt")
+    np.savez(tmp_path / "other.npz", a=np.arange(3))
+
+    real_load = hf.load_causal_lm
+    monkeypatch.setattr(hf, "load_causal_lm", lambda *a, **k: pytest.fail("model built"))
+    for spec, msg in [
+        (str(tmp_path / "gpt2" / "config.json"), "--model: "),
+        (str(tmp_path / "gpt2"), "'gpt2' model, which has no tree mode"),
+        ("nofile.json", "--model: config file 'nofile.json' does not exist"),
+        (str(tmp_path / "bad.json"), "not a valid JSON file"),
+        (str(tmp_path / "nodir"), "--model: expected an HF model directory or a config.json"),
+    ]:
+        line = _check_error(capsys, ["--model", spec, "--batch", batch], msg)
+        assert "model: model:" not in line and "--model: --model" not in line
+    monkeypatch.setattr(hf, "load_causal_lm", real_load)
+    _check_error(
+        capsys,
+        ["--model", str(tmp_path / "noweights"), "--batch", batch],
+        "config.json for random weights",
+    )
+    for name, msg in [
+        ("missing.pt", "missing.pt: no such file"),
+        ("junk.pt", "junk.pt: not a torch.save file"),
+        ("trunc.pt", "trunc.pt: not a torch.save file"),
+        ("oov.pt", "outside the model's vocabulary"),
+        ("neg.pt", "negative token id -5"),
+        ("floats.pt", "integer token ids"),
+        ("other.npz", "other.npz: not a forest file"),
+    ]:
+        line = _check_error(capsys, ["--model", model, "--batch", str(tmp_path / name)], msg)
+        assert line.startswith("harts-verl check: --batch: ")
+    _check_error(
+        capsys, ["--model", "nofile.json", "--batch", batch], "--model: config", entry="module"
+    )
+    monkeypatch.setenv("HARTS_VERL_DEBUG", "1")
+    from harts_verl.cli import main
+
+    with pytest.raises(ValueError, match="--model: config file"):
+        main(["check", "--model", "nofile.json", "--batch", batch])
+
+
+@pytest.mark.parametrize("tol", ["nan", "inf", "-inf", "-1", "x"])
+def test_check_rejects_bad_tol(tol, capsys):
+    from harts_verl.cli import main
+    from harts_verl.workers.check import run_check
+
+    with pytest.raises(SystemExit) as info:
+        main(["check", "--model", "m.json", "--batch", "b.pt", f"--tol={tol}"])
+    assert info.value.code == 2
+    assert "argument --tol: expected a finite number >= 0" in capsys.readouterr().err
+    if tol != "x":
+        with pytest.raises(ValueError, match="tol: expected a finite number >= 0"):
+            run_check(None, [[1, 2]], tol=float(tol))
+
+
+def test_check_output_is_strict_json(tmp_path, capsys, monkeypatch):
+    """A non-finite figure is an error naming it (never NaN / Infinity in the output)."""
+    monkeypatch.setitem(sys.modules, "fla", None)
+    import harts_verl.workers.check as check
+    from harts_verl.cli import main
+    from harts_verl.workers.testing import tiny_hf_config
+
+    tiny_hf_config("qwen2").save_pretrained(str(tmp_path / "m"))
+    monkeypatch.setattr(check, "run_check", lambda *a, **k: {"max_abs_dlogp": float("nan")})
+    argv = ["check", "--model", str(tmp_path / "m" / "config.json"), "--batch", _batch(tmp_path)]
+    with pytest.raises(ValueError, match="non-finite values in the result: max_abs_dlogp"):
+        main(argv)
+    assert "NaN" not in capsys.readouterr().out

@@ -1,7 +1,10 @@
-"""Forest inspection: shape statistics, planned microbatches, and a readable PNG.
+"""Forest inspection: shape statistics, planned microbatches, and a readable plot.
 
 :func:`forest_statistics` returns a JSON-ready dict (numpy only); :func:`plot_statistics`
-draws it with matplotlib (imported lazily, Agg backend). Used by ``harts-verl inspect``.
+draws it with matplotlib (imported lazily, Agg backend). :func:`load_forest` reads a forest file
+for a command line, :func:`plot_path` checks a plot destination before any work is done, and
+:func:`json_text` prints a result as strict JSON. Used by ``harts-verl inspect`` (and the plot
+and JSON helpers by ``harts-verl bench`` / ``check``).
 
 Definitions:
 
@@ -19,6 +22,8 @@ Definitions:
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from typing import Any
 
@@ -29,7 +34,112 @@ from harts_verl.tree.forest import RolloutForest
 from harts_verl.tree.linear_plan import plan_linear_calls
 from harts_verl.tree.microbatch import _oversize_groups, lower_bound_work, plan_microbatches
 
-__all__ = ["forest_statistics", "plot_statistics", "segment_depths"]
+__all__ = [
+    "forest_statistics",
+    "json_text",
+    "load_forest",
+    "plot_path",
+    "plot_statistics",
+    "segment_depths",
+]
+
+# What every forest file written by RolloutForest.save holds (a subset is enough to tell that an
+# archive is meant to be a forest, whose problems RolloutForest.load then reports).
+_FOREST_KEYS = ("format_version", "flat_tokens", "row_offsets", "leaf_order", "adjacent_lcp")
+
+
+def load_forest(path: str | os.PathLike[str]) -> RolloutForest:
+    """The forest saved at ``path`` (:meth:`RolloutForest.load`), for a command line.
+
+    Raises ``ValueError`` naming ``path`` when it does not exist, is a directory, or is a file
+    that is not a forest: an ``.npz`` archive holding none of a forest file's arrays is reported
+    as "not a forest file" with the arrays it holds; any other problem is
+    :meth:`RolloutForest.load`'s ValueError (which names the file and what is wrong). An
+    unreadable file raises the ``OSError`` of opening it."""
+    name = os.fspath(path)
+    if not os.path.exists(name):
+        raise ValueError(f"{name}: no such file")
+    if os.path.isdir(name):
+        raise ValueError(f"{name}: is a directory, expected a forest file (.npz)")
+    try:
+        z = np.load(name)
+    except Exception:  # not an archive at all: RolloutForest.load says why
+        z = None
+    if isinstance(z, np.lib.npyio.NpzFile):
+        with z:
+            files = list(z.files)
+        if not any(k in files for k in _FOREST_KEYS):
+            shown = ", ".join(repr(f) for f in files[:8]) + (", ..." if len(files) > 8 else "")
+            raise ValueError(
+                f"{name}: not a forest file (an .npz archive with arrays {shown or 'none'}; "
+                "forests are written by RolloutForest.save)"
+            )
+    return RolloutForest.load(name)
+
+
+def plot_path(path: str | os.PathLike[str]) -> str:
+    """The file a plot requested at ``path`` is written to, checked before anything is drawn.
+
+    ``path`` itself when it has a suffix; ``path + ".png"`` when it has none (what matplotlib
+    would write, so the reported path is the real one). The suffix must be one of matplotlib's
+    formats (``FigureCanvasBase.get_supported_filetypes``: png, pdf, svg, ...); the file must not
+    be a directory, its directory must exist and be writable, and an existing file must be
+    writable. Raises ``ValueError`` naming ``plot`` otherwise, or when matplotlib is not
+    installed (it is in the ``bench`` extra). Nothing is created."""
+    name = os.fspath(path)
+    if not name:
+        raise ValueError("plot: expected a file name, got ''")
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError as exc:
+        raise ValueError(
+            f"plot: matplotlib is needed to write {name!r} (pip install 'harts-verl[bench]')"
+        ) from exc
+    if os.path.isdir(name):
+        raise ValueError(f"plot: {name!r} is a directory, expected a file name")
+    suffix = os.path.splitext(name)[1]
+    out = name if suffix else name + ".png"
+    formats = FigureCanvasBase.get_supported_filetypes()
+    fmt = os.path.splitext(out)[1][1:].lower()
+    if fmt not in formats:
+        raise ValueError(
+            f"plot: unsupported format {suffix!r} of {name!r} (supported: "
+            f"{', '.join('.' + f for f in sorted(formats))})"
+        )
+    if os.path.isdir(out):
+        raise ValueError(f"plot: {out!r} (where {name!r} is written) is a directory")
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise ValueError(f"plot: cannot write {out!r} (no writable directory {parent!r})")
+    if os.path.exists(out) and not os.access(out, os.W_OK):
+        raise ValueError(f"plot: cannot write {out!r} (the file is not writable)")
+    return out
+
+
+def _non_finite(obj: Any, where: str = "") -> list[str]:
+    """Paths (``a.b[2]``) of the non-finite floats in a JSON-ready object."""
+    if isinstance(obj, float):
+        return [] if math.isfinite(obj) else [where or "<value>"]
+    if isinstance(obj, dict):
+        return [p for k, v in obj.items() for p in _non_finite(v, f"{where}.{k}" if where else k)]
+    if isinstance(obj, list | tuple):
+        return [p for i, v in enumerate(obj) for p in _non_finite(v, f"{where}[{i}]")]
+    return []
+
+
+def json_text(obj: Any, *, indent: int | None = 2) -> str:
+    """``obj`` as strict JSON text (``allow_nan=False``): NaN and infinities are never printed.
+
+    Raises ``ValueError`` listing the paths of the non-finite values when there are any (a
+    result with such a figure is a bug to surface, not valid JSON), and ``TypeError`` for a
+    value JSON cannot hold."""
+    try:
+        return json.dumps(obj, indent=indent, allow_nan=False)
+    except ValueError:
+        bad = _non_finite(obj)
+        if not bad:
+            raise
+        raise ValueError(f"non-finite values in the result: {', '.join(bad)}") from None
 
 
 def segment_depths(forest: RolloutForest) -> np.ndarray:
@@ -77,7 +187,9 @@ def forest_statistics(
     ``depth_histogram`` (segments per trajectory path), ``branching_histogram`` (children per
     branch row), ``roots``, ``forks`` (count, inside-chunk fraction, fork-position quantiles,
     and the linear-attention call plan's ``replay_tokens`` and ``linear_rounds``), and ``plan``
-    (summary, per-slot works and imbalance, P0 size, lower bound) when planned.
+    (summary, per-slot works and imbalance, P0 size, lower bound) when planned:
+    ``plan.slot_work`` is a ``[slots][dp_size]`` list (``[]`` when the plan has no slots, e.g.
+    for the empty forest, which is described like any other: zero counts, empty histograms).
 
     Guarantees: ``forks.replay_tokens`` equals ``plan_linear_calls(forest,
     chunk_size=chunk_size).replay_tokens``; ``plan.lower_bound_compact_tokens`` is at most the
@@ -153,8 +265,14 @@ def forest_statistics(
     return out
 
 
-def plot_statistics(stats: dict[str, Any], path: str | os.PathLike[str], title: str = "") -> None:
-    """Write a multi-panel PNG of :func:`forest_statistics` output to ``path``."""
+def plot_statistics(stats: dict[str, Any], path: str | os.PathLike[str], title: str = "") -> str:
+    """Write a multi-panel figure of :func:`forest_statistics` output and return the file written.
+
+    The file is :func:`plot_path` of ``path`` (checked before drawing: ``ValueError`` naming
+    ``plot`` for a directory, an unwritable location or a format matplotlib cannot write; no
+    suffix writes a PNG at ``path + ".png"``). Any forest can be drawn, the empty one included
+    (its panels say there is nothing to show)."""
+    out = plot_path(path)
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -228,9 +346,10 @@ def plot_statistics(stats: dict[str, Any], path: str | os.PathLike[str], title: 
 
     # 5-6: plan
     ax5, ax6 = axes[1, 1], axes[1, 2]
-    if plan:
-        sw = np.asarray(plan["slot_work"], dtype=np.float64)
-        slots, dp = sw.shape
+    if plan and plan["slots"]:
+        dp = int(plan["dp_size"])
+        sw = np.asarray(plan["slot_work"], dtype=np.float64).reshape(-1, dp)
+        slots = sw.shape[0]
         width = 0.8 / max(dp, 1)
         for r in range(dp):
             ax5.bar(np.arange(slots) + (r - (dp - 1) / 2) * width, sw[:, r], width=width)
@@ -261,11 +380,14 @@ def plot_statistics(stats: dict[str, Any], path: str | os.PathLike[str], title: 
             ax.text(
                 0.5,
                 0.5,
-                "no plan (pass --capacity)",
+                "no microbatches (empty forest)" if plan else "no plan (pass --capacity)",
                 ha="center",
                 va="center",
                 transform=ax.transAxes,
             )
             ax.set_axis_off()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        fig.savefig(out, dpi=110)
+    finally:
+        plt.close(fig)
+    return out

@@ -14,21 +14,45 @@ layer the max |Δ| of its output with the first layer whose difference exceeds `
 when all stay within), and the batch's analytic FLOP ratio expanded ÷ tree
 (:mod:`harts_verl.runtime.flops`; None for a model without a FLOP model).
 
-Run: ``python -m harts_verl.workers.check --model DIR --batch FILE`` (the ``harts-verl check``
-subcommand calls :func:`main`).
+Run: ``harts-verl check --model DIR --batch FILE`` or ``python -m harts_verl.workers.check
+--model DIR --batch FILE``. Inputs are checked before the audit runs (:func:`load_inputs`: option
+values, the model's type before its weights are built, the batch file and its token ids against
+the model's vocabulary); a bad one ends the command with one line ``harts-verl check: --flag:
+what is wrong`` on stderr and exit status 2 (``HARTS_VERL_DEBUG=1`` re-raises it with its
+traceback). Errors of the audit itself are not input errors and keep their traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import math
+import os
+import pickle
 import sys
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["add_arguments", "decoder_layers", "load_sequences", "main", "run_check"]
+from harts_verl.tree._checks import is_int
+
+__all__ = [
+    "INPUT_ERRORS",
+    "add_arguments",
+    "decoder_layers",
+    "load_inputs",
+    "load_sequences",
+    "load_tree_model",
+    "main",
+    "run_check",
+    "tree_model_config",
+]
+
+# Exceptions that mean "this input is bad" while options, models and batches are read (never
+# caught around the audit itself, whose errors are bugs and keep their traceback).
+INPUT_ERRORS = (ValueError, TypeError, OSError, pickle.UnpicklingError, EOFError)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
 def load_sequences(path: str) -> list[list[int]]:
@@ -37,14 +61,25 @@ def load_sequences(path: str) -> list[list[int]]:
     ``input_ids`` tensor, or a mapping (dict, TensorDict) with ``input_ids`` — nested, a list,
     or dense ``[B, L]`` with ``attention_mask`` (the masked-in tokens of each row). Raises
     ``ValueError`` naming the file and what is wrong (no trajectories, non-integer ids, a
-    missing key, a dense batch without its mask)."""
-    from harts_verl.tree import RolloutForest
+    missing key, a dense batch without its mask), when the file does not exist or is a
+    directory, and when it is neither a forest file nor readable by ``torch.load`` (a
+    truncated or foreign file: the reader's message is included)."""
+    from harts_verl.tree.inspect import load_forest
 
     if path.endswith(".npz"):
-        f = RolloutForest.load(path)
+        f = load_forest(path)
         seqs = [f.tokens_of(i).tolist() for i in range(f.num_trajectories)]
     else:
-        obj = torch.load(path, map_location="cpu", weights_only=False)
+        if not os.path.exists(path):
+            raise ValueError(f"{path}: no such file")
+        if os.path.isdir(path):
+            raise ValueError(f"{path}: is a directory, expected a batch file (.pt or .npz)")
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=False)
+        except (pickle.UnpicklingError, EOFError, RuntimeError, ValueError) as exc:
+            raise ValueError(
+                f"{path}: not a torch.save file or a forest .npz ({type(exc).__name__}: {exc})"
+            ) from exc
         seqs = _sequences_of(obj, path)
     if not seqs:
         raise ValueError(f"{path}: the batch has no trajectories")
@@ -174,14 +209,27 @@ def _own_forward_log_probs(model: Any, seqs: list[list[int]]) -> list[torch.Tens
     return out
 
 
+def _check_tol(tol: Any) -> float:
+    """``tol`` as a float; ValueError naming it unless it is a finite real number >= 0."""
+    ok = isinstance(tol, int | float | np.floating) and not isinstance(tol, bool)
+    if not ok or not math.isfinite(tol) or tol < 0:
+        raise ValueError(f"tol: expected a finite number >= 0, got {tol!r}")
+    return float(tol)
+
+
 def run_check(
     model: Any, seqs: list[list[int]], *, chunk_size: int = 64, tol: float = 1e-5
 ) -> dict[str, Any]:
-    """Tree vs expanded on one model and batch: the figures described in the module doc."""
+    """Tree vs expanded on one model and batch: the figures described in the module doc.
+
+    Raises ``ValueError`` naming ``seqs`` for an empty batch, ``tol`` unless it is a finite
+    number >= 0, and the runners' errors for ``chunk_size`` and token ids outside the model's
+    vocabulary (all before any forward runs)."""
     from harts_verl.runtime import ExpandedRunner, TreeRunner
 
     if not seqs:
         raise ValueError("seqs: the batch has no trajectories")
+    tol = _check_tol(tol)
 
     tree = TreeRunner(model, chunk_size=chunk_size)
     exp = ExpandedRunner(model, chunk_size=chunk_size)
@@ -230,37 +278,168 @@ def run_check(
     }
 
 
+def _int_at_least(lo: int):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int >= {lo}, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"expected an int >= {lo}, got {v}")
+        return v
+
+    return parse
+
+
+def _tolerance(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return v
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The ``check`` options (for ``harts-verl check``)."""
+    """The ``check`` options (for ``harts-verl check``); malformed values are argparse errors."""
     p.add_argument("--model", required=True, help="HF model dir, or a config.json (random init)")
     p.add_argument("--batch", required=True, help="batch dump: forest .npz or torch .pt")
-    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float64")
-    p.add_argument("--chunk-size", type=int, default=64)
-    p.add_argument("--tol", type=float, default=1e-5, help="per-layer divergence threshold")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--chunk-size", type=_int_at_least(1), default=64)
+    p.add_argument(
+        "--tol",
+        type=_tolerance,
+        default=1e-5,
+        help="per-layer divergence threshold (finite, >= 0)",
+    )
+    p.add_argument("--seed", type=_int_at_least(0), default=0, help="random init of a config")
+
+
+def tree_model_config(spec: str) -> Any:
+    """The HF config of the model ``spec`` names (an HF model directory or a ``config.json``),
+    read without building the model, after checking that its type runs in tree mode
+    (``harts_verl.models.adapter.TREE_MODEL_TYPES``).
+
+    Raises ``ValueError`` starting with ``model:`` when ``spec`` does not exist, is neither a
+    directory nor a ``.json`` file, has no readable config (invalid JSON, no ``model_type``, an
+    unknown type) or names a model type without a tree mode."""
+    from transformers import AutoConfig
+
+    from harts_verl.models.adapter import TREE_MODEL_TYPES
+    from harts_verl.models.hf import register_auto_classes
+
+    if spec.endswith(".json"):
+        if not os.path.isfile(spec):
+            raise ValueError(f"model: config file {spec!r} does not exist")
+    elif not os.path.isdir(spec):
+        raise ValueError(f"model: expected an HF model directory or a config.json, got {spec!r}")
+    elif not os.path.isfile(os.path.join(spec, "config.json")):
+        raise ValueError(f"model: {spec!r} has no config.json")
+    register_auto_classes()
+    try:
+        cfg = AutoConfig.from_pretrained(spec)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"model: cannot read the config of {spec!r}: {exc}") from exc
+    model_type = getattr(cfg, "model_type", None)
+    if model_type not in TREE_MODEL_TYPES:
+        raise ValueError(
+            f"model: {spec!r} is a {model_type!r} model, which has no tree mode "
+            f"(supported: {', '.join(TREE_MODEL_TYPES)})"
+        )
+    return cfg
+
+
+def load_tree_model(
+    spec: str, *, dtype: torch.dtype = torch.float32, seed: int = 0, eager_experts: bool = True
+) -> torch.nn.Module:
+    """:func:`harts_verl.models.hf.load_causal_lm` of ``spec`` after :func:`tree_model_config`
+    (an unsupported model is refused before anything is built). Raises ``ValueError`` starting
+    with ``model:`` for a bad spec, a directory without weights, or a config its model class
+    rejects (the class's message is included)."""
+    from harts_verl.models.hf import load_causal_lm
+
+    tree_model_config(spec)
+    try:
+        return load_causal_lm(spec, dtype=dtype, seed=seed, eager_experts=eager_experts)
+    except OSError as exc:  # e.g. a directory without weights
+        hint = " (pass its config.json for random weights)" if os.path.isdir(spec) else ""
+        raise ValueError(f"model: {exc}{hint}") from exc
+    except (ValueError, TypeError) as exc:
+        msg = str(exc)
+        raise ValueError(msg if msg.startswith("model:") else f"model: {spec!r}: {msg}") from exc
+
+
+def _flag(exc: BaseException, flag: str, field: str) -> ValueError:
+    """``exc`` as a ValueError naming ``flag`` (its leading ``field:`` replaced by it)."""
+    msg = str(exc) or type(exc).__name__
+    if msg.startswith(field + ":"):
+        msg = msg[len(field) + 1 :].lstrip()
+    return ValueError(f"{flag}: {msg}")
+
+
+def load_inputs(args: argparse.Namespace) -> tuple[torch.nn.Module, list[list[int]]]:
+    """The model and batch of parsed ``check`` options, every input checked before the audit:
+    ``--dtype``, ``--tol``, ``--chunk-size`` and ``--seed`` values, the model's type before it
+    is built (:func:`load_tree_model`), the batch (:func:`load_sequences`) and its token ids
+    against the model's vocabulary. Raises ``ValueError`` whose message starts with the flag at
+    fault (``--model: ...``, ``--batch: ...``), so it is one command-line line as it stands."""
+    from harts_verl.runtime import TreeRunner
+
+    if args.dtype not in DTYPES:
+        raise ValueError(f"--dtype: expected one of {sorted(DTYPES)}, got {args.dtype!r}")
+    try:
+        _check_tol(args.tol)
+    except ValueError as exc:
+        raise _flag(exc, "--tol", "tol") from exc
+    for flag, value, lo in (("--chunk-size", args.chunk_size, 1), ("--seed", args.seed, 0)):
+        if not is_int(value) or value < lo:
+            raise ValueError(f"{flag}: expected an int >= {lo}, got {value!r}")
+    try:
+        model = load_tree_model(args.model, dtype=DTYPES[args.dtype], seed=args.seed)
+    except INPUT_ERRORS as exc:
+        raise _flag(exc, "--model", "model") from exc
+    try:
+        seqs = load_sequences(args.batch)
+        TreeRunner(model, chunk_size=args.chunk_size).build_forest(seqs)  # ids in vocabulary
+    except INPUT_ERRORS as exc:
+        msg = str(exc)
+        raise ValueError(
+            f"--batch: {msg}" if msg.startswith(args.batch) else f"--batch: {args.batch}: {msg}"
+        ) from exc
+    return model, seqs
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse ``argv``, run the audit, print JSON."""
+    """Parse ``argv``, run the audit, print JSON; exit status 2 with one line on stderr for a
+    bad input (``HARTS_VERL_DEBUG=1``: re-raised with its traceback), as ``harts-verl check``."""
     p = argparse.ArgumentParser(prog="harts-verl check", description=__doc__.split("\n\n")[0])
     add_arguments(p)
-    return run_args(p.parse_args(argv))
+    args = p.parse_args(argv)
+    try:
+        model, seqs = load_inputs(args)
+    except INPUT_ERRORS as exc:
+        if os.environ.get("HARTS_VERL_DEBUG", "") not in ("", "0"):
+            raise
+        print(f"harts-verl check: {exc}", file=sys.stderr)
+        return 2
+    return _audit(model, seqs, args)
+
+
+def _audit(model: torch.nn.Module, seqs: list[list[int]], args: argparse.Namespace) -> int:
+    from harts_verl.tree.inspect import json_text
+
+    res = run_check(model, seqs, chunk_size=args.chunk_size, tol=args.tol)
+    print(json_text(res))
+    return 0
 
 
 def run_args(args: argparse.Namespace) -> int:
-    """Run the audit for parsed ``check`` options and print JSON."""
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-    if args.dtype not in dtype:
-        raise SystemExit(f"--dtype: expected one of {sorted(dtype)}, got {args.dtype!r}")
-    from harts_verl.models.hf import load_causal_lm
-
-    try:
-        model = load_causal_lm(args.model, dtype=dtype[args.dtype], seed=args.seed)
-    except ValueError as e:
-        raise SystemExit(f"--model: {e}") from None
-    res = run_check(model, load_sequences(args.batch), chunk_size=args.chunk_size, tol=args.tol)
-    print(json.dumps(res, indent=2))
-    return 0
+    """Run the audit for parsed ``check`` options and print JSON. Input errors propagate as the
+    ValueError of :func:`load_inputs` (``harts-verl check`` and :func:`main` turn them into one
+    line and exit status 2)."""
+    model, seqs = load_inputs(args)
+    return _audit(model, seqs, args)
 
 
 if __name__ == "__main__":
