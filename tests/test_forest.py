@@ -378,6 +378,13 @@ def _write_forest_file(path, **overrides):
     np.savez(path, **{k: v for k, v in arrays.items() if v is not None})
 
 
+def test_load_names_an_npz_that_is_no_forest(tmp_path):
+    path = tmp_path / "other.npz"
+    np.savez(path, a=np.arange(3))
+    with pytest.raises(ValueError, match=r"not a forest file .*'a'"):
+        RolloutForest.load(path)
+
+
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [

@@ -596,11 +596,16 @@ _FILE_ARRAYS = ("flat_tokens", "row_offsets", "group_ids", "leaf_order", "adjace
 
 
 def _file_format_version(path: Any, z: Any) -> int:
-    """The file's ``format_version`` (-1 when absent). ValueError naming the path and the
-    field unless it is one integer (a 0-d integer array, as :meth:`RolloutForest.save`
-    writes): no shapes, strings, objects or floats (``1.5`` must not read as version 1)."""
+    """The file's ``format_version``. ValueError naming the path: "not a forest file" when it
+    is absent, and naming the field unless it is one integer (a 0-d integer array, as
+    :meth:`RolloutForest.save` writes): no shapes, strings, objects or floats (``1.5`` must not
+    read as version 1)."""
     if "format_version" not in z:
-        return -1
+        names = ", ".join(repr(k) for k in z.files[:8]) + (", ..." if len(z.files) > 8 else "")
+        raise ValueError(
+            f"{path}: not a forest file (an .npz archive with arrays {names or 'none'}; forests "
+            "are written by RolloutForest.save)"
+        )
     try:
         v = z["format_version"]
     except ValueError as exc:  # an object array (needs pickle)

@@ -43,37 +43,19 @@ __all__ = [
     "segment_depths",
 ]
 
-# What every forest file written by RolloutForest.save holds (a subset is enough to tell that an
-# archive is meant to be a forest, whose problems RolloutForest.load then reports).
-_FOREST_KEYS = ("format_version", "flat_tokens", "row_offsets", "leaf_order", "adjacent_lcp")
-
 
 def load_forest(path: str | os.PathLike[str]) -> RolloutForest:
     """The forest saved at ``path`` (:meth:`RolloutForest.load`), for a command line.
 
-    Raises ``ValueError`` naming ``path`` when it does not exist, is a directory, or is a file
-    that is not a forest: an ``.npz`` archive holding none of a forest file's arrays is reported
-    as "not a forest file" with the arrays it holds; any other problem is
-    :meth:`RolloutForest.load`'s ValueError (which names the file and what is wrong). An
-    unreadable file raises the ``OSError`` of opening it."""
+    Raises ``ValueError`` naming ``path`` when it does not exist or is a directory; any other
+    problem is :meth:`RolloutForest.load`'s ValueError (which names the file and what is wrong,
+    e.g. "not a forest file" for an ``.npz`` archive without a forest's arrays). An unreadable
+    file raises the ``OSError`` of opening it."""
     name = os.fspath(path)
     if not os.path.exists(name):
         raise ValueError(f"{name}: no such file")
     if os.path.isdir(name):
         raise ValueError(f"{name}: is a directory, expected a forest file (.npz)")
-    try:
-        z = np.load(name)
-    except Exception:  # not an archive at all: RolloutForest.load says why
-        z = None
-    if isinstance(z, np.lib.npyio.NpzFile):
-        with z:
-            files = list(z.files)
-        if not any(k in files for k in _FOREST_KEYS):
-            shown = ", ".join(repr(f) for f in files[:8]) + (", ..." if len(files) > 8 else "")
-            raise ValueError(
-                f"{name}: not a forest file (an .npz archive with arrays {shown or 'none'}; "
-                "forests are written by RolloutForest.save)"
-            )
     return RolloutForest.load(name)
 
 
