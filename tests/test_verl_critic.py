@@ -68,10 +68,9 @@ def _run(testing, path, strategy, *, padded, harts=None):
 def test_critic_parity_with_stock_value_engine(critics, kind):
     testing, paths = critics
     # Without fla, HF's linear-attention torch fallback would carry state across packed rows:
-    # the stock reference (and the tree engine's audit, a stock forward) run padded rows.
-    padded = kind == "qwen3_next"
-    ref = _run(testing, paths[kind], "fsdp2", padded=padded)
-    tree = _run(testing, paths[kind], "harts_fsdp2", padded=padded, harts={"audit_every": 1})
+    # the stock reference runs padded rows (the tree engine's audit does that by itself).
+    ref = _run(testing, paths[kind], "fsdp2", padded=kind == "qwen3_next")
+    tree = _run(testing, paths[kind], "harts_fsdp2", padded=False, harts={"audit_every": 1})
     (inf_r, met_r, p0_r, p1_r), (inf_t, met_t, p0_t, p1_t) = ref, tree
     assert inf_t["metrics"]["harts/fallback"] == [0.0]
     assert met_t["harts/fallback"] == [0.0]

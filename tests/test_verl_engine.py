@@ -428,6 +428,19 @@ def test_fallback_and_audit(verl_cpu):
     assert out["metrics"]["harts/fallback"] == [0.0]
 
 
+def test_audit_of_a_hybrid_without_fla_is_exact(verl_cpu):
+    """The audit's stock forward of a linear-attention hybrid runs padded rows when fla is
+    absent (HF's torch fallback would carry state across packed sequences)."""
+    testing, paths = verl_cpu
+    seqs, prompt_lens, spans = _multiturn_batch(seed=3)
+    cfg = testing.actor_config(harts={"audit_every": 1, "audit_trajectories": 4})
+    engine = testing.build_engine(paths["qwen3_next"], cfg)  # packed (remove-padding) engine
+    with engine.eval_mode():
+        out = engine.infer_batch(testing.make_batch(seqs, prompt_lens, tool_spans=spans))
+    assert out["metrics"]["harts/fallback"] == [0.0]
+    assert 0.0 <= out["metrics"]["harts/audit"][0] <= 1e-6
+
+
 # torch.optim.AdamW's default; veRL does not set eps (betas (0.9, 0.999), weight decay 0.01).
 ADAM_EPS = 1e-8
 

@@ -65,6 +65,7 @@ from verl.workers.engine.utils import detach_tree
 
 from harts_verl.models.adapter import (
     FULL_ATTENTION_MODEL_TYPES,
+    HYBRID_MODEL_TYPES,
     TREE_MODEL_TYPES,
     length_dependent_rope,
     patch_tree_mixers,
@@ -232,6 +233,16 @@ def split_dependent_loss(loss_function: Any) -> str | None:
             f"policy loss {mode!r} selects tokens by covariance statistics of each micro-batch"
         )
     return "; ".join(out) or None
+
+
+def _fla_importable() -> bool:
+    """Whether fla (the linear-attention kernels HF's hybrids use for packed sequences) imports
+    in this process."""
+    try:
+        import fla  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _dropout_reason(module: torch.nn.Module) -> str | None:
@@ -756,9 +767,15 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
     def _audit(self, data: TensorDict, model_output: dict, temperature: float) -> float:
         """max |Δ| of the audited output (log-probs; values for the critic) between the tree
         result and the stock (expanded) forward on the first ``harts.audit_trajectories``
-        trajectories of the local batch (positions 0..L−2 for shifted outputs, else all)."""
+        trajectories of the local batch (positions 0..L−2 for shifted outputs, else all). For a
+        linear-attention hybrid without fla the stock forward runs padded rows (HF's torch
+        fallback is exact per row but not across packed sequences)."""
         n = min(self.harts.audit_trajectories, len(data))
         sub = tu.index_select_tensor_dict(data, list(range(n)))
+        if self._model_type in HYBRID_MODEL_TYPES and not _fla_importable():
+            # HF's torch fallback for linear attention carries state across packed sequences:
+            # without fla the stock reference must run padded rows.
+            tu.assign_non_tensor(sub, use_remove_padding=False)
         with torch.no_grad():
             _, ref = FSDPEngineWithLMHead.forward_step(
                 self, sub, loss_function=None, forward_only=True
