@@ -14,19 +14,9 @@ import time
 import numpy as np
 
 from harts_verl.tree import RolloutForest
+from harts_verl.tree._checks import int_arg
 from harts_verl.tree.naive import build_naive_trie
 from harts_verl.tree.workloads import WORKLOADS
-
-
-def _positive_int(text: str) -> int:
-    """argparse type: an int >= 1."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {v}")
-    return v
 
 
 def _best_of(fn, repeats: int) -> tuple[float, object]:
@@ -43,8 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workload", default="swe_like", choices=sorted(WORKLOADS))
     ap.add_argument("--scale", type=float, default=16.0, help="about scale x 1M semantic tokens")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeats", type=_positive_int, default=3, help="best-of runs (>= 1)")
-    ap.add_argument("--naive-tokens", type=_positive_int, default=1_000_000)
+    ap.add_argument("--repeats", type=int_arg(1), default=3, help="best-of runs (>= 1)")
+    ap.add_argument("--naive-tokens", type=int_arg(1), default=1_000_000)
     args = ap.parse_args(argv)
 
     print(f"generating {args.workload} scale={args.scale} ...", file=sys.stderr)

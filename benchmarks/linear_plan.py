@@ -23,20 +23,10 @@ import time
 import numpy as np
 
 from harts_verl.tree import RolloutForest, plan_linear_calls
+from harts_verl.tree._checks import int_arg
 from harts_verl.tree.workloads import WORKLOADS
 
 TARGETS = (32_000, 100_000, 320_000, 1_000_000)
-
-
-def _positive_int(text: str) -> int:
-    """argparse type: an int >= 1."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {v}")
-    return v
 
 
 def _time(fn, repeats: int) -> tuple[float, float, object]:
@@ -78,11 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workload", default="swe_like", choices=sorted(WORKLOADS))
     ap.add_argument("--scale", type=float, default=12.0, help="about scale x 1M semantic tokens")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--chunk-size", type=_positive_int, default=64)
-    ap.add_argument(
-        "--per-size", type=_positive_int, default=3, help="microbatches per target size"
-    )
-    ap.add_argument("--repeats", type=_positive_int, default=15, help="timed runs (>= 1)")
+    ap.add_argument("--chunk-size", type=int_arg(1), default=64)
+    ap.add_argument("--per-size", type=int_arg(1), default=3, help="microbatches per target size")
+    ap.add_argument("--repeats", type=int_arg(1), default=15, help="timed runs (>= 1)")
     args = ap.parse_args(argv)
 
     print(f"generating {args.workload} scale={args.scale} ...", file=sys.stderr)

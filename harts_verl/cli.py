@@ -16,11 +16,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import pickle
 import sys
 from collections.abc import Iterator
+
+from harts_verl.tree._checks import finite_float_arg, int_arg
 
 # `harts-verl demo`: the bench on a smaller SWE-like step (≈10K semantic tokens, ≈5.6×, one
 # timed repeat after one warm-up; measured 1 min 36 s with one thread on a CPU).
@@ -96,30 +97,6 @@ def _inputs(flags: dict[str, str] | None = None) -> Iterator[None]:
         raise _UserError(_phrase(exc, flags or {})) from exc
 
 
-def _int_at_least(lo: int):
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an int >= {lo}, got {text!r}") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"expected an int >= {lo}, got {v}")
-        return v
-
-    parse.__name__ = f"int>={lo}"
-    return parse
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}") from None
-    if not math.isfinite(v) or v <= 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
-    return v
-
-
 def _add_bench_args(
     p: argparse.ArgumentParser, *, repeats: int, warmup: int, **defaults: object
 ) -> None:
@@ -132,11 +109,11 @@ def _add_bench_args(
     p.add_argument("--workload", default=d.workload, choices=sorted(WORKLOADS))
     p.add_argument(
         "--scale",
-        type=_positive_float,
+        type=finite_float_arg(0, inclusive=False),
         default=d.scale,
         help="workload scale (≈ scale × 1M tokens; finite, > 0)",
     )
-    p.add_argument("--seed", type=_int_at_least(0), default=d.seed)
+    p.add_argument("--seed", type=int_arg(0), default=d.seed)
     p.add_argument(
         "--workload-option",
         action="append",
@@ -147,7 +124,7 @@ def _add_bench_args(
     )
     p.add_argument(
         "--max-semantic-tokens",
-        type=_int_at_least(0),
+        type=int_arg(0),
         default=d.max_semantic_tokens or 0,
         help="use the first trajectories up to this many semantic tokens (0 = all)",
     )
@@ -159,17 +136,17 @@ def _add_bench_args(
         "replaces --preset",
     )
     p.add_argument("--dtype", default=d.dtype, choices=sorted(DTYPES))
-    p.add_argument("--repeats", type=_int_at_least(1), default=repeats, help="timed iterations")
+    p.add_argument("--repeats", type=int_arg(1), default=repeats, help="timed iterations")
     p.add_argument(
         "--warmup",
-        type=_int_at_least(1),
+        type=int_arg(1),
         default=warmup,
         help="untimed iterations first (>= 1: a process's first step is never timed)",
     )
-    p.add_argument("--chunk-size", type=_int_at_least(1), default=d.chunk_size)
+    p.add_argument("--chunk-size", type=int_arg(1), default=d.chunk_size)
     p.add_argument(
         "--capacity",
-        type=_int_at_least(0),
+        type=int_arg(0),
         default=d.capacity_tokens or 0,
         help="tokens per microbatch (both runners; 0 = one microbatch)",
     )
@@ -180,9 +157,7 @@ def _add_bench_args(
         help="per-layer activation recomputation (both runners)",
     )
     p.add_argument("--device", default=d.device, help="torch device (cpu, cuda, cuda:1, ...)")
-    p.add_argument(
-        "--threads", type=_int_at_least(1), default=None, help="torch intra-op threads (>= 1)"
-    )
+    p.add_argument("--threads", type=int_arg(1), default=None, help="torch intra-op threads (>= 1)")
     p.add_argument(
         "--plot",
         default=None,
@@ -297,17 +272,15 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
     p.add_argument("forest", help="a forest written by RolloutForest.save (.npz)")
     p.add_argument(
         "--capacity",
-        type=_int_at_least(0),
+        type=int_arg(0),
         default=0,
         help="compact tokens per microbatch (omitted or 0: no microbatch plan)",
     )
     p.add_argument(
-        "--dp", type=_int_at_least(1), default=1, help="data-parallel replicas (with --capacity)"
+        "--dp", type=int_arg(1), default=1, help="data-parallel replicas (with --capacity)"
     )
-    p.add_argument(
-        "--chunk-size", type=_int_at_least(1), default=64, help="linear-attention chunk size"
-    )
-    p.add_argument("--seed", type=_int_at_least(0), default=0)
+    p.add_argument("--chunk-size", type=int_arg(1), default=64, help="linear-attention chunk size")
+    p.add_argument("--seed", type=int_arg(0), default=0)
     p.add_argument(
         "--work-slack",
         type=float,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
+import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -23,3 +26,38 @@ def check_int(name: str, value: Any, minimum: int, maximum: int | None = INT64_M
     if maximum is not None and value > maximum:
         raise ValueError(f"{name}: expected an int <= {maximum}, got {value!r}")
     return int(value)
+
+
+def int_arg(lo: int) -> Callable[[str], int]:
+    """argparse ``type=``: an int >= ``lo`` (``ArgumentTypeError`` "expected an int >= lo")."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int >= {lo}, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"expected an int >= {lo}, got {v}")
+        return v
+
+    parse.__name__ = f"int>={lo}"
+    return parse
+
+
+def finite_float_arg(lo: float, *, inclusive: bool) -> Callable[[str], float]:
+    """argparse ``type=``: a finite float ``>= lo`` (``inclusive``) or ``> lo``."""
+    op = ">=" if inclusive else ">"
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected a finite number {op} {lo}, got {text!r}"
+            ) from None
+        if not math.isfinite(v) or (v < lo if inclusive else v <= lo):
+            raise argparse.ArgumentTypeError(f"expected a finite number {op} {lo}, got {text!r}")
+        return v
+
+    parse.__name__ = f"float{op}{lo}"
+    return parse

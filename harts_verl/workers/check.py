@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from harts_verl.tree._checks import is_int
+from harts_verl.tree._checks import finite_float_arg, int_arg, is_int
 
 __all__ = [
     "INPUT_ERRORS",
@@ -278,42 +278,19 @@ def run_check(
     }
 
 
-def _int_at_least(lo: int):
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an int >= {lo}, got {text!r}") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"expected an int >= {lo}, got {v}")
-        return v
-
-    return parse
-
-
-def _tolerance(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}") from None
-    if not math.isfinite(v) or v < 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return v
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``check`` options (for ``harts-verl check``); malformed values are argparse errors."""
     p.add_argument("--model", required=True, help="HF model dir, or a config.json (random init)")
     p.add_argument("--batch", required=True, help="batch dump: forest .npz or torch .pt")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    p.add_argument("--chunk-size", type=_int_at_least(1), default=64)
+    p.add_argument("--chunk-size", type=int_arg(1), default=64)
     p.add_argument(
         "--tol",
-        type=_tolerance,
+        type=finite_float_arg(0, inclusive=True),
         default=1e-5,
         help="per-layer divergence threshold (finite, >= 0)",
     )
-    p.add_argument("--seed", type=_int_at_least(0), default=0, help="random init of a config")
+    p.add_argument("--seed", type=int_arg(0), default=0, help="random init of a config")
 
 
 def tree_model_config(spec: str) -> Any:
