@@ -131,6 +131,15 @@ class HartsConfig(BaseConfig):
         return cls(**items)
 
 
+def _attach_harts(cfg: Any, parent_post_init: Any) -> None:
+    """Validate ``cfg.harts`` (:meth:`HartsConfig.from_any`), run veRL's ``__post_init__``
+    (which copies ``strategy`` into the engine config), then attach the section to that engine
+    config as ``harts``."""
+    object.__setattr__(cfg, "harts", HartsConfig.from_any(cfg.harts))
+    parent_post_init()
+    object.__setattr__(cfg.engine, "harts", cfg.harts)
+
+
 @dataclass
 class HartsFSDPActorConfig(FSDPActorConfig):
     """``FSDPActorConfig`` plus the ``harts:`` section; ``strategy`` defaults to
@@ -140,9 +149,7 @@ class HartsFSDPActorConfig(FSDPActorConfig):
     harts: Any = field(default_factory=HartsConfig)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "harts", HartsConfig.from_any(self.harts))
-        super().__post_init__()
-        object.__setattr__(self.engine, "harts", self.harts)
+        _attach_harts(self, super().__post_init__)
 
 
 @dataclass
@@ -155,9 +162,7 @@ class HartsFSDPCriticConfig(FSDPCriticConfig):
     harts: Any = field(default_factory=HartsConfig)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "harts", HartsConfig.from_any(self.harts))
-        super().__post_init__()
-        object.__setattr__(self.engine, "harts", self.harts)
+        _attach_harts(self, super().__post_init__)
 
 
 def harts_config_of(engine_config: Any) -> HartsConfig:
