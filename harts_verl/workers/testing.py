@@ -327,6 +327,22 @@ def init_process_group(rank: int = 0, world_size: int = 1, port: int | None = No
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
 
 
+def _fp32_engine_config(max_token_len: int):
+    """veRL's FSDP2 engine config of the test engines: fp32 throughout, no compile, dynamic
+    batching up to ``max_token_len`` tokens per micro-batch."""
+    from verl.workers.config import FSDPEngineConfig
+
+    return FSDPEngineConfig(
+        strategy="fsdp2",
+        model_dtype="fp32",
+        mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+        use_torch_compile=False,
+        use_dynamic_bsz=True,
+        max_token_len_per_gpu=max_token_len,
+        infer_max_token_len_per_gpu=max_token_len,
+    )
+
+
 def actor_config(
     *,
     loss_mode: str = "vanilla",
@@ -341,20 +357,12 @@ def actor_config(
 ):
     """An actor config as veRL's worker builds it (``HartsFSDPActorConfig`` for the harts
     strategy, veRL's ``FSDPActorConfig`` otherwise)."""
-    from verl.workers.config import FSDPActorConfig, FSDPEngineConfig, FSDPOptimizerConfig
+    from verl.workers.config import FSDPActorConfig, FSDPOptimizerConfig
     from verl.workers.config.actor import PolicyLossConfig
 
     from harts_verl.workers.config import HartsFSDPActorConfig
 
-    fsdp = FSDPEngineConfig(
-        strategy="fsdp2",
-        model_dtype="fp32",
-        mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
-        use_torch_compile=False,
-        use_dynamic_bsz=True,
-        max_token_len_per_gpu=max_token_len,
-        infer_max_token_len_per_gpu=max_token_len,
-    )
+    fsdp = _fp32_engine_config(max_token_len)
     common = dict(
         ppo_mini_batch_size=8,
         use_dynamic_bsz=True,
@@ -390,19 +398,11 @@ def critic_config(
 ):
     """A critic config as veRL's trainer builds it (``HartsFSDPCriticConfig`` for the harts
     strategy, veRL's ``FSDPCriticConfig`` otherwise): fp32, dynamic batching, SGD."""
-    from verl.workers.config import FSDPCriticConfig, FSDPEngineConfig, FSDPOptimizerConfig
+    from verl.workers.config import FSDPCriticConfig, FSDPOptimizerConfig
 
     from harts_verl.workers.config import HartsFSDPCriticConfig
 
-    fsdp = FSDPEngineConfig(
-        strategy="fsdp2",
-        model_dtype="fp32",
-        mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
-        use_torch_compile=False,
-        use_dynamic_bsz=True,
-        max_token_len_per_gpu=max_token_len,
-        infer_max_token_len_per_gpu=max_token_len,
-    )
+    fsdp = _fp32_engine_config(max_token_len)
     common = dict(
         ppo_mini_batch_size=8,
         use_dynamic_bsz=True,
