@@ -160,22 +160,23 @@ def _olmo_gdn(self, hidden_states, cache_params=None, attention_mask=None, **kwa
 _PACKED_KEYS = ("cu_seqlens", "cu_seqlens_cpu", "cu_seq_lens_q", "seq_idx")
 
 
-def _qwen3_5_gdn(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
-    """HF's ``Qwen3_5GatedDeltaNet.forward`` (also Qwen3.5-MoE's) without a cache or packing,
-    gate and kernel lifted. Accepts veRL's ``cu_seqlens`` / ``cu_seqlens_cpu`` keywords when
-    None; raises ``NotImplementedError`` for a cache or packed sequences."""
+def _unpacked_input(self, name, hidden_states, cache_params, attention_mask, kwargs):
+    """``hidden_states`` with padding zeroed (HF's ``apply_mask_to_padding_states``) after
+    refusing a cache or packed sequences (``NotImplementedError`` naming the model ``name``)."""
     if cache_params is not None:
-        raise NotImplementedError("the lifted Qwen3.5 GatedDeltaNet keeps no cache")
+        raise NotImplementedError(f"the lifted {name} GatedDeltaNet keeps no cache")
     packed = [k for k in _PACKED_KEYS if kwargs.get(k) is not None]
     if packed:
-        raise NotImplementedError(f"{packed[0]}: the lifted Qwen3.5 GatedDeltaNet runs no packing")
+        raise NotImplementedError(f"{packed[0]}: the lifted {name} GatedDeltaNet runs no packing")
     hf = importlib.import_module(type(self).__module__)
-    hidden_states = hf.apply_mask_to_padding_states(hidden_states, attention_mask)
-    batch_size, seq_len, _ = hidden_states.shape
-    mixed = self.in_proj_qkv(hidden_states).transpose(1, 2)
-    z = self.in_proj_z(hidden_states).reshape(batch_size, seq_len, -1, self.head_v_dim)
-    b = self.in_proj_b(hidden_states)
-    a = self.in_proj_a(hidden_states)
+    return hf.apply_mask_to_padding_states(hidden_states, attention_mask)
+
+
+def _lifted_gdn_core(self, mixed, z, b, a):
+    """The part HF's Qwen3-Next / Qwen3.5 GatedDeltaNet forwards share, from the pre-conv
+    ``mixed`` q/k/v ``[B, C, T]``, output gate ``z`` and the ``b`` / ``a`` projections: conv +
+    SiLU, heads, gate in at least float32, lifted kernel, gated norm, output projection."""
+    batch_size, _, seq_len = mixed.shape
     mixed = F.silu(self.conv1d(mixed)[:, :, :seq_len]).transpose(1, 2)
     q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
     q = q.reshape(batch_size, seq_len, -1, self.head_k_dim)
@@ -192,40 +193,24 @@ def _qwen3_5_gdn(self, hidden_states, cache_params=None, attention_mask=None, **
     return self.out_proj(out.reshape(batch_size, seq_len, -1))
 
 
+def _qwen3_5_gdn(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+    """HF's ``Qwen3_5GatedDeltaNet.forward`` (also Qwen3.5-MoE's) without a cache or packing,
+    gate and kernel lifted. Accepts veRL's ``cu_seqlens`` / ``cu_seqlens_cpu`` keywords when
+    None; raises ``NotImplementedError`` for a cache or packed sequences."""
+    h = _unpacked_input(self, "Qwen3.5", hidden_states, cache_params, attention_mask, kwargs)
+    mixed = self.in_proj_qkv(h).transpose(1, 2)
+    return _lifted_gdn_core(self, mixed, self.in_proj_z(h), self.in_proj_b(h), self.in_proj_a(h))
+
+
 def _qwen3_next_gdn(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
     """HF's ``Qwen3NextGatedDeltaNet.forward`` without a cache or packing (interleaved
     ``in_proj_qkvz`` / ``in_proj_ba`` projections), gate and kernel lifted as in
     :func:`_qwen3_5_gdn`."""
-    if cache_params is not None:
-        raise NotImplementedError("the lifted Qwen3-Next GatedDeltaNet keeps no cache")
-    packed = [k for k in _PACKED_KEYS if kwargs.get(k) is not None]
-    if packed:
-        raise NotImplementedError(
-            f"{packed[0]}: the lifted Qwen3-Next GatedDeltaNet runs no packing"
-        )
-    hf = importlib.import_module(type(self).__module__)
-    hidden_states = hf.apply_mask_to_padding_states(hidden_states, attention_mask)
-    batch_size, seq_len, _ = hidden_states.shape
-    q, k, v, z, b, a = self.fix_query_key_value_ordering(
-        self.in_proj_qkvz(hidden_states), self.in_proj_ba(hidden_states)
-    )
+    h = _unpacked_input(self, "Qwen3-Next", hidden_states, cache_params, attention_mask, kwargs)
+    batch_size, seq_len, _ = h.shape
+    q, k, v, z, b, a = self.fix_query_key_value_ordering(self.in_proj_qkvz(h), self.in_proj_ba(h))
     q, k, v = (x.reshape(batch_size, seq_len, -1) for x in (q, k, v))
-    mixed = torch.cat((q, k, v), dim=-1).transpose(1, 2)
-    mixed = F.silu(self.conv1d(mixed)[:, :, :seq_len]).transpose(1, 2)
-    q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-    q = q.reshape(batch_size, seq_len, -1, self.head_k_dim)
-    k = k.reshape(batch_size, seq_len, -1, self.head_k_dim)
-    v = v.reshape(batch_size, seq_len, -1, self.head_v_dim)
-    beta = b.sigmoid()
-    dt = _compute_dtype(a.dtype)
-    g = -self.A_log.to(dt).exp() * F.softplus(a.to(dt) + self.dt_bias.to(dt))
-    if self.num_v_heads // self.num_k_heads > 1:
-        ratio = self.num_v_heads // self.num_k_heads
-        q, k = q.repeat_interleave(ratio, dim=2), k.repeat_interleave(ratio, dim=2)
-    out = _chunk_gated_delta_rule(q, k, v, g, beta)
-    z_shape = z.shape
-    out = self.norm(out.reshape(-1, out.shape[-1]), z.reshape(-1, z.shape[-1]))
-    return self.out_proj(out.reshape(z_shape).reshape(batch_size, seq_len, -1))
+    return _lifted_gdn_core(self, torch.cat((q, k, v), dim=-1).transpose(1, 2), z, b, a)
 
 
 def lift_float32_islands(monkeypatch) -> None:
