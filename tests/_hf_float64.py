@@ -269,3 +269,14 @@ def lift_full_attention_islands(monkeypatch) -> None:
                 monkeypatch.setattr(obj, "forward", _router)
             elif name.endswith("TopkRouter"):
                 monkeypatch.setattr(obj, "forward", _sigmoid_router_logits)
+
+
+def spread_weights(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Redraw every parameter of ``model`` from N(0, 0.2²) (norm weights 1 ± 0.2), a larger
+    spread than HF's 0.02 init so attention weighs in the output; in place, returns ``model``."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.2
+            p.copy_(1.0 + noise if name.endswith("norm.weight") else noise)
+    return model

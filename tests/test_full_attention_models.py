@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _forked import forked_sequences
+from _hf_float64 import spread_weights
 
 from harts_verl.models.adapter import (
     FULL_ATTENTION_MODEL_TYPES,
@@ -44,12 +45,7 @@ def _model(kind: str, seed: int = 3, **cfg_overrides) -> torch.nn.Module:
     torch.manual_seed(seed)
     cls = getattr(transformers, type(tiny_hf_model(kind)).__name__)
     model = cls(cfg).double().eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.2
-            p.copy_(1.0 + noise if name.endswith("norm.weight") else noise)
-    return model
+    return spread_weights(model, seed)
 
 
 def _sequences(seed: int = 0, vocab: int = 64) -> list[list[int]]:

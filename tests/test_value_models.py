@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _forked import forked_sequences
+from _hf_float64 import spread_weights
 
 from harts_verl.models.adapter import (
     FULL_ATTENTION_MODEL_TYPES,
@@ -47,12 +48,7 @@ def _critic(kind: str, seed: int) -> torch.nn.Module:
     cfg.num_labels, cfg.classifier_dropout = 1, 0.0
     torch.manual_seed(seed)
     model = AutoModelForTokenClassification.from_config(cfg).double().eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.2
-            p.copy_(1.0 + noise if name.endswith("norm.weight") else noise)
-    return model
+    return spread_weights(model, seed)
 
 
 def _tree_values(model: torch.nn.Module, seqs: list[list[int]], kind: str) -> list[torch.Tensor]:
