@@ -139,6 +139,63 @@ def test_two_rank_dp_equals_single_process(tmp_path):
                 assert c1[call]["dummies"] == c0[call]["planned"] - 2  # split once, then pad
 
 
+def test_ulysses_sp_ranks_share_the_trees(tmp_path):
+    """Ulysses SP 2 (one DP group of two ranks): the SP ranks share the tree micro-batches
+    (equal counts, each micro-batch on one rank) instead of slicing sequences; both ranks return
+    every trajectory's log-probs and entropy, and gradients and grad norm equal the
+    single-process run; the merged metrics hold every micro-batch's loss once."""
+    from harts_verl.workers.testing import save_tiny_model
+
+    rng = np.random.default_rng(5)
+    seqs, pls = [], []
+    for _ in range(4):  # four GRPO-style trees of 3 samples
+        p = rng.integers(0, 64, int(rng.integers(6, 14))).tolist()
+        for _ in range(3):
+            seqs.append(p + rng.integers(0, 64, int(rng.integers(3, 10))).tolist())
+            pls.append(len(p))
+    path = save_tiny_model("qwen2", str(tmp_path / "qwen2"), seed=6)
+    base = {"model_path": path, "sequences": seqs, "prompt_lengths": pls, "capacity_tokens": 30}
+    everything = [list(range(len(seqs)))]
+    single = _launch(1, {**base, "parts": everything}, tmp_path, "single")[0]
+    ranks = _launch(2, {**base, "parts": everything, "sp": 2}, tmp_path, "sp")
+    for r in ranks:
+        assert r["indices"] == everything[0]
+        for i, (lp, ent) in enumerate(zip(r["log_probs"], r["entropy"])):
+            assert float((lp[:-1] - single["log_probs"][i][:-1]).abs().max()) <= 1e-6
+            assert float((ent[:-1] - single["entropy"][i][:-1]).abs().max()) <= 1e-6
+        for name, g in single["grads"].items():
+            assert float((r["grads"][name] - g).abs().max()) <= 1e-6 * max(
+                float(g.abs().max()), 1e-3
+            ), name
+        # merged metrics: the same totals as the single run, every micro-batch's loss once
+        for key in ("harts/compact_tokens", "harts/compression", "harts/fallback"):
+            assert r["metrics"][key] == single["metrics"][key], key
+        assert r["metrics"]["harts/fallback"] == [0.0]
+        assert len(r["metrics"]["loss"]) == len(single["metrics"]["loss"])
+        assert sum(r["metrics"]["loss"]) == pytest.approx(sum(single["metrics"]["loss"]), 1e-6)
+    assert abs(ranks[0]["grad_norm"] - single["grad_norm"]) <= 1e-6 * single["grad_norm"]
+    c0, c1, cs = ranks[0]["calls"], ranks[1]["calls"], single["calls"]
+    for call in c0:  # each SP rank runs half of the (even) micro-batch count, at least one real
+        assert c0[call]["planned"] == c1[call]["planned"] == cs[call]["planned"] >= 3
+        assert c0[call]["steps"] == c1[call]["steps"] == -(-cs[call]["planned"] // 2)
+        assert c0[call]["steps"] > c0[call]["dummies"] and c1[call]["steps"] > c1[call]["dummies"]
+
+
+def test_sp_assignment_equal_counts_balanced_work():
+    from harts_verl.workers.engine import sp_assignment
+
+    works = [9, 1, 7, 3, 0, 5]  # a dummy (0) among them
+    owner = sp_assignment(works, 2)
+    assert np.bincount(owner, minlength=2).tolist() == [3, 3]
+    loads = np.bincount(owner, weights=works, minlength=2)
+    assert sorted(loads.tolist()) == [12.0, 13.0]  # 9+3+1 / 7+5+0: the best equal-count split
+    assert np.array_equal(owner, sp_assignment(works, 2))  # deterministic
+    assert sp_assignment([4, 4, 4, 4], 4).tolist() == [0, 1, 2, 3]
+    assert sp_assignment([5, 2], 1).tolist() == [0, 0]
+    with pytest.raises(ValueError, match="5 micro-batches do not divide among 2 SP ranks"):
+        sp_assignment([1, 2, 3, 4, 5], 2)
+
+
 def _check_against_single(ranks: list[dict], single: dict, n: int) -> None:
     seen = [i for r in ranks for i in r["indices"]]
     assert sorted(seen) == list(range(n))  # each trajectory exactly once

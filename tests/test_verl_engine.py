@@ -289,8 +289,10 @@ def test_sum_pi_squared_parity(verl_cpu, kind):
 
 
 def test_distillation_and_sequence_parallel_fall_back(verl_cpu):
-    """Top-k distillation reads full logits through veRL's logits processor, and Ulysses slices
-    every sequence across ranks: both take the stock path."""
+    """Top-k distillation reads full logits through veRL's logits processor: stock path. Under
+    Ulysses SP the SP ranks share tree micro-batches, each trajectory whole on one rank: a batch
+    with a trajectory longer than one rank's token budget takes the stock (slicing) path; the
+    fixed-size budget is one rank's share of a stock micro-batch."""
     from verl.utils import tensordict_utils as tu
 
     testing, paths = verl_cpu
@@ -303,8 +305,18 @@ def test_distillation_and_sequence_parallel_fall_back(verl_cpu):
     reasons = engine._local_fallback_reasons(td, 1.0, longest, True)
     assert "distillation_use_topk" in reasons["distillation"]
     engine.ulysses_sequence_parallel_size = 2
+    assert set(engine._local_fallback_reasons(td, 1.0, longest, False)) == {"distillation"}
+    tu.assign_non_tensor(td, max_token_len_per_gpu=longest - 1)
     reasons = engine._local_fallback_reasons(td, 1.0, longest, False)
     assert set(reasons) == {"distillation", "sequence_parallel"}
+    assert f"trajectory of {longest} tokens" in reasons["sequence_parallel"]
+    assert f"({longest - 1})" in reasons["sequence_parallel"]
+    tu.assign_non_tensor(td, use_dynamic_bsz=False, micro_batch_size_per_gpu=3)
+    assert engine._capacity(td, longest) == -(-3 * longest // 2)
+    assert "sequence_parallel" not in engine._local_fallback_reasons(td, 1.0, longest, False)
+    tu.assign_non_tensor(td, micro_batch_size_per_gpu=1)  # half a trajectory per rank
+    assert "sequence_parallel" in engine._local_fallback_reasons(td, 1.0, longest, False)
+    engine.ulysses_sequence_parallel_size = 1
 
 
 def test_split_dependent_losses_are_named(verl_cpu, caplog):

@@ -11,6 +11,15 @@ What changes against the stock engine (everything else is inherited):
   the cut that best halves their work, or runs zero-loss dummy forwards when nothing can be
   split), so FSDP collectives and the gradient-sync micro-batch stay aligned; outputs are
   restored to the batch order.
+* Ulysses sequence parallelism (``ulysses_sequence_parallel_size`` = sp > 1): instead of
+  slicing every sequence over the SP ranks, the SP ranks of a DP group share its tree
+  micro-batches (the count rounded up to a multiple of sp; equal counts per rank, heaviest
+  first to the least-loaded rank: :func:`sp_assignment`), each micro-batch whole on one rank with
+  veRL's Ulysses hooks off; its loss is scaled by sp for backward (FSDP averages gradients over
+  DP × SP ranks, as veRL's Ulysses gather does), and every SP rank returns the whole batch's
+  outputs (an exact sum of each rank's share) and metrics. The token budget is one rank's:
+  ``max_token_len_per_gpu``, or a stock micro-batch over sp; a batch with a trajectory longer
+  than that takes the stock Ulysses path.
 * ``forward_step`` of a micro-batch: one forward of the FSDP root module on the compact rows
   (``input_ids`` = row tokens, ``position_ids`` = row depths, ``harts_layout`` reaching the
   patched token mixers), with the LM head replaced for that call by
@@ -33,7 +42,8 @@ token. veRL's losses never read position L−1 (``no_padding_2_padding`` slices
 Fallback (stock path, metric ``harts/fallback`` = 1): harts disabled, a model without tree
 support, per-sample temperatures, dropout in training, a batch that carries multi-modal inputs
 (vision embeddings and 3-D mrope positions have no tree form; text-only batches of the same
-multi-modal model run in tree mode), Ulysses sequence parallelism, fused kernels, top-k
+multi-modal model run in tree mode), under Ulysses SP a trajectory longer than one rank's token
+budget, fused kernels, top-k
 distillation, training with router jitter, dynamic RoPE beyond its original context, or global
 compression below ``harts.min_compression``. The decision is taken jointly by all DP ranks;
 each reason is logged at WARNING the first time it occurs.
@@ -45,7 +55,8 @@ from __future__ import annotations
 import logging
 import time
 import types
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -277,6 +288,38 @@ def _split_by_work(forest: RolloutForest, group: np.ndarray) -> list[tuple[int, 
     return [(int(left[k]), group[order[:cut]]), (int(right[k]), group[order[cut:]])]
 
 
+def sp_assignment(works: list[int], sp: int) -> np.ndarray:
+    """The Ulysses SP rank (``[0, sp)``) of each micro-batch of compact work ``works`` (a
+    count divisible by ``sp``): every rank gets the same number of micro-batches; heaviest
+    first, each to the least-loaded rank with room left (ties: the lower rank). Deterministic,
+    so every SP rank computes the same assignment."""
+    n = len(works)
+    if sp < 1 or n % sp:
+        raise ValueError(f"works: {n} micro-batches do not divide among {sp} SP ranks")
+    quota = n // sp
+    owner = np.zeros(n, dtype=np.int64)
+    load = np.zeros(sp, dtype=np.int64)
+    count = np.zeros(sp, dtype=np.int64)
+    for k in sorted(range(n), key=lambda k: (-int(works[k]), k)):  # one step per micro-batch
+        room = np.flatnonzero(count < quota)
+        r = int(room[np.argmin(load[room])])
+        owner[k] = r
+        load[r] += int(works[k])
+        count[r] += 1
+    return owner
+
+
+def _cpu_objects(obj: Any) -> Any:
+    """``obj`` with every tensor detached and moved to the CPU (safe to pickle across ranks)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _cpu_objects(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_cpu_objects(v) for v in obj)
+    return obj
+
+
 @EngineRegistry.register(model_type="language_model", backend=STRATEGY, device=["cuda", "cpu"])
 class HartsFSDPEngine(FSDPEngineWithLMHead):
     """veRL FSDP2 engine running each micro-batch as its token trie (see module docstring)."""
@@ -343,6 +386,29 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         return self._dropout
 
     # ------------------------------------------------------------------ helpers
+    def _sp_size(self) -> int:
+        """Ulysses sequence-parallel size (1 without SP)."""
+        return int(getattr(self, "ulysses_sequence_parallel_size", 1) or 1)
+
+    @contextmanager
+    def _without_ulysses(self) -> Iterator[None]:
+        """veRL's Ulysses machinery off (no input slicing, no all-to-all, no output gather):
+        tree micro-batches run whole on one SP rank. Restores the group and flag on exit."""
+        from verl.utils.ulysses import (
+            get_ulysses_sequence_parallel_group,
+            set_ulysses_sequence_parallel_group,
+        )
+
+        prev_group = get_ulysses_sequence_parallel_group()
+        prev_flag = getattr(self, "use_ulysses_sp", False)
+        set_ulysses_sequence_parallel_group(None)
+        self.use_ulysses_sp = False
+        try:
+            yield
+        finally:
+            set_ulysses_sequence_parallel_group(prev_group)
+            self.use_ulysses_sp = prev_flag
+
     def _dp_all_reduce(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=get_device_id())
         group = self.get_data_parallel_group()
@@ -353,14 +419,17 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
     def _capacity(self, data: TensorDict, longest: int) -> int:
         """Compact rows per micro-batch: ``harts.capacity_tokens``; else, with fixed-size
         micro-batches (``use_dynamic_bsz`` false), the most tokens a stock micro-batch of this
-        batch can hold (``micro_batch_size_per_gpu`` × the longest trajectory, ``longest``
-        tokens), so memory stays within the stock engine's; else ``max_token_len_per_gpu``."""
+        batch can hold on one rank (``micro_batch_size_per_gpu`` × the longest trajectory,
+        ``longest`` tokens, over the Ulysses SP size), so memory stays within the stock
+        engine's; else ``max_token_len_per_gpu``. Under Ulysses SP this is one rank's budget:
+        a tree micro-batch runs whole on one SP rank."""
         if self.harts.capacity_tokens is not None:
             return int(self.harts.capacity_tokens)
         if not tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
             mbs = tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=None)
             if mbs:
-                return max(int(mbs) * int(longest), 1)
+                # under Ulysses SP a stock micro-batch is sliced over the SP ranks
+                return max(-(-int(mbs) * int(longest) // self._sp_size()), 1)
         cap = tu.get_non_tensor_data(data=data, key="max_token_len_per_gpu", default=None)
         if cap is None:
             cap = getattr(self.engine_config, "max_token_len_per_gpu", None)
@@ -421,11 +490,13 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             reasons["disabled"] = "harts.enable is false"
         if not self._tree_supported:
             reasons["model"] = f"model type {self._model_type!r} has no tree-mode support"
-        sp = int(getattr(self, "ulysses_sequence_parallel_size", 1) or 1)
-        if sp > 1:
+        sp = self._sp_size()
+        if sp > 1 and longest > self._capacity(data, longest):
             reasons["sequence_parallel"] = (
-                f"ulysses_sequence_parallel_size = {sp} (Ulysses slices every sequence across "
-                "ranks; tree mode runs whole trees on one rank)"
+                f"ulysses_sequence_parallel_size = {sp} and a trajectory of {longest} tokens "
+                f"exceeds one rank's token budget ({self._capacity(data, longest)}): tree mode "
+                "shares the trees among the SP ranks, each trajectory whole on one rank; longer "
+                "ones need Ulysses' slicing"
             )
         if not forward_only and self._dropout_of_module():
             reasons["dropout"] = self._dropout_of_module()
@@ -544,7 +615,15 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         capacity = self._capacity(data, int(forest.lengths.max()) if len(data) else 1)
         groups, planning_ms = self._plan(forest, capacity)
         target = int(self._dp_all_reduce([len(groups)], op=dist.ReduceOp.MAX)[0])
+        sp = self._sp_size()
+        target = -(-target // sp) * sp  # Ulysses SP: the SP ranks share the micro-batches
         groups_eq = self._equalize(forest, groups, target)
+        mine = groups_eq
+        if sp > 1:
+            works = [0 if g is None else forest.subset(g).num_compact_tokens for g in groups_eq]
+            owner = sp_assignment(works, sp)
+            rank = self.ulysses_device_mesh["sp"].get_local_rank()
+            mine = [g for g, r in zip(groups_eq, owner) if r == rank]
 
         ctx = torch.no_grad() if forward_only else nullcontext()
         scaler = getattr(self, "scaler", None)
@@ -552,16 +631,21 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         indices: list[list[int]] = []
         stats = {"compact_tokens": 0, "replay_tokens": 0, "rounds": 0}
         shortest = [int(np.argmin(forest.lengths))]  # what a dummy micro-batch runs
-        for k, idx in enumerate(groups_eq):
+        for k, idx in enumerate(mine):
             dummy = idx is None
             sel = shortest if dummy else idx.tolist()
             micro_batch = tu.index_select_tensor_dict(data, sel)
             sync_ctx = (
                 nullcontext()
                 if forward_only
-                else self._gradient_sync_context(is_last_micro_batch=k == len(groups_eq) - 1)
+                else self._gradient_sync_context(is_last_micro_batch=k == len(mine) - 1)
             )
-            with ctx, sync_ctx, torch.profiler.record_function(f"harts_micro_batch{k}"):
+            with (
+                ctx,
+                sync_ctx,
+                self._without_ulysses(),
+                torch.profiler.record_function(f"harts_micro_batch{k}"),
+            ):
                 loss, meta, mb_stats = self._tree_forward_step(
                     micro_batch,
                     loss_function=None if dummy else loss_function,
@@ -570,10 +654,13 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
                     dummy=dummy,
                 )
                 if not forward_only:
+                    # Under SP each micro-batch runs on one SP rank only, and FSDP averages
+                    # gradients over DP x SP ranks (veRL's Ulysses gather scales by SP too).
+                    loss_bw = loss * sp if sp > 1 else loss
                     if scaler is not None:
-                        scaler.scale(loss).backward()
+                        scaler.scale(loss_bw).backward()
                     else:
-                        loss.backward()
+                        loss_bw.backward()
                     if not return_model_output:
                         meta.pop("model_output", None)
             if dummy:
@@ -583,7 +670,10 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             output_lst.append(meta)
             indices.append(sel)
 
-        out = self._postprocess(output_lst, indices)
+        if sp > 1:
+            out, stats = self._sp_merge(output_lst, indices, stats, forest)
+        else:
+            out = self._postprocess(output_lst, indices)
         metrics = out["metrics"]
         metrics["harts/compression"] = [compression]
         metrics["harts/compact_tokens"] = [float(stats["compact_tokens"])]
@@ -594,8 +684,62 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         metrics["harts/planning_ms"] = [planning_ms]
         metrics["harts/fallback"] = [0.0]
         if self.harts.audit_every and self._calls % self.harts.audit_every == 0:
-            metrics["harts/audit"] = [self._audit(data, out.get("model_output", {}), temperature)]
+            with self._without_ulysses():  # the stock reference runs whole trajectories too
+                audit = self._audit(data, out.get("model_output", {}), temperature)
+            metrics["harts/audit"] = [audit]
         return out
+
+    def _sp_merge(
+        self,
+        output_lst: list[dict],
+        indices: list[list[int]],
+        stats: dict[str, int],
+        forest: RolloutForest,
+    ) -> tuple[dict, dict[str, int]]:
+        """Under Ulysses SP: the whole batch's output on every SP rank from each rank's share of
+        the micro-batches: model outputs (every trajectory computed on exactly one rank; the
+        others add zeros, so the sum is exact), then losses and metrics in SP-rank order, and
+        the summed ``stats``."""
+        group = self.ulysses_parallel_group
+        local = {
+            "keys": sorted(
+                {(k, str(v.dtype)) for o in output_lst for k, v in o["model_output"].items()}
+            )
+            if any("model_output" in o for o in output_lst)
+            else [],
+            "loss": [o["loss"] for o in output_lst if "loss" in o],
+            "metrics": [_cpu_objects(o.get("metrics", {})) for o in output_lst],
+            "stats": stats,
+        }
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, local, group=group)
+        losses = [x for g in gathered for x in g["loss"]]
+        metrics: dict = {}
+        for g in gathered:
+            for m in g["metrics"]:
+                append_to_dict(metrics, m)
+        merged_stats = {k: sum(int(g["stats"][k]) for g in gathered) for k in stats}
+        keys = sorted({tuple(k) for g in gathered for k in g["keys"]})
+
+        device = get_device_id()
+        offsets = np.asarray(forest.row_offsets, np.int64)
+        s = int(offsets[-1])
+        restored = {}
+        for key, dtype in keys:
+            flat = torch.zeros(s, dtype=getattr(torch, dtype.split(".")[-1]), device=device)
+            vals = [(o["model_output"][key], sel) for o, sel in zip(output_lst, indices)]
+            if vals:
+                sel = np.concatenate([np.asarray(x, np.int64) for _, x in vals])
+                lens = offsets[sel + 1] - offsets[sel]
+                starts = np.repeat(offsets[sel] - np.cumsum(lens) + lens, lens)
+                pos = torch.from_numpy(starts + np.arange(int(lens.sum()))).to(device)
+                src = torch.cat([v.values() for v, _ in vals]).to(flat.dtype)
+                flat = flat.index_put((pos,), src)
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+            restored[key] = torch.nested.nested_tensor_from_jagged(
+                flat, torch.from_numpy(offsets).to(device)
+            )
+        return {"model_output": restored, "loss": losses, "metrics": metrics}, merged_stats
 
     @staticmethod
     def _postprocess(output_lst: list[dict], indices: list[list[int]]) -> dict:
@@ -750,7 +894,8 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         """One micro-batch in tree mode; veRL's stock step inside a fallback batch, and for a
         micro-batch that cannot run in tree mode (see ``_local_fallback_reasons``)."""
         temperature = _scalar_temperature(micro_batch) if self._uses_temperature else 1.0
-        if self._stock_batch:
+        if self._stock_batch or self._sp_size() > 1:
+            # (under Ulysses SP a lone tree micro-batch would run on every SP rank)
             return super().forward_step(micro_batch, loss_function, forward_only)
         longest = max((len(t) for t in _sequences(micro_batch["input_ids"])), default=0)
         if self._local_fallback_reasons(micro_batch, temperature, longest, forward_only):

@@ -354,9 +354,10 @@ def actor_config(
     optimizer: str = "SGD",
     lr: float = 0.1,
     weight_decay: float = 0.0,
+    sp: int = 1,
 ):
     """An actor config as veRL's worker builds it (``HartsFSDPActorConfig`` for the harts
-    strategy, veRL's ``FSDPActorConfig`` otherwise)."""
+    strategy, veRL's ``FSDPActorConfig`` otherwise); ``sp``: Ulysses sequence-parallel size."""
     from verl.workers.config import FSDPActorConfig, FSDPOptimizerConfig
     from verl.workers.config.actor import PolicyLossConfig
 
@@ -382,6 +383,7 @@ def actor_config(
             weight_decay=weight_decay,
         ),
         use_remove_padding=True,
+        ulysses_sequence_parallel_size=sp,
     )
     if strategy == "harts_fsdp2":
         return HartsFSDPActorConfig(strategy=strategy, harts=harts or {}, **common)
@@ -563,11 +565,15 @@ def dp_worker(
     prompt_lengths: list[int],
     parts: list[list[int]],
     strategy: str = "harts_fsdp2",
+    sp: int = 1,
+    capacity_tokens: int = 40,
 ) -> None:
     """One rank of a gloo data-parallel run of the ``harts_fsdp2`` engine (CPU shim): infer
-    log-probs and one train step on this rank's trajectories ``parts[rank]``; saves
-    ``{"indices", "log_probs", "grads", "grad_norm"}`` to ``out_path`` (full gradients, gathered
-    from the FSDP shards)."""
+    log-probs and one train step on the trajectories ``parts[rank // sp]`` of this rank's DP
+    group (``sp``: Ulysses sequence-parallel size; ranks ``d·sp … d·sp + sp − 1`` share DP rank
+    ``d``); saves ``{"indices", "log_probs", "entropy", "grads", "grad_norm", "metrics"}`` to
+    ``out_path`` (full gradients, gathered from the FSDP shards; ``metrics``: the train step's
+    ``harts/*`` metrics and its per-micro-batch losses)."""
     import sys
     from functools import partial
 
@@ -579,10 +585,12 @@ def dp_worker(
     init_process_group(rank, world_size, port)
     from verl.workers.utils.losses import ppo_loss
 
-    mine = parts[rank]
+    mine = parts[rank // sp]
     seqs = [sequences[i] for i in mine]
     pls = [prompt_lengths[i] for i in mine]
-    cfg = actor_config(strategy=strategy, harts={"chunk_size": 8, "capacity_tokens": 40})
+    cfg = actor_config(
+        strategy=strategy, harts={"chunk_size": 8, "capacity_tokens": capacity_tokens}, sp=sp
+    )
     engine = build_engine(model_path, cfg)
     mk = partial(make_batch, seqs, pls, global_batch_size=len(sequences), trajectory_ids=mine)
     with engine.eval_mode():
@@ -597,8 +605,14 @@ def dp_worker(
         {
             "indices": mine,
             "log_probs": [t.clone() for t in inf["model_output"]["log_probs"].unbind()],
+            "entropy": [t.clone() for t in inf["model_output"]["entropy"].unbind()],
             "grads": grads,
-            "grad_norm": float(out["metrics"]["grad_norm"]),
+            # veRL reports grad_norm on the output-collecting rank (SP rank 0) only
+            "grad_norm": float(out["metrics"].get("grad_norm", float("nan"))),
+            "metrics": {
+                "loss": [float(x) for x in out.get("loss", [])],
+                **{k: v for k, v in out["metrics"].items() if k.startswith("harts/")},
+            },
         },
         out_path,
     )
