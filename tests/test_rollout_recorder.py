@@ -105,6 +105,30 @@ def test_rewrite_becomes_sibling():
     assert spans == [[t4.turn_id, None, 0, 3], [f"{rec.prefix}:r#tail4", t4.turn_id, 3, 4]]
 
 
+def test_recorder_stores_each_token_once():
+    """A long multi-turn request stores O(its tokens), not O(turns x context): each turn keeps
+    only what it adds; the list views (context, prompt, response) are rebuilt exactly."""
+    rng = np.random.default_rng(3)
+    rec = TurnRecorder()
+    ctx: list[int] = rng.integers(0, 1000, 50).tolist()
+    turns = []
+    for _ in range(40):
+        resp = rng.integers(0, 1000, int(rng.integers(1, 20))).tolist()
+        turns.append((rec.record("r", ctx, np.asarray(resp, np.int32)), list(ctx), resp))
+        ctx = ctx + resp + rng.integers(0, 1000, int(rng.integers(0, 30))).tolist()
+    last = turns[-1][0]
+    assert sum(t.tokens.shape[0] for t in rec.turns.values()) == last.end  # each token once
+    for t, prompt, resp in turns:
+        assert t.prompt_ids == prompt and t.response_ids == resp and t.context == prompt + resp
+        assert t.tokens.dtype == np.int64 and t.token_ids == t.context[t.start :]
+    with pytest.raises(TypeError, match="prompt_ids: expected a flat sequence of integer"):
+        rec.record("r", [1.5, 2.0], [3])
+    with pytest.raises(TypeError, match="response_ids: expected a flat sequence of integer"):
+        rec.record("r", [1, 2], [[3]])
+    with pytest.raises(TypeError, match="sequence: expected a flat sequence of integer"):
+        rec.spans("r", ["a"])
+
+
 def test_metadata_forest_in_batch_order_and_fallback():
     rec = TurnRecorder()
     rec.record("a", [1, 2, 3], [4, 5])

@@ -2,9 +2,10 @@
 
 veRL's ``ToolAgentLoop`` calls ``server_manager.generate(request_id, prompt_ids=<whole context>,
 sampling_params=...)`` once per assistant turn, token in / token out. :class:`RecordingServerClient`
-forwards each call unchanged and records, per request id, the context it was given and the tokens
-it returned. A turn's ``token_ids`` are the tokens it adds to its parent turn's context: the new
-prompt tokens (tool responses, user messages) followed by the generated response. A call that
+forwards each call unchanged and records, per request id, the tokens the call adds to its parent
+turn's context (a turn's ``token_ids``: the new prompt tokens (tool responses, user messages)
+followed by the generated response); full contexts are rebuilt along the parent links on demand,
+so memory stays O(unique tokens) however many turns a request has. A call that
 adds no tokens (no new prompt tokens and an empty generation, e.g. an aborted request) is not a
 turn and is not recorded, so every turn and every metadata span holds at least one token.
 
@@ -56,38 +57,87 @@ TREE_KEY = "harts_tree"
 _METADATA_VERSION = 1
 
 
-@dataclass
+@dataclass(eq=False)
 class RecordedTurn:
-    """One ``generate`` call: ``context`` = ``prompt_ids + response_ids`` (the full token context
-    after the turn); ``token_ids`` = ``context[start:]`` (what the turn adds to its parent)."""
+    """One ``generate`` call. Stores only what the turn adds to its parent's context:
+    ``tokens`` (int64, ``end - start`` ≥ 1 of them: the new prompt tokens, then the
+    ``num_response`` generated ones), so a request's memory is O(its unique tokens), not
+    O(turns × context). ``context`` (= ``prompt_ids + response_ids``, the full token context
+    after the turn) and the other list views are rebuilt on demand along the parent links."""
 
     turn_id: str
     parent_turn_id: str | None
     request_id: str
-    prompt_ids: list[int]
-    response_ids: list[int]
+    tokens: np.ndarray
     start: int
+    num_response: int
     log_probs: list[float] | None = None
     rewrite: bool = False
+    parent: RecordedTurn | None = field(default=None, repr=False)
+
+    @property
+    def end(self) -> int:
+        """Length of the full context after this turn."""
+        return self.start + int(self.tokens.shape[0])
+
+    def context_array(self) -> np.ndarray:
+        """The full context after this turn (int64 ``[end]``)."""
+        parts: list[np.ndarray] = []
+        t: RecordedTurn | None = self
+        while t is not None:
+            parts.append(t.tokens)
+            t = t.parent
+        return np.concatenate(parts[::-1]) if len(parts) > 1 else self.tokens.copy()
 
     @property
     def context(self) -> list[int]:
         """Prompt followed by the generated response."""
-        return self.prompt_ids + self.response_ids
+        return self.context_array().tolist()
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The prompt the call was given."""
+        return self.context_array()[: self.end - self.num_response].tolist()
+
+    @property
+    def response_ids(self) -> list[int]:
+        """The generated tokens."""
+        return self.tokens[self.tokens.shape[0] - self.num_response :].tolist()
 
     @property
     def token_ids(self) -> list[int]:
         """Tokens this turn adds to its parent's context."""
-        return self.context[self.start :]
+        return self.tokens.tolist()
 
     def as_turn(self) -> Turn:
         """The :class:`~harts_verl.tree.forest.Turn` record of this turn."""
-        return Turn(self.turn_id, self.parent_turn_id, self.token_ids)
+        return Turn(self.turn_id, self.parent_turn_id, self.tokens)
 
 
-def _is_prefix(prefix: Sequence[int], seq: Sequence[int]) -> bool:
-    n = len(prefix)
-    return n <= len(seq) and list(seq[:n]) == list(prefix)
+def _token_array(values: Any, name: str) -> np.ndarray:
+    """``values`` as a 1-D int64 array; ``TypeError`` naming ``name`` for non-integer ids."""
+    arr = np.asarray(values)
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.dtype.kind not in "iu" or arr.ndim != 1:
+        raise TypeError(
+            f"{name}: expected a flat sequence of integer token ids, got dtype {arr.dtype} with "
+            f"shape {arr.shape}"
+        )
+    return arr.astype(np.int64, copy=False)
+
+
+def _deepest_prefix(chain: list[RecordedTurn], seq: np.ndarray) -> int:
+    """Index in ``chain`` (root first, each turn the parent of the next) of the deepest turn
+    whose context is a prefix of ``seq``; -1 when none is. A turn's context is a prefix iff its
+    own tokens and every ancestor's match ``seq`` at their spans (one comparison per turn)."""
+    n = seq.shape[0]
+    k = -1
+    for j, t in enumerate(chain):
+        if t.end > n or not np.array_equal(seq[t.start : t.end], t.tokens):
+            break
+        k = j
+    return k
 
 
 @dataclass
@@ -140,31 +190,29 @@ class TurnRecorder:
         generation, e.g. an aborted request) is not a turn: nothing is recorded and None is
         returned. The request's head moves to the parent, the turn whose context the call
         ended with (so a rewrite back to an earlier context still counts in ``rewrites``)."""
-        prompt = [int(t) for t in prompt_ids]
-        response = [int(t) for t in response_ids]
+        prompt = _token_array(prompt_ids, "prompt_ids")
+        response = _token_array(response_ids, "response_ids")
         with self._lock:
             chain = self.chain(request_id)
-            parent: RecordedTurn | None = None
-            for t in reversed(chain):  # deepest ancestor whose context prefixes the new prompt
-                if _is_prefix(t.context, prompt):
-                    parent = t
-                    break
+            k = _deepest_prefix(chain, prompt)
+            parent = chain[k] if k >= 0 else None
             rewrite = bool(chain) and parent is not chain[-1]
             if rewrite:
                 self.rewrites += 1
-            start = len(parent.context) if parent is not None else 0
-            if len(prompt) + len(response) == start:  # adds no tokens: not a turn
+            start = parent.end if parent is not None else 0
+            if prompt.shape[0] + response.shape[0] == start:  # adds no tokens: not a turn
                 self.heads[request_id] = parent.turn_id if parent is not None else None
                 return None
             turn = RecordedTurn(
                 turn_id=f"{self.prefix}:{request_id}#{next(self._counter)}",
                 parent_turn_id=parent.turn_id if parent is not None else None,
                 request_id=request_id,
-                prompt_ids=prompt,
-                response_ids=response,
+                tokens=np.concatenate([prompt[start:], response]),
                 start=start,
+                num_response=int(response.shape[0]),
                 log_probs=list(log_probs) if log_probs is not None else None,
                 rewrite=rewrite,
+                parent=parent,
             )
             self.turns[turn.turn_id] = turn
             self.heads[request_id] = turn.turn_id
@@ -199,26 +247,15 @@ class TurnRecorder:
         generate call, or a truncated last turn) becomes one extra span with a fresh id
         (``{prefix}:{request_id}#tail{len(sequence)}``).
         """
-        seq = [int(t) for t in sequence]
+        seq = _token_array(sequence, "sequence")
         chain = self.chain(request_id)
-        matched: RecordedTurn | None = None
-        for t in reversed(chain):
-            if _is_prefix(t.context, seq):
-                matched = t
-                break
-        path: list[RecordedTurn] = []
-        tid = matched.turn_id if matched is not None else None
-        while tid is not None:
-            path.append(self.turns[tid])
-            tid = self.turns[tid].parent_turn_id
-        path.reverse()
-        spans: list[list[Any]] = [
-            [t.turn_id, t.parent_turn_id, t.start, len(t.context)] for t in path
-        ]
+        path = chain[: _deepest_prefix(chain, seq) + 1]
+        spans: list[list[Any]] = [[t.turn_id, t.parent_turn_id, t.start, t.end] for t in path]
         end = spans[-1][3] if spans else 0
-        if end < len(seq):
+        if end < seq.shape[0]:
             parent = spans[-1][0] if spans else None
-            spans.append([f"{self.prefix}:{request_id}#tail{len(seq)}", parent, end, len(seq)])
+            tail = f"{self.prefix}:{request_id}#tail{seq.shape[0]}"
+            spans.append([tail, parent, end, int(seq.shape[0])])
         return spans
 
 
