@@ -143,7 +143,9 @@ def test_ulysses_sp_ranks_share_the_trees(tmp_path):
     """Ulysses SP 2 (one DP group of two ranks): the SP ranks share the tree micro-batches
     (equal counts, each micro-batch on one rank) instead of slicing sequences; both ranks return
     every trajectory's log-probs and entropy, and gradients and grad norm equal the
-    single-process run; the merged metrics hold every micro-batch's loss once."""
+    single-process run; the merged metrics hold every micro-batch's loss once. Then DP 2 x SP 2
+    (four ranks): the same against the single-process run."""
+    from harts_verl.workers.balance import tree_balanced_partition
     from harts_verl.workers.testing import save_tiny_model
 
     rng = np.random.default_rng(5)
@@ -179,6 +181,19 @@ def test_ulysses_sp_ranks_share_the_trees(tmp_path):
         assert c0[call]["planned"] == c1[call]["planned"] == cs[call]["planned"] >= 3
         assert c0[call]["steps"] == c1[call]["steps"] == -(-cs[call]["planned"] // 2)
         assert c0[call]["steps"] > c0[call]["dummies"] and c1[call]["steps"] > c1[call]["dummies"]
+
+    # DP 2 x SP 2 (ranks 0, 1: DP rank 0; ranks 2, 3: DP rank 1), trees split between DP ranks
+    parts = tree_balanced_partition(seqs, 2)
+    grid = _launch(4, {**base, "parts": parts, "sp": 2}, tmp_path, "dp_sp", timeout=480)
+    _check_against_single([grid[0], grid[2]], single, len(seqs))  # the collecting SP rank 0s
+    for a, b in ((0, 1), (2, 3)):  # SP rank 1 returns the same outputs and gradients
+        assert grid[a]["indices"] == grid[b]["indices"]
+        for x, y in zip(grid[a]["log_probs"], grid[b]["log_probs"]):
+            assert torch.equal(x, y)
+        for name, g in grid[a]["grads"].items():
+            assert torch.equal(g, grid[b]["grads"][name]), name
+    steps = {call: {r["calls"][call]["steps"] for r in grid} for call in grid[0]["calls"]}
+    assert all(len(v) == 1 for v in steps.values())  # every rank: the same micro-batch count
 
 
 def test_sp_assignment_equal_counts_balanced_work():
