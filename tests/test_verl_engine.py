@@ -79,6 +79,7 @@ def _run(
     padded=False,
     entropy=0.0,
     gradient_checkpointing=False,
+    fused=False,
     **optim,
 ):
     """Infer, then one train step; returns (model output, metrics, params before, params after,
@@ -89,9 +90,20 @@ def _run(
         strategy=strategy, loss_mode=loss_mode, harts=harts, entropy_coeff=entropy, **optim
     )
     engine = testing.build_engine(
-        path, cfg, use_remove_padding=not padded, gradient_checkpointing=gradient_checkpointing
+        path,
+        cfg,
+        use_remove_padding=not padded,
+        gradient_checkpointing=gradient_checkpointing,
+        use_fused_kernels=fused,
     )
-    mk = partial(testing.make_batch, seqs, prompt_lens, tool_spans=spans, temperature=0.8)
+    mk = partial(
+        testing.make_batch,
+        seqs,
+        prompt_lens,
+        tool_spans=spans,
+        temperature=0.8,
+        use_fused_kernels=fused,
+    )
     with engine.eval_mode():
         inf = engine.infer_batch(mk(calculate_entropy=True, use_remove_padding=not padded))
     before = _params(engine)
@@ -173,6 +185,30 @@ def test_parity_full_attention_families(verl_cpu, kind):
     tree = run(strategy="harts_fsdp2", loss_mode="vanilla", harts={"capacity_tokens": 48})
     _compare(ref, tree)
     assert tree[1]["harts/microbatches"][0] >= 2
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3_moe"])
+def test_parity_with_fused_kernels(verl_cpu, monkeypatch, tmp_path, kind):
+    """veRL's fused LM-head forward (``use_fused_kernels``, torch backend) replaces the model
+    class's ``forward``: tree mode runs HF's backbone-then-head forward for its calls instead
+    (log-probs of the next token of every trajectory, not of the next compact row) and matches
+    the stock fused engine; the class keeps veRL's forward. Tied embeddings: veRL 0.9.1's fused
+    forward reads ``lm_head.weight`` without the LM head's FSDP2 unshard, which fails when the
+    untied head is its own FSDP unit (tree mode calls the head, so it runs either way)."""
+    import transformers
+
+    testing, _ = verl_cpu
+    cls = getattr(transformers, type(testing.tiny_hf_model(kind)).__name__)
+    monkeypatch.setattr(cls, "forward", cls.forward)  # veRL's patch is undone at teardown
+    path = _save_variant(testing, kind, tmp_path / kind, tie_word_embeddings=True)
+    data = _multiturn_batch(seed=7)
+    run = partial(_run, testing, path, batch=data, loss_mode="vanilla", fused=True)
+    ref = run(strategy="fsdp2")
+    assert cls.forward.__module__.startswith("verl.")  # the fused forward is in place
+    tree = run(strategy="harts_fsdp2", harts={"capacity_tokens": 48})
+    _compare(ref, tree)
+    assert tree[1]["harts/microbatches"][0] >= 2
+    assert cls.forward.__module__.startswith("verl.")
 
 
 def test_parity_sliding_window(verl_cpu, tmp_path):

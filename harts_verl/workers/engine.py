@@ -43,7 +43,7 @@ Fallback (stock path, metric ``harts/fallback`` = 1): harts disabled, a model wi
 support, per-sample temperatures, dropout in training, a batch that carries multi-modal inputs
 (vision embeddings and 3-D mrope positions have no tree form; text-only batches of the same
 multi-modal model run in tree mode), under Ulysses SP a trajectory longer than one rank's token
-budget, fused kernels, top-k
+budget, fused kernels on a model without HF's ``model`` / ``lm_head`` parts, top-k
 distillation, training with router jitter, dynamic RoPE beyond its original context, or global
 compression below ``harts.min_compression``. The decision is taken jointly by all DP ranks;
 each reason is logged at WARNING the first time it occurs.
@@ -270,6 +270,25 @@ def _dropout_reason(module: torch.nn.Module) -> str | None:
     return f"{' and '.join(parts)} in training (a shared row would share its dropout mask)"
 
 
+def _has_causal_parts(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a causal LM with HF's ``model`` backbone and ``lm_head``."""
+    return isinstance(getattr(module, "model", None), torch.nn.Module) and isinstance(
+        getattr(module, "lm_head", None), torch.nn.Module
+    )
+
+
+def _causal_lm_forward(self, *args: Any, output_router_logits: Any = None, **kwargs: Any) -> Any:
+    """HF's causal-LM forward without labels: the backbone, then the LM head on every
+    position. Installed on the instance for a tree call when veRL's fused-kernel patch has
+    replaced the class ``forward`` (its fused head takes each row's *next row* as the label,
+    which is not the next token of every trajectory through a fork). Returns HF's output type:
+    FSDP2 registers its pre-backward hooks through the output's tensors (pytree)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    hidden = self.model(*args, **kwargs)[0]
+    return CausalLMOutputWithPast(logits=self.lm_head(hidden))
+
+
 def _split_by_work(forest: RolloutForest, group: np.ndarray) -> list[tuple[int, np.ndarray]]:
     """Cut ``group`` (≥ 2 trajectories) in two consecutive leaf-order ranges: the cut minimising
     the larger half's compact work, then the common prefix at the cut, then its position.
@@ -386,6 +405,29 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         return self._dropout
 
     # ------------------------------------------------------------------ helpers
+    def _fused_forward(self) -> bool:
+        """Whether veRL's fused-kernel patch replaced the model's ``forward``
+        (``use_fused_kernels`` with a ``fused_kernel_options.impl_backend``)."""
+        return getattr(self.module, "_verl_fused_kernels_backend", None) is not None
+
+    @contextmanager
+    def _plain_causal_forward(self) -> Iterator[None]:
+        """HF's backbone-then-head forward on the root module for one tree call (instead of
+        veRL's fused forward, see :func:`_causal_lm_forward`); the FSDP root hooks still run."""
+        if not (self._fused_forward() and _has_causal_parts(self.module)):
+            yield
+            return
+        had = "forward" in self.module.__dict__
+        prev = self.module.__dict__.get("forward")
+        self.module.forward = types.MethodType(_causal_lm_forward, self.module)
+        try:
+            yield
+        finally:
+            if had:
+                self.module.forward = prev
+            else:
+                del self.module.forward
+
     def _sp_size(self) -> int:
         """Ulysses sequence-parallel size (1 without SP)."""
         return int(getattr(self, "ulysses_sequence_parallel_size", 1) or 1)
@@ -508,9 +550,11 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
                 "vision embeddings and 3-D mrope positions have no tree form; text-only batches "
                 "of this model run in tree mode)"
             )
-        if tu.get_non_tensor_data(data=data, key="use_fused_kernels", default=False) is not False:
+        fused = tu.get_non_tensor_data(data=data, key="use_fused_kernels", default=False)
+        if fused is not False and self._fused_forward() and not _has_causal_parts(self.module):
             reasons["fused"] = (
-                "use_fused_kernels is set (veRL's fused forward computes the log-probs itself)"
+                "use_fused_kernels is set and the model has no `model` backbone and `lm_head` "
+                "to run without veRL's fused forward (which computes log-probs itself)"
             )
         distill = [
             k
@@ -772,7 +816,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             # HF's load-balancing loss would read the tree-mode mask as a padding mask; veRL's
             # losses do not use it.
             kwargs["output_router_logits"] = False
-        with tree_call():
+        with tree_call(), self._plain_causal_forward():
             return self.module(
                 input_ids=layout.token_ids[None],
                 position_ids=layout.position_ids[None],

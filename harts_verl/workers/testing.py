@@ -429,11 +429,14 @@ def build_engine(
     use_remove_padding: bool = True,
     gradient_checkpointing: bool = False,
     model_type: str = "language_model",
+    use_fused_kernels: bool = False,
 ):
     """Build and initialise the engine of ``actor_cfg.strategy`` for the model at
     ``model_path`` through veRL's ``EngineRegistry`` (as ``TrainingWorker`` does);
     ``gradient_checkpointing``: veRL's ``enable_gradient_checkpointing`` (HF's, non-reentrant);
-    ``model_type="value_model"`` with a :func:`critic_config` builds the critic's engine."""
+    ``model_type="value_model"`` with a :func:`critic_config` builds the critic's engine;
+    ``use_fused_kernels``: veRL's fused LM-head forward (torch backend; it replaces the model
+    class's ``forward`` for the rest of the process)."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import HFModelConfig
     from verl.workers.engine import EngineRegistry
@@ -444,6 +447,8 @@ def build_engine(
         override_config={"attn_implementation": "sdpa"},
         enable_gradient_checkpointing=gradient_checkpointing,
         use_remove_padding=use_remove_padding,
+        use_fused_kernels=use_fused_kernels,
+        fused_kernel_options={"impl_backend": "torch"} if use_fused_kernels else {},
     )
     model_cfg.model_type = model_type
     engine = EngineRegistry.new(
@@ -471,6 +476,7 @@ def make_batch(
     global_batch_size: int | None = None,
     trajectory_ids: Sequence[int] | None = None,
     multi_modal_inputs: Sequence[dict[str, Any] | None] | None = None,
+    use_fused_kernels: bool = False,
 ) -> TensorDict:
     """A veRL engine batch (no-padding format) for trajectories ``sequences`` whose first
     ``prompt_lengths[i]`` tokens are prompt. ``tool_spans`` = (trajectory, start, end) ranges of
@@ -549,7 +555,7 @@ def make_batch(
         max_token_len_per_gpu=max_token_len,
         micro_batch_size_per_gpu=1,
         use_remove_padding=use_remove_padding,
-        use_fused_kernels=False,
+        use_fused_kernels=use_fused_kernels,
         global_batch_size=global_batch_size or n,
     )
     return td
