@@ -132,6 +132,7 @@ def test_two_rank_dp_equals_single_process(tmp_path):
         for call in c0:  # every engine call: the same number of micro-batches on both ranks
             assert c0[call]["steps"] == c1[call]["steps"]
             assert c0[call]["steps"] == max(c0[call]["planned"], c1[call]["planned"])
+        _check_dp_metrics(ranks, single)
         if tag == "uneven":
             for call in c0:
                 assert c0[call]["planned"] >= 3 and c1[call]["planned"] == 1
@@ -194,6 +195,7 @@ def test_ulysses_sp_ranks_share_the_trees(tmp_path):
             assert torch.equal(g, grid[b]["grads"][name]), name
     steps = {call: {r["calls"][call]["steps"] for r in grid} for call in grid[0]["calls"]}
     assert all(len(v) == 1 for v in steps.values())  # every rank: the same micro-batch count
+    _check_dp_metrics([grid[0], grid[2]], single)
 
 
 def test_sp_assignment_equal_counts_balanced_work():
@@ -209,6 +211,26 @@ def test_sp_assignment_equal_counts_balanced_work():
     assert sp_assignment([5, 2], 1).tolist() == [0, 0]
     with pytest.raises(ValueError, match="5 micro-batches do not divide among 2 SP ranks"):
         sp_assignment([1, 2, 3, 4, 5], 2)
+
+
+def _check_dp_metrics(ranks: list[dict], single: dict) -> None:
+    """veRL's ``Metric.aggregate_dp`` (which the worker runs over the DP ranks' train metrics)
+    needs equal value counts per key on every rank, dummy micro-batches included; the filled
+    values leave every SUM total unchanged: Σ over ranks and micro-batches of the DP-scaled
+    ``actor/pg_loss`` = DP x the single-process total."""
+    from verl.utils.metric.utils import Metric
+
+    per_rank = [r["metric_values"] for r in ranks]
+    assert per_rank[0] and all(set(m) == set(per_rank[0]) for m in per_rank)
+    for key in per_rank[0]:
+        metrics = [Metric(aggregation=m[key][0]) for m in per_rank]
+        for metric, m in zip(metrics, per_rank):
+            metric.extend(m[key][1])
+        assert len({len(m.values) for m in metrics}) == 1, key
+        Metric.aggregate_dp(metrics)  # raises on unequal counts
+    assert per_rank[0]["actor/pg_loss"][0] == "sum"
+    total = sum(sum(m["actor/pg_loss"][1]) for m in per_rank)
+    assert total == pytest.approx(len(ranks) * sum(single["metric_values"]["actor/pg_loss"][1]))
 
 
 def _check_against_single(ranks: list[dict], single: dict, n: int) -> None:

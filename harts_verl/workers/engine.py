@@ -719,6 +719,8 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         else:
             out = self._postprocess(output_lst, indices)
         metrics = out["metrics"]
+        if not forward_only:
+            self._pad_dp_metrics(metrics)
         metrics["harts/compression"] = [compression]
         metrics["harts/compact_tokens"] = [float(stats["compact_tokens"])]
         metrics["harts/replay_tokens"] = [float(stats["replay_tokens"])]
@@ -784,6 +786,47 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
                 flat, torch.from_numpy(offsets).to(device)
             )
         return {"model_output": restored, "loss": losses, "metrics": metrics}, merged_stats
+
+    def _pad_dp_metrics(self, metrics: dict) -> None:
+        """Give every ``Metric`` of ``metrics`` the same number of values on all DP ranks, as
+        veRL's ``Metric.aggregate_dp`` requires (the stock engine runs equal micro-batch counts
+        with one value each; a dummy micro-batch reports none). Filled values leave each rank's
+        aggregate unchanged: 0 for SUM (a dummy's loss is 0), the rank's own mean / min / max
+        for MEAN / MIN / MAX (the other ranks' mean of those when the rank has no value)."""
+        from verl.utils.metric.utils import AggregationType, Metric
+
+        group = self.get_data_parallel_group()
+        if not dist.is_initialized() or dist.get_world_size(group) <= 1:
+            return
+        fill = {
+            AggregationType.SUM: lambda v: 0.0,
+            AggregationType.MEAN: lambda v: float(np.mean(v)),
+            AggregationType.MIN: lambda v: float(np.min(v)),
+            AggregationType.MAX: lambda v: float(np.max(v)),
+        }
+        mine = {
+            k: (
+                len(m.values),
+                m.aggregation.value,
+                fill[m.aggregation](m.values) if m.values else None,
+            )
+            for k, m in metrics.items()
+            if isinstance(m, Metric)
+        }
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, mine, group=group)
+        for key in sorted({k for g in gathered for k in g}):
+            entries = [g[key] for g in gathered if key in g]
+            count, agg = max(e[0] for e in entries), AggregationType(entries[0][1])
+            metric = metrics.get(key)
+            if metric is None:
+                metric = metrics[key] = Metric(aggregation=agg)
+            if len(metric.values) >= count:
+                continue
+            value = 0.0 if agg == AggregationType.SUM else mine.get(key, (0, 0, None))[2]
+            if value is None:
+                value = float(np.mean([e[2] for e in entries if e[2] is not None]))
+            metric.extend([value] * (count - len(metric.values)))
 
     @staticmethod
     def _postprocess(output_lst: list[dict], indices: list[list[int]]) -> dict:

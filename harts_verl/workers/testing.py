@@ -579,7 +579,8 @@ def dp_worker(
     group (``sp``: Ulysses sequence-parallel size; ranks ``d·sp … d·sp + sp − 1`` share DP rank
     ``d``); saves ``{"indices", "log_probs", "entropy", "grads", "grad_norm", "metrics"}`` to
     ``out_path`` (full gradients, gathered from the FSDP shards; ``metrics``: the train step's
-    ``harts/*`` metrics and its per-micro-batch losses)."""
+    ``harts/*`` metrics and its per-micro-batch losses; ``metric_values``: the loss function's
+    veRL ``Metric`` entries as ``{key: (aggregation, values)}``)."""
     import sys
     from functools import partial
 
@@ -618,6 +619,12 @@ def dp_worker(
             "metrics": {
                 "loss": [float(x) for x in out.get("loss", [])],
                 **{k: v for k, v in out["metrics"].items() if k.startswith("harts/")},
+            },
+            # veRL Metric entries of the train step: {key: (aggregation, values)}
+            "metric_values": {
+                k: (v.aggregation.value, [float(x) for x in v.values])
+                for k, v in out["metrics"].items()
+                if hasattr(v, "aggregation")
             },
         },
         out_path,
