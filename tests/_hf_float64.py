@@ -234,8 +234,9 @@ def lift_float32_islands(monkeypatch) -> None:
 
 
 # The full-attention families (``harts_verl.models.adapter.FULL_ATTENTION_MODEL_TYPES``, each in
-# ``transformers.models.<type>.modeling_<type>``): their RMSNorms (``weight *
-# x.to(float32)-normalised``, q/k norms and MLA's low-rank norms included) and routers (softmax
+# ``transformers.models.<module>.modeling_<module>``): their RMSNorms (``weight *
+# x.to(float32)-normalised``, Gemma's ``(1 + weight) * …``; q/k norms, GLM-4's and OLMo's post
+# norms and MLA's low-rank norms included) and routers (softmax
 # top-k: Qwen2-MoE / Qwen3-MoE / Mixtral; DeepSeek-V3 / GLM-4-MoE's router logits) compute in
 # float32. Rotary tables are float32 too, but the same for every path (they depend on the
 # position only) and carry no gradient, so they stay.
@@ -247,6 +248,13 @@ def _llama_rms(self, hidden_states):
     return self.weight * h.to(hidden_states.dtype)
 
 
+def _gemma_rms(self, x):
+    """Gemma's RMSNorm: ``(1 + weight)`` times the normalised input, the product cast back."""
+    h = x.to(_compute_dtype(x.dtype))
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+    return (h * (1.0 + self.weight.to(h.dtype))).type_as(x)
+
+
 def _sigmoid_router_logits(self, hidden_states):
     x = hidden_states.view(-1, self.config.hidden_size)
     dt = _compute_dtype(x.dtype)
@@ -256,15 +264,19 @@ def _sigmoid_router_logits(self, hidden_states):
 def lift_full_attention_islands(monkeypatch) -> None:
     """Patch (through pytest's ``monkeypatch``) the RMSNorms and routers of every full-attention
     family to compute in the input dtype (same formulas; unchanged in float32 models)."""
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
     from harts_verl.models.adapter import FULL_ATTENTION_MODEL_TYPES
 
-    for short in FULL_ATTENTION_MODEL_TYPES:
+    for model_type in FULL_ATTENTION_MODEL_TYPES:
+        short = model_type_to_module_name(model_type)  # gemma3_text: gemma3
         m = importlib.import_module(f"transformers.models.{short}.modeling_{short}")
+        rms = _gemma_rms if short.startswith("gemma") else _llama_rms
         for name, obj in vars(m).items():
             if not isinstance(obj, type) or obj.__module__ != m.__name__:
                 continue
             if name.endswith("RMSNorm"):
-                monkeypatch.setattr(obj, "forward", _llama_rms)
+                monkeypatch.setattr(obj, "forward", rms)
             elif name.endswith("TopKRouter"):
                 monkeypatch.setattr(obj, "forward", _router)
             elif name.endswith("TopkRouter"):

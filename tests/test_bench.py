@@ -97,6 +97,11 @@ def test_model_errors(tmp_path, monkeypatch):
     (tmp_path / "bad.json").write_text("{bad")
     (tmp_path / "notype.json").write_text('{"hidden_size": 4}')
     (tmp_path / "empty").mkdir()
+    from harts_verl.workers.testing import tiny_hf_config
+
+    capped = tiny_hf_config("gemma3_text")  # a supported type whose forward soft-caps logits
+    capped.final_logit_softcapping = 30.0
+    capped.save_pretrained(str(tmp_path / "capped"))
     real_load = hf.load_causal_lm
     monkeypatch.setattr(hf, "load_causal_lm", lambda *a, **k: pytest.fail("model built"))
     for spec, msg in [
@@ -107,14 +112,13 @@ def test_model_errors(tmp_path, monkeypatch):
         (tmp_path / "bad.json", "not a valid JSON file"),
         (tmp_path / "notype.json", "model_type"),
         (tmp_path / "empty", "has no config.json"),
+        (tmp_path / "capped" / "config.json", "no tree mode: final_logit_softcapping = 30.0"),
     ]:
         with pytest.raises(ValueError, match=msg) as info:
             run_bench(BenchConfig(model=str(spec), **SMALL))
         assert str(info.value).startswith("model: "), spec
     # A directory with a config but no weights: the loader's OSError, as a model error.
     monkeypatch.setattr(hf, "load_causal_lm", real_load)
-    from harts_verl.workers.testing import tiny_hf_config
-
     tiny_hf_config("qwen2").save_pretrained(str(tmp_path / "noweights"))
     with pytest.raises(ValueError, match=r"^model: .*no file named.*config\.json for random"):
         run_bench(BenchConfig(model=str(tmp_path / "noweights"), **SMALL))

@@ -1,7 +1,11 @@
 """Full-attention HF causal LMs in tree mode (``FULL_ATTENTION_MODEL_TYPES``): Llama, Qwen2,
 Qwen3, Mistral, the MoE Qwen2-MoE / Qwen3-MoE / Mixtral, DeepSeek-V3 (MLA: low-rank q and kv
-paths, decoupled RoPE, a value width different from the q/k width; sigmoid group routing) and
-GLM-4-MoE (partial RoPE, q/k norm, sigmoid routing).
+paths, decoupled RoPE, a value width different from the q/k width; sigmoid group routing),
+GLM-4-MoE (partial RoPE, q/k norm, sigmoid routing), OLMo 2 / OLMo 3 (q/k norms over all heads,
+post-norm layers; OLMo 3 with a sliding and a full layer), Phi-3 (fused qkv, partial RoPE),
+Seed-OSS, GLM-4 (extra post norms) and Gemma 3 (scaled embeddings, ``(1 + w)`` RMSNorms, a
+rotary table per layer type, tied LM head). Families whose causal-LM forward transforms the
+logits (Gemma 2, Granite, Cohere, a soft-capped Gemma 3) are refused.
 
 Each attention module runs its own forward with transformers' attention interface pointed at tree
 attention. The oracle is HF's own forward of each trajectory on its own (sdpa, float64): log-probs
@@ -22,6 +26,7 @@ from harts_verl.models.adapter import (
     TREE_MODEL_TYPES,
     HFCausalTreeModel,
     as_tree_model,
+    patch_tree_mixers,
     tree_attention_interface,
     tree_call,
 )
@@ -172,10 +177,13 @@ def test_attention_config_restored_and_original_forward_outside_tree_calls(no_fl
 
 
 # Families with per-layer windows from ``use_sliding_window`` / ``max_window_layers`` (Qwen2,
-# Qwen3: layers from ``max_window_layers`` on; Qwen2-MoE: even layers below it) and families
-# whose ``sliding_window`` applies to every layer.
+# Qwen3: layers from ``max_window_layers`` on; Qwen2-MoE: even layers below it), families whose
+# tiny config lists a sliding layer and a full one (OLMo 3, Gemma 3: the window applies to the
+# first layer) and families whose ``sliding_window`` applies to every layer (Phi-3 passes it to
+# the attention interface of each layer).
 _LAYER_TYPED = ("qwen2", "qwen3", "qwen2_moe")
-WINDOWED = ["mistral", "mixtral", "qwen3_moe", *_LAYER_TYPED]
+_TYPED_IN_TINY_CONFIG = ("olmo3", "gemma3_text")
+WINDOWED = ["mistral", "mixtral", "qwen3_moe", "phi3", *_LAYER_TYPED, *_TYPED_IN_TINY_CONFIG]
 
 
 def _windowed(kind: str, window: int, seed: int) -> torch.nn.Module:
@@ -193,7 +201,7 @@ def _windowed(kind: str, window: int, seed: int) -> torch.nn.Module:
     assert cfg.sliding_window == window
     cfg._attn_implementation = "sdpa"
     cfg._experts_implementation = getattr(base.config, "_experts_implementation", None)
-    if kind in _LAYER_TYPED:
+    if kind in _LAYER_TYPED + _TYPED_IN_TINY_CONFIG:
         assert sorted(cfg.layer_types) == ["full_attention", "sliding_attention"]
     windowed = type(base)(cfg).double().eval()
     windowed.load_state_dict(base.state_dict())
@@ -297,3 +305,60 @@ def test_router_jitter_refused_in_training(no_fla):
     model.train()
     with pytest.raises(NotImplementedError, match="router_jitter_noise"):
         TreeRunner(model).forward_backward(seqs, _loss)
+
+
+def test_residual_dropout_refused_in_training(no_fla):
+    """Seed-OSS draws its residual dropout per token (functional, inside the attention and MLP
+    modules); tree mode refuses it in training (shared rows would share the mask) and runs the
+    dropout-free eval mode exactly."""
+    model = _model("seed_oss", residual_dropout=0.1)
+    seqs = _sequences(11)
+    with torch.no_grad():
+        for lp, s in zip(TreeRunner(model).log_probs(seqs), seqs):
+            torch.testing.assert_close(lp, _hf_log_probs(model, s), rtol=0, atol=1e-10)
+    model.train()
+    with pytest.raises(NotImplementedError, match="residual dropout"):
+        TreeRunner(model).forward_backward(seqs, _loss)
+
+
+def _logit_transformed(name: str) -> torch.nn.Module:
+    """A tiny causal LM whose own forward transforms the LM head's logits."""
+    import transformers
+
+    if name == "gemma3_text":  # a supported family, with soft-capped logits
+        cfg = tiny_hf_config(name)
+        cfg.final_logit_softcapping = 30.0
+        return transformers.Gemma3ForCausalLM(cfg)
+    small = dict(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, pad_token_id=None, bos_token_id=None,
+        eos_token_id=None,
+    )  # fmt: skip
+    cls, cfg = {
+        "gemma2": ("Gemma2", dict(head_dim=8)),  # soft-capped logits and attention logits
+        "granite": ("Granite", dict(logits_scaling=8.0)),
+        "cohere": ("Cohere", dict(logit_scale=0.0625)),
+    }[name]
+    config = getattr(transformers, f"{cls}Config")(**small, **cfg)
+    return getattr(transformers, f"{cls}ForCausalLM")(config)
+
+
+@pytest.mark.parametrize(
+    "name,why",
+    [
+        ("gemma3_text", "final_logit_softcapping = 30.0"),
+        ("gemma2", "final_logit_softcapping = 30.0.*attn_logit_softcapping = 50.0"),
+        ("granite", "logits_scaling = 8.0"),
+        ("cohere", "logit_scale = 0.0625"),
+    ],
+)
+def test_logit_transforms_refused(name, why):
+    """A causal LM whose forward soft-caps or scales the LM head's logits (Gemma 2 / Gemma 3's
+    ``final_logit_softcapping``, Granite's ``logits_scaling``, Cohere's ``logit_scale``) is not
+    run in tree mode, whose head computes log-probs from the LM head's weight: ``as_tree_model``
+    names the transform, and ``patch_tree_mixers`` patches nothing (the engine falls back)."""
+    model = _logit_transformed(name)
+    with pytest.raises(TypeError, match=f"not supported in tree mode.*{why}"):
+        as_tree_model(model)
+    assert patch_tree_mixers(model) == 0
+    assert not any(hasattr(m, "_harts_original_forward") for m in model.modules())

@@ -101,6 +101,7 @@ def _param_flops(model: torch.nn.Module) -> float:
 
 
 _FLOP_KINDS = ("qwen2", "qwen3_next", "qwen3_5", "qwen3_5_moe", "llama", "qwen3", "mistral")
+_FLOP_KINDS += ("olmo2", "olmo3", "phi3", "seed_oss", "glm4", "gemma3_text")
 _FLOP_MOE_KINDS = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe")
 
 
@@ -114,7 +115,8 @@ def test_flop_model_matches_the_module_tree(kind, monkeypatch):
     shape = model_shape(model.config)
     assert shape.dense_per_token == pytest.approx(_param_flops(model), rel=1e-12)
     cfg = model.config
-    n_full = sum(t == "full_attention" for t in getattr(cfg, "layer_types", None) or [])
+    # softmax-attention layers: full or sliding-window (OLMo 3, Gemma 3), not linear attention
+    n_full = sum(t != "linear_attention" for t in getattr(cfg, "layer_types", None) or [])
     n_full = n_full or cfg.num_hidden_layers
     h = cfg.num_attention_heads
     if kind == "deepseek_v3":  # MLA: q·k over nope + rope dims, p·v over v_head_dim

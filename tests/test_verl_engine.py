@@ -174,9 +174,17 @@ def test_parity_vanilla(verl_cpu, kind, batch):
 
 
 # Full-attention families beyond Qwen2: Llama (no per-layer mask mapping), the MoE Qwen3-MoE and
-# Mixtral, DeepSeek-V3 (MLA, sigmoid routing), GLM-4-MoE (partial RoPE); packed stock reference,
-# veRL's gradient checkpointing on (its default: layers re-run in backward, in tree mode too).
-@pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe"])
+# Mixtral, DeepSeek-V3 (MLA, sigmoid routing), GLM-4-MoE (partial RoPE), OLMo 2 (q/k norms over
+# all heads, post-norm layers), OLMo 3 (a sliding and a full layer: HF's per-type mask mapping),
+# Phi-3 (fused qkv, partial RoPE), GLM-4 (extra post norms), Gemma 3 (scaled embeddings, a
+# rotary table per layer type, tied LM head); packed stock reference, veRL's gradient
+# checkpointing on (its default: layers re-run in backward, in tree mode too). Seed-OSS is left
+# out here: its tiny model has Qwen2's layer math (q/k/v biases) and gives Qwen2's numbers.
+_ENGINE_FAMILIES = ["llama", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe"]
+_ENGINE_FAMILIES += ["olmo2", "olmo3", "phi3", "glm4", "gemma3_text"]
+
+
+@pytest.mark.parametrize("kind", _ENGINE_FAMILIES)
 def test_parity_full_attention_families(verl_cpu, kind):
     testing, paths = verl_cpu
     data = _multiturn_batch(seed=len(kind))
@@ -440,6 +448,12 @@ def test_dropout_in_training_is_named():
     attn = torch.nn.Linear(2, 2)
     attn.config = SimpleNamespace(text_config=SimpleNamespace(attention_dropout=0.2))
     assert "attention_dropout = 0.2" in _dropout_reason(attn)
+    seed_oss = torch.nn.Linear(2, 2)  # Seed-OSS draws residual dropout from its config
+    seed_oss.config = SimpleNamespace(attention_dropout=0.0, residual_dropout=0.1)
+    assert (
+        _dropout_reason(seed_oss)
+        == "residual_dropout = 0.1 in training (a shared row would share its dropout mask)"
+    )
 
 
 def test_fallback_and_audit(verl_cpu):

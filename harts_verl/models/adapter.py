@@ -6,9 +6,12 @@ GQA attention, RoPE or NoPE) is wrapped so that, in a tree-mode forward, it runs
 (short conv over each row's path, chunkwise gated delta rule over the planned rounds, tree
 attention); outside one the original forward runs untouched. The attention modules of the
 full-attention models (Qwen2 / Qwen3 / Llama / Mistral, Qwen2-MoE / Qwen3-MoE / Mixtral,
-DeepSeek-V3's MLA, GLM-4-MoE) run their own forward in tree mode, with transformers' attention
-interface pointed at tree attention (:func:`tree_attention_interface`). Embeddings, norms, MLP / MoE, rotary tables and the LM head are HF's own code on the
-``[1, C, D]`` compact batch. Parameter names and the state dict are unchanged.
+DeepSeek-V3's MLA, GLM-4-MoE, OLMo 2 / OLMo 3, Phi-3, Seed-OSS, GLM-4, Gemma 3) run their own
+forward in tree mode, with transformers' attention interface pointed at tree attention
+(:func:`tree_attention_interface`). Embeddings, norms, MLP / MoE, rotary tables and the LM head
+are HF's own code on the ``[1, C, D]`` compact batch. Parameter names and the state dict are
+unchanged. A causal LM whose own forward transforms the LM head's logits (soft-capping,
+scaling: :func:`logits_transform`) does not run in tree mode.
 
 A mixer takes its :class:`TreeLayout` from the ``harts_layout`` keyword or, when a decoder layer
 does not forward extra keywords (OLMo Hybrid's linear-attention layer; Qwen3.5's decoder layers
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 import sys
 import types
 from collections.abc import Iterator
@@ -153,8 +157,13 @@ _HYBRID_TEXT_MODEL_CLASSES = (
 # :func:`_interface_attn_tree_forward` points at tree attention. A model type is listed only once
 # its tree forward is tested against HF's own per-trajectory forward in float64
 # (``tests/test_full_attention_models.py``): the tree path runs embeddings → decoder layers →
-# final norm → LM head, so a family that scales embeddings or logits outside these modules
-# (Gemma, Granite, Cohere) needs its own adapter.
+# final norm → LM head, so a family that scales embeddings or logits outside these modules needs
+# its own adapter. Gemma 3 scales its embeddings inside its embedding module (HF's code runs);
+# a CausalLM forward that transforms the logits (Gemma 2 / Gemma 3's
+# ``final_logit_softcapping``, Granite's ``logits_scaling``, Cohere's ``logit_scale``) is refused
+# (:func:`logits_transform`), and Gemma 2's attention logit soft-capping has no tree form.
+# OLMo 3 and Gemma 3 mix sliding-window and full layers (``config.layer_types``); Gemma 3 keeps
+# a rotary table per layer type (see :func:`_tree_decoder_forward`).
 FULL_ATTENTION_MODEL_TYPES = (
     "qwen2",
     "qwen3",
@@ -165,6 +174,12 @@ FULL_ATTENTION_MODEL_TYPES = (
     "mixtral",
     "deepseek_v3",
     "glm4_moe",
+    "olmo2",
+    "olmo3",
+    "phi3",
+    "seed_oss",
+    "glm4",
+    "gemma3_text",
 )
 _FULL_ATTENTION_CLASSES = (
     "Qwen2Attention",
@@ -176,6 +191,12 @@ _FULL_ATTENTION_CLASSES = (
     "MixtralAttention",
     "DeepseekV3Attention",
     "Glm4MoeAttention",
+    "Olmo2Attention",
+    "Olmo3Attention",
+    "Phi3Attention",
+    "SeedOssAttention",
+    "Glm4Attention",
+    "Gemma3Attention",
 )
 # Softmax top-k routers whose load-balancing loss HF computes from the router logits
 # (``output_router_logits``); DeepSeek-V3 / GLM-4-MoE route by sigmoid scores without one.
@@ -202,8 +223,9 @@ def as_tree_model(model: nn.Module) -> nn.Module:
     """Return a module with the tree interface ``forward(input_ids [C], layout) -> (hidden [C, D],
     aux_loss)`` and an ``lm_head``: the native model as is, HF Qwen3-Next / Qwen3.5 /
     Qwen3.5-MoE / OLMo Hybrid through :class:`HybridTreeModel`, the full-attention models of
-    :data:`FULL_ATTENTION_MODEL_TYPES` through
-    :class:`HFCausalTreeModel`. Raises ``TypeError`` for any other model."""
+    :data:`FULL_ATTENTION_MODEL_TYPES` through :class:`HFCausalTreeModel`. Raises ``TypeError``
+    for any other model, and for one whose forward transforms the LM head's logits (naming the
+    config field: :func:`logits_transform`)."""
     from harts_verl.models.hybrid import HybridForCausalLM
 
     if isinstance(model, HybridForCausalLM | HybridTreeModel | HFCausalTreeModel):
@@ -211,15 +233,60 @@ def as_tree_model(model: nn.Module) -> nn.Module:
     native = getattr(model, "harts_native_model", None)  # HartsHybridForCausalLM (HF wrapper)
     if isinstance(native, HybridForCausalLM):
         return native
-    if _is_hybrid(model):
-        return HybridTreeModel(model)
-    if _model_type(model) in FULL_ATTENTION_MODEL_TYPES:
-        return HFCausalTreeModel(model)
+    transform = logits_transform(model)
+    if transform is None:
+        if _is_hybrid(model):
+            return HybridTreeModel(model)
+        if _model_type(model) in FULL_ATTENTION_MODEL_TYPES:
+            return HFCausalTreeModel(model)
+    why = [transform] if transform else []
+    softcap = getattr(getattr(model, "config", None), "attn_logit_softcapping", None)
+    if softcap is not None and _model_type(model) not in TREE_MODEL_TYPES:
+        why.append(
+            f"attn_logit_softcapping = {softcap}: attention logit soft-capping has no "
+            "tree-attention form"
+        )
     raise TypeError(
         f"model: {type(model).__name__} is not supported in tree mode "
-        "(supported: HybridForCausalLM, transformers Qwen3-Next / Qwen3.5 / Qwen3.5-MoE / "
+        + (f"({'; '.join(why)}; " if why else "(")
+        + "supported: HybridForCausalLM, transformers Qwen3-Next / Qwen3.5 / Qwen3.5-MoE / "
         f"OLMo Hybrid, and the causal LMs of {', '.join(FULL_ATTENTION_MODEL_TYPES)})"
     )
+
+
+# Config fields with which an HF causal LM's own ``forward`` transforms the LM head's logits
+# (Gemma 2 / Gemma 3: ``cap · tanh(logits / cap)``; Granite: ``logits / logits_scaling``; Cohere:
+# ``logits · logit_scale``), and the value at which the transform is the identity.
+_LOGIT_TRANSFORMS = (
+    ("final_logit_softcapping", None, "soft-caps the logits"),
+    ("logits_scaling", 1, "divides the logits by it"),
+    ("logit_scale", 1, "multiplies the logits by it"),
+)
+
+
+def logits_transform(model: nn.Module) -> str | None:
+    """Why the causal-LM forward of ``model`` changes its LM head's logits (e.g.
+    ``"final_logit_softcapping = 30.0: ..."``), or None. Tree mode computes log-probs from the LM
+    head's weight (``compact_log_probs``; the engine swaps the head's forward for it), so such a
+    model is not run in tree mode: :func:`as_tree_model` raises and :func:`patch_tree_mixers`
+    patches nothing. Models without an ``lm_head`` (token classifiers) have no such transform."""
+    if not isinstance(getattr(model, "lm_head", None), nn.Module):
+        return None
+    return config_logits_transform(getattr(model, "config", None))
+
+
+def config_logits_transform(config: Any) -> str | None:
+    """:func:`logits_transform` of the causal LM that ``config`` (or its ``text_config``)
+    describes, read from the config alone."""
+    for cfg in (config, getattr(config, "text_config", None)):
+        for key, identity, what in _LOGIT_TRANSFORMS:
+            value = getattr(cfg, key, None)
+            if value is not None and value != identity:
+                return (
+                    f"{key} = {value}: its forward {what}, which the tree head (log-probs from "
+                    "the LM head's weight) does not apply"
+                )
+    return None
 
 
 def _gdn_log_decay(module: nn.Module, a: torch.Tensor) -> torch.Tensor:
@@ -386,7 +453,9 @@ def _interface_attn_tree_forward(
     q/k norms, RoPE, MLA's low-rank paths) and then calls transformers' attention interface: the
     module's own forward runs with its config naming :data:`TREE_ATTENTION` for the duration of
     the call (restored after), and ``harts_layout`` travels with the interface keywords.
-    hidden_states ``[1, C, D]``; tree mode keeps no cache."""
+    hidden_states ``[1, C, D]``; tree mode keeps no cache. Raises ``NotImplementedError`` in
+    training with Seed-OSS's functional residual dropout (``residual_dropout`` > 0, drawn per
+    token: a shared row would share its mask across trajectories)."""
     layout = _tree_layout(self, harts_layout)
     if layout is None:
         return _original(self)(*args, **kwargs)
@@ -395,6 +464,13 @@ def _interface_attn_tree_forward(
     _compact_batch(self, hidden_states)
     if past_key_values is not None:
         raise ValueError("past_key_values: tree mode keeps no cache (call with use_cache=False)")
+    residual_dropout = getattr(self, "residual_dropout", 0.0)
+    if self.training and residual_dropout:
+        raise NotImplementedError(
+            f"{type(self).__name__}: residual dropout ({residual_dropout}) in training is drawn "
+            "per token, so rows shared by several trajectories would share it (call "
+            "model.eval(), or set residual_dropout = 0)"
+        )
     config = self.config
     saved = config._attn_implementation_internal
     config._attn_implementation_internal = TREE_ATTENTION
@@ -547,9 +623,12 @@ def patch_tree_mixers(model: nn.Module) -> int:
     :func:`tree_call` that carries a layout, and the original code otherwise. Hybrid text models
     and keyword-dropping decoder layers are wrapped too (not counted). Returns the number of
     tree-capable modules (0: nothing in ``model`` is supported; the native model's HF wrapper
-    counts as one)."""
+    counts as one; 0 also for a causal LM whose forward transforms the LM head's logits, see
+    :func:`logits_transform`)."""
     if getattr(model, "supports_harts_layout", False):
         return 1
+    if logits_transform(model) is not None:
+        return 0
     n = 0
     for mod in model.modules():
         if _is_hf_class(mod, _GDN_CLASSES):
@@ -641,24 +720,43 @@ def _tree_decoder_forward(
     ``tree_call(layout)`` (activation checkpointing when ``tree_model.gradient_checkpointing``
     and grad is on; the recomputation runs inside it too) → final norm. RoPE tables come from
     ``base.rotary_emb``; a model without one (OLMo Hybrid NoPE) gets ``position_embeddings=None``.
-    No attention mask is built. input_ids ``[C]`` → hidden ``[C, D]``."""
+    A rotary embedding whose ``forward`` takes a ``layer_type`` (Gemma 3: its own frequencies
+    and scaling for sliding and full layers) gives each layer the table of its
+    ``config.layer_types`` entry, as HF's text model does. No attention mask is built.
+    input_ids ``[C]`` → hidden ``[C, D]``."""
     pos = layout.position_ids[None]
     h = base.embed_tokens(input_ids[None])
+    n_layers = tree_model.config.num_hidden_layers
     rotary = getattr(base, "rotary_emb", None)
     if rotary is not None and layout.forest.num_compact_tokens:
         check_rope_lengths(rotary, int(layout.forest.depth.max()) + 1)
-    pe = rotary(h, pos) if rotary is not None else None
+    if rotary is None:
+        pes: list[Any] = [None] * n_layers
+    elif _rotary_per_layer_type(rotary):
+        layer_types = list(tree_model.config.layer_types[:n_layers])
+        tables = {t: rotary(h, pos, layer_type=t) for t in dict.fromkeys(layer_types)}
+        pes = [tables[t] for t in layer_types]
+    else:
+        pes = [rotary(h, pos)] * n_layers
 
-    def run(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    def run(x: torch.Tensor, layer: nn.Module, pe: Any) -> torch.Tensor:
         with tree_call(layout):
             return layer(x, position_embeddings=pe, position_ids=pos, harts_layout=layout)
 
-    for layer in base.layers[: tree_model.config.num_hidden_layers]:
+    for layer, pe in zip(base.layers[:n_layers], pes):
         if tree_model.gradient_checkpointing and torch.is_grad_enabled():
-            h = checkpoint(run, h, layer, use_reentrant=False)
+            h = checkpoint(run, h, layer, pe, use_reentrant=False)
         else:
-            h = run(h, layer)
+            h = run(h, layer, pe)
     return base.norm(h)[0]
+
+
+def _rotary_per_layer_type(rotary: nn.Module) -> bool:
+    """Whether an HF rotary embedding keeps a table per layer type (its ``forward`` takes
+    ``layer_type``, and the config lists ``layer_types``)."""
+    params = inspect.signature(rotary.forward).parameters
+    config = getattr(rotary, "config", None)
+    return "layer_type" in params and bool(getattr(config, "layer_types", None))
 
 
 class _HFTreeModel(nn.Module):
@@ -738,6 +836,6 @@ class HybridTreeModel(_HFTreeModel):
 class HFCausalTreeModel(_HFTreeModel):
     """Tree-mode view of a full-attention HF causal LM of :data:`FULL_ATTENTION_MODEL_TYPES`
     (Qwen2 / Qwen3 / Llama / Mistral, the MoE Qwen2-MoE / Qwen3-MoE / Mixtral, DeepSeek-V3 with
-    MLA, GLM-4-MoE)."""
+    MLA, GLM-4-MoE, OLMo 2 / OLMo 3, Phi-3, Seed-OSS, GLM-4, Gemma 3)."""
 
     routers = _FULL_ATTENTION_ROUTER_CLASSES

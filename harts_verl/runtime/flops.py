@@ -196,8 +196,9 @@ def olmo_hybrid_shape(cfg: Any) -> ModelShape:
 
 def full_attention_shape(cfg: Any) -> ModelShape:
     """Coefficients of a full-attention HF causal LM (Qwen2, Qwen3, Llama, Mistral, Qwen2-MoE,
-    Qwen3-MoE, Mixtral, DeepSeek-V3, GLM-4-MoE): per layer GQA q/k/v/o projections (biases and
-    q/k norms ignored) or DeepSeek-V3's multi-head latent attention (configs with
+    Qwen3-MoE, Mixtral, DeepSeek-V3, GLM-4-MoE, OLMo 2, OLMo 3, Phi-3, Seed-OSS, GLM-4,
+    Gemma 3): per layer GQA q/k/v/o projections (Phi-3's fused qkv: the same FLOPs; biases, norms
+    and sliding windows ignored) or DeepSeek-V3's multi-head latent attention (configs with
     ``kv_lora_rank``), a gated MLP or a sparse MoE block (see :func:`_ffn_layer`); the LM
     head."""
     dense, attn = 2.0 * cfg.hidden_size * cfg.vocab_size, 0.0
@@ -221,7 +222,8 @@ def model_shape(cfg: Any) -> ModelShape:
     HF hybrids ``qwen3_next`` / ``qwen3_5_text`` / ``qwen3_5_moe_text`` (and the multi-modal
     ``qwen3_5`` / ``qwen3_5_moe`` wrappers, through their ``text_config``: the vision tower is
     not counted) and ``olmo_hybrid``, and the full-attention ``qwen2`` / ``qwen3`` / ``llama`` /
-    ``mistral`` / ``qwen2_moe`` / ``qwen3_moe`` / ``mixtral`` / ``deepseek_v3`` / ``glm4_moe``.
+    ``mistral`` / ``qwen2_moe`` / ``qwen3_moe`` / ``mixtral`` / ``deepseek_v3`` / ``glm4_moe`` /
+    ``olmo2`` / ``olmo3`` / ``phi3`` / ``seed_oss`` / ``glm4`` / ``gemma3_text``.
     Raises ``ValueError`` for any other ``model_type``."""
     from harts_verl.models.config import HybridConfig
 

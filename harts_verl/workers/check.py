@@ -5,7 +5,8 @@ seeded) of any model that runs in tree mode — Qwen3-Next, the Qwen3.5 / Qwen3.
 (``qwen3_5_text``, ``qwen3_5_moe_text``) and their multi-modal wrappers (the text model is
 audited), OLMo Hybrid (``olmo_hybrid``), the native model (``harts_hybrid``), the full-attention
 causal LMs of ``FULL_ATTENTION_MODEL_TYPES`` (Qwen2 / Qwen3 / Llama / Mistral, Qwen2-MoE /
-Qwen3-MoE / Mixtral, DeepSeek-V3, GLM-4-MoE); ``--batch`` a dump of trajectories: a ``RolloutForest.save`` file (``.npz``), or a ``torch.save`` file (``.pt``)
+Qwen3-MoE / Mixtral, DeepSeek-V3, GLM-4-MoE, OLMo 2 / OLMo 3, Phi-3, Seed-OSS, GLM-4,
+Gemma 3); ``--batch`` a dump of trajectories: a ``RolloutForest.save`` file (``.npz``), or a ``torch.save`` file (``.pt``)
 holding a list of token-id lists or a dict with ``input_ids`` (list, or a nested tensor as in a
 veRL batch). Prints JSON: max |Δlogp| tree vs expanded (``max_abs_dlogp``) and tree vs the
 model's own forward of each trajectory alone (``own_forward_max_abs_dlogp``: HF's code, no tree
@@ -300,10 +301,11 @@ def tree_model_config(spec: str) -> Any:
 
     Raises ``ValueError`` starting with ``model:`` when ``spec`` does not exist, is neither a
     directory nor a ``.json`` file, has no readable config (invalid JSON, no ``model_type``, an
-    unknown type) or names a model type without a tree mode."""
+    unknown type) or names a model type without a tree mode, or a causal LM whose forward
+    transforms its logits (``harts_verl.models.adapter.config_logits_transform``)."""
     from transformers import AutoConfig
 
-    from harts_verl.models.adapter import TREE_MODEL_TYPES
+    from harts_verl.models.adapter import TREE_MODEL_TYPES, config_logits_transform
     from harts_verl.models.hf import register_auto_classes
 
     if spec.endswith(".json"):
@@ -324,6 +326,9 @@ def tree_model_config(spec: str) -> Any:
             f"model: {spec!r} is a {model_type!r} model, which has no tree mode "
             f"(supported: {', '.join(TREE_MODEL_TYPES)})"
         )
+    transform = config_logits_transform(cfg)
+    if transform is not None:
+        raise ValueError(f"model: {spec!r} has no tree mode: {transform}")
     return cfg
 
 

@@ -261,10 +261,12 @@ def _dropout_reason(module: torch.nn.Module) -> str | None:
     per row, which a shared row would share across its trajectories), or None."""
     ps = sorted({float(m.p) for m in module.modules() if isinstance(m, torch.nn.Dropout) and m.p})
     config = getattr(module, "config", None)
-    configs = [config, getattr(config, "text_config", None)]
-    att = max((float(getattr(c, "attention_dropout", 0.0) or 0.0) for c in configs if c), default=0)
+    configs = [c for c in (config, getattr(config, "text_config", None)) if c is not None]
     parts = [f"dropout p = {', '.join(map(str, ps))}"] if ps else []
-    parts += [f"attention_dropout = {att}"] if att > 0 else []
+    # functional dropout that HF draws from config values (Seed-OSS: residual_dropout)
+    for key in ("attention_dropout", "residual_dropout", "hidden_dropout"):
+        p = max((float(getattr(c, key, 0.0) or 0.0) for c in configs), default=0.0)
+        parts += [f"{key} = {p}"] if p > 0 else []
     if not parts:
         return None
     return f"{' and '.join(parts)} in training (a shared row would share its dropout mask)"

@@ -7,6 +7,7 @@ Everything here runs on CPU with the platform shim (:mod:`harts_verl.workers.cpu
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,7 @@ TINY_KINDS = (
     "olmo_hybrid",
     "olmo_hybrid_nope",
     *("llama", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe"),
+    *("olmo2", "olmo3", "phi3", "seed_oss", "glm4", "gemma3_text"),
 )
 # The multi-modal Qwen3.5 wrappers (``Qwen3_5ForConditionalGeneration`` /
 # ``Qwen3_5MoeForConditionalGeneration``, model_type ``qwen3_5`` / ``qwen3_5_moe``): the text
@@ -88,6 +90,13 @@ _SIGMOID_MOE = dict(
     first_k_dense_replace=1,
     routed_scaling_factor=1.5,
 )
+# OLMo 2 / OLMo 3, Phi-3, Seed-OSS, GLM-4 and Gemma 3: no pad/bos/eos ids (HF's defaults lie
+# outside a tiny vocabulary); OLMo 3 and Gemma 3: a sliding-window layer, then a full one
+# (window 4096 unless a test sets a shorter one); Phi-3: partial RoPE (6 of 8 dims, as in
+# Phi-4-mini); Seed-OSS: no dropout (its defaults are 0.1); Gemma 3: q·k scale 16^-1/2, linear
+# RoPE scaling on the full layer, tied embeddings.
+_NO_SPECIAL_IDS = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)
+_SLIDING_FULL = ["sliding_attention", "full_attention"]
 _FULL_ATTENTION = {
     "qwen2": ("Qwen2Config", {}),
     "llama": ("LlamaConfig", {}),
@@ -112,6 +121,38 @@ _FULL_ATTENTION = {
         },
     ),
     "glm4_moe": ("Glm4MoeConfig", {**_SIGMOID_MOE, "head_dim": 8, "use_qk_norm": True}),
+    "olmo2": ("Olmo2Config", _NO_SPECIAL_IDS),
+    "olmo3": ("Olmo3Config", {**_NO_SPECIAL_IDS, "layer_types": _SLIDING_FULL}),
+    "phi3": (
+        "Phi3Config",
+        {
+            **_NO_SPECIAL_IDS,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.75,
+            },
+        },
+    ),
+    "seed_oss": (
+        "SeedOssConfig",
+        {**_NO_SPECIAL_IDS, "head_dim": 8, "attention_dropout": 0.0, "residual_dropout": 0.0},
+    ),
+    "glm4": ("Glm4Config", {**_NO_SPECIAL_IDS, "head_dim": 8}),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        {
+            **_NO_SPECIAL_IDS,
+            "head_dim": 8,
+            "query_pre_attn_scalar": 16,
+            "layer_types": _SLIDING_FULL,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            },
+            "tie_word_embeddings": True,
+        },
+    ),
 }
 _MOE = dict(
     num_experts=4,
@@ -203,7 +244,8 @@ def tiny_hf_config(kind: str, vocab_size: int = 64):
     ``qwen3_5`` / ``qwen3_5_moe`` and whose vision tower has one block; image token id
     ``TINY_IMAGE_TOKEN_ID``, then video, vision start and vision end; the full-attention causal
     LMs ``llama``, ``qwen3``, ``mistral``, ``qwen2_moe``, ``qwen3_moe``, ``mixtral``,
-    ``deepseek_v3``, ``glm4_moe``), sdpa attention, eager experts (float64-capable on CPU).
+    ``deepseek_v3``, ``glm4_moe``, ``olmo2``, ``olmo3``, ``phi3``, ``seed_oss``, ``glm4``,
+    ``gemma3_text``), sdpa attention, eager experts (float64-capable on CPU).
     Raises ``ValueError`` for another kind."""
     import transformers
 
@@ -211,6 +253,7 @@ def tiny_hf_config(kind: str, vocab_size: int = 64):
         return _multimodal_config(kind, vocab_size)
     if kind in _FULL_ATTENTION:
         cls_name, extra = _FULL_ATTENTION[kind]
+        extra = copy.deepcopy(extra)  # each config its own layer_types / rope_parameters
         cfg = getattr(transformers, cls_name)(vocab_size=vocab_size, **{**_DENSE, **extra})
     elif kind == "qwen3_next":
         cfg = transformers.Qwen3NextConfig(
@@ -277,6 +320,12 @@ def tiny_hf_model(kind: str, *, seed: int = 0, vocab_size: int = 64) -> torch.nn
         "mixtral": transformers.MixtralForCausalLM,
         "deepseek_v3": transformers.DeepseekV3ForCausalLM,
         "glm4_moe": transformers.Glm4MoeForCausalLM,
+        "olmo2": transformers.Olmo2ForCausalLM,
+        "olmo3": transformers.Olmo3ForCausalLM,
+        "phi3": transformers.Phi3ForCausalLM,
+        "seed_oss": transformers.SeedOssForCausalLM,
+        "glm4": transformers.Glm4ForCausalLM,
+        "gemma3_text": transformers.Gemma3ForCausalLM,
         "qwen3_next": transformers.Qwen3NextForCausalLM,
         "qwen3_5": transformers.Qwen3_5ForCausalLM,
         "qwen3_5_moe": transformers.Qwen3_5MoeForCausalLM,
