@@ -272,6 +272,12 @@ def _dropout_reason(module: torch.nn.Module) -> str | None:
     return f"{' and '.join(parts)} in training (a shared row would share its dropout mask)"
 
 
+def _causal_lm_of(module: torch.nn.Module) -> torch.nn.Module:
+    """The HF model inside ``module``: a peft (LoRA) wrapper's base model, else ``module``."""
+    get = getattr(module, "get_base_model", None)
+    return get() if callable(get) else module
+
+
 def _has_causal_parts(module: torch.nn.Module) -> bool:
     """Whether ``module`` is a causal LM with HF's ``model`` backbone and ``lm_head``."""
     return isinstance(getattr(module, "model", None), torch.nn.Module) and isinstance(
@@ -416,19 +422,20 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
     def _plain_causal_forward(self) -> Iterator[None]:
         """HF's backbone-then-head forward on the root module for one tree call (instead of
         veRL's fused forward, see :func:`_causal_lm_forward`); the FSDP root hooks still run."""
-        if not (self._fused_forward() and _has_causal_parts(self.module)):
+        lm = _causal_lm_of(self.module)
+        if not (self._fused_forward() and _has_causal_parts(lm)):
             yield
             return
-        had = "forward" in self.module.__dict__
-        prev = self.module.__dict__.get("forward")
-        self.module.forward = types.MethodType(_causal_lm_forward, self.module)
+        had = "forward" in lm.__dict__
+        prev = lm.__dict__.get("forward")
+        lm.forward = types.MethodType(_causal_lm_forward, lm)
         try:
             yield
         finally:
             if had:
-                self.module.forward = prev
+                lm.forward = prev
             else:
-                del self.module.forward
+                del lm.forward
 
     def _sp_size(self) -> int:
         """Ulysses sequence-parallel size (1 without SP)."""
@@ -553,7 +560,8 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
                 "of this model run in tree mode)"
             )
         fused = tu.get_non_tensor_data(data=data, key="use_fused_kernels", default=False)
-        if fused is not False and self._fused_forward() and not _has_causal_parts(self.module):
+        lm = _causal_lm_of(self.module)
+        if fused is not False and self._fused_forward() and not _has_causal_parts(lm):
             reasons["fused"] = (
                 "use_fused_kernels is set and the model has no `model` backbone and `lm_head` "
                 "to run without veRL's fused forward (which computes log-probs itself)"

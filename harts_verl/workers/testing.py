@@ -479,13 +479,15 @@ def build_engine(
     gradient_checkpointing: bool = False,
     model_type: str = "language_model",
     use_fused_kernels: bool = False,
+    lora_rank: int = 0,
 ):
     """Build and initialise the engine of ``actor_cfg.strategy`` for the model at
     ``model_path`` through veRL's ``EngineRegistry`` (as ``TrainingWorker`` does);
     ``gradient_checkpointing``: veRL's ``enable_gradient_checkpointing`` (HF's, non-reentrant);
     ``model_type="value_model"`` with a :func:`critic_config` builds the critic's engine;
     ``use_fused_kernels``: veRL's fused LM-head forward (torch backend; it replaces the model
-    class's ``forward`` for the rest of the process)."""
+    class's ``forward`` for the rest of the process); ``lora_rank`` > 0: veRL's LoRA adapters
+    (peft, every linear layer, ``lora_alpha`` = 2 × rank)."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import HFModelConfig
     from verl.workers.engine import EngineRegistry
@@ -498,6 +500,8 @@ def build_engine(
         use_remove_padding=use_remove_padding,
         use_fused_kernels=use_fused_kernels,
         fused_kernel_options={"impl_backend": "torch"} if use_fused_kernels else {},
+        lora_rank=lora_rank,
+        lora_alpha=2 * lora_rank,
     )
     model_cfg.model_type = model_type
     engine = EngineRegistry.new(
