@@ -238,8 +238,11 @@ def lift_float32_islands(monkeypatch) -> None:
 # x.to(float32)-normalised``, Gemma's ``(1 + weight) * …``; q/k norms, GLM-4's and OLMo's post
 # norms and MLA's low-rank norms included) and routers (softmax
 # top-k: Qwen2-MoE / Qwen3-MoE / Mixtral; DeepSeek-V3 / GLM-4-MoE's router logits) compute in
-# float32. Rotary tables are float32 too, but the same for every path (they depend on the
-# position only) and carry no gradient, so they stay.
+# float32. gpt-oss's router (biased logits, top-k, softmax over the chosen) and its sink
+# attention compute in the input dtype: only its RMSNorms are lifted. Rotary tables are float32
+# too, but the same for every path (they depend on the position only) and carry no gradient, so
+# they stay.
+_INPUT_DTYPE_ROUTERS = ("GptOssTopKRouter",)
 
 
 def _llama_rms(self, hidden_states):
@@ -277,7 +280,7 @@ def lift_full_attention_islands(monkeypatch) -> None:
                 continue
             if name.endswith("RMSNorm"):
                 monkeypatch.setattr(obj, "forward", rms)
-            elif name.endswith("TopKRouter"):
+            elif name.endswith("TopKRouter") and name not in _INPUT_DTYPE_ROUTERS:
                 monkeypatch.setattr(obj, "forward", _router)
             elif name.endswith("TopkRouter"):
                 monkeypatch.setattr(obj, "forward", _sigmoid_router_logits)

@@ -508,6 +508,46 @@ def test_varlen_kernel_runs_sliding_windows_on_the_sdpa_path():
     assert torch.equal(layout.attention(q, k, v, window=4), o)
 
 
+def test_attention_sinks_through_kernels_and_layout():
+    """Attention sinks (gpt-oss): the SDPA kernel passes them on; a varlen kernel has none, so
+    with ``sdpa_fallback`` (``auto``) it runs them on the bucketed SDPA path (every dtype) and
+    an explicit one raises naming sinks; a layout forwards them (and leaves the keyword out when
+    None, so kernels without it still run)."""
+
+    def never(*_a, **_k):
+        raise AssertionError("the varlen kernel ran a call with attention sinks")
+
+    forest = _forest(0, 16)
+    q, k, v, gate = _attn_inputs(forest.num_compact_tokens, dtype=torch.bfloat16, gate=True)
+    sinks = torch.linspace(-1.0, 2.0, 4, dtype=torch.bfloat16)
+    ref = tree_attention(q, k, v, build_attention_plan(forest), gate=gate, window=5, sinks=sinks)
+    sdpa = SdpaAttentionKernel()
+    assert torch.equal(
+        sdpa(q, k, v, sdpa.build_plan(forest), gate=gate, window=5, sinks=sinks), ref
+    )
+    auto_like = VarlenAttentionKernel("flash_like", never, sdpa_fallback=True)
+    plan = auto_like.build_plan(forest)
+    assert torch.equal(auto_like(q, k, v, plan, gate=gate, window=5, sinks=sinks), ref)
+    layout = TreeLayout(forest, attention_backend=auto_like)
+    assert torch.equal(layout.attention(q, k, v, gate=gate, window=5, sinks=sinks), ref)
+    strict = VarlenAttentionKernel("flash_like", never)
+    with pytest.raises(NotImplementedError, match=r"'flash_like'.*sinks"):
+        strict(q, k, v, strict.build_plan(forest), sinks=sinks)
+    assert "sinks" in inspect.signature(backends.AttentionKernel.__call__).parameters
+
+    class NoSinks:  # a kernel object written before sinks existed
+        name = "no_sinks"
+
+        def build_plan(self, forest, *, device=None):
+            return build_attention_plan(forest, device=device)
+
+        def __call__(self, q, k, v, plan, *, scale=None, gate=None):
+            return tree_attention(q, k, v, plan, scale=scale, gate=gate)
+
+    plain = TreeLayout(forest, attention_backend=NoSinks()).attention(q, k, v, gate=gate)
+    assert torch.equal(plain, tree_attention(q, k, v, build_attention_plan(forest), gate=gate))
+
+
 def test_layout_with_varlen_standin_and_model_forward():
     """A tiny hybrid model (KDA, MLA, GDN, GQA) through a layout with both stand-ins equals the
     default (reference) layout: linear layers bitwise, attention to rounding."""

@@ -3,15 +3,17 @@ Qwen3, Mistral, the MoE Qwen2-MoE / Qwen3-MoE / Mixtral, DeepSeek-V3 (MLA: low-r
 paths, decoupled RoPE, a value width different from the q/k width; sigmoid group routing),
 GLM-4-MoE (partial RoPE, q/k norm, sigmoid routing), OLMo 2 / OLMo 3 (q/k norms over all heads,
 post-norm layers; OLMo 3 with a sliding and a full layer), Phi-3 (fused qkv, partial RoPE),
-Seed-OSS, GLM-4 (extra post norms) and Gemma 3 (scaled embeddings, ``(1 + w)`` RMSNorms, a
-rotary table per layer type, tied LM head). Families whose causal-LM forward transforms the
-logits (Gemma 2, Granite, Cohere, a soft-capped Gemma 3) are refused.
+Seed-OSS, GLM-4 (extra post norms), Gemma 3 (scaled embeddings, ``(1 + w)`` RMSNorms, a
+rotary table per layer type, tied LM head) and gpt-oss (learned attention sinks, a sliding and a
+full layer, YaRN RoPE, biased top-k router and experts; HF's eager attention is its oracle).
+Families whose causal-LM forward transforms the logits (Gemma 2, Granite, Cohere, a soft-capped
+Gemma 3) are refused.
 
 Each attention module runs its own forward with transformers' attention interface pointed at tree
-attention. The oracle is HF's own forward of each trajectory on its own (sdpa, float64): log-probs
-of the unmodified models, and — with HF's float32 islands (RMSNorms, routers) computing in float64
-— gradients too. Weights are re-drawn with a larger spread than HF's 0.02 init, so attention
-weighs in the output and a wrong ancestor set would show.
+attention. The oracle is HF's own forward of each trajectory on its own (sdpa, or eager for
+gpt-oss; float64): log-probs of the unmodified models, and — with HF's float32 islands (RMSNorms,
+routers) computing in float64 — gradients too. Weights are re-drawn with a larger spread than
+HF's 0.02 init, so attention weighs in the output and a wrong ancestor set would show.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from harts_verl.tree import RolloutForest
 from harts_verl.workers.testing import TINY_KINDS, tiny_hf_config, tiny_hf_model
 
 KINDS = list(FULL_ATTENTION_MODEL_TYPES)
-MOE_SOFTMAX = ["qwen2_moe", "qwen3_moe", "mixtral"]
+MOE_SOFTMAX = ["qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss"]
 
 
 def _model(kind: str, seed: int = 3, **cfg_overrides) -> torch.nn.Module:
@@ -162,15 +164,17 @@ def test_every_full_attention_type_has_a_tiny_model():
     assert isinstance(as_tree_model(tiny_hf_model("llama")), HFCausalTreeModel)
 
 
-def test_attention_config_restored_and_original_forward_outside_tree_calls(no_fla):
+@pytest.mark.parametrize("kind,impl", [("deepseek_v3", "sdpa"), ("gpt_oss", "eager")])
+def test_attention_config_restored_and_original_forward_outside_tree_calls(no_fla, kind, impl):
     """The attention implementation is switched only while a module runs in tree mode; outside
-    a tree call the patched model is HF's own (sdpa) code."""
-    model = _model("deepseek_v3")
+    a tree call the patched model is HF's own (sdpa; gpt-oss: eager) code."""
+    model = _model(kind)
+    assert model.config._attn_implementation == impl
     seqs = _sequences(4)
     with torch.no_grad():
         before = [_hf_log_probs(model, s) for s in seqs]
         TreeRunner(model).log_probs(seqs)
-        assert model.config._attn_implementation == "sdpa"
+        assert model.config._attn_implementation == impl
         after = [_hf_log_probs(model, s) for s in seqs]
     for a, b in zip(before, after):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -178,11 +182,11 @@ def test_attention_config_restored_and_original_forward_outside_tree_calls(no_fl
 
 # Families with per-layer windows from ``use_sliding_window`` / ``max_window_layers`` (Qwen2,
 # Qwen3: layers from ``max_window_layers`` on; Qwen2-MoE: even layers below it), families whose
-# tiny config lists a sliding layer and a full one (OLMo 3, Gemma 3: the window applies to the
-# first layer) and families whose ``sliding_window`` applies to every layer (Phi-3 passes it to
-# the attention interface of each layer).
+# tiny config lists a sliding layer and a full one (OLMo 3, Gemma 3, gpt-oss: the window applies
+# to the first layer) and families whose ``sliding_window`` applies to every layer (Phi-3 passes
+# it to the attention interface of each layer).
 _LAYER_TYPED = ("qwen2", "qwen3", "qwen2_moe")
-_TYPED_IN_TINY_CONFIG = ("olmo3", "gemma3_text")
+_TYPED_IN_TINY_CONFIG = ("olmo3", "gemma3_text", "gpt_oss")
 WINDOWED = ["mistral", "mixtral", "qwen3_moe", "phi3", *_LAYER_TYPED, *_TYPED_IN_TINY_CONFIG]
 
 
@@ -199,7 +203,7 @@ def _windowed(kind: str, window: int, seed: int) -> torch.nn.Module:
         d.update(sliding_window=window, use_sliding_window=True)  # Qwen3-MoE reads the flag
     cfg = type(base.config)(**d)
     assert cfg.sliding_window == window
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = base.config._attn_implementation  # sdpa; gpt-oss: eager
     cfg._experts_implementation = getattr(base.config, "_experts_implementation", None)
     if kind in _LAYER_TYPED + _TYPED_IN_TINY_CONFIG:
         assert sorted(cfg.layer_types) == ["full_attention", "sliding_attention"]
@@ -258,6 +262,9 @@ def test_interface_errors(no_fla):
             tree_attention_interface(attn, q, k, k, None, dropout=0.1)
         with pytest.raises(NotImplementedError, match="softcap"):
             tree_attention_interface(attn, q, k, k, None, softcap=30.0)
+        s1, s2 = torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)
+        with pytest.raises(ValueError, match="two different attention-sink"):
+            tree_attention_interface(attn, q, k, k, None, s_aux=s1, sinks=s2)
         out, weights = tree_attention_interface(attn, q, k, k, None, scaling=0.5)
     assert out.shape == (1, 3, 4, 8) and weights is None
     hidden = torch.zeros(2, 3, 32, dtype=torch.float64)
@@ -294,30 +301,25 @@ def test_length_dependent_rope(lifted, rope, max_pos, limit):
             TreeRunner(model).log_probs(longer)
 
 
-def test_router_jitter_refused_in_training(no_fla):
-    """Mixtral's training-mode router noise is drawn per token; tree mode refuses it (shared rows
-    would share the noise) and runs the noise-free eval mode."""
-    model = _model("mixtral", router_jitter_noise=0.1)
-    seqs = _sequences(10)
+@pytest.mark.parametrize(
+    ("kind", "override", "match"),
+    [
+        # Mixtral's training-mode router noise is drawn per token
+        ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
+        # Seed-OSS draws its residual dropout per token (inside the attention and MLP modules)
+        ("seed_oss", {"residual_dropout": 0.1}, "residual dropout"),
+    ],
+)
+def test_per_token_noise_refused_in_training(no_fla, kind, override, match):
+    """Noise drawn per token in training (shared rows would share it across trajectories) is
+    refused by name; the noise-free eval mode runs exactly."""
+    model = _model(kind, **override)
+    seqs = _sequences(10 + len(kind) % 2)
     with torch.no_grad():
         for lp, s in zip(TreeRunner(model).log_probs(seqs), seqs):
             torch.testing.assert_close(lp, _hf_log_probs(model, s), rtol=0, atol=1e-10)
     model.train()
-    with pytest.raises(NotImplementedError, match="router_jitter_noise"):
-        TreeRunner(model).forward_backward(seqs, _loss)
-
-
-def test_residual_dropout_refused_in_training(no_fla):
-    """Seed-OSS draws its residual dropout per token (functional, inside the attention and MLP
-    modules); tree mode refuses it in training (shared rows would share the mask) and runs the
-    dropout-free eval mode exactly."""
-    model = _model("seed_oss", residual_dropout=0.1)
-    seqs = _sequences(11)
-    with torch.no_grad():
-        for lp, s in zip(TreeRunner(model).log_probs(seqs), seqs):
-            torch.testing.assert_close(lp, _hf_log_probs(model, s), rtol=0, atol=1e-10)
-    model.train()
-    with pytest.raises(NotImplementedError, match="residual dropout"):
+    with pytest.raises(NotImplementedError, match=match):
         TreeRunner(model).forward_backward(seqs, _loss)
 
 
@@ -362,3 +364,52 @@ def test_logit_transforms_refused(name, why):
         as_tree_model(model)
     assert patch_tree_mixers(model) == 0
     assert not any(hasattr(m, "_harts_original_forward") for m in model.modules())
+
+
+@pytest.mark.parametrize("layer", [0, 1], ids=["sliding", "full"])
+def test_interface_sinks_equal_hf_eager_attention(no_fla, layer):
+    """gpt-oss's attention call (``s_aux=self.sinks``, its layer's ``sliding_window``) through
+    the tree interface on a forest equals HF's gpt-oss ``eager_attention_forward`` on each
+    trajectory (causal, windowed mask), outputs and gradients (sinks included); ``sinks=`` is
+    the same keyword."""
+    from transformers.models.gpt_oss import modeling_gpt_oss as hf
+
+    model = _model("gpt_oss")
+    as_tree_model(model)
+    attn = model.model.layers[layer].self_attn
+    seqs = _sequences(12)
+    forest = RolloutForest.from_sequences(seqs)
+    layout = TreeLayout(forest)
+    c, hq, hkv, d = forest.num_compact_tokens, 4, 2, attn.head_dim
+    gen = torch.Generator().manual_seed(12)
+    q, k, v = (
+        torch.randn(1, h, c, d, generator=gen, dtype=torch.float64).requires_grad_()
+        for h in (hq, hkv, hkv)
+    )
+    kw = dict(scaling=attn.scaling, sliding_window=attn.sliding_window)  # as HF's forward
+    with tree_call(layout):
+        out, _ = tree_attention_interface(attn, q, k, v, None, s_aux=attn.sinks, **kw)
+        again, _ = tree_attention_interface(attn, q, k, v, None, sinks=attn.sinks, **kw)
+    assert torch.equal(out, again)
+    window = attn.sliding_window or 10**6
+    assert (layer == 0) == (window < max(len(s) for s in seqs))
+    refs = []
+    for i in range(forest.num_trajectories):
+        rows = torch.from_numpy(forest.rows_of(i))
+        n = len(rows)
+        t = torch.arange(n)
+        allowed = (t[:, None] >= t[None, :]) & (t[:, None] - t[None, :] < window)
+        mask = torch.zeros(n, n, dtype=torch.float64).masked_fill(~allowed, float("-inf"))
+        o, _ = hf.eager_attention_forward(
+            attn, q[:, :, rows], k[:, :, rows], v[:, :, rows], mask[None, None], attn.scaling
+        )
+        refs.append(o[0])
+    ref = torch.cat(refs)
+    tree = out[0][torch.from_numpy(forest.semantic_rows)]
+    assert float((tree - ref).detach().abs().max()) <= 1e-12
+    w = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    leaves = (q, k, v, attn.sinks)
+    g_tree = torch.autograd.grad((tree * w).sum(), leaves)
+    for a, b in zip(g_tree, torch.autograd.grad((ref * w).sum(), leaves)):
+        assert float((a - b).abs().max()) <= 1e-12 * max(float(b.abs().max()), 1.0)
+    assert float(g_tree[-1].abs().min()) > 0  # every head's sink receives gradient

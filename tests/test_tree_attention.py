@@ -360,3 +360,129 @@ def test_window_validation():
     for bad in (0, -2, 1.5, True):
         with pytest.raises(ValueError, match="window"):
             tree_attention(q, k, v, plan, window=bad)
+
+
+# ----------------------------------------------------------------------------- attention sinks
+def traj_sink_attention(q, k, v, rows, *, scale, sinks, window=None, gate=None):
+    """HF gpt-oss's ``eager_attention_forward`` on one trajectory's own rows: scores, causal
+    (band) mask, the head's sink logit as one more column, max-shift, softmax, sink dropped."""
+    hq, rep = q.shape[1], q.shape[1] // k.shape[1]
+    n = len(rows)
+    i = torch.arange(n)
+    allowed = i[:, None] >= i[None, :]
+    if window is not None:
+        allowed &= i[:, None] - i[None, :] < window
+    qi = q[rows].transpose(0, 1)
+    ki = k[rows].repeat_interleave(rep, dim=1).transpose(0, 1)
+    vi = v[rows].repeat_interleave(rep, dim=1).transpose(0, 1)
+    s = torch.matmul(qi, ki.transpose(-1, -2)) * scale
+    s = s.masked_fill(~allowed, float("-inf"))
+    s = torch.cat([s, sinks.to(s.dtype).view(hq, 1, 1).expand(hq, n, 1)], dim=-1)
+    s = s - s.max(dim=-1, keepdim=True).values
+    o = torch.matmul(torch.softmax(s, dim=-1)[..., :-1], vi).transpose(0, 1)
+    return o if gate is None else o * torch.sigmoid(gate[rows])
+
+
+def make_sinks(hq, seed, dtype=F64):
+    g = torch.Generator().manual_seed(seed)
+    return (2.0 * torch.randn(hq, generator=g, dtype=F64)).to(dtype).requires_grad_()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seqs=shared_sequences(),
+    heads=st.sampled_from([(2, 2), (4, 2), (3, 1)]),
+    dims=st.sampled_from([(8, 8), (8, 6), (4, 10)]),
+    window=st.sampled_from([None, 1, 3, 7]),
+    use_gate=st.booleans(),
+    ratio=st.sampled_from([0.0, 0.25, math.inf]),
+    seed=st.integers(0, 2**16),
+)
+def test_sinks_match_trajectorywise_eager(seqs, heads, dims, window, use_gate, ratio, seed):
+    """With attention sinks (GQA, Dv != Dqk, sliding windows, output gate, padded and uniform
+    buckets) every row equals HF gpt-oss's eager attention of each trajectory through it, and
+    the dense oracle; gradients of q, k, v, gate and sinks to 1e-9 relative."""
+    forest = RolloutForest.from_sequences(seqs)
+    (hq, hkv), (dqk, dv) = heads, dims
+    c = forest.num_compact_tokens
+    q, k, v, gate = make_inputs(c, hq, hkv, dqk, dv, gate=use_gate, seed=seed)
+    sinks = make_sinks(hq, seed + 2)
+    plan = build_attention_plan(forest, max_pad_ratio=ratio)
+    kw = dict(scale=0.4, sinks=sinks, window=window, gate=gate)
+    o = tree_attention(q, k, v, plan, **kw)
+    assert o.shape == (c, hq, dv) and o.dtype == F64
+    rows = [torch.from_numpy(forest.rows_of(i)) for i in range(forest.num_trajectories)]
+    ref = torch.cat([traj_sink_attention(q, k, v, r, **kw) for r in rows])
+    tree_sem = semantic(forest, o)
+    assert maxabs(tree_sem - ref) <= 1e-10
+    dense = tree_attention_dense_ref(q, k, v, forest, **kw)
+    assert maxabs(dense - o) <= 1e-10
+    w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
+    leaves = (q, k, v, gate, sinks)
+    g_tree = grads((tree_sem * w).sum(), leaves)
+    for a, b in zip(g_tree, grads((ref * w).sum(), leaves)):
+        assert rel_err(a, b) <= 1e-9
+    g_dense = grads((semantic(forest, dense) * w).sum(), leaves)
+    for a, b in zip(g_tree, g_dense):
+        assert rel_err(a, b) <= 1e-9
+
+
+def test_sinks_fixed_cases():
+    """Sinks change the output; a sink far below every score is no sink; sinks in another float
+    dtype than q; the root (is_causal) and non-root buckets both carry the sink; no sink path
+    for an empty forest."""
+    forest = RolloutForest.from_sequences(SEQS)
+    c = forest.num_compact_tokens
+    q, k, v, _ = make_inputs(c, 4, 2, 8, 8, gate=False, seed=21)
+    plan = build_attention_plan(forest)
+    assert any(b.uniform and b.lq == b.lk for b in plan.buckets)  # an is_causal root bucket
+    assert any(b.lq != b.lk for b in plan.buckets)
+    plain = tree_attention(q, k, v, plan)
+    sinks = make_sinks(4, 22)
+    o = tree_attention(q, k, v, plan, sinks=sinks)
+    assert maxabs(o - plain) > 1e-2
+    assert maxabs(o - tree_attention_dense_ref(q, k, v, forest, sinks=sinks)) <= 1e-12
+    far = torch.full((4,), -1e4, dtype=F64)
+    assert maxabs(tree_attention(q, k, v, plan, sinks=far) - plain) <= 1e-12
+    o32 = tree_attention(q, k, v, plan, sinks=sinks.detach().float())
+    ref32 = tree_attention_dense_ref(q, k, v, forest, sinks=sinks.detach().float().double())
+    assert maxabs(o32 - ref32) <= 1e-12
+    empty = build_attention_plan(RolloutForest.from_sequences([]))
+    z = torch.zeros(0, 4, 8)
+    assert tree_attention(z, z[:, :2], z[:, :2], empty, sinks=sinks.float()).shape == (0, 4, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sinks_low_precision(dtype):
+    """Half and single precision with sinks (in the model's dtype, as gpt-oss keeps them):
+    close to float64 truth on the same rounded inputs; finite gradients in the input dtype."""
+    forest = RolloutForest.from_sequences(SEQS)
+    c = forest.num_compact_tokens
+    q, k, v, gate = make_inputs(c, 4, 2, 16, 8, gate=True, seed=23, dtype=dtype)
+    sinks = make_sinks(4, 24, dtype)
+    o = tree_attention(q, k, v, build_attention_plan(forest), gate=gate, window=5, sinks=sinks)
+    assert o.dtype == dtype and o.shape == (c, 4, 8)
+    q64, k64, v64, g64, s64 = (t.detach().double() for t in (q, k, v, gate, sinks))
+    truth = tree_attention_dense_ref(q64, k64, v64, forest, gate=g64, window=5, sinks=s64)
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-5
+    assert maxabs(o.double() - truth) <= tol
+    o.float().square().sum().backward()
+    leaves = (q, k, v, gate, sinks)
+    assert all(t.grad is not None and t.grad.dtype == dtype for t in leaves)
+    assert all(bool(torch.isfinite(t.grad).all()) for t in leaves)
+
+
+def test_sinks_validation():
+    forest = RolloutForest.from_sequences([[1, 2, 3]])
+    q, k, v, _ = make_inputs(3, 4, 2, 4, 4, gate=False, seed=0)
+    plan = build_attention_plan(forest)
+    for bad, msg in (
+        (torch.zeros(2, dtype=F64), r"\[4\] tensor"),
+        (torch.zeros(1, 4, dtype=F64), r"\[4\] tensor"),
+        (torch.zeros(4, dtype=torch.int64), "floating-point"),
+        ([0.0] * 4, r"\[4\] tensor"),
+    ):
+        with pytest.raises(ValueError, match="sinks"):
+            tree_attention(q, k, v, plan, sinks=bad)
+        with pytest.raises(ValueError, match=msg):
+            tree_attention_dense_ref(q, k, v, forest, sinks=bad)

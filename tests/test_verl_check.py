@@ -40,6 +40,7 @@ def _save_native(path: str) -> str:
         ("harts_hybrid", 4),
         ("deepseek_v3", 2),
         ("qwen3_moe", 2),
+        ("gpt_oss", 2),
     ],
 )
 @pytest.mark.parametrize("source", ["weights", "config"])
@@ -87,7 +88,8 @@ def _param_flops(model: torch.nn.Module) -> float:
     """2 x the weights a token multiplies (linears, convolutions, routers, its share of the
     routed experts): the per-token forward FLOPs counted from the module tree. Routers:
     ``…TopKRouter`` / ``…TopkRouter``; stacked routed experts: ``…Experts`` / ``…NaiveMoe``
-    (their own parameters, each with one leading row per expert)."""
+    (their own weight matrices, each with one leading row per expert; gpt-oss's stacked biases
+    are not matmuls)."""
     top_k = getattr(model.config, "num_experts_per_tok", 0)
     total = 0.0
     for m in model.modules():
@@ -95,14 +97,14 @@ def _param_flops(model: torch.nn.Module) -> float:
         if isinstance(m, torch.nn.Linear | torch.nn.Conv1d) or name.lower().endswith("topkrouter"):
             total += m.weight.numel()
         elif name.endswith(("Experts", "NaiveMoe")):
-            own = list(m.parameters(recurse=False))
+            own = [p for p in m.parameters(recurse=False) if p.dim() == 3]
             total += sum(p.numel() for p in own) * top_k / own[0].shape[0]
     return 2.0 * total
 
 
 _FLOP_KINDS = ("qwen2", "qwen3_next", "qwen3_5", "qwen3_5_moe", "llama", "qwen3", "mistral")
 _FLOP_KINDS += ("olmo2", "olmo3", "phi3", "seed_oss", "glm4", "gemma3_text")
-_FLOP_MOE_KINDS = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe")
+_FLOP_MOE_KINDS = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss")
 
 
 @pytest.mark.parametrize("kind", _FLOP_KINDS + _FLOP_MOE_KINDS)
@@ -115,7 +117,8 @@ def test_flop_model_matches_the_module_tree(kind, monkeypatch):
     shape = model_shape(model.config)
     assert shape.dense_per_token == pytest.approx(_param_flops(model), rel=1e-12)
     cfg = model.config
-    # softmax-attention layers: full or sliding-window (OLMo 3, Gemma 3), not linear attention
+    # softmax-attention layers: full or sliding-window (OLMo 3, Gemma 3, gpt-oss), not linear
+    # attention
     n_full = sum(t != "linear_attention" for t in getattr(cfg, "layer_types", None) or [])
     n_full = n_full or cfg.num_hidden_layers
     h = cfg.num_attention_heads

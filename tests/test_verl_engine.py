@@ -182,11 +182,17 @@ def test_parity_vanilla(verl_cpu, kind, batch):
 # Mixtral, DeepSeek-V3 (MLA, sigmoid routing), GLM-4-MoE (partial RoPE), OLMo 2 (q/k norms over
 # all heads, post-norm layers), OLMo 3 (a sliding and a full layer: HF's per-type mask mapping),
 # Phi-3 (fused qkv, partial RoPE), GLM-4 (extra post norms), Gemma 3 (scaled embeddings, a
-# rotary table per layer type, tied LM head); packed stock reference, veRL's gradient
+# rotary table per layer type, tied LM head), gpt-oss (attention sinks, eager attention, biased
+# MoE; padded stock reference, see below); packed stock reference otherwise, veRL's gradient
 # checkpointing on (its default: layers re-run in backward, in tree mode too). Seed-OSS is left
 # out here: its tiny model has Qwen2's layer math (q/k/v biases) and gives Qwen2's numbers.
 _ENGINE_FAMILIES = ["llama", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe"]
-_ENGINE_FAMILIES += ["olmo2", "olmo3", "phi3", "glm4", "gemma3_text"]
+_ENGINE_FAMILIES += ["olmo2", "olmo3", "phi3", "glm4", "gemma3_text", "gpt_oss"]
+# gpt-oss (attention sinks, a sliding and a full layer) runs HF's eager attention on the CPU, and
+# transformers 5.10's GptOssModel builds its masks without ``position_ids``: packed sequences
+# (veRL's remove-padding path) would attend across each other there, so its stock reference runs
+# veRL's padded path.
+_PADDED_REFERENCE = ("gpt_oss",)
 
 
 @pytest.mark.parametrize("kind", _ENGINE_FAMILIES)
@@ -194,7 +200,7 @@ def test_parity_full_attention_families(verl_cpu, kind):
     testing, paths = verl_cpu
     data = _multiturn_batch(seed=len(kind))
     run = partial(_run, testing, paths[kind], batch=data, gradient_checkpointing=True)
-    ref = run(strategy="fsdp2", loss_mode="vanilla")
+    ref = run(strategy="fsdp2", loss_mode="vanilla", padded=kind in _PADDED_REFERENCE)
     tree = run(strategy="harts_fsdp2", loss_mode="vanilla", harts={"capacity_tokens": 48})
     _compare(ref, tree)
     assert tree[1]["harts/microbatches"][0] >= 2
@@ -518,13 +524,15 @@ def test_fallback_and_audit(verl_cpu):
     assert out["metrics"]["harts/fallback"] == [0.0]
 
 
-def test_audit_of_a_hybrid_without_fla_is_exact(verl_cpu):
-    """The audit's stock forward of a linear-attention hybrid runs padded rows when fla is
-    absent (HF's torch fallback would carry state across packed sequences)."""
+@pytest.mark.parametrize("kind", ["qwen3_next", "gpt_oss"])
+def test_audit_where_packed_stock_forward_leaks_is_exact(verl_cpu, kind):
+    """The audit's stock forward runs padded rows where the packed one mixes sequences: a
+    linear-attention hybrid without fla (HF's torch fallback carries state across packed
+    sequences), gpt-oss on eager attention (masks built without the packed position ids)."""
     testing, paths = verl_cpu
     seqs, prompt_lens, spans = _multiturn_batch(seed=3)
     cfg = testing.actor_config(harts={"audit_every": 1, "audit_trajectories": 4})
-    engine = testing.build_engine(paths["qwen3_next"], cfg)  # packed (remove-padding) engine
+    engine = testing.build_engine(paths[kind], cfg)  # packed (remove-padding) engine
     with engine.eval_mode():
         out = engine.infer_batch(testing.make_batch(seqs, prompt_lens, tool_spans=spans))
     assert out["metrics"]["harts/fallback"] == [0.0]

@@ -6,12 +6,12 @@ GQA attention, RoPE or NoPE) is wrapped so that, in a tree-mode forward, it runs
 (short conv over each row's path, chunkwise gated delta rule over the planned rounds, tree
 attention); outside one the original forward runs untouched. The attention modules of the
 full-attention models (Qwen2 / Qwen3 / Llama / Mistral, Qwen2-MoE / Qwen3-MoE / Mixtral,
-DeepSeek-V3's MLA, GLM-4-MoE, OLMo 2 / OLMo 3, Phi-3, Seed-OSS, GLM-4, Gemma 3) run their own
-forward in tree mode, with transformers' attention interface pointed at tree attention
-(:func:`tree_attention_interface`). Embeddings, norms, MLP / MoE, rotary tables and the LM head
-are HF's own code on the ``[1, C, D]`` compact batch. Parameter names and the state dict are
-unchanged. A causal LM whose own forward transforms the LM head's logits (soft-capping,
-scaling: :func:`logits_transform`) does not run in tree mode.
+DeepSeek-V3's MLA, GLM-4-MoE, OLMo 2 / OLMo 3, Phi-3, Seed-OSS, GLM-4, Gemma 3, gpt-oss with
+its attention sinks) run their own forward in tree mode, with transformers' attention interface
+pointed at tree attention (:func:`tree_attention_interface`). Embeddings, norms, MLP / MoE,
+rotary tables and the LM head are HF's own code on the ``[1, C, D]`` compact batch. Parameter
+names and the state dict are unchanged. A causal LM whose own forward transforms the LM head's
+logits (soft-capping, scaling: :func:`logits_transform`) does not run in tree mode.
 
 A mixer takes its :class:`TreeLayout` from the ``harts_layout`` keyword or, when a decoder layer
 does not forward extra keywords (OLMo Hybrid's linear-attention layer; Qwen3.5's decoder layers
@@ -162,8 +162,9 @@ _HYBRID_TEXT_MODEL_CLASSES = (
 # a CausalLM forward that transforms the logits (Gemma 2 / Gemma 3's
 # ``final_logit_softcapping``, Granite's ``logits_scaling``, Cohere's ``logit_scale``) is refused
 # (:func:`logits_transform`), and Gemma 2's attention logit soft-capping has no tree form.
-# OLMo 3 and Gemma 3 mix sliding-window and full layers (``config.layer_types``); Gemma 3 keeps
-# a rotary table per layer type (see :func:`_tree_decoder_forward`).
+# OLMo 3, Gemma 3 and gpt-oss mix sliding-window and full layers (``config.layer_types``); Gemma 3
+# keeps a rotary table per layer type (see :func:`_tree_decoder_forward`); gpt-oss passes its
+# learned attention sinks to the interface (``s_aux``), which tree attention takes.
 FULL_ATTENTION_MODEL_TYPES = (
     "qwen2",
     "qwen3",
@@ -180,6 +181,7 @@ FULL_ATTENTION_MODEL_TYPES = (
     "seed_oss",
     "glm4",
     "gemma3_text",
+    "gpt_oss",
 )
 _FULL_ATTENTION_CLASSES = (
     "Qwen2Attention",
@@ -197,10 +199,17 @@ _FULL_ATTENTION_CLASSES = (
     "SeedOssAttention",
     "Glm4Attention",
     "Gemma3Attention",
+    "GptOssAttention",
 )
 # Softmax top-k routers whose load-balancing loss HF computes from the router logits
-# (``output_router_logits``); DeepSeek-V3 / GLM-4-MoE route by sigmoid scores without one.
-_FULL_ATTENTION_ROUTER_CLASSES = ("Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter", "MixtralTopKRouter")
+# (``output_router_logits``; gpt-oss: Switch-style over the softmax of its biased logits, like
+# Mixtral's); DeepSeek-V3 / GLM-4-MoE route by sigmoid scores without one.
+_FULL_ATTENTION_ROUTER_CLASSES = (
+    "Qwen2MoeTopKRouter",
+    "Qwen3MoeTopKRouter",
+    "MixtralTopKRouter",
+    "GptOssTopKRouter",
+)
 
 # Model types that run in tree mode (``harts_hybrid``: the native model through its HF wrapper).
 TREE_MODEL_TYPES = HYBRID_MODEL_TYPES + FULL_ATTENTION_MODEL_TYPES + ("harts_hybrid",)
@@ -364,8 +373,10 @@ def _attn_tree_forward(
 TREE_ATTENTION = "harts_tree"
 
 # Keywords of transformers' attention interface that change what attention computes and that tree
-# attention does not implement (logit soft-capping, attention sinks).
-_UNSUPPORTED_ATTENTION_KWARGS = ("softcap", "s_aux", "sinks")
+# attention does not implement (logit soft-capping). Attention sinks (gpt-oss passes
+# ``s_aux=self.sinks``; ``sinks`` elsewhere) are taken: see :func:`tree_attention_interface`.
+_UNSUPPORTED_ATTENTION_KWARGS = ("softcap",)
+_SINK_ATTENTION_KWARGS = ("s_aux", "sinks")
 
 
 def _sliding_window(module: nn.Module, keyword: int | None) -> int | None:
@@ -405,8 +416,11 @@ def tree_attention_interface(
     ``harts_layout``, else that of the enclosing :func:`tree_call`.
 
     ``sliding_window`` (transformers' convention: a row sees the keys less than that many tokens
-    above it) runs as a window over each row's ancestor path. Raises ``NotImplementedError`` for
-    attention dropout, logit soft-capping, attention sinks or a non-causal module."""
+    above it) runs as a window over each row's ancestor path. Attention sinks ``s_aux`` (gpt-oss)
+    or ``sinks``, ``[Hq]``: each head's sink logit joins every row's softmax and carries no value,
+    as in HF's gpt-oss eager attention (gradient to the sinks included). Raises
+    ``NotImplementedError`` for attention dropout, logit soft-capping or a non-causal module, and
+    ``ValueError`` for two different sink tensors."""
     layout = harts_layout if harts_layout is not None else current_tree_layout()
     name = type(module).__name__
     if layout is None:
@@ -418,6 +432,10 @@ def tree_attention_interface(
             raise NotImplementedError(f"{name}: {kw!r} attention is not supported in tree mode")
     if not getattr(module, "is_causal", True):
         raise NotImplementedError(f"{name}: non-causal attention has no tree form")
+    given = [kwargs[kw] for kw in _SINK_ATTENTION_KWARGS if kwargs.get(kw) is not None]
+    if len(given) > 1 and given[0] is not given[1]:
+        raise ValueError(f"{name}: two different attention-sink tensors (s_aux and sinks)")
+    sinks = given[0] if given else None
     window = _sliding_window(module, sliding_window)
     if window is not None:
         longest = int(layout.forest.depth.max()) + 1 if layout.forest.num_compact_tokens else 0
@@ -434,6 +452,7 @@ def tree_attention_interface(
         value[0].transpose(0, 1),
         scale=scaling,
         window=window,
+        sinks=sinks,
     )
     return o[None], None
 
@@ -836,6 +855,6 @@ class HybridTreeModel(_HFTreeModel):
 class HFCausalTreeModel(_HFTreeModel):
     """Tree-mode view of a full-attention HF causal LM of :data:`FULL_ATTENTION_MODEL_TYPES`
     (Qwen2 / Qwen3 / Llama / Mistral, the MoE Qwen2-MoE / Qwen3-MoE / Mixtral, DeepSeek-V3 with
-    MLA, GLM-4-MoE, OLMo 2 / OLMo 3, Phi-3, Seed-OSS, GLM-4, Gemma 3)."""
+    MLA, GLM-4-MoE, OLMo 2 / OLMo 3, Phi-3, Seed-OSS, GLM-4, Gemma 3, gpt-oss)."""
 
     routers = _FULL_ATTENTION_ROUTER_CLASSES

@@ -35,6 +35,7 @@ __all__ = [
     "MODEL_TYPE",
     "HartsHybridConfig",
     "HartsHybridForCausalLM",
+    "attn_implementation_for",
     "load_causal_lm",
     "register_auto_classes",
 ]
@@ -237,6 +238,17 @@ def register_auto_classes() -> None:
     AutoModelForCausalLM.register(HartsHybridConfig, HartsHybridForCausalLM, exist_ok=True)
 
 
+def attn_implementation_for(config: Any) -> str:
+    """``"sdpa"`` where the causal-LM class of ``config`` takes it, else ``"eager"`` (gpt-oss,
+    whose learned attention sinks HF runs in its eager attention only); ``"sdpa"`` for a config
+    without a registered causal-LM class. Tree mode replaces either in its attention modules."""
+    try:
+        cls = AutoModelForCausalLM._model_mapping[type(config)]
+    except (KeyError, ValueError):
+        return "sdpa"
+    return "sdpa" if getattr(cls, "_supports_sdpa", True) else "eager"
+
+
 def load_causal_lm(
     spec: str,
     *,
@@ -246,7 +258,8 @@ def load_causal_lm(
 ) -> torch.nn.Module:
     """A causal LM from ``spec``: an HF model directory (its weights) or a ``config.json``
     (random weights after ``torch.manual_seed(seed)``), the native model included
-    (``harts_hybrid``). sdpa attention; ``eager_experts``: MoE experts run transformers' eager
+    (``harts_hybrid``). sdpa attention (eager where the class has no sdpa:
+    :func:`attn_implementation_for`); ``eager_experts``: MoE experts run transformers' eager
     implementation (float64-capable on any device). Returned in ``dtype``, in eval mode.
     Raises ``ValueError`` naming ``spec`` when it is neither."""
     import os
@@ -258,7 +271,7 @@ def load_causal_lm(
     if not is_config and not os.path.isdir(spec):
         raise ValueError(f"model: expected an HF model directory or a config.json, got {spec!r}")
     cfg = AutoConfig.from_pretrained(spec)  # a directory, or the named config file
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = attn_implementation_for(cfg)
     if eager_experts:
         for sub in (cfg, getattr(cfg, "text_config", None)):
             if sub is not None and hasattr(sub, "_experts_implementation"):

@@ -137,10 +137,15 @@ class TreeLayout:
         scale: float | None = None,
         gate: torch.Tensor | None = None,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Softmax attention of each row over its ancestors and itself (with ``window``: only
-        those less than ``window`` tokens above it); ``[C, Hq, Dv]``."""
-        kw = {} if window is None else {"window": window}
+        those less than ``window`` tokens above it; with ``sinks`` ``[Hq]``: one sink logit per
+        query head joins each row's softmax, gpt-oss); ``[C, Hq, Dv]``. ``window`` and ``sinks``
+        reach the kernel only when set."""
+        kw: dict = {} if window is None else {"window": window}
+        if sinks is not None:
+            kw["sinks"] = sinks
         return self.attention_kernel(q, k, v, self.attention_plan, scale=scale, gate=gate, **kw)
 
     def linear_attention(

@@ -30,6 +30,16 @@ padded query slots see all valid keys (never a fully masked row, so no NaN) and 
 dropped, so they receive zero gradient. When ``Dv != Dqk`` (MLA: 192 vs 128) the narrower side is
 zero-padded once on the compact tensors (adds exact zeros to every dot product), because the
 fused CPU/CUDA SDPA kernels need equal head dims.
+
+Attention sinks (gpt-oss: a learned logit ``sinks[h]`` per query head that joins every row's
+softmax and carries no value, ``softmax([scores..., sinks[h]])`` with the sink column dropped)
+run through the same SDPA calls with the sink as one more key: its key is a unit vector on one
+extra head-dim coordinate (zero on every real key), where each query carries ``sinks[h] / scale``,
+and its value is zero. Every bucket member gets the sink key at key slot 0 (always allowed, so no
+row is ever fully masked); an ``is_causal`` root bucket also gets a zero query at query slot 0,
+so it stays square and causal. The sink's score is ``sinks[h]`` up to a rounding of
+``(sinks[h] / scale) · scale`` (a few ulps), and its gradient flows to ``sinks`` through that
+coordinate. The sink-free path is unchanged.
 """
 
 from __future__ import annotations
@@ -338,6 +348,89 @@ def _bucket_mask(
     return mask.unsqueeze(1), False
 
 
+def _check_sinks(sinks: torch.Tensor | None, hq: int, device: torch.device) -> None:
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (hq,):
+        shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise ValueError(f"sinks: expected a [{hq}] tensor (one per query head), got {shape}")
+    if not sinks.is_floating_point():
+        raise ValueError(f"sinks: expected a floating-point tensor, got {sinks.dtype}")
+    if not same_device(sinks.device, device):
+        raise ValueError(f"sinks: on {sinks.device}, but q is on {device}")
+
+
+def _with_sink_key(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v (``[C, H, D]``) on one head dim ``ds > max(Dqk, Dv)`` (a multiple of 8 on CUDA,
+    for the fused kernels) with one more row ``C``: the sink key (a unit vector on coordinate
+    ``d = max(Dqk, Dv)``), its zero value, and a zero query. Query rows carry
+    ``sinks[h] / scale`` on coordinate ``d`` (real keys are zero there), so a query's score
+    against the sink key is ``sinks[h]``."""
+    c, hq, dqk = q.shape
+    hkv, dv = v.shape[1], v.shape[2]
+    d = max(dqk, dv)
+    align = 8 if q.device.type == "cuda" else 1
+    ds = -(-(d + 1) // align) * align
+    ct = torch.promote_types(torch.promote_types(sinks.dtype, q.dtype), torch.float32)
+    col = (sinks.to(ct) / scale).to(q.dtype).view(1, hq, 1).expand(c, hq, 1)
+    qs = torch.cat([F.pad(q, (0, d - dqk)), col, q.new_zeros(c, hq, ds - d - 1)], dim=-1)
+    qs = F.pad(qs, (0, 0, 0, 0, 0, 1))
+    sink_key = k.new_zeros(1, hkv, ds)
+    sink_key[..., d] = 1.0
+    ks = torch.cat([F.pad(k, (0, ds - dqk)), sink_key], dim=0)
+    vs = F.pad(v, (0, ds - dv, 0, 0, 0, 1))
+    return qs, ks, vs
+
+
+def _tree_attention_sinks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: TreeAttentionPlan,
+    sinks: torch.Tensor,
+    *,
+    scale: float,
+    gate: torch.Tensor | None,
+    window: int | None,
+) -> torch.Tensor:
+    """:func:`tree_attention` with attention sinks (see the module doc): the bucketed SDPA calls
+    with the sink key at key slot 0 of every member."""
+    c, hq = q.shape[0], q.shape[1]
+    dv = v.shape[2]
+    qs, ks, vs = _with_sink_key(q, k, v, sinks, scale)
+    hkv, ds = ks.shape[1], ks.shape[2]
+    gqa = hq != hkv
+    if gqa and not _HAS_ENABLE_GQA:  # pragma: no cover - torch < 2.5
+        ks = ks.repeat_interleave(hq // hkv, dim=1)
+        vs = vs.repeat_interleave(hq // hkv, dim=1)
+        hkv, gqa = hq, False
+    extra = {"enable_gqa": True} if gqa else {}
+    outs = []
+    for b in plan.buckets:
+        mask, causal = _bucket_mask(b, q.device, window)
+        head = b.k_index.new_full((b.nb, 1), c)  # row C: the sink key / the zero query
+        k_idx = torch.cat([head, b.k_index.view(b.nb, b.lk)], dim=1).view(-1)
+        if causal:  # square root bucket: a zero query first keeps it square (and causal)
+            q_idx = torch.cat([head, b.q_index.view(b.nb, b.lq)], dim=1).view(-1)
+            lq = b.lq + 1
+        else:
+            q_idx, lq = b.q_index, b.lq
+            mask = F.pad(mask, (1, 0), value=True)
+        qb = qs.index_select(0, q_idx).view(b.nb, lq, hq, ds).transpose(1, 2)
+        kb = ks.index_select(0, k_idx).view(b.nb, b.lk + 1, hkv, ds).transpose(1, 2)
+        vb = vs.index_select(0, k_idx).view(b.nb, b.lk + 1, hkv, ds).transpose(1, 2)
+        ob = F.scaled_dot_product_attention(
+            qb, kb, vb, attn_mask=mask, is_causal=causal, scale=scale, **extra
+        )
+        if causal:
+            ob = ob[:, :, 1:]
+        outs.append(ob.transpose(1, 2).reshape(b.nb * b.lq, hq, ds))
+    o = torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
+    return _finish_heads(o, plan.out_index, dv, gate)
+
+
 def _check_window(window: int | None) -> int | None:
     if window is None:
         return None
@@ -355,6 +448,7 @@ def tree_attention(
     scale: float | None = None,
     gate: torch.Tensor | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal softmax attention where each compact row attends to its ancestors and itself.
 
@@ -370,22 +464,28 @@ def tree_attention(
       window: sliding window (transformers' ``sliding_window``): a row attends only to the
         ancestors-or-self less than ``window`` tokens above it (``depth_q - depth_k < window``);
         None = unlimited.
+      sinks: optional ``[Hq]`` attention-sink logits (gpt-oss, any float dtype): each row of
+        head ``h`` takes ``softmax([scores of its keys..., sinks[h]])`` and drops the sink's
+        column (it has no value), as HF's gpt-oss attention does.
 
     Returns:
       ``[C, Hq, Dv]`` in q's dtype and compact row order. Row ``r`` equals the trajectory-wise
       causal attention output at every semantic position mapped to ``r``. Differentiable with
-      respect to q, k, v and gate (gathers are ``index_select``; backward by autograd). Supports
-      float64/float32/bfloat16/float16 on CPU and CUDA.
+      respect to q, k, v, gate and sinks (gathers are ``index_select``; backward by autograd).
+      Supports float64/float32/bfloat16/float16 on CPU and CUDA.
     """
     c = plan.num_rows
     hq, hkv, dqk, dv = _check_qkv(q, k, v, gate, c)
     window = _check_window(window)
     if not same_device(q.device, plan.device):
         raise ValueError(f"plan: built for {plan.device}, but q is on {q.device}")
+    _check_sinks(sinks, hq, q.device)
     if scale is None:
         scale = 1.0 / math.sqrt(dqk)
     if c == 0:
         return q.new_zeros((0, hq, dv))
+    if sinks is not None:
+        return _tree_attention_sinks(q, k, v, plan, sinks, scale=scale, gate=gate, window=window)
     d = max(dqk, dv)
     q, k, v = _pad_head_dim(q, k, v, d)
     gqa = hq != hkv
@@ -417,15 +517,18 @@ def tree_attention_dense_ref(
     scale: float | None = None,
     gate: torch.Tensor | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """TEST ORACLE ONLY — O(C²) time and memory. Same contract as :func:`tree_attention`.
 
     Dense ``[C, C]`` ancestor-or-self mask from preorder subtree sizes
     (``k <= q < k + subtree_size[k]``) and explicit ``softmax(q kᵀ · scale) v`` (no SDPA kernel;
-    softmax in float32 for half/bfloat16 inputs).
+    softmax in float32 for half/bfloat16 inputs); with ``sinks`` the column ``sinks[h]`` joins
+    each row's softmax and is dropped before ``· v``.
     """
     c = int(forest.num_compact_tokens)
     hq, hkv, dqk, _dv = _check_qkv(q, k, v, gate, c)
+    _check_sinks(sinks, hq, q.device)
     if scale is None:
         scale = 1.0 / math.sqrt(dqk)
     rows = np.arange(c)
@@ -441,7 +544,10 @@ def tree_attention_dense_ref(
     vh = v.repeat_interleave(rep, dim=1).transpose(0, 1)
     s = torch.matmul(qh, kh.transpose(-1, -2)) * scale
     s = s.masked_fill(~mask, float("-inf"))
-    p = torch.softmax(s if q.dtype == torch.float64 else s.float(), dim=-1).to(q.dtype)
+    s = s if q.dtype == torch.float64 else s.float()
+    if sinks is not None:  # one more column per row: the head's sink logit, dropped after
+        s = torch.cat([s, sinks.to(s.dtype).view(hq, 1, 1).expand(hq, c, 1)], dim=-1)
+    p = torch.softmax(s, dim=-1)[..., :c].to(q.dtype)
     o = torch.matmul(p, vh).transpose(0, 1)
     if gate is not None:
         o = o * torch.sigmoid(gate)

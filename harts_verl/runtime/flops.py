@@ -123,10 +123,11 @@ def _mla_attention_layer(cfg: Any) -> tuple[float, float]:
 def _ffn_layer(cfg: Any, i: int) -> float:
     """Row-wise FLOPs per token of layer ``i``'s feed-forward block in an HF model: a gated MLP
     of ``intermediate_size``, or a sparse MoE block: the router (one weight row per routed
-    expert), ``num_experts_per_tok`` gated experts (``moe_intermediate_size`` wide; Mixtral's
-    ``intermediate_size``), and in full any shared expert: Qwen2-MoE / Qwen3-Next / Qwen3.5-MoE's
-    ``shared_expert_intermediate_size`` wide one and its sigmoid gate, DeepSeek-V3 / GLM-4-MoE's
-    ``n_shared_experts`` fused into one ``n_shared_experts × moe_intermediate_size`` wide MLP.
+    expert), ``num_experts_per_tok`` gated experts (``moe_intermediate_size`` wide; Mixtral's and
+    gpt-oss's ``intermediate_size``; biases ignored), and in full any shared expert: Qwen2-MoE /
+    Qwen3-Next / Qwen3.5-MoE's ``shared_expert_intermediate_size`` wide one and its sigmoid gate,
+    DeepSeek-V3 / GLM-4-MoE's ``n_shared_experts`` fused into one ``n_shared_experts ×
+    moe_intermediate_size`` wide MLP.
     Sparse layers: with ``first_k_dense_replace`` (DeepSeek-V3, GLM-4-MoE) those from that index
     on, else those with ``(i + 1) % decoder_sparse_step == 0`` not in ``mlp_only_layers``
     (every layer where the config has neither, e.g. Mixtral)."""
@@ -142,12 +143,17 @@ def _ffn_layer(cfg: Any, i: int) -> float:
         sparse = (i + 1) % step == 0 and i not in (getattr(cfg, "mlp_only_layers", None) or ())
     if not (num_experts and sparse):
         return 2.0 * 3 * d * cfg.intermediate_size
-    width = cfg.intermediate_size if cfg.model_type == "mixtral" else cfg.moe_intermediate_size
+    if cfg.model_type in ("mixtral", "gpt_oss"):
+        width = cfg.intermediate_size
+    else:
+        width = cfg.moe_intermediate_size
     flops = d * num_experts + 3 * d * width * cfg.num_experts_per_tok
     shared = getattr(cfg, "shared_expert_intermediate_size", None)
     if shared is not None:
         flops += 3 * d * shared + d
-    flops += 3 * d * cfg.moe_intermediate_size * (getattr(cfg, "n_shared_experts", None) or 0)
+    n_shared = getattr(cfg, "n_shared_experts", None) or 0
+    if n_shared:  # configs without shared experts may have no moe_intermediate_size
+        flops += 3 * d * cfg.moe_intermediate_size * n_shared
     return 2.0 * flops
 
 
@@ -197,10 +203,10 @@ def olmo_hybrid_shape(cfg: Any) -> ModelShape:
 def full_attention_shape(cfg: Any) -> ModelShape:
     """Coefficients of a full-attention HF causal LM (Qwen2, Qwen3, Llama, Mistral, Qwen2-MoE,
     Qwen3-MoE, Mixtral, DeepSeek-V3, GLM-4-MoE, OLMo 2, OLMo 3, Phi-3, Seed-OSS, GLM-4,
-    Gemma 3): per layer GQA q/k/v/o projections (Phi-3's fused qkv: the same FLOPs; biases, norms
-    and sliding windows ignored) or DeepSeek-V3's multi-head latent attention (configs with
-    ``kv_lora_rank``), a gated MLP or a sparse MoE block (see :func:`_ffn_layer`); the LM
-    head."""
+    Gemma 3, gpt-oss): per layer GQA q/k/v/o projections (Phi-3's fused qkv: the same FLOPs;
+    biases, norms, sliding windows and gpt-oss's attention sinks ignored) or DeepSeek-V3's
+    multi-head latent attention (configs with ``kv_lora_rank``), a gated MLP or a sparse MoE
+    block (see :func:`_ffn_layer`); the LM head."""
     dense, attn = 2.0 * cfg.hidden_size * cfg.vocab_size, 0.0
     mla = getattr(cfg, "kv_lora_rank", None) is not None
     for i in range(cfg.num_hidden_layers):
@@ -223,7 +229,7 @@ def model_shape(cfg: Any) -> ModelShape:
     ``qwen3_5`` / ``qwen3_5_moe`` wrappers, through their ``text_config``: the vision tower is
     not counted) and ``olmo_hybrid``, and the full-attention ``qwen2`` / ``qwen3`` / ``llama`` /
     ``mistral`` / ``qwen2_moe`` / ``qwen3_moe`` / ``mixtral`` / ``deepseek_v3`` / ``glm4_moe`` /
-    ``olmo2`` / ``olmo3`` / ``phi3`` / ``seed_oss`` / ``glm4`` / ``gemma3_text``.
+    ``olmo2`` / ``olmo3`` / ``phi3`` / ``seed_oss`` / ``glm4`` / ``gemma3_text`` / ``gpt_oss``.
     Raises ``ValueError`` for any other ``model_type``."""
     from harts_verl.models.config import HybridConfig
 

@@ -1006,17 +1006,25 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         return loss, meta
 
     # ------------------------------------------------------------------ audit
+    def _packed_reference_leaks(self) -> bool:
+        """Whether the stock forward of packed sequences mixes them (the audit's reference then
+        runs padded rows): HF's torch fallback for linear attention carries state across packed
+        sequences (hybrids without fla), and HF's gpt-oss builds its eager / sdpa masks without
+        the packed ``position_ids``."""
+        if self._model_type in HYBRID_MODEL_TYPES and not _fla_importable():
+            return True
+        impl = str(getattr(getattr(self.module, "config", None), "_attn_implementation", ""))
+        return self._model_type == "gpt_oss" and not impl.startswith("flash")
+
     def _audit(self, data: TensorDict, model_output: dict, temperature: float) -> float:
         """max |Δ| of the audited output (log-probs; values for the critic) between the tree
         result and the stock (expanded) forward on the first ``harts.audit_trajectories``
-        trajectories of the local batch (positions 0..L−2 for shifted outputs, else all). For a
-        linear-attention hybrid without fla the stock forward runs padded rows (HF's torch
-        fallback is exact per row but not across packed sequences)."""
+        trajectories of the local batch (positions 0..L−2 for shifted outputs, else all). Where
+        the stock forward mixes packed sequences (:meth:`_packed_reference_leaks`) it runs
+        padded rows."""
         n = min(self.harts.audit_trajectories, len(data))
         sub = tu.index_select_tensor_dict(data, list(range(n)))
-        if self._model_type in HYBRID_MODEL_TYPES and not _fla_importable():
-            # HF's torch fallback for linear attention carries state across packed sequences:
-            # without fla the stock reference must run padded rows.
+        if self._packed_reference_leaks():
             tu.assign_non_tensor(sub, use_remove_padding=False)
         with torch.no_grad():
             _, ref = FSDPEngineWithLMHead.forward_step(

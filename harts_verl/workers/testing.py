@@ -40,7 +40,7 @@ TINY_KINDS = (
     "olmo_hybrid",
     "olmo_hybrid_nope",
     *("llama", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe"),
-    *("olmo2", "olmo3", "phi3", "seed_oss", "glm4", "gemma3_text"),
+    *("olmo2", "olmo3", "phi3", "seed_oss", "glm4", "gemma3_text", "gpt_oss"),
 )
 # The multi-modal Qwen3.5 wrappers (``Qwen3_5ForConditionalGeneration`` /
 # ``Qwen3_5MoeForConditionalGeneration``, model_type ``qwen3_5`` / ``qwen3_5_moe``): the text
@@ -94,7 +94,10 @@ _SIGMOID_MOE = dict(
 # outside a tiny vocabulary); OLMo 3 and Gemma 3: a sliding-window layer, then a full one
 # (window 4096 unless a test sets a shorter one); Phi-3: partial RoPE (6 of 8 dims, as in
 # Phi-4-mini); Seed-OSS: no dropout (its defaults are 0.1); Gemma 3: q·k scale 16^-1/2, linear
-# RoPE scaling on the full layer, tied embeddings.
+# RoPE scaling on the full layer, tied embeddings. gpt-oss: hidden 64 (q width 4 × 8 = 32, not
+# the hidden size, as in the real model), attention sinks, a 6-token sliding window on the first
+# layer (shorter than the test trajectories), 4 biased experts 32 wide (top-2), YaRN RoPE;
+# eager attention (HF runs sinks only there).
 _NO_SPECIAL_IDS = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)
 _SLIDING_FULL = ["sliding_attention", "full_attention"]
 _FULL_ATTENTION = {
@@ -151,6 +154,27 @@ _FULL_ATTENTION = {
                 "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
             },
             "tie_word_embeddings": True,
+        },
+    ),
+    "gpt_oss": (
+        "GptOssConfig",
+        {
+            "hidden_size": 64,
+            "intermediate_size": 32,
+            "head_dim": 8,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 6,
+            "layer_types": _SLIDING_FULL,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 128,
+            },
         },
     ),
 }
@@ -245,9 +269,12 @@ def tiny_hf_config(kind: str, vocab_size: int = 64):
     ``TINY_IMAGE_TOKEN_ID``, then video, vision start and vision end; the full-attention causal
     LMs ``llama``, ``qwen3``, ``mistral``, ``qwen2_moe``, ``qwen3_moe``, ``mixtral``,
     ``deepseek_v3``, ``glm4_moe``, ``olmo2``, ``olmo3``, ``phi3``, ``seed_oss``, ``glm4``,
-    ``gemma3_text``), sdpa attention, eager experts (float64-capable on CPU).
+    ``gemma3_text``, ``gpt_oss``), sdpa attention (eager for gpt-oss, whose class has no sdpa),
+    eager experts (float64-capable on CPU).
     Raises ``ValueError`` for another kind."""
     import transformers
+
+    from harts_verl.models.hf import attn_implementation_for
 
     if kind in TINY_MULTIMODAL_KINDS:
         return _multimodal_config(kind, vocab_size)
@@ -297,7 +324,7 @@ def tiny_hf_config(kind: str, vocab_size: int = 64):
         raise ValueError(
             f"kind: expected one of {TINY_KINDS + TINY_MULTIMODAL_KINDS}, got {kind!r}"
         )
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = attn_implementation_for(cfg)
     if hasattr(cfg, "_experts_implementation"):
         cfg._experts_implementation = "eager"
     return cfg
@@ -326,6 +353,7 @@ def tiny_hf_model(kind: str, *, seed: int = 0, vocab_size: int = 64) -> torch.nn
         "seed_oss": transformers.SeedOssForCausalLM,
         "glm4": transformers.Glm4ForCausalLM,
         "gemma3_text": transformers.Gemma3ForCausalLM,
+        "gpt_oss": transformers.GptOssForCausalLM,
         "qwen3_next": transformers.Qwen3NextForCausalLM,
         "qwen3_5": transformers.Qwen3_5ForCausalLM,
         "qwen3_5_moe": transformers.Qwen3_5MoeForCausalLM,
@@ -488,14 +516,18 @@ def build_engine(
     ``use_fused_kernels``: veRL's fused LM-head forward (torch backend; it replaces the model
     class's ``forward`` for the rest of the process); ``lora_rank`` > 0: veRL's LoRA adapters
     (peft, every linear layer, ``lora_alpha`` = 2 × rank)."""
+    from transformers import AutoConfig
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import HFModelConfig
     from verl.workers.engine import EngineRegistry
 
+    from harts_verl.models.hf import attn_implementation_for
+
+    attn = attn_implementation_for(AutoConfig.from_pretrained(model_path))
     model_cfg = HFModelConfig(
         path=model_path,
         load_tokenizer=False,
-        override_config={"attn_implementation": "sdpa"},
+        override_config={"attn_implementation": attn},
         enable_gradient_checkpointing=gradient_checkpointing,
         use_remove_padding=use_remove_padding,
         use_fused_kernels=use_fused_kernels,

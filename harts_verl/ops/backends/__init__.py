@@ -28,12 +28,13 @@ Selection rules:
   ``flash_attn``, then ``torch_varlen``), else the reference, with one WARNING per
   (kind, reason) naming the import error. On other devices the reference (no log: that is the
   intended path). The fast kernels handle only some dtypes; ``auto`` routes the others per call
-  to the reference (float64 linear attention, non-fp16/bf16 attention).
+  to the reference (float64 linear attention, non-fp16/bf16 attention), and attention with
+  sinks (gpt-oss), which the varlen kernels do not take, to SDPA.
 - Environment override, read only when the requested name is ``"auto"``:
   ``HARTS_LINEAR_BACKEND`` / ``HARTS_ATTENTION_BACKEND`` (a backend name, treated as explicit).
 - An explicit name never falls back: an unavailable backend raises
   :class:`BackendUnavailableError` naming it and carrying the import error; an unsupported dtype
-  raises at call time.
+  or attention sinks raise at call time.
 - A kernel object (anything with the protocol's attributes) is returned as is: tests and callers
   can inject their own.
 """
@@ -135,8 +136,9 @@ class LinearKernel(Protocol):
 @runtime_checkable
 class AttentionKernel(Protocol):
     """Tree attention: ``build_plan(forest, device=...)`` once per layout, then
-    ``kernel(q, k, v, plan, scale=..., gate=...)`` with the contract of
-    :func:`~harts_verl.ops.tree_attention.tree_attention`."""
+    ``kernel(q, k, v, plan, scale=..., gate=..., window=..., sinks=...)`` with the contract of
+    :func:`~harts_verl.ops.tree_attention.tree_attention`. A kernel without sliding windows or
+    attention sinks may leave those keywords out: layouts pass them only when set."""
 
     name: str
 
@@ -152,6 +154,7 @@ class AttentionKernel(Protocol):
         scale: float | None = None,
         gate: torch.Tensor | None = None,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -261,10 +264,11 @@ class SdpaAttentionKernel:
         scale: float | None = None,
         gate: torch.Tensor | None = None,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         from harts_verl.ops.tree_attention import tree_attention
 
-        return tree_attention(q, k, v, plan, scale=scale, gate=gate, window=window)
+        return tree_attention(q, k, v, plan, scale=scale, gate=gate, window=window, sinks=sinks)
 
 
 class VarlenAttentionKernel:
@@ -273,8 +277,9 @@ class VarlenAttentionKernel:
     Args:
       name: backend name (``"flash_attn"`` / ``"torch_varlen"``, or anything for a test double).
       varlen_fn: the ``flash_attn_varlen_func``-style kernel.
-      sdpa_fallback: route dtypes the kernel does not take (anything but fp16/bf16) to SDPA
-        (``auto``); False raises instead (explicit choice).
+      sdpa_fallback: route dtypes the kernel does not take (anything but fp16/bf16) and calls
+        with attention sinks (gpt-oss; no varlen kernel takes them) to SDPA (``auto``); False
+        raises instead (explicit choice).
       require_half: the kernel takes only fp16/bf16 (True for flash kernels; False for
         :func:`sdpa_varlen_reference`).
     """
@@ -310,17 +315,26 @@ class VarlenAttentionKernel:
         scale: float | None = None,
         gate: torch.Tensor | None = None,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if sinks is not None and not self.sdpa_fallback:
+            raise NotImplementedError(
+                f"attention backend {self.name!r}: the varlen kernel has no attention sinks "
+                "(gpt-oss); use the 'sdpa' or 'auto' attention backend"
+            )
         unsupported_dtype = self.require_half and q.dtype not in FLASH_DTYPES
         no_window = window is not None and not getattr(self.varlen_fn, "supports_window", False)
-        if no_window or (unsupported_dtype and self.sdpa_fallback):
-            # Sliding windows the kernel cannot take run the bucketed SDPA path (exact).
+        if sinks is not None or no_window or (unsupported_dtype and self.sdpa_fallback):
+            # Sinks (with sdpa_fallback) and sliding windows the kernel cannot take run the
+            # bucketed SDPA path (exact).
             from harts_verl.ops.tree_attention import build_attention_plan, tree_attention
 
             cache = plan.cache
             if "sdpa" not in cache:
                 cache["sdpa"] = build_attention_plan(plan.forest, device=plan.device)
-            return tree_attention(q, k, v, cache["sdpa"], scale=scale, gate=gate, window=window)
+            return tree_attention(
+                q, k, v, cache["sdpa"], scale=scale, gate=gate, window=window, sinks=sinks
+            )
         return tree_attention_varlen(
             q,
             k,

@@ -167,12 +167,14 @@ class HFGenerationServer:
     ) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
+        from harts_verl.models.hf import attn_implementation_for
+
         self.config = config
         self.model_config = model_config
         self.replica_rank = replica_rank
         path = getattr(model_config, "local_path", None) or model_config.path
         hf_cfg = AutoConfig.from_pretrained(path, trust_remote_code=True)
-        hf_cfg._attn_implementation = "sdpa"
+        hf_cfg._attn_implementation = attn_implementation_for(hf_cfg)  # sdpa; gpt-oss: eager
         self.model = AutoModelForCausalLM.from_pretrained(
             path, config=hf_cfg, torch_dtype=torch.float32, trust_remote_code=True
         ).eval()
