@@ -104,3 +104,20 @@ def test_parity_native_vs_stock_fsdp2(native_cpu, batch, padded):
     tree = ve._run(testing, path, "harts_fsdp2", data, loss_mode="vanilla", harts=harts)
     ve._compare(ref, tree)
     assert tree[1]["harts/microbatches"][0] >= 2
+
+
+def test_native_with_fused_kernels_runs_its_own_forward(native_cpu, monkeypatch):
+    """veRL's fused-kernel patch replaces the wrapper's class ``forward``; tree calls install
+    the wrapper's own (``harts_forward``) back, so tree mode equals the stock (unfused) run."""
+    import test_verl_engine as ve
+
+    from harts_verl.models.hf import HartsHybridForCausalLM
+
+    testing, path = native_cpu
+    monkeypatch.setattr(HartsHybridForCausalLM, "forward", HartsHybridForCausalLM.forward)
+    data = ve.BATCHES["grpo"](seed=9)
+    ref = ve._run(testing, path, "fsdp2", data, loss_mode="vanilla")
+    harts = {"chunk_size": 16, "capacity_tokens": 48}
+    tree = ve._run(testing, path, "harts_fsdp2", data, loss_mode="vanilla", harts=harts, fused=True)
+    assert HartsHybridForCausalLM.forward is not HartsHybridForCausalLM.harts_forward
+    ve._compare(ref, tree)

@@ -253,6 +253,49 @@ def test_parity_with_lora(verl_cpu, monkeypatch, kind):
         _compare(ref, fused)
 
 
+def test_wrapped_lm_head_falls_back(verl_cpu):
+    """A LoRA adapter or peft's modules_to_save copy wrapping the LM head would bypass the
+    compact log-prob kernel: such a batch takes the stock path, with the reason named."""
+    from harts_verl.workers.engine import _causal_lm_of
+
+    testing, paths = verl_cpu
+    seqs, prompt_lens, spans = _grpo_batch(seed=4)
+    engine = testing.build_engine(paths["qwen2"], testing.actor_config(), lora_rank=2)
+    td = testing.make_batch(seqs, prompt_lens, tool_spans=spans)
+    longest = max(map(len, seqs))
+    assert engine._local_fallback_reasons(td, 1.0, longest, True) == {}
+    lm = _causal_lm_of(engine.module)
+    head = lm.lm_head
+    lm.lm_head = torch.nn.Sequential(head)  # stands in for peft's wrapper
+    try:
+        reasons = engine._local_fallback_reasons(td, 1.0, longest, True)
+    finally:
+        lm.lm_head = head
+    assert set(reasons) == {"lm_head"} and "Sequential" in reasons["lm_head"]
+
+
+def test_gpt_oss_audit_with_a_sink_dropping_attention(verl_cpu):
+    """gpt-oss configured for flash attention (whose kernel takes no sinks, so HF's stock forward
+    drops them): the engine warns, and the audit's stock reference runs eager attention
+    (padded), so it stays exact against tree mode, which always applies the sinks."""
+    testing, paths = verl_cpu
+    seqs, prompt_lens, spans = _multiturn_batch(seed=6)
+    cfg = testing.actor_config(harts={"audit_every": 1, "audit_trajectories": 3})
+    engine = testing.build_engine(paths["gpt_oss"], cfg)
+    config = engine.module.config
+    saved = config._attn_implementation_internal
+    config._attn_implementation_internal = "flash_attention_2"
+    try:
+        assert engine._sinks_dropped()
+        with engine.eval_mode():
+            out = engine.infer_batch(testing.make_batch(seqs, prompt_lens, tool_spans=spans))
+        assert config._attn_implementation_internal == "flash_attention_2"  # restored
+    finally:
+        config._attn_implementation_internal = saved
+    assert out["metrics"]["harts/fallback"] == [0.0]
+    assert 0.0 <= out["metrics"]["harts/audit"][0] <= 1e-6
+
+
 def test_parity_sliding_window(verl_cpu, tmp_path):
     """Mistral with a 6-token sliding window (shorter than every trajectory): the tree path
     windows each row's ancestor path; the stock engine's packed sdpa path its sliding mask."""

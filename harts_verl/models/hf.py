@@ -191,6 +191,10 @@ class HartsHybridForCausalLM(PreTrainedModel):
         out = out.index_copy(0, index, flat).reshape(*input_ids.shape, -1)
         return MoeCausalLMOutputWithPast(logits=self.model.lm_head(out), aux_loss=aux)
 
+    # The wrapper's own forward, kept under a second name: veRL's ``use_fused_kernels`` patch
+    # replaces the class ``forward``, and the engine's tree calls install this one back.
+    harts_forward = forward
+
 
 def _hf_layer_types(mixers: list[str]) -> list[str]:
     """transformers' layer type of each mixer (validated by ``PreTrainedConfig``)."""

@@ -278,11 +278,19 @@ def _causal_lm_of(module: torch.nn.Module) -> torch.nn.Module:
     return get() if callable(get) else module
 
 
-def _has_causal_parts(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is a causal LM with HF's ``model`` backbone and ``lm_head``."""
-    return isinstance(getattr(module, "model", None), torch.nn.Module) and isinstance(
-        getattr(module, "lm_head", None), torch.nn.Module
-    )
+def _plain_forward_of(lm: torch.nn.Module) -> Any:
+    """The forward a tree call installs on ``lm`` when veRL's fused-kernel patch replaced its
+    class ``forward``: the native wrapper's own (``harts_forward``), else HF's backbone-then-head
+    order (:func:`_causal_lm_forward`) for a causal LM with a ``model`` backbone and an
+    ``lm_head``; None for anything else."""
+    own = getattr(type(lm), "harts_forward", None)
+    if own is not None:
+        return own
+    if isinstance(getattr(lm, "model", None), torch.nn.Module) and isinstance(
+        getattr(lm, "lm_head", None), torch.nn.Module
+    ):
+        return _causal_lm_forward
+    return None
 
 
 def _causal_lm_forward(self, *args: Any, output_router_logits: Any = None, **kwargs: Any) -> Any:
@@ -403,6 +411,15 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             )
         self._model_type = model_type
         self._rope_limit = length_dependent_rope(module)  # dynamic / longrope scaling
+        if self._sinks_dropped(module):
+            logger.warning(
+                "harts_fsdp2: %s with attn_implementation %r: transformers passes gpt-oss's "
+                "attention sinks only to kernels that take them, so veRL's stock forward "
+                "(fallback batches) runs without them, while tree mode applies them; use "
+                "attn_implementation=eager (or a sink-capable kernel) for consistent numbers",
+                model_type,
+                module.config._attn_implementation,
+            )
         return module
 
     def _dropout_of_module(self) -> str | None:
@@ -413,6 +430,21 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         return self._dropout
 
     # ------------------------------------------------------------------ helpers
+    def _head_reason(self) -> str | None:
+        """Why the output head a tree call would reach is not the one the compact log-prob
+        kernel replaces (a LoRA adapter or peft's ``modules_to_save`` copy wrapping the LM
+        head), or None."""
+        if self._lm_head is None:  # no LM head to replace (the critic's value head)
+            return None
+        getter = getattr(_causal_lm_of(self.module), "get_output_embeddings", None)
+        current = getter() if callable(getter) else None
+        if current is self._lm_head:
+            return None
+        return (
+            f"the LM head is wrapped ({type(current).__name__}: a LoRA adapter or peft's "
+            "modules_to_save on lm_head), so the compact log-prob kernel cannot replace it"
+        )
+
     def _fused_forward(self) -> bool:
         """Whether veRL's fused-kernel patch replaced the model's ``forward``
         (``use_fused_kernels`` with a ``fused_kernel_options.impl_backend``)."""
@@ -423,12 +455,13 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         """HF's backbone-then-head forward on the root module for one tree call (instead of
         veRL's fused forward, see :func:`_causal_lm_forward`); the FSDP root hooks still run."""
         lm = _causal_lm_of(self.module)
-        if not (self._fused_forward() and _has_causal_parts(lm)):
+        plain = _plain_forward_of(lm)
+        if not self._fused_forward() or plain is None:
             yield
             return
         had = "forward" in lm.__dict__
         prev = lm.__dict__.get("forward")
-        lm.forward = types.MethodType(_causal_lm_forward, lm)
+        lm.forward = types.MethodType(plain, lm)
         try:
             yield
         finally:
@@ -559,13 +592,14 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
                 "vision embeddings and 3-D mrope positions have no tree form; text-only batches "
                 "of this model run in tree mode)"
             )
-        fused = tu.get_non_tensor_data(data=data, key="use_fused_kernels", default=False)
-        lm = _causal_lm_of(self.module)
-        if fused is not False and self._fused_forward() and not _has_causal_parts(lm):
+        if self._fused_forward() and _plain_forward_of(_causal_lm_of(self.module)) is None:
             reasons["fused"] = (
                 "use_fused_kernels is set and the model has no `model` backbone and `lm_head` "
                 "to run without veRL's fused forward (which computes log-probs itself)"
             )
+        head = self._head_reason()
+        if head is not None:
+            reasons["lm_head"] = head
         distill = [
             k
             for k in ("distillation_use_topk", "distillation_only")
@@ -920,8 +954,16 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             raw = self._run_tree_model(layout, device)
         finally:
             setattr(head_mod, _HEAD_FN, None)
-        flat = raw.logits[0]  # [S - N, 1 to 3]: log-probs, [entropy], [Σp²]
         s = forest.num_semantic_tokens
+        want = (1, s - forest.num_trajectories, 1 + with_entropy + with_sq)
+        if raw.logits is None or tuple(raw.logits.shape) != want:
+            got = None if raw.logits is None else tuple(raw.logits.shape)
+            raise RuntimeError(
+                f"harts_fsdp2: the tree call returned logits of shape {got}, expected {want} "
+                "from the compact log-prob head (something replaced the LM head or the model's "
+                "forward after the engine was built)"
+            )
+        flat = raw.logits[0]  # [S - N, 1 to 3]: log-probs, [entropy], [Σp²]
         keep = np.ones(s, dtype=bool)
         keep[forest.row_offsets[1:] - 1] = False
         pos = torch.from_numpy(np.flatnonzero(keep)).to(device)
@@ -1013,20 +1055,42 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         the packed ``position_ids``."""
         if self._model_type in HYBRID_MODEL_TYPES and not _fla_importable():
             return True
-        impl = str(getattr(getattr(self.module, "config", None), "_attn_implementation", ""))
-        return self._model_type == "gpt_oss" and not impl.startswith("flash")
+        return self._model_type == "gpt_oss"  # its reference runs eager (_sinks_dropped)
+
+    def _sinks_dropped(self, module: torch.nn.Module | None = None) -> bool:
+        """Whether HF's stock forward of this model drops its attention sinks: gpt-oss on a
+        flash-attention implementation, whose kernel takes no ``s_aux`` (transformers passes
+        sinks only to kernels that accept them); tree mode always applies them."""
+        module = self.module if module is None else module
+        impl = str(getattr(getattr(module, "config", None), "_attn_implementation", ""))
+        return self._model_type == "gpt_oss" and impl.startswith("flash")
+
+    @contextmanager
+    def _eager_attention(self) -> Iterator[None]:
+        """HF's eager attention (which applies gpt-oss's sinks) for the duration of a stock
+        forward, where :meth:`_sinks_dropped`; a no-op otherwise."""
+        config = getattr(self.module, "config", None)
+        if not self._sinks_dropped() or config is None:
+            yield
+            return
+        saved = config._attn_implementation_internal
+        config._attn_implementation_internal = "eager"
+        try:
+            yield
+        finally:
+            config._attn_implementation_internal = saved
 
     def _audit(self, data: TensorDict, model_output: dict, temperature: float) -> float:
         """max |Δ| of the audited output (log-probs; values for the critic) between the tree
         result and the stock (expanded) forward on the first ``harts.audit_trajectories``
         trajectories of the local batch (positions 0..L−2 for shifted outputs, else all). Where
         the stock forward mixes packed sequences (:meth:`_packed_reference_leaks`) it runs
-        padded rows."""
+        padded rows, and eager attention where the configured one drops attention sinks."""
         n = min(self.harts.audit_trajectories, len(data))
         sub = tu.index_select_tensor_dict(data, list(range(n)))
         if self._packed_reference_leaks():
             tu.assign_non_tensor(sub, use_remove_padding=False)
-        with torch.no_grad():
+        with torch.no_grad(), self._eager_attention():
             _, ref = FSDPEngineWithLMHead.forward_step(
                 self, sub, loss_function=None, forward_only=True
             )
