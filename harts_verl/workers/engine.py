@@ -301,6 +301,8 @@ def _causal_lm_forward(self, *args: Any, output_router_logits: Any = None, **kwa
     FSDP2 registers its pre-backward hooks through the output's tensors (pytree)."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
+    if output_router_logits is not None:  # MoE: HF's forward hands it to the backbone
+        kwargs["output_router_logits"] = output_router_logits
     hidden = self.model(*args, **kwargs)[0]
     return CausalLMOutputWithPast(logits=self.lm_head(hidden))
 
