@@ -35,9 +35,17 @@ from harts_verl.models.adapter import (
 from harts_verl.ops.layout import TreeLayout
 from harts_verl.runtime import TreeRunner
 from harts_verl.tree import RolloutForest
-from harts_verl.workers.testing import TINY_KINDS, tiny_hf_config, tiny_hf_model
+from harts_verl.workers.testing import (
+    TINY_KINDS,
+    TINY_MULTIMODAL_KINDS,
+    tiny_hf_config,
+    tiny_hf_model,
+)
 
-KINDS = list(FULL_ATTENTION_MODEL_TYPES)
+# The causal LMs; Gemma 3's multi-modal wrapper (``gemma3``, tiny kind ``gemma3_mm``) is tested in
+# ``test_gemma3_multimodal.py``.
+MULTIMODAL = {"gemma3": "gemma3_mm"}
+KINDS = [k for k in FULL_ATTENTION_MODEL_TYPES if k not in MULTIMODAL]
 MOE_SOFTMAX = ["qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss"]
 
 
@@ -161,6 +169,10 @@ def test_every_full_attention_type_has_a_tiny_model():
     for kind in KINDS:
         assert kind in TINY_KINDS and tiny_hf_config(kind).model_type == kind
         assert kind in TREE_MODEL_TYPES
+    for model_type, kind in MULTIMODAL.items():
+        assert kind in TINY_MULTIMODAL_KINDS and tiny_hf_config(kind).model_type == model_type
+        assert model_type in TREE_MODEL_TYPES
+    assert set(KINDS) | set(MULTIMODAL) == set(FULL_ATTENTION_MODEL_TYPES)
     assert isinstance(as_tree_model(tiny_hf_model("llama")), HFCausalTreeModel)
 
 

@@ -164,7 +164,10 @@ _HYBRID_TEXT_MODEL_CLASSES = (
 # (:func:`logits_transform`), and Gemma 2's attention logit soft-capping has no tree form.
 # OLMo 3, Gemma 3 and gpt-oss mix sliding-window and full layers (``config.layer_types``); Gemma 3
 # keeps a rotary table per layer type (see :func:`_tree_decoder_forward`); gpt-oss passes its
-# learned attention sinks to the interface (``s_aux``), which tree attention takes.
+# learned attention sinks to the interface (``s_aux``), which tree attention takes. ``gemma3`` is
+# Gemma 3's multi-modal wrapper (``Gemma3ForConditionalGeneration``, every released Gemma 3 from
+# 4B up): its text model (``model.language_model``, a ``gemma3_text`` model) runs text-only
+# batches in tree mode; batches with vision inputs take the veRL engine's stock path.
 FULL_ATTENTION_MODEL_TYPES = (
     "qwen2",
     "qwen3",
@@ -181,6 +184,7 @@ FULL_ATTENTION_MODEL_TYPES = (
     "seed_oss",
     "glm4",
     "gemma3_text",
+    "gemma3",
     "gpt_oss",
 )
 _FULL_ATTENTION_CLASSES = (
@@ -686,7 +690,7 @@ def _patch(module: nn.Module, fn) -> None:
 
 def _text_model(hf_model: nn.Module) -> nn.Module:
     """The decoder stack of an HF causal LM (``model``; ``model.language_model`` for the
-    multi-modal Qwen3.5 wrappers)."""
+    multi-modal Qwen3.5 and Gemma 3 wrappers)."""
     base = hf_model.model
     return getattr(base, "language_model", base)
 

@@ -226,10 +226,11 @@ def model_shape(cfg: Any) -> ModelShape:
     """Coefficients of any model that runs in tree mode, from its config: a native
     :class:`~harts_verl.models.HybridConfig` or ``HartsHybridConfig`` (``harts_hybrid``), the
     HF hybrids ``qwen3_next`` / ``qwen3_5_text`` / ``qwen3_5_moe_text`` (and the multi-modal
-    ``qwen3_5`` / ``qwen3_5_moe`` wrappers, through their ``text_config``: the vision tower is
-    not counted) and ``olmo_hybrid``, and the full-attention ``qwen2`` / ``qwen3`` / ``llama`` /
-    ``mistral`` / ``qwen2_moe`` / ``qwen3_moe`` / ``mixtral`` / ``deepseek_v3`` / ``glm4_moe`` /
-    ``olmo2`` / ``olmo3`` / ``phi3`` / ``seed_oss`` / ``glm4`` / ``gemma3_text`` / ``gpt_oss``.
+    ``qwen3_5`` / ``qwen3_5_moe`` wrappers and Gemma 3's ``gemma3``, through their
+    ``text_config``: the vision tower is not counted) and ``olmo_hybrid``, and the
+    full-attention ``qwen2`` / ``qwen3`` / ``llama`` / ``mistral`` / ``qwen2_moe`` /
+    ``qwen3_moe`` / ``mixtral`` / ``deepseek_v3`` / ``glm4_moe`` / ``olmo2`` / ``olmo3`` /
+    ``phi3`` / ``seed_oss`` / ``glm4`` / ``gemma3_text`` / ``gpt_oss``.
     Raises ``ValueError`` for any other ``model_type``."""
     from harts_verl.models.config import HybridConfig
 
@@ -238,7 +239,7 @@ def model_shape(cfg: Any) -> ModelShape:
     model_type = getattr(cfg, "model_type", None)
     if model_type == "harts_hybrid":
         return native_model_shape(cfg.to_hybrid_config())
-    if model_type in ("qwen3_5", "qwen3_5_moe"):
+    if model_type in ("qwen3_5", "qwen3_5_moe", "gemma3"):
         return model_shape(cfg.text_config)
     if model_type in _GATED_HYBRID_TYPES:
         return gated_hybrid_shape(cfg)

@@ -44,8 +44,10 @@ TINY_KINDS = (
 )
 # The multi-modal Qwen3.5 wrappers (``Qwen3_5ForConditionalGeneration`` /
 # ``Qwen3_5MoeForConditionalGeneration``, model_type ``qwen3_5`` / ``qwen3_5_moe``): the text
-# model of the ``qwen3_5`` / ``qwen3_5_moe`` kind and a one-block vision tower.
-TINY_MULTIMODAL_KINDS = ("qwen3_5_mm", "qwen3_5_moe_mm")
+# model of the ``qwen3_5`` / ``qwen3_5_moe`` kind and a one-block vision tower. Gemma 3's
+# (``Gemma3ForConditionalGeneration``, model_type ``gemma3``): the text model of the
+# ``gemma3_text`` kind and a one-layer SigLIP tower.
+TINY_MULTIMODAL_KINDS = ("qwen3_5_mm", "qwen3_5_moe_mm", "gemma3_mm")
 # Token ids of the tiny multi-modal configs (inside the default 64-token vocabulary).
 TINY_IMAGE_TOKEN_ID = 60
 
@@ -229,19 +231,43 @@ _TINY_VISION = dict(
     num_position_embeddings=16,
     out_hidden_size=_HYBRID["hidden_size"],
 )
+# Gemma 3's SigLIP tower: one layer of width 16 (2 heads), 8×8 images in 2×2 patches (a 4×4
+# grid), average-pooled 2×2 into 4 tokens an image (``mm_tokens_per_image``).
+_TINY_SIGLIP = dict(
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_channels=3,
+    image_size=8,
+    patch_size=2,
+)
 
 
 def _multimodal_config(kind: str, vocab_size: int):
     """The config of a multi-modal kind (see :func:`tiny_hf_config`)."""
     import transformers
 
-    text_kind = kind.removesuffix("_mm")
+    text_kind = "gemma3_text" if kind == "gemma3_mm" else kind.removesuffix("_mm")
     text = tiny_hf_config(text_kind, vocab_size)
     if vocab_size < TINY_IMAGE_TOKEN_ID + 4:
         raise ValueError(
             f"vocab_size: the multi-modal kinds need ids {TINY_IMAGE_TOKEN_ID}.."
             f"{TINY_IMAGE_TOKEN_ID + 3} inside the vocabulary, got {vocab_size}"
         )
+    if text_kind == "gemma3_text":
+        cfg = transformers.Gemma3Config(
+            text_config=text.to_dict(),
+            vision_config=dict(_TINY_SIGLIP),
+            mm_tokens_per_image=4,
+            image_token_index=TINY_IMAGE_TOKEN_ID,
+            boi_token_index=TINY_IMAGE_TOKEN_ID + 2,
+            eoi_token_index=TINY_IMAGE_TOKEN_ID + 3,
+            tie_word_embeddings=True,
+        )
+        for sub in (cfg, cfg.text_config, cfg.vision_config):
+            sub._attn_implementation = "sdpa"
+        return cfg
     cls = transformers.Qwen3_5Config if text_kind == "qwen3_5" else transformers.Qwen3_5MoeConfig
     cfg = cls(
         text_config=text.to_dict(),
@@ -266,11 +292,13 @@ def tiny_hf_config(kind: str, vocab_size: int = 64):
     ``olmo_hybrid`` = OLMo Hybrid with RoPE, ``olmo_hybrid_nope`` = OLMo Hybrid with NoPE,
     ``qwen3_5_mm`` / ``qwen3_5_moe_mm`` = the multi-modal wrappers, whose text config is that of
     ``qwen3_5`` / ``qwen3_5_moe`` and whose vision tower has one block; image token id
-    ``TINY_IMAGE_TOKEN_ID``, then video, vision start and vision end; the full-attention causal
-    LMs ``llama``, ``qwen3``, ``mistral``, ``qwen2_moe``, ``qwen3_moe``, ``mixtral``,
-    ``deepseek_v3``, ``glm4_moe``, ``olmo2``, ``olmo3``, ``phi3``, ``seed_oss``, ``glm4``,
-    ``gemma3_text``, ``gpt_oss``), sdpa attention (eager for gpt-oss, whose class has no sdpa),
-    eager experts (float64-capable on CPU).
+    ``TINY_IMAGE_TOKEN_ID``, then video, vision start and vision end; ``gemma3_mm`` = Gemma 3's
+    multi-modal wrapper, text config of ``gemma3_text``, a one-layer SigLIP tower, 4 tokens an
+    image, image / begin / end-of-image ids ``TINY_IMAGE_TOKEN_ID`` + 0 / 2 / 3; the
+    full-attention causal LMs ``llama``, ``qwen3``, ``mistral``, ``qwen2_moe``, ``qwen3_moe``,
+    ``mixtral``, ``deepseek_v3``, ``glm4_moe``, ``olmo2``, ``olmo3``, ``phi3``, ``seed_oss``,
+    ``glm4``, ``gemma3_text``, ``gpt_oss``), sdpa attention (eager for gpt-oss, whose class has
+    no sdpa), eager experts (float64-capable on CPU).
     Raises ``ValueError`` for another kind."""
     import transformers
 
@@ -338,6 +366,7 @@ def tiny_hf_model(kind: str, *, seed: int = 0, vocab_size: int = 64) -> torch.nn
     cls = {
         "qwen3_5_mm": transformers.Qwen3_5ForConditionalGeneration,
         "qwen3_5_moe_mm": transformers.Qwen3_5MoeForConditionalGeneration,
+        "gemma3_mm": transformers.Gemma3ForConditionalGeneration,
         "qwen2": transformers.Qwen2ForCausalLM,
         "llama": transformers.LlamaForCausalLM,
         "qwen3": transformers.Qwen3ForCausalLM,

@@ -1,0 +1,316 @@
+"""Gemma 3's multi-modal wrapper (transformers ``gemma3``, ``Gemma3ForConditionalGeneration``,
+every released Gemma 3 from 4B up) in tree mode.
+
+Text-only batches run in tree mode through the wrapper: its text model (``model.language_model``,
+a ``gemma3_text`` model: scaled embeddings, sliding and full layers with a rotary table each) is
+the one the text-only Gemma 3 runs; the wrapper's own forward adds nothing on a text-only batch
+(no image-token clamping while the image id lies inside the vocabulary, as in every released
+checkpoint; the 1-element tree-mode mask is returned as is by both of its mask builders).
+Batches with vision inputs take the engine's stock path.
+
+Measured (float64, RMSNorms lifted by ``_hf_float64``, weights spread by ``spread_weights``, the
+forest of ``_forest``, with a 4-token sliding window on the first layer and without): tree vs
+HF's per-trajectory forward of the same wrapper ≤ 3.6e-15 (log-probs), 0 (loss), ≤ 1.3e-15
+relative (text-model gradients), asserted at 1e-10 / 1e-10 / 1e-9. Engine (fp32, vs veRL's stock
+fsdp2): text-only multi-turn batch in tree mode ≤ 1.2e-7 (log-probs), ≤ 2.3e-7 (entropy),
+2.3e-7 relative (grad norm), ≤ 3.7e-9 (parameters after one step), asserted 1e-6; a batch with
+an image takes the stock path and equals it exactly (log-probs, grad norm), text-only batches of
+the same engine ≤ 4.8e-7 (asserted 1e-6); the image moves the log-probs by 0.27.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+import pytest
+import torch
+from _forked import forked_sequences
+
+pytest.importorskip("transformers")
+
+from harts_verl.models.adapter import HFCausalTreeModel, as_tree_model
+from harts_verl.runtime import TreeRunner
+from harts_verl.workers.testing import TINY_IMAGE_TOKEN_ID, tiny_hf_config, tiny_hf_model
+
+KIND = "gemma3_mm"
+TEXT_VOCAB = TINY_IMAGE_TOKEN_ID  # text tokens; the ids above are the image marks
+
+
+def _model(seed: int, window: int | None = 4) -> torch.nn.Module:
+    """The float64 tiny wrapper with spread weights (vision tower included), in eval mode; a
+    ``window``-token sliding window on its first (sliding) layer."""
+    import transformers
+    from _hf_float64 import spread_weights
+
+    cfg = tiny_hf_config(KIND)
+    if window is not None:
+        cfg.text_config.sliding_window = window
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(cfg).double().eval()
+    return spread_weights(model, seed)
+
+
+def _forest(seed: int) -> list[list[int]]:
+    """A shared prompt, forks (9, 17), a prefix of another trajectory, an identical pair, a
+    second root, a one-token trajectory. Text tokens only."""
+    return forked_sequences(
+        seed, TEXT_VOCAB, prompt=24, extension=14, forks=[(9, 11), (17, 6)], root=13
+    )
+
+
+def _hf_log_probs(model, seqs) -> list[torch.Tensor]:
+    """HF's own per-trajectory forward of the wrapper: log p(x[t+1] | x[≤t])."""
+    lps = []
+    for s in seqs:
+        ids = torch.tensor([s])
+        logits = model(input_ids=ids, use_cache=False).logits[0]
+        lps.append(torch.log_softmax(logits, -1)[:-1].gather(1, ids[0, 1:, None])[:, 0])
+    return lps
+
+
+def _loss_fn(lps: list[torch.Tensor]) -> torch.Tensor:
+    w = torch.linspace(-1.0, 1.0, len(lps), dtype=torch.float64)
+    return sum((lp * w[i]).sum() + 0.1 * (lp**2).sum() for i, lp in enumerate(lps)) / 10.0
+
+
+def _text_grads(model) -> dict[str, torch.Tensor]:
+    """Gradients of the text model and the (tied) LM head; the vision tower and projector are
+    not on a text-only path."""
+    return {
+        n: p.grad.detach().clone()
+        for n, p in model.named_parameters()
+        if p.grad is not None and n.startswith("model.language_model.")
+    }
+
+
+@pytest.fixture
+def lifted(monkeypatch, no_fla):
+    from _hf_float64 import lift_full_attention_islands
+
+    lift_full_attention_islands(monkeypatch)
+
+
+def test_wrapper_is_a_tree_model():
+    """``gemma3`` runs through :class:`HFCausalTreeModel` on the wrapper's text model, with no
+    logit transform (released Gemma 3 leaves ``final_logit_softcapping`` None)."""
+    model = tiny_hf_model(KIND)
+    assert model.config.model_type == "gemma3"
+    assert model.config.text_config.final_logit_softcapping is None
+    tree = as_tree_model(model)
+    assert isinstance(tree, HFCausalTreeModel)
+    assert tree.base is model.model.language_model
+    assert tree.lm_head is model.lm_head
+
+
+def test_soft_capped_wrapper_refused():
+    """A ``text_config.final_logit_softcapping`` (which HF's text-only Gemma 3 forward applies)
+    is refused like the text-only model's."""
+    import transformers
+
+    cfg = tiny_hf_config(KIND)
+    cfg.text_config.final_logit_softcapping = 30.0
+    with pytest.raises(TypeError, match=r"final_logit_softcapping = 30\.0"):
+        as_tree_model(transformers.Gemma3ForConditionalGeneration(cfg))
+
+
+@pytest.mark.parametrize("window", [4, None])
+def test_tree_equals_hf_float64(lifted, window):
+    """Tree log-probs (microbatched), loss and every text-model gradient vs HF's own
+    per-trajectory forward / backward of the same float64 wrapper: log-probs ≤ 1e-10, loss
+    ≤ 1e-10, gradients ≤ 1e-9 relative; with the 4-token window (shorter than the
+    trajectories) the sliding layer's window is in effect."""
+    model = _model(seed=3, window=window)
+    seqs = _forest(4)
+    runner = TreeRunner(model, capacity_tokens=48)
+    with torch.no_grad():
+        lp_t = runner.log_probs(seqs)
+    assert runner.last_stats.compact_tokens < sum(len(s) for s in seqs)
+    assert runner.last_stats.microbatches > 1
+    model.zero_grad(set_to_none=True)
+    loss_t = TreeRunner(model, chunk_size=16).forward_backward(seqs, _loss_fn)["loss"]
+    g_t = _text_grads(model)
+    model.zero_grad(set_to_none=True)
+    lp_h = _hf_log_probs(model, seqs)
+    loss_h = _loss_fn(lp_h)
+    loss_h.backward()
+    g_h = _text_grads(model)
+    for a, b in zip(lp_t, lp_h, strict=True):
+        torch.testing.assert_close(a, b.detach(), rtol=0, atol=1e-10)
+    loss_h = float(loss_h.detach())
+    assert abs(loss_t - loss_h) <= 1e-10 * max(1.0, abs(loss_h))
+    assert g_t.keys() == g_h.keys() and len(g_h) > 10
+    for n in g_h:
+        scale = max(g_h[n].abs().max().item(), 1e-30)
+        assert (g_t[n] - g_h[n]).abs().max().item() <= 1e-9 * scale, n
+
+
+def test_wrapper_call_builds_no_mask(lifted, monkeypatch):
+    """The engine's tree call through the wrapper's own forward
+    (``model(input_ids=rows, position_ids=depths, attention_mask=<1-element mask>,
+    harts_layout=...)``): the wrapper's two mask builders (full and sliding-window; the text
+    model takes their results as a dict and builds none) return the 1-element mask as is, no
+    ``[C, C]`` mask is built, and the logits equal the runtime's tree forward on the text model
+    (≤ 1e-12, float64)."""
+    import transformers.models.gemma3.modeling_gemma3 as mod
+
+    from harts_verl.models.adapter import tree_call, tree_mode_attention_mask
+    from harts_verl.ops.layout import TreeLayout
+    from harts_verl.tree import RolloutForest
+
+    seen: list[tuple[int, ...] | None] = []
+    for name in ("create_causal_mask", "create_sliding_window_causal_mask"):
+        original = getattr(mod, name)
+
+        def spy(*args, _original=original, **kwargs):
+            mask = _original(*args, **kwargs)
+            seen.append(None if mask is None else tuple(mask.shape))
+            return mask
+
+        monkeypatch.setattr(mod, name, spy)
+    model = _model(seed=5)
+    tm = as_tree_model(model)
+    layout = TreeLayout(RolloutForest.from_sequences(_forest(6)), chunk_size=16)
+    with torch.no_grad():
+        with tree_call():
+            logits = model(
+                input_ids=layout.token_ids[None],
+                position_ids=layout.position_ids[None],
+                attention_mask=tree_mode_attention_mask(),
+                use_cache=False,
+                harts_layout=layout,
+            ).logits[0]
+        hidden, _ = tm(layout.token_ids, layout)
+        ref = tm.lm_head(hidden)
+    assert len(seen) == 2 and all(s == (1, 1, 1, 1) for s in seen), seen
+    torch.testing.assert_close(logits, ref, rtol=0, atol=1e-12)
+
+
+def test_window_in_effect(lifted):
+    """Negative control: the 4-token window changes HF's log-probs (> 1e-3), so the test above
+    compares the sliding layer with its window applied."""
+    seqs = _forest(4)[:2]
+    with torch.no_grad():
+        a = _hf_log_probs(_model(seed=3, window=4), seqs)
+        b = _hf_log_probs(_model(seed=3, window=None), seqs)
+    assert max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True)) > 1e-3
+
+
+# ---------------------------------------------------------------------------------- engine
+
+
+@pytest.fixture
+def verl_engine():
+    """CPU platform shim and a world-size-1 gloo group; returns (``harts_verl.workers.testing``,
+    the ``test_verl_engine`` module)."""
+    pytest.importorskip("verl")
+
+    from _verl_cpu import verl_cpu_process
+
+    testing = verl_cpu_process()
+    import test_verl_engine as ve
+
+    return testing, ve
+
+
+def _save(testing, path: str, seed: int) -> str:
+    """The tiny fp32 wrapper with its image projector drawn from N(0, 1) (HF initialises it to
+    zero: images would reach the text model as zero embeddings), saved to ``path``."""
+    model = tiny_hf_model(KIND, seed=seed)
+    proj = model.model.multi_modal_projector.mm_input_projection_weight
+    with torch.no_grad():
+        proj.copy_(torch.randn(proj.shape, generator=torch.Generator().manual_seed(seed)))
+    model.save_pretrained(path)
+    return path
+
+
+def test_engine_text_batch_in_tree_mode(verl_engine, tmp_path):
+    """veRL's stock fsdp2 engine (padded rows: the wrapper's per-trajectory forward) vs
+    harts_fsdp2 in tree mode (the engine's call through the wrapper's forward, gradient
+    checkpointing on, several micro-batches) on a multi-turn tree batch: log-probs, entropy,
+    grad norm and parameters after one SGD step ≤ 1e-6."""
+    testing, ve = verl_engine
+    path = testing.save_tiny_model(KIND, str(tmp_path / KIND), seed=3)
+    seqs, prompt_lens, spans = ve.BATCHES["multiturn"](seed=5)
+    data = ([[t % TEXT_VOCAB for t in s] for s in seqs], prompt_lens, spans)
+    ref = ve._run(testing, path, "fsdp2", data, loss_mode="vanilla", padded=True)
+    harts = {"chunk_size": 8, "capacity_tokens": 48}
+    tree = ve._run(
+        testing,
+        path,
+        "harts_fsdp2",
+        data,
+        loss_mode="vanilla",
+        harts=harts,
+        gradient_checkpointing=True,
+    )
+    ve._compare(ref, tree)
+    assert tree[1]["harts/fallback"] == [0.0]
+    assert tree[1]["harts/microbatches"][0] >= 2
+    assert tree[1]["harts/compression"][0] > 1.0
+
+
+def _image_batch(seed: int):
+    """One prompt with an image (begin-of-image, 4 image tokens, end-of-image) and text, 3
+    responses (two share a prefix); each trajectory carries the image's ``pixel_values``
+    (one 8×8 image), as veRL's agent loop stores them."""
+    rng = np.random.default_rng(seed)
+    img = TINY_IMAGE_TOKEN_ID
+    prompt = [img + 2, img, img, img, img, img + 3, *rng.integers(0, TEXT_VOCAB, 9).tolist()]
+    r = [rng.integers(0, TEXT_VOCAB, n).tolist() for n in (10, 7, 6)]
+    seqs = [prompt + r[0], prompt + r[1], prompt + r[0][:4] + r[2]]
+    gen = torch.Generator().manual_seed(seed)
+    image = {"pixel_values": torch.randn(1, 3, 8, 8, generator=gen)}
+    return seqs, [len(prompt)] * 3, [dict(image) for _ in seqs]
+
+
+def test_engine_vision_batch_falls_back(verl_engine, tmp_path):
+    """A batch with ``multi_modal_inputs`` takes the stock path in harts_fsdp2
+    (``harts/fallback`` = 1) and equals veRL's stock fsdp2 engine on it (log-probs ≤ 1e-6,
+    grad norm ≤ 1e-6 relative), with the image in effect (dropping it changes the log-probs);
+    text-only batches of the same engine run in tree mode and equal the stock engine."""
+    testing, ve = verl_engine
+    path = _save(testing, str(tmp_path / "m"), seed=5)
+    seqs, prompt_lens, mm = _image_batch(seed=6)
+    text_seqs, text_prompt_lens, spans = ve.BATCHES["grpo"](seed=7)
+    text_seqs = [[t % TEXT_VOCAB for t in s] for s in text_seqs]
+    mk = partial(testing.make_batch, use_remove_padding=False, temperature=0.8)
+    out = {}
+    for strategy in ("fsdp2", "harts_fsdp2"):
+        cfg = testing.actor_config(strategy=strategy, harts={"chunk_size": 8})
+        engine = testing.build_engine(path, cfg, use_remove_padding=False)
+        with engine.eval_mode():
+            image = engine.infer_batch(mk(seqs, prompt_lens, multi_modal_inputs=mm))
+            no_image = engine.infer_batch(mk(seqs, prompt_lens))
+            text = engine.infer_batch(mk(text_seqs, text_prompt_lens, tool_spans=spans))
+        with engine.train_mode():
+            train = engine.train_batch(
+                mk(seqs, prompt_lens, multi_modal_inputs=mm),
+                loss_function=partial(ve._ppo_loss(), config=cfg),
+            )
+        out[strategy] = image, no_image, text, train
+
+    (img_r, noimg_r, text_r, train_r), (img_t, noimg_t, text_t, train_t) = out.values()
+    assert img_t["metrics"]["harts/fallback"] == [1.0]
+    assert train_t["metrics"]["harts/fallback"] == [1.0]
+    assert noimg_t["metrics"]["harts/fallback"] == [0.0]
+    assert text_t["metrics"]["harts/fallback"] == [0.0]
+
+    def max_diff(a, b):
+        a, b = a["model_output"]["log_probs"].unbind(), b["model_output"]["log_probs"].unbind()
+        return max(float((x[:-1] - y[:-1]).abs().max()) for x, y in zip(a, b, strict=True))
+
+    assert max_diff(img_t, img_r) <= 1e-6
+    assert max_diff(noimg_t, noimg_r) <= 1e-6
+    assert max_diff(text_t, text_r) <= 1e-6
+    assert max_diff(img_r, noimg_r) > 1e-3  # the image is in the stock result
+    gr, gt = train_r["metrics"]["grad_norm"], train_t["metrics"]["grad_norm"]
+    assert abs(gr - gt) <= 1e-6 * abs(gr), (gr, gt)
+
+
+def test_flop_model_counts_the_text_model():
+    """The FLOP model of the wrapper is that of its text model (the vision tower is not on a
+    tree-mode path)."""
+    from harts_verl.runtime.flops import model_shape
+
+    assert model_shape(tiny_hf_config(KIND)) == model_shape(tiny_hf_config("gemma3_text"))
