@@ -20,8 +20,6 @@ the same engine ≤ 4.8e-7 (asserted 1e-6); the image moves the log-probs by 0.2
 
 from __future__ import annotations
 
-from functools import partial
-
 import numpy as np
 import pytest
 import torch
@@ -269,43 +267,11 @@ def test_engine_vision_batch_falls_back(verl_engine, tmp_path):
     (``harts/fallback`` = 1) and equals veRL's stock fsdp2 engine on it (log-probs ≤ 1e-6,
     grad norm ≤ 1e-6 relative), with the image in effect (dropping it changes the log-probs);
     text-only batches of the same engine run in tree mode and equal the stock engine."""
+    from _vision_engine import check_vision_fallback, run_vision_engines
+
     testing, ve = verl_engine
     path = _save(testing, str(tmp_path / "m"), seed=5)
-    seqs, prompt_lens, mm = _image_batch(seed=6)
-    text_seqs, text_prompt_lens, spans = ve.BATCHES["grpo"](seed=7)
-    text_seqs = [[t % TEXT_VOCAB for t in s] for s in text_seqs]
-    mk = partial(testing.make_batch, use_remove_padding=False, temperature=0.8)
-    out = {}
-    for strategy in ("fsdp2", "harts_fsdp2"):
-        cfg = testing.actor_config(strategy=strategy, harts={"chunk_size": 8})
-        engine = testing.build_engine(path, cfg, use_remove_padding=False)
-        with engine.eval_mode():
-            image = engine.infer_batch(mk(seqs, prompt_lens, multi_modal_inputs=mm))
-            no_image = engine.infer_batch(mk(seqs, prompt_lens))
-            text = engine.infer_batch(mk(text_seqs, text_prompt_lens, tool_spans=spans))
-        with engine.train_mode():
-            train = engine.train_batch(
-                mk(seqs, prompt_lens, multi_modal_inputs=mm),
-                loss_function=partial(ve._ppo_loss(), config=cfg),
-            )
-        out[strategy] = image, no_image, text, train
-
-    (img_r, noimg_r, text_r, train_r), (img_t, noimg_t, text_t, train_t) = out.values()
-    assert img_t["metrics"]["harts/fallback"] == [1.0]
-    assert train_t["metrics"]["harts/fallback"] == [1.0]
-    assert noimg_t["metrics"]["harts/fallback"] == [0.0]
-    assert text_t["metrics"]["harts/fallback"] == [0.0]
-
-    def max_diff(a, b):
-        a, b = a["model_output"]["log_probs"].unbind(), b["model_output"]["log_probs"].unbind()
-        return max(float((x[:-1] - y[:-1]).abs().max()) for x, y in zip(a, b, strict=True))
-
-    assert max_diff(img_t, img_r) <= 1e-6
-    assert max_diff(noimg_t, noimg_r) <= 1e-6
-    assert max_diff(text_t, text_r) <= 1e-6
-    assert max_diff(img_r, noimg_r) > 1e-3  # the image is in the stock result
-    gr, gt = train_r["metrics"]["grad_norm"], train_t["metrics"]["grad_norm"]
-    assert abs(gr - gt) <= 1e-6 * abs(gr), (gr, gt)
+    check_vision_fallback(run_vision_engines(testing, ve, path, _image_batch(seed=6), TEXT_VOCAB))
 
 
 def test_flop_model_counts_the_text_model():

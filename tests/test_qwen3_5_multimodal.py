@@ -383,47 +383,16 @@ def test_engine_vision_batch_falls_back(verl_engine, tmp_path, caplog):
     image's vision embeddings in effect (dropping them changes the log-probs); a text-only
     batch of the same engine then runs in tree mode and equals the stock engine."""
     import logging
-    from functools import partial
+
+    from _vision_engine import check_vision_fallback, max_log_prob_diff, run_vision_engines
 
     testing, ve = verl_engine
     path = testing.save_tiny_model("qwen3_5_mm", str(tmp_path / "m"), seed=5)
-    seqs, prompt_lens, mm = _image_batch(seed=6)
-    text_seqs, text_prompt_lens, spans = ve.BATCHES["grpo"](seed=7)
-    text_seqs = [[t % TEXT_VOCAB for t in s] for s in text_seqs]
-    mk = partial(testing.make_batch, use_remove_padding=False, temperature=0.8)
-    out = {}
-    for strategy in ("fsdp2", "harts_fsdp2"):
-        cfg = testing.actor_config(strategy=strategy, harts={"chunk_size": 8})
-        engine = testing.build_engine(path, cfg, use_remove_padding=False)
-        with caplog.at_level(logging.WARNING, logger="harts_verl.workers.engine"):
-            with engine.eval_mode():
-                image = [engine.infer_batch(mk(seqs, prompt_lens, multi_modal_inputs=mm))]
-                image.append(engine.infer_batch(mk(seqs, prompt_lens, multi_modal_inputs=mm)))
-                no_image = engine.infer_batch(mk(seqs, prompt_lens))
-                text = engine.infer_batch(mk(text_seqs, text_prompt_lens, tool_spans=spans))
-            with engine.train_mode():
-                train = engine.train_batch(
-                    mk(seqs, prompt_lens, multi_modal_inputs=mm),
-                    loss_function=partial(ve._ppo_loss(), config=cfg),
-                )
-        out[strategy] = image, no_image, text, train
-
-    (img_r, noimg_r, text_r, train_r), (img_t, noimg_t, text_t, train_t) = out.values()
-    for o in (*img_t, train_t):
-        assert o["metrics"]["harts/fallback"] == [1.0]
-    assert text_t["metrics"]["harts/fallback"] == [0.0]
-    assert noimg_t["metrics"]["harts/fallback"] == [0.0]
+    batch = _image_batch(seed=6)
+    with caplog.at_level(logging.WARNING, logger="harts_verl.workers.engine"):
+        out = run_vision_engines(testing, ve, path, batch, TEXT_VOCAB, image_calls=2)
+    check_vision_fallback(out)
+    img_t = out["harts_fsdp2"][0]
+    assert max_log_prob_diff(img_t[1], img_t[0]) == 0.0
     msgs = [r.getMessage() for r in caplog.records if r.name == "harts_verl.workers.engine"]
     assert len([m for m in msgs if "multi-modal inputs" in m]) == 1, msgs
-
-    def max_diff(a, b):
-        a, b = a["model_output"]["log_probs"].unbind(), b["model_output"]["log_probs"].unbind()
-        return max(float((x[:-1] - y[:-1]).abs().max()) for x, y in zip(a, b, strict=True))
-
-    assert max_diff(img_t[0], img_r[0]) <= 1e-6
-    assert max_diff(img_t[1], img_t[0]) == 0.0
-    assert max_diff(noimg_t, noimg_r) <= 1e-6
-    assert max_diff(text_t, text_r) <= 1e-6
-    assert max_diff(img_r[0], noimg_r) > 1e-3  # the image is in the stock result
-    gr, gt = train_r["metrics"]["grad_norm"], train_t["metrics"]["grad_norm"]
-    assert abs(gr - gt) <= 1e-6 * abs(gr), (gr, gt)

@@ -348,6 +348,19 @@ def _bucket_mask(
     return mask.unsqueeze(1), False
 
 
+def _gqa(
+    k: torch.Tensor, v: torch.Tensor, hq: int
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, bool]]:
+    """k, v (``[C, Hkv, D]``) and the SDPA keywords for ``hq`` query heads: ``enable_gqa`` when
+    ``Hkv < hq`` (torch >= 2.5), else k / v repeated per query head."""
+    hkv = k.shape[1]
+    if hkv == hq:
+        return k, v, {}
+    if not _HAS_ENABLE_GQA:  # pragma: no cover - torch < 2.5
+        return k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1), {}
+    return k, v, {"enable_gqa": True}
+
+
 def _check_sinks(sinks: torch.Tensor | None, hq: int, device: torch.device) -> None:
     if sinks is None:
         return
@@ -400,13 +413,8 @@ def _tree_attention_sinks(
     c, hq = q.shape[0], q.shape[1]
     dv = v.shape[2]
     qs, ks, vs = _with_sink_key(q, k, v, sinks, scale)
+    ks, vs, extra = _gqa(ks, vs, hq)
     hkv, ds = ks.shape[1], ks.shape[2]
-    gqa = hq != hkv
-    if gqa and not _HAS_ENABLE_GQA:  # pragma: no cover - torch < 2.5
-        ks = ks.repeat_interleave(hq // hkv, dim=1)
-        vs = vs.repeat_interleave(hq // hkv, dim=1)
-        hkv, gqa = hq, False
-    extra = {"enable_gqa": True} if gqa else {}
     outs = []
     for b in plan.buckets:
         mask, causal = _bucket_mask(b, q.device, window)
@@ -488,12 +496,8 @@ def tree_attention(
         return _tree_attention_sinks(q, k, v, plan, sinks, scale=scale, gate=gate, window=window)
     d = max(dqk, dv)
     q, k, v = _pad_head_dim(q, k, v, d)
-    gqa = hq != hkv
-    if gqa and not _HAS_ENABLE_GQA:  # pragma: no cover - torch < 2.5
-        k = k.repeat_interleave(hq // hkv, dim=1)
-        v = v.repeat_interleave(hq // hkv, dim=1)
-        hkv, gqa = hq, False
-    extra = {"enable_gqa": True} if gqa else {}
+    k, v, extra = _gqa(k, v, hq)
+    hkv = k.shape[1]
     outs = []
     for b in plan.buckets:
         qb = q.index_select(0, b.q_index).view(b.nb, b.lq, hq, d).transpose(1, 2)

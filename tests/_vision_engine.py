@@ -1,0 +1,67 @@
+"""Shared body of the multi-modal wrappers' engine tests (Qwen3.5, Gemma 3): a batch with
+``multi_modal_inputs`` takes the stock path, text-only batches of the same engine run in tree
+mode, both equal veRL's stock fsdp2 engine."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+
+def run_vision_engines(
+    testing: Any,
+    ve: Any,
+    path: str,
+    image_batch: tuple[list, list, list],
+    text_vocab: int,
+    *,
+    image_calls: int = 1,
+) -> dict[str, tuple]:
+    """Per strategy (``fsdp2``, then ``harts_fsdp2``; padded rows, temperature 0.8): the image
+    batch inferred ``image_calls`` times (a list), the same batch without its images, a text-only
+    GRPO batch (tokens below ``text_vocab``), and one train step on the image batch."""
+    seqs, prompt_lens, mm = image_batch
+    text_seqs, text_prompt_lens, spans = ve.BATCHES["grpo"](seed=7)
+    text_seqs = [[t % text_vocab for t in s] for s in text_seqs]
+    mk = partial(testing.make_batch, use_remove_padding=False, temperature=0.8)
+    out = {}
+    for strategy in ("fsdp2", "harts_fsdp2"):
+        cfg = testing.actor_config(strategy=strategy, harts={"chunk_size": 8})
+        engine = testing.build_engine(path, cfg, use_remove_padding=False)
+        with engine.eval_mode():
+            image = [
+                engine.infer_batch(mk(seqs, prompt_lens, multi_modal_inputs=mm))
+                for _ in range(image_calls)
+            ]
+            no_image = engine.infer_batch(mk(seqs, prompt_lens))
+            text = engine.infer_batch(mk(text_seqs, text_prompt_lens, tool_spans=spans))
+        with engine.train_mode():
+            train = engine.train_batch(
+                mk(seqs, prompt_lens, multi_modal_inputs=mm),
+                loss_function=partial(ve._ppo_loss(), config=cfg),
+            )
+        out[strategy] = image, no_image, text, train
+    return out
+
+
+def max_log_prob_diff(a: dict, b: dict) -> float:
+    """max |Δ log-prob| over positions 0..L−2 of two engine outputs."""
+    a, b = a["model_output"]["log_probs"].unbind(), b["model_output"]["log_probs"].unbind()
+    return max(float((x[:-1] - y[:-1]).abs().max()) for x, y in zip(a, b, strict=True))
+
+
+def check_vision_fallback(out: dict[str, tuple]) -> None:
+    """Image batches (and the train step on them) take the stock path in harts_fsdp2, batches
+    without images run in tree mode; every result equals the stock engine's (log-probs ≤ 1e-6,
+    grad norm ≤ 1e-6 relative), and the image is in effect (dropping it moves the log-probs)."""
+    (img_r, noimg_r, text_r, train_r), (img_t, noimg_t, text_t, train_t) = out.values()
+    for o in (*img_t, train_t):
+        assert o["metrics"]["harts/fallback"] == [1.0]
+    assert text_t["metrics"]["harts/fallback"] == [0.0]
+    assert noimg_t["metrics"]["harts/fallback"] == [0.0]
+    assert max_log_prob_diff(img_t[0], img_r[0]) <= 1e-6
+    assert max_log_prob_diff(noimg_t, noimg_r) <= 1e-6
+    assert max_log_prob_diff(text_t, text_r) <= 1e-6
+    assert max_log_prob_diff(img_r[0], noimg_r) > 1e-3  # the image is in the stock result
+    gr, gt = train_r["metrics"]["grad_norm"], train_t["metrics"]["grad_norm"]
+    assert abs(gr - gt) <= 1e-6 * abs(gr), (gr, gt)
