@@ -174,14 +174,16 @@ def test_engine_equalize_splits_by_work_then_pads():
     ]
     assert len(groups) == 1
     for target in (1, 2, 5, 12):
-        out = HartsFSDPEngine._equalize(forest, groups, target)
+        out = [g for _, g in HartsFSDPEngine._equalize(forest, groups, target)]
         assert len(out) == target and all(g is not None for g in out)
         assert sorted(int(i) for g in out for i in g) == list(range(12))
         works = [compact_work(forest, g) for g in out]
         assert works == sorted(works, reverse=True)
-    three = HartsFSDPEngine._equalize(forest, groups, 3)
+    three = [g for _, g in HartsFSDPEngine._equalize(forest, groups, 3)]
     assert compact_work(forest, three[0]) < forest.num_compact_tokens * 0.5
-    out = HartsFSDPEngine._equalize(forest, groups, 15)  # 12 trajectories: 3 dummies
+    out = [
+        g for _, g in HartsFSDPEngine._equalize(forest, groups, 15)
+    ]  # 12 trajectories, 3 dummies
     assert len(out) == 15 and out[12:] == [None] * 3
     (w1, a), (w2, b) = _split_by_work(forest, np.arange(12))
     assert w1 == compact_work(forest, a) and w2 == compact_work(forest, b)

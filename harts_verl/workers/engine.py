@@ -83,6 +83,7 @@ from harts_verl.models.adapter import (
     tree_call,
     tree_mode_attention_mask,
 )
+from harts_verl.ops._index import concat_ranges
 from harts_verl.ops.layout import TreeLayout
 from harts_verl.ops.logprobs import compact_log_probs
 from harts_verl.tree import RolloutForest
@@ -544,15 +545,16 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
     @staticmethod
     def _equalize(
         forest: RolloutForest, groups: list[tuple[int, np.ndarray]], target: int
-    ) -> list[np.ndarray | None]:
-        """``target`` micro-batches from the planned ``groups`` (``(work, trajectories)``;
+    ) -> list[tuple[int, np.ndarray | None]]:
+        """``target`` micro-batches ``(work, trajectories)`` from the planned ``groups`` (same form;
         ``target`` = the largest count
         over the DP ranks, so every rank runs the same number and FSDP collectives stay
         aligned): the micro-batch with the most compact work is split in two at the leaf-order
         cut that best halves its work (ties: the cut with the shortest common prefix, i.e. the
         least duplicated work) until there are ``target``; when only single-trajectory
-        micro-batches are left, ``None`` pads (a zero-loss dummy forward). Real micro-batches
-        are ordered by decreasing work (the same slot order on every rank), dummies last."""
+        micro-batches are left, ``(0, None)`` pads (a zero-loss dummy forward). Real
+        micro-batches are ordered by decreasing work (the same slot order on every rank),
+        dummies last."""
         items = list(groups)
         n_dummy = 0
         while len(items) + n_dummy < target:
@@ -563,7 +565,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             j = max(cand, key=lambda k: (items[k][0], -k))
             items[j : j + 1] = _split_by_work(forest, items[j][1])
         order = sorted(range(len(items)), key=lambda k: (-items[k][0], k))
-        return [items[k][1] for k in order] + [None] * n_dummy
+        return [items[k] for k in order] + [(0, None)] * n_dummy
 
     # ------------------------------------------------------------------ batch
     def _local_fallback_reasons(
@@ -577,10 +579,11 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         if not self._tree_supported:
             reasons["model"] = f"model type {self._model_type!r} has no tree-mode support"
         sp = self._sp_size()
-        if sp > 1 and longest > self._capacity(data, longest):
+        budget = self._capacity(data, longest) if sp > 1 else None
+        if budget is not None and longest > budget:
             reasons["sequence_parallel"] = (
                 f"ulysses_sequence_parallel_size = {sp} and a trajectory of {longest} tokens "
-                f"exceeds one rank's token budget ({self._capacity(data, longest)}): tree mode "
+                f"exceeds one rank's token budget ({budget}): tree mode "
                 "shares the trees among the SP ranks, each trajectory whole on one rank; longer "
                 "ones need Ulysses' slicing"
             )
@@ -707,11 +710,11 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         target = int(self._dp_all_reduce([len(groups)], op=dist.ReduceOp.MAX)[0])
         sp = self._sp_size()
         target = -(-target // sp) * sp  # Ulysses SP: the SP ranks share the micro-batches
-        groups_eq = self._equalize(forest, groups, target)
+        equalized = self._equalize(forest, groups, target)
+        groups_eq = [g for _, g in equalized]
         mine = groups_eq
         if sp > 1:
-            works = [0 if g is None else forest.subset(g).num_compact_tokens for g in groups_eq]
-            owner = sp_assignment(works, sp)
+            owner = sp_assignment([w for w, _ in equalized], sp)
             rank = self.ulysses_device_mesh["sp"].get_local_rank()
             mine = [g for g, r in zip(groups_eq, owner) if r == rank]
 
@@ -822,9 +825,8 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             vals = [(o["model_output"][key], sel) for o, sel in zip(output_lst, indices)]
             if vals:
                 sel = np.concatenate([np.asarray(x, np.int64) for _, x in vals])
-                lens = offsets[sel + 1] - offsets[sel]
-                starts = np.repeat(offsets[sel] - np.cumsum(lens) + lens, lens)
-                pos = torch.from_numpy(starts + np.arange(int(lens.sum()))).to(device)
+                ranges = concat_ranges(offsets[sel], offsets[sel + 1] - offsets[sel])
+                pos = torch.from_numpy(ranges).to(device)
                 src = torch.cat([v.values() for v, _ in vals]).to(flat.dtype)
                 flat = flat.index_put((pos,), src)
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
