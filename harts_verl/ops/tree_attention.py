@@ -397,48 +397,6 @@ def _with_sink_key(
     return qs, ks, vs
 
 
-def _tree_attention_sinks(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    plan: TreeAttentionPlan,
-    sinks: torch.Tensor,
-    *,
-    scale: float,
-    gate: torch.Tensor | None,
-    window: int | None,
-) -> torch.Tensor:
-    """:func:`tree_attention` with attention sinks (see the module doc): the bucketed SDPA calls
-    with the sink key at key slot 0 of every member."""
-    c, hq = q.shape[0], q.shape[1]
-    dv = v.shape[2]
-    qs, ks, vs = _with_sink_key(q, k, v, sinks, scale)
-    ks, vs, extra = _gqa(ks, vs, hq)
-    hkv, ds = ks.shape[1], ks.shape[2]
-    outs = []
-    for b in plan.buckets:
-        mask, causal = _bucket_mask(b, q.device, window)
-        head = b.k_index.new_full((b.nb, 1), c)  # row C: the sink key / the zero query
-        k_idx = torch.cat([head, b.k_index.view(b.nb, b.lk)], dim=1).view(-1)
-        if causal:  # square root bucket: a zero query first keeps it square (and causal)
-            q_idx = torch.cat([head, b.q_index.view(b.nb, b.lq)], dim=1).view(-1)
-            lq = b.lq + 1
-        else:
-            q_idx, lq = b.q_index, b.lq
-            mask = F.pad(mask, (1, 0), value=True)
-        qb = qs.index_select(0, q_idx).view(b.nb, lq, hq, ds).transpose(1, 2)
-        kb = ks.index_select(0, k_idx).view(b.nb, b.lk + 1, hkv, ds).transpose(1, 2)
-        vb = vs.index_select(0, k_idx).view(b.nb, b.lk + 1, hkv, ds).transpose(1, 2)
-        ob = F.scaled_dot_product_attention(
-            qb, kb, vb, attn_mask=mask, is_causal=causal, scale=scale, **extra
-        )
-        if causal:
-            ob = ob[:, :, 1:]
-        outs.append(ob.transpose(1, 2).reshape(b.nb * b.lq, hq, ds))
-    o = torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
-    return _finish_heads(o, plan.out_index, dv, gate)
-
-
 def _check_window(window: int | None) -> int | None:
     if window is None:
         return None
@@ -492,21 +450,30 @@ def tree_attention(
         scale = 1.0 / math.sqrt(dqk)
     if c == 0:
         return q.new_zeros((0, hq, dv))
-    if sinks is not None:
-        return _tree_attention_sinks(q, k, v, plan, sinks, scale=scale, gate=gate, window=window)
-    d = max(dqk, dv)
-    q, k, v = _pad_head_dim(q, k, v, d)
+    if sinks is None:
+        q, k, v = _pad_head_dim(q, k, v, max(dqk, dv))
+    else:  # the sink as one more key: row C (see the module doc)
+        q, k, v = _with_sink_key(q, k, v, sinks, scale)
     k, v, extra = _gqa(k, v, hq)
-    hkv = k.shape[1]
+    hkv, d = k.shape[1], k.shape[2]
     outs = []
     for b in plan.buckets:
-        qb = q.index_select(0, b.q_index).view(b.nb, b.lq, hq, d).transpose(1, 2)
-        kb = k.index_select(0, b.k_index).view(b.nb, b.lk, hkv, d).transpose(1, 2)
-        vb = v.index_select(0, b.k_index).view(b.nb, b.lk, hkv, d).transpose(1, 2)
+        q_idx, k_idx, lq, lk = b.q_index, b.k_index, b.lq, b.lk
         mask, causal = _bucket_mask(b, q.device, window)
+        if sinks is not None:  # the sink key at key slot 0 of every member
+            head = b.k_index.new_full((b.nb, 1), c)
+            k_idx, lk = torch.cat([head, k_idx.view(b.nb, lk)], dim=1).view(-1), lk + 1
+            if causal:  # square root bucket: a zero query first keeps it square (and causal)
+                q_idx, lq = torch.cat([head, q_idx.view(b.nb, lq)], dim=1).view(-1), lq + 1
+            else:
+                mask = F.pad(mask, (1, 0), value=True)
+        qb = q.index_select(0, q_idx).view(b.nb, lq, hq, d).transpose(1, 2)
+        kb = k.index_select(0, k_idx).view(b.nb, lk, hkv, d).transpose(1, 2)
+        vb = v.index_select(0, k_idx).view(b.nb, lk, hkv, d).transpose(1, 2)
         ob = F.scaled_dot_product_attention(
             qb, kb, vb, attn_mask=mask, is_causal=causal, scale=scale, **extra
         )
+        ob = ob[:, :, lq - b.lq :]  # drops the zero query of a sink's causal bucket
         outs.append(ob.transpose(1, 2).reshape(b.nb * b.lq, hq, d))
     o = torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
     return _finish_heads(o, plan.out_index, dv, gate)
