@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import harts_verl.ops.logprobs as lp
 from harts_verl.ops.logprobs import (
+    LogitTransform,
     compact_log_probs,
     expanded_log_probs_ref,
     label_rows,
@@ -33,7 +34,9 @@ def _params(c: int, seed: int, dtype: torch.dtype = torch.float64, bias: bool = 
     return cast
 
 
-def _reference(forest, hidden, weight, bias, temperature, with_entropy, with_sq=False):
+def _reference(
+    forest, hidden, weight, bias, temperature, with_entropy, with_sq=False, transform=None
+):
     """Trajectory-wise oracle over expanded hidden states (a gather of the row hidden states)."""
     expanded = hidden[torch.from_numpy(forest.semantic_rows)]
     logps, ents, sqs = [], [], []
@@ -48,6 +51,7 @@ def _reference(forest, hidden, weight, bias, temperature, with_entropy, with_sq=
             temperature=temperature,
             with_entropy=with_entropy,
             with_sum_pi_squared=with_sq,
+            logit_transform=transform,
         )
         logps.append(lp_i)
         ents.append(ent_i)
@@ -77,6 +81,9 @@ def _rel(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
     with_entropy=st.booleans(),
     with_sq=st.booleans(),
     bias=st.booleans(),
+    transform=st.sampled_from(
+        [None, LogitTransform(0.25), LogitTransform(softcap=1.5), LogitTransform(1.7, 2.0)]
+    ),
 )
 def test_compact_equals_trajectory_wise_float64(
     seqs: list[list[int]],
@@ -86,7 +93,10 @@ def test_compact_equals_trajectory_wise_float64(
     with_entropy: bool,
     with_sq: bool,
     bias: bool,
+    transform: LogitTransform | None,
 ) -> None:
+    """Also with the models' own logit transforms (scaling, soft-capping: small caps, so that
+    tanh saturates on part of the vocabulary)."""
     forest = RolloutForest.from_sequences(seqs)
     hidden, weight, b = _params(forest.num_compact_tokens, seed, bias=bias)
     out = compact_log_probs(
@@ -99,9 +109,10 @@ def test_compact_equals_trajectory_wise_float64(
         with_sum_pi_squared=with_sq,
         rows_per_chunk=chunk,
         output="flat",
+        logit_transform=transform,
     )
     ref_lp, ref_ent, ref_sq = _reference(
-        forest, hidden, weight, b, temperature, with_entropy, with_sq=True
+        forest, hidden, weight, b, temperature, with_entropy, with_sq=True, transform=transform
     )
     assert out.log_probs.dtype == torch.float64
     assert out.log_probs.shape == (forest.num_semantic_tokens - forest.num_trajectories,)
@@ -303,6 +314,30 @@ def test_validation_errors() -> None:
         compact_log_probs(h, w, forest, output="padded")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="labels"):
         expanded_log_probs_ref(h, w, torch.zeros(c, dtype=torch.int64))
+    for bad in (LogitTransform(0.0), LogitTransform(float("nan")), LogitTransform(1.0, -2.0)):
+        with pytest.raises(ValueError, match=r"logit_transform\.(scale|softcap)"):
+            compact_log_probs(h, w, forest, logit_transform=bad)
+    with pytest.raises(TypeError, match="logit_transform"):
+        compact_log_probs(h, w, forest, logit_transform=30.0)  # type: ignore[arg-type]
+
+
+def test_logit_transform_matches_hf_formulas() -> None:
+    """The transform is what the HF causal LMs compute: Gemma 2's ``cap · tanh(x / cap)``,
+    Granite's ``x / logits_scaling``, Cohere's ``x · logit_scale`` (written out here)."""
+    forest = RolloutForest.from_sequences([[1, 2, 3, 4], [1, 2, 5], [6]])
+    h, w, b = _params(forest.num_compact_tokens, 3)
+    x = (h @ w.t() + b).detach()
+    for transform, logits in (
+        (LogitTransform(softcap=2.5), 2.5 * torch.tanh(x / 2.5)),
+        (LogitTransform(1 / 8.0), x / 8.0),
+        (LogitTransform(0.0625), x * 0.0625),
+    ):
+        out = compact_log_probs(h, w, forest, lm_head_bias=b, logit_transform=transform)
+        for i in range(forest.num_trajectories):
+            rows = torch.from_numpy(forest.rows_of(i))
+            ref = torch.log_softmax(logits[rows[:-1]], dim=-1)
+            ref = ref.gather(1, torch.from_numpy(forest.tokens_of(i)[1:])[:, None])[:, 0]
+            assert _max_abs(out.log_probs[i] - ref) <= 1e-12
 
 
 def test_validation_errors_name_the_argument() -> None:

@@ -486,3 +486,92 @@ def test_sinks_validation():
             tree_attention(q, k, v, plan, sinks=bad)
         with pytest.raises(ValueError, match=msg):
             tree_attention_dense_ref(q, k, v, forest, sinks=bad)
+
+
+# ----------------------------------------------------------------------------- logit soft-cap
+def traj_softcap_attention(q, k, v, rows, *, scale, softcap, window=None, gate=None):
+    """HF Gemma 2's ``eager_attention_forward`` on one trajectory's own rows: scores, soft-cap
+    ``cap · tanh(s / cap)``, then the causal (band) mask as an additive ``-inf``, softmax."""
+    rep = q.shape[1] // k.shape[1]
+    n = len(rows)
+    i = torch.arange(n)
+    allowed = i[:, None] >= i[None, :]
+    if window is not None:
+        allowed &= i[:, None] - i[None, :] < window
+    qi = q[rows].transpose(0, 1)
+    ki = k[rows].repeat_interleave(rep, dim=1).transpose(0, 1)
+    vi = v[rows].repeat_interleave(rep, dim=1).transpose(0, 1)
+    s = torch.tanh(torch.matmul(qi, ki.transpose(-1, -2)) * scale / softcap) * softcap
+    s = s + torch.zeros(n, n, dtype=s.dtype).masked_fill(~allowed, float("-inf"))
+    o = torch.matmul(torch.softmax(s, dim=-1), vi).transpose(0, 1)
+    return o if gate is None else o * torch.sigmoid(gate[rows])
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seqs=shared_sequences(),
+    heads=st.sampled_from([(2, 2), (4, 2), (3, 1)]),
+    dims=st.sampled_from([(8, 8), (8, 6)]),
+    window=st.sampled_from([None, 1, 3, 7]),
+    softcap=st.sampled_from([0.5, 2.0, 50.0]),
+    use_gate=st.booleans(),
+    ratio=st.sampled_from([0.0, 0.25, math.inf]),
+    seed=st.integers(0, 2**16),
+)
+def test_softcap_matches_trajectorywise_eager(
+    seqs, heads, dims, window, softcap, use_gate, ratio, seed
+):
+    """Attention logit soft-capping (Gemma 2; GQA, Dv != Dqk, sliding windows, padded and
+    uniform buckets): every row equals HF's eager soft-capped attention of each trajectory
+    through it and the dense oracle (1e-10); gradients of q, k, v, gate to 1e-9 relative."""
+    forest = RolloutForest.from_sequences(seqs)
+    (hq, hkv), (dqk, dv) = heads, dims
+    c = forest.num_compact_tokens
+    q, k, v, gate = make_inputs(c, hq, hkv, dqk, dv, gate=use_gate, seed=seed)
+    plan = build_attention_plan(forest, max_pad_ratio=ratio)
+    kw = dict(scale=0.9, softcap=softcap, window=window, gate=gate)
+    o = tree_attention(q, k, v, plan, **kw)
+    assert o.shape == (c, hq, dv) and o.dtype == F64
+    rows = [torch.from_numpy(forest.rows_of(i)) for i in range(forest.num_trajectories)]
+    ref = torch.cat([traj_softcap_attention(q, k, v, r, **kw) for r in rows])
+    tree_sem = semantic(forest, o)
+    assert maxabs(tree_sem - ref) <= 1e-10
+    dense = tree_attention_dense_ref(q, k, v, forest, **kw)
+    assert maxabs(dense - o) <= 1e-10
+    w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
+    leaves = tuple(t for t in (q, k, v, gate) if t is not None)
+    for a, b in zip(grads((tree_sem * w).sum(), leaves), grads((ref * w).sum(), leaves)):
+        assert rel_err(a, b) <= 1e-9
+
+
+def test_softcap_fixed_cases_and_validation():
+    """A small cap changes the output, a huge one does not; float32 and bfloat16 stay close to
+    float64 truth; the varlen backend routes soft-capping to the bucketed path (or refuses it
+    without a fallback); bad caps and caps with sinks are refused."""
+    from harts_verl.ops.backends import VarlenAttentionKernel
+    from harts_verl.ops.backends.varlen_attention import sdpa_varlen_reference
+
+    forest = RolloutForest.from_sequences(SEQS)
+    c = forest.num_compact_tokens
+    q, k, v, _ = make_inputs(c, 4, 2, 8, 8, gate=False, seed=31)
+    q = q * 3.0  # scores well beyond a cap of 1
+    plan = build_attention_plan(forest)
+    plain = tree_attention(q, k, v, plan)
+    capped = tree_attention(q, k, v, plan, softcap=1.0)
+    assert maxabs(capped - plain) > 1e-2
+    assert maxabs(tree_attention(q, k, v, plan, softcap=1e9) - plain) <= 1e-9
+    truth = tree_attention_dense_ref(q, k, v, forest, softcap=1.0)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+        low = tree_attention(*(t.detach().to(dtype) for t in (q, k, v)), plan, softcap=1.0)
+        assert low.dtype == dtype and maxabs(low.double() - truth) <= tol
+    routed = VarlenAttentionKernel("t", sdpa_varlen_reference, sdpa_fallback=True)
+    vplan = routed.build_plan(forest)
+    assert maxabs(routed(q, k, v, vplan, softcap=1.0) - capped) <= 1e-12
+    strict = VarlenAttentionKernel("t", sdpa_varlen_reference, require_half=False)
+    with pytest.raises(NotImplementedError, match="soft-capping"):
+        strict(q, k, v, vplan, softcap=1.0)
+    for bad in (0.0, -1.0, float("inf"), "2", True):
+        with pytest.raises(ValueError, match="softcap"):
+            tree_attention(q, k, v, plan, softcap=bad)
+    with pytest.raises(NotImplementedError, match="sinks"):
+        tree_attention(q, k, v, plan, softcap=1.0, sinks=torch.zeros(4, dtype=F64))

@@ -138,14 +138,18 @@ class TreeLayout:
         gate: torch.Tensor | None = None,
         window: int | None = None,
         sinks: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Softmax attention of each row over its ancestors and itself (with ``window``: only
         those less than ``window`` tokens above it; with ``sinks`` ``[Hq]``: one sink logit per
-        query head joins each row's softmax, gpt-oss); ``[C, Hq, Dv]``. ``window`` and ``sinks``
-        reach the kernel only when set."""
+        query head joins each row's softmax, gpt-oss; with ``softcap``: soft-capped scores,
+        Gemma 2); ``[C, Hq, Dv]``. ``window``, ``sinks`` and ``softcap`` reach the kernel only
+        when set."""
         kw: dict = {} if window is None else {"window": window}
         if sinks is not None:
             kw["sinks"] = sinks
+        if softcap is not None:
+            kw["softcap"] = softcap
         return self.attention_kernel(q, k, v, self.attention_plan, scale=scale, gate=gate, **kw)
 
     def linear_attention(

@@ -29,6 +29,7 @@ from torch.autograd.function import once_differentiable
 __all__ = [
     "LabelPairs",
     "LogProbResult",
+    "LogitTransform",
     "compact_log_probs",
     "expanded_log_probs_ref",
     "label_rows",
@@ -91,11 +92,51 @@ def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor) -
     return torch.addmm(bias, h, weight.t(), out=out)
 
 
-class _Workspace:
-    """Reusable [rows, V] buffers (logits in the input dtype; two in the compute dtype), so a
-    pass over the chunks allocates its vocabulary-sized memory once."""
+class LogitTransform(NamedTuple):
+    """What a causal LM's own forward does to its LM head's logits ``x`` before the sampler's
+    temperature: ``z = x · scale``, then, with ``softcap``, ``z = softcap · tanh(z / softcap)``
+    (Gemma 2 / Gemma 3: ``final_logit_softcapping``; Granite: ``scale = 1 / logits_scaling``;
+    Cohere: ``scale = logit_scale``). The default is the identity."""
 
-    def __init__(self, rows: int, weight: Tensor, cdt: torch.dtype) -> None:
+    scale: float = 1.0
+    softcap: float | None = None
+
+    @property
+    def is_identity(self) -> bool:
+        return self.scale == 1.0 and self.softcap is None
+
+
+def _check_transform(logit_transform: Any) -> LogitTransform:
+    """``logit_transform`` (None or a :class:`LogitTransform` with a finite positive scale and a
+    finite positive or None softcap), as a LogitTransform of python floats."""
+    if logit_transform is None:
+        return LogitTransform()
+    if not isinstance(logit_transform, LogitTransform):
+        raise TypeError(
+            "logit_transform: expected a LogitTransform or None, got "
+            f"{type(logit_transform).__name__}"
+        )
+    scale, cap = logit_transform
+    for name, value in (("scale", scale), ("softcap", cap)):
+        if value is None and name == "softcap":
+            continue
+        ok = isinstance(value, int | float | np.integer | np.floating) and not isinstance(
+            value, bool
+        )
+        if not ok or not np.isfinite(float(value)) or float(value) <= 0:
+            raise ValueError(
+                f"logit_transform.{name}: expected a finite positive number, got {value!r}"
+            )
+    return LogitTransform(float(scale), None if cap is None else float(cap))
+
+
+class _Workspace:
+    """Reusable [rows, V] buffers (logits in the input dtype; two in the compute dtype, three
+    with a soft-cap), so a pass over the chunks allocates its vocabulary-sized memory once."""
+
+    def __init__(
+        self, rows: int, weight: Tensor, cdt: torch.dtype, transform: LogitTransform
+    ) -> None:
         v = weight.shape[0]
         self.a = torch.empty(rows, v, dtype=cdt, device=weight.device)
         self.b = torch.empty(rows, v, dtype=cdt, device=weight.device)
@@ -103,18 +144,46 @@ class _Workspace:
         self.logits = (
             self.a if same else torch.empty(rows, v, dtype=weight.dtype, device=weight.device)
         )
+        self.transform = transform
+        # tanh(x · scale / softcap) of the last chunk (its derivative in backward)
+        self.tanh = (
+            torch.empty(rows, v, dtype=cdt, device=weight.device)
+            if transform.softcap is not None
+            else None
+        )
 
     def log_softmax(
         self, h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float
     ) -> Tensor:
-        """``log_softmax(logits.to(cdt) / temperature)`` of chunk ``h`` [n, D], in buffer b."""
+        """``log_softmax(transform(logits.to(cdt)) / temperature)`` of chunk ``h`` [n, D], in
+        buffer b (with a soft-cap, ``tanh`` of the chunk stays in ``self.tanh``)."""
         n = h.shape[0]
         z = _chunk_logits(h, weight, bias, self.logits[:n])
         if z.data_ptr() != self.a.data_ptr():
             z = self.a[:n].copy_(z)
+        scale, cap = self.transform
+        if scale != 1.0:
+            z.mul_(scale)
+        if cap is not None:
+            t = torch.tanh(z.div_(cap), out=self.tanh[:n])
+            z = torch.mul(t, cap, out=z)
         if temperature != 1.0:
             z.div_(temperature)
         return torch.log_softmax(z, dim=-1, out=self.b[:n])
+
+    def to_raw_logits(self, dz: Tensor, temperature: float) -> Tensor:
+        """Turn ``dz``, a gradient with respect to the chunk's tempered log-softmax input (just
+        after :meth:`log_softmax` of the same chunk), into one with respect to the raw logits, in
+        place."""
+        if temperature != 1.0:
+            dz.div_(temperature)
+        scale, cap = self.transform
+        if cap is not None:  # d(cap · tanh(y / cap)) / dy = 1 − tanh²
+            t = self.tanh[: dz.shape[0]]
+            dz.mul_(t.square_().neg_().add_(1.0))
+        if scale != 1.0:
+            dz.mul_(scale)
+        return dz
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
@@ -123,7 +192,8 @@ class _ChunkedLogProbs(torch.autograd.Function):
     Inputs: hidden [C, D], weight [V, D], bias [V] | None, hid_rows int64 [H] (distinct hidden
     rows, ascending), pair_hidx int64 [P] (index into hid_rows, non-decreasing), pair_label int64
     [P], pair_bounds (python list: pairs of chunk j are ``pair_bounds[j]:pair_bounds[j+1]``),
-    chunk, temperature, with_entropy, with_sq. Outputs: log-probs [P], entropy [H] (or [0]),
+    chunk, temperature, with_entropy, with_sq, transform (a checked :class:`LogitTransform`
+    applied before the temperature). Outputs: log-probs [P], entropy [H] (or [0]),
     Σp² [H] (or [0]); all three differentiable.
     """
 
@@ -141,13 +211,14 @@ class _ChunkedLogProbs(torch.autograd.Function):
         temperature: float,
         with_entropy: bool,
         with_sq: bool,
+        transform: LogitTransform,
     ) -> tuple[Tensor, Tensor, Tensor]:
         cdt = _compute_dtype(hidden.dtype)
         n_hid = hid_rows.shape[0]
         logp = torch.empty(pair_label.shape[0], dtype=cdt, device=hidden.device)
         ent = torch.empty(n_hid if with_entropy else 0, dtype=cdt, device=hidden.device)
         sq = torch.empty(n_hid if with_sq else 0, dtype=cdt, device=hidden.device)
-        ws = _Workspace(min(chunk, n_hid), weight, cdt)
+        ws = _Workspace(min(chunk, n_hid), weight, cdt, transform)
         for j, a in enumerate(range(0, n_hid, chunk)):
             b = min(a + chunk, n_hid)
             logp_full = ws.log_softmax(hidden[hid_rows[a:b]], weight, bias, temperature)
@@ -163,6 +234,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         ctx.pair_bounds = pair_bounds
         ctx.chunk = chunk
         ctx.temperature = temperature
+        ctx.transform = transform
         ctx.set_materialize_grads(False)
         if not with_entropy:
             ctx.mark_non_differentiable(ent)
@@ -177,7 +249,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
     ) -> tuple[Any, ...]:
         hidden, weight, bias, hid_rows, pair_hidx, pair_label = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        none_rest = (None,) * 8
+        none_rest = (None,) * 9
         use_ent = g_ent is not None and g_ent.numel() > 0
         use_sq = g_sq is not None and g_sq.numel() > 0
         if (g_logp is None and not use_ent and not use_sq) or not (need_h or need_w or need_b):
@@ -192,7 +264,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
             if need_b and bias is not None
             else None
         )
-        ws = _Workspace(min(chunk, n_hid), weight, cdt)
+        ws = _Workspace(min(chunk, n_hid), weight, cdt, ctx.transform)
         for j, a in enumerate(range(0, n_hid, chunk)):
             b = min(a + chunk, n_hid)
             rows = hid_rows[a:b]
@@ -221,8 +293,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 dz.add_(d_sq)
             if g_logp is not None:
                 dz.index_put_((local, pair_label[p0:p1]), g, accumulate=True)
-            if temperature != 1.0:
-                dz.div_(temperature)
+            ws.to_raw_logits(dz, temperature)
             if grad_h is not None:
                 dz_in = dz if dz.dtype == weight.dtype else ws.logits[: b - a].copy_(dz)
                 grad_h[rows] = dz_in @ weight
@@ -286,14 +357,16 @@ def compact_log_probs(
     with_sum_pi_squared: bool = False,
     rows_per_chunk: int = 4096,
     output: Literal["nested", "flat"] = "nested",
+    logit_transform: LogitTransform | None = None,
 ) -> LogProbResult:
     """Per-trajectory shifted log-probs (and entropy, Σp²) from compact hidden states.
 
     ``hidden``: [C, D] (or [1, C, D]) final hidden states of the compact rows of ``forest`` (a
     RolloutForest or its expanded layout); ``lm_head_weight``: [V, D] and optional
     ``lm_head_bias`` [V], same dtype as ``hidden``. Logits ``hidden @ Wᵀ + b`` are formed in the
-    input dtype, upcast (float32 for float32/bf16/fp16, float64 for float64), divided by
-    ``temperature`` and log-softmaxed — once for each row that has a child, in chunks of
+    input dtype, upcast (float32 for float32/bf16/fp16, float64 for float64), transformed by
+    ``logit_transform`` (the model's own logit scaling / soft-capping, :class:`LogitTransform`;
+    None: identity), divided by ``temperature`` and log-softmaxed — once for each row that has a child, in chunks of
     ``rows_per_chunk`` rows; the backward recomputes the chunks (no logits are stored).
 
     Guarantees: position t of trajectory i holds ``log p(x_i[t+1] | x_i[≤t])``, equal to a
@@ -313,6 +386,7 @@ def compact_log_probs(
     c = int(forest.num_compact_tokens)
     _check_inputs(hidden, lm_head_weight, lm_head_bias, forest, c)
     temperature = _check_temperature(temperature)
+    transform = _check_transform(logit_transform)
     if (
         not isinstance(rows_per_chunk, int | np.integer)
         or isinstance(rows_per_chunk, bool)
@@ -347,6 +421,7 @@ def compact_log_probs(
         temperature,
         bool(with_entropy),
         bool(with_sum_pi_squared),
+        transform,
     )
 
     pair_of_row = np.full(c, -1, dtype=np.int64)
@@ -379,13 +454,15 @@ def expanded_log_probs_ref(
     temperature: float = 1.0,
     with_entropy: bool = False,
     with_sum_pi_squared: bool = False,
+    logit_transform: LogitTransform | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Trajectory-wise oracle: full ``log_softmax`` over one trajectory (O(L·V) memory).
 
     ``hidden_seq``: [L, D] hidden states of one trajectory; ``labels``: int [L−1],
     ``labels[t] = x[t+1]`` (the last hidden row predicts nothing). Returns (log-probs [L−1],
     entropy [L−1] or None, Σp² [L−1] or None) in float32 (float64 for float64 inputs), using
-    the same dtype policy as :func:`compact_log_probs`.
+    the same dtype policy and ``logit_transform`` as :func:`compact_log_probs` (written out:
+    ``softcap · tanh(x · scale / softcap)``).
     """
     if not isinstance(hidden_seq, Tensor) or hidden_seq.ndim != 2:
         shape = tuple(hidden_seq.shape) if isinstance(hidden_seq, Tensor) else None
@@ -395,8 +472,12 @@ def expanded_log_probs_ref(
         shape = tuple(labels.shape) if isinstance(labels, Tensor) else None
         raise ValueError(f"labels: expected shape ({max(n - 1, 0)},), got {shape}")
     temperature = _check_temperature(temperature)
+    scale, cap = _check_transform(logit_transform)
     cdt = _compute_dtype(hidden_seq.dtype)
-    z = F.linear(hidden_seq[: max(n - 1, 0)], lm_head_weight, lm_head_bias).to(cdt) / temperature
+    z = F.linear(hidden_seq[: max(n - 1, 0)], lm_head_weight, lm_head_bias).to(cdt) * scale
+    if cap is not None:
+        z = cap * torch.tanh(z / cap)
+    z = z / temperature
     logp_full = torch.log_softmax(z, dim=-1)
     logp = logp_full.gather(1, labels.long()[:, None])[:, 0]
     ent = -(logp_full.exp() * logp_full).sum(dim=-1) if with_entropy else None

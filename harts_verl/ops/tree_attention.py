@@ -397,6 +397,48 @@ def _with_sink_key(
     return qs, ks, vs
 
 
+def _check_softcap(softcap: float | None, sinks: torch.Tensor | None) -> float | None:
+    """``softcap`` as a float (None stays None): a finite positive number, not combined with
+    attention sinks (no model has both; the sink's logit would be capped too)."""
+    if softcap is None:
+        return None
+    ok = isinstance(softcap, int | float | np.integer | np.floating) and not isinstance(
+        softcap, bool
+    )
+    if not ok or not math.isfinite(float(softcap)) or float(softcap) <= 0:
+        raise ValueError(f"softcap: expected a finite positive number or None, got {softcap!r}")
+    if sinks is not None:
+        raise NotImplementedError("softcap: attention logit soft-capping with attention sinks")
+    return float(softcap)
+
+
+def _softcapped_attention(
+    qb: torch.Tensor,
+    kb: torch.Tensor,
+    vb: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """One bucket of attention with soft-capped logits, ``softmax(cap · tanh(q kᵀ · scale / cap))
+    v`` under ``mask`` (or bottom-right ``causal``), as HF's eager attention of Gemma 2 computes
+    it (softmax in float32 for half/bfloat16). q ``[nb, Hq, Lq, D]``, k / v ``[nb, Hkv, Lk, D]``
+    (Hkv dividing Hq) → ``[nb, Hq, Lq, D]``; no SDPA kernel takes a soft-cap."""
+    rep = qb.shape[1] // kb.shape[1]
+    if rep > 1:
+        kb, vb = kb.repeat_interleave(rep, dim=1), vb.repeat_interleave(rep, dim=1)
+    lq, lk = qb.shape[2], kb.shape[2]
+    s = torch.matmul(qb, kb.transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    if causal:
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=qb.device).tril(lk - lq)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s if s.dtype == torch.float64 else s.float(), dim=-1).to(qb.dtype)
+    return torch.matmul(p, vb)
+
+
 def _check_window(window: int | None) -> int | None:
     if window is None:
         return None
@@ -415,6 +457,7 @@ def tree_attention(
     gate: torch.Tensor | None = None,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal softmax attention where each compact row attends to its ancestors and itself.
 
@@ -433,6 +476,9 @@ def tree_attention(
       sinks: optional ``[Hq]`` attention-sink logits (gpt-oss, any float dtype): each row of
         head ``h`` takes ``softmax([scores of its keys..., sinks[h]])`` and drops the sink's
         column (it has no value), as HF's gpt-oss attention does.
+      softcap: optional attention logit soft-cap (Gemma 2's ``attn_logit_softcapping``): the
+        scores become ``softcap · tanh(q kᵀ · scale / softcap)`` before the mask and softmax
+        (an explicit-score path per bucket: no SDPA kernel takes it). Not with ``sinks``.
 
     Returns:
       ``[C, Hq, Dv]`` in q's dtype and compact row order. Row ``r`` equals the trajectory-wise
@@ -446,6 +492,7 @@ def tree_attention(
     if not same_device(q.device, plan.device):
         raise ValueError(f"plan: built for {plan.device}, but q is on {q.device}")
     _check_sinks(sinks, hq, q.device)
+    softcap = _check_softcap(softcap, sinks)
     if scale is None:
         scale = 1.0 / math.sqrt(dqk)
     if c == 0:
@@ -470,9 +517,12 @@ def tree_attention(
         qb = q.index_select(0, q_idx).view(b.nb, lq, hq, d).transpose(1, 2)
         kb = k.index_select(0, k_idx).view(b.nb, lk, hkv, d).transpose(1, 2)
         vb = v.index_select(0, k_idx).view(b.nb, lk, hkv, d).transpose(1, 2)
-        ob = F.scaled_dot_product_attention(
-            qb, kb, vb, attn_mask=mask, is_causal=causal, scale=scale, **extra
-        )
+        if softcap is not None:
+            ob = _softcapped_attention(qb, kb, vb, mask, causal, scale, softcap)
+        else:
+            ob = F.scaled_dot_product_attention(
+                qb, kb, vb, attn_mask=mask, is_causal=causal, scale=scale, **extra
+            )
         ob = ob[:, :, lq - b.lq :]  # drops the zero query of a sink's causal bucket
         outs.append(ob.transpose(1, 2).reshape(b.nb * b.lq, hq, d))
     o = torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
@@ -489,17 +539,20 @@ def tree_attention_dense_ref(
     gate: torch.Tensor | None = None,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """TEST ORACLE ONLY — O(C²) time and memory. Same contract as :func:`tree_attention`.
 
     Dense ``[C, C]`` ancestor-or-self mask from preorder subtree sizes
     (``k <= q < k + subtree_size[k]``) and explicit ``softmax(q kᵀ · scale) v`` (no SDPA kernel;
     softmax in float32 for half/bfloat16 inputs); with ``sinks`` the column ``sinks[h]`` joins
-    each row's softmax and is dropped before ``· v``.
+    each row's softmax and is dropped before ``· v``; with ``softcap`` the scores are
+    ``softcap · tanh(s / softcap)`` before the mask.
     """
     c = int(forest.num_compact_tokens)
     hq, hkv, dqk, _dv = _check_qkv(q, k, v, gate, c)
     _check_sinks(sinks, hq, q.device)
+    softcap = _check_softcap(softcap, sinks)
     if scale is None:
         scale = 1.0 / math.sqrt(dqk)
     rows = np.arange(c)
@@ -514,6 +567,8 @@ def tree_attention_dense_ref(
     kh = k.repeat_interleave(rep, dim=1).transpose(0, 1)
     vh = v.repeat_interleave(rep, dim=1).transpose(0, 1)
     s = torch.matmul(qh, kh.transpose(-1, -2)) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
     s = s.masked_fill(~mask, float("-inf"))
     s = s if q.dtype == torch.float64 else s.float()
     if sinks is not None:  # one more column per row: the head's sink logit, dropped after

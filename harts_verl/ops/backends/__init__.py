@@ -29,12 +29,13 @@ Selection rules:
   (kind, reason) naming the import error. On other devices the reference (no log: that is the
   intended path). The fast kernels handle only some dtypes; ``auto`` routes the others per call
   to the reference (float64 linear attention, non-fp16/bf16 attention), and attention with
-  sinks (gpt-oss), which the varlen kernels do not take, to SDPA.
+  sinks (gpt-oss) or logit soft-capping (Gemma 2), which the varlen kernels do not take, to
+  the bucketed reference path.
 - Environment override, read only when the requested name is ``"auto"``:
   ``HARTS_LINEAR_BACKEND`` / ``HARTS_ATTENTION_BACKEND`` (a backend name, treated as explicit).
 - An explicit name never falls back: an unavailable backend raises
   :class:`BackendUnavailableError` naming it and carrying the import error; an unsupported dtype
-  or attention sinks raise at call time.
+  attention sinks or soft-capping raise at call time.
 - A kernel object (anything with the protocol's attributes) is returned as is: tests and callers
   can inject their own.
 """
@@ -136,9 +137,10 @@ class LinearKernel(Protocol):
 @runtime_checkable
 class AttentionKernel(Protocol):
     """Tree attention: ``build_plan(forest, device=...)`` once per layout, then
-    ``kernel(q, k, v, plan, scale=..., gate=..., window=..., sinks=...)`` with the contract of
-    :func:`~harts_verl.ops.tree_attention.tree_attention`. A kernel without sliding windows or
-    attention sinks may leave those keywords out: layouts pass them only when set."""
+    ``kernel(q, k, v, plan, scale=..., gate=..., window=..., sinks=..., softcap=...)`` with the
+    contract of :func:`~harts_verl.ops.tree_attention.tree_attention`. A kernel without sliding
+    windows, attention sinks or soft-capping may leave those keywords out: layouts pass them
+    only when set."""
 
     name: str
 
@@ -155,6 +157,7 @@ class AttentionKernel(Protocol):
         gate: torch.Tensor | None = None,
         window: int | None = None,
         sinks: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -265,10 +268,13 @@ class SdpaAttentionKernel:
         gate: torch.Tensor | None = None,
         window: int | None = None,
         sinks: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         from harts_verl.ops.tree_attention import tree_attention
 
-        return tree_attention(q, k, v, plan, scale=scale, gate=gate, window=window, sinks=sinks)
+        return tree_attention(
+            q, k, v, plan, scale=scale, gate=gate, window=window, sinks=sinks, softcap=softcap
+        )
 
 
 class VarlenAttentionKernel:
@@ -316,24 +322,35 @@ class VarlenAttentionKernel:
         gate: torch.Tensor | None = None,
         window: int | None = None,
         sinks: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        if sinks is not None and not self.sdpa_fallback:
-            raise NotImplementedError(
-                f"attention backend {self.name!r}: the varlen kernel has no attention sinks "
-                "(gpt-oss); use the 'sdpa' or 'auto' attention backend"
-            )
+        for what, given in (("attention sinks (gpt-oss)", sinks), ("logit soft-capping", softcap)):
+            if given is not None and not self.sdpa_fallback:
+                raise NotImplementedError(
+                    f"attention backend {self.name!r}: the varlen kernel has no {what}; use "
+                    "the 'sdpa' or 'auto' attention backend"
+                )
         unsupported_dtype = self.require_half and q.dtype not in FLASH_DTYPES
         no_window = window is not None and not getattr(self.varlen_fn, "supports_window", False)
-        if sinks is not None or no_window or (unsupported_dtype and self.sdpa_fallback):
-            # Sinks (with sdpa_fallback) and sliding windows the kernel cannot take run the
-            # bucketed SDPA path (exact).
+        special = sinks is not None or softcap is not None
+        if special or no_window or (unsupported_dtype and self.sdpa_fallback):
+            # Sinks and soft-capping (with sdpa_fallback) and sliding windows the kernel cannot
+            # take run the bucketed path (exact).
             from harts_verl.ops.tree_attention import build_attention_plan, tree_attention
 
             cache = plan.cache
             if "sdpa" not in cache:
                 cache["sdpa"] = build_attention_plan(plan.forest, device=plan.device)
             return tree_attention(
-                q, k, v, cache["sdpa"], scale=scale, gate=gate, window=window, sinks=sinks
+                q,
+                k,
+                v,
+                cache["sdpa"],
+                scale=scale,
+                gate=gate,
+                window=window,
+                sinks=sinks,
+                softcap=softcap,
             )
         return tree_attention_varlen(
             q,
