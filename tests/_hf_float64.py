@@ -239,7 +239,8 @@ def lift_float32_islands(monkeypatch) -> None:
 # norms and MLA's low-rank norms included) and routers (softmax
 # top-k: Qwen2-MoE / Qwen3-MoE / Mixtral; DeepSeek-V3 / GLM-4-MoE's router logits) compute in
 # float32. gpt-oss's router (biased logits, top-k, softmax over the chosen) and its sink
-# attention compute in the input dtype: only its RMSNorms are lifted. Rotary tables are float32
+# attention compute in the input dtype: only its RMSNorms are lifted. Gemma 2's eager attention
+# (soft-capped scores) takes its softmax in float32: lifted. Rotary tables are float32
 # too, but the same for every path (they depend on the position only) and carry no gradient, so
 # they stay.
 _INPUT_DTYPE_ROUTERS = ("GptOssTopKRouter",)
@@ -264,6 +265,30 @@ def _sigmoid_router_logits(self, hidden_states):
     return F.linear(x.to(dt), self.weight.to(dt))
 
 
+def _softcap_eager_attention(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs
+):
+    """HF Gemma 2's ``eager_attention_forward`` (scores · scaling, soft-cap, additive mask,
+    softmax, · v) with the softmax in the input dtype instead of float32."""
+    from transformers.models.gemma2.modeling_gemma2 import repeat_kv
+
+    scaling = module.head_dim**-0.5 if scaling is None else scaling
+    k = repeat_kv(key, module.num_key_value_groups)
+    v = repeat_kv(value, module.num_key_value_groups)
+    w = torch.matmul(query, k.transpose(2, 3)) * scaling
+    if softcap is not None:
+        w = torch.tanh(w / softcap) * softcap
+    if attention_mask is not None:
+        w = w + attention_mask
+    w = torch.softmax(w, dim=-1, dtype=_compute_dtype(query.dtype)).to(query.dtype)
+    w = F.dropout(w, p=dropout, training=module.training)
+    return torch.matmul(w, v).transpose(1, 2).contiguous(), w
+
+
+# Eager attention functions with a float32 softmax (the oracle of families run eager).
+_EAGER_SOFTCAP_MODULES = ("gemma2",)
+
+
 def lift_full_attention_islands(monkeypatch) -> None:
     """Patch (through pytest's ``monkeypatch``) the RMSNorms and routers of every full-attention
     family to compute in the input dtype (same formulas; unchanged in float32 models)."""
@@ -284,6 +309,8 @@ def lift_full_attention_islands(monkeypatch) -> None:
                 monkeypatch.setattr(obj, "forward", _router)
             elif name.endswith("TopkRouter"):
                 monkeypatch.setattr(obj, "forward", _sigmoid_router_logits)
+        if short in _EAGER_SOFTCAP_MODULES:
+            monkeypatch.setattr(m, "eager_attention_forward", _softcap_eager_attention)
 
 
 def spread_weights(model: torch.nn.Module, seed: int) -> torch.nn.Module:

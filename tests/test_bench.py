@@ -99,8 +99,8 @@ def test_model_errors(tmp_path, monkeypatch):
     (tmp_path / "empty").mkdir()
     from harts_verl.workers.testing import tiny_hf_config
 
-    capped = tiny_hf_config("gemma3_text")  # a supported type whose forward soft-caps logits
-    capped.final_logit_softcapping = 30.0
+    capped = tiny_hf_config("gemma3_text")  # a soft-cap that cannot be
+    capped.final_logit_softcapping = -30.0
     capped.save_pretrained(str(tmp_path / "capped"))
     real_load = hf.load_causal_lm
     monkeypatch.setattr(hf, "load_causal_lm", lambda *a, **k: pytest.fail("model built"))
@@ -112,7 +112,7 @@ def test_model_errors(tmp_path, monkeypatch):
         (tmp_path / "bad.json", "not a valid JSON file"),
         (tmp_path / "notype.json", "model_type"),
         (tmp_path / "empty", "has no config.json"),
-        (tmp_path / "capped" / "config.json", "no tree mode: final_logit_softcapping = 30.0"),
+        (tmp_path / "capped" / "config.json", r"config\.final_logit_softcapping: .* -30\.0"),
     ]:
         with pytest.raises(ValueError, match=msg) as info:
             run_bench(BenchConfig(model=str(spec), **SMALL))

@@ -4,14 +4,15 @@ paths, decoupled RoPE, a value width different from the q/k width; sigmoid group
 GLM-4-MoE (partial RoPE, q/k norm, sigmoid routing), OLMo 2 / OLMo 3 (q/k norms over all heads,
 post-norm layers; OLMo 3 with a sliding and a full layer), Phi-3 (fused qkv, partial RoPE),
 Seed-OSS, GLM-4 (extra post norms), Gemma 3 (scaled embeddings, ``(1 + w)`` RMSNorms, a
-rotary table per layer type, tied LM head) and gpt-oss (learned attention sinks, a sliding and a
-full layer, YaRN RoPE, biased top-k router and experts; HF's eager attention is its oracle).
-Families whose causal-LM forward transforms the logits (Gemma 2, Granite, Cohere, a soft-capped
-Gemma 3) are refused.
+rotary table per layer type, tied LM head), gpt-oss (learned attention sinks, a sliding and a
+full layer, YaRN RoPE, biased top-k router and experts; HF's eager attention is its oracle),
+Gemma 2 (attention and final logit soft-capping, a sliding and a full layer; eager oracle) and
+Granite (embedding, residual, attention and logit multipliers). The logit transforms of the
+causal-LM forwards (soft-caps, scalings) are applied by the compact head.
 
 Each attention module runs its own forward with transformers' attention interface pointed at tree
 attention. The oracle is HF's own forward of each trajectory on its own (sdpa, or eager for
-gpt-oss; float64): log-probs of the unmodified models, and — with HF's float32 islands (RMSNorms,
+gpt-oss and Gemma 2; float64): log-probs of the unmodified models, and — with HF's float32 islands (RMSNorms,
 routers) computing in float64 — gradients too. Weights are re-drawn with a larger spread than
 HF's 0.02 init, so attention weighs in the output and a wrong ancestor set would show.
 """
@@ -28,7 +29,6 @@ from harts_verl.models.adapter import (
     TREE_MODEL_TYPES,
     HFCausalTreeModel,
     as_tree_model,
-    patch_tree_mixers,
     tree_attention_interface,
     tree_call,
 )
@@ -272,8 +272,8 @@ def test_interface_errors(no_fla):
     with tree_call(layout):
         with pytest.raises(NotImplementedError, match="dropout"):
             tree_attention_interface(attn, q, k, k, None, dropout=0.1)
-        with pytest.raises(NotImplementedError, match="softcap"):
-            tree_attention_interface(attn, q, k, k, None, softcap=30.0)
+        with pytest.raises(ValueError, match="softcap"):
+            tree_attention_interface(attn, q, k, k, None, softcap=-1.0)
         s1, s2 = torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)
         with pytest.raises(ValueError, match="two different attention-sink"):
             tree_attention_interface(attn, q, k, k, None, s_aux=s1, sinks=s2)
@@ -335,47 +335,37 @@ def test_per_token_noise_refused_in_training(no_fla, kind, override, match):
         TreeRunner(model).forward_backward(seqs, _loss)
 
 
-def _logit_transformed(name: str) -> torch.nn.Module:
-    """A tiny causal LM whose own forward transforms the LM head's logits."""
+def test_logit_transforms_applied(no_fla):
+    """What the causal-LM forward does to the LM head's logits is read from the config and
+    applied by the compact head: Gemma 2's soft-cap (the tiny ``gemma2`` kind, with its attention
+    soft-cap), Granite's ``1 / logits_scaling``, a soft-capped Gemma 3; the identity elsewhere,
+    for the multi-modal Gemma 3 wrapper (HF's does not soft-cap) and for a type without a tree
+    mode. Log-probs equal HF's own forward, which differs from the untransformed head."""
     import transformers
 
-    if name == "gemma3_text":  # a supported family, with soft-capped logits
-        cfg = tiny_hf_config(name)
-        cfg.final_logit_softcapping = 30.0
-        return transformers.Gemma3ForCausalLM(cfg)
-    small = dict(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, pad_token_id=None, bos_token_id=None,
-        eos_token_id=None,
-    )  # fmt: skip
-    cls, cfg = {
-        "gemma2": ("Gemma2", dict(head_dim=8)),  # soft-capped logits and attention logits
-        "granite": ("Granite", dict(logits_scaling=8.0)),
-        "cohere": ("Cohere", dict(logit_scale=0.0625)),
-    }[name]
-    config = getattr(transformers, f"{cls}Config")(**small, **cfg)
-    return getattr(transformers, f"{cls}ForCausalLM")(config)
+    from harts_verl.models.adapter import logit_transform_of
+    from harts_verl.ops.logprobs import LogitTransform
 
-
-@pytest.mark.parametrize(
-    "name,why",
-    [
-        ("gemma3_text", "final_logit_softcapping = 30.0"),
-        ("gemma2", "final_logit_softcapping = 30.0.*attn_logit_softcapping = 50.0"),
-        ("granite", "logits_scaling = 8.0"),
-        ("cohere", "logit_scale = 0.0625"),
-    ],
-)
-def test_logit_transforms_refused(name, why):
-    """A causal LM whose forward soft-caps or scales the LM head's logits (Gemma 2 / Gemma 3's
-    ``final_logit_softcapping``, Granite's ``logits_scaling``, Cohere's ``logit_scale``) is not
-    run in tree mode, whose head computes log-probs from the LM head's weight: ``as_tree_model``
-    names the transform, and ``patch_tree_mixers`` patches nothing (the engine falls back)."""
-    model = _logit_transformed(name)
-    with pytest.raises(TypeError, match=f"not supported in tree mode.*{why}"):
-        as_tree_model(model)
-    assert patch_tree_mixers(model) == 0
-    assert not any(hasattr(m, "_harts_original_forward") for m in model.modules())
+    assert logit_transform_of(_model("gemma2")) == LogitTransform(1.0, 5.0)
+    assert logit_transform_of(_model("granite")) == LogitTransform(0.25, None)
+    assert logit_transform_of(_model("llama")).is_identity
+    assert logit_transform_of(tiny_hf_model("gemma3_mm")).is_identity
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2))
+    gpt2.config.logit_scale = 3.0  # not a field this type's forward applies
+    assert logit_transform_of(gpt2).is_identity
+    capped = _model("gemma3_text", final_logit_softcapping=2.0)
+    assert logit_transform_of(capped) == LogitTransform(1.0, 2.0)
+    seqs = _sequences(14)
+    with torch.no_grad():
+        lps = TreeRunner(capped).log_probs(seqs)
+        for s, lp in zip(seqs, lps):
+            torch.testing.assert_close(lp, _hf_log_probs(capped, s), rtol=0, atol=1e-10)
+        capped.config.final_logit_softcapping = None  # HF's forward and tree mode both follow
+        plain = TreeRunner(capped).log_probs(seqs)
+    assert max(float((a - b).abs().max()) for a, b in zip(lps, plain) if a.numel()) > 1e-3
+    bad = _model("granite", logits_scaling=0.0)
+    with pytest.raises(ValueError, match=r"config\.logits_scaling: .*0\.0"):
+        logit_transform_of(bad)
 
 
 @pytest.mark.parametrize("layer", [0, 1], ids=["sliding", "full"])

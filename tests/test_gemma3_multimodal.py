@@ -101,15 +101,19 @@ def test_wrapper_is_a_tree_model():
     assert tree.lm_head is model.lm_head
 
 
-def test_soft_capped_wrapper_refused():
-    """A ``text_config.final_logit_softcapping`` (which HF's text-only Gemma 3 forward applies)
-    is refused like the text-only model's."""
-    import transformers
+def test_text_config_soft_cap_not_applied_by_the_wrapper(no_fla):
+    """HF's wrapper forward does not soft-cap its logits, whatever
+    ``text_config.final_logit_softcapping`` says (the text-only Gemma 3 forward does): tree mode
+    follows the wrapper, log-probs equal its own per-trajectory forward."""
+    from harts_verl.models.adapter import logit_transform_of
 
-    cfg = tiny_hf_config(KIND)
-    cfg.text_config.final_logit_softcapping = 30.0
-    with pytest.raises(TypeError, match=r"final_logit_softcapping = 30\.0"):
-        as_tree_model(transformers.Gemma3ForConditionalGeneration(cfg))
+    model = _model(seed=5)
+    model.config.text_config.final_logit_softcapping = 2.0
+    assert logit_transform_of(model).is_identity
+    seqs = _forest(5)
+    with torch.no_grad():
+        for lp, ref in zip(TreeRunner(model).log_probs(seqs), _hf_log_probs(model, seqs)):
+            torch.testing.assert_close(lp, ref, rtol=0, atol=1e-10)
 
 
 @pytest.mark.parametrize("window", [4, None])

@@ -183,11 +183,15 @@ def test_parity_vanilla(verl_cpu, kind, batch):
 # all heads, post-norm layers), OLMo 3 (a sliding and a full layer: HF's per-type mask mapping),
 # Phi-3 (fused qkv, partial RoPE), GLM-4 (extra post norms), Gemma 3 (scaled embeddings, a
 # rotary table per layer type, tied LM head), gpt-oss (attention sinks, eager attention, biased
-# MoE; padded stock reference, see below); packed stock reference otherwise, veRL's gradient
+# MoE; padded stock reference, see below), Gemma 2 (attention and final logit soft-caps, eager
+# attention) and Granite (logits / logits_scaling, embedding and residual multipliers): the
+# compact head applies the logit transforms that their causal-LM forwards apply in the stock
+# path; packed stock reference otherwise, veRL's gradient
 # checkpointing on (its default: layers re-run in backward, in tree mode too). Seed-OSS is left
 # out here: its tiny model has Qwen2's layer math (q/k/v biases) and gives Qwen2's numbers.
 _ENGINE_FAMILIES = ["llama", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe"]
-_ENGINE_FAMILIES += ["olmo2", "olmo3", "phi3", "glm4", "gemma3_text", "gpt_oss"]
+_ENGINE_FAMILIES += ["olmo2", "olmo3", "phi3", "glm4", "gemma3_text", "gpt_oss", "gemma2"]
+_ENGINE_FAMILIES += ["granite"]
 # gpt-oss (attention sinks, a sliding and a full layer) runs HF's eager attention on the CPU, and
 # transformers 5.10's GptOssModel builds its masks without ``position_ids``: packed sequences
 # (veRL's remove-padding path) would attend across each other there, so its stock reference runs
@@ -274,22 +278,31 @@ def test_wrapped_lm_head_falls_back(verl_cpu):
     assert set(reasons) == {"lm_head"} and "Sequential" in reasons["lm_head"]
 
 
-def test_gpt_oss_audit_with_a_sink_dropping_attention(verl_cpu):
+@pytest.mark.parametrize(
+    ("kind", "impl", "dropped"),
+    [
+        ("gpt_oss", "flash_attention_2", "attention sinks"),
+        ("gemma2", "sdpa", "attention logit soft-cap (attn_logit_softcapping)"),
+    ],
+)
+def test_audit_with_an_attention_term_dropping_kernel(verl_cpu, kind, impl, dropped):
     """gpt-oss configured for flash attention (whose kernel takes no sinks, so HF's stock forward
-    drops them): the engine warns, and the audit's stock reference runs eager attention
-    (padded), so it stays exact against tree mode, which always applies the sinks."""
+    drops them), Gemma 2 for sdpa (transformers' sdpa path ignores the attention soft-cap): the
+    engine names what the kernel drops, and the audit's stock reference runs eager attention
+    (padded for gpt-oss), so it stays exact against tree mode, which always applies both."""
     testing, paths = verl_cpu
     seqs, prompt_lens, spans = _multiturn_batch(seed=6)
     cfg = testing.actor_config(harts={"audit_every": 1, "audit_trajectories": 3})
-    engine = testing.build_engine(paths["gpt_oss"], cfg)
+    engine = testing.build_engine(paths[kind], cfg)
     config = engine.module.config
     saved = config._attn_implementation_internal
-    config._attn_implementation_internal = "flash_attention_2"
+    assert engine._attention_term_dropped() is None  # eager, as built
+    config._attn_implementation_internal = impl
     try:
-        assert engine._sinks_dropped()
+        assert engine._attention_term_dropped() == dropped
         with engine.eval_mode():
             out = engine.infer_batch(testing.make_batch(seqs, prompt_lens, tool_spans=spans))
-        assert config._attn_implementation_internal == "flash_attention_2"  # restored
+        assert config._attn_implementation_internal == impl  # restored
     finally:
         config._attn_implementation_internal = saved
     assert out["metrics"]["harts/fallback"] == [0.0]

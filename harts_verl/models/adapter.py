@@ -6,12 +6,14 @@ GQA attention, RoPE or NoPE) is wrapped so that, in a tree-mode forward, it runs
 (short conv over each row's path, chunkwise gated delta rule over the planned rounds, tree
 attention); outside one the original forward runs untouched. The attention modules of the
 full-attention models (Qwen2 / Qwen3 / Llama / Mistral, Qwen2-MoE / Qwen3-MoE / Mixtral,
-DeepSeek-V3's MLA, GLM-4-MoE, OLMo 2 / OLMo 3, Phi-3, Seed-OSS, GLM-4, Gemma 3, gpt-oss with
-its attention sinks) run their own forward in tree mode, with transformers' attention interface
-pointed at tree attention (:func:`tree_attention_interface`). Embeddings, norms, MLP / MoE,
-rotary tables and the LM head are HF's own code on the ``[1, C, D]`` compact batch. Parameter
-names and the state dict are unchanged. A causal LM whose own forward transforms the LM head's
-logits (soft-capping, scaling: :func:`logits_transform`) does not run in tree mode.
+DeepSeek-V3's MLA, GLM-4-MoE, OLMo 2 / OLMo 3, Phi-3, Seed-OSS, GLM-4, Gemma 2 / Gemma 3,
+Granite, gpt-oss with its attention sinks) run their own forward in tree mode,
+with transformers' attention interface pointed at tree attention (:func:`tree_attention_interface`,
+which takes sliding windows, sinks and Gemma 2's logit soft-capping). Embeddings, norms, MLP /
+MoE, rotary tables and the LM head are HF's own code on the ``[1, C, D]`` compact batch.
+Parameter names and the state dict are unchanged. What a causal LM's own forward does to the LM
+head's logits (Gemma's soft-capping, Granite's and Cohere's scaling) is read from its config
+(:func:`logit_transform_of`) and applied by the compact log-prob head.
 
 A mixer takes its :class:`TreeLayout` from the ``harts_layout`` keyword or, when a decoder layer
 does not forward extra keywords (OLMo Hybrid's linear-attention layer; Qwen3.5's decoder layers
@@ -34,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
+import math
 import sys
 import types
 from collections.abc import Iterator
@@ -45,6 +48,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from harts_verl.ops.layout import TreeLayout
+from harts_verl.ops.logprobs import LogitTransform
 
 _PATCHED = "_harts_original_forward"
 
@@ -158,13 +162,16 @@ _HYBRID_TEXT_MODEL_CLASSES = (
 # its tree forward is tested against HF's own per-trajectory forward in float64
 # (``tests/test_full_attention_models.py``): the tree path runs embeddings → decoder layers →
 # final norm → LM head, so a family that scales embeddings or logits outside these modules needs
-# its own adapter. Gemma 3 scales its embeddings inside its embedding module (HF's code runs);
-# a CausalLM forward that transforms the logits (Gemma 2 / Gemma 3's
-# ``final_logit_softcapping``, Granite's ``logits_scaling``, Cohere's ``logit_scale``) is refused
-# (:func:`logits_transform`), and Gemma 2's attention logit soft-capping has no tree form.
-# OLMo 3, Gemma 3 and gpt-oss mix sliding-window and full layers (``config.layer_types``); Gemma 3
-# keeps a rotary table per layer type (see :func:`_tree_decoder_forward`); gpt-oss passes its
-# learned attention sinks to the interface (``s_aux``), which tree attention takes. ``gemma3`` is
+# its own handling. Gemma 2 / Gemma 3 scale their embeddings inside the embedding module (HF's
+# code runs), Granite multiplies them by ``embedding_multiplier`` in its text model's forward
+# (:func:`_tree_decoder_forward` applies it); a CausalLM forward that transforms the logits
+# (Gemma 2 / Gemma 3's ``final_logit_softcapping``, Granite's ``logits_scaling``, Cohere's
+# ``logit_scale``) has the transform applied by the compact head (:func:`logit_transform_of`);
+# Gemma 2 soft-caps its attention logits (``softcap``, which tree attention takes).
+# OLMo 3, Gemma 2 / Gemma 3 and gpt-oss mix sliding-window and full layers
+# (``config.layer_types``); Gemma 3 keeps a rotary table per layer type (see
+# :func:`_tree_decoder_forward`); gpt-oss passes its learned attention sinks to the interface
+# (``s_aux``), which tree attention takes. ``gemma3`` is
 # Gemma 3's multi-modal wrapper (``Gemma3ForConditionalGeneration``, every released Gemma 3 from
 # 4B up): its text model (``model.language_model``, a ``gemma3_text`` model) runs text-only
 # batches in tree mode; batches with vision inputs take the veRL engine's stock path.
@@ -186,6 +193,8 @@ FULL_ATTENTION_MODEL_TYPES = (
     "gemma3_text",
     "gemma3",
     "gpt_oss",
+    "gemma2",
+    "granite",
 )
 _FULL_ATTENTION_CLASSES = (
     "Qwen2Attention",
@@ -204,6 +213,8 @@ _FULL_ATTENTION_CLASSES = (
     "Glm4Attention",
     "Gemma3Attention",
     "GptOssAttention",
+    "Gemma2Attention",
+    "GraniteAttention",
 )
 # Softmax top-k routers whose load-balancing loss HF computes from the router logits
 # (``output_router_logits``; gpt-oss: Switch-style over the softmax of its biased logits, like
@@ -237,8 +248,7 @@ def as_tree_model(model: nn.Module) -> nn.Module:
     aux_loss)`` and an ``lm_head``: the native model as is, HF Qwen3-Next / Qwen3.5 /
     Qwen3.5-MoE / OLMo Hybrid through :class:`HybridTreeModel`, the full-attention models of
     :data:`FULL_ATTENTION_MODEL_TYPES` through :class:`HFCausalTreeModel`. Raises ``TypeError``
-    for any other model, and for one whose forward transforms the LM head's logits (naming the
-    config field: :func:`logits_transform`)."""
+    for any other model."""
     from harts_verl.models.hybrid import HybridForCausalLM
 
     if isinstance(model, HybridForCausalLM | HybridTreeModel | HFCausalTreeModel):
@@ -246,60 +256,55 @@ def as_tree_model(model: nn.Module) -> nn.Module:
     native = getattr(model, "harts_native_model", None)  # HartsHybridForCausalLM (HF wrapper)
     if isinstance(native, HybridForCausalLM):
         return native
-    transform = logits_transform(model)
-    if transform is None:
-        if _is_hybrid(model):
-            return HybridTreeModel(model)
-        if _model_type(model) in FULL_ATTENTION_MODEL_TYPES:
-            return HFCausalTreeModel(model)
-    why = [transform] if transform else []
-    softcap = getattr(getattr(model, "config", None), "attn_logit_softcapping", None)
-    if softcap is not None and _model_type(model) not in TREE_MODEL_TYPES:
-        why.append(
-            f"attn_logit_softcapping = {softcap}: attention logit soft-capping has no "
-            "tree-attention form"
-        )
+    if _is_hybrid(model):
+        return HybridTreeModel(model)
+    if _model_type(model) in FULL_ATTENTION_MODEL_TYPES:
+        return HFCausalTreeModel(model)
     raise TypeError(
-        f"model: {type(model).__name__} is not supported in tree mode "
-        + (f"({'; '.join(why)}; " if why else "(")
-        + "supported: HybridForCausalLM, transformers Qwen3-Next / Qwen3.5 / Qwen3.5-MoE / "
-        f"OLMo Hybrid, and the causal LMs of {', '.join(FULL_ATTENTION_MODEL_TYPES)})"
+        f"model: {type(model).__name__} is not supported in tree mode (supported: "
+        "HybridForCausalLM, transformers Qwen3-Next / Qwen3.5 / Qwen3.5-MoE / OLMo Hybrid, and "
+        f"the causal LMs of {', '.join(FULL_ATTENTION_MODEL_TYPES)})"
     )
 
 
-# Config fields with which an HF causal LM's own ``forward`` transforms the LM head's logits
-# (Gemma 2 / Gemma 3: ``cap · tanh(logits / cap)``; Granite: ``logits / logits_scaling``; Cohere:
-# ``logits · logit_scale``), and the value at which the transform is the identity.
-_LOGIT_TRANSFORMS = (
-    ("final_logit_softcapping", None, "soft-caps the logits"),
-    ("logits_scaling", 1, "divides the logits by it"),
-    ("logit_scale", 1, "multiplies the logits by it"),
-)
-
-
-def logits_transform(model: nn.Module) -> str | None:
-    """Why the causal-LM forward of ``model`` changes its LM head's logits (e.g.
-    ``"final_logit_softcapping = 30.0: ..."``), or None. Tree mode computes log-probs from the LM
-    head's weight (``compact_log_probs``; the engine swaps the head's forward for it), so such a
-    model is not run in tree mode: :func:`as_tree_model` raises and :func:`patch_tree_mixers`
-    patches nothing. Models without an ``lm_head`` (token classifiers) have no such transform."""
+def logit_transform_of(model: nn.Module) -> LogitTransform:
+    """What the causal-LM forward of ``model`` does to its LM head's logits, which the compact
+    log-prob head (log-probs from the LM head's weight, ``compact_log_probs``) must apply too:
+    :func:`config_logit_transform` of its config; the identity for a model without an
+    ``lm_head`` (token classifiers) or of a type without a tree mode (whose forward is not known
+    to apply these fields). Raises ``ValueError`` naming a field with an unusable value."""
     if not isinstance(getattr(model, "lm_head", None), nn.Module):
-        return None
-    return config_logits_transform(getattr(model, "config", None))
+        return LogitTransform()
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in TREE_MODEL_TYPES:
+        return LogitTransform()
+    return config_logit_transform(config)
 
 
-def config_logits_transform(config: Any) -> str | None:
-    """:func:`logits_transform` of the causal LM that ``config`` (or its ``text_config``)
-    describes, read from the config alone."""
-    for cfg in (config, getattr(config, "text_config", None)):
-        for key, identity, what in _LOGIT_TRANSFORMS:
-            value = getattr(cfg, key, None)
-            if value is not None and value != identity:
-                return (
-                    f"{key} = {value}: its forward {what}, which the tree head (log-probs from "
-                    "the LM head's weight) does not apply"
-                )
-    return None
+def config_logit_transform(config: Any) -> LogitTransform:
+    """The logit transform of the tree-mode causal LM whose own config is ``config``: Gemma 2 /
+    Gemma 3's ``final_logit_softcapping`` (``cap · tanh(x / cap)``), Granite's ``logits_scaling``
+    (``x / logits_scaling``), Cohere's ``logit_scale`` (``x · logit_scale``), as their forwards
+    compute them from ``self.config``. A multi-modal wrapper's ``text_config`` is not read (HF's
+    ``Gemma3ForConditionalGeneration`` does not soft-cap). Raises ``ValueError`` naming the field
+    when its value is not a finite positive number."""
+    scale, cap = 1.0, None
+    for key in ("final_logit_softcapping", "logits_scaling", "logit_scale"):
+        value = getattr(config, key, None)
+        if value is None:
+            continue
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        if not ok or not math.isfinite(value) or value <= 0:
+            raise ValueError(
+                f"config.{key}: expected a finite positive number or None, got {value!r}"
+            )
+        if key == "final_logit_softcapping":
+            cap = float(value)
+        elif key == "logits_scaling":
+            scale = 1.0 / float(value)
+        else:
+            scale = float(value)
+    return LogitTransform(scale, cap)
 
 
 def _gdn_log_decay(module: nn.Module, a: torch.Tensor) -> torch.Tensor:
@@ -379,7 +384,6 @@ TREE_ATTENTION = "harts_tree"
 # Keywords of transformers' attention interface that change what attention computes and that tree
 # attention does not implement (logit soft-capping). Attention sinks (gpt-oss passes
 # ``s_aux=self.sinks``; ``sinks`` elsewhere) are taken: see :func:`tree_attention_interface`.
-_UNSUPPORTED_ATTENTION_KWARGS = ("softcap",)
 _SINK_ATTENTION_KWARGS = ("s_aux", "sinks")
 
 
@@ -422,18 +426,16 @@ def tree_attention_interface(
     ``sliding_window`` (transformers' convention: a row sees the keys less than that many tokens
     above it) runs as a window over each row's ancestor path. Attention sinks ``s_aux`` (gpt-oss)
     or ``sinks``, ``[Hq]``: each head's sink logit joins every row's softmax and carries no value,
-    as in HF's gpt-oss eager attention (gradient to the sinks included). Raises
-    ``NotImplementedError`` for attention dropout, logit soft-capping or a non-causal module, and
-    ``ValueError`` for two different sink tensors."""
+    as in HF's gpt-oss eager attention (gradient to the sinks included). ``softcap`` (Gemma 2's
+    ``attn_logit_softcapping``): scores ``softcap · tanh(s / softcap)`` before the mask, as HF's
+    eager attention. Raises ``NotImplementedError`` for attention dropout or a non-causal module,
+    and ``ValueError`` for two different sink tensors."""
     layout = harts_layout if harts_layout is not None else current_tree_layout()
     name = type(module).__name__
     if layout is None:
         raise RuntimeError(f"{name}: the {TREE_ATTENTION!r} attention runs only in a tree call")
     if dropout:
         raise NotImplementedError(f"{name}: attention dropout ({dropout}) in tree mode")
-    for kw in _UNSUPPORTED_ATTENTION_KWARGS:
-        if kwargs.get(kw) is not None:
-            raise NotImplementedError(f"{name}: {kw!r} attention is not supported in tree mode")
     if not getattr(module, "is_causal", True):
         raise NotImplementedError(f"{name}: non-causal attention has no tree form")
     given = [kwargs[kw] for kw in _SINK_ATTENTION_KWARGS if kwargs.get(kw) is not None]
@@ -457,6 +459,7 @@ def tree_attention_interface(
         scale=scaling,
         window=window,
         sinks=sinks,
+        softcap=kwargs.get("softcap"),
     )
     return o[None], None
 
@@ -646,12 +649,9 @@ def patch_tree_mixers(model: nn.Module) -> int:
     :func:`tree_call` that carries a layout, and the original code otherwise. Hybrid text models
     and keyword-dropping decoder layers are wrapped too (not counted). Returns the number of
     tree-capable modules (0: nothing in ``model`` is supported; the native model's HF wrapper
-    counts as one; 0 also for a causal LM whose forward transforms the LM head's logits, see
-    :func:`logits_transform`)."""
+    counts as one)."""
     if getattr(model, "supports_harts_layout", False):
         return 1
-    if logits_transform(model) is not None:
-        return 0
     n = 0
     for mod in model.modules():
         if _is_hf_class(mod, _GDN_CLASSES):
@@ -738,7 +738,8 @@ def check_rope_lengths(model: nn.Module, longest: int) -> None:
 def _tree_decoder_forward(
     tree_model: nn.Module, base: nn.Module, input_ids: torch.Tensor, layout: TreeLayout
 ) -> torch.Tensor:
-    """The decoder stack ``base`` (HF text model) in tree mode: embeddings → the first
+    """The decoder stack ``base`` (HF text model) in tree mode: embeddings (times the text
+    model's ``embedding_multiplier`` where it has one: Granite) → the first
     ``config.num_hidden_layers`` layers with ``position_ids`` = row depth, each inside
     ``tree_call(layout)`` (activation checkpointing when ``tree_model.gradient_checkpointing``
     and grad is on; the recomputation runs inside it too) → final norm. RoPE tables come from
@@ -749,6 +750,9 @@ def _tree_decoder_forward(
     input_ids ``[C]`` → hidden ``[C, D]``."""
     pos = layout.position_ids[None]
     h = base.embed_tokens(input_ids[None])
+    multiplier = getattr(base, "embedding_multiplier", None)  # Granite's text model forward
+    if multiplier is not None:
+        h = h * multiplier
     n_layers = tree_model.config.num_hidden_layers
     rotary = getattr(base, "rotary_emb", None)
     if rotary is not None and layout.forest.num_compact_tokens:
@@ -803,6 +807,12 @@ class _HFTreeModel(nn.Module):
     @property
     def lm_head(self) -> nn.Linear:
         return self.hf.lm_head
+
+    @property
+    def logit_transform(self) -> LogitTransform:
+        """What the HF causal LM's forward does to the LM head's logits
+        (:func:`logit_transform_of`), for the compact log-prob head."""
+        return logit_transform_of(self.hf)
 
     def _aux_loss(self, logits: list[torch.Tensor], layout: TreeLayout) -> torch.Tensor:
         from harts_verl.ops.moe import load_balancing_loss, softmax_topk_route

@@ -243,9 +243,13 @@ def register_auto_classes() -> None:
 
 
 def attn_implementation_for(config: Any) -> str:
-    """``"sdpa"`` where the causal-LM class of ``config`` takes it, else ``"eager"`` (gpt-oss,
-    whose learned attention sinks HF runs in its eager attention only); ``"sdpa"`` for a config
-    without a registered causal-LM class. Tree mode replaces either in its attention modules."""
+    """``"sdpa"`` where the causal-LM class of ``config`` takes it and computes the same
+    attention there, else ``"eager"``: gpt-oss (whose learned attention sinks HF runs in its
+    eager attention only) and models that soft-cap attention logits (Gemma 2's
+    ``attn_logit_softcapping``, which HF's sdpa path drops); ``"sdpa"`` for a config without a
+    registered causal-LM class. Tree mode replaces either in its attention modules."""
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return "eager"
     try:
         cls = AutoModelForCausalLM._model_mapping[type(config)]
     except (KeyError, ValueError):

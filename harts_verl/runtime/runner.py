@@ -156,6 +156,7 @@ class _Runner:
             w,
             forest,
             lm_head_bias=self.model.lm_head.bias,
+            logit_transform=getattr(self.model, "logit_transform", None),
             temperature=temperature,
             with_entropy=with_entropy,
             rows_per_chunk=self.rows_per_chunk,

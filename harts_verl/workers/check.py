@@ -301,11 +301,11 @@ def tree_model_config(spec: str) -> Any:
 
     Raises ``ValueError`` starting with ``model:`` when ``spec`` does not exist, is neither a
     directory nor a ``.json`` file, has no readable config (invalid JSON, no ``model_type``, an
-    unknown type) or names a model type without a tree mode, or a causal LM whose forward
-    transforms its logits (``harts_verl.models.adapter.config_logits_transform``)."""
+    unknown type) or names a model type without a tree mode, or a logit transform field
+    (``harts_verl.models.adapter.config_logit_transform``) with an unusable value."""
     from transformers import AutoConfig
 
-    from harts_verl.models.adapter import TREE_MODEL_TYPES, config_logits_transform
+    from harts_verl.models.adapter import TREE_MODEL_TYPES, config_logit_transform
     from harts_verl.models.hf import register_auto_classes
 
     if spec.endswith(".json"):
@@ -326,9 +326,10 @@ def tree_model_config(spec: str) -> Any:
             f"model: {spec!r} is a {model_type!r} model, which has no tree mode "
             f"(supported: {', '.join(TREE_MODEL_TYPES)})"
         )
-    transform = config_logits_transform(cfg)
-    if transform is not None:
-        raise ValueError(f"model: {spec!r} has no tree mode: {transform}")
+    try:
+        config_logit_transform(cfg)
+    except ValueError as exc:
+        raise ValueError(f"model: {spec!r}: {exc}") from exc
     return cfg
 
 

@@ -79,13 +79,14 @@ from harts_verl.models.adapter import (
     HYBRID_MODEL_TYPES,
     TREE_MODEL_TYPES,
     length_dependent_rope,
+    logit_transform_of,
     patch_tree_mixers,
     tree_call,
     tree_mode_attention_mask,
 )
 from harts_verl.ops._index import concat_ranges
 from harts_verl.ops.layout import TreeLayout
-from harts_verl.ops.logprobs import compact_log_probs
+from harts_verl.ops.logprobs import LogitTransform, compact_log_probs
 from harts_verl.tree import RolloutForest
 from harts_verl.workers import STRATEGY
 
@@ -379,6 +380,8 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         self._rope_limit: tuple[str, int] | None = None
         self._dropout: str | bool | None = False  # False: not computed yet (_dropout_of_module)
         self._lm_head: torch.nn.Module | None = None
+        # what the causal LM's own forward does to the LM head's logits (the tree head applies it)
+        self._logit_transform = LogitTransform()
         self._calls = 0
         self._stock_batch = False  # inside a fallback batch: forward_step is veRL's
         self._fallback_logged: set[str] = set()  # fallback reasons already logged
@@ -414,14 +417,18 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             )
         self._model_type = model_type
         self._rope_limit = length_dependent_rope(module)  # dynamic / longrope scaling
-        if self._sinks_dropped(module):
+        if self._tree_supported and self._lm_head is not None:
+            self._logit_transform = logit_transform_of(_causal_lm_of(module))
+        dropped = self._attention_term_dropped(module)
+        if dropped:
             logger.warning(
-                "harts_fsdp2: %s with attn_implementation %r: transformers passes gpt-oss's "
-                "attention sinks only to kernels that take them, so veRL's stock forward "
-                "(fallback batches) runs without them, while tree mode applies them; use "
-                "attn_implementation=eager (or a sink-capable kernel) for consistent numbers",
+                "harts_fsdp2: %s with attn_implementation %r: transformers' kernel drops its %s, "
+                "so veRL's stock forward (fallback batches) runs without them, while tree mode "
+                "applies them; use attn_implementation=eager (or a kernel that takes them) for "
+                "consistent numbers",
                 model_type,
                 module.config._attn_implementation,
+                dropped,
             )
         return module
 
@@ -453,13 +460,22 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         (``use_fused_kernels`` with a ``fused_kernel_options.impl_backend``)."""
         return getattr(self.module, "_verl_fused_kernels_backend", None) is not None
 
+    def _needs_plain_forward(self) -> bool:
+        """Whether a tree call must bypass the causal LM's own ``forward``: veRL's fused forward
+        replaced it, or it transforms the LM head's output (Gemma's soft-cap, Granite's and
+        Cohere's scaling), which in a tree call is the compact head's log-probs (the transform
+        is applied inside the head instead)."""
+        return self._fused_forward() or not self._logit_transform.is_identity
+
     @contextmanager
     def _plain_causal_forward(self) -> Iterator[None]:
-        """HF's backbone-then-head forward on the root module for one tree call (instead of
-        veRL's fused forward, see :func:`_causal_lm_forward`); the FSDP root hooks still run."""
+        """HF's backbone-then-head forward on the root module for one tree call where
+        :meth:`_needs_plain_forward` (instead of veRL's fused forward or a forward that would
+        transform the compact head's output, see :func:`_causal_lm_forward`); the FSDP root hooks
+        still run."""
         lm = _causal_lm_of(self.module)
         plain = _plain_forward_of(lm)
-        if not self._fused_forward() or plain is None:
+        if not self._needs_plain_forward() or plain is None:
             yield
             return
         had = "forward" in lm.__dict__
@@ -597,10 +613,14 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
                 "vision embeddings and 3-D mrope positions have no tree form; text-only batches "
                 "of this model run in tree mode)"
             )
-        if self._fused_forward() and _plain_forward_of(_causal_lm_of(self.module)) is None:
-            reasons["fused"] = (
-                "use_fused_kernels is set and the model has no `model` backbone and `lm_head` "
-                "to run without veRL's fused forward (which computes log-probs itself)"
+        if self._needs_plain_forward() and _plain_forward_of(_causal_lm_of(self.module)) is None:
+            reasons["fused" if self._fused_forward() else "logit_transform"] = (
+                "the model has no `model` backbone and `lm_head` to run without its own forward ("
+                + (
+                    "use_fused_kernels is set: veRL's fused forward computes log-probs itself)"
+                    if self._fused_forward()
+                    else "which transforms the LM head's logits)"
+                )
             )
         head = self._head_reason()
         if head is not None:
@@ -942,6 +962,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
                 weight,
                 forest,
                 lm_head_bias=bias,
+                logit_transform=self._logit_transform,
                 temperature=temperature,
                 with_entropy=with_entropy,
                 with_sum_pi_squared=with_sq,
@@ -1059,22 +1080,30 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         the packed ``position_ids``."""
         if self._model_type in HYBRID_MODEL_TYPES and not _fla_importable():
             return True
-        return self._model_type == "gpt_oss"  # its reference runs eager (_sinks_dropped)
+        return self._model_type == "gpt_oss"  # its reference runs eager (_attention_term_dropped)
 
-    def _sinks_dropped(self, module: torch.nn.Module | None = None) -> bool:
-        """Whether HF's stock forward of this model drops its attention sinks: gpt-oss on a
-        flash-attention implementation, whose kernel takes no ``s_aux`` (transformers passes
-        sinks only to kernels that accept them); tree mode always applies them."""
+    def _attention_term_dropped(self, module: torch.nn.Module | None = None) -> str | None:
+        """What HF's stock forward of this model leaves out of its attention with the configured
+        implementation (tree mode always applies it), or None: gpt-oss's attention sinks on a
+        flash-attention implementation (transformers passes ``s_aux`` only to kernels that take
+        it); an attention logit soft-cap (Gemma 2's ``attn_logit_softcapping``) on sdpa, whose
+        transformers path ignores ``softcap``."""
         module = self.module if module is None else module
-        impl = str(getattr(getattr(module, "config", None), "_attn_implementation", ""))
-        return self._model_type == "gpt_oss" and impl.startswith("flash")
+        config = getattr(module, "config", None)
+        impl = str(getattr(config, "_attn_implementation", ""))
+        if getattr(config, "model_type", None) == "gpt_oss" and impl.startswith("flash"):
+            return "attention sinks"
+        if getattr(config, "attn_logit_softcapping", None) is not None and impl == "sdpa":
+            return "attention logit soft-cap (attn_logit_softcapping)"
+        return None
 
     @contextmanager
     def _eager_attention(self) -> Iterator[None]:
-        """HF's eager attention (which applies gpt-oss's sinks) for the duration of a stock
-        forward, where :meth:`_sinks_dropped`; a no-op otherwise."""
+        """HF's eager attention (which applies gpt-oss's sinks and Gemma 2's attention soft-cap)
+        for the duration of a stock forward, where :meth:`_attention_term_dropped`; a no-op
+        otherwise."""
         config = getattr(self.module, "config", None)
-        if not self._sinks_dropped() or config is None:
+        if not self._attention_term_dropped() or config is None:
             yield
             return
         saved = config._attn_implementation_internal

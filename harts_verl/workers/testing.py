@@ -41,6 +41,7 @@ TINY_KINDS = (
     "olmo_hybrid_nope",
     *("llama", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe"),
     *("olmo2", "olmo3", "phi3", "seed_oss", "glm4", "gemma3_text", "gpt_oss"),
+    *("gemma2", "granite"),
 )
 # The multi-modal Qwen3.5 wrappers (``Qwen3_5ForConditionalGeneration`` /
 # ``Qwen3_5MoeForConditionalGeneration``, model_type ``qwen3_5`` / ``qwen3_5_moe``): the text
@@ -99,7 +100,11 @@ _SIGMOID_MOE = dict(
 # RoPE scaling on the full layer, tied embeddings. gpt-oss: hidden 64 (q width 4 × 8 = 32, not
 # the hidden size, as in the real model), attention sinks, a 6-token sliding window on the first
 # layer (shorter than the test trajectories), 4 biased experts 32 wide (top-2), YaRN RoPE;
-# eager attention (HF runs sinks only there).
+# eager attention (HF runs sinks only there). Gemma 2: a 6-token sliding layer, then a full one,
+# small attention and final logit soft-caps (3 and 5) and a 10x init range (0.2), so that tanh
+# bends the tiny model's logits; tied embeddings, eager attention (HF's sdpa drops the attention
+# soft-cap). Granite:
+# embedding, residual, attention and logit multipliers away from 1.
 _NO_SPECIAL_IDS = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)
 _SLIDING_FULL = ["sliding_attention", "full_attention"]
 _FULL_ATTENTION = {
@@ -177,6 +182,30 @@ _FULL_ATTENTION = {
                 "truncate": False,
                 "original_max_position_embeddings": 128,
             },
+        },
+    ),
+    "gemma2": (
+        "Gemma2Config",
+        {
+            **_NO_SPECIAL_IDS,
+            "head_dim": 8,
+            "query_pre_attn_scalar": 16,
+            "layer_types": _SLIDING_FULL,
+            "sliding_window": 6,
+            "attn_logit_softcapping": 3.0,
+            "final_logit_softcapping": 5.0,
+            "tie_word_embeddings": True,
+            "initializer_range": 0.2,
+        },
+    ),
+    "granite": (
+        "GraniteConfig",
+        {
+            **_NO_SPECIAL_IDS,
+            "embedding_multiplier": 3.0,
+            "residual_multiplier": 0.5,
+            "attention_multiplier": 0.3,
+            "logits_scaling": 4.0,
         },
     ),
 }
@@ -297,8 +326,9 @@ def tiny_hf_config(kind: str, vocab_size: int = 64):
     image, image / begin / end-of-image ids ``TINY_IMAGE_TOKEN_ID`` + 0 / 2 / 3; the
     full-attention causal LMs ``llama``, ``qwen3``, ``mistral``, ``qwen2_moe``, ``qwen3_moe``,
     ``mixtral``, ``deepseek_v3``, ``glm4_moe``, ``olmo2``, ``olmo3``, ``phi3``, ``seed_oss``,
-    ``glm4``, ``gemma3_text``, ``gpt_oss``), sdpa attention (eager for gpt-oss, whose class has
-    no sdpa), eager experts (float64-capable on CPU).
+    ``glm4``, ``gemma3_text``, ``gpt_oss``, ``gemma2``, ``granite``), sdpa attention (eager for
+    gpt-oss, whose class has no sdpa, and Gemma 2, whose attention soft-cap HF's sdpa path
+    drops), eager experts (float64-capable on CPU).
     Raises ``ValueError`` for another kind."""
     import transformers
 
@@ -383,6 +413,8 @@ def tiny_hf_model(kind: str, *, seed: int = 0, vocab_size: int = 64) -> torch.nn
         "glm4": transformers.Glm4ForCausalLM,
         "gemma3_text": transformers.Gemma3ForCausalLM,
         "gpt_oss": transformers.GptOssForCausalLM,
+        "gemma2": transformers.Gemma2ForCausalLM,
+        "granite": transformers.GraniteForCausalLM,
         "qwen3_next": transformers.Qwen3NextForCausalLM,
         "qwen3_5": transformers.Qwen3_5ForCausalLM,
         "qwen3_5_moe": transformers.Qwen3_5MoeForCausalLM,
