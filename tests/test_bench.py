@@ -99,7 +99,7 @@ def test_model_errors(tmp_path, monkeypatch):
     (tmp_path / "empty").mkdir()
     from harts_verl.workers.testing import tiny_hf_config
 
-    capped = tiny_hf_config("gemma3_text")  # a soft-cap that cannot be
+    capped = tiny_hf_config("gemma3_text")  # a negative soft-cap: no usable transform
     capped.final_logit_softcapping = -30.0
     capped.save_pretrained(str(tmp_path / "capped"))
     real_load = hf.load_causal_lm
