@@ -287,6 +287,30 @@ def _softcap_eager_attention(
 
 # Eager attention functions with a float32 softmax (the oracle of families run eager).
 _EAGER_SOFTCAP_MODULES = ("gemma2",)
+# Cohere's LayerNorms (hidden and per-head q/k) and its interleaved RoPE compute in float32.
+_COHERE_MODULES = ("cohere", "cohere2")
+
+
+def _cohere_layer_norm(self, hidden_states):
+    """Cohere's LayerNorm (mean-centred, weight only) in the compute dtype."""
+    h = hidden_states.to(_compute_dtype(hidden_states.dtype))
+    mean = h.mean(-1, keepdim=True)
+    var = (h - mean).pow(2).mean(-1, keepdim=True)
+    h = (h - mean) * torch.rsqrt(var + self.variance_epsilon)
+    return (self.weight.to(h.dtype) * h).to(hidden_states.dtype)
+
+
+def _cohere_rotary(m):
+    """Cohere's ``apply_rotary_pos_emb`` (interleaved halves: ``m.rotate_half``) in the input
+    dtype instead of float32."""
+
+    def apply(q, k, cos, sin, unsqueeze_dim=1):
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        q_embed = q * cos.to(q.dtype) + m.rotate_half(q) * sin.to(q.dtype)
+        k_embed = k * cos.to(k.dtype) + m.rotate_half(k) * sin.to(k.dtype)
+        return q_embed, k_embed
+
+    return apply
 
 
 def lift_full_attention_islands(monkeypatch) -> None:
@@ -311,6 +335,11 @@ def lift_full_attention_islands(monkeypatch) -> None:
                 monkeypatch.setattr(obj, "forward", _sigmoid_router_logits)
         if short in _EAGER_SOFTCAP_MODULES:
             monkeypatch.setattr(m, "eager_attention_forward", _softcap_eager_attention)
+        if short in _COHERE_MODULES:
+            for name, obj in vars(m).items():
+                if isinstance(obj, type) and name.endswith("LayerNorm"):
+                    monkeypatch.setattr(obj, "forward", _cohere_layer_norm)
+            monkeypatch.setattr(m, "apply_rotary_pos_emb", _cohere_rotary(m))
 
 
 def spread_weights(model: torch.nn.Module, seed: int) -> torch.nn.Module:

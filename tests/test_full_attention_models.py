@@ -6,8 +6,10 @@ post-norm layers; OLMo 3 with a sliding and a full layer), Phi-3 (fused qkv, par
 Seed-OSS, GLM-4 (extra post norms), Gemma 3 (scaled embeddings, ``(1 + w)`` RMSNorms, a
 rotary table per layer type, tied LM head), gpt-oss (learned attention sinks, a sliding and a
 full layer, YaRN RoPE, biased top-k router and experts; HF's eager attention is its oracle),
-Gemma 2 (attention and final logit soft-capping, a sliding and a full layer; eager oracle) and
-Granite (embedding, residual, attention and logit multipliers). The logit transforms of the
+Gemma 2 (attention and final logit soft-capping, a sliding and a full layer; eager oracle),
+Granite (embedding, residual, attention and logit multipliers), Cohere (parallel attention and
+MLP, q/k LayerNorms, interleaved RoPE, logit scale) and Cohere 2 (a sliding RoPE layer, a full
+NoPE layer). The logit transforms of the
 causal-LM forwards (soft-caps, scalings) are applied by the compact head.
 
 Each attention module runs its own forward with transformers' attention interface pointed at tree

@@ -7,7 +7,7 @@ GQA attention, RoPE or NoPE) is wrapped so that, in a tree-mode forward, it runs
 attention); outside one the original forward runs untouched. The attention modules of the
 full-attention models (Qwen2 / Qwen3 / Llama / Mistral, Qwen2-MoE / Qwen3-MoE / Mixtral,
 DeepSeek-V3's MLA, GLM-4-MoE, OLMo 2 / OLMo 3, Phi-3, Seed-OSS, GLM-4, Gemma 2 / Gemma 3,
-Granite, gpt-oss with its attention sinks) run their own forward in tree mode,
+Granite, Cohere / Cohere 2, gpt-oss with its attention sinks) run their own forward in tree mode,
 with transformers' attention interface pointed at tree attention (:func:`tree_attention_interface`,
 which takes sliding windows, sinks and Gemma 2's logit soft-capping). Embeddings, norms, MLP /
 MoE, rotary tables and the LM head are HF's own code on the ``[1, C, D]`` compact batch.
@@ -168,7 +168,7 @@ _HYBRID_TEXT_MODEL_CLASSES = (
 # (Gemma 2 / Gemma 3's ``final_logit_softcapping``, Granite's ``logits_scaling``, Cohere's
 # ``logit_scale``) has the transform applied by the compact head (:func:`logit_transform_of`);
 # Gemma 2 soft-caps its attention logits (``softcap``, which tree attention takes).
-# OLMo 3, Gemma 2 / Gemma 3 and gpt-oss mix sliding-window and full layers
+# OLMo 3, Gemma 2 / Gemma 3, Cohere 2 and gpt-oss mix sliding-window and full layers
 # (``config.layer_types``); Gemma 3 keeps a rotary table per layer type (see
 # :func:`_tree_decoder_forward`); gpt-oss passes its learned attention sinks to the interface
 # (``s_aux``), which tree attention takes. ``gemma3`` is
@@ -195,6 +195,8 @@ FULL_ATTENTION_MODEL_TYPES = (
     "gpt_oss",
     "gemma2",
     "granite",
+    "cohere",
+    "cohere2",
 )
 _FULL_ATTENTION_CLASSES = (
     "Qwen2Attention",
@@ -215,6 +217,8 @@ _FULL_ATTENTION_CLASSES = (
     "GptOssAttention",
     "Gemma2Attention",
     "GraniteAttention",
+    "CohereAttention",
+    "Cohere2Attention",
 )
 # Softmax top-k routers whose load-balancing loss HF computes from the router logits
 # (``output_router_logits``; gpt-oss: Switch-style over the softmax of its biased logits, like
@@ -869,6 +873,7 @@ class HybridTreeModel(_HFTreeModel):
 class HFCausalTreeModel(_HFTreeModel):
     """Tree-mode view of a full-attention HF causal LM of :data:`FULL_ATTENTION_MODEL_TYPES`
     (Qwen2 / Qwen3 / Llama / Mistral, the MoE Qwen2-MoE / Qwen3-MoE / Mixtral, DeepSeek-V3 with
-    MLA, GLM-4-MoE, OLMo 2 / OLMo 3, Phi-3, Seed-OSS, GLM-4, Gemma 3, gpt-oss)."""
+    MLA, GLM-4-MoE, OLMo 2 / OLMo 3, Phi-3, Seed-OSS, GLM-4, Gemma 2 / Gemma 3, Granite,
+    Cohere / Cohere 2, gpt-oss)."""
 
     routers = _FULL_ATTENTION_ROUTER_CLASSES

@@ -203,7 +203,7 @@ def olmo_hybrid_shape(cfg: Any) -> ModelShape:
 def full_attention_shape(cfg: Any) -> ModelShape:
     """Coefficients of a full-attention HF causal LM (Qwen2, Qwen3, Llama, Mistral, Qwen2-MoE,
     Qwen3-MoE, Mixtral, DeepSeek-V3, GLM-4-MoE, OLMo 2, OLMo 3, Phi-3, Seed-OSS, GLM-4,
-    Gemma 2, Gemma 3, Granite, gpt-oss): per layer GQA q/k/v/o projections (Phi-3's fused qkv:
+    Gemma 2, Gemma 3, Granite, Cohere, Cohere 2, gpt-oss): per layer GQA q/k/v/o projections (Phi-3's fused qkv:
     the same FLOPs; biases, norms, sliding windows, soft-caps and gpt-oss's attention sinks
     ignored) or DeepSeek-V3's
     multi-head latent attention (configs with ``kv_lora_rank``), a gated MLP or a sparse MoE
@@ -232,7 +232,7 @@ def model_shape(cfg: Any) -> ModelShape:
     full-attention ``qwen2`` / ``qwen3`` / ``llama`` / ``mistral`` / ``qwen2_moe`` /
     ``qwen3_moe`` / ``mixtral`` / ``deepseek_v3`` / ``glm4_moe`` / ``olmo2`` / ``olmo3`` /
     ``phi3`` / ``seed_oss`` / ``glm4`` / ``gemma3_text`` / ``gpt_oss`` / ``gemma2`` /
-    ``granite``. Raises ``ValueError`` for any other ``model_type``."""
+    ``granite`` / ``cohere`` / ``cohere2``. Raises ``ValueError`` for any other ``model_type``."""
     from harts_verl.models.config import HybridConfig
 
     if isinstance(cfg, HybridConfig):
