@@ -378,3 +378,84 @@ def test_temperature_entropy_one_row_per_chunk_gradients() -> None:
             want = torch.autograd.grad(pick(ref_lp, ref_ent), params, retain_graph=True)
             for a, r in zip(got, want):
                 assert _rel(a, r) <= 1e-9
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seqs=sequence_lists(),
+    seed=st.integers(0, 2**31 - 1),
+    temps=st.lists(st.sampled_from([0.5, 1.0, 1.75]), min_size=1, max_size=64),
+    chunk=st.sampled_from([1, 4096]),
+    transform=st.sampled_from([None, LogitTransform(0.5, 2.0)]),
+)
+def test_per_trajectory_temperatures_float64(seqs, seed, temps, chunk, transform) -> None:
+    """One temperature per trajectory (veRL's per-sample temperatures; rows shared across
+    temperatures): every trajectory's log-probs, entropy and Σp² equal its own trajectory-wise
+    log-softmax at its temperature (≤ 1e-10), gradients too (≤ 1e-9 relative)."""
+    forest = RolloutForest.from_sequences(seqs)
+    n = forest.num_trajectories
+    t = np.array([temps[i % len(temps)] for i in range(n)])
+    hidden, weight, b = _params(forest.num_compact_tokens, seed)
+    out = compact_log_probs(
+        hidden,
+        weight,
+        forest,
+        lm_head_bias=b,
+        temperature=torch.from_numpy(t).float(),  # veRL's float32 tensor (exact values)
+        with_entropy=True,
+        with_sum_pi_squared=True,
+        rows_per_chunk=chunk,
+        logit_transform=transform,
+    )
+    expanded = hidden[torch.from_numpy(forest.semantic_rows)]
+    refs = []
+    for i in range(n):
+        s0, s1 = int(forest.row_offsets[i]), int(forest.row_offsets[i + 1])
+        ref = expanded_log_probs_ref(
+            expanded[s0:s1],
+            weight,
+            torch.from_numpy(forest.tokens_of(i)[1:]),
+            lm_head_bias=b,
+            temperature=float(t[i]),
+            with_entropy=True,
+            with_sum_pi_squared=True,
+            logit_transform=transform,
+        )
+        refs.append(ref)
+        for got, want in zip((out.log_probs[i], out.entropy[i], out.sum_pi_squared[i]), ref):
+            assert got.shape == want.shape and _max_abs(got - want) <= 1e-10
+    g = torch.Generator().manual_seed(seed)
+    total = sum(sum(o.shape[0] for o in r[:1]) for r in refs)
+    if total == 0:
+        return
+    c = [torch.randn(total, generator=g, dtype=torch.float64) for _ in range(3)]
+    params = [hidden, weight, b]
+
+    def loss(cols):
+        return sum((torch.cat(col) * ck).sum() for col, ck in zip(cols, c))
+
+    got = torch.autograd.grad(loss([out.log_probs, out.entropy, out.sum_pi_squared]), params)
+    want = torch.autograd.grad(loss([[r[k] for r in refs] for k in range(3)]), params)
+    for a, r in zip(got, want):
+        assert _rel(a, r) <= 1e-9
+
+
+def test_per_trajectory_temperature_validation() -> None:
+    forest = RolloutForest.from_sequences([[1, 2, 3], [1, 4], [5]])
+    h, w, _ = _params(forest.num_compact_tokens, 0)
+    same = compact_log_probs(h, w, forest, temperature=[0.7, 0.7, 0.7], output="flat")
+    scalar = compact_log_probs(h, w, forest, temperature=0.7, output="flat")
+    assert torch.equal(same.log_probs, scalar.log_probs)  # all equal: the one-temperature path
+    for bad, msg in (
+        ([1.0, 2.0], r"shape \(3,\)"),
+        (np.ones((3, 1)), r"shape \(3,\)"),
+        ([1.0, 0.0, 1.0], r"temperature\[1\]"),
+        (torch.tensor([1.0, float("nan"), 2.0]), r"temperature\[1\]"),
+        (torch.tensor([True, False, True]), "real numbers"),
+        (["a", "b", "c"], "expected numbers"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            compact_log_probs(h, w, forest, temperature=bad)
+    empty = RolloutForest.from_sequences([])
+    out = compact_log_probs(h[:0], w, empty, temperature=torch.zeros(0))
+    assert out.log_probs == []

@@ -107,9 +107,9 @@ def test_critic_engine_refuses_nothing_silently(critics):
     assert engine._tree_supported and engine._audit_key == "values"
     seqs, plens, spans = _tree_batch(4)
     td = testing.make_batch(seqs, plens, tool_spans=spans)
-    assert engine._local_fallback_reasons(td, None, max(map(len, seqs)), True) == {}
+    assert engine._local_fallback_reasons(td, max(map(len, seqs)), True) == {}
     with engine.eval_mode():  # a greedy rollout's temperature 0 means nothing to a critic
         out = engine.infer_batch(testing.make_batch(seqs, plens, tool_spans=spans, temperature=0))
     assert out["metrics"]["harts/fallback"] == [0.0]
     engine._tree_supported = False
-    assert "model" in engine._local_fallback_reasons(td, 1.0, max(map(len, seqs)), True)
+    assert "model" in engine._local_fallback_reasons(td, max(map(len, seqs)), True)

@@ -81,6 +81,7 @@ def _run(
     gradient_checkpointing=False,
     fused=False,
     lora=0,
+    temperature=0.8,
     **optim,
 ):
     """Infer, then one train step; returns (model output, metrics, params before, params after,
@@ -104,7 +105,7 @@ def _run(
         seqs,
         prompt_lens,
         tool_spans=spans,
-        temperature=0.8,
+        temperature=temperature,
         use_fused_kernels=fused,
     )
     with engine.eval_mode():
@@ -268,12 +269,12 @@ def test_wrapped_lm_head_falls_back(verl_cpu):
     engine = testing.build_engine(paths["qwen2"], testing.actor_config(), lora_rank=2)
     td = testing.make_batch(seqs, prompt_lens, tool_spans=spans)
     longest = max(map(len, seqs))
-    assert engine._local_fallback_reasons(td, 1.0, longest, True) == {}
+    assert engine._local_fallback_reasons(td, longest, True) == {}
     lm = _causal_lm_of(engine.module)
     head = lm.lm_head
     lm.lm_head = torch.nn.Sequential(head)  # stands in for peft's wrapper
     try:
-        reasons = engine._local_fallback_reasons(td, 1.0, longest, True)
+        reasons = engine._local_fallback_reasons(td, longest, True)
     finally:
         lm.lm_head = head
     assert set(reasons) == {"lm_head"} and "Sequential" in reasons["lm_head"]
@@ -435,22 +436,22 @@ def test_distillation_and_sequence_parallel_fall_back(verl_cpu):
     engine = testing.build_engine(paths["qwen2"], testing.actor_config())
     td = testing.make_batch(seqs, prompt_lens, tool_spans=spans)
     longest = max(map(len, seqs))
-    assert engine._local_fallback_reasons(td, 1.0, longest, True) == {}
+    assert engine._local_fallback_reasons(td, longest, True) == {}
     tu.assign_non_tensor(td, distillation_use_topk=True)
-    reasons = engine._local_fallback_reasons(td, 1.0, longest, True)
+    reasons = engine._local_fallback_reasons(td, longest, True)
     assert "distillation_use_topk" in reasons["distillation"]
     engine.ulysses_sequence_parallel_size = 2
-    assert set(engine._local_fallback_reasons(td, 1.0, longest, False)) == {"distillation"}
+    assert set(engine._local_fallback_reasons(td, longest, False)) == {"distillation"}
     tu.assign_non_tensor(td, max_token_len_per_gpu=longest - 1)
-    reasons = engine._local_fallback_reasons(td, 1.0, longest, False)
+    reasons = engine._local_fallback_reasons(td, longest, False)
     assert set(reasons) == {"distillation", "sequence_parallel"}
     assert f"trajectory of {longest} tokens" in reasons["sequence_parallel"]
     assert f"({longest - 1})" in reasons["sequence_parallel"]
     tu.assign_non_tensor(td, use_dynamic_bsz=False, micro_batch_size_per_gpu=3)
     assert engine._capacity(td, longest) == -(-3 * longest // 2)
-    assert "sequence_parallel" not in engine._local_fallback_reasons(td, 1.0, longest, False)
+    assert "sequence_parallel" not in engine._local_fallback_reasons(td, longest, False)
     tu.assign_non_tensor(td, micro_batch_size_per_gpu=1)  # half a trajectory per rank
-    assert "sequence_parallel" in engine._local_fallback_reasons(td, 1.0, longest, False)
+    assert "sequence_parallel" in engine._local_fallback_reasons(td, longest, False)
     engine.ulysses_sequence_parallel_size = 1
 
 
@@ -518,12 +519,12 @@ def test_dropout_added_after_build_is_seen(verl_cpu):
     seqs, prompt_lens, spans = _grpo_batch(seed=2)
     td = testing.make_batch(seqs, prompt_lens, tool_spans=spans)
     longest = max(map(len, seqs))
-    assert engine._local_fallback_reasons(td, 1.0, longest, False) == {}
+    assert engine._local_fallback_reasons(td, longest, False) == {}
     engine._dropout = False  # as built, before a wrapper adds dropout
     engine.module.lora_dropout = torch.nn.Dropout(0.05)
-    reasons = engine._local_fallback_reasons(td, 1.0, longest, False)
+    reasons = engine._local_fallback_reasons(td, longest, False)
     assert "p = 0.05" in reasons["dropout"]
-    assert engine._local_fallback_reasons(td, 1.0, longest, True) == {}  # inference: no dropout
+    assert engine._local_fallback_reasons(td, longest, True) == {}  # inference: no dropout
 
 
 def test_dropout_in_training_is_named():
@@ -686,12 +687,30 @@ def test_gate_gradients_vs_float64(verl_cpu, monkeypatch):
         assert err_t <= err_r, (n, err_t, err_r)
 
 
-def test_scalar_temperature_validation():
-    """One temperature per batch (None: per-sample values differ, the batch falls back); a
-    missing, non-finite or non-positive one is a ValueError naming ``temperature``."""
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3_next"])
+def test_parity_per_sample_temperatures(verl_cpu, kind):
+    """veRL's per-sample temperatures (a ``[N]`` tensor; rows shared by trajectories of
+    different temperatures): tree mode (no fallback) equals the stock engine — log-probs and
+    entropies at inference, the training step with an entropy bonus."""
+    testing, paths = verl_cpu
+    data = _multiturn_batch(seed=9)
+    temps = [(0.5, 1.0, 0.75)[i % 3] for i in range(len(data[0]))]
+    run = partial(
+        _run, testing, paths[kind], batch=data, loss_mode="vanilla", entropy=0.01, temperature=temps
+    )
+    ref = run(strategy="fsdp2", padded=kind in HYBRIDS)
+    tree = run(strategy="harts_fsdp2", harts={"capacity_tokens": 48})
+    _compare(ref, tree)
+    assert tree[1]["harts/fallback"] == [0.0]
+    assert tree[1]["harts/microbatches"][0] >= 2
+
+
+def test_batch_temperature_validation():
+    """One temperature per batch, or one per sample where they differ (veRL's per-sample
+    temperatures); a non-finite or non-positive one is a ValueError naming ``temperature``."""
     from tensordict import TensorDict
 
-    from harts_verl.workers.engine import _scalar_temperature
+    from harts_verl.workers.engine import _batch_temperature
 
     def batch(t):
         td = TensorDict({"input_ids": torch.zeros(2, 1)}, batch_size=[2])
@@ -699,13 +718,14 @@ def test_scalar_temperature_validation():
             td["temperature"] = t
         return td
 
-    assert _scalar_temperature(batch(None)) == 1.0
-    assert _scalar_temperature(batch(torch.tensor([0.7, 0.7]))) == pytest.approx(0.7)
-    assert _scalar_temperature(batch(torch.tensor([0.7, 0.9]))) is None
+    assert _batch_temperature(batch(None)) == 1.0
+    assert _batch_temperature(batch(torch.tensor([0.7, 0.7]))) == pytest.approx(0.7)
+    per = _batch_temperature(batch(torch.tensor([0.75, 0.5])))
+    assert isinstance(per, np.ndarray) and per.tolist() == [0.75, 0.5]
     for bad in (
         torch.tensor([float("nan"), 0.7]),
         torch.tensor([0.0, 0.0]),
         torch.tensor([-1.0, -1.0]),
     ):
         with pytest.raises(ValueError, match="temperature"):
-            _scalar_temperature(batch(bad))
+            _batch_temperature(batch(bad))

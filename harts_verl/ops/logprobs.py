@@ -346,13 +346,63 @@ def _check_temperature(temperature: Any) -> float:
     return t
 
 
+def _check_temperatures(temperature: Any, n: int) -> float | np.ndarray:
+    """One temperature (:func:`_check_temperature`), or per trajectory: a 1-D array / tensor /
+    sequence of ``n`` finite positive numbers, as float64 numpy (one float when they are all
+    equal). Raises ``ValueError`` naming ``temperature`` otherwise."""
+    per = isinstance(temperature, list | tuple | np.ndarray) or (
+        isinstance(temperature, Tensor) and temperature.numel() != 1
+    )
+    if not per:
+        return _check_temperature(temperature)
+    if isinstance(temperature, Tensor):
+        if temperature.is_complex() or temperature.dtype == torch.bool:
+            raise ValueError(f"temperature: expected real numbers, got {temperature.dtype}")
+        arr = temperature.detach().to("cpu", torch.float64).numpy()
+    else:
+        try:
+            arr = np.asarray(temperature, dtype=np.float64)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"temperature: expected numbers, got {temperature!r}") from exc
+    if arr.shape != (n,):
+        raise ValueError(
+            f"temperature: expected one number or one per trajectory (shape ({n},)), got shape "
+            f"{arr.shape}"
+        )
+    bad = np.flatnonzero(~np.isfinite(arr) | (arr <= 0))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(
+            f"temperature[{i}]: expected a finite positive number, got {float(arr[i])!r}"
+        )
+    if arr.size == 0 or np.all(arr == arr[0]):
+        return float(arr[0]) if arr.size else 1.0
+    return arr
+
+
+def _group_rows(forest: Any, trajectories: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray]:
+    """``(sub, rows, positions)`` for the ``trajectories`` of ``forest``: their forest (in that
+    order), the ``forest`` row of every ``sub`` row, and where their shifted positions sit in
+    ``forest``'s flat output (``[S − N]`` layout of :func:`compact_log_probs`)."""
+    from harts_verl.ops._index import concat_ranges
+
+    sub = forest.subset(trajectories)
+    starts = np.asarray(forest.row_offsets)[trajectories]
+    lengths = np.asarray(forest.lengths, dtype=np.int64)[trajectories]
+    rows = np.empty(int(sub.num_compact_tokens), dtype=np.int64)
+    rows[sub.semantic_rows] = np.asarray(forest.semantic_rows)[concat_ranges(starts, lengths)]
+    flat_starts = starts - trajectories  # trajectory i's shifted positions start at off_i − i
+    positions = concat_ranges(flat_starts, lengths - 1)
+    return sub, rows, positions
+
+
 def compact_log_probs(
     hidden: Tensor,
     lm_head_weight: Tensor,
     forest: Any,
     *,
     lm_head_bias: Tensor | None = None,
-    temperature: float = 1.0,
+    temperature: float | np.ndarray | Tensor = 1.0,
     with_entropy: bool = False,
     with_sum_pi_squared: bool = False,
     rows_per_chunk: int = 4096,
@@ -366,8 +416,11 @@ def compact_log_probs(
     ``lm_head_bias`` [V], same dtype as ``hidden``. Logits ``hidden @ Wᵀ + b`` are formed in the
     input dtype, upcast (float32 for float32/bf16/fp16, float64 for float64), transformed by
     ``logit_transform`` (the model's own logit scaling / soft-capping, :class:`LogitTransform`;
-    None: identity), divided by ``temperature`` and log-softmaxed — once for each row that has a child, in chunks of
-    ``rows_per_chunk`` rows; the backward recomputes the chunks (no logits are stored).
+    None: identity), divided by ``temperature`` and log-softmaxed — once for each row that has a
+    child, in chunks of ``rows_per_chunk`` rows; the backward recomputes the chunks (no logits
+    are stored). ``temperature`` is one number or one per trajectory (``[N]``, veRL's per-sample
+    temperatures): the trajectories of each distinct temperature then form their own sub-forest,
+    so a row shared by trajectories of k temperatures has its vocabulary work done k times.
 
     Guarantees: position t of trajectory i holds ``log p(x_i[t+1] | x_i[≤t])``, equal to a
     trajectory-wise log-softmax over the gathered hidden states (:func:`expanded_log_probs_ref`;
@@ -385,7 +438,7 @@ def compact_log_probs(
         raise TypeError(f"forest: expected a RolloutForest, got {type(forest).__name__}")
     c = int(forest.num_compact_tokens)
     _check_inputs(hidden, lm_head_weight, lm_head_bias, forest, c)
-    temperature = _check_temperature(temperature)
+    temperature = _check_temperatures(temperature, int(forest.num_trajectories))
     transform = _check_transform(logit_transform)
     if (
         not isinstance(rows_per_chunk, int | np.integer)
@@ -395,8 +448,68 @@ def compact_log_probs(
         raise ValueError(f"rows_per_chunk: expected a positive int, got {rows_per_chunk!r}")
     if output not in ("nested", "flat"):
         raise ValueError(f"output: expected 'nested' or 'flat', got {output!r}")
-    chunk = int(rows_per_chunk)
+    flags = (bool(with_entropy), bool(with_sum_pi_squared))
+    head = (lm_head_weight, lm_head_bias, int(rows_per_chunk), transform)
+    if isinstance(temperature, float):
+        logp, ent, sq = _compact_flat(hidden, forest, temperature, head, *flags)
+    else:
+        logp, ent, sq = _per_temperature(hidden, forest, temperature, head, *flags)
+    lengths = np.asarray(forest.lengths, dtype=np.int64) - 1
+    offsets = torch.zeros(lengths.shape[0] + 1, dtype=torch.int64)
+    torch.cumsum(torch.from_numpy(lengths), 0, out=offsets[1:])
+    if output == "flat":
+        return LogProbResult(logp, ent, offsets, sq)
+    sizes = lengths.tolist()
+    return LogProbResult(
+        list(torch.split(logp, sizes)),
+        list(torch.split(ent, sizes)) if ent is not None else None,
+        offsets,
+        list(torch.split(sq, sizes)) if sq is not None else None,
+    )
 
+
+def _per_temperature(
+    hidden: Tensor,
+    forest: Any,
+    temperatures: np.ndarray,
+    head: tuple[Tensor, Tensor | None, int, LogitTransform],
+    with_entropy: bool,
+    with_sq: bool,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """:func:`_compact_flat` with one temperature per trajectory: once per distinct temperature
+    on the sub-forest of its trajectories (hidden rows gathered), outputs put back in the flat
+    order of ``forest`` (differentiable: a gather of the concatenated group outputs)."""
+    values, group = np.unique(temperatures, return_inverse=True)
+    parts: list[tuple[Tensor, Tensor | None, Tensor | None]] = []
+    where = []
+    dev = hidden.device
+    for g, t in enumerate(values.tolist()):
+        sub, rows, positions = _group_rows(forest, np.flatnonzero(group == g))
+        h = hidden.index_select(0, torch.from_numpy(rows).to(dev))
+        parts.append(_compact_flat(h, sub, float(t), head, with_entropy, with_sq))
+        where.append(positions)
+    inverse = np.empty(sum(p.shape[0] for p in where), dtype=np.int64)
+    inverse[np.concatenate(where)] = np.arange(inverse.shape[0], dtype=np.int64)
+    gather = torch.from_numpy(inverse).to(dev)
+    out = []
+    for k in range(3):
+        cols = [p[k] for p in parts]
+        out.append(None if cols[0] is None else torch.cat(cols).index_select(0, gather))
+    return out[0], out[1], out[2]
+
+
+def _compact_flat(
+    hidden: Tensor,
+    forest: Any,
+    temperature: float,
+    head: tuple[Tensor, Tensor | None, int, LogitTransform],
+    with_entropy: bool,
+    with_sum_pi_squared: bool,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Flat ``[S − N]`` log-probs, entropy and Σp² (None unless asked) of ``forest`` at one
+    temperature (checked inputs; ``head`` = weight, bias, rows per chunk, transform)."""
+    lm_head_weight, lm_head_bias, chunk, transform = head
+    c = int(forest.num_compact_tokens)
     parent = np.asarray(forest.parent)
     hid_rows = np.flatnonzero(np.asarray(forest.num_children) > 0).astype(np.int64)
     child = np.flatnonzero(parent >= 0)
@@ -431,18 +544,7 @@ def compact_log_probs(
     hid_of_pos = torch.from_numpy(pair_hidx[pos_pair]).to(dev)
     ent = ent_hid[hid_of_pos] if with_entropy else None
     sq = sq_hid[hid_of_pos] if with_sum_pi_squared else None
-    lengths = np.asarray(forest.lengths, dtype=np.int64) - 1
-    offsets = torch.zeros(lengths.shape[0] + 1, dtype=torch.int64)
-    torch.cumsum(torch.from_numpy(lengths), 0, out=offsets[1:])
-    if output == "flat":
-        return LogProbResult(logp, ent, offsets, sq)
-    sizes = lengths.tolist()
-    return LogProbResult(
-        list(torch.split(logp, sizes)),
-        list(torch.split(ent, sizes)) if ent is not None else None,
-        offsets,
-        list(torch.split(sq, sizes)) if sq is not None else None,
-    )
+    return logp, ent, sq
 
 
 def expanded_log_probs_ref(

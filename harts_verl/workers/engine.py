@@ -40,10 +40,11 @@ token. veRL's losses never read position L−1 (``no_padding_2_padding`` slices
 :class:`HartsFSDPValueEngine` is the critic's counterpart (values of every position, see there).
 
 Fallback (stock path, metric ``harts/fallback`` = 1): harts disabled, a model without tree
-support, per-sample temperatures, dropout in training, a batch that carries multi-modal inputs
+support, dropout in training, a batch that carries multi-modal inputs
 (vision embeddings and 3-D mrope positions have no tree form; text-only batches of the same
 multi-modal model run in tree mode), under Ulysses SP a trajectory longer than one rank's token
-budget, fused kernels on a model without HF's ``model`` / ``lm_head`` parts, top-k
+budget, fused kernels (or a logit-transforming forward) on a model without HF's ``model`` /
+``lm_head`` parts, top-k
 distillation, training with router jitter, dynamic RoPE beyond its original context, or global
 compression below ``harts.min_compression``. The decision is taken jointly by all DP ranks;
 each reason is logged at WARNING the first time it occurs.
@@ -181,10 +182,11 @@ def forest_of_batch(data: TensorDict) -> RolloutForest:
     return forest
 
 
-def _scalar_temperature(micro_batch: TensorDict) -> float | None:
-    """The batch's one sampling temperature (1.0 when absent); None when samples carry
-    different ones. Raises ``ValueError`` naming ``temperature`` for a missing, non-numeric,
-    non-finite or non-positive value."""
+def _batch_temperature(micro_batch: TensorDict) -> float | np.ndarray:
+    """The batch's sampling temperature (1.0 when absent): one float, or, when samples carry
+    different ones (veRL's per-sample temperatures), a float64 array with one per sample in
+    batch order. Raises ``ValueError`` naming ``temperature`` for a non-numeric, non-finite or
+    non-positive value."""
     t = micro_batch["temperature"] if "temperature" in micro_batch.keys() else 1.0
     t = tu.unwrap_non_tensor_data(t) if not isinstance(t, torch.Tensor | float | int) else t
     if isinstance(t, torch.Tensor):
@@ -197,11 +199,17 @@ def _scalar_temperature(micro_batch: TensorDict) -> float | None:
                 f"temperature: expected finite positive values, got {float(flat[bad][0])}"
             )
         if not bool((flat == flat[0]).all()):
-            return None
+            return flat.cpu().numpy()
         return float(flat[0])
     if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < float(t) < float("inf"):
         raise ValueError(f"temperature: expected a finite positive number, got {t!r}")
     return float(t)
+
+
+def _select_temperature(temperature: float | np.ndarray, rows: list[int]) -> float | np.ndarray:
+    """The temperature of the samples ``rows`` of a batch at ``temperature``
+    (:func:`_batch_temperature`)."""
+    return temperature if isinstance(temperature, float) else temperature[rows]
 
 
 def _has_multi_modal(data: TensorDict) -> bool:
@@ -585,7 +593,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
 
     # ------------------------------------------------------------------ batch
     def _local_fallback_reasons(
-        self, data: TensorDict, temperature: float | None, longest: int, forward_only: bool
+        self, data: TensorDict, longest: int, forward_only: bool
     ) -> dict[str, str]:
         """Why this rank's batch (whose longest trajectory has ``longest`` tokens) cannot run in
         tree mode, as ``{key: explanation}`` (empty: it can)."""
@@ -605,8 +613,6 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             )
         if not forward_only and self._dropout_of_module():
             reasons["dropout"] = self._dropout_of_module()
-        if temperature is None and self._uses_temperature:
-            reasons["temperature"] = "per-sample temperatures (tree mode takes one temperature)"
         if _has_multi_modal(data):
             reasons["multi_modal"] = (
                 "the batch carries multi-modal inputs (multi_modal_inputs: pixel values / "
@@ -663,12 +669,12 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
     def forward_backward_batch(self, data: TensorDict, loss_function, forward_only=False):
         self._calls += 1
         n = len(data)
-        temperature = _scalar_temperature(data) if self._uses_temperature else 1.0
+        temperature = _batch_temperature(data) if self._uses_temperature else 1.0
         forest = forest_of_batch(data) if n else None
         s = forest.num_semantic_tokens if forest is not None else 0
         c = forest.num_compact_tokens if forest is not None else 0
         longest = int(forest.lengths.max()) if forest is not None else 0
-        reasons = self._local_fallback_reasons(data, temperature, longest, forward_only)
+        reasons = self._local_fallback_reasons(data, longest, forward_only)
         # All ranks take the same path (FSDP collectives must stay aligned).
         s_all, c_all = self._dp_all_reduce([s, c])
         ok_min = self._dp_all_reduce([0.0 if reasons else 1.0], op=dist.ReduceOp.MIN)[0]
@@ -712,7 +718,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         loss_function,
         forward_only: bool,
         forest: RolloutForest,
-        temperature: float,
+        temperature: float | np.ndarray,
         compression: float,
     ):
         tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
@@ -763,7 +769,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
                     micro_batch,
                     loss_function=None if dummy else loss_function,
                     forward_only=forward_only,
-                    temperature=temperature,
+                    temperature=_select_temperature(temperature, sel),
                     dummy=dummy,
                 )
                 if not forward_only:
@@ -941,7 +947,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         micro_batch: TensorDict,
         forest: RolloutForest,
         layout: TreeLayout,
-        temperature: float,
+        temperature: float | np.ndarray,
         device: torch.device,
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """veRL's model output of a tree micro-batch (nested per trajectory, batch order) and
@@ -1011,7 +1017,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         *,
         loss_function,
         forward_only: bool,
-        temperature: float,
+        temperature: float | np.ndarray,
         dummy: bool = False,
     ) -> tuple[torch.Tensor, dict, dict]:
         micro_batch = micro_batch.to(get_device_id())
@@ -1057,12 +1063,12 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
     def forward_step(self, micro_batch: TensorDict, loss_function, forward_only):
         """One micro-batch in tree mode; veRL's stock step inside a fallback batch, and for a
         micro-batch that cannot run in tree mode (see ``_local_fallback_reasons``)."""
-        temperature = _scalar_temperature(micro_batch) if self._uses_temperature else 1.0
+        temperature = _batch_temperature(micro_batch) if self._uses_temperature else 1.0
         if self._stock_batch or self._sp_size() > 1:
             # (under Ulysses SP a lone tree micro-batch would run on every SP rank)
             return super().forward_step(micro_batch, loss_function, forward_only)
         longest = max((len(t) for t in _sequences(micro_batch["input_ids"])), default=0)
-        if self._local_fallback_reasons(micro_batch, temperature, longest, forward_only):
+        if self._local_fallback_reasons(micro_batch, longest, forward_only):
             return super().forward_step(micro_batch, loss_function, forward_only)
         loss, meta, _ = self._tree_forward_step(
             micro_batch,
@@ -1113,7 +1119,9 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         finally:
             config._attn_implementation_internal = saved
 
-    def _audit(self, data: TensorDict, model_output: dict, temperature: float) -> float:
+    def _audit(
+        self, data: TensorDict, model_output: dict, temperature: float | np.ndarray
+    ) -> float:
         """max |Δ| of the audited output (log-probs; values for the critic) between the tree
         result and the stock (expanded) forward on the first ``harts.audit_trajectories``
         trajectories of the local batch (positions 0..L−2 for shifted outputs, else all). Where
@@ -1133,7 +1141,10 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         if tree_out is None:  # training without return_model_output: recompute the tree side
             with torch.no_grad():
                 _, meta, _ = self._tree_forward_step(
-                    sub, loss_function=None, forward_only=True, temperature=temperature
+                    sub,
+                    loss_function=None,
+                    forward_only=True,
+                    temperature=_select_temperature(temperature, list(range(n))),
                 )
             tree = meta["model_output"][key].unbind()
         else:
@@ -1171,7 +1182,7 @@ class HartsFSDPValueEngine(HartsFSDPEngine, FSDPEngineWithValueHead):
         micro_batch: TensorDict,
         forest: RolloutForest,
         layout: TreeLayout,
-        temperature: float,
+        temperature: float | np.ndarray,
         device: torch.device,
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         raw = self._run_tree_model(layout, device)

@@ -633,7 +633,7 @@ def make_batch(
     prompt_lengths: Sequence[int],
     *,
     seed: int = 0,
-    temperature: float = 1.0,
+    temperature: float | Sequence[float] = 1.0,
     calculate_entropy: bool = False,
     max_token_len: int = 4096,
     tool_spans: Sequence[tuple[int, int, int]] = (),
@@ -652,7 +652,9 @@ def make_batch(
     models without fla: HF's torch fallback would carry state across packed sequences).
     ``multi_modal_inputs``: per trajectory, the model's vision keywords (e.g. ``pixel_values``,
     ``image_grid_thw``) or an empty dict / None for a text-only one, stored as veRL stores them
-    (a ``NonTensorStack`` under ``multi_modal_inputs``); position ids stay the text positions."""
+    (a ``NonTensorStack`` under ``multi_modal_inputs``); position ids stay the text positions.
+    ``temperature``: one for the batch (a non-tensor field), or one per trajectory (a float32
+    ``[N]`` tensor field, veRL's per-sample temperatures)."""
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
 
@@ -712,9 +714,16 @@ def make_batch(
         td["multi_modal_inputs"] = NonTensorStack.from_list(
             [NonTensorData(item) for item in multi_modal_inputs]
         )
+    per_sample = not isinstance(temperature, int | float)
+    if per_sample:
+        if len(temperature) != n:
+            raise ValueError(
+                f"temperature: expected one per trajectory ({n}), got {len(temperature)}"
+            )
+        td["temperature"] = torch.tensor([float(t) for t in temperature], dtype=torch.float32)
     tu.assign_non_tensor(
         td,
-        temperature=temperature,
+        **({} if per_sample else {"temperature": temperature}),
         calculate_entropy=calculate_entropy,
         use_dynamic_bsz=True,
         max_token_len_per_gpu=max_token_len,
