@@ -313,6 +313,22 @@ def _cohere_rotary(m):
     return apply
 
 
+def _granite_gating(self, hidden_states):
+    """Granite-MoE's ``TopKGating`` (top-k of the router logits, softmax over the chosen, tokens
+    sorted by expert) with the logits in the compute dtype instead of float32."""
+    logits = self.layer(hidden_states).to(_compute_dtype(hidden_states.dtype))
+    top_k_logits, top_k_indices = logits.topk(self.top_k, dim=1)
+    top_k_gates = torch.softmax(top_k_logits, dim=1).type_as(hidden_states)
+    zeros = torch.zeros(
+        [top_k_gates.size(0), self.num_experts], dtype=top_k_gates.dtype, device=logits.device
+    )
+    expert_size = zeros.scatter(1, top_k_indices, 1).long().sum(0).tolist()
+    _, index_sorted_experts = top_k_indices.flatten().sort(0)
+    batch_index = index_sorted_experts.div(self.top_k, rounding_mode="trunc")
+    batch_gates = top_k_gates.flatten()[index_sorted_experts]
+    return index_sorted_experts, batch_index, batch_gates, expert_size, logits
+
+
 def lift_full_attention_islands(monkeypatch) -> None:
     """Patch (through pytest's ``monkeypatch``) the RMSNorms and routers of every full-attention
     family to compute in the input dtype (same formulas; unchanged in float32 models)."""
@@ -333,6 +349,8 @@ def lift_full_attention_islands(monkeypatch) -> None:
                 monkeypatch.setattr(obj, "forward", _router)
             elif name.endswith("TopkRouter"):
                 monkeypatch.setattr(obj, "forward", _sigmoid_router_logits)
+            elif name.endswith("TopKGating"):  # Granite-MoE
+                monkeypatch.setattr(obj, "forward", _granite_gating)
         if short in _EAGER_SOFTCAP_MODULES:
             monkeypatch.setattr(m, "eager_attention_forward", _softcap_eager_attention)
         if short in _COHERE_MODULES:

@@ -7,7 +7,7 @@ GQA attention, RoPE or NoPE) is wrapped so that, in a tree-mode forward, it runs
 attention); outside one the original forward runs untouched. The attention modules of the
 full-attention models (Qwen2 / Qwen3 / Llama / Mistral, Qwen2-MoE / Qwen3-MoE / Mixtral,
 DeepSeek-V3's MLA, GLM-4-MoE, OLMo 2 / OLMo 3, Phi-3, Seed-OSS, GLM-4, Gemma 2 / Gemma 3,
-Granite, Cohere / Cohere 2, gpt-oss with its attention sinks) run their own forward in tree mode,
+Granite / Granite-MoE, Cohere / Cohere 2, gpt-oss with its attention sinks) run their own forward in tree mode,
 with transformers' attention interface pointed at tree attention (:func:`tree_attention_interface`,
 which takes sliding windows, sinks and Gemma 2's logit soft-capping). Embeddings, norms, MLP /
 MoE, rotary tables and the LM head are HF's own code on the ``[1, C, D]`` compact batch.
@@ -197,6 +197,8 @@ FULL_ATTENTION_MODEL_TYPES = (
     "granite",
     "cohere",
     "cohere2",
+    "granitemoe",
+    "granitemoeshared",
 )
 _FULL_ATTENTION_CLASSES = (
     "Qwen2Attention",
@@ -219,6 +221,8 @@ _FULL_ATTENTION_CLASSES = (
     "GraniteAttention",
     "CohereAttention",
     "Cohere2Attention",
+    "GraniteMoeAttention",
+    "GraniteMoeSharedAttention",
 )
 # Softmax top-k routers whose load-balancing loss HF computes from the router logits
 # (``output_router_logits``; gpt-oss: Switch-style over the softmax of its biased logits, like
@@ -873,7 +877,7 @@ class HybridTreeModel(_HFTreeModel):
 class HFCausalTreeModel(_HFTreeModel):
     """Tree-mode view of a full-attention HF causal LM of :data:`FULL_ATTENTION_MODEL_TYPES`
     (Qwen2 / Qwen3 / Llama / Mistral, the MoE Qwen2-MoE / Qwen3-MoE / Mixtral, DeepSeek-V3 with
-    MLA, GLM-4-MoE, OLMo 2 / OLMo 3, Phi-3, Seed-OSS, GLM-4, Gemma 2 / Gemma 3, Granite,
-    Cohere / Cohere 2, gpt-oss)."""
+    MLA, GLM-4-MoE, OLMo 2 / OLMo 3, Phi-3, Seed-OSS, GLM-4, Gemma 2 / Gemma 3, Granite /
+    Granite-MoE (with or without a shared expert), Cohere / Cohere 2, gpt-oss)."""
 
     routers = _FULL_ATTENTION_ROUTER_CLASSES

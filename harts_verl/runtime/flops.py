@@ -124,7 +124,8 @@ def _ffn_layer(cfg: Any, i: int) -> float:
     """Row-wise FLOPs per token of layer ``i``'s feed-forward block in an HF model: a gated MLP
     of ``intermediate_size``, or a sparse MoE block: the router (one weight row per routed
     expert), ``num_experts_per_tok`` gated experts (``moe_intermediate_size`` wide; Mixtral's and
-    gpt-oss's ``intermediate_size``; biases ignored), and in full any shared expert: Qwen2-MoE /
+    gpt-oss's and Granite-MoE's ``intermediate_size``; biases ignored), and in full any shared
+    expert: Granite-MoE-Shared's ``shared_intermediate_size`` wide one, Qwen2-MoE /
     Qwen3-Next / Qwen3.5-MoE's ``shared_expert_intermediate_size`` wide one and its sigmoid gate,
     DeepSeek-V3 / GLM-4-MoE's ``n_shared_experts`` fused into one ``n_shared_experts ×
     moe_intermediate_size`` wide MLP.
@@ -143,7 +144,7 @@ def _ffn_layer(cfg: Any, i: int) -> float:
         sparse = (i + 1) % step == 0 and i not in (getattr(cfg, "mlp_only_layers", None) or ())
     if not (num_experts and sparse):
         return 2.0 * 3 * d * cfg.intermediate_size
-    if cfg.model_type in ("mixtral", "gpt_oss"):
+    if cfg.model_type in ("mixtral", "gpt_oss", "granitemoe", "granitemoeshared"):
         width = cfg.intermediate_size
     else:
         width = cfg.moe_intermediate_size
@@ -151,6 +152,8 @@ def _ffn_layer(cfg: Any, i: int) -> float:
     shared = getattr(cfg, "shared_expert_intermediate_size", None)
     if shared is not None:
         flops += 3 * d * shared + d
+    if getattr(cfg, "shared_intermediate_size", 0):  # Granite-MoE-Shared: no gate
+        flops += 3 * d * cfg.shared_intermediate_size
     n_shared = getattr(cfg, "n_shared_experts", None) or 0
     if n_shared:  # configs without shared experts may have no moe_intermediate_size
         flops += 3 * d * cfg.moe_intermediate_size * n_shared
@@ -232,7 +235,7 @@ def model_shape(cfg: Any) -> ModelShape:
     full-attention ``qwen2`` / ``qwen3`` / ``llama`` / ``mistral`` / ``qwen2_moe`` /
     ``qwen3_moe`` / ``mixtral`` / ``deepseek_v3`` / ``glm4_moe`` / ``olmo2`` / ``olmo3`` /
     ``phi3`` / ``seed_oss`` / ``glm4`` / ``gemma3_text`` / ``gpt_oss`` / ``gemma2`` /
-    ``granite`` / ``cohere`` / ``cohere2``. Raises ``ValueError`` for any other ``model_type``."""
+    ``granite`` / ``granitemoe`` / ``granitemoeshared`` / ``cohere`` / ``cohere2``. Raises ``ValueError`` for any other ``model_type``."""
     from harts_verl.models.config import HybridConfig
 
     if isinstance(cfg, HybridConfig):

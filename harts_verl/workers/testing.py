@@ -41,7 +41,7 @@ TINY_KINDS = (
     "olmo_hybrid_nope",
     *("llama", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe"),
     *("olmo2", "olmo3", "phi3", "seed_oss", "glm4", "gemma3_text", "gpt_oss"),
-    *("gemma2", "granite", "cohere", "cohere2"),
+    *("gemma2", "granite", "cohere", "cohere2", "granitemoe", "granitemoeshared"),
 )
 # The multi-modal Qwen3.5 wrappers (``Qwen3_5ForConditionalGeneration`` /
 # ``Qwen3_5MoeForConditionalGeneration``, model_type ``qwen3_5`` / ``qwen3_5_moe``): the text
@@ -104,11 +104,15 @@ _SIGMOID_MOE = dict(
 # small attention and final logit soft-caps (3 and 5) and a 10x init range (0.2), so that tanh
 # bends the tiny model's logits; tied embeddings, eager attention (HF's sdpa drops the attention
 # soft-cap). Granite:
-# embedding, residual, attention and logit multipliers away from 1. Cohere (Command R): parallel
+# embedding, residual, attention and logit multipliers away from 1 (Granite-MoE: the same, 4
+# experts 64 wide, top-2; -Shared: plus a 16-wide shared expert). Cohere (Command R): parallel
 # attention and MLP after one LayerNorm, per-head q/k LayerNorms, interleaved RoPE, logits
 # times 0.25, tied embeddings; Cohere 2 (Command R7B / A): a 6-token sliding layer with RoPE,
 # then a full layer without.
 _NO_SPECIAL_IDS = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)
+_GRANITE = dict(
+    embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=4.0
+)
 _SLIDING_FULL = ["sliding_attention", "full_attention"]
 _FULL_ATTENTION = {
     "qwen2": ("Qwen2Config", {}),
@@ -201,14 +205,19 @@ _FULL_ATTENTION = {
             "initializer_range": 0.2,
         },
     ),
-    "granite": (
-        "GraniteConfig",
+    "granite": ("GraniteConfig", {**_NO_SPECIAL_IDS, **_GRANITE}),
+    "granitemoe": (
+        "GraniteMoeConfig",
+        {**_NO_SPECIAL_IDS, **_GRANITE, "num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
+    "granitemoeshared": (
+        "GraniteMoeSharedConfig",
         {
             **_NO_SPECIAL_IDS,
-            "embedding_multiplier": 3.0,
-            "residual_multiplier": 0.5,
-            "attention_multiplier": 0.3,
-            "logits_scaling": 4.0,
+            **_GRANITE,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "shared_intermediate_size": 16,
         },
     ),
     "cohere": (
@@ -343,7 +352,8 @@ def tiny_hf_config(kind: str, vocab_size: int = 64):
     image, image / begin / end-of-image ids ``TINY_IMAGE_TOKEN_ID`` + 0 / 2 / 3; the
     full-attention causal LMs ``llama``, ``qwen3``, ``mistral``, ``qwen2_moe``, ``qwen3_moe``,
     ``mixtral``, ``deepseek_v3``, ``glm4_moe``, ``olmo2``, ``olmo3``, ``phi3``, ``seed_oss``,
-    ``glm4``, ``gemma3_text``, ``gpt_oss``, ``gemma2``, ``granite``, ``cohere``, ``cohere2``), sdpa attention (eager for
+    ``glm4``, ``gemma3_text``, ``gpt_oss``, ``gemma2``, ``granite``, ``granitemoe``,
+    ``granitemoeshared``, ``cohere``, ``cohere2``), sdpa attention (eager for
     gpt-oss, whose class has no sdpa, and Gemma 2, whose attention soft-cap HF's sdpa path
     drops), eager experts (float64-capable on CPU).
     Raises ``ValueError`` for another kind."""
@@ -432,6 +442,8 @@ def tiny_hf_model(kind: str, *, seed: int = 0, vocab_size: int = 64) -> torch.nn
         "gpt_oss": transformers.GptOssForCausalLM,
         "gemma2": transformers.Gemma2ForCausalLM,
         "granite": transformers.GraniteForCausalLM,
+        "granitemoe": transformers.GraniteMoeForCausalLM,
+        "granitemoeshared": transformers.GraniteMoeSharedForCausalLM,
         "cohere": transformers.CohereForCausalLM,
         "cohere2": transformers.Cohere2ForCausalLM,
         "qwen3_next": transformers.Qwen3NextForCausalLM,
