@@ -231,6 +231,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     with _inputs(_INSPECT_FLAGS):
         if args.dp != 1 and not args.capacity:
             raise ValueError("--dp needs --capacity (the planned microbatches it places)")
+        if args.work_slack and not args.capacity:
+            raise ValueError("--work-slack needs --capacity (it balances the planned slots)")
         plot = plot_path(args.plot) if args.plot else None
         forest = load_forest(args.forest)
         stats = forest_statistics(
@@ -283,7 +285,7 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int_arg(0), default=0)
     p.add_argument(
         "--work-slack",
-        type=float,
+        type=finite_float_arg(0, inclusive=True),
         default=0.0,
         help="planner work_slack in [0, 1): extra compact tokens allowed for slot balance",
     )

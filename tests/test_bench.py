@@ -221,6 +221,8 @@ def test_cli_argument_errors(tmp_path, capsys, monkeypatch):
         (["demo", "--repeats", "0"], "argument --repeats"),
         (["inspect", "f.npz", "--dp", "0"], "argument --dp"),
         (["inspect", "f.npz", "--capacity", "-5"], "argument --capacity"),
+        (["inspect", "f.npz", "--work-slack", "-1"], "argument --work-slack: expected a finite"),
+        (["inspect", "f.npz", "--work-slack", "nan"], "argument --work-slack"),
     ]:
         with pytest.raises(SystemExit) as info:
             main(argv)

@@ -443,3 +443,35 @@ def test_unconvertible_token_tensor_names_the_trajectory():
     torch = pytest.importorskip("torch")
     with pytest.raises(ValueError, match=r"sequences\[1\]"):
         RolloutForest.from_sequences([[1, 2], torch.tensor([1.0, 2.0], dtype=torch.bfloat16)])
+
+
+def test_mixed_numpy_integer_scalars_are_exact():
+    """A list mixing numpy uint64 and signed integer scalars (numpy promotes them to float64)
+    is read exactly, not refused as floats; ids beyond int64 and real floats still are."""
+    f = RolloutForest.from_sequences([[np.uint64(5), np.int64(3), 7], [np.uint8(5), np.int32(3)]])
+    assert [s.tolist() for s in f.sequences] == [[5, 3, 7], [5, 3]]
+    big = np.uint64(2**63 + 5)
+    with pytest.raises(ValueError, match=r"sequences\[0\]: token id 9223372036854775813"):
+        RolloutForest.from_sequences([[big, np.int64(3)]])
+    with pytest.raises(ValueError, match="must be integers, got dtype float64"):
+        RolloutForest.from_sequences([[np.uint64(5), 1.5]])
+
+
+def test_rows_of_returns_a_copy():
+    f = RolloutForest.from_sequences([[1, 2, 3], [1, 2]])
+    before = f.semantic_rows.copy()
+    r = f.rows_of(0)
+    r[:] = 0
+    assert np.array_equal(f.semantic_rows, before) and f.rows_of(1).tolist() == [0, 1]
+
+
+def test_turn_errors_are_short_and_name_the_turn():
+    """A long parent-link cycle is named by its start and end (not every turn); an empty turn
+    is called a turn."""
+    n = 5000
+    turns = [Turn(0, None, [1])] + [Turn(k, k % (n - 1) + 1, [2]) for k in range(1, n)]
+    with pytest.raises(ValueError, match=r"cycle \(1 -> 2 -> 3 -> 4 -> \.\.\. \(4994 more\)") as e:
+        RolloutForest.from_turns(turns)
+    assert len(str(e.value)) < 300
+    with pytest.raises(ValueError, match=r"turns\[1\]: empty turn"):
+        RolloutForest.from_turns([Turn(0, None, [1]), Turn(1, 0, [])])

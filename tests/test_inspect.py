@@ -91,6 +91,9 @@ def test_lower_bound_counts_oversize_copies_once():
     plan = forest_statistics(f, capacity_tokens=4)["plan"]
     assert plan["total_compact_tokens"] == 7
     assert plan["lower_bound_compact_tokens"] == 7
+    assert plan["oversize_trajectories"] == 2 and plan["oversize_microbatches"] == 1
+    fits = forest_statistics(f, capacity_tokens=6)["plan"]
+    assert fits["oversize_trajectories"] == 0 and fits["oversize_microbatches"] == 0
 
 
 @settings(max_examples=40, deadline=None)
@@ -169,8 +172,8 @@ def test_cli_inspect_input_errors(tmp_path, capsys, monkeypatch):
         ([str(tmp_path / "trunc.npz")], "trunc.npz: not a forest file"),
         ([str(tmp_path / "other.npz")], "other.npz: not a forest file (an .npz archive with"),
         ([str(good), "--dp", "2"], "--dp needs --capacity"),
-        ([str(good), "--capacity", "4", "--work-slack", "-1"], "--work-slack: expected"),
-        ([str(good), "--capacity", "4", "--work-slack", "nan"], "--work-slack: expected"),
+        ([str(good), "--capacity", "4", "--work-slack", "1.5"], "--work-slack: expected"),
+        ([str(good), "--work-slack", "0.1"], "--work-slack needs --capacity"),
         ([str(good), "--plot", str(tmp_path / "plots")], "--plot: "),
         ([str(good), "--plot", str(tmp_path / "x.nope")], "--plot: unsupported format '.nope'"),
         ([str(good), "--plot", str(tmp_path / "no" / "x.png")], "--plot: cannot write"),

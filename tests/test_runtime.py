@@ -87,6 +87,59 @@ def test_native_model_microbatched_float64():
     assert tree.last_stats.microbatches > 1
 
 
+@pytest.mark.parametrize("separable", [False, True])
+def test_moe_aux_loss_microbatched_same_partition(separable):
+    """With MoE layers the router auxiliary loss is per microbatch (as HF's and veRL's), so it
+    depends on the partition: run on the tree runner's partition (``last_stats.partition``),
+    the expanded runner gives the same loss, aux loss and every gradient (float64); its own
+    plan for the same capacity cuts the batch differently. ``aux_loss`` reports what entered
+    the objective (0 without it, with one microbatch or several)."""
+    torch.manual_seed(5)
+    model = HybridForCausalLM.from_config(preset("tiny", vocab_size=64, chunk_size=16)).double()
+    seqs = _forest_sequences(5, 64)
+    loss_fn = _loss_fn(len(seqs))
+    if separable:  # a per-trajectory sum
+        loss_fn = lambda lps: sum((lp.sum() for lp in lps if lp is not None), torch.zeros(()))  # noqa: E731
+    outs, grads = [], []
+    tree = TreeRunner(model, chunk_size=16, capacity_tokens=120)
+    expanded = ExpandedRunner(model, chunk_size=16, capacity_tokens=120)
+    for run in (tree, expanded):
+        kw = {"microbatches": tree.last_stats.partition} if run is expanded else {}
+        model.zero_grad(set_to_none=True)
+        outs.append(run.forward_backward(seqs, loss_fn, separable=separable, **kw))
+        grads.append(_grads(model))
+    assert outs[0]["microbatches"] > 1 and outs[0]["aux_loss"] > 0
+    assert abs(outs[0]["aux_loss"] - outs[1]["aux_loss"]) <= 1e-12
+    assert abs(outs[0]["loss"] - outs[1]["loss"]) <= 1e-10 * max(1.0, abs(outs[0]["loss"]))
+    _assert_grads_close(grads[0], grads[1])
+    own = expanded.forward_backward(seqs, loss_fn, separable=separable)
+    assert [g.tolist() for g in expanded.last_stats.partition] != [
+        g.tolist() for g in tree.last_stats.partition
+    ]
+    assert own["aux_loss"] != outs[0]["aux_loss"]
+    for runner in (TreeRunner(model, chunk_size=16), tree):
+        assert runner.forward_backward(seqs, loss_fn, include_aux_loss=False)["aux_loss"] == 0.0
+
+
+def test_forward_backward_partition_validation():
+    model = HybridForCausalLM.from_config(preset("tiny", vocab_size=64, chunk_size=16)).double()
+    seqs = [[1, 2, 3], [1, 2, 4], [5]]
+    runner = TreeRunner(model, chunk_size=16)
+    loss = lambda lps: sum(lp.sum() for lp in lps)  # noqa: E731
+    for bad, msg in (
+        ([[0, 1]], "missing 1"),
+        ([[0, 1], [1, 2]], "repeated 1"),
+        ([[0, 1, 2, 3]], "out of range 1"),
+        ([[0, 1], []], r"microbatches\[1\]: expected a non-empty"),
+        ([[0.0, 1.0], [2]], r"microbatches\[0\]"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            runner.forward_backward(seqs, loss, microbatches=bad)
+    out = runner.forward_backward(seqs, loss, microbatches=[[2], [0, 1]])
+    assert out["microbatches"] == 2.0
+    assert [g.tolist() for g in runner.last_stats.partition] == [[2], [0, 1]]
+
+
 def test_recompute_does_not_change_results():
     torch.manual_seed(2)
     model = HybridForCausalLM.from_config(preset("tiny", vocab_size=64, chunk_size=16)).double()

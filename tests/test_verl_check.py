@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from functools import partial
 
 import numpy as np
 import pytest
@@ -106,6 +107,7 @@ _FLOP_KINDS = ("qwen2", "qwen3_next", "qwen3_5", "qwen3_5_moe", "llama", "qwen3"
 _FLOP_KINDS += ("olmo2", "olmo3", "phi3", "seed_oss", "glm4", "gemma3_text", "gemma2", "granite")
 _FLOP_KINDS += ("cohere", "cohere2")
 _FLOP_MOE_KINDS = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss")
+_FLOP_MOE_KINDS += ("granitemoe", "granitemoeshared")
 
 
 @pytest.mark.parametrize("kind", _FLOP_KINDS + _FLOP_MOE_KINDS)
@@ -208,6 +210,11 @@ def _check_error(capsys, argv: list[str], msg: str, *, entry: str = "cli") -> st
     return err[0]
 
 
+def _counting_load(calls: list, load, *args, **kwargs):
+    calls.append(1)
+    return load(*args, **kwargs)
+
+
 def test_check_input_errors(tmp_path, capsys, monkeypatch):
     """Bad models and batches end ``harts-verl check`` (and ``python -m ...check``) with one
     line naming the flag; an unsupported model type is refused before the model is built."""
@@ -258,8 +265,12 @@ def test_check_input_errors(tmp_path, capsys, monkeypatch):
         ("floats.pt", "integer token ids"),
         ("other.npz", "other.npz: not a forest file"),
     ]:
+        # a malformed batch file is refused before any weights are loaded
+        built: list[int] = []
+        monkeypatch.setattr(hf, "load_causal_lm", partial(_counting_load, built, real_load))
         line = _check_error(capsys, ["--model", model, "--batch", str(tmp_path / name)], msg)
         assert line.startswith("harts-verl check: --batch: ")
+        assert bool(built) == (name == "oov.pt"), name
     _check_error(
         capsys, ["--model", "nofile.json", "--batch", batch], "--model: config", entry="module"
     )

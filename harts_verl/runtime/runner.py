@@ -35,6 +35,8 @@ class StepStats:
     planning_seconds: float = 0.0
     compute_seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    # the partition used: one int64 array of trajectory indices per microbatch
+    partition: list[np.ndarray] = field(default_factory=list)
 
     @property
     def compression(self) -> float:
@@ -52,6 +54,30 @@ def _backward(total: torch.Tensor) -> None:
     constant) leaves every gradient untouched instead of failing."""
     if total.requires_grad:
         total.backward()
+
+
+def _checked_partition(microbatches: Any, n: int) -> list[np.ndarray]:
+    """``microbatches`` as int64 arrays after checking that they partition ``range(n)`` (each
+    trajectory in exactly one, none empty); ValueError naming ``microbatches`` otherwise."""
+    try:
+        groups = [np.asarray(g) for g in microbatches]
+    except TypeError as exc:
+        raise ValueError(f"microbatches: expected lists of trajectory indices ({exc})") from exc
+    for k, g in enumerate(groups):
+        if g.ndim != 1 or g.size == 0 or g.dtype.kind not in "iu":
+            raise ValueError(
+                f"microbatches[{k}]: expected a non-empty list of trajectory indices, got "
+                f"dtype {g.dtype} shape {g.shape}"
+            )
+    flat = np.concatenate(groups).astype(np.int64) if groups else np.zeros(0, np.int64)
+    counts = np.bincount(flat[(flat >= 0) & (flat < n)], minlength=n)
+    if flat.size != n or (flat < 0).any() or (flat >= n).any() or (counts != 1).any():
+        raise ValueError(
+            f"microbatches: expected each of the {n} trajectories in exactly one microbatch, got "
+            f"{flat.size} entries (missing {int((counts == 0).sum())}, repeated "
+            f"{int((counts > 1).sum())}, out of range {int(((flat < 0) | (flat >= n)).sum())})"
+        )
+    return [g.astype(np.int64) for g in groups]
 
 
 def _checked_loss(loss: Any) -> torch.Tensor:
@@ -190,7 +216,12 @@ class _Runner:
                     if with_entropy:
                         ent[i] = en[j]
         self.last_stats = StepStats(
-            forest.num_semantic_tokens, compact, len(groups), t1 - t0, time.perf_counter() - t1
+            forest.num_semantic_tokens,
+            compact,
+            len(groups),
+            t1 - t0,
+            time.perf_counter() - t1,
+            partition=[np.asarray(g, dtype=np.int64) for g in groups],
         )
         if with_entropy:
             return out, ent  # type: ignore[return-value]
@@ -219,6 +250,7 @@ class _Runner:
         temperature: float = 1.0,
         include_aux_loss: bool = True,
         separable: bool = False,
+        microbatches: Sequence[Sequence[int]] | None = None,
     ) -> dict[str, float]:
         """Run forward and backward of ``loss_fn(per-trajectory log-probs)``; gradients
         accumulate into the model's parameters.
@@ -228,21 +260,31 @@ class _Runner:
         without graph, ``loss_fn`` is differentiated w.r.t. them, and each microbatch is then
         re-run with graph and back-propagated with its trajectories' gradients (exact: the loss
         gradient is linear in the per-trajectory log-prob gradients). The router auxiliary loss
-        of each microbatch enters with weight (its semantic tokens / all semantic tokens).
+        of each microbatch enters with weight (its semantic tokens / all semantic tokens): like
+        HF's and veRL's per-micro-batch load-balancing loss it depends on how the batch is cut,
+        so a tree and an expanded run agree on it (and on the gradients it contributes) for the
+        same partition. ``microbatches`` (lists of trajectory indices, each trajectory in
+        exactly one) imposes a partition instead of planning one, e.g. the ``partition`` in
+        another runner's :attr:`last_stats`.
 
         ``separable=True`` declares the loss a sum of per-trajectory terms (e.g. a token sum with
         a fixed normalizer, as veRL's ``ppo_loss`` with global token counts): each microbatch then
         runs forward/backward once, and ``loss_fn`` gets a list in which the trajectories of
         other microbatches are ``None``; the returned loss is the sum over microbatches.
 
-        Raises ValueError for an empty batch and TypeError when ``loss_fn`` does not return a
-        one-element tensor.
+        Returns ``loss``, ``aux_loss`` (the router auxiliary loss added to the objective; 0 with
+        ``include_aux_loss=False``) and ``microbatches``. Raises ValueError for an empty batch
+        or a ``microbatches`` that is not a partition of the trajectories, and TypeError when
+        ``loss_fn`` does not return a one-element tensor.
         """
         t0 = time.perf_counter()
         forest = self.build_forest(sequences)
         if forest.num_trajectories == 0:
             raise ValueError("sequences: no trajectories to train on (an empty batch)")
-        groups = self.plan(forest)
+        if microbatches is None:
+            groups = self.plan(forest)
+        else:
+            groups = _checked_partition(microbatches, forest.num_trajectories)
         t1 = time.perf_counter()
         n = forest.num_trajectories
         s_total = max(forest.num_semantic_tokens, 1)
@@ -275,7 +317,8 @@ class _Runner:
             loss = _checked_loss(loss_fn(ordered))  # type: ignore[arg-type]
             total = loss + aux if include_aux_loss else loss
             _backward(total)
-            loss_value, aux_total = float(loss.detach()), float(aux.detach())
+            loss_value = float(loss.detach())
+            aux_total = float(aux.detach()) if include_aux_loss else 0.0
         else:
             detached: list[torch.Tensor | None] = [None] * n
             with torch.no_grad():
@@ -307,7 +350,12 @@ class _Runner:
                 total.backward()
             loss_value = float(loss.detach())
         self.last_stats = StepStats(
-            forest.num_semantic_tokens, compact, len(groups), t1 - t0, time.perf_counter() - t1
+            forest.num_semantic_tokens,
+            compact,
+            len(groups),
+            t1 - t0,
+            time.perf_counter() - t1,
+            partition=[np.asarray(g, dtype=np.int64) for g in groups],
         )
         return {"loss": loss_value, "aux_loss": aux_total, "microbatches": float(len(groups))}
 

@@ -60,11 +60,13 @@ class Segments:
         return int(self.first_row.shape[0])
 
 
-def as_trajectory_array(seq: Any, index: int, field: str = "sequences") -> np.ndarray:
+def as_trajectory_array(
+    seq: Any, index: int, field: str = "sequences", item: str = "trajectory"
+) -> np.ndarray:
     """Validate one trajectory's token ids and return them as a 1-D int64 array.
 
     Raises ValueError naming ``field[index]`` for ragged/nested input, non-integer or negative
-    ids, and empty trajectories.
+    ids, and an empty ``item`` (a trajectory, or a turn of :meth:`RolloutForest.from_turns`).
     """
     if isinstance(seq, str | bytes):
         raise ValueError(f"{field}[{index}]: expected a 1-D sequence of token ids, got a string")
@@ -75,11 +77,15 @@ def as_trajectory_array(seq: Any, index: int, field: str = "sequences") -> np.nd
     except TypeError as exc:  # e.g. a bfloat16 tensor, which numpy cannot represent
         raise ValueError(f"{field}[{index}]: expected integer token ids ({exc})") from exc
     if arr.dtype == object or arr.dtype.kind == "f":
-        # Python ints outside the int64 range make numpy fall back to objects or floats.
+        # Python ints outside the int64 range make numpy fall back to objects or floats; so does
+        # a list mixing numpy uint64 and signed integer scalars (uint64 + int64 -> float64).
         wide = _int_outside_int64(seq)
         if wide is not None:
             what = "negative token id" if wide < 0 else "token id"
             raise ValueError(f"{field}[{index}]: {what} {wide} does not fit in int64")
+        exact = _exact_integers(seq)
+        if exact is not None:
+            arr = exact
     if arr.dtype == object:
         raise ValueError(f"{field}[{index}]: expected integer token ids, got objects/ragged data")
     if arr.ndim != 1:
@@ -87,7 +93,7 @@ def as_trajectory_array(seq: Any, index: int, field: str = "sequences") -> np.nd
             f"{field}[{index}]: expected a 1-D sequence of token ids, got shape {arr.shape}"
         )
     if arr.size == 0:
-        raise ValueError(f"{field}[{index}]: empty trajectory (a trajectory needs >= 1 token)")
+        raise ValueError(f"{field}[{index}]: empty {item} (a {item} needs >= 1 token)")
     if arr.dtype.kind not in "iu" or arr.dtype == np.bool_:
         raise ValueError(f"{field}[{index}]: token ids must be integers, got dtype {arr.dtype}")
     if arr.dtype.kind == "i" and int(arr.min()) < 0:
@@ -95,6 +101,22 @@ def as_trajectory_array(seq: Any, index: int, field: str = "sequences") -> np.nd
     if arr.dtype == np.uint64 and int(arr.max()) > np.iinfo(np.int64).max:
         raise ValueError(f"{field}[{index}]: token id {int(arr.max())} does not fit in int64")
     return arr.astype(np.int64, copy=False)
+
+
+def _exact_integers(seq: Any) -> np.ndarray | None:
+    """A flat list/tuple whose items are all integers (Python or numpy, not bool) within the
+    int64 range, as int64 (exact, whatever numpy's promotion of the mixed scalar types); None
+    for anything else."""
+    if not isinstance(seq, list | tuple):
+        return None
+    ok = all(isinstance(x, int | np.integer) and not isinstance(x, bool | np.bool_) for x in seq)
+    if not ok:
+        return None
+    values = [int(x) for x in seq]
+    info = np.iinfo(np.int64)
+    if any(not (info.min <= v <= info.max) for v in values):
+        return None
+    return np.array(values, dtype=np.int64)
 
 
 def _int_outside_int64(seq: Any) -> int | None:
@@ -268,7 +290,8 @@ class RolloutForest:
                 has_child[p] = True
         _check_turns_reach_a_root(records, parent_idx)
         token_arrays = [
-            as_trajectory_array(t.token_ids, i, field="turns") for i, t in enumerate(records)
+            as_trajectory_array(t.token_ids, i, field="turns", item="turn")
+            for i, t in enumerate(records)
         ]
         ends = [i for i, t in enumerate(records) if t.is_trajectory_end or not has_child[i]]
         sequences = []
@@ -400,9 +423,10 @@ class RolloutForest:
         return int(i) % self.num_trajectories
 
     def rows_of(self, i: int) -> np.ndarray:
-        """Compact rows of trajectory ``i`` in token order (a root-to-endpoint path)."""
+        """Compact rows of trajectory ``i`` in token order (a root-to-endpoint path), as a new
+        int64 array (like ``tokens_of``: writing to it leaves the forest intact)."""
         i = self._check_index(i)
-        return self.semantic_rows[self.row_offsets[i] : self.row_offsets[i + 1]]
+        return self.semantic_rows[self.row_offsets[i] : self.row_offsets[i + 1]].copy()
 
     def tokens_of(self, i: int) -> np.ndarray:
         """Token ids of trajectory ``i`` (reconstructed from the rows)."""
@@ -733,7 +757,13 @@ def _check_turns_reach_a_root(records: list[Turn], parent_idx: np.ndarray) -> No
         node = int(parent_idx[node])
     cycle = path[seen[node] :]
     i = min(cycle)
-    ids = " -> ".join(repr(records[c].turn_id) for c in [*cycle, cycle[0]])
+    shown = [*cycle, cycle[0]]
+    if len(shown) > 9:  # a long cycle: its start and end, not every turn
+        head = " -> ".join(repr(records[c].turn_id) for c in shown[:4])
+        tail = " -> ".join(repr(records[c].turn_id) for c in shown[-2:])
+        ids = f"{head} -> ... ({len(cycle) - 5} more) -> {tail}"
+    else:
+        ids = " -> ".join(repr(records[c].turn_id) for c in shown)
     raise ValueError(
         f"turns[{i}] (turn_id {records[i].turn_id!r}): parent links form a cycle ({ids}); "
         "every turn must lead to a root turn (parent_turn_id None)"

@@ -169,7 +169,8 @@ def forest_statistics(
     ``depth_histogram`` (segments per trajectory path), ``branching_histogram`` (children per
     branch row), ``roots``, ``forks`` (count, inside-chunk fraction, fork-position quantiles,
     and the linear-attention call plan's ``replay_tokens`` and ``linear_rounds``), and ``plan``
-    (summary, per-slot works and imbalance, P0 size, lower bound) when planned:
+    (summary, per-slot works and imbalance, P0 size, lower bound, ``oversize_trajectories``
+    longer than the capacity and the ``oversize_microbatches`` that run them) when planned:
     ``plan.slot_work`` is a ``[slots][dp_size]`` list (``[]`` when the plan has no slots, e.g.
     for the empty forest, which is described like any other: zero counts, empty histograms).
 
@@ -236,6 +237,8 @@ def forest_statistics(
                 forest.subset(np.flatnonzero(keep)), capacity_tokens
             )
             + sum(int(forest.lengths[g[0]]) for g in big),
+            "oversize_trajectories": int((~keep).sum()),
+            "oversize_microbatches": len(big),
             "expansion_vs_forest": plan.total_compact_tokens / max(forest.num_compact_tokens, 1),
             "slot_work": sw.tolist(),
             "slot_imbalance": [round(float(x), 6) for x in imb],

@@ -363,11 +363,13 @@ def _flag(exc: BaseException, flag: str, field: str) -> ValueError:
 
 def load_inputs(args: argparse.Namespace) -> tuple[torch.nn.Module, list[list[int]]]:
     """The model and batch of parsed ``check`` options, every input checked before the audit:
-    ``--dtype``, ``--tol``, ``--chunk-size`` and ``--seed`` values, the model's type before it
-    is built (:func:`load_tree_model`), the batch (:func:`load_sequences`) and its token ids
-    against the model's vocabulary. Raises ``ValueError`` whose message starts with the flag at
+    ``--dtype``, ``--tol``, ``--chunk-size`` and ``--seed`` values, the model's config
+    (:func:`tree_model_config`) and the batch file (:func:`load_sequences`) before any weights
+    are loaded (:func:`load_tree_model`), then the batch's token ids against the model's
+    vocabulary. Raises ``ValueError`` whose message starts with the flag at
     fault (``--model: ...``, ``--batch: ...``), so it is one command-line line as it stands."""
     from harts_verl.runtime import TreeRunner
+    from harts_verl.tree import RolloutForest
 
     if args.dtype not in DTYPES:
         raise ValueError(f"--dtype: expected one of {sorted(DTYPES)}, got {args.dtype!r}")
@@ -378,18 +380,31 @@ def load_inputs(args: argparse.Namespace) -> tuple[torch.nn.Module, list[list[in
     for flag, value, lo in (("--chunk-size", args.chunk_size, 1), ("--seed", args.seed, 0)):
         if not is_int(value) or value < lo:
             raise ValueError(f"{flag}: expected an int >= {lo}, got {value!r}")
+
+    def batch_error(exc: Exception) -> ValueError:
+        msg = str(exc)
+        return ValueError(
+            f"--batch: {msg}" if msg.startswith(args.batch) else f"--batch: {args.batch}: {msg}"
+        )
+
+    # the config, then the batch file, before any weights are loaded (a bad batch costs nothing)
+    try:
+        tree_model_config(args.model)
+    except INPUT_ERRORS as exc:
+        raise _flag(exc, "--model", "model") from exc
+    try:
+        seqs = load_sequences(args.batch)
+        RolloutForest.from_sequences(seqs)  # every trajectory well-formed (ids >= 0, non-empty)
+    except INPUT_ERRORS as exc:
+        raise batch_error(exc) from exc
     try:
         model = load_tree_model(args.model, dtype=DTYPES[args.dtype], seed=args.seed)
     except INPUT_ERRORS as exc:
         raise _flag(exc, "--model", "model") from exc
     try:
-        seqs = load_sequences(args.batch)
         TreeRunner(model, chunk_size=args.chunk_size).build_forest(seqs)  # ids in vocabulary
     except INPUT_ERRORS as exc:
-        msg = str(exc)
-        raise ValueError(
-            f"--batch: {msg}" if msg.startswith(args.batch) else f"--batch: {args.batch}: {msg}"
-        ) from exc
+        raise batch_error(exc) from exc
     return model, seqs
 
 
