@@ -135,6 +135,9 @@ def test_forward_backward_partition_validation():
     ):
         with pytest.raises(ValueError, match=msg):
             runner.forward_backward(seqs, loss, microbatches=bad)
+    for bad in ([1.0, 2.0, 3.0], 0.0, float("nan")):  # one temperature for the batch
+        with pytest.raises(ValueError, match="temperature"):
+            runner.forward_backward(seqs, loss, temperature=bad)
     out = runner.forward_backward(seqs, loss, microbatches=[[2], [0, 1]])
     assert out["microbatches"] == 2.0
     assert [g.tolist() for g in runner.last_stats.partition] == [[2], [0, 1]]

@@ -10,6 +10,7 @@ without fla, HF's torch fallback would carry linear-attention state across packe
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from functools import partial
 
 import numpy as np
@@ -211,6 +212,49 @@ def test_parity_full_attention_families(verl_cpu, kind):
     tree = run(strategy="harts_fsdp2", loss_mode="vanilla", harts={"capacity_tokens": 48})
     _compare(ref, tree)
     assert tree[1]["harts/microbatches"][0] >= 2
+
+
+def test_gemma2_sdpa_fallback_batches_keep_the_soft_cap(verl_cpu, caplog, monkeypatch):
+    """Gemma 2 on sdpa (which drops its attention soft-cap): the build warns, and a fallback
+    batch runs eager attention, so it computes what a tree batch computes (log-probs <= 1e-6
+    relative) rather than the cap-less model (what it would compute on sdpa, > 1e-3 away)."""
+    from harts_verl.workers.engine import HartsFSDPEngine
+
+    testing, paths = verl_cpu
+    seqs, prompt_lens, spans = _multiturn_batch(seed=8)
+
+    def log_probs(enable: bool) -> torch.Tensor:
+        cfg = testing.actor_config(harts={"enable": enable})
+        engine = testing.build_engine(paths["gemma2"], cfg, attn_implementation="sdpa")
+        assert engine.module.config._attn_implementation == "sdpa"
+        with engine.eval_mode():
+            res = engine.infer_batch(testing.make_batch(seqs, prompt_lens, tool_spans=spans))
+        assert engine.module.config._attn_implementation == "sdpa"  # restored
+        assert res["metrics"]["harts/fallback"] == [0.0 if enable else 1.0]
+        # positions 0..L-2 (the stock and tree paths differ at L-1, which no loss reads)
+        return torch.cat([t[:-1] for t in res["model_output"]["log_probs"].unbind()])
+
+    with caplog.at_level("WARNING"):
+        tree = log_probs(True)
+    assert any("sdpa drops its attention logit soft-cap" in r.getMessage() for r in caplog.records)
+    scale = tree.abs().clamp_min(1.0)  # fp32: 1e-6 relative above 1, as _compare
+    assert float(((log_probs(False) - tree).abs() / scale).max()) <= 1e-6
+    monkeypatch.setattr(HartsFSDPEngine, "_stock_attention", lambda self: nullcontext())
+    assert float((log_probs(False) - tree).abs().max()) > 1e-3
+
+
+def test_fused_kernels_with_a_logit_transform_warn(verl_cpu, caplog, monkeypatch):
+    """veRL's fused forward leaves out Granite's logits_scaling (stock batches would differ from
+    tree mode, HF and the rollout): the build says so."""
+    import transformers
+
+    testing, paths = verl_cpu
+    cls = transformers.GraniteForCausalLM
+    monkeypatch.setattr(cls, "forward", cls.forward)  # veRL's patch is undone at teardown
+    with caplog.at_level("WARNING"):
+        testing.build_engine(paths["granite"], testing.actor_config(), use_fused_kernels=True)
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("leaves out the model's own logit transform" in m for m in msgs), msgs
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3_moe"])

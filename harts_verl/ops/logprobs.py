@@ -132,10 +132,17 @@ def _check_transform(logit_transform: Any) -> LogitTransform:
 
 class _Workspace:
     """Reusable [rows, V] buffers (logits in the input dtype; two in the compute dtype, three
-    with a soft-cap), so a pass over the chunks allocates its vocabulary-sized memory once."""
+    in a backward with a soft-cap), so a pass over the chunks allocates its vocabulary-sized
+    memory once. ``keep_tanh``: keep each chunk's ``tanh`` for :meth:`to_raw_logits` (backward
+    only; the forward soft-caps in place)."""
 
     def __init__(
-        self, rows: int, weight: Tensor, cdt: torch.dtype, transform: LogitTransform
+        self,
+        rows: int,
+        weight: Tensor,
+        cdt: torch.dtype,
+        transform: LogitTransform,
+        keep_tanh: bool = False,
     ) -> None:
         v = weight.shape[0]
         self.a = torch.empty(rows, v, dtype=cdt, device=weight.device)
@@ -148,7 +155,7 @@ class _Workspace:
         # tanh(x · scale / softcap) of the last chunk (its derivative in backward)
         self.tanh = (
             torch.empty(rows, v, dtype=cdt, device=weight.device)
-            if transform.softcap is not None
+            if transform.softcap is not None and keep_tanh
             else None
         )
 
@@ -156,7 +163,8 @@ class _Workspace:
         self, h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float
     ) -> Tensor:
         """``log_softmax(transform(logits.to(cdt)) / temperature)`` of chunk ``h`` [n, D], in
-        buffer b (with a soft-cap, ``tanh`` of the chunk stays in ``self.tanh``)."""
+        buffer b (with a soft-cap and ``keep_tanh``, ``tanh`` of the chunk stays in
+        ``self.tanh``)."""
         n = h.shape[0]
         z = _chunk_logits(h, weight, bias, self.logits[:n])
         if z.data_ptr() != self.a.data_ptr():
@@ -164,9 +172,11 @@ class _Workspace:
         scale, cap = self.transform
         if scale != 1.0:
             z.mul_(scale)
-        if cap is not None:
+        if cap is not None and self.tanh is not None:
             t = torch.tanh(z.div_(cap), out=self.tanh[:n])
             z = torch.mul(t, cap, out=z)
+        elif cap is not None:
+            z.div_(cap).tanh_().mul_(cap)
         if temperature != 1.0:
             z.div_(temperature)
         return torch.log_softmax(z, dim=-1, out=self.b[:n])
@@ -264,7 +274,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
             if need_b and bias is not None
             else None
         )
-        ws = _Workspace(min(chunk, n_hid), weight, cdt, ctx.transform)
+        ws = _Workspace(min(chunk, n_hid), weight, cdt, ctx.transform, keep_tanh=True)
         for j, a in enumerate(range(0, n_hid, chunk)):
             b = min(a + chunk, n_hid)
             rows = hid_rows[a:b]
@@ -429,8 +439,8 @@ def compact_log_probs(
     ``sum_pi_squared``) take the same layout. Gradients of all outputs flow to hidden, weight
     and bias (float64: ≤ 1e-9 relative to the reference); a row's gradient is the sum over its
     semantic positions. Memory: two (three for bf16/fp16) reusable [min(rows_per_chunk, H), V]
-    buffers per pass (one more in a backward through Σp²) plus, in backward, a [V, D]
-    compute-dtype weight-gradient accumulator.
+    buffers per pass (one more in a backward through Σp², one more in a backward with a
+    soft-cap) plus, in backward, a [V, D] compute-dtype weight-gradient accumulator.
     """
     if isinstance(hidden, Tensor) and hidden.ndim == 3 and hidden.shape[0] == 1:
         hidden = hidden[0]

@@ -277,6 +277,9 @@ class _Runner:
         or a ``microbatches`` that is not a partition of the trajectories, and TypeError when
         ``loss_fn`` does not return a one-element tensor.
         """
+        from harts_verl.ops.logprobs import _check_temperature
+
+        temperature = _check_temperature(temperature)  # one for the batch (not per trajectory)
         t0 = time.perf_counter()
         forest = self.build_forest(sequences)
         if forest.num_trajectories == 0:

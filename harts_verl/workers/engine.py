@@ -427,8 +427,26 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         self._rope_limit = length_dependent_rope(module)  # dynamic / longrope scaling
         if self._tree_supported and self._lm_head is not None:
             self._logit_transform = logit_transform_of(_causal_lm_of(module))
+        if self._fused_forward(module) and not self._logit_transform.is_identity:
+            logger.warning(
+                "harts_fsdp2: %s with use_fused_kernels: veRL's fused forward computes log-probs "
+                "from hidden @ lm_head / temperature and leaves out the model's own logit "
+                "transform (%s), which tree mode, HF and the rollout apply; stock (fallback) "
+                "batches and the audit's reference will differ: turn use_fused_kernels off for "
+                "consistent numbers",
+                model_type,
+                self._logit_transform,
+            )
         dropped = self._attention_term_dropped(module)
-        if dropped:
+        if dropped and "soft-cap" in dropped:
+            logger.warning(
+                "harts_fsdp2: %s with attn_implementation %r: transformers' sdpa drops its %s; "
+                "tree mode applies it, and stock (fallback) batches run eager attention instead",
+                model_type,
+                module.config._attn_implementation,
+                dropped,
+            )
+        elif dropped:
             logger.warning(
                 "harts_fsdp2: %s with attn_implementation %r: transformers' kernel drops its %s, "
                 "so veRL's stock forward (fallback batches) runs without them, while tree mode "
@@ -463,10 +481,11 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             "modules_to_save on lm_head), so the compact log-prob kernel cannot replace it"
         )
 
-    def _fused_forward(self) -> bool:
-        """Whether veRL's fused-kernel patch replaced the model's ``forward``
-        (``use_fused_kernels`` with a ``fused_kernel_options.impl_backend``)."""
-        return getattr(self.module, "_verl_fused_kernels_backend", None) is not None
+    def _fused_forward(self, module: torch.nn.Module | None = None) -> bool:
+        """Whether veRL's fused-kernel patch replaced the ``forward`` of ``module`` (default: the
+        engine's; ``use_fused_kernels`` with a ``fused_kernel_options.impl_backend``)."""
+        module = self.module if module is None else module
+        return getattr(module, "_verl_fused_kernels_backend", None) is not None
 
     def _needs_plain_forward(self) -> bool:
         """Whether a tree call must bypass the causal LM's own ``forward``: veRL's fused forward
@@ -691,7 +710,10 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             # veRL's batch loop calls ``self.forward_step``: make it the stock one.
             self._stock_batch = True
             try:
-                out = super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+                with self._stock_attention():
+                    out = super().forward_backward_batch(
+                        data, loss_function, forward_only=forward_only
+                    )
             finally:
                 self._stock_batch = False
             out.setdefault("metrics", {})
@@ -1066,10 +1088,12 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         temperature = _batch_temperature(micro_batch) if self._uses_temperature else 1.0
         if self._stock_batch or self._sp_size() > 1:
             # (under Ulysses SP a lone tree micro-batch would run on every SP rank)
-            return super().forward_step(micro_batch, loss_function, forward_only)
+            with self._stock_attention():
+                return super().forward_step(micro_batch, loss_function, forward_only)
         longest = max((len(t) for t in _sequences(micro_batch["input_ids"])), default=0)
         if self._local_fallback_reasons(micro_batch, longest, forward_only):
-            return super().forward_step(micro_batch, loss_function, forward_only)
+            with self._stock_attention():
+                return super().forward_step(micro_batch, loss_function, forward_only)
         loss, meta, _ = self._tree_forward_step(
             micro_batch,
             loss_function=loss_function,
@@ -1102,6 +1126,19 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         if getattr(config, "attn_logit_softcapping", None) is not None and impl == "sdpa":
             return "attention logit soft-cap (attn_logit_softcapping)"
         return None
+
+    @contextmanager
+    def _stock_attention(self) -> Iterator[None]:
+        """The attention a stock (fallback) batch runs: HF's eager attention where the configured
+        sdpa drops Gemma 2's attention soft-cap (eager takes packed sequences, so the batch
+        computes the model tree mode and the rollout compute); the configured one otherwise
+        (gpt-oss's eager masks ignore packed positions: its sink warning stands)."""
+        dropped = self._attention_term_dropped()
+        if dropped is None or "soft-cap" not in dropped:
+            yield
+            return
+        with self._eager_attention():
+            yield
 
     @contextmanager
     def _eager_attention(self) -> Iterator[None]:

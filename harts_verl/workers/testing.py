@@ -600,6 +600,7 @@ def build_engine(
     model_type: str = "language_model",
     use_fused_kernels: bool = False,
     lora_rank: int = 0,
+    attn_implementation: str | None = None,
 ):
     """Build and initialise the engine of ``actor_cfg.strategy`` for the model at
     ``model_path`` through veRL's ``EngineRegistry`` (as ``TrainingWorker`` does);
@@ -607,7 +608,8 @@ def build_engine(
     ``model_type="value_model"`` with a :func:`critic_config` builds the critic's engine;
     ``use_fused_kernels``: veRL's fused LM-head forward (torch backend; it replaces the model
     class's ``forward`` for the rest of the process); ``lora_rank`` > 0: veRL's LoRA adapters
-    (peft, every linear layer, ``lora_alpha`` = 2 × rank)."""
+    (peft, every linear layer, ``lora_alpha`` = 2 × rank); ``attn_implementation``: HF's
+    attention implementation (default: :func:`~harts_verl.models.hf.attn_implementation_for`)."""
     from transformers import AutoConfig
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import HFModelConfig
@@ -615,7 +617,7 @@ def build_engine(
 
     from harts_verl.models.hf import attn_implementation_for
 
-    attn = attn_implementation_for(AutoConfig.from_pretrained(model_path))
+    attn = attn_implementation or attn_implementation_for(AutoConfig.from_pretrained(model_path))
     model_cfg = HFModelConfig(
         path=model_path,
         load_tokenizer=False,

@@ -34,7 +34,7 @@ Selection rules:
 - Environment override, read only when the requested name is ``"auto"``:
   ``HARTS_LINEAR_BACKEND`` / ``HARTS_ATTENTION_BACKEND`` (a backend name, treated as explicit).
 - An explicit name never falls back: an unavailable backend raises
-  :class:`BackendUnavailableError` naming it and carrying the import error; an unsupported dtype
+  :class:`BackendUnavailableError` naming it and carrying the import error; an unsupported dtype,
   attention sinks or soft-capping raise at call time.
 - A kernel object (anything with the protocol's attributes) is returned as is: tests and callers
   can inject their own.
