@@ -363,24 +363,51 @@ def test_window_validation():
 
 
 # ----------------------------------------------------------------------------- attention sinks
-def traj_sink_attention(q, k, v, rows, *, scale, sinks, window=None, gate=None):
-    """HF gpt-oss's ``eager_attention_forward`` on one trajectory's own rows: scores, causal
-    (band) mask, the head's sink logit as one more column, max-shift, softmax, sink dropped."""
-    hq, rep = q.shape[1], q.shape[1] // k.shape[1]
-    n = len(rows)
-    i = torch.arange(n)
+def traj_scores(q, k, v, rows, *, scale, window):
+    """One trajectory's own rows: the causal (band) mask ``[n, n]``, the values per query head
+    ``[Hq, n, Dv]`` and the scaled scores ``q kᵀ · scale`` ``[Hq, n, n]`` (GQA repeated)."""
+    rep = q.shape[1] // k.shape[1]
+    i = torch.arange(len(rows))
     allowed = i[:, None] >= i[None, :]
     if window is not None:
         allowed &= i[:, None] - i[None, :] < window
     qi = q[rows].transpose(0, 1)
     ki = k[rows].repeat_interleave(rep, dim=1).transpose(0, 1)
     vi = v[rows].repeat_interleave(rep, dim=1).transpose(0, 1)
-    s = torch.matmul(qi, ki.transpose(-1, -2)) * scale
+    return allowed, vi, torch.matmul(qi, ki.transpose(-1, -2)) * scale
+
+
+def traj_sink_attention(q, k, v, rows, *, scale, sinks, window=None, gate=None):
+    """HF gpt-oss's ``eager_attention_forward`` on one trajectory's own rows: scores, causal
+    (band) mask, the head's sink logit as one more column, max-shift, softmax, sink dropped."""
+    hq, n = q.shape[1], len(rows)
+    allowed, vi, s = traj_scores(q, k, v, rows, scale=scale, window=window)
     s = s.masked_fill(~allowed, float("-inf"))
     s = torch.cat([s, sinks.to(s.dtype).view(hq, 1, 1).expand(hq, n, 1)], dim=-1)
     s = s - s.max(dim=-1, keepdim=True).values
     o = torch.matmul(torch.softmax(s, dim=-1)[..., :-1], vi).transpose(0, 1)
     return o if gate is None else o * torch.sigmoid(gate[rows])
+
+
+def _check_vs_trajectories(forest, qkv, plan, kw, traj_fn, seed, leaves):
+    """Tree attention with keywords ``kw`` vs ``traj_fn`` (an HF eager attention) on each
+    trajectory's own rows and vs the dense oracle (1e-10), and its gradients with respect to
+    ``leaves`` vs the per-trajectory ones (1e-9 relative). Returns (the random output weights,
+    the tree gradients, the dense output)."""
+    q, k, v = qkv
+    o = tree_attention(q, k, v, plan, **kw)
+    assert o.shape == (forest.num_compact_tokens, q.shape[1], v.shape[2]) and o.dtype == F64
+    rows = [torch.from_numpy(forest.rows_of(i)) for i in range(forest.num_trajectories)]
+    ref = torch.cat([traj_fn(q, k, v, r, **kw) for r in rows])
+    tree_sem = semantic(forest, o)
+    assert maxabs(tree_sem - ref) <= 1e-10
+    dense = tree_attention_dense_ref(q, k, v, forest, **kw)
+    assert maxabs(dense - o) <= 1e-10
+    w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
+    g_tree = grads((tree_sem * w).sum(), leaves)
+    for a, b in zip(g_tree, grads((ref * w).sum(), leaves)):
+        assert rel_err(a, b) <= 1e-9
+    return w, g_tree, dense
 
 
 def make_sinks(hq, seed, dtype=F64):
@@ -409,19 +436,10 @@ def test_sinks_match_trajectorywise_eager(seqs, heads, dims, window, use_gate, r
     sinks = make_sinks(hq, seed + 2)
     plan = build_attention_plan(forest, max_pad_ratio=ratio)
     kw = dict(scale=0.4, sinks=sinks, window=window, gate=gate)
-    o = tree_attention(q, k, v, plan, **kw)
-    assert o.shape == (c, hq, dv) and o.dtype == F64
-    rows = [torch.from_numpy(forest.rows_of(i)) for i in range(forest.num_trajectories)]
-    ref = torch.cat([traj_sink_attention(q, k, v, r, **kw) for r in rows])
-    tree_sem = semantic(forest, o)
-    assert maxabs(tree_sem - ref) <= 1e-10
-    dense = tree_attention_dense_ref(q, k, v, forest, **kw)
-    assert maxabs(dense - o) <= 1e-10
-    w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
     leaves = (q, k, v, gate, sinks)
-    g_tree = grads((tree_sem * w).sum(), leaves)
-    for a, b in zip(g_tree, grads((ref * w).sum(), leaves)):
-        assert rel_err(a, b) <= 1e-9
+    w, g_tree, dense = _check_vs_trajectories(
+        forest, (q, k, v), plan, kw, traj_sink_attention, seed, leaves
+    )
     g_dense = grads((semantic(forest, dense) * w).sum(), leaves)
     for a, b in zip(g_tree, g_dense):
         assert rel_err(a, b) <= 1e-9
@@ -492,16 +510,9 @@ def test_sinks_validation():
 def traj_softcap_attention(q, k, v, rows, *, scale, softcap, window=None, gate=None):
     """HF Gemma 2's ``eager_attention_forward`` on one trajectory's own rows: scores, soft-cap
     ``cap · tanh(s / cap)``, then the causal (band) mask as an additive ``-inf``, softmax."""
-    rep = q.shape[1] // k.shape[1]
     n = len(rows)
-    i = torch.arange(n)
-    allowed = i[:, None] >= i[None, :]
-    if window is not None:
-        allowed &= i[:, None] - i[None, :] < window
-    qi = q[rows].transpose(0, 1)
-    ki = k[rows].repeat_interleave(rep, dim=1).transpose(0, 1)
-    vi = v[rows].repeat_interleave(rep, dim=1).transpose(0, 1)
-    s = torch.tanh(torch.matmul(qi, ki.transpose(-1, -2)) * scale / softcap) * softcap
+    allowed, vi, s = traj_scores(q, k, v, rows, scale=scale, window=window)
+    s = torch.tanh(s / softcap) * softcap
     s = s + torch.zeros(n, n, dtype=s.dtype).masked_fill(~allowed, float("-inf"))
     o = torch.matmul(torch.softmax(s, dim=-1), vi).transpose(0, 1)
     return o if gate is None else o * torch.sigmoid(gate[rows])
@@ -530,18 +541,8 @@ def test_softcap_matches_trajectorywise_eager(
     q, k, v, gate = make_inputs(c, hq, hkv, dqk, dv, gate=use_gate, seed=seed)
     plan = build_attention_plan(forest, max_pad_ratio=ratio)
     kw = dict(scale=0.9, softcap=softcap, window=window, gate=gate)
-    o = tree_attention(q, k, v, plan, **kw)
-    assert o.shape == (c, hq, dv) and o.dtype == F64
-    rows = [torch.from_numpy(forest.rows_of(i)) for i in range(forest.num_trajectories)]
-    ref = torch.cat([traj_softcap_attention(q, k, v, r, **kw) for r in rows])
-    tree_sem = semantic(forest, o)
-    assert maxabs(tree_sem - ref) <= 1e-10
-    dense = tree_attention_dense_ref(q, k, v, forest, **kw)
-    assert maxabs(dense - o) <= 1e-10
-    w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
     leaves = tuple(t for t in (q, k, v, gate) if t is not None)
-    for a, b in zip(grads((tree_sem * w).sum(), leaves), grads((ref * w).sum(), leaves)):
-        assert rel_err(a, b) <= 1e-9
+    _check_vs_trajectories(forest, (q, k, v), plan, kw, traj_softcap_attention, seed, leaves)
 
 
 def test_softcap_fixed_cases_and_validation():

@@ -56,6 +56,21 @@ def _backward(total: torch.Tensor) -> None:
         total.backward()
 
 
+def _step_stats(
+    forest: RolloutForest, compact: int, groups: list[np.ndarray], t0: float, t1: float
+) -> StepStats:
+    """The :class:`StepStats` of a call that planned ``groups`` between ``t0`` and ``t1`` and
+    computed until now."""
+    return StepStats(
+        forest.num_semantic_tokens,
+        compact,
+        len(groups),
+        t1 - t0,
+        time.perf_counter() - t1,
+        partition=[np.asarray(g, dtype=np.int64) for g in groups],
+    )
+
+
 def _checked_partition(microbatches: Any, n: int) -> list[np.ndarray]:
     """``microbatches`` as int64 arrays after checking that they partition ``range(n)`` (each
     trajectory in exactly one, none empty); ValueError naming ``microbatches`` otherwise."""
@@ -215,14 +230,7 @@ class _Runner:
                     out[i] = lp[j]
                     if with_entropy:
                         ent[i] = en[j]
-        self.last_stats = StepStats(
-            forest.num_semantic_tokens,
-            compact,
-            len(groups),
-            t1 - t0,
-            time.perf_counter() - t1,
-            partition=[np.asarray(g, dtype=np.int64) for g in groups],
-        )
+        self.last_stats = _step_stats(forest, compact, groups, t0, t1)
         if with_entropy:
             return out, ent  # type: ignore[return-value]
         return out  # type: ignore[return-value]
@@ -352,14 +360,7 @@ class _Runner:
                     aux_total += float(aux.detach()) * w
                 total.backward()
             loss_value = float(loss.detach())
-        self.last_stats = StepStats(
-            forest.num_semantic_tokens,
-            compact,
-            len(groups),
-            t1 - t0,
-            time.perf_counter() - t1,
-            partition=[np.asarray(g, dtype=np.int64) for g in groups],
-        )
+        self.last_stats = _step_stats(forest, compact, groups, t0, t1)
         return {"loss": loss_value, "aux_loss": aux_total, "microbatches": float(len(groups))}
 
 
