@@ -547,8 +547,8 @@ def test_softcap_matches_trajectorywise_eager(
 
 def test_softcap_fixed_cases_and_validation():
     """A small cap changes the output, a huge one does not; float32 and bfloat16 stay close to
-    float64 truth; the varlen backend routes soft-capping to the bucketed path (or refuses it
-    without a fallback); bad caps and caps with sinks are refused."""
+    float64 truth; a varlen kernel with ``supports_softcap`` runs it, another is routed to the
+    bucketed path (or refused without a fallback); bad caps and caps with sinks are refused."""
     from harts_verl.ops.backends import VarlenAttentionKernel
     from harts_verl.ops.backends.varlen_attention import sdpa_varlen_reference
 
@@ -565,10 +565,21 @@ def test_softcap_fixed_cases_and_validation():
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
         low = tree_attention(*(t.detach().to(dtype) for t in (q, k, v)), plan, softcap=1.0)
         assert low.dtype == dtype and maxabs(low.double() - truth) <= tol
-    routed = VarlenAttentionKernel("t", sdpa_varlen_reference, sdpa_fallback=True)
-    vplan = routed.build_plan(forest)
+    # a varlen kernel that takes softcap (flash-attn >= 2.6; here its CPU test double) runs it,
+    # with or without a window; one that does not is routed to the bucketed path or refused
+    varlen = VarlenAttentionKernel("t", sdpa_varlen_reference, require_half=False)
+    vplan = varlen.build_plan(forest)
+    assert maxabs(varlen(q, k, v, vplan, softcap=1.0) - capped) <= 1e-12
+    windowed = tree_attention(q, k, v, plan, softcap=1.0, window=3)
+    assert maxabs(varlen(q, k, v, vplan, softcap=1.0, window=3) - windowed) <= 1e-12
+
+    def no_softcap(*args, **kwargs):
+        assert "softcap" not in kwargs
+        return sdpa_varlen_reference(*args, **kwargs)
+
+    routed = VarlenAttentionKernel("t", no_softcap, sdpa_fallback=True)
     assert maxabs(routed(q, k, v, vplan, softcap=1.0) - capped) <= 1e-12
-    strict = VarlenAttentionKernel("t", sdpa_varlen_reference, require_half=False)
+    strict = VarlenAttentionKernel("t", no_softcap, require_half=False)
     with pytest.raises(NotImplementedError, match="soft-capping"):
         strict(q, k, v, vplan, softcap=1.0)
     for bad in (0.0, -1.0, float("inf"), "2", True):

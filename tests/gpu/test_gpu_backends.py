@@ -199,6 +199,25 @@ def test_varlen_attention_sliding_window(cuda, report, name, window):
 
 
 # ------------------------------------------------------------------------------ tree vs trajectories
+@pytest.mark.parametrize("name", ["flash_attn", "torch_varlen"])
+@pytest.mark.parametrize("window", [None, 7])
+def test_varlen_attention_softcap(cuda, report, name, window):
+    """Gemma 2's attention logit soft-cap (50, and a small 2 that bends most scores) through
+    the varlen kernel where it takes ``softcap`` (flash-attn >= 2.6), else the bucketed
+    explicit-score path the backend routes it to, vs the float32 bucketed path; bf16."""
+    kern = _varlen_kernel(name, cuda)
+    forest = _forest(4)
+    c = forest.num_compact_tokens
+    gen = torch.Generator(device="cpu").manual_seed(5)
+    base = [torch.randn(c, h, 64, generator=gen) for h in (8, 2, 2)]
+    for cap in (50.0, 2.0):
+        kw = {"softcap": cap} if window is None else {"softcap": cap, "window": window}
+        errs = _varlen_vs_sdpa(kern, cuda, forest, base, 0.125, **kw)
+        errs["supports_softcap"] = bool(getattr(kern.varlen_fn, "supports_softcap", False))
+        report[f"attn_softcap_{name}_{cap}_{window}"] = errs
+        _assert_varlen_close(errs)
+
+
 def _compare(report, key, tree_sem: torch.Tensor, exp_sem: torch.Tensor) -> None:
     bitwise = bool(torch.equal(tree_sem, exp_sem))
     cos = mean_cos(tree_sem, exp_sem)

@@ -324,18 +324,22 @@ class VarlenAttentionKernel:
         sinks: torch.Tensor | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        for what, given in (("attention sinks (gpt-oss)", sinks), ("logit soft-capping", softcap)):
-            if given is not None and not self.sdpa_fallback:
+        no_softcap = softcap is not None and not getattr(self.varlen_fn, "supports_softcap", False)
+        for what, missing in (
+            ("attention sinks (gpt-oss)", sinks is not None),
+            ("logit soft-capping", no_softcap),
+        ):
+            if missing and not self.sdpa_fallback:
                 raise NotImplementedError(
                     f"attention backend {self.name!r}: the varlen kernel has no {what}; use "
                     "the 'sdpa' or 'auto' attention backend"
                 )
         unsupported_dtype = self.require_half and q.dtype not in FLASH_DTYPES
         no_window = window is not None and not getattr(self.varlen_fn, "supports_window", False)
-        special = sinks is not None or softcap is not None
+        special = sinks is not None or no_softcap
         if special or no_window or (unsupported_dtype and self.sdpa_fallback):
-            # Sinks and soft-capping (with sdpa_fallback) and sliding windows the kernel cannot
-            # take run the bucketed path (exact).
+            # Sinks, soft-capping the kernel cannot take (with sdpa_fallback) and sliding
+            # windows it cannot take run the bucketed path (exact).
             from harts_verl.ops.tree_attention import build_attention_plan, tree_attention
 
             cache = plan.cache
@@ -362,6 +366,7 @@ class VarlenAttentionKernel:
             gate=gate,
             require_half=self.require_half,
             window=window,
+            softcap=softcap,
         )
 
 

@@ -18,6 +18,8 @@ Kernel contract (:data:`VarlenFn`)::
 ``window_size`` (flash-attn's convention, passed only for sliding-window layers, and only to a
 kernel whose ``supports_window`` attribute is true): query ``t`` sees the keys
 ``fork_position + t - left .. fork_position + t``; a window of ``w`` tokens is ``left = w - 1``.
+``softcap`` (flash-attn >= 2.6: scores ``softcap · tanh(s / softcap)``, Gemma 2) is passed only
+when set, and only to a kernel whose ``supports_softcap`` attribute is true.
 
 GQA is passed through (``Hq`` a multiple of ``Hkv``). Head dims: flash kernels need equal q/k and
 v head dims, a multiple of 8, ``<= 256``: the narrower side is zero-padded (exact: zeros add
@@ -44,9 +46,11 @@ import torch.nn.functional as F
 from harts_verl.ops._index import concat_ranges, segment_ancestors, to_index
 from harts_verl.ops.tree_attention import (
     _check_qkv,
+    _check_softcap,
     _check_window,
     _finish_heads,
     _pad_head_dim,
+    _softcapped_attention,
     same_device,
 )
 
@@ -80,6 +84,7 @@ class VarlenFn(Protocol):
         softmax_scale: float | None = None,
         causal: bool = False,
         window_size: tuple[int, int] = (-1, -1),
+        softcap: float = 0.0,
     ) -> torch.Tensor: ...
 
 
@@ -196,6 +201,7 @@ def tree_attention_varlen(
     gate: torch.Tensor | None = None,
     require_half: bool = True,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Tree attention with a varlen kernel; same contract as
     :func:`~harts_verl.ops.tree_attention.tree_attention` (q ``[C, Hq, Dqk]``, k ``[C, Hkv,
@@ -208,6 +214,8 @@ def tree_attention_varlen(
         test double.
       window: sliding window in tokens (a row sees the ancestors-or-self less than ``window``
         above it), passed as ``window_size=(window - 1, 0)``; None = unlimited.
+      softcap: attention logit soft-cap (Gemma 2), passed as ``softcap=``; raises
+        ``NotImplementedError`` for a kernel without ``supports_softcap``.
     """
     c = plan.num_rows
     hq, _hkv, dqk, dv = _check_qkv(q, k, v, gate, c)
@@ -219,6 +227,9 @@ def tree_attention_varlen(
             f"attention_backend='sdpa' (or 'auto', which routes other dtypes to SDPA)"
         )
     window = _check_window(window)
+    softcap = _check_softcap(softcap, None)
+    if softcap is not None and not getattr(varlen_fn, "supports_softcap", False):
+        raise NotImplementedError("varlen attention: this kernel takes no softcap")
     if scale is None:
         scale = 1.0 / math.sqrt(dqk)
     if c == 0:
@@ -242,6 +253,7 @@ def tree_attention_varlen(
         softmax_scale=scale,
         causal=True,
         **({} if window is None else {"window_size": (int(window) - 1, 0)}),
+        **({} if softcap is None else {"softcap": softcap}),
     )
     return _finish_heads(o, plan.out_index, dv, gate)
 
@@ -258,11 +270,12 @@ def sdpa_varlen_reference(
     softmax_scale: float | None = None,
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """The :data:`VarlenFn` contract implemented with SDPA, one sequence at a time (any device,
     any float dtype). Causal masks and windows are aligned bottom-right, like flash-attn
-    (``window_size = (left, right)``, -1 = unlimited). Test double only: a Python loop over
-    sequences."""
+    (``window_size = (left, right)``, -1 = unlimited); ``softcap`` > 0 soft-caps the scores
+    (explicit scores instead of SDPA). Test double only: a Python loop over sequences."""
     left, right = (int(x) for x in window_size)
     cq = [int(x) for x in cu_seqlens_q.tolist()]
     ck = [int(x) for x in cu_seqlens_k.tolist()]
@@ -285,7 +298,13 @@ def sdpa_varlen_reference(
             mask = mask.tril(lk - lq + right)
         if left >= 0:
             mask = mask.triu(lk - lq - left)
-        oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=softmax_scale)
+        if softcap:
+            scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+            oi = _softcapped_attention(
+                qi[None], ki[None], vi[None], mask, False, scale, float(softcap)
+            )[0]
+        else:
+            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=softmax_scale)
         outs.append(oi.transpose(0, 1))
     if not outs:
         return q.new_zeros((0, hq, v.shape[2]))
@@ -293,6 +312,7 @@ def sdpa_varlen_reference(
 
 
 sdpa_varlen_reference.supports_window = True  # type: ignore[attr-defined]
+sdpa_varlen_reference.supports_softcap = True  # type: ignore[attr-defined]
 
 
 def load_flash_attn_varlen() -> Callable[..., torch.Tensor]:
@@ -308,12 +328,13 @@ def load_flash_attn_varlen() -> Callable[..., torch.Tensor]:
             f"flash-attn unavailable: cannot import flash_attn.flash_attn_varlen_func "
             f"({type(exc).__name__}: {exc}); install flash-attn >= 2.1 built for this torch/CUDA"
         ) from exc
-    supports = "window_size" in inspect.signature(flash_attn_varlen_func).parameters
+    params = inspect.signature(flash_attn_varlen_func).parameters
 
     def fn(*args: Any, **kwargs: Any) -> torch.Tensor:
         return flash_attn_varlen_func(*args, **kwargs)
 
-    fn.supports_window = supports  # type: ignore[attr-defined]  # flash-attn >= 2.3
+    fn.supports_window = "window_size" in params  # type: ignore[attr-defined]  # flash-attn >= 2.3
+    fn.supports_softcap = "softcap" in params  # type: ignore[attr-defined]  # flash-attn >= 2.6
     return fn
 
 
