@@ -353,7 +353,9 @@ def test_audit_with_an_attention_term_dropping_kernel(verl_cpu, kind, impl, drop
     finally:
         config._attn_implementation_internal = saved
     assert out["metrics"]["harts/fallback"] == [0.0]
-    assert 0.0 <= out["metrics"]["harts/audit"][0] <= 1e-6
+    # max |Δ log-prob| in fp32 over log-probs down to about -8: a few ulps there (without the
+    # eager reference it is > 0.1)
+    assert 0.0 <= out["metrics"]["harts/audit"][0] <= 4e-6
 
 
 def test_parity_sliding_window(verl_cpu, tmp_path):

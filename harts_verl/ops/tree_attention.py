@@ -52,6 +52,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from harts_verl.ops._index import concat_ranges, segment_ancestors, to_index
 from harts_verl.tree._checks import is_int
@@ -412,6 +413,42 @@ def _check_softcap(softcap: float | None, sinks: torch.Tensor | None) -> float |
     return float(softcap)
 
 
+class _SoftcapAttention(torch.autograd.Function):
+    """``softmax(mask(cap · tanh(q kᵀ · scale / cap))) v`` for q / k / v ``[nb, H, L, D]`` (same
+    heads) and a boolean ``mask`` broadcastable to ``[nb, H, Lq, Lk]``. Scores and softmax in
+    float32 (float64 for float64 inputs); saves only the probabilities and the tanh (two score-
+    sized tensors, where autograd through the explicit ops keeps about five); the backward is
+    the chain rule written out (``dz/ds = scale · (1 − tanh²)``)."""
+
+    @staticmethod
+    def forward(ctx: Any, q, k, v, mask, scale: float, cap: float):  # type: ignore[override]
+        cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        t = torch.matmul(q, k.transpose(-1, -2)).to(cdt)
+        t.mul_(scale / cap).tanh_()
+        z = torch.mul(t, cap)
+        z.masked_fill_(~mask, float("-inf"))
+        p = torch.softmax(z, dim=-1)
+        del z
+        o = torch.matmul(p.to(q.dtype), v)
+        ctx.save_for_backward(q, k, v, p, t)
+        ctx.scale = scale
+        return o
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, do):  # type: ignore[override]
+        q, k, v, p, t = ctx.saved_tensors
+        dtype = q.dtype
+        dv = torch.matmul(p.to(dtype).transpose(-1, -2), do)
+        dp = torch.matmul(do, v.transpose(-1, -2)).to(p.dtype)
+        # softmax: dz = p · (dp − Σ p·dp); masked keys have p = 0, so dz = 0 there
+        dz = dp.sub_(torch.linalg.vecdot(p, dp)[..., None]).mul_(p)
+        ds = dz.mul_(t.square_().neg_().add_(1.0)).mul_(ctx.scale).to(dtype)
+        dq = torch.matmul(ds, k)
+        dk = torch.matmul(ds.transpose(-1, -2), q)
+        return dq, dk, dv, None, None, None
+
+
 def _softcapped_attention(
     qb: torch.Tensor,
     kb: torch.Tensor,
@@ -423,20 +460,17 @@ def _softcapped_attention(
 ) -> torch.Tensor:
     """One bucket of attention with soft-capped logits, ``softmax(cap · tanh(q kᵀ · scale / cap))
     v`` under ``mask`` (or bottom-right ``causal``), as HF's eager attention of Gemma 2 computes
-    it (softmax in float32 for half/bfloat16). q ``[nb, Hq, Lq, D]``, k / v ``[nb, Hkv, Lk, D]``
-    (Hkv dividing Hq) → ``[nb, Hq, Lq, D]``; no SDPA kernel takes a soft-cap."""
+    it (softmax in float32 for half/bfloat16; :class:`_SoftcapAttention`). q ``[nb, Hq, Lq, D]``,
+    k / v ``[nb, Hkv, Lk, D]`` (Hkv dividing Hq) → ``[nb, Hq, Lq, D]``; no SDPA kernel takes a
+    soft-cap."""
     rep = qb.shape[1] // kb.shape[1]
     if rep > 1:
         kb, vb = kb.repeat_interleave(rep, dim=1), vb.repeat_interleave(rep, dim=1)
     lq, lk = qb.shape[2], kb.shape[2]
-    s = torch.matmul(qb, kb.transpose(-1, -2)) * scale
-    s = torch.tanh(s / softcap) * softcap
-    if causal:
-        mask = torch.ones(lq, lk, dtype=torch.bool, device=qb.device).tril(lk - lq)
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-    p = torch.softmax(s if s.dtype == torch.float64 else s.float(), dim=-1).to(qb.dtype)
-    return torch.matmul(p, vb)
+    if causal or mask is None:
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=qb.device)
+        mask = mask.tril(lk - lq) if causal else mask
+    return _SoftcapAttention.apply(qb, kb, vb, mask, float(scale), float(softcap))
 
 
 def _check_window(window: int | None) -> int | None:
