@@ -291,6 +291,23 @@ _EAGER_SOFTCAP_MODULES = ("gemma2",)
 _COHERE_MODULES = ("cohere", "cohere2")
 
 
+# ERNIE 4.5's interleaved (GLM-style) RoPE computes in float32.
+_ERNIE_MODULES = ("ernie4_5",)
+
+
+def _ernie_rotary(m):
+    """ERNIE 4.5's ``apply_rotary_pos_emb`` (the first half of the table, each frequency
+    repeated twice; ``m.rotate_half``) in the input dtype instead of float32."""
+
+    def apply(q, k, cos, sin, unsqueeze_dim=1):
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1).to(q.dtype)
+        sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1).to(q.dtype)
+        return q * cos + m.rotate_half(q) * sin, k * cos + m.rotate_half(k) * sin
+
+    return apply
+
+
 def _cohere_layer_norm(self, hidden_states):
     """Cohere's LayerNorm (mean-centred, weight only) in the compute dtype."""
     h = hidden_states.to(_compute_dtype(hidden_states.dtype))
@@ -353,6 +370,8 @@ def lift_full_attention_islands(monkeypatch) -> None:
                 monkeypatch.setattr(obj, "forward", _granite_gating)
         if short in _EAGER_SOFTCAP_MODULES:
             monkeypatch.setattr(m, "eager_attention_forward", _softcap_eager_attention)
+        if short in _ERNIE_MODULES:
+            monkeypatch.setattr(m, "apply_rotary_pos_emb", _ernie_rotary(m))
         if short in _COHERE_MODULES:
             for name, obj in vars(m).items():
                 if isinstance(obj, type) and name.endswith("LayerNorm"):

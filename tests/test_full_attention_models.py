@@ -8,8 +8,9 @@ rotary table per layer type, tied LM head), gpt-oss (learned attention sinks, a 
 full layer, YaRN RoPE, biased top-k router and experts; HF's eager attention is its oracle),
 Gemma 2 (attention and final logit soft-capping, a sliding and a full layer; eager oracle),
 Granite (embedding, residual, attention and logit multipliers), Cohere (parallel attention and
-MLP, q/k LayerNorms, interleaved RoPE, logit scale) and Cohere 2 (a sliding RoPE layer, a full
-NoPE layer). The logit transforms of the
+MLP, q/k LayerNorms, interleaved RoPE, logit scale), Cohere 2 (a sliding RoPE layer, a full
+NoPE layer), SmolLM3 (a NoPE layer), Ministral, EXAONE 4 (a sliding RoPE layer and a full NoPE
+layer whose module keeps a sliding window), ERNIE 4.5, Hunyuan dense, Apertus and Arcee. The logit transforms of the
 causal-LM forwards (soft-caps, scalings) are applied by the compact head.
 
 Each attention module runs its own forward with transformers' attention interface pointed at tree

@@ -105,7 +105,8 @@ def _param_flops(model: torch.nn.Module) -> float:
 
 _FLOP_KINDS = ("qwen2", "qwen3_next", "qwen3_5", "qwen3_5_moe", "llama", "qwen3", "mistral")
 _FLOP_KINDS += ("olmo2", "olmo3", "phi3", "seed_oss", "glm4", "gemma3_text", "gemma2", "granite")
-_FLOP_KINDS += ("cohere", "cohere2")
+_FLOP_KINDS += ("cohere", "cohere2", "smollm3", "ministral", "exaone4", "ernie4_5")
+_FLOP_KINDS += ("hunyuan_v1_dense", "apertus", "arcee")
 _FLOP_MOE_KINDS = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss")
 _FLOP_MOE_KINDS += ("granitemoe", "granitemoeshared")
 

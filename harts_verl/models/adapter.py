@@ -7,7 +7,8 @@ GQA attention, RoPE or NoPE) is wrapped so that, in a tree-mode forward, it runs
 attention); outside one the original forward runs untouched. The attention modules of the
 full-attention models (Qwen2 / Qwen3 / Llama / Mistral, Qwen2-MoE / Qwen3-MoE / Mixtral,
 DeepSeek-V3's MLA, GLM-4-MoE, OLMo 2 / OLMo 3, Phi-3, Seed-OSS, GLM-4, Gemma 2 / Gemma 3,
-Granite / Granite-MoE, Cohere / Cohere 2, gpt-oss with its attention sinks) run their own forward in tree mode,
+Granite / Granite-MoE, Cohere / Cohere 2, SmolLM3, Ministral, EXAONE 4, ERNIE 4.5, Hunyuan
+dense, Apertus, Arcee, gpt-oss with its attention sinks) run their own forward in tree mode,
 with transformers' attention interface pointed at tree attention (:func:`tree_attention_interface`,
 which takes sliding windows, sinks and Gemma 2's logit soft-capping). Embeddings, norms, MLP /
 MoE, rotary tables and the LM head are HF's own code on the ``[1, C, D]`` compact batch.
@@ -199,6 +200,13 @@ FULL_ATTENTION_MODEL_TYPES = (
     "cohere2",
     "granitemoe",
     "granitemoeshared",
+    "smollm3",
+    "ministral",
+    "exaone4",
+    "ernie4_5",
+    "hunyuan_v1_dense",
+    "apertus",
+    "arcee",
 )
 _FULL_ATTENTION_CLASSES = (
     "Qwen2Attention",
@@ -223,6 +231,13 @@ _FULL_ATTENTION_CLASSES = (
     "Cohere2Attention",
     "GraniteMoeAttention",
     "GraniteMoeSharedAttention",
+    "SmolLM3Attention",
+    "MinistralAttention",
+    "Exaone4Attention",
+    "Ernie4_5Attention",
+    "HunYuanDenseV1Attention",
+    "ApertusAttention",
+    "ArceeAttention",
 )
 # Softmax top-k routers whose load-balancing loss HF computes from the router logits
 # (``output_router_logits``; gpt-oss: Switch-style over the softmax of its biased logits, like
@@ -396,18 +411,22 @@ _SINK_ATTENTION_KWARGS = ("s_aux", "sinks")
 
 
 def _sliding_window(module: nn.Module, keyword: int | None) -> int | None:
-    """The sliding window HF applies in ``module``'s layer: the interface keyword, else the
-    module's ``sliding_window`` (Qwen2-MoE sets it on its sliding layers without passing it on;
-    HF applies it through the layer's sliding mask), else the config's ``sliding_window`` when
-    ``config.layer_types`` marks the layer ``sliding_attention``. None (or 0): no window."""
+    """The sliding window HF applies in ``module``'s layer. Where ``config.layer_types`` names
+    the layer's type, that decides (HF picks the layer's mask by it): a ``full_attention``
+    layer has none, even when its module keeps a ``sliding_window`` attribute (EXAONE 4), a
+    ``sliding_attention`` layer has the interface keyword, else the module's or the config's
+    ``sliding_window``. Without layer types: the keyword, else the module's ``sliding_window``
+    (Qwen2-MoE sets it on its sliding layers without passing it on; HF applies it through the
+    layer's sliding mask). None (or 0): no window."""
+    config = getattr(module, "config", None)
+    types = getattr(config, "layer_types", None)
+    idx = getattr(module, "layer_idx", None)
     window = keyword or getattr(module, "sliding_window", None)
-    if not window:
-        config = getattr(module, "config", None)
-        types = getattr(config, "layer_types", None)
-        idx = getattr(module, "layer_idx", None)
-        if types is not None and idx is not None and 0 <= idx < len(types):
-            if types[idx] == "sliding_attention":
-                window = getattr(config, "sliding_window", None)
+    if types is not None and idx is not None and 0 <= idx < len(types):
+        if types[idx] == "full_attention":
+            return None
+        if types[idx] == "sliding_attention" and not window:
+            window = getattr(config, "sliding_window", None)
     return int(window) if window else None
 
 
@@ -878,6 +897,7 @@ class HFCausalTreeModel(_HFTreeModel):
     """Tree-mode view of a full-attention HF causal LM of :data:`FULL_ATTENTION_MODEL_TYPES`
     (Qwen2 / Qwen3 / Llama / Mistral, the MoE Qwen2-MoE / Qwen3-MoE / Mixtral, DeepSeek-V3 with
     MLA, GLM-4-MoE, OLMo 2 / OLMo 3, Phi-3, Seed-OSS, GLM-4, Gemma 2 / Gemma 3, Granite /
-    Granite-MoE (with or without a shared expert), Cohere / Cohere 2, gpt-oss)."""
+    Granite-MoE (with or without a shared expert), Cohere / Cohere 2, SmolLM3, Ministral,
+    EXAONE 4, ERNIE 4.5, Hunyuan dense, Apertus, Arcee, gpt-oss)."""
 
     routers = _FULL_ATTENTION_ROUTER_CLASSES

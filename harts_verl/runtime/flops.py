@@ -120,9 +120,12 @@ def _mla_attention_layer(cfg: Any) -> tuple[float, float]:
     return 2.0 * (q + kv + h * v * d), 2.0 * h * (qk + v)
 
 
+_UNGATED_MLP_TYPES = ("apertus", "arcee")  # up → activation (xIELU, ReLU²) → down
+
+
 def _ffn_layer(cfg: Any, i: int) -> float:
     """Row-wise FLOPs per token of layer ``i``'s feed-forward block in an HF model: a gated MLP
-    of ``intermediate_size``, or a sparse MoE block: the router (one weight row per routed
+    of ``intermediate_size`` (Apertus' and Arcee's: ungated, two matrices), or a sparse MoE block: the router (one weight row per routed
     expert), ``num_experts_per_tok`` gated experts (``moe_intermediate_size`` wide; Mixtral's and
     gpt-oss's and Granite-MoE's ``intermediate_size``; biases ignored), and in full any shared
     expert: Granite-MoE-Shared's ``shared_intermediate_size`` wide one, Qwen2-MoE /
@@ -143,7 +146,9 @@ def _ffn_layer(cfg: Any, i: int) -> float:
         step = getattr(cfg, "decoder_sparse_step", None) or 1
         sparse = (i + 1) % step == 0 and i not in (getattr(cfg, "mlp_only_layers", None) or ())
     if not (num_experts and sparse):
-        return 2.0 * 3 * d * cfg.intermediate_size
+        # a gated MLP (gate, up, down), or Apertus' / Arcee's ungated one (up, down)
+        mats = 2 if cfg.model_type in _UNGATED_MLP_TYPES else 3
+        return 2.0 * mats * d * cfg.intermediate_size
     if cfg.model_type in ("mixtral", "gpt_oss", "granitemoe", "granitemoeshared"):
         width = cfg.intermediate_size
     else:
@@ -204,13 +209,11 @@ def olmo_hybrid_shape(cfg: Any) -> ModelShape:
 
 
 def full_attention_shape(cfg: Any) -> ModelShape:
-    """Coefficients of a full-attention HF causal LM (Qwen2, Qwen3, Llama, Mistral, Qwen2-MoE,
-    Qwen3-MoE, Mixtral, DeepSeek-V3, GLM-4-MoE, OLMo 2, OLMo 3, Phi-3, Seed-OSS, GLM-4,
-    Gemma 2, Gemma 3, Granite, Cohere, Cohere 2, gpt-oss): per layer GQA q/k/v/o projections (Phi-3's fused qkv:
-    the same FLOPs; biases, norms, sliding windows, soft-caps and gpt-oss's attention sinks
-    ignored) or DeepSeek-V3's
-    multi-head latent attention (configs with ``kv_lora_rank``), a gated MLP or a sparse MoE
-    block (see :func:`_ffn_layer`); the LM head."""
+    """Coefficients of a full-attention HF causal LM (every type of
+    ``FULL_ATTENTION_MODEL_TYPES``): per layer GQA q/k/v/o projections (Phi-3's fused qkv: the
+    same FLOPs; biases, norms, sliding windows, soft-caps and gpt-oss's attention sinks ignored)
+    or DeepSeek-V3's multi-head latent attention (configs with ``kv_lora_rank``), an MLP or a
+    sparse MoE block (see :func:`_ffn_layer`); the LM head."""
     dense, attn = 2.0 * cfg.hidden_size * cfg.vocab_size, 0.0
     mla = getattr(cfg, "kv_lora_rank", None) is not None
     for i in range(cfg.num_hidden_layers):
@@ -235,7 +238,9 @@ def model_shape(cfg: Any) -> ModelShape:
     full-attention ``qwen2`` / ``qwen3`` / ``llama`` / ``mistral`` / ``qwen2_moe`` /
     ``qwen3_moe`` / ``mixtral`` / ``deepseek_v3`` / ``glm4_moe`` / ``olmo2`` / ``olmo3`` /
     ``phi3`` / ``seed_oss`` / ``glm4`` / ``gemma3_text`` / ``gpt_oss`` / ``gemma2`` /
-    ``granite`` / ``granitemoe`` / ``granitemoeshared`` / ``cohere`` / ``cohere2``. Raises ``ValueError`` for any other ``model_type``."""
+    ``granite`` / ``granitemoe`` / ``granitemoeshared`` / ``cohere`` / ``cohere2`` /
+    ``smollm3`` / ``ministral`` / ``exaone4`` / ``ernie4_5`` / ``hunyuan_v1_dense`` /
+    ``apertus`` / ``arcee``. Raises ``ValueError`` for any other ``model_type``."""
     from harts_verl.models.config import HybridConfig
 
     if isinstance(cfg, HybridConfig):

@@ -42,6 +42,7 @@ TINY_KINDS = (
     *("llama", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe"),
     *("olmo2", "olmo3", "phi3", "seed_oss", "glm4", "gemma3_text", "gpt_oss"),
     *("gemma2", "granite", "cohere", "cohere2", "granitemoe", "granitemoeshared"),
+    *("smollm3", "ministral", "exaone4", "ernie4_5", "hunyuan_v1_dense", "apertus", "arcee"),
 )
 # The multi-modal Qwen3.5 wrappers (``Qwen3_5ForConditionalGeneration`` /
 # ``Qwen3_5MoeForConditionalGeneration``, model_type ``qwen3_5`` / ``qwen3_5_moe``): the text
@@ -220,6 +221,19 @@ _FULL_ATTENTION = {
             "shared_intermediate_size": 16,
         },
     ),
+    "smollm3": ("SmolLM3Config", {**_NO_SPECIAL_IDS, "no_rope_layers": [1, 0]}),
+    "ministral": (
+        "MinistralConfig",
+        {**_NO_SPECIAL_IDS, "head_dim": 8, "sliding_window": 6, "layer_types": _SLIDING_FULL},
+    ),
+    "exaone4": (
+        "Exaone4Config",
+        {**_NO_SPECIAL_IDS, "sliding_window": 6, "layer_types": _SLIDING_FULL},
+    ),
+    "ernie4_5": ("Ernie4_5Config", {**_NO_SPECIAL_IDS, "head_dim": 8}),
+    "hunyuan_v1_dense": ("HunYuanDenseV1Config", {**_NO_SPECIAL_IDS, "head_dim": 8}),
+    "apertus": ("ApertusConfig", _NO_SPECIAL_IDS),
+    "arcee": ("ArceeConfig", {**_NO_SPECIAL_IDS, "head_dim": 8}),
     "cohere": (
         "CohereConfig",
         {**_NO_SPECIAL_IDS, "logit_scale": 0.25, "use_qk_norm": True, "tie_word_embeddings": True},
@@ -442,6 +456,13 @@ def tiny_hf_model(kind: str, *, seed: int = 0, vocab_size: int = 64) -> torch.nn
         "gpt_oss": transformers.GptOssForCausalLM,
         "gemma2": transformers.Gemma2ForCausalLM,
         "granite": transformers.GraniteForCausalLM,
+        "smollm3": transformers.SmolLM3ForCausalLM,
+        "ministral": transformers.MinistralForCausalLM,
+        "exaone4": transformers.Exaone4ForCausalLM,
+        "ernie4_5": transformers.Ernie4_5ForCausalLM,
+        "hunyuan_v1_dense": transformers.HunYuanDenseV1ForCausalLM,
+        "apertus": transformers.ApertusForCausalLM,
+        "arcee": transformers.ArceeForCausalLM,
         "granitemoe": transformers.GraniteMoeForCausalLM,
         "granitemoeshared": transformers.GraniteMoeSharedForCausalLM,
         "cohere": transformers.CohereForCausalLM,
