@@ -135,12 +135,48 @@ def test_forward_backward_partition_validation():
     ):
         with pytest.raises(ValueError, match=msg):
             runner.forward_backward(seqs, loss, microbatches=bad)
-    for bad in ([1.0, 2.0, 3.0], 0.0, float("nan")):  # one temperature for the batch
+    for bad in ([1.0, 2.0], 0.0, float("nan"), [1.0, -1.0, 1.0]):
         with pytest.raises(ValueError, match="temperature"):
             runner.forward_backward(seqs, loss, temperature=bad)
     out = runner.forward_backward(seqs, loss, microbatches=[[2], [0, 1]])
     assert out["microbatches"] == 2.0
     assert [g.tolist() for g in runner.last_stats.partition] == [[2], [0, 1]]
+
+
+def test_per_trajectory_temperatures_float64():
+    """One temperature per trajectory (microbatched, rows shared across temperatures): each
+    trajectory's log-probs equal a run at its own temperature; the loss gradient equals the sum
+    of per-temperature runs over the trajectories at that temperature."""
+    torch.manual_seed(6)
+    model = HybridForCausalLM.from_config(preset("tiny", vocab_size=64, chunk_size=16)).double()
+    seqs = _forest_sequences(6, 64)
+    temps = [(0.5, 1.0, 1.5)[i % 3] for i in range(len(seqs))]
+    runner = TreeRunner(model, chunk_size=16, capacity_tokens=120)
+    lps = runner.log_probs(seqs, temperature=temps)
+    assert runner.last_stats.microbatches > 1
+    for t in set(temps):
+        ref = TreeRunner(model, chunk_size=16).log_probs(seqs, temperature=t)
+        for i, ti in enumerate(temps):
+            if ti == t:
+                torch.testing.assert_close(lps[i], ref[i], rtol=0, atol=1e-12)
+
+    def loss(lps):
+        return sum((lp * (k + 1)).sum() for k, lp in enumerate(lps) if lp is not None) / 100.0
+
+    model.zero_grad(set_to_none=True)
+    runner.forward_backward(seqs, loss, temperature=temps, include_aux_loss=False)
+    got = _grads(model)
+    model.zero_grad(set_to_none=True)
+    for t in set(temps):
+        idx = [i for i, ti in enumerate(temps) if ti == t]
+
+        def part(lps, idx=idx):
+            return loss([lp if i in idx else None for i, lp in enumerate(lps)])
+
+        TreeRunner(model, chunk_size=16).forward_backward(
+            seqs, part, temperature=t, include_aux_loss=False
+        )
+    _assert_grads_close(got, _grads(model))
 
 
 def test_recompute_does_not_change_results():

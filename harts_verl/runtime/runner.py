@@ -56,6 +56,19 @@ def _backward(total: torch.Tensor) -> None:
         total.backward()
 
 
+def _temperatures(temperature: Any, n: int) -> float | np.ndarray:
+    """One temperature, or one per trajectory of a batch of ``n`` (float64; one float when all
+    are equal); ``ValueError`` naming ``temperature`` otherwise."""
+    from harts_verl.ops.logprobs import _check_temperatures
+
+    return _check_temperatures(temperature, n)
+
+
+def _pick(temperature: float | np.ndarray, idx: np.ndarray) -> float | np.ndarray:
+    """The temperatures of the trajectories ``idx`` (in that order)."""
+    return temperature if isinstance(temperature, float) else temperature[idx]
+
+
 def _step_stats(
     forest: RolloutForest, compact: int, groups: list[np.ndarray], t0: float, t1: float
 ) -> StepStats:
@@ -186,7 +199,7 @@ class _Runner:
         return RolloutForest.expanded([forest.tokens_of(int(i)) for i in idx])
 
     def _forward_mb(
-        self, forest: RolloutForest, temperature: float, with_entropy: bool
+        self, forest: RolloutForest, temperature: float | np.ndarray, with_entropy: bool
     ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, torch.Tensor]:
         layout = TreeLayout(forest, chunk_size=self.chunk_size, device=self.device)
         self.model.gradient_checkpointing = self.recompute
@@ -206,16 +219,17 @@ class _Runner:
 
     # ------------------------------------------------------------ public API
     def log_probs(
-        self, sequences: Sequence[Any], temperature: float = 1.0, with_entropy: bool = False
+        self,
+        sequences: Sequence[Any],
+        temperature: float | Sequence[float] | np.ndarray | torch.Tensor = 1.0,
+        with_entropy: bool = False,
     ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per trajectory a tensor of length L−1: ``log p(x[t+1] | x[≤t])`` (no gradient).
         With ``with_entropy`` also the predictive entropies at the same positions. An empty
-        batch gives empty lists."""
-        from harts_verl.ops.logprobs import _check_temperature
-
-        _check_temperature(temperature)  # also for an empty batch
+        batch gives empty lists. ``temperature``: one, or one per trajectory."""
         t0 = time.perf_counter()
         forest = self.build_forest(sequences)
+        temperature = _temperatures(temperature, forest.num_trajectories)  # also when empty
         groups = self.plan(forest) if forest.num_trajectories else []
         t1 = time.perf_counter()
         out: list[torch.Tensor | None] = [None] * forest.num_trajectories
@@ -225,7 +239,7 @@ class _Runner:
             for idx in groups:
                 sub = self._sub_forest(forest, idx)
                 compact += sub.num_compact_tokens
-                lp, en, _ = self._forward_mb(sub, temperature, with_entropy)
+                lp, en, _ = self._forward_mb(sub, _pick(temperature, idx), with_entropy)
                 for j, i in enumerate(idx.tolist()):
                     out[i] = lp[j]
                     if with_entropy:
@@ -255,7 +269,7 @@ class _Runner:
         sequences: Sequence[Any],
         loss_fn: LossFn,
         *,
-        temperature: float = 1.0,
+        temperature: float | Sequence[float] | np.ndarray | torch.Tensor = 1.0,
         include_aux_loss: bool = True,
         separable: bool = False,
         microbatches: Sequence[Sequence[int]] | None = None,
@@ -285,11 +299,9 @@ class _Runner:
         or a ``microbatches`` that is not a partition of the trajectories, and TypeError when
         ``loss_fn`` does not return a one-element tensor.
         """
-        from harts_verl.ops.logprobs import _check_temperature
-
-        temperature = _check_temperature(temperature)  # one for the batch (not per trajectory)
         t0 = time.perf_counter()
         forest = self.build_forest(sequences)
+        temperature = _temperatures(temperature, forest.num_trajectories)
         if forest.num_trajectories == 0:
             raise ValueError("sequences: no trajectories to train on (an empty batch)")
         if microbatches is None:
@@ -306,7 +318,7 @@ class _Runner:
             for idx in groups:
                 sub = self._sub_forest(forest, idx)
                 compact += sub.num_compact_tokens
-                lp, _, aux = self._forward_mb(sub, temperature, False)
+                lp, _, aux = self._forward_mb(sub, _pick(temperature, idx), False)
                 part: list[torch.Tensor | None] = [None] * n
                 for j, i in enumerate(idx.tolist()):
                     part[i] = lp[j]
@@ -321,7 +333,7 @@ class _Runner:
         elif len(groups) == 1:
             sub = self._sub_forest(forest, groups[0])
             compact = sub.num_compact_tokens
-            lp, _, aux = self._forward_mb(sub, temperature, False)
+            lp, _, aux = self._forward_mb(sub, _pick(temperature, groups[0]), False)
             ordered: list[torch.Tensor | None] = [None] * n
             for j, i in enumerate(groups[0].tolist()):
                 ordered[i] = lp[j]
@@ -334,7 +346,9 @@ class _Runner:
             detached: list[torch.Tensor | None] = [None] * n
             with torch.no_grad():
                 for idx in groups:
-                    lp, _, _ = self._forward_mb(self._sub_forest(forest, idx), temperature, False)
+                    lp, _, _ = self._forward_mb(
+                        self._sub_forest(forest, idx), _pick(temperature, idx), False
+                    )
                     for j, i in enumerate(idx.tolist()):
                         detached[i] = lp[j].detach().requires_grad_(True)
             loss = _checked_loss(loss_fn(detached))  # type: ignore[arg-type]
@@ -347,7 +361,7 @@ class _Runner:
             for idx in groups:
                 sub = self._sub_forest(forest, idx)
                 compact += sub.num_compact_tokens
-                lp, _, aux = self._forward_mb(sub, temperature, False)
+                lp, _, aux = self._forward_mb(sub, _pick(temperature, idx), False)
                 terms = [
                     (lp[j] * grads[i]).sum()
                     for j, i in enumerate(idx.tolist())
