@@ -346,6 +346,21 @@ def _granite_gating(self, hidden_states):
     return index_sorted_experts, batch_index, batch_gates, expert_size, logits
 
 
+def _sigmoid_bias_router(self, hidden_states, e_score_correction_bias):
+    """MiniMax-M2's router (sigmoid scores, top-k of scores + correction bias, weights
+    renormalised over the chosen) with the sigmoid in the compute dtype instead of float32."""
+    h = hidden_states.reshape(-1, self.hidden_dim)
+    logits = F.linear(h.to(self.weight.dtype), self.weight)
+    w = torch.sigmoid(logits.to(_compute_dtype(logits.dtype)))
+    _, idx = torch.topk(w + e_score_correction_bias, self.top_k, dim=-1, sorted=False)
+    top = w.gather(1, idx)
+    return logits, top / top.sum(dim=-1, keepdim=True), idx
+
+
+# Routers with their own lifted forward (by class name).
+_OWN_ROUTERS = {"MiniMaxM2TopKRouter": _sigmoid_bias_router}
+
+
 def lift_full_attention_islands(monkeypatch) -> None:
     """Patch (through pytest's ``monkeypatch``) the RMSNorms and routers of every full-attention
     family to compute in the input dtype (same formulas; unchanged in float32 models)."""
@@ -360,7 +375,9 @@ def lift_full_attention_islands(monkeypatch) -> None:
         for name, obj in vars(m).items():
             if not isinstance(obj, type) or obj.__module__ != m.__name__:
                 continue
-            if name.endswith("RMSNorm"):
+            if name in _OWN_ROUTERS:
+                monkeypatch.setattr(obj, "forward", _OWN_ROUTERS[name])
+            elif name.endswith("RMSNorm"):
                 monkeypatch.setattr(obj, "forward", rms)
             elif name.endswith("TopKRouter") and name not in _INPUT_DTYPE_ROUTERS:
                 monkeypatch.setattr(obj, "forward", _router)

@@ -10,7 +10,8 @@ Gemma 2 (attention and final logit soft-capping, a sliding and a full layer; eag
 Granite (embedding, residual, attention and logit multipliers), Cohere (parallel attention and
 MLP, q/k LayerNorms, interleaved RoPE, logit scale), Cohere 2 (a sliding RoPE layer, a full
 NoPE layer), SmolLM3 (a NoPE layer), Ministral, EXAONE 4 (a sliding RoPE layer and a full NoPE
-layer whose module keeps a sliding window), ERNIE 4.5, Hunyuan dense, Apertus and Arcee. The logit transforms of the
+layer whose module keeps a sliding window), ERNIE 4.5, Hunyuan dense, Apertus, Arcee and the MoE
+MiniMax-M2 (sigmoid router with a correction bias). The logit transforms of the
 causal-LM forwards (soft-caps, scalings) are applied by the compact head.
 
 Each attention module runs its own forward with transformers' attention interface pointed at tree
@@ -49,7 +50,7 @@ from harts_verl.workers.testing import (
 # ``test_gemma3_multimodal.py``.
 MULTIMODAL = {"gemma3": "gemma3_mm"}
 KINDS = [k for k in FULL_ATTENTION_MODEL_TYPES if k not in MULTIMODAL]
-MOE_SOFTMAX = ["qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss"]
+MOE_SOFTMAX = ["qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss", "minimax_m2"]
 
 
 def _model(kind: str, seed: int = 3, **cfg_overrides) -> torch.nn.Module:

@@ -108,7 +108,7 @@ _FLOP_KINDS += ("olmo2", "olmo3", "phi3", "seed_oss", "glm4", "gemma3_text", "ge
 _FLOP_KINDS += ("cohere", "cohere2", "smollm3", "ministral", "exaone4", "ernie4_5")
 _FLOP_KINDS += ("hunyuan_v1_dense", "apertus", "arcee")
 _FLOP_MOE_KINDS = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss")
-_FLOP_MOE_KINDS += ("granitemoe", "granitemoeshared")
+_FLOP_MOE_KINDS += ("granitemoe", "granitemoeshared", "minimax_m2")
 
 
 @pytest.mark.parametrize("kind", _FLOP_KINDS + _FLOP_MOE_KINDS)

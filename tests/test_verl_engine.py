@@ -188,7 +188,8 @@ def test_parity_vanilla(verl_cpu, kind, batch):
 # MoE; padded stock reference, see below), Gemma 2 (attention and final logit soft-caps, eager
 # attention), Granite and Granite-MoE-Shared (logits / logits_scaling, embedding and residual
 # multipliers; top-k gated experts and a shared expert), SmolLM3 (a NoPE layer), EXAONE 4 (a
-# sliding RoPE layer and a full NoPE one whose module keeps a sliding_window) and Cohere 2
+# sliding RoPE layer and a full NoPE one whose module keeps a sliding_window), MiniMax-M2 (sigmoid
+# router with a correction bias, q/k norms over all heads) and Cohere 2
 # (logits · logit_scale, parallel attention and MLP, a sliding RoPE layer and a full NoPE one): the
 # compact head applies the logit transforms that their causal-LM forwards apply in the stock
 # path; packed stock reference otherwise, veRL's gradient
@@ -196,7 +197,7 @@ def test_parity_vanilla(verl_cpu, kind, batch):
 # out here: its tiny model has Qwen2's layer math (q/k/v biases) and gives Qwen2's numbers.
 _ENGINE_FAMILIES = ["llama", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe"]
 _ENGINE_FAMILIES += ["olmo2", "olmo3", "phi3", "glm4", "gemma3_text", "gpt_oss", "gemma2"]
-_ENGINE_FAMILIES += ["granite", "cohere2", "granitemoeshared", "smollm3", "exaone4"]
+_ENGINE_FAMILIES += ["granite", "cohere2", "granitemoeshared", "smollm3", "exaone4", "minimax_m2"]
 # gpt-oss (attention sinks, a sliding and a full layer) runs HF's eager attention on the CPU, and
 # transformers 5.10's GptOssModel builds its masks without ``position_ids``: packed sequences
 # (veRL's remove-padding path) would attend across each other there, so its stock reference runs

@@ -8,7 +8,7 @@ attention); outside one the original forward runs untouched. The attention modul
 full-attention models (Qwen2 / Qwen3 / Llama / Mistral, Qwen2-MoE / Qwen3-MoE / Mixtral,
 DeepSeek-V3's MLA, GLM-4-MoE, OLMo 2 / OLMo 3, Phi-3, Seed-OSS, GLM-4, Gemma 2 / Gemma 3,
 Granite / Granite-MoE, Cohere / Cohere 2, SmolLM3, Ministral, EXAONE 4, ERNIE 4.5, Hunyuan
-dense, Apertus, Arcee, gpt-oss with its attention sinks) run their own forward in tree mode,
+dense, Apertus, Arcee, MiniMax-M2, gpt-oss with its attention sinks) run their own forward in tree mode,
 with transformers' attention interface pointed at tree attention (:func:`tree_attention_interface`,
 which takes sliding windows, sinks and Gemma 2's logit soft-capping). Embeddings, norms, MLP /
 MoE, rotary tables and the LM head are HF's own code on the ``[1, C, D]`` compact batch.
@@ -207,6 +207,7 @@ FULL_ATTENTION_MODEL_TYPES = (
     "hunyuan_v1_dense",
     "apertus",
     "arcee",
+    "minimax_m2",
 )
 _FULL_ATTENTION_CLASSES = (
     "Qwen2Attention",
@@ -238,6 +239,7 @@ _FULL_ATTENTION_CLASSES = (
     "HunYuanDenseV1Attention",
     "ApertusAttention",
     "ArceeAttention",
+    "MiniMaxM2Attention",
 )
 # Softmax top-k routers whose load-balancing loss HF computes from the router logits
 # (``output_router_logits``; gpt-oss: Switch-style over the softmax of its biased logits, like
@@ -247,6 +249,7 @@ _FULL_ATTENTION_ROUTER_CLASSES = (
     "Qwen3MoeTopKRouter",
     "MixtralTopKRouter",
     "GptOssTopKRouter",
+    "MiniMaxM2TopKRouter",
 )
 
 # Model types that run in tree mode (``harts_hybrid``: the native model through its HF wrapper).
@@ -898,6 +901,6 @@ class HFCausalTreeModel(_HFTreeModel):
     (Qwen2 / Qwen3 / Llama / Mistral, the MoE Qwen2-MoE / Qwen3-MoE / Mixtral, DeepSeek-V3 with
     MLA, GLM-4-MoE, OLMo 2 / OLMo 3, Phi-3, Seed-OSS, GLM-4, Gemma 2 / Gemma 3, Granite /
     Granite-MoE (with or without a shared expert), Cohere / Cohere 2, SmolLM3, Ministral,
-    EXAONE 4, ERNIE 4.5, Hunyuan dense, Apertus, Arcee, gpt-oss)."""
+    EXAONE 4, ERNIE 4.5, Hunyuan dense, Apertus, Arcee, MiniMax-M2, gpt-oss)."""
 
     routers = _FULL_ATTENTION_ROUTER_CLASSES

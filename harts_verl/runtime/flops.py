@@ -125,13 +125,13 @@ _UNGATED_MLP_TYPES = ("apertus", "arcee")  # up → activation (xIELU, ReLU²) �
 
 def _ffn_layer(cfg: Any, i: int) -> float:
     """Row-wise FLOPs per token of layer ``i``'s feed-forward block in an HF model: a gated MLP
-    of ``intermediate_size`` (Apertus' and Arcee's: ungated, two matrices), or a sparse MoE block: the router (one weight row per routed
-    expert), ``num_experts_per_tok`` gated experts (``moe_intermediate_size`` wide; Mixtral's and
-    gpt-oss's and Granite-MoE's ``intermediate_size``; biases ignored), and in full any shared
-    expert: Granite-MoE-Shared's ``shared_intermediate_size`` wide one, Qwen2-MoE /
-    Qwen3-Next / Qwen3.5-MoE's ``shared_expert_intermediate_size`` wide one and its sigmoid gate,
-    DeepSeek-V3 / GLM-4-MoE's ``n_shared_experts`` fused into one ``n_shared_experts ×
-    moe_intermediate_size`` wide MLP.
+    of ``intermediate_size`` (Apertus' and Arcee's: ungated, two matrices), or a sparse MoE
+    block: the router (one weight row per routed expert), ``num_experts_per_tok`` gated experts
+    (``moe_intermediate_size`` wide; Mixtral's, gpt-oss's, Granite-MoE's and MiniMax-M2's
+    ``intermediate_size``; biases ignored), and in full any shared expert: Granite-MoE-Shared's
+    ``shared_intermediate_size`` wide one, Qwen2-MoE / Qwen3-Next / Qwen3.5-MoE's
+    ``shared_expert_intermediate_size`` wide one and its sigmoid gate, DeepSeek-V3 / GLM-4-MoE's
+    ``n_shared_experts`` fused into one ``n_shared_experts × moe_intermediate_size`` wide MLP.
     Sparse layers: with ``first_k_dense_replace`` (DeepSeek-V3, GLM-4-MoE) those from that index
     on, else those with ``(i + 1) % decoder_sparse_step == 0`` not in ``mlp_only_layers``
     (every layer where the config has neither, e.g. Mixtral)."""
@@ -149,7 +149,7 @@ def _ffn_layer(cfg: Any, i: int) -> float:
         # a gated MLP (gate, up, down), or Apertus' / Arcee's ungated one (up, down)
         mats = 2 if cfg.model_type in _UNGATED_MLP_TYPES else 3
         return 2.0 * mats * d * cfg.intermediate_size
-    if cfg.model_type in ("mixtral", "gpt_oss", "granitemoe", "granitemoeshared"):
+    if cfg.model_type in ("mixtral", "gpt_oss", "granitemoe", "granitemoeshared", "minimax_m2"):
         width = cfg.intermediate_size
     else:
         width = cfg.moe_intermediate_size

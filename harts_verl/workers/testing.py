@@ -43,6 +43,7 @@ TINY_KINDS = (
     *("olmo2", "olmo3", "phi3", "seed_oss", "glm4", "gemma3_text", "gpt_oss"),
     *("gemma2", "granite", "cohere", "cohere2", "granitemoe", "granitemoeshared"),
     *("smollm3", "ministral", "exaone4", "ernie4_5", "hunyuan_v1_dense", "apertus", "arcee"),
+    "minimax_m2",
 )
 # The multi-modal Qwen3.5 wrappers (``Qwen3_5ForConditionalGeneration`` /
 # ``Qwen3_5MoeForConditionalGeneration``, model_type ``qwen3_5`` / ``qwen3_5_moe``): the text
@@ -234,6 +235,16 @@ _FULL_ATTENTION = {
     "hunyuan_v1_dense": ("HunYuanDenseV1Config", {**_NO_SPECIAL_IDS, "head_dim": 8}),
     "apertus": ("ApertusConfig", _NO_SPECIAL_IDS),
     "arcee": ("ArceeConfig", {**_NO_SPECIAL_IDS, "head_dim": 8}),
+    "minimax_m2": (
+        "MiniMaxM2Config",
+        {
+            **_NO_SPECIAL_IDS,
+            "head_dim": 8,
+            "intermediate_size": 16,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+        },
+    ),
     "cohere": (
         "CohereConfig",
         {**_NO_SPECIAL_IDS, "logit_scale": 0.25, "use_qk_norm": True, "tie_word_embeddings": True},
@@ -463,6 +474,7 @@ def tiny_hf_model(kind: str, *, seed: int = 0, vocab_size: int = 64) -> torch.nn
         "hunyuan_v1_dense": transformers.HunYuanDenseV1ForCausalLM,
         "apertus": transformers.ApertusForCausalLM,
         "arcee": transformers.ArceeForCausalLM,
+        "minimax_m2": transformers.MiniMaxM2ForCausalLM,
         "granitemoe": transformers.GraniteMoeForCausalLM,
         "granitemoeshared": transformers.GraniteMoeSharedForCausalLM,
         "cohere": transformers.CohereForCausalLM,
