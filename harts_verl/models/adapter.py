@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
-import math
 import sys
 import types
 from collections.abc import Iterator
@@ -50,6 +49,7 @@ from torch.utils.checkpoint import checkpoint
 
 from harts_verl.ops.layout import TreeLayout
 from harts_verl.ops.logprobs import LogitTransform
+from harts_verl.tree._checks import check_positive
 
 _PATCHED = "_harts_original_forward"
 
@@ -314,23 +314,16 @@ def config_logit_transform(config: Any) -> LogitTransform:
     compute them from ``self.config``. A multi-modal wrapper's ``text_config`` is not read (HF's
     ``Gemma3ForConditionalGeneration`` does not soft-cap). Raises ``ValueError`` naming the field
     when its value is not a finite positive number."""
-    scale, cap = 1.0, None
-    for key in ("final_logit_softcapping", "logits_scaling", "logit_scale"):
-        value = getattr(config, key, None)
-        if value is None:
-            continue
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-        if not ok or not math.isfinite(value) or value <= 0:
-            raise ValueError(
-                f"config.{key}: expected a finite positive number or None, got {value!r}"
-            )
-        if key == "final_logit_softcapping":
-            cap = float(value)
-        elif key == "logits_scaling":
-            scale = 1.0 / float(value)
-        else:
-            scale = float(value)
-    return LogitTransform(scale, cap)
+
+    def field(key: str) -> float | None:
+        return check_positive(f"config.{key}", getattr(config, key, None), none_ok=True)
+
+    cap, divisor, factor = (
+        field(k) for k in ("final_logit_softcapping", "logits_scaling", "logit_scale")
+    )
+    if factor is not None:  # Cohere
+        return LogitTransform(factor, cap)
+    return LogitTransform(1.0 if divisor is None else 1.0 / divisor, cap)  # Granite
 
 
 def _gdn_log_decay(module: nn.Module, a: torch.Tensor) -> torch.Tensor:

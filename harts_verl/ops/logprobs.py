@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from harts_verl.tree._checks import check_positive
+
 __all__ = [
     "LabelPairs",
     "LogProbResult",
@@ -117,17 +119,10 @@ def _check_transform(logit_transform: Any) -> LogitTransform:
             f"{type(logit_transform).__name__}"
         )
     scale, cap = logit_transform
-    for name, value in (("scale", scale), ("softcap", cap)):
-        if value is None and name == "softcap":
-            continue
-        ok = isinstance(value, int | float | np.integer | np.floating) and not isinstance(
-            value, bool
-        )
-        if not ok or not np.isfinite(float(value)) or float(value) <= 0:
-            raise ValueError(
-                f"logit_transform.{name}: expected a finite positive number, got {value!r}"
-            )
-    return LogitTransform(float(scale), None if cap is None else float(cap))
+    return LogitTransform(
+        check_positive("logit_transform.scale", scale),
+        check_positive("logit_transform.softcap", cap, none_ok=True),
+    )
 
 
 class _Workspace:
@@ -356,7 +351,7 @@ def _check_temperature(temperature: Any) -> float:
     return t
 
 
-def _check_temperatures(temperature: Any, n: int) -> float | np.ndarray:
+def check_temperatures(temperature: Any, n: int) -> float | np.ndarray:
     """One temperature (:func:`_check_temperature`), or per trajectory: a 1-D array / tensor /
     sequence of ``n`` finite positive numbers, as float64 numpy (one float when they are all
     equal). Raises ``ValueError`` naming ``temperature`` otherwise."""
@@ -388,6 +383,13 @@ def _check_temperatures(temperature: Any, n: int) -> float | np.ndarray:
     if arr.size == 0 or np.all(arr == arr[0]):
         return float(arr[0]) if arr.size else 1.0
     return arr
+
+
+def select_temperatures(temperature: float | np.ndarray, idx: Any) -> float | np.ndarray:
+    """The temperatures of the trajectories ``idx`` (in that order) of a batch whose
+    temperature is ``temperature`` (:func:`check_temperatures`: one float, or one per
+    trajectory)."""
+    return temperature if isinstance(temperature, float) else temperature[idx]
 
 
 def _group_rows(forest: Any, trajectories: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray]:
@@ -448,7 +450,7 @@ def compact_log_probs(
         raise TypeError(f"forest: expected a RolloutForest, got {type(forest).__name__}")
     c = int(forest.num_compact_tokens)
     _check_inputs(hidden, lm_head_weight, lm_head_bias, forest, c)
-    temperature = _check_temperatures(temperature, int(forest.num_trajectories))
+    temperature = check_temperatures(temperature, int(forest.num_trajectories))
     transform = _check_transform(logit_transform)
     if (
         not isinstance(rows_per_chunk, int | np.integer)

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from harts_verl.ops._index import concat_ranges, segment_ancestors, to_index
-from harts_verl.tree._checks import is_int
+from harts_verl.tree._checks import check_positive, is_int
 
 __all__ = [
     "AttentionBucket",
@@ -401,16 +401,10 @@ def _with_sink_key(
 def _check_softcap(softcap: float | None, sinks: torch.Tensor | None) -> float | None:
     """``softcap`` as a float (None stays None): a finite positive number, not combined with
     attention sinks (no model has both; the sink's logit would be capped too)."""
-    if softcap is None:
-        return None
-    ok = isinstance(softcap, int | float | np.integer | np.floating) and not isinstance(
-        softcap, bool
-    )
-    if not ok or not math.isfinite(float(softcap)) or float(softcap) <= 0:
-        raise ValueError(f"softcap: expected a finite positive number or None, got {softcap!r}")
-    if sinks is not None:
+    softcap = check_positive("softcap", softcap, none_ok=True)
+    if softcap is not None and sinks is not None:
         raise NotImplementedError("softcap: attention logit soft-capping with attention sinks")
-    return float(softcap)
+    return softcap
 
 
 class _SoftcapAttention(torch.autograd.Function):

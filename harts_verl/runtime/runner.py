@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from harts_verl.ops.layout import TreeLayout
-from harts_verl.ops.logprobs import compact_log_probs
+from harts_verl.ops.logprobs import check_temperatures, compact_log_probs, select_temperatures
 from harts_verl.tree import RolloutForest
 
 LossFn = Callable[[list[torch.Tensor]], torch.Tensor]
@@ -54,19 +54,6 @@ def _backward(total: torch.Tensor) -> None:
     constant) leaves every gradient untouched instead of failing."""
     if total.requires_grad:
         total.backward()
-
-
-def _temperatures(temperature: Any, n: int) -> float | np.ndarray:
-    """One temperature, or one per trajectory of a batch of ``n`` (float64; one float when all
-    are equal); ``ValueError`` naming ``temperature`` otherwise."""
-    from harts_verl.ops.logprobs import _check_temperatures
-
-    return _check_temperatures(temperature, n)
-
-
-def _pick(temperature: float | np.ndarray, idx: np.ndarray) -> float | np.ndarray:
-    """The temperatures of the trajectories ``idx`` (in that order)."""
-    return temperature if isinstance(temperature, float) else temperature[idx]
 
 
 def _step_stats(
@@ -229,7 +216,7 @@ class _Runner:
         batch gives empty lists. ``temperature``: one, or one per trajectory."""
         t0 = time.perf_counter()
         forest = self.build_forest(sequences)
-        temperature = _temperatures(temperature, forest.num_trajectories)  # also when empty
+        temperature = check_temperatures(temperature, forest.num_trajectories)  # also when empty
         groups = self.plan(forest) if forest.num_trajectories else []
         t1 = time.perf_counter()
         out: list[torch.Tensor | None] = [None] * forest.num_trajectories
@@ -239,7 +226,9 @@ class _Runner:
             for idx in groups:
                 sub = self._sub_forest(forest, idx)
                 compact += sub.num_compact_tokens
-                lp, en, _ = self._forward_mb(sub, _pick(temperature, idx), with_entropy)
+                lp, en, _ = self._forward_mb(
+                    sub, select_temperatures(temperature, idx), with_entropy
+                )
                 for j, i in enumerate(idx.tolist()):
                     out[i] = lp[j]
                     if with_entropy:
@@ -301,7 +290,7 @@ class _Runner:
         """
         t0 = time.perf_counter()
         forest = self.build_forest(sequences)
-        temperature = _temperatures(temperature, forest.num_trajectories)
+        temperature = check_temperatures(temperature, forest.num_trajectories)
         if forest.num_trajectories == 0:
             raise ValueError("sequences: no trajectories to train on (an empty batch)")
         if microbatches is None:
@@ -318,7 +307,7 @@ class _Runner:
             for idx in groups:
                 sub = self._sub_forest(forest, idx)
                 compact += sub.num_compact_tokens
-                lp, _, aux = self._forward_mb(sub, _pick(temperature, idx), False)
+                lp, _, aux = self._forward_mb(sub, select_temperatures(temperature, idx), False)
                 part: list[torch.Tensor | None] = [None] * n
                 for j, i in enumerate(idx.tolist()):
                     part[i] = lp[j]
@@ -333,7 +322,7 @@ class _Runner:
         elif len(groups) == 1:
             sub = self._sub_forest(forest, groups[0])
             compact = sub.num_compact_tokens
-            lp, _, aux = self._forward_mb(sub, _pick(temperature, groups[0]), False)
+            lp, _, aux = self._forward_mb(sub, select_temperatures(temperature, groups[0]), False)
             ordered: list[torch.Tensor | None] = [None] * n
             for j, i in enumerate(groups[0].tolist()):
                 ordered[i] = lp[j]
@@ -347,7 +336,7 @@ class _Runner:
             with torch.no_grad():
                 for idx in groups:
                     lp, _, _ = self._forward_mb(
-                        self._sub_forest(forest, idx), _pick(temperature, idx), False
+                        self._sub_forest(forest, idx), select_temperatures(temperature, idx), False
                     )
                     for j, i in enumerate(idx.tolist()):
                         detached[i] = lp[j].detach().requires_grad_(True)
@@ -361,7 +350,7 @@ class _Runner:
             for idx in groups:
                 sub = self._sub_forest(forest, idx)
                 compact += sub.num_compact_tokens
-                lp, _, aux = self._forward_mb(sub, _pick(temperature, idx), False)
+                lp, _, aux = self._forward_mb(sub, select_temperatures(temperature, idx), False)
                 terms = [
                     (lp[j] * grads[i]).sum()
                     for j, i in enumerate(idx.tolist())

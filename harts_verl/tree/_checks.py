@@ -28,6 +28,18 @@ def check_int(name: str, value: Any, minimum: int, maximum: int | None = INT64_M
     return int(value)
 
 
+def check_positive(name: str, value: Any, *, none_ok: bool = False) -> float | None:
+    """``value`` as a float after checking it is a finite real number > 0 (Python or numpy, not a
+    bool); None stays None with ``none_ok``. Raises ValueError naming ``name``."""
+    if value is None and none_ok:
+        return None
+    real = isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
+    if not real or not math.isfinite(float(value)) or float(value) <= 0:
+        also = " or None" if none_ok else ""
+        raise ValueError(f"{name}: expected a finite positive number{also}, got {value!r}")
+    return float(value)
+
+
 def int_arg(lo: int) -> Callable[[str], int]:
     """argparse ``type=``: an int >= ``lo`` (``ArgumentTypeError`` "expected an int >= lo")."""
 

@@ -87,7 +87,12 @@ from harts_verl.models.adapter import (
 )
 from harts_verl.ops._index import concat_ranges
 from harts_verl.ops.layout import TreeLayout
-from harts_verl.ops.logprobs import LogitTransform, compact_log_probs
+from harts_verl.ops.logprobs import (
+    LogitTransform,
+    check_temperatures,
+    compact_log_probs,
+    select_temperatures,
+)
 from harts_verl.tree import RolloutForest
 from harts_verl.workers import STRATEGY
 
@@ -192,24 +197,8 @@ def _batch_temperature(micro_batch: TensorDict) -> float | np.ndarray:
     if isinstance(t, torch.Tensor):
         if t.numel() == 0:
             return 1.0
-        flat = t.reshape(-1).double()
-        bad = ~torch.isfinite(flat) | (flat <= 0)
-        if bool(bad.any()):
-            raise ValueError(
-                f"temperature: expected finite positive values, got {float(flat[bad][0])}"
-            )
-        if not bool((flat == flat[0]).all()):
-            return flat.cpu().numpy()
-        return float(flat[0])
-    if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < float(t) < float("inf"):
-        raise ValueError(f"temperature: expected a finite positive number, got {t!r}")
-    return float(t)
-
-
-def _select_temperature(temperature: float | np.ndarray, rows: list[int]) -> float | np.ndarray:
-    """The temperature of the samples ``rows`` of a batch at ``temperature``
-    (:func:`_batch_temperature`)."""
-    return temperature if isinstance(temperature, float) else temperature[rows]
+        t = t.reshape(-1) if t.numel() > 1 else t.reshape(())  # veRL's [bsz] (or one value)
+    return check_temperatures(t, len(micro_batch))
 
 
 def _has_multi_modal(data: TensorDict) -> bool:
@@ -791,7 +780,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
                     micro_batch,
                     loss_function=None if dummy else loss_function,
                     forward_only=forward_only,
-                    temperature=_select_temperature(temperature, sel),
+                    temperature=select_temperatures(temperature, sel),
                     dummy=dummy,
                 )
                 if not forward_only:
@@ -1181,7 +1170,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
                     sub,
                     loss_function=None,
                     forward_only=True,
-                    temperature=_select_temperature(temperature, list(range(n))),
+                    temperature=select_temperatures(temperature, list(range(n))),
                 )
             tree = meta["model_output"][key].unbind()
         else:
