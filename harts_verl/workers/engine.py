@@ -57,7 +57,7 @@ import logging
 import time
 import types
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -185,6 +185,11 @@ def forest_of_batch(data: TensorDict) -> RolloutForest:
     forest = RolloutForest.from_sequences(seqs)
     forest.harts_source = "tokens"
     return forest
+
+
+# What HF's stock forward can leave out of a model's attention (:meth:`_attention_term_dropped`).
+_SINKS_DROPPED = "attention sinks"
+_SOFTCAP_DROPPED = "attention logit soft-cap (attn_logit_softcapping)"
 
 
 def _batch_temperature(micro_batch: TensorDict) -> float | np.ndarray:
@@ -427,7 +432,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
                 self._logit_transform,
             )
         dropped = self._attention_term_dropped(module)
-        if dropped and "soft-cap" in dropped:
+        if dropped == _SOFTCAP_DROPPED:
             logger.warning(
                 "harts_fsdp2: %s with attn_implementation %r: transformers' sdpa drops its %s; "
                 "tree mode applies it, and stock (fallback) batches run eager attention instead",
@@ -628,13 +633,15 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
                 "of this model run in tree mode)"
             )
         if self._needs_plain_forward() and _plain_forward_of(_causal_lm_of(self.module)) is None:
-            reasons["fused" if self._fused_forward() else "logit_transform"] = (
-                "the model has no `model` backbone and `lm_head` to run without its own forward ("
-                + (
-                    "use_fused_kernels is set: veRL's fused forward computes log-probs itself)"
-                    if self._fused_forward()
-                    else "which transforms the LM head's logits)"
-                )
+            fused = self._fused_forward()
+            why = (
+                "use_fused_kernels is set: veRL's fused forward computes log-probs itself"
+                if fused
+                else "which transforms the LM head's logits"
+            )
+            reasons["fused" if fused else "logit_transform"] = (
+                f"the model has no `model` backbone and `lm_head` to run without its own forward "
+                f"({why})"
             )
         head = self._head_reason()
         if head is not None:
@@ -1111,31 +1118,27 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         config = getattr(module, "config", None)
         impl = str(getattr(config, "_attn_implementation", ""))
         if getattr(config, "model_type", None) == "gpt_oss" and impl.startswith("flash"):
-            return "attention sinks"
+            return _SINKS_DROPPED
         if getattr(config, "attn_logit_softcapping", None) is not None and impl == "sdpa":
-            return "attention logit soft-cap (attn_logit_softcapping)"
+            return _SOFTCAP_DROPPED
         return None
 
-    @contextmanager
-    def _stock_attention(self) -> Iterator[None]:
+    def _stock_attention(self) -> AbstractContextManager[None]:
         """The attention a stock (fallback) batch runs: HF's eager attention where the configured
         sdpa drops Gemma 2's attention soft-cap (eager takes packed sequences, so the batch
         computes the model tree mode and the rollout compute); the configured one otherwise
         (gpt-oss's eager masks ignore packed positions: its sink warning stands)."""
-        dropped = self._attention_term_dropped()
-        if dropped is None or "soft-cap" not in dropped:
-            yield
-            return
-        with self._eager_attention():
-            yield
+        return self._eager_attention(terms=(_SOFTCAP_DROPPED,))
 
     @contextmanager
-    def _eager_attention(self) -> Iterator[None]:
+    def _eager_attention(
+        self, terms: tuple[str, ...] = (_SINKS_DROPPED, _SOFTCAP_DROPPED)
+    ) -> Iterator[None]:
         """HF's eager attention (which applies gpt-oss's sinks and Gemma 2's attention soft-cap)
-        for the duration of a stock forward, where :meth:`_attention_term_dropped`; a no-op
-        otherwise."""
+        for the duration of a stock forward, where :meth:`_attention_term_dropped` names one of
+        ``terms``; a no-op otherwise."""
         config = getattr(self.module, "config", None)
-        if not self._attention_term_dropped() or config is None:
+        if self._attention_term_dropped() not in terms or config is None:
             yield
             return
         saved = config._attn_implementation_internal
@@ -1152,7 +1155,8 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         result and the stock (expanded) forward on the first ``harts.audit_trajectories``
         trajectories of the local batch (positions 0..L−2 for shifted outputs, else all). Where
         the stock forward mixes packed sequences (:meth:`_packed_reference_leaks`) it runs
-        padded rows, and eager attention where the configured one drops attention sinks."""
+        padded rows, and eager attention where the configured one drops attention sinks or a
+        soft-cap (:meth:`_eager_attention`)."""
         n = min(self.harts.audit_trajectories, len(data))
         sub = tu.index_select_tensor_dict(data, list(range(n)))
         if self._packed_reference_leaks():
