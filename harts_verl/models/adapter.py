@@ -8,9 +8,10 @@ attention); outside one the original forward runs untouched. The attention modul
 full-attention models (Qwen2 / Qwen3 / Llama / Mistral, Qwen2-MoE / Qwen3-MoE / Mixtral,
 DeepSeek-V3's MLA, GLM-4-MoE, OLMo 2 / OLMo 3, Phi-3, Seed-OSS, GLM-4, Gemma 2 / Gemma 3,
 Granite / Granite-MoE, Cohere / Cohere 2, SmolLM3, Ministral, EXAONE 4, ERNIE 4.5, Hunyuan
-dense, Apertus, Arcee, MiniMax-M2, gpt-oss with its attention sinks) run their own forward in tree mode,
-with transformers' attention interface pointed at tree attention (:func:`tree_attention_interface`,
-which takes sliding windows, sinks and Gemma 2's logit soft-capping). Embeddings, norms, MLP /
+dense, Apertus, Arcee, MiniMax-M2, gpt-oss with its attention sinks) run their own forward in
+tree mode, with transformers' attention interface pointed at tree attention
+(:func:`tree_attention_interface`, which takes sliding windows, sinks and Gemma 2's logit
+soft-capping). Embeddings, norms, MLP /
 MoE, rotary tables and the LM head are HF's own code on the ``[1, C, D]`` compact batch.
 Parameter names and the state dict are unchanged. What a causal LM's own forward does to the LM
 head's logits (Gemma's soft-capping, Granite's and Cohere's scaling) is read from its config
@@ -400,9 +401,8 @@ def _attn_tree_forward(
 # in tree mode (see :func:`_interface_attn_tree_forward`).
 TREE_ATTENTION = "harts_tree"
 
-# Keywords of transformers' attention interface that change what attention computes and that tree
-# attention does not implement (logit soft-capping). Attention sinks (gpt-oss passes
-# ``s_aux=self.sinks``; ``sinks`` elsewhere) are taken: see :func:`tree_attention_interface`.
+# The keywords under which transformers' attention interface passes attention sinks (gpt-oss:
+# ``s_aux=self.sinks``; ``sinks`` elsewhere): see :func:`tree_attention_interface`.
 _SINK_ATTENTION_KWARGS = ("s_aux", "sinks")
 
 
