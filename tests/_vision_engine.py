@@ -7,6 +7,32 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
+# The tree side of the text-batch parity tests: several micro-batches of a multi-turn tree batch.
+TEXT_HARTS = {"chunk_size": 8, "capacity_tokens": 48}
+
+
+def run_tree_text(testing: Any, ve: Any, path: str, data: tuple) -> tuple:
+    """harts_fsdp2 on the text batch ``data`` (``TEXT_HARTS``, veRL's gradient checkpointing on:
+    layers re-run in backward): ``ve._run``'s result."""
+    return ve._run(
+        testing,
+        path,
+        "harts_fsdp2",
+        data,
+        loss_mode="vanilla",
+        harts=TEXT_HARTS,
+        gradient_checkpointing=True,
+    )
+
+
+def check_tree_text(ve: Any, ref: tuple, tree: tuple) -> None:
+    """The tree run equals the stock one (``ve._compare``: log-probs, entropy, grad norm,
+    parameters after the step), in tree mode, over several micro-batches of a compressed batch."""
+    ve._compare(ref, tree)
+    assert tree[1]["harts/fallback"] == [0.0]
+    assert tree[1]["harts/microbatches"][0] >= 2
+    assert tree[1]["harts/compression"][0] > 1.0
+
 
 def run_vision_engines(
     testing: Any,
