@@ -405,3 +405,15 @@ def spread_weights(model: torch.nn.Module, seed: int) -> torch.nn.Module:
             noise = torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.2
             p.copy_(1.0 + noise if name.endswith("norm.weight") else noise)
     return model
+
+
+def hf_log_probs(model: torch.nn.Module, seqs: list[list[int]]) -> list[torch.Tensor]:
+    """HF's own per-trajectory forward of ``model`` (``model(input_ids=ids[None])``, no cache):
+    ``log p(x[t+1] | x[≤t])`` of each trajectory, in the logits' dtype (the oracle the tree
+    log-probs are compared with)."""
+    lps = []
+    for s in seqs:
+        ids = torch.tensor([s])
+        logits = model(input_ids=ids, use_cache=False).logits[0]
+        lps.append(torch.log_softmax(logits, -1)[:-1].gather(1, ids[0, 1:, None])[:, 0])
+    return lps

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 from _forked import forked_sequences
+from _hf_float64 import hf_log_probs
 
 pytest.importorskip("transformers")
 
@@ -55,16 +56,6 @@ def _forest(seed: int) -> list[list[int]]:
     return forked_sequences(
         seed, TEXT_VOCAB, prompt=24, extension=14, forks=[(9, 11), (17, 6)], root=13
     )
-
-
-def _hf_log_probs(model, seqs) -> list[torch.Tensor]:
-    """HF's own per-trajectory forward of the wrapper: log p(x[t+1] | x[≤t])."""
-    lps = []
-    for s in seqs:
-        ids = torch.tensor([s])
-        logits = model(input_ids=ids, use_cache=False).logits[0]
-        lps.append(torch.log_softmax(logits, -1)[:-1].gather(1, ids[0, 1:, None])[:, 0])
-    return lps
 
 
 def _loss_fn(lps: list[torch.Tensor]) -> torch.Tensor:
@@ -112,7 +103,7 @@ def test_text_config_soft_cap_not_applied_by_the_wrapper(no_fla):
     assert logit_transform_of(model).is_identity
     seqs = _forest(5)
     with torch.no_grad():
-        for lp, ref in zip(TreeRunner(model).log_probs(seqs), _hf_log_probs(model, seqs)):
+        for lp, ref in zip(TreeRunner(model).log_probs(seqs), hf_log_probs(model, seqs)):
             torch.testing.assert_close(lp, ref, rtol=0, atol=1e-10)
 
 
@@ -133,7 +124,7 @@ def test_tree_equals_hf_float64(lifted, window):
     loss_t = TreeRunner(model, chunk_size=16).forward_backward(seqs, _loss_fn)["loss"]
     g_t = _text_grads(model)
     model.zero_grad(set_to_none=True)
-    lp_h = _hf_log_probs(model, seqs)
+    lp_h = hf_log_probs(model, seqs)
     loss_h = _loss_fn(lp_h)
     loss_h.backward()
     g_h = _text_grads(model)
@@ -193,8 +184,8 @@ def test_window_in_effect(lifted):
     compares the sliding layer with its window applied."""
     seqs = _forest(4)[:2]
     with torch.no_grad():
-        a = _hf_log_probs(_model(seed=3, window=4), seqs)
-        b = _hf_log_probs(_model(seed=3, window=None), seqs)
+        a = hf_log_probs(_model(seed=3, window=4), seqs)
+        b = hf_log_probs(_model(seed=3, window=None), seqs)
     assert max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True)) > 1e-3
 
 

@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 import torch
 from _forked import forked_sequences
+from _hf_float64 import hf_log_probs
 from test_runtime import _assert_grads_close, _grads, _loss_fn
 
 pytest.importorskip("transformers")
@@ -109,21 +110,10 @@ def _text_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: g for n, g in _grads(model).items() if not n.startswith("model.visual.")}
 
 
-def _hf_log_probs(model, seqs) -> list[torch.Tensor]:
-    """HF's own per-trajectory forward of the wrapper (``model(input_ids=ids[None])``):
-    log p(x[t+1] | x[≤t]) per trajectory."""
-    lps = []
-    for s in seqs:
-        ids = torch.tensor([s])
-        logits = model(input_ids=ids, use_cache=False).logits[0]
-        lps.append(torch.log_softmax(logits, -1)[:-1].gather(1, ids[0, 1:, None])[:, 0])
-    return lps
-
-
 def _hf_grads(model, seqs, loss_fn) -> tuple[list[torch.Tensor], float, dict]:
-    """:func:`_hf_log_probs` and the backward of ``loss_fn``."""
+    """:func:`hf_log_probs` and the backward of ``loss_fn``."""
     model.zero_grad(set_to_none=True)
-    lps = _hf_log_probs(model, seqs)
+    lps = hf_log_probs(model, seqs)
     loss = loss_fn(lps)
     loss.backward()
     return [lp.detach() for lp in lps], float(loss.detach()), _text_grads(model)
@@ -270,7 +260,7 @@ def test_float32_tree_equals_unmodified_hf(no_fla, monkeypatch, verl_patch):
     seqs = _forest(48)
     with torch.no_grad():
         lp_t = TreeRunner(model, chunk_size=64).log_probs(seqs)
-        lp_h = _hf_log_probs(model, seqs)
+        lp_h = hf_log_probs(model, seqs)
     for a, b in zip(lp_t, lp_h, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
