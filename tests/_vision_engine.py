@@ -4,8 +4,30 @@ mode, both equal veRL's stock fsdp2 engine."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import Any
+
+import numpy as np
+import torch
+
+
+def image_batch(
+    seed: int, text_vocab: int, make_image: Callable[[torch.Generator], dict]
+) -> tuple[list, list, list]:
+    """One prompt with an image (image-start token, 4 image tokens, image-end token; ids from
+    ``TINY_IMAGE_TOKEN_ID``) and text, 3 responses (two share a prefix); each trajectory carries
+    the image's vision inputs ``make_image(generator)`` (a copy of the dict each), as veRL's agent
+    loop stores them. Returns (sequences, prompt lengths, multi-modal inputs)."""
+    from harts_verl.workers.testing import TINY_IMAGE_TOKEN_ID as img
+
+    rng = np.random.default_rng(seed)
+    prompt = [img + 2, img, img, img, img, img + 3, *rng.integers(0, text_vocab, 9).tolist()]
+    r = [rng.integers(0, text_vocab, n).tolist() for n in (10, 7, 6)]
+    seqs = [prompt + r[0], prompt + r[1], prompt + r[0][:4] + r[2]]
+    image = make_image(torch.Generator().manual_seed(seed))
+    return seqs, [len(prompt)] * 3, [dict(image) for _ in seqs]
+
 
 # The tree side of the text-batch parity tests: several micro-batches of a multi-turn tree batch.
 TEXT_HARTS = {"chunk_size": 8, "capacity_tokens": 48}

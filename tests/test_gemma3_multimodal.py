@@ -20,7 +20,6 @@ the same engine ≤ 4.8e-7 (asserted 1e-6); the image moves the log-probs by 0.2
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from _forked import forked_sequences
@@ -233,17 +232,13 @@ def test_engine_text_batch_in_tree_mode(verl_engine, tmp_path):
 
 
 def _image_batch(seed: int):
-    """One prompt with an image (begin-of-image, 4 image tokens, end-of-image) and text, 3
-    responses (two share a prefix); each trajectory carries the image's ``pixel_values``
-    (one 8×8 image), as veRL's agent loop stores them."""
-    rng = np.random.default_rng(seed)
-    img = TINY_IMAGE_TOKEN_ID
-    prompt = [img + 2, img, img, img, img, img + 3, *rng.integers(0, TEXT_VOCAB, 9).tolist()]
-    r = [rng.integers(0, TEXT_VOCAB, n).tolist() for n in (10, 7, 6)]
-    seqs = [prompt + r[0], prompt + r[1], prompt + r[0][:4] + r[2]]
-    gen = torch.Generator().manual_seed(seed)
-    image = {"pixel_values": torch.randn(1, 3, 8, 8, generator=gen)}
-    return seqs, [len(prompt)] * 3, [dict(image) for _ in seqs]
+    """:func:`_vision_engine.image_batch` with one 8×8 image (``pixel_values``; the SigLIP tower
+    pools it into the 4 image tokens)."""
+    from _vision_engine import image_batch
+
+    return image_batch(
+        seed, TEXT_VOCAB, lambda gen: {"pixel_values": torch.randn(1, 3, 8, 8, generator=gen)}
+    )
 
 
 def test_engine_vision_batch_falls_back(verl_engine, tmp_path):

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import importlib
 
-import numpy as np
 import pytest
 import torch
 from _forked import forked_sequences
@@ -340,20 +339,17 @@ def test_engine_text_batch_in_tree_mode(verl_engine, tmp_path, kind):
 
 
 def _image_batch(seed: int):
-    """One prompt with an image (vision start, 4 image tokens = a 4×4 patch grid merged 2×2,
-    vision end) and text, 3 responses (two share a prefix); each trajectory carries the image's
-    ``pixel_values`` / ``image_grid_thw``, as veRL's agent loop stores them."""
-    rng = np.random.default_rng(seed)
-    img = TINY_IMAGE_TOKEN_ID
-    prompt = [img + 2, img, img, img, img, img + 3, *rng.integers(0, TEXT_VOCAB, 9).tolist()]
-    r = [rng.integers(0, TEXT_VOCAB, n).tolist() for n in (10, 7, 6)]
-    seqs = [prompt + r[0], prompt + r[1], prompt + r[0][:4] + r[2]]
-    gen = torch.Generator().manual_seed(seed)
-    image = {
-        "pixel_values": torch.randn(16, 3 * 2 * 2 * 2, generator=gen),
-        "image_grid_thw": torch.tensor([[1, 4, 4]]),
-    }
-    return seqs, [len(prompt)] * 3, [dict(image) for _ in seqs]
+    """:func:`_vision_engine.image_batch` with a 4×4 patch grid merged 2×2 into the 4 image
+    tokens (``pixel_values`` / ``image_grid_thw``)."""
+    from _vision_engine import image_batch
+
+    def image(gen: torch.Generator) -> dict:
+        return {
+            "pixel_values": torch.randn(16, 3 * 2 * 2 * 2, generator=gen),
+            "image_grid_thw": torch.tensor([[1, 4, 4]]),
+        }
+
+    return image_batch(seed, TEXT_VOCAB, image)
 
 
 def test_engine_vision_batch_falls_back(verl_engine, tmp_path, caplog):
