@@ -163,6 +163,7 @@ def test_kda_with_equal_channels_equals_gdn() -> None:
     with_h0=st.booleans(),
     use_qk_l2norm=st.booleans(),
     use_beta_sigmoid=st.booleans(),
+    delta_rule=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_chunk_matches_recurrent_float64(
@@ -173,10 +174,17 @@ def test_chunk_matches_recurrent_float64(
     with_h0: bool,
     use_qk_l2norm: bool,
     use_beta_sigmoid: bool,
+    delta_rule: bool,
     seed: int,
 ) -> None:
+    """Chunkwise == token-by-token (outputs, final and chunk-start states), for the delta rule
+    and for gated linear attention without it (Mamba-2 SSD, ``delta_rule=False``)."""
     x = _inputs(lengths, kda=kda, group=group, seed=seed, with_h0=with_h0)
-    flags = {"use_qk_l2norm": use_qk_l2norm, "use_beta_sigmoid": use_beta_sigmoid}
+    flags = {
+        "use_qk_l2norm": use_qk_l2norm,
+        "use_beta_sigmoid": use_beta_sigmoid,
+        "delta_rule": delta_rule,
+    }
     o, final, cs = chunk_delta_rule_varlen(
         **x, **flags, chunk_size=chunk_size, output_chunk_states=True
     )
@@ -209,19 +217,24 @@ def test_chunk_matches_recurrent_float64(
 
 
 @pytest.mark.parametrize(
-    ("kda", "chunk_size", "decay"),
+    ("kda", "chunk_size", "decay", "delta_rule"),
     [
-        (True, 16, 1.0),
-        (True, 64, 1.0),
-        (True, 24, 1.0),
-        (False, 32, 1.0),
-        (True, 32, 30.0),
-        (False, 64, 30.0),
+        (True, 16, 1.0, True),
+        (True, 64, 1.0, True),
+        (True, 24, 1.0, True),
+        (False, 32, 1.0, True),
+        (True, 32, 30.0, True),
+        (False, 64, 30.0, True),
+        (False, 32, 1.0, False),
+        (True, 16, 30.0, False),
     ],
 )
-def test_gradients_match_recurrent_float64(kda: bool, chunk_size: int, decay: float) -> None:
+def test_gradients_match_recurrent_float64(
+    kda: bool, chunk_size: int, decay: float, delta_rule: bool
+) -> None:
     """Autograd grads of the chunk kernel equal the recurrent oracle's (q, k, v, g, beta, h0);
-    decay=30 makes in-chunk cumulative log decays reach the hundreds (overflow hazard)."""
+    decay=30 makes in-chunk cumulative log decays reach the hundreds (overflow hazard);
+    ``delta_rule=False``: gated linear attention (Mamba-2 SSD)."""
     x = _inputs([75, 0, 40, 64], kda=kda, seed=11, decay=decay)
     x["beta"] = torch.logit(x["beta"])  # exercise use_beta_sigmoid in the graph
     names = ("q", "k", "v", "g", "beta", "initial_state")
@@ -231,7 +244,13 @@ def test_gradients_match_recurrent_float64(kda: bool, chunk_size: int, decay: fl
 
     def grads(fn: Callable[..., tuple]) -> list[torch.Tensor]:
         leaves = {n: x[n].detach().clone().requires_grad_() for n in names}
-        out = fn(**leaves, cu_seqlens=x["cu_seqlens"], use_qk_l2norm=True, use_beta_sigmoid=True)
+        out = fn(
+            **leaves,
+            cu_seqlens=x["cu_seqlens"],
+            use_qk_l2norm=True,
+            use_beta_sigmoid=True,
+            delta_rule=delta_rule,
+        )
         ((out[0] * w_o).sum() + (out[1] * w_s).sum()).backward()
         return [leaves[n].grad for n in names]
 

@@ -42,20 +42,23 @@ def _inputs(c: int, kda: bool, dtype: torch.dtype, seed: int):
     return [x.requires_grad_(True) for x in (q, kk, vv, gate, beta)]
 
 
-@settings(max_examples=25, deadline=None)
-@given(forests(), st.sampled_from([16, 32, 64]), st.booleans())
-def test_tree_equals_trajectory_wise_float64(seqs, chunk, kda):
+@settings(max_examples=30, deadline=None)
+@given(forests(), st.sampled_from([16, 32, 64]), st.booleans(), st.booleans())
+def test_tree_equals_trajectory_wise_float64(seqs, chunk, kda, delta_rule):
+    """Tree == trajectory-wise == token-by-token (outputs and gradients through the state
+    handoffs), for the delta rule and for gated linear attention (``delta_rule=False``)."""
     forest = RolloutForest.from_sequences(seqs)
     layout = build_linear_layout(forest, chunk_size=chunk)
     xs = _inputs(forest.num_compact_tokens, kda, torch.float64, len(seqs))
-    o = tree_delta_rule(*xs, layout, use_qk_l2norm=True)
+    flags = {"use_qk_l2norm": True, "delta_rule": delta_rule}
+    o = tree_delta_rule(*xs, layout, **flags)
     # Expanded: gather every trajectory's rows from the same leaf tensors.
     rows = [torch.as_tensor(forest.rows_of(i)) for i in range(len(seqs))]
     idx = torch.cat(rows)
     cu = torch.tensor([0, *torch.cumsum(torch.tensor([len(r) for r in rows]), 0).tolist()])
     gathered = [x.index_select(0, idx) for x in xs]
-    ref = chunk_delta_rule_varlen(*gathered, cu_seqlens=cu, chunk_size=chunk, use_qk_l2norm=True).o
-    rec, _ = recurrent_delta_rule_ref(*gathered, cu_seqlens=cu, use_qk_l2norm=True)
+    ref = chunk_delta_rule_varlen(*gathered, cu_seqlens=cu, chunk_size=chunk, **flags).o
+    rec, _ = recurrent_delta_rule_ref(*gathered, cu_seqlens=cu, **flags)
     torch.testing.assert_close(o.index_select(0, idx), ref, rtol=0, atol=1e-10)
     torch.testing.assert_close(ref, rec, rtol=0, atol=1e-10)
     # Gradients w.r.t. every input through the state handoffs.

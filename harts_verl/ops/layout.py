@@ -162,9 +162,11 @@ class TreeLayout:
         *,
         scale: float | None = None,
         use_qk_l2norm: bool = False,
+        delta_rule: bool = True,
     ) -> torch.Tensor:
         """Chunkwise delta-rule attention (KDA for g ``[C, HV, K]``, GDN for g ``[C, HV]``) over
-        the planned rounds; ``[C, HV, V]``."""
+        the planned rounds; ``[C, HV, V]``. ``delta_rule=False``: gated linear attention
+        without the delta correction (Mamba-2 SSD for g ``[C, HV]``)."""
         from harts_verl.ops.tree_linear_attention import tree_delta_rule
 
         return tree_delta_rule(
@@ -177,4 +179,5 @@ class TreeLayout:
             scale=scale,
             use_qk_l2norm=use_qk_l2norm,
             kernel=self.linear_kernel,
+            delta_rule=delta_rule,
         )

@@ -9,9 +9,13 @@ Recurrence (flash-linear-attention convention), per value head with state ``S`` 
 ``[K, V]``, for each token ``t`` of a sequence::
 
     S   = S * exp(g_t)                 # broadcast over V (a scalar for GDN)
-    u_t = v_t - S^T k_t
+    u_t = v_t - S^T k_t                # delta_rule=False: u_t = v_t
     S   = S + beta_t * k_t (outer) u_t
     o_t = S^T (scale * q_t)
+
+With ``delta_rule=False`` the same kernels run gated linear attention without the delta
+correction: Mamba-2's state-space duality (SSD) for a scalar decay (``q = C``, ``k = B``,
+``v = x``, ``beta = dt``, ``g = dt * A``; fla's ``chunk_simple_gla``), GLA for a per-channel one.
 
 Inputs are packed varlen like fla with batch size 1: one flat token dimension ``T`` split into
 independent *members* by ``cu_seqlens``. Grouped value heads: value head ``h`` reads query/key
@@ -280,12 +284,13 @@ _SUB_BLOCK = 16
 
 
 def _causal_scores(
-    q: torch.Tensor, k: torch.Tensor, G: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, with_kk: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Decayed causal score matrices of every chunk, diagonal included.
 
     Returns ``(qk, kk)`` with ``qk[i, j] = sum_c q_i[c] k_j[c] exp(G_i[c] - G_j[c])`` and
-    ``kk[i, j] = sum_c k_i[c] k_j[c] exp(G_i[c] - G_j[c])`` for ``j <= i``, 0 for ``j > i``.
+    ``kk[i, j] = sum_c k_i[c] k_j[c] exp(G_i[c] - G_j[c])`` for ``j <= i``, 0 for ``j > i``
+    (``kk`` None unless ``with_kk``).
 
     q, k: ``[..., C, K]``; G: ``[..., C, K]`` (per-channel decay) or ``[..., C]`` (scalar decay),
     the within-chunk cumulative log decay. ``exp`` is only ever taken of ``G_a - G_b`` with
@@ -299,13 +304,14 @@ def _causal_scores(
         diff = G[..., :, None] - G[..., None, :]
         decay = diff.masked_fill(future, float("-inf")).exp()
         k_t = k.transpose(-1, -2)
-        return torch.matmul(q, k_t) * decay, torch.matmul(k, k_t) * decay
-    return _causal_scores_per_channel(q, k, G)
+        kk = torch.matmul(k, k_t) * decay if with_kk else None
+        return torch.matmul(q, k_t) * decay, kk
+    return _causal_scores_per_channel(q, k, G, with_kk)
 
 
 def _causal_scores_per_channel(
-    q: torch.Tensor, k: torch.Tensor, G: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, with_kk: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-channel (KDA) case of :func:`_causal_scores`, in sub-blocks of ``s`` rows.
 
     Diagonal ``[s, s]`` blocks use pairwise differences ``exp(G_i - G_j)`` (``[s, s, K]`` per
@@ -325,9 +331,10 @@ def _causal_scores_per_channel(
     decay = diff.masked_fill(future[:, :, None], float("-inf")).exp()
     k_j = kb[..., None, :, :]
     qk_diag = (qb[..., :, None, :] * k_j * decay).sum(-1)  # [..., P, s, s]
-    kk_diag = (kb[..., :, None, :] * k_j * decay).sum(-1)
+    kk_diag = (kb[..., :, None, :] * k_j * decay).sum(-1) if with_kk else None
     if P == 1:
-        return qk_diag.reshape(*lead, C, C), kk_diag.reshape(*lead, C, C)
+        kk_full = kk_diag.reshape(*lead, C, C) if kk_diag is not None else None
+        return qk_diag.reshape(*lead, C, C), kk_full
 
     # Block diagonal [..., C, C]: multiplying by 0/1 is exact.
     eye_p = torch.eye(P, dtype=q.dtype, device=q.device)[:, None, :, None]  # [P, 1, P, 1]
@@ -350,7 +357,8 @@ def _causal_scores_per_channel(
         off = torch.matmul(x_blocks[..., 1:, :, :] * left, right_t)  # [..., P-1, s, C]
         return torch.cat([zeros, off], dim=-3).reshape(*lead, C, C)
 
-    return block_diagonal(qk_diag) + below(qb), block_diagonal(kk_diag) + below(kb)
+    kk = block_diagonal(kk_diag) + below(kb) if kk_diag is not None else None
+    return block_diagonal(qk_diag) + below(qb), kk
 
 
 def _decay_rows(x: torch.Tensor, logdecay: torch.Tensor) -> torch.Tensor:
@@ -375,8 +383,10 @@ def chunk_delta_rule_varlen(
     use_qk_l2norm: bool = False,
     use_beta_sigmoid: bool = False,
     output_chunk_states: bool = False,
+    delta_rule: bool = True,
 ) -> DeltaRuleOutput:
-    """Chunkwise gated delta rule (KDA or GDN) over packed varlen members, exact reference.
+    """Chunkwise gated delta rule (KDA or GDN) over packed varlen members, exact reference;
+    with ``delta_rule=False`` gated linear attention (Mamba-2 SSD / GLA, see the module).
 
     Args:
         q, k: ``[T, H, K]``, same float dtype as ``v``.
@@ -395,6 +405,8 @@ def chunk_delta_rule_varlen(
         use_beta_sigmoid: apply ``sigmoid`` to ``beta`` inside the kernel.
         output_chunk_states: also return the state at the start of every chunk
             (:class:`ChunkStates`).
+        delta_rule: False drops the delta correction (``u_t = v_t``): the write is
+            ``beta_t * k_t (outer) v_t``.
 
     Returns:
         :class:`DeltaRuleOutput` ``(o [T, HV, V] in v's dtype, final_state [N, HV, K, V],
@@ -457,16 +469,21 @@ def chunk_delta_rule_varlen(
     #   S' = e^(G_last) S + (K * e^(G_last - G))^T delta
     G = torch.cumsum(gc, dim=2)  # within-chunk cumulative log decay, [total, HV, C(, K)]
     G_last = G[:, :, -1]  # [total, HV(, K)]
-    attn, kk = _causal_scores(qc, kc, G)  # [total, HV, C, C], lower triangular incl. diagonal
-    # Unit lower-triangular system (I + M) delta = beta * (v - Kg S), M_ij = beta_i kk_ij (j < i).
-    strict = torch.ones(C, C, dtype=torch.bool, device=device).tril(-1)
-    eye = torch.eye(C, dtype=p.dtype, device=device)
-    lower = eye + (bc[..., None] * kk).masked_fill(~strict, 0.0)
+    # [total, HV, C, C], lower triangular incl. diagonal
+    attn, kk = _causal_scores(qc, kc, G, with_kk=delta_rule)
     q_decayed = _decay_rows(qc, G)  # Qg, [total, HV, C, K]
-    k_decayed = _decay_rows(kc, G)  # Kg
-    rhs = torch.cat([vc * bc[..., None], k_decayed * bc[..., None]], dim=-1)
-    sol = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
-    u_part, w_part = sol[..., :V].contiguous(), sol[..., V:].contiguous()  # delta = U - W S
+    if delta_rule:
+        # Unit lower-triangular system (I + M) delta = beta * (v - Kg S), M_ij = beta_i kk_ij
+        # (j < i).
+        strict = torch.ones(C, C, dtype=torch.bool, device=device).tril(-1)
+        eye = torch.eye(C, dtype=p.dtype, device=device)
+        lower = eye + (bc[..., None] * kk).masked_fill(~strict, 0.0)
+        k_decayed = _decay_rows(kc, G)  # Kg
+        rhs = torch.cat([vc * bc[..., None], k_decayed * bc[..., None]], dim=-1)
+        sol = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
+        u_part, w_part = sol[..., :V].contiguous(), sol[..., V:].contiguous()  # delta = U - W S
+    else:  # no correction: delta = beta * V, whatever the state
+        u_part, w_part = vc * bc[..., None], None
     to_end = G_last[:, :, None] - G  # log decay from after row j to chunk end, <= 0
     k_to_end_t = _decay_rows(kc, to_end).transpose(-1, -2).contiguous()  # [total, HV, K, C]
     end_decay = G_last.exp()
@@ -481,7 +498,7 @@ def chunk_delta_rule_varlen(
         active = torch.nonzero(nch > c).squeeze(1)
         rows = chunk_offsets[active] + c
         S = state.index_select(0, active)  # [n_active, HV, K, V]
-        delta = u_part[rows] - torch.matmul(w_part[rows], S)
+        delta = u_part[rows] if w_part is None else u_part[rows] - torch.matmul(w_part[rows], S)
         o_parts.append(torch.matmul(q_decayed[rows], S) + torch.matmul(attn[rows], delta))
         row_parts.append(rows)
         if output_chunk_states:
@@ -524,9 +541,11 @@ def recurrent_delta_rule_ref(
     scale: float | None = None,
     use_qk_l2norm: bool = False,
     use_beta_sigmoid: bool = False,
+    delta_rule: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-by-token gated delta rule; the readable test oracle for
-    :func:`chunk_delta_rule_varlen` (same argument conventions, no chunking).
+    """Token-by-token gated delta rule (gated linear attention with ``delta_rule=False``); the
+    readable test oracle for :func:`chunk_delta_rule_varlen` (same argument conventions, no
+    chunking).
 
     Returns:
         ``(o [T, HV, V] in v's dtype, final_state [N, HV, K, V])``, the state in float32
@@ -544,7 +563,7 @@ def recurrent_delta_rule_ref(
             decay = p.g[t].exp()
             S = S * (decay[:, :, None] if kda else decay[:, None, None])
             k_t = p.k[t][:, :, None]  # [HV, K, 1]
-            u_t = p.v[t] - (S * k_t).sum(-2)  # [HV, V]
+            u_t = p.v[t] - (S * k_t).sum(-2) if delta_rule else p.v[t]  # [HV, V]
             S = S + p.beta[t][:, None, None] * k_t * u_t[:, None, :]
             outputs.append((S * p.q[t][:, :, None]).sum(-2))  # q already scaled
         finals.append(S)

@@ -107,6 +107,7 @@ def tree_delta_rule(
     use_qk_l2norm: bool = False,
     use_beta_sigmoid: bool = False,
     kernel: Callable[..., Any] | None = None,
+    delta_rule: bool = True,
 ) -> torch.Tensor:
     """Gated delta rule over all compact rows: q, k ``[C, H, K]``, v ``[C, HV, V]``, g
     ``[C, HV, K]`` (KDA) or ``[C, HV]`` (GDN), beta ``[C, HV]`` → o ``[C, HV, V]``.
@@ -118,12 +119,17 @@ def tree_delta_rule(
     ``kernel``: a callable with the signature of :func:`chunk_delta_rule_varlen` (default: it),
     e.g. from :func:`harts_verl.ops.backends.linear_kernel`. A kernel without chunk-start states
     needs a layout built with ``final_states_only=True``.
+
+    ``delta_rule=False``: gated linear attention without the delta correction (Mamba-2 SSD for
+    a scalar ``g``), passed to the kernel as ``delta_rule=False`` (the keyword is left out
+    otherwise, so delta-rule-only kernels keep working).
     """
     run = chunk_delta_rule_varlen if kernel is None else kernel
     c = layout.inverse_rows.shape[0]
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if x.shape[0] != c:
             raise ValueError(f"{name}: expected {c} rows in dim 0, got {x.shape[0]}")
+    extra: dict[str, Any] = {} if delta_rule else {"delta_rule": False}
     saved: list[torch.Tensor] = []
     outs: list[torch.Tensor] = []
     for rt in layout.rounds:
@@ -147,6 +153,7 @@ def tree_delta_rule(
             use_qk_l2norm=use_qk_l2norm,
             use_beta_sigmoid=use_beta_sigmoid,
             output_chunk_states=rt.needs_chunk_states,
+            **extra,
         )
         outs.append(res.o.index_select(0, rt.out_pos))
         if rt.save_src.numel():

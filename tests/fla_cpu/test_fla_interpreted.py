@@ -85,6 +85,35 @@ def test_fla_matches_reference(fla_kernel, kda, chunk, l2, beta_in_kernel):
         assert e_fla <= max(TOL, 8 * e_ref), f"{n}: fla {e_fla:.2e}, fp32 reference {e_ref:.2e}"
 
 
+@pytest.mark.parametrize("kda", [False, True], ids=["simple_gla", "gla"])
+def test_fla_gla_matches_reference(fla_kernel, kda):
+    """``delta_rule=False`` (Mamba-2 SSD / GLA) through fla's ``chunk_simple_gla`` /
+    ``chunk_gla``: beta scales v, grouped heads repeated; outputs, final states and gradients vs
+    the torch reference (float32 error within a small multiple of the reference's own)."""
+    lens = [37, 1, 70]
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]))
+    q, k, v, g, beta_logits = _inputs(sum(lens), kda, seed=7)
+    beta = torch.sigmoid(beta_logits)
+    h0 = 0.1 * torch.randn(len(lens), 2, 16, 16, generator=torch.Generator().manual_seed(1))
+    gen = torch.Generator().manual_seed(2)
+    do = torch.randn(sum(lens), 2, 16, generator=gen)
+    dht = torch.randn(len(lens), 2, 16, 16, generator=gen)
+    res = {}
+    for name, fn, dtype in (
+        ("fla", fla_kernel, torch.float32),
+        ("ref32", chunk_delta_rule_varlen, torch.float32),
+        ("ref64", chunk_delta_rule_varlen, torch.float64),
+    ):
+        xs = [x.detach().to(dtype).clone().requires_grad_(True) for x in (q, k, v, g, beta, h0)]
+        out = fn(*xs[:5], cu_seqlens=cu, initial_state=xs[5], scale=0.3, delta_rule=False)
+        ((out.o * do.to(dtype)).sum() + (out.final_state * dht.to(dtype)).sum()).backward()
+        res[name] = (out.o, out.final_state, *(x.grad for x in xs))
+    names = ("o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0")
+    for n, a, b, truth in zip(names, res["fla"], res["ref32"], res["ref64"]):
+        e_fla, e_ref = err_ratio(a, truth), err_ratio(b, truth)
+        assert e_fla <= max(TOL, 8 * e_ref), f"{n}: fla {e_fla:.2e}, fp32 reference {e_ref:.2e}"
+
+
 def test_fla_refuses_chunk_states_and_float64(fla_kernel):
     q, k, v, g, beta = _inputs(8, False)
     cu = torch.tensor([0, 8])
@@ -114,9 +143,9 @@ def _forest(chunk: int, seed: int = 0) -> RolloutForest:
     return RolloutForest.from_sequences(seqs)
 
 
-def _run_layout(layout: TreeLayout, inputs, seed: int):
+def _run_layout(layout: TreeLayout, inputs, seed: int, delta_rule: bool = True):
     xs = [x.clone().requires_grad_(True) for x in inputs]
-    o = layout.linear_attention(*xs, use_qk_l2norm=True)
+    o = layout.linear_attention(*xs, use_qk_l2norm=True, delta_rule=delta_rule)
     w = torch.randn(o.shape, generator=torch.Generator().manual_seed(seed))
     (o * w).sum().backward()
     return o.detach(), [x.grad for x in xs]
@@ -127,8 +156,12 @@ def _layout_inputs(forest: RolloutForest, kda: bool):
     return q, k, v, g, torch.sigmoid(beta_logits)
 
 
-@pytest.mark.parametrize("kda,chunk", [(True, 32), (False, 16)], ids=["kda", "gdn"])
-def test_tree_layout_fla_vs_reference(fla_kernel, kda, chunk):
+@pytest.mark.parametrize(
+    "kda,chunk,delta_rule",
+    [(True, 32, True), (False, 16, True), (False, 16, False)],
+    ids=["kda", "gdn", "ssd"],
+)
+def test_tree_layout_fla_vs_reference(fla_kernel, kda, chunk, delta_rule):
     forest = _forest(chunk)
     inputs = _layout_inputs(forest, kda)
     tree_fla = TreeLayout(forest, chunk_size=chunk, linear_backend=fla_kernel)
@@ -137,8 +170,8 @@ def test_tree_layout_fla_vs_reference(fla_kernel, kda, chunk):
     # The forest keeps mid-member states; with fla they became final states of split members.
     assert any(r.needs_chunk_states for r in ref_layout.linear_plan.rounds)
     assert not any(r.needs_chunk_states for r in tree_fla.linear_plan.rounds)
-    o_fla, grads_fla = _run_layout(tree_fla, inputs, seed=5)
-    o_ref, grads_ref = _run_layout(ref_layout, inputs, seed=5)
+    o_fla, grads_fla = _run_layout(tree_fla, inputs, seed=5, delta_rule=delta_rule)
+    o_ref, grads_ref = _run_layout(ref_layout, inputs, seed=5, delta_rule=delta_rule)
     errs = {"o": err_ratio(o_fla, o_ref)}
     errs.update({n: err_ratio(a, b) for n, a, b in zip("qkvgb", grads_fla, grads_ref)})
     assert max(errs.values()) <= TOL, str(errs)

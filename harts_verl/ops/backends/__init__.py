@@ -110,7 +110,8 @@ class LinearKernel(Protocol):
     :func:`~harts_verl.ops.linear_attention.chunk_delta_rule_varlen`.
 
     ``final_states_only``: the kernel cannot return exact chunk-start states, so layouts must
-    be split (every kept state a final state).
+    be split (every kept state a final state). ``delta_rule`` is passed only when False
+    (gated linear attention, Mamba-2 layers): a kernel without it serves delta-rule models.
     """
 
     name: str
@@ -131,6 +132,7 @@ class LinearKernel(Protocol):
         use_qk_l2norm: bool = False,
         use_beta_sigmoid: bool = False,
         output_chunk_states: bool = False,
+        delta_rule: bool = True,
     ) -> DeltaRuleOutput: ...
 
 

@@ -17,6 +17,12 @@ Convention mapping (ours → fla):
   handoff needs;
 - ``chunk_size`` forwarded as fla's ``chunk_size`` keyword (KDA: 32/64, GDN: 16/32/64).
 
+Gated linear attention without the delta rule (``delta_rule=False``, Mamba-2 SSD) maps to
+:func:`fla.ops.simple_gla.chunk_simple_gla` (``g`` ``[T, HV]``) or :func:`fla.ops.gla.chunk_gla`
+(``g`` ``[T, HV, K]``): ``beta`` scales ``v`` before the call (the write is
+``beta_t k_t v_t^T``), grouped q/k heads are repeated to the value heads, q/k L2 norm and the
+beta sigmoid are applied outside; fla's own chunk length (64) is used.
+
 fla exposes no exact per-chunk states (its ``h`` is stored in the input dtype and is internal), so
 ``output_chunk_states=True`` is refused: plans run with this kernel are first rewritten by
 :func:`~harts_verl.ops.backends.plan_split.split_members_at_saved_boundaries`
@@ -30,13 +36,30 @@ from typing import Any
 
 import torch
 
-from harts_verl.ops.linear_attention import DeltaRuleOutput, chunk_delta_rule_varlen
+from harts_verl.ops.linear_attention import DeltaRuleOutput, chunk_delta_rule_varlen, l2norm
 
-__all__ = ["FlaLinearKernel", "load_fla_ops"]
+__all__ = ["FlaLinearKernel", "load_fla_gla_ops", "load_fla_ops"]
 
 KDA_CHUNK_SIZES = (32, 64)
 GDN_CHUNK_SIZES = (16, 32, 64)
 MAX_KEY_DIM = 256
+
+
+def load_fla_gla_ops() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """Import ``(chunk_gla, chunk_simple_gla)`` from fla.
+
+    Raises:
+      ImportError: fla (or triton) is not installed or fails to import; the message says which.
+    """
+    try:
+        from fla.ops.gla import chunk_gla
+        from fla.ops.simple_gla import chunk_simple_gla
+    except Exception as exc:  # fla raises assorted errors when triton/drivers are missing
+        raise ImportError(
+            f"fla kernels unavailable: cannot import fla.ops.gla.chunk_gla / "
+            f"fla.ops.simple_gla.chunk_simple_gla ({type(exc).__name__}: {exc})"
+        ) from exc
+    return chunk_gla, chunk_simple_gla
 
 
 def load_fla_ops() -> tuple[Callable[..., Any], Callable[..., Any]]:
@@ -67,6 +90,8 @@ class FlaLinearKernel:
       float64_fallback: run float64 inputs through the torch reference (fla has no float64
         kernels). True for the ``auto`` backend; False for an explicit ``fla`` choice, which then
         raises on float64.
+      chunk_gla, chunk_simple_gla: fla's gated linear attention kernels for
+        ``delta_rule=False`` (imported on first use when not given).
 
     Attributes:
       name: ``"fla"``.
@@ -82,9 +107,13 @@ class FlaLinearKernel:
         chunk_gdn: Callable[..., Any],
         *,
         float64_fallback: bool = False,
+        chunk_gla: Callable[..., Any] | None = None,
+        chunk_simple_gla: Callable[..., Any] | None = None,
     ) -> None:
         self._chunk_kda = chunk_kda
         self._chunk_gdn = chunk_gdn
+        self._chunk_gla = chunk_gla
+        self._chunk_simple_gla = chunk_simple_gla
         self.float64_fallback = float64_fallback
 
     def __repr__(self) -> str:
@@ -105,6 +134,7 @@ class FlaLinearKernel:
         use_qk_l2norm: bool = False,
         use_beta_sigmoid: bool = False,
         output_chunk_states: bool = False,
+        delta_rule: bool = True,
     ) -> DeltaRuleOutput:
         """See :func:`~harts_verl.ops.linear_attention.chunk_delta_rule_varlen`; returns
         ``DeltaRuleOutput(o [T, HV, V] in q's dtype, final_state [N, HV, K, V] float32, None)``.
@@ -133,6 +163,7 @@ class FlaLinearKernel:
                 use_qk_l2norm=use_qk_l2norm,
                 use_beta_sigmoid=use_beta_sigmoid,
                 output_chunk_states=output_chunk_states,
+                delta_rule=delta_rule,
             )
         if output_chunk_states:
             raise NotImplementedError(
@@ -153,7 +184,7 @@ class FlaLinearKernel:
         if beta.shape != (t, hv):
             raise ValueError(f"beta must be [T, HV] = {(t, hv)}, got {tuple(beta.shape)}")
         allowed = KDA_CHUNK_SIZES if kda else GDN_CHUNK_SIZES
-        if chunk_size not in allowed:
+        if delta_rule and chunk_size not in allowed:
             kind = "KDA" if kda else "GDN"
             raise ValueError(f"linear backend 'fla': {kind} chunk_size must be in {allowed}")
         if kdim > MAX_KEY_DIM:
@@ -172,6 +203,8 @@ class FlaLinearKernel:
                     f"got {tuple(initial_state.shape)}"
                 )
             h0 = initial_state.to(torch.float32)
+        if not delta_rule:
+            return self._gla(q, k, v, g, beta, cu, h0, scale, use_qk_l2norm, use_beta_sigmoid)
         kwargs: dict[str, Any] = {
             "scale": scale,
             "initial_state": h0,
@@ -191,5 +224,41 @@ class FlaLinearKernel:
             g.to(torch.float32).unsqueeze(0),
             beta.unsqueeze(0),
             **kwargs,
+        )
+        return DeltaRuleOutput(o=o.squeeze(0).to(v.dtype), final_state=final, chunk_states=None)
+
+    def _gla(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        cu: torch.Tensor | None,
+        h0: torch.Tensor | None,
+        scale: float | None,
+        use_qk_l2norm: bool,
+        use_beta_sigmoid: bool,
+    ) -> DeltaRuleOutput:
+        """``delta_rule=False``: fla's ``chunk_simple_gla`` (scalar g) / ``chunk_gla``."""
+        if self._chunk_gla is None or self._chunk_simple_gla is None:
+            self._chunk_gla, self._chunk_simple_gla = load_fla_gla_ops()
+        if use_qk_l2norm:
+            q, k = l2norm(q), l2norm(k)
+        b = torch.sigmoid(beta) if use_beta_sigmoid else beta
+        group = v.shape[1] // q.shape[1]
+        if group > 1:
+            q = q.repeat_interleave(group, dim=1)
+            k = k.repeat_interleave(group, dim=1)
+        fn = self._chunk_gla if g.dim() == 3 else self._chunk_simple_gla
+        o, final = fn(
+            q.unsqueeze(0),
+            k.unsqueeze(0),
+            (v * b.to(v.dtype)[..., None]).unsqueeze(0),
+            g=g.to(torch.float32).unsqueeze(0),
+            scale=scale,
+            initial_state=h0,
+            output_final_state=True,
+            cu_seqlens=cu,
         )
         return DeltaRuleOutput(o=o.squeeze(0).to(v.dtype), final_state=final, chunk_states=None)
