@@ -417,3 +417,55 @@ def hf_log_probs(model: torch.nn.Module, seqs: list[list[int]]) -> list[torch.Te
         logits = model(input_ids=ids, use_cache=False).logits[0]
         lps.append(torch.log_softmax(logits, -1)[:-1].gather(1, ids[0, 1:, None])[:, 0])
     return lps
+
+
+# The Mamba-2 hybrids' float32 islands: HF's Mamba-2 torch path casts x, B, C and A_log with
+# ``.float()``, its gated RMSNorms (full width for Granite 4.0-H / Bamba, per group for
+# Nemotron-H) and RMSNorms compute in float32, Granite's router logits are ``.float()``, Nemotron-H's
+# router matmul and its causal LM's logits are float32.
+_MAMBA2_MODULES = ("granitemoehybrid", "bamba", "nemotron_h")
+
+
+def _gated_group_rms(self, hidden_states, gate=None):
+    """HF's gated RMSNorm of the Mamba-2 mixers (``x · silu(gate)`` normalised per group of
+    ``self.group_size``, the whole width without one) in the compute dtype."""
+    dt = hidden_states.dtype
+    h = hidden_states.to(_compute_dtype(dt))
+    if gate is not None:
+        h = h * F.silu(gate.to(h.dtype))
+    width = getattr(self, "group_size", h.shape[-1])
+    hg = h.view(*h.shape[:-1], -1, width)
+    hg = hg * torch.rsqrt(hg.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    return self.weight * hg.view(h.shape).to(dt)
+
+
+def _float_keeping_float64(self, *args, **kwargs):
+    """``Tensor.float()`` that leaves float64 tensors as they are."""
+    return self if self.dtype == torch.float64 else self.to(torch.float32, *args, **kwargs)
+
+
+def lift_mamba2_islands(monkeypatch) -> None:
+    """Patch (through pytest's ``monkeypatch``) the float32 islands of the Mamba-2 hybrids to
+    compute in the input dtype: ``Tensor.float()`` keeps float64 (HF's Mamba-2 torch path, the
+    router logits and Nemotron-H's logits cast with it; unchanged for other dtypes), the
+    (gated) RMSNorms, routers and rotary tables in the compute dtype. Same formulas, HF's own
+    SSD code."""
+    from transformers.models.zamba2 import modeling_zamba2
+
+    monkeypatch.setattr(torch.Tensor, "float", _float_keeping_float64)
+    monkeypatch.setattr(modeling_zamba2.Zamba2RMSNormGated, "forward", _gated_group_rms)
+    for short in _MAMBA2_MODULES:
+        m = importlib.import_module(f"transformers.models.{short}.modeling_{short}")
+        for name, obj in vars(m).items():
+            if not isinstance(obj, type) or obj.__module__ != m.__name__:
+                continue
+            if name.endswith("RMSNormGated"):
+                monkeypatch.setattr(obj, "forward", _gated_group_rms)
+            elif name.endswith("RMSNorm"):
+                monkeypatch.setattr(obj, "forward", _llama_rms)
+            elif name.endswith("TopkRouter"):  # Nemotron-H
+                monkeypatch.setattr(obj, "forward", _sigmoid_router_logits)
+            elif name.endswith("TopKGating"):  # Granite 4.0-H
+                monkeypatch.setattr(obj, "forward", _granite_gating)
+            elif name.endswith("RotaryEmbedding"):  # a float64 table (default RoPE)
+                monkeypatch.setattr(obj, "forward", _olmo_rotary)

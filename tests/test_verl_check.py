@@ -109,9 +109,10 @@ _FLOP_KINDS += ("cohere", "cohere2", "smollm3", "ministral", "exaone4", "ernie4_
 _FLOP_KINDS += ("hunyuan_v1_dense", "apertus", "arcee")
 _FLOP_MOE_KINDS = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss")
 _FLOP_MOE_KINDS += ("granitemoe", "granitemoeshared", "minimax_m2")
+_FLOP_MAMBA2_KINDS = ("granitemoehybrid", "bamba", "nemotron_h")
 
 
-@pytest.mark.parametrize("kind", _FLOP_KINDS + _FLOP_MOE_KINDS)
+@pytest.mark.parametrize("kind", _FLOP_KINDS + _FLOP_MOE_KINDS + _FLOP_MAMBA2_KINDS)
 def test_flop_model_matches_the_module_tree(kind, monkeypatch):
     monkeypatch.setitem(sys.modules, "fla", None)
     from harts_verl.runtime.flops import model_shape
@@ -125,13 +126,17 @@ def test_flop_model_matches_the_module_tree(kind, monkeypatch):
     # attention
     n_full = sum(t != "linear_attention" for t in getattr(cfg, "layer_types", None) or [])
     n_full = n_full or cfg.num_hidden_layers
+    if kind in _FLOP_MAMBA2_KINDS:  # Mamba-2 / attention (/ MLP / MoE) blocks
+        n_full = sum(t == "attention" for t in cfg.layers_block_type)
+        assert 0 < n_full < cfg.num_hidden_layers
     h = cfg.num_attention_heads
     if kind == "deepseek_v3":  # MLA: q·k over nope + rope dims, p·v over v_head_dim
         per_layer = 2.0 * h * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
     else:
         per_layer = 4.0 * h * (getattr(cfg, "head_dim", None) or cfg.hidden_size // h)
     assert shape.attention_per_pair == per_layer * n_full
-    assert (shape.linear_per_token > 0) == (kind in ("qwen3_next", "qwen3_5", "qwen3_5_moe"))
+    linear = ("qwen3_next", "qwen3_5", "qwen3_5_moe", *_FLOP_MAMBA2_KINDS)
+    assert (shape.linear_per_token > 0) == (kind in linear)
 
 
 def test_flop_model_dispatch(monkeypatch):

@@ -139,15 +139,29 @@ OLMO_HYBRID_MODEL_TYPES = ("olmo_hybrid",)
 _OLMO_GDN_CLASSES = ("OlmoHybridGatedDeltaNet",)
 _OLMO_ATTENTION_CLASSES = ("OlmoHybridAttention",)
 # Decoder layers that call their token mixer without forwarding extra keywords: OLMo Hybrid's
-# linear-attention layer, and Qwen3.5's (dense, MoE) once veRL's monkey patch
+# linear-attention layer, Nemotron-H's blocks (the Mamba-2 mixer), and Qwen3.5's (dense, MoE)
+# once veRL's monkey patch
 # (``verl.models.transformers.qwen3_5.qwen3_5_decoder_layer_forward``, applied to the classes
 # for the multi-modal ``qwen3_5`` / ``qwen3_5_moe`` models) has replaced HF's, which does forward
 # them. Wrapped whichever forward the class has, before or after the patch.
 _KEYWORD_DROPPING_LAYER_CLASSES = (
     "OlmoHybridLinearAttentionDecoderLayer",
+    "NemotronHBlock",
     "Qwen3_5DecoderLayer",
     "Qwen3_5MoeDecoderLayer",
 )
+
+# Mamba-2 hybrids: Mamba-2 mixers (state-space duality: gated linear attention with a scalar
+# decay per head, no delta rule) interleaved with softmax attention — IBM Granite 4.0-H
+# (``granitemoehybrid``: NoPE or RoPE attention, dense or MoE + shared MLP), Bamba, NVIDIA
+# Nemotron-H (separate Mamba / attention / MLP / MoE blocks, NoPE). Their HF text models build
+# no RoPE-from-mask state, so they run like the full-attention models (embeddings → layers →
+# final norm, attention through transformers' interface).
+MAMBA2_HYBRID_MODEL_TYPES = ("granitemoehybrid", "bamba", "nemotron_h")
+_MAMBA2_CLASSES = ("GraniteMoeHybridMambaLayer", "BambaMixer", "NemotronHMamba2Mixer")
+# Mamba-2 mixers whose torch path clamps dt from below only (``time_step_min``); the others clamp
+# to ``time_step_limit``.
+_MAMBA2_MIN_CLAMP_CLASSES = ("NemotronHMamba2Mixer",)
 
 # Linear-attention hybrids, run through :class:`HybridTreeModel`.
 HYBRID_MODEL_TYPES = GATED_HYBRID_MODEL_TYPES + OLMO_HYBRID_MODEL_TYPES
@@ -241,6 +255,9 @@ _FULL_ATTENTION_CLASSES = (
     "ApertusAttention",
     "ArceeAttention",
     "MiniMaxM2Attention",
+    "GraniteMoeHybridAttention",
+    "BambaAttention",
+    "NemotronHAttention",
 )
 # Softmax top-k routers whose load-balancing loss HF computes from the router logits
 # (``output_router_logits``; gpt-oss: Switch-style over the softmax of its biased logits, like
@@ -254,7 +271,12 @@ _FULL_ATTENTION_ROUTER_CLASSES = (
 )
 
 # Model types that run in tree mode (``harts_hybrid``: the native model through its HF wrapper).
-TREE_MODEL_TYPES = HYBRID_MODEL_TYPES + FULL_ATTENTION_MODEL_TYPES + ("harts_hybrid",)
+TREE_MODEL_TYPES = (
+    HYBRID_MODEL_TYPES + FULL_ATTENTION_MODEL_TYPES + MAMBA2_HYBRID_MODEL_TYPES + ("harts_hybrid",)
+)
+# Model types whose HF text model runs in tree mode with the 1-element mask of
+# :func:`tree_mode_attention_mask` (HF's own forward, no patched text model).
+MASKED_TREE_MODEL_TYPES = FULL_ATTENTION_MODEL_TYPES + MAMBA2_HYBRID_MODEL_TYPES
 
 
 def _model_type(model: nn.Module) -> str | None:
@@ -285,12 +307,13 @@ def as_tree_model(model: nn.Module) -> nn.Module:
         return native
     if _is_hybrid(model):
         return HybridTreeModel(model)
-    if _model_type(model) in FULL_ATTENTION_MODEL_TYPES:
+    if _model_type(model) in MASKED_TREE_MODEL_TYPES:
         return HFCausalTreeModel(model)
     raise TypeError(
         f"model: {type(model).__name__} is not supported in tree mode (supported: "
-        "HybridForCausalLM, transformers Qwen3-Next / Qwen3.5 / Qwen3.5-MoE / OLMo Hybrid, and "
-        f"the causal LMs of {', '.join(FULL_ATTENTION_MODEL_TYPES)})"
+        "HybridForCausalLM, transformers Qwen3-Next / Qwen3.5 / Qwen3.5-MoE / OLMo Hybrid, the "
+        f"Mamba-2 hybrids {', '.join(MAMBA2_HYBRID_MODEL_TYPES)}, and the causal LMs of "
+        f"{', '.join(FULL_ATTENTION_MODEL_TYPES)})"
     )
 
 
@@ -594,6 +617,60 @@ def _olmo_gdn_tree_forward(
     return self.o_proj(o.reshape(1, c, -1))
 
 
+def _mamba2_tree_forward(
+    self, *args: Any, harts_layout: TreeLayout | None = None, **kwargs: Any
+) -> torch.Tensor:
+    """Tree mode of an HF Mamba-2 mixer (Granite 4.0-H, Bamba, Nemotron-H): ``in_proj`` →
+    (gate ``z``, ``xBC``, ``dt``; Nemotron-H's leading MLP parts, unused by HF, skipped) →
+    depthwise causal conv of ``xBC`` over each row's path and the mixer's activation → SSD over
+    the planned rounds as gated linear attention without the delta rule (``q = C``, ``k = B``
+    per group, ``v = x`` per head, write scale ``dt = softplus(dt + dt_bias)`` clamped as HF
+    clamps it, log decay ``dt · A`` with ``A = -exp(A_log)``, query scale 1), in at least
+    float32 → ``+ D · x`` → HF's gated RMSNorm (``norm(y, z)``) → ``out_proj`` in the input
+    dtype. hidden_states ``[1, C, D]`` → ``[1, C, D]``. Tree mode keeps no cache and ignores the
+    attention mask (the layout gives each row its path)."""
+    layout = _tree_layout(self, harts_layout)
+    if layout is None:
+        return _original(self)(*args, **kwargs)
+    hidden_states, cache_params = _bind(args, kwargs, ("hidden_states", "cache_params"))
+    c = _compact_batch(self, hidden_states)
+    if cache_params is not None:
+        raise ValueError("cache_params: tree mode keeps no cache (call with use_cache=False)")
+    dtype = hidden_states.dtype
+    n_heads, head_dim, n_groups, d_state = (
+        self.num_heads,
+        self.head_dim,
+        self.n_groups,
+        self.ssm_state_size,
+    )
+    inner = self.intermediate_size
+    proj = self.in_proj(hidden_states)[0]
+    width = inner + self.conv_dim + n_heads
+    gate, xbc, dt = proj[:, proj.shape[-1] - width :].split([inner, self.conv_dim, n_heads], -1)
+    xbc = self.act(layout.short_conv(xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, None))
+    x, b, cm = torch.split(xbc, [inner, n_groups * d_state, n_groups * d_state], dim=-1)
+    dt = F.softplus(dt + self.dt_bias)
+    if _is_hf_class(self, _MAMBA2_MIN_CLAMP_CLASSES):
+        dt = torch.clamp(dt, self.time_step_min)
+    else:
+        dt = torch.clamp(dt, self.time_step_limit[0], self.time_step_limit[1])
+    ct = torch.promote_types(dtype, torch.float32)
+    x = x.to(ct).reshape(c, n_heads, head_dim)
+    log_decay = -torch.exp(self.A_log.to(ct)) * dt.to(ct)  # [C, heads]
+    o = layout.linear_attention(
+        cm.to(ct).reshape(c, n_groups, d_state),
+        b.to(ct).reshape(c, n_groups, d_state),
+        x,
+        log_decay,
+        dt.to(ct),
+        scale=1.0,
+        delta_rule=False,
+    )
+    y = o + self.D.to(ct)[:, None] * x
+    out = self.norm(y.reshape(1, c, inner), gate[None])
+    return self.out_proj(out.to(dtype))
+
+
 def _olmo_attn_tree_forward(
     self, *args: Any, harts_layout: TreeLayout | None = None, **kwargs: Any
 ) -> tuple[torch.Tensor, None]:
@@ -688,6 +765,8 @@ def patch_tree_mixers(model: nn.Module) -> int:
             _patch(mod, _olmo_gdn_tree_forward)
         elif _is_hf_class(mod, _OLMO_ATTENTION_CLASSES):
             _patch(mod, _olmo_attn_tree_forward)
+        elif _is_hf_class(mod, _MAMBA2_CLASSES):
+            _patch(mod, _mamba2_tree_forward)
         elif _is_hf_class(mod, _HYBRID_TEXT_MODEL_CLASSES):
             _patch(mod, _hybrid_text_model_tree_forward)
             continue
@@ -772,7 +851,7 @@ def _tree_decoder_forward(
     ``config.layer_types`` entry, as HF's text model does. No attention mask is built.
     input_ids ``[C]`` → hidden ``[C, D]``."""
     pos = layout.position_ids[None]
-    h = base.embed_tokens(input_ids[None])
+    h = base.get_input_embeddings()(input_ids[None])
     multiplier = getattr(base, "embedding_multiplier", None)  # Granite's text model forward
     if multiplier is not None:
         h = h * multiplier
@@ -791,14 +870,29 @@ def _tree_decoder_forward(
 
     def run(x: torch.Tensor, layer: nn.Module, pe: Any) -> torch.Tensor:
         with tree_call(layout):
-            return layer(x, position_embeddings=pe, position_ids=pos, harts_layout=layout)
+            out = layer(x, position_embeddings=pe, position_ids=pos, harts_layout=layout)
+        return out[0] if isinstance(out, tuple) else out  # Bamba's layers return a tuple
 
     for layer, pe in zip(base.layers[:n_layers], pes):
         if tree_model.gradient_checkpointing and torch.is_grad_enabled():
             h = checkpoint(run, h, layer, pe, use_reentrant=False)
         else:
             h = run(h, layer, pe)
-    return base.norm(h)[0]
+    return _final_norm(base)(h)[0]
+
+
+# Names of the final norm of HF text models: ``norm``, Nemotron-H's ``norm_f``, Bamba's
+# ``final_layernorm``.
+_FINAL_NORM_NAMES = ("norm", "norm_f", "final_layernorm")
+
+
+def _final_norm(base: nn.Module) -> nn.Module:
+    """The final norm module of the HF text model ``base`` (see :data:`_FINAL_NORM_NAMES`)."""
+    for name in _FINAL_NORM_NAMES:
+        mod = getattr(base, name, None)
+        if isinstance(mod, nn.Module):
+            return mod
+    raise TypeError(f"model: {type(base).__name__} has no final norm ({_FINAL_NORM_NAMES})")
 
 
 def _rotary_per_layer_type(rotary: nn.Module) -> bool:

@@ -29,6 +29,7 @@ __all__ = [
     "full_attention_shape",
     "gated_hybrid_shape",
     "ideal_flop_ratio",
+    "mamba2_hybrid_shape",
     "model_shape",
     "native_model_shape",
     "olmo_hybrid_shape",
@@ -225,6 +226,60 @@ def full_attention_shape(cfg: Any) -> ModelShape:
     return ModelShape(dense, attn, 0.0)
 
 
+def _mamba2_mixer(cfg: Any) -> tuple[float, float]:
+    """(row-wise FLOPs per token, SSD-kernel FLOPs per processed token) of one HF Mamba-2 mixer
+    (Granite 4.0-H / Bamba ``mamba_*`` fields, Nemotron-H's ``mamba_num_heads`` …):
+    ``in_proj`` (gate, x, B, C, dt), the depthwise conv over x|B|C, ``out_proj``; the chunk-64
+    gated linear attention (per head: q·k and p·x inside the chunk, state read and update)."""
+    d = cfg.hidden_size
+    if cfg.model_type == "nemotron_h":
+        nh, p, ng = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups
+        n, w = cfg.ssm_state_size, cfg.conv_kernel
+    else:
+        nh, p, ng = cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_n_groups
+        n, w = cfg.mamba_d_state, cfg.mamba_d_conv
+    inner = nh * p
+    conv = inner + 2 * ng * n
+    dense = 2.0 * d * (inner + conv + nh) + 2.0 * inner * d + 2.0 * w * conv
+    return dense, nh * (2.0 * 64 * (n + p) + 4.0 * n * p)
+
+
+def mamba2_hybrid_shape(cfg: Any) -> ModelShape:
+    """Coefficients of a transformers Mamba-2 hybrid (``granitemoehybrid``: Granite 4.0-H,
+    ``bamba``, ``nemotron_h``) from ``config.layers_block_type``: Mamba-2 mixers
+    (:func:`_mamba2_mixer`) and GQA attention; Granite 4.0-H adds to every layer a MoE block
+    (router, top-k gated experts ``intermediate_size`` wide) and a gated shared MLP
+    (``shared_intermediate_size``), Bamba a gated MLP; Nemotron-H's ``mlp`` blocks are ungated
+    (up, down), its ``moe`` blocks route to ungated experts plus ungated shared experts. The LM
+    head."""
+    d = cfg.hidden_size
+    dense, attn, lin = 2.0 * d * cfg.vocab_size, 0.0, 0.0
+    for t in cfg.layers_block_type:
+        if t == "mamba":
+            dense_i, lin_i = _mamba2_mixer(cfg)
+            dense, lin = dense + dense_i, lin + lin_i
+        elif t == "attention":
+            dense_i, attn_i = _hf_attention_layer(cfg, output_gate=False)
+            dense, attn = dense + dense_i, attn + attn_i
+        elif t == "mlp":  # Nemotron-H
+            dense += 2.0 * 2 * d * cfg.intermediate_size
+        elif t == "moe":  # Nemotron-H
+            shared = cfg.n_shared_experts * cfg.moe_shared_expert_intermediate_size
+            width = cfg.num_experts_per_tok * cfg.moe_intermediate_size + shared
+            dense += 2.0 * (d * cfg.n_routed_experts + 2 * d * width)
+        else:
+            raise ValueError(f"model_shape: unknown {cfg.model_type} layer type {t!r}")
+        if cfg.model_type == "granitemoehybrid":
+            dense += 2.0 * 3 * d * cfg.shared_intermediate_size
+            if cfg.num_local_experts:
+                experts = 3 * d * cfg.intermediate_size * cfg.num_experts_per_tok
+                dense += 2.0 * (d * cfg.num_local_experts + experts)
+        elif cfg.model_type == "bamba":
+            dense += 2.0 * 3 * d * cfg.intermediate_size
+    return ModelShape(dense, attn, lin)
+
+
+_MAMBA2_HYBRID_TYPES = ("granitemoehybrid", "bamba", "nemotron_h")
 _GATED_HYBRID_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 _FULL_ATTENTION_TYPES = FULL_ATTENTION_MODEL_TYPES
 
@@ -240,7 +295,8 @@ def model_shape(cfg: Any) -> ModelShape:
     ``phi3`` / ``seed_oss`` / ``glm4`` / ``gemma3_text`` / ``gpt_oss`` / ``gemma2`` /
     ``granite`` / ``granitemoe`` / ``granitemoeshared`` / ``cohere`` / ``cohere2`` /
     ``smollm3`` / ``ministral`` / ``exaone4`` / ``ernie4_5`` / ``hunyuan_v1_dense`` /
-    ``apertus`` / ``arcee``. Raises ``ValueError`` for any other ``model_type``."""
+    ``apertus`` / ``arcee``, and the Mamba-2 hybrids ``granitemoehybrid`` / ``bamba`` /
+    ``nemotron_h``. Raises ``ValueError`` for any other ``model_type``."""
     from harts_verl.models.config import HybridConfig
 
     if isinstance(cfg, HybridConfig):
@@ -254,11 +310,14 @@ def model_shape(cfg: Any) -> ModelShape:
         return gated_hybrid_shape(cfg)
     if model_type == "olmo_hybrid":
         return olmo_hybrid_shape(cfg)
+    if model_type in _MAMBA2_HYBRID_TYPES:
+        return mamba2_hybrid_shape(cfg)
     if model_type in _FULL_ATTENTION_TYPES:
         return full_attention_shape(cfg)
     raise ValueError(
         f"model_shape: no FLOP model for model_type {model_type!r} (known: harts_hybrid, "
-        f"{', '.join(_GATED_HYBRID_TYPES + _FULL_ATTENTION_TYPES)}, qwen3_5, qwen3_5_moe, "
+        f"{', '.join(_GATED_HYBRID_TYPES + _FULL_ATTENTION_TYPES + _MAMBA2_HYBRID_TYPES)}, "
+        "qwen3_5, qwen3_5_moe, "
         "olmo_hybrid)"
     )
 

@@ -76,8 +76,9 @@ from verl.workers.engine.fsdp.transformer_impl import (
 from verl.workers.engine.utils import detach_tree
 
 from harts_verl.models.adapter import (
-    FULL_ATTENTION_MODEL_TYPES,
     HYBRID_MODEL_TYPES,
+    MAMBA2_HYBRID_MODEL_TYPES,
+    MASKED_TREE_MODEL_TYPES,
     TREE_MODEL_TYPES,
     length_dependent_rope,
     logit_transform_of,
@@ -945,7 +946,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         """One forward of the FSDP root module on the compact rows of ``layout`` (row tokens,
         row depths as positions, the layout reaching the patched token mixers)."""
         kwargs: dict[str, Any] = {}
-        if self._model_type in FULL_ATTENTION_MODEL_TYPES:
+        if self._model_type in MASKED_TREE_MODEL_TYPES:
             kwargs["attention_mask"] = tree_mode_attention_mask(device)
         if hasattr(getattr(self.module, "config", None), "output_router_logits"):
             # HF's load-balancing loss would read the tree-mode mask as a padding mask; veRL's
@@ -1105,6 +1106,8 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         sequences (hybrids without fla), and HF's gpt-oss builds its eager / sdpa masks without
         the packed ``position_ids``."""
         if self._model_type in HYBRID_MODEL_TYPES and not _fla_importable():
+            return True
+        if self._model_type in MAMBA2_HYBRID_MODEL_TYPES:  # HF's Mamba-2 takes no position_ids
             return True
         return self._model_type == "gpt_oss"  # its reference runs eager (_attention_term_dropped)
 

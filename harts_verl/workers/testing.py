@@ -44,6 +44,7 @@ TINY_KINDS = (
     *("gemma2", "granite", "cohere", "cohere2", "granitemoe", "granitemoeshared"),
     *("smollm3", "ministral", "exaone4", "ernie4_5", "hunyuan_v1_dense", "apertus", "arcee"),
     "minimax_m2",
+    *("granitemoehybrid", "bamba", "nemotron_h"),
 )
 # The multi-modal Qwen3.5 wrappers (``Qwen3_5ForConditionalGeneration`` /
 # ``Qwen3_5MoeForConditionalGeneration``, model_type ``qwen3_5`` / ``qwen3_5_moe``): the text
@@ -366,6 +367,62 @@ def _multimodal_config(kind: str, vocab_size: int):
     return cfg
 
 
+# The Mamba-2 hybrids: hidden 32, Mamba-2 mixers of 4 heads of 16 over 2 groups of state 8 (HF's
+# torch path in chunks of 16, shorter than the test trajectories), GQA 4/2 attention. Granite
+# 4.0-H: mamba, NoPE attention, mamba, each with 4 experts 16 wide (top-2) and a 16-wide shared
+# MLP, Granite's multipliers; Bamba: mamba, RoPE attention (half the head dims rotated),
+# mamba, dense MLPs; Nemotron-H: mamba, attention (NoPE), ReLU² MLP, mamba, MoE (4 routed experts
+# top-2 by sigmoid scores, one shared expert), the pure-torch path (no mamba kernels), with
+# HF's chunk of 256 tokens: transformers 5.10's Nemotron-H torch path sums its inter-chunk
+# state recurrence over the wrong axis, so it is right only within one chunk (Granite 4.0-H and
+# Bamba, whose torch paths are right, run in chunks of 16).
+_MAMBA2_MIXER = dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8)
+_MAMBA2_HYBRID = {
+    "granitemoehybrid": (
+        "GraniteMoeHybridConfig",
+        {
+            **_GRANITE,
+            **_MAMBA2_MIXER,
+            "num_hidden_layers": 3,
+            "layer_types": ["mamba", "attention", "mamba"],
+            "mamba_chunk_size": 16,
+            "intermediate_size": 16,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "shared_intermediate_size": 16,
+            "position_embedding_type": "nope",
+        },
+    ),
+    "bamba": (
+        "BambaConfig",
+        {
+            **_MAMBA2_MIXER,
+            "num_hidden_layers": 3,
+            "attn_layer_indices": [1],
+            "mamba_chunk_size": 16,
+        },
+    ),
+    "nemotron_h": (
+        "NemotronHConfig",
+        {
+            "layers_block_type": ["mamba", "attention", "mlp", "mamba", "moe"],
+            "head_dim": 8,
+            "ssm_state_size": 8,
+            "mamba_num_heads": 4,
+            "mamba_head_dim": 16,
+            "n_groups": 2,
+            "chunk_size": 256,
+            "n_routed_experts": 4,
+            "n_shared_experts": 1,
+            "moe_intermediate_size": 16,
+            "moe_shared_expert_intermediate_size": 16,
+            "num_experts_per_tok": 2,
+            "use_mamba_kernels": False,
+        },
+    ),
+}
+
+
 def tiny_hf_config(kind: str, vocab_size: int = 64):
     """A tiny transformers config of ``kind`` (``qwen2``, ``qwen3_next``, ``qwen3_5`` = the
     text-only Qwen3.5 causal LM, ``qwen3_5_moe`` = the text-only Qwen3.5-MoE causal LM,
@@ -378,7 +435,8 @@ def tiny_hf_config(kind: str, vocab_size: int = 64):
     full-attention causal LMs ``llama``, ``qwen3``, ``mistral``, ``qwen2_moe``, ``qwen3_moe``,
     ``mixtral``, ``deepseek_v3``, ``glm4_moe``, ``olmo2``, ``olmo3``, ``phi3``, ``seed_oss``,
     ``glm4``, ``gemma3_text``, ``gpt_oss``, ``gemma2``, ``granite``, ``granitemoe``,
-    ``granitemoeshared``, ``cohere``, ``cohere2``), sdpa attention (eager for
+    ``granitemoeshared``, ``cohere``, ``cohere2``, ...; the Mamba-2 hybrids
+    ``granitemoehybrid``, ``bamba``, ``nemotron_h``), sdpa attention (eager for
     gpt-oss, whose class has no sdpa, and Gemma 2, whose attention soft-cap HF's sdpa path
     drops), eager experts (float64-capable on CPU).
     Raises ``ValueError`` for another kind."""
@@ -388,8 +446,8 @@ def tiny_hf_config(kind: str, vocab_size: int = 64):
 
     if kind in TINY_MULTIMODAL_KINDS:
         return _multimodal_config(kind, vocab_size)
-    if kind in _FULL_ATTENTION:
-        cls_name, extra = _FULL_ATTENTION[kind]
+    if kind in _FULL_ATTENTION or kind in _MAMBA2_HYBRID:
+        cls_name, extra = _FULL_ATTENTION.get(kind) or _MAMBA2_HYBRID[kind]
         extra = copy.deepcopy(extra)  # each config its own layer_types / rope_parameters
         cfg = getattr(transformers, cls_name)(vocab_size=vocab_size, **{**_DENSE, **extra})
     elif kind == "qwen3_next":
@@ -467,6 +525,9 @@ def tiny_hf_model(kind: str, *, seed: int = 0, vocab_size: int = 64) -> torch.nn
         "gpt_oss": transformers.GptOssForCausalLM,
         "gemma2": transformers.Gemma2ForCausalLM,
         "granite": transformers.GraniteForCausalLM,
+        "granitemoehybrid": transformers.GraniteMoeHybridForCausalLM,
+        "bamba": transformers.BambaForCausalLM,
+        "nemotron_h": transformers.NemotronHForCausalLM,
         "smollm3": transformers.SmolLM3ForCausalLM,
         "ministral": transformers.MinistralForCausalLM,
         "exaone4": transformers.Exaone4ForCausalLM,
