@@ -92,9 +92,15 @@ def test_auto_selects_fast_backends_on_cuda(cuda, report):
 
 
 # ------------------------------------------------------------------------------ fla vs reference
+# (kda, delta_rule): KDA, GatedDeltaNet, and Mamba-2's SSD (gated linear attention, scalar decay:
+# fla's chunk_simple_gla).
+_LINEAR_KINDS = [(True, True), (False, True), (False, False)]
+_LINEAR_IDS = ["kda", "gdn", "ssd"]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("kda", [True, False], ids=["kda", "gdn"])
-def test_fla_vs_reference(cuda, report, kda, dtype):
+@pytest.mark.parametrize(("kda", "delta_rule"), _LINEAR_KINDS, ids=_LINEAR_IDS)
+def test_fla_vs_reference(cuda, report, kda, delta_rule, dtype):
     kern = _need("linear", "fla", cuda)
     lens = [100, 64, 1, 200, 37]
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), device=cuda)
@@ -103,7 +109,14 @@ def test_fla_vs_reference(cuda, report, kda, dtype):
     res = {}
     for name, fn in (("fla", kern), ("ref", chunk_delta_rule_varlen)):
         xs = [x.clone().requires_grad_(True) for x in (*inputs, h0)]
-        out = fn(*xs[:5], cu_seqlens=cu, initial_state=xs[5], use_qk_l2norm=True, chunk_size=64)
+        out = fn(
+            *xs[:5],
+            cu_seqlens=cu,
+            initial_state=xs[5],
+            use_qk_l2norm=True,
+            chunk_size=64,
+            delta_rule=delta_rule,
+        )
         gen = torch.Generator(device=cuda).manual_seed(0)
         do = torch.randn(out.o.shape, device=cuda, generator=gen)
         dht = torch.randn(out.final_state.shape, device=cuda, generator=gen)
@@ -118,7 +131,8 @@ def test_fla_vs_reference(cuda, report, kda, dtype):
         ("dq", "dk", "dv", "dg", "dbeta", "dh0"), res["fla"][2], res["ref"][2]
     ):
         errs[gname] = err_ratio(ga, gb)
-    key = f"fla_vs_ref_{'kda' if kda else 'gdn'}_{str(dtype).split('.')[-1]}"
+    kind = _LINEAR_IDS[_LINEAR_KINDS.index((kda, delta_rule))]
+    key = f"fla_vs_ref_{kind}_{str(dtype).split('.')[-1]}"
     report[key] = errs
     assert res["fla"][1].dtype == torch.float32
     assert errs["o"] <= tol_fwd and errs["final_state"] <= tol_fwd, errs
@@ -229,8 +243,8 @@ def _compare(report, key, tree_sem: torch.Tensor, exp_sem: torch.Tensor) -> None
     assert bitwise or cos >= COS_MIN, report[key]
 
 
-@pytest.mark.parametrize("kda", [True, False], ids=["kda", "gdn"])
-def test_tree_vs_trajectories_linear(cuda, report, kda):
+@pytest.mark.parametrize(("kda", "delta_rule"), _LINEAR_KINDS, ids=_LINEAR_IDS)
+def test_tree_vs_trajectories_linear(cuda, report, kda, delta_rule):
     _need("linear", "fla", cuda)
     forest = _forest(4)
     seqs = forest.sequences
@@ -243,11 +257,11 @@ def test_tree_vs_trajectories_linear(cuda, report, kda):
         np.concatenate([forest.rows_of(i) for i in range(forest.num_trajectories)]), device=cuda
     )
     xe = [t.index_select(0, sem_rows) for t in x]  # expanded rows = semantic order
-    o_tree = tree_l.linear_attention(*x, use_qk_l2norm=True)
-    o_exp = exp_l.linear_attention(*xe, use_qk_l2norm=True)
+    o_tree = tree_l.linear_attention(*x, use_qk_l2norm=True, delta_rule=delta_rule)
+    o_exp = exp_l.linear_attention(*xe, use_qk_l2norm=True, delta_rule=delta_rule)
     _compare(
         report,
-        f"tree_vs_traj_linear_{'kda' if kda else 'gdn'}",
+        f"tree_vs_traj_linear_{_LINEAR_IDS[_LINEAR_KINDS.index((kda, delta_rule))]}",
         per_trajectory(forest, o_tree),
         per_trajectory(expanded, o_exp),
     )
