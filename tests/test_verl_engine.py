@@ -249,6 +249,33 @@ def test_gemma2_sdpa_fallback_batches_keep_the_soft_cap(verl_cpu, caplog, monkey
     assert float((log_probs(False) - tree).abs().max()) > 1e-3
 
 
+@pytest.mark.parametrize("kind", ["granitemoehybrid", "gpt_oss"])
+def test_fallback_batches_of_packing_unsafe_models_run_padded(verl_cpu, caplog, monkeypatch, kind):
+    """A Mamba-2 hybrid's (or gpt-oss's) stock forward runs veRL's packed sequences as one: its
+    fallback batches run padded rows (with a warning), so they equal tree mode per trajectory
+    (<= 1e-6 relative); packed, the first trajectory's state leaks into the others (> 1e-3)."""
+    from harts_verl.workers import engine as engine_mod
+
+    testing, paths = verl_cpu
+    seqs, prompt_lens, spans = _multiturn_batch(seed=9)
+
+    def log_probs(enable: bool) -> torch.Tensor:
+        engine = testing.build_engine(paths[kind], testing.actor_config(harts={"enable": enable}))
+        with engine.eval_mode():
+            res = engine.infer_batch(testing.make_batch(seqs, prompt_lens, tool_spans=spans))
+        assert res["metrics"]["harts/fallback"] == [0.0 if enable else 1.0]
+        return torch.cat([t[:-1] for t in res["model_output"]["log_probs"].unbind()])
+
+    tree = log_probs(True)
+    with caplog.at_level("WARNING"):
+        padded = log_probs(False)
+    assert any("run veRL's padded path" in r.getMessage() for r in caplog.records)
+    scale = tree.abs().clamp_min(1.0)
+    assert float(((padded - tree).abs() / scale).max()) <= 1e-6
+    monkeypatch.setattr(engine_mod, "_PADDED_STOCK_TYPES", ())
+    assert float((log_probs(False) - tree).abs().max()) > 1e-3
+
+
 def test_fused_kernels_with_a_logit_transform_warn(verl_cpu, caplog, monkeypatch):
     """veRL's fused forward leaves out Granite's logits_scaling (stock batches would differ from
     tree mode, HF and the rollout): the build says so."""

@@ -189,6 +189,12 @@ def forest_of_batch(data: TensorDict) -> RolloutForest:
 
 
 # What HF's stock forward can leave out of a model's attention (:meth:`_attention_term_dropped`).
+# Model types whose stock forward runs veRL's packed sequences (remove-padding path) as one:
+# HF's Mamba-2 mixers take no ``position_ids`` (one recurrence through the packed row), and
+# transformers 5.10's gpt-oss builds its eager / sdpa masks without them. Their stock
+# (fallback) micro-batches and the audit's reference run padded rows.
+_PADDED_STOCK_TYPES = (*MAMBA2_HYBRID_MODEL_TYPES, "gpt_oss")
+
 _SINKS_DROPPED = "attention sinks"
 _SOFTCAP_DROPPED = "attention logit soft-cap (attn_logit_softcapping)"
 
@@ -1085,12 +1091,10 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         temperature = _batch_temperature(micro_batch) if self._uses_temperature else 1.0
         if self._stock_batch or self._sp_size() > 1:
             # (under Ulysses SP a lone tree micro-batch would run on every SP rank)
-            with self._stock_attention():
-                return super().forward_step(micro_batch, loss_function, forward_only)
+            return self._stock_forward_step(micro_batch, loss_function, forward_only)
         longest = max((len(t) for t in _sequences(micro_batch["input_ids"])), default=0)
         if self._local_fallback_reasons(micro_batch, longest, forward_only):
-            with self._stock_attention():
-                return super().forward_step(micro_batch, loss_function, forward_only)
+            return self._stock_forward_step(micro_batch, loss_function, forward_only)
         loss, meta, _ = self._tree_forward_step(
             micro_batch,
             loss_function=loss_function,
@@ -1099,17 +1103,34 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         )
         return loss, meta
 
+    def _stock_forward_step(self, micro_batch: TensorDict, loss_function, forward_only):
+        """veRL's stock step for one micro-batch, with :meth:`_stock_attention`; for a model
+        whose stock forward runs packed sequences as one (:data:`_PADDED_STOCK_TYPES`) on padded
+        rows (a copy of the micro-batch with ``use_remove_padding=False``; not under Ulysses SP,
+        which needs packing), so a fallback batch computes each trajectory on its own, as tree
+        mode and the rollout do."""
+        if self._model_type in _PADDED_STOCK_TYPES and self._sp_size() == 1:
+            if "padded_stock" not in self._fallback_logged:
+                self._fallback_logged.add("padded_stock")
+                logger.warning(
+                    "harts: stock (fallback) micro-batches of model type %r run veRL's padded "
+                    "path: its stock forward would run packed sequences as one",
+                    self._model_type,
+                )
+            micro_batch = tu.index_select_tensor_dict(micro_batch, list(range(len(micro_batch))))
+            tu.assign_non_tensor(micro_batch, use_remove_padding=False)
+        with self._stock_attention():
+            return super().forward_step(micro_batch, loss_function, forward_only)
+
     # ------------------------------------------------------------------ audit
     def _packed_reference_leaks(self) -> bool:
         """Whether the stock forward of packed sequences mixes them (the audit's reference then
         runs padded rows): HF's torch fallback for linear attention carries state across packed
-        sequences (hybrids without fla), and HF's gpt-oss builds its eager / sdpa masks without
-        the packed ``position_ids``."""
+        sequences (hybrids without fla), and so do the model types of
+        :data:`_PADDED_STOCK_TYPES` (Mamba-2 mixers without ``position_ids``; gpt-oss's masks)."""
         if self._model_type in HYBRID_MODEL_TYPES and not _fla_importable():
             return True
-        if self._model_type in MAMBA2_HYBRID_MODEL_TYPES:  # HF's Mamba-2 takes no position_ids
-            return True
-        return self._model_type == "gpt_oss"  # its reference runs eager (_attention_term_dropped)
+        return self._model_type in _PADDED_STOCK_TYPES
 
     def _attention_term_dropped(self, module: torch.nn.Module | None = None) -> str | None:
         """What HF's stock forward of this model leaves out of its attention with the configured
