@@ -144,3 +144,22 @@ def test_mixer_refuses_a_cache_and_runs_hf_code_outside_tree_calls(no_fla):
     with pytest.raises(ValueError, match="cache_params"):
         mixer(x[:, :3], cache_params=object(), harts_layout=layout)
     assert tree.hf is model
+
+
+def test_time_steps_clamped_like_the_cuda_kernels(lifted):
+    """dt is clamped to ``time_step_limit`` (the CUDA kernels' ``dt_limit``), not floored at
+    ``time_step_min`` as Nemotron-H's torch path does (transformers #47246 / #47513): with time
+    steps far below ``time_step_min`` (dt_bias = -10: dt ≈ 5e-5 < 1e-3) tree mode equals HF's
+    torch path run with ``time_step_min = 0``, the kernels' semantics."""
+    model = _model("nemotron_h", seed=8)
+    mixers = [m for m in model.modules() if type(m).__name__ == "NemotronHMamba2Mixer"]
+    with torch.no_grad():
+        for m in mixers:
+            m.dt_bias.fill_(-10.0)
+            assert m.time_step_min > 1e-4 and tuple(m.time_step_limit) == (0.0, float("inf"))
+            m.time_step_min = 0.0
+    seqs = _sequences(4)
+    with torch.no_grad():
+        lps = TreeRunner(model).log_probs(seqs)
+        for lp, ref in zip(lps, hf_log_probs(model, seqs)):
+            torch.testing.assert_close(lp, ref, rtol=0, atol=1e-10)

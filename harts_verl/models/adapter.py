@@ -159,9 +159,6 @@ _KEYWORD_DROPPING_LAYER_CLASSES = (
 # final norm, attention through transformers' interface).
 MAMBA2_HYBRID_MODEL_TYPES = ("granitemoehybrid", "bamba", "nemotron_h")
 _MAMBA2_CLASSES = ("GraniteMoeHybridMambaLayer", "BambaMixer", "NemotronHMamba2Mixer")
-# Mamba-2 mixers whose torch path clamps dt from below only (``time_step_min``); the others clamp
-# to ``time_step_limit``.
-_MAMBA2_MIN_CLAMP_CLASSES = ("NemotronHMamba2Mixer",)
 
 # Linear-attention hybrids, run through :class:`HybridTreeModel`.
 HYBRID_MODEL_TYPES = GATED_HYBRID_MODEL_TYPES + OLMO_HYBRID_MODEL_TYPES
@@ -624,8 +621,10 @@ def _mamba2_tree_forward(
     (gate ``z``, ``xBC``, ``dt``; Nemotron-H's leading MLP parts, unused by HF, skipped) →
     depthwise causal conv of ``xBC`` over each row's path and the mixer's activation → SSD over
     the planned rounds as gated linear attention without the delta rule (``q = C``, ``k = B``
-    per group, ``v = x`` per head, write scale ``dt = softplus(dt + dt_bias)`` clamped as HF
-    clamps it, log decay ``dt · A`` with ``A = -exp(A_log)``, query scale 1), in at least
+    per group, ``v = x`` per head, write scale ``dt = softplus(dt + dt_bias)`` clamped to
+    ``time_step_limit`` as the CUDA kernels clamp it (``dt_limit``; Nemotron-H's torch path
+    floors it at ``time_step_min`` instead, transformers issue #47246 / PR #47513), log decay
+    ``dt · A`` with ``A = -exp(A_log)``, query scale 1), in at least
     float32 → ``+ D · x`` → HF's gated RMSNorm (``norm(y, z)``) → ``out_proj`` in the input
     dtype. hidden_states ``[1, C, D]`` → ``[1, C, D]``. Tree mode keeps no cache and ignores the
     attention mask (the layout gives each row its path)."""
@@ -650,9 +649,7 @@ def _mamba2_tree_forward(
     xbc = self.act(layout.short_conv(xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, None))
     x, b, cm = torch.split(xbc, [inner, n_groups * d_state, n_groups * d_state], dim=-1)
     dt = F.softplus(dt + self.dt_bias)
-    if _is_hf_class(self, _MAMBA2_MIN_CLAMP_CLASSES):
-        dt = torch.clamp(dt, self.time_step_min)
-    else:
+    if self.time_step_limit is not None:  # the CUDA kernels' ``dt_limit``
         dt = torch.clamp(dt, self.time_step_limit[0], self.time_step_limit[1])
     ct = torch.promote_types(dtype, torch.float32)
     x = x.to(ct).reshape(c, n_heads, head_dim)
