@@ -419,11 +419,11 @@ def hf_log_probs(model: torch.nn.Module, seqs: list[list[int]]) -> list[torch.Te
     return lps
 
 
-# The Mamba-2 hybrids' float32 islands: HF's Mamba-2 torch path casts x, B, C and A_log with
-# ``.float()``, its gated RMSNorms (full width for Granite 4.0-H / Bamba, per group for
-# Nemotron-H) and RMSNorms compute in float32, Granite's router logits are ``.float()``, Nemotron-H's
-# router matmul and its causal LM's logits are float32.
-_MAMBA2_MODULES = ("granitemoehybrid", "bamba", "nemotron_h")
+# The float32 islands of the Mamba-2 and short-conv hybrids: HF's Mamba-2 torch path casts x, B, C
+# and A_log with ``.float()``, its gated RMSNorms (full width for Granite 4.0-H / Bamba, per group
+# for Nemotron-H) and RMSNorms (LFM2's too) compute in float32, Granite's router logits are
+# ``.float()``, Nemotron-H's router matmul and its causal LM's logits are float32.
+_RECURRENT_HYBRID_MODULES = ("granitemoehybrid", "bamba", "nemotron_h", "lfm2", "lfm2_moe")
 
 
 def _gated_group_rms(self, hidden_states, gate=None):
@@ -444,8 +444,9 @@ def _float_keeping_float64(self, *args, **kwargs):
     return self if self.dtype == torch.float64 else self.to(torch.float32, *args, **kwargs)
 
 
-def lift_mamba2_islands(monkeypatch) -> None:
-    """Patch (through pytest's ``monkeypatch``) the float32 islands of the Mamba-2 hybrids to
+def lift_recurrent_hybrid_islands(monkeypatch) -> None:
+    """Patch (through pytest's ``monkeypatch``) the float32 islands of the Mamba-2 and short-conv
+    hybrids to
     compute in the input dtype: ``Tensor.float()`` keeps float64 (HF's Mamba-2 torch path, the
     router logits and Nemotron-H's logits cast with it; unchanged for other dtypes), the
     (gated) RMSNorms, routers and rotary tables in the compute dtype. Same formulas, HF's own
@@ -454,7 +455,7 @@ def lift_mamba2_islands(monkeypatch) -> None:
 
     monkeypatch.setattr(torch.Tensor, "float", _float_keeping_float64)
     monkeypatch.setattr(modeling_zamba2.Zamba2RMSNormGated, "forward", _gated_group_rms)
-    for short in _MAMBA2_MODULES:
+    for short in _RECURRENT_HYBRID_MODULES:
         m = importlib.import_module(f"transformers.models.{short}.modeling_{short}")
         for name, obj in vars(m).items():
             if not isinstance(obj, type) or obj.__module__ != m.__name__:
@@ -469,3 +470,69 @@ def lift_mamba2_islands(monkeypatch) -> None:
                 monkeypatch.setattr(obj, "forward", _granite_gating)
             elif name.endswith("RotaryEmbedding"):  # a float64 table (default RoPE)
                 monkeypatch.setattr(obj, "forward", _olmo_rotary)
+
+
+def trajectory_loss(lps: list[torch.Tensor]) -> torch.Tensor:
+    """A loss that weighs each trajectory's log-probs differently (linear and quadratic terms),
+    so a gradient reaching the wrong trajectory's rows shows."""
+    w = torch.linspace(-1.0, 1.0, len(lps), dtype=torch.float64)
+    return sum((lp * w[i]).sum() + 0.1 * (lp**2).sum() for i, lp in enumerate(lps)) / 10.0
+
+
+def assert_log_probs_equal_hf(
+    model: torch.nn.Module, seqs: list[list[int]], capacity_tokens: int = 48
+) -> None:
+    """Tree log-probs and entropies of ``model`` (``TreeRunner`` with ``capacity_tokens``: rows
+    shared inside each of several microbatches) equal HF's own per-trajectory forward to 1e-10."""
+    from harts_verl.runtime import TreeRunner
+
+    runner = TreeRunner(model, capacity_tokens=capacity_tokens)
+    with torch.no_grad():
+        lps, ents = runner.log_probs(seqs, with_entropy=True)
+        for s, lp, ent in zip(seqs, lps, ents):
+            ids = torch.tensor([s])
+            logp = torch.log_softmax(model(ids, use_cache=False).logits[0].double(), -1)[:-1]
+            torch.testing.assert_close(
+                lp, logp.gather(1, ids[0, 1:, None])[:, 0], rtol=0, atol=1e-10
+            )
+            torch.testing.assert_close(ent, -(logp.exp() * logp).sum(-1), rtol=0, atol=1e-10)
+    assert runner.last_stats.compact_tokens < sum(len(s) for s in seqs)
+    assert runner.last_stats.microbatches > 1
+
+
+def assert_gradients_equal_hf(model: torch.nn.Module, seqs: list[list[int]]) -> set[str]:
+    """The tree loss (:func:`trajectory_loss`) and every parameter gradient of ``model`` equal
+    those of HF's per-trajectory forward/backward (loss ≤ 1e-10, each gradient ≤ 1e-9 relative
+    to its scale); returns the names of the parameters with a gradient."""
+    from harts_verl.runtime import TreeRunner
+
+    def grads() -> dict[str, torch.Tensor]:
+        return {
+            n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None
+        }
+
+    model.zero_grad(set_to_none=True)
+    out = TreeRunner(model).forward_backward(seqs, trajectory_loss)
+    tree = grads()
+    model.zero_grad(set_to_none=True)
+    ref_loss = trajectory_loss(hf_log_probs(model, seqs))
+    ref_loss.backward()
+    ref = grads()
+    assert abs(out["loss"] - ref_loss.item()) <= 1e-10 * max(1.0, abs(ref_loss.item()))
+    assert tree.keys() == ref.keys() and ref
+    for name, g in ref.items():
+        scale = g.abs().max().item()
+        err = (tree[name] - g).abs().max().item()
+        assert err <= 1e-9 * max(scale, 1e-30), f"{name}: {err} vs scale {scale}"
+    return set(ref)
+
+
+def assert_float32_log_probs_close_to_hf(model: torch.nn.Module, seqs: list[list[int]]) -> None:
+    """Tree log-probs of a float32 ``model`` vs HF's per-trajectory forward, within float32
+    rounding (5e-5)."""
+    from harts_verl.runtime import TreeRunner
+
+    with torch.no_grad():
+        lps = TreeRunner(model).log_probs(seqs)
+        for lp, ref in zip(lps, hf_log_probs(model, seqs)):
+            torch.testing.assert_close(lp.double(), ref.double(), rtol=0, atol=5e-5)

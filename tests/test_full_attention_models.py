@@ -26,7 +26,13 @@ from __future__ import annotations
 import pytest
 import torch
 from _forked import forked_sequences
-from _hf_float64 import spread_weights
+from _hf_float64 import (
+    assert_float32_log_probs_close_to_hf,
+    assert_gradients_equal_hf,
+    assert_log_probs_equal_hf,
+    spread_weights,
+    trajectory_loss,
+)
 
 from harts_verl.models.adapter import (
     FULL_ATTENTION_MODEL_TYPES,
@@ -79,11 +85,6 @@ def _hf_log_probs(model: torch.nn.Module, seq: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits.double(), -1)[:-1].gather(1, ids[0, 1:, None])[:, 0]
 
 
-def _loss(lps: list[torch.Tensor]) -> torch.Tensor:
-    w = torch.linspace(-1.0, 1.0, len(lps), dtype=torch.float64)
-    return sum((lp * w[i]).sum() + 0.1 * (lp**2).sum() for i, lp in enumerate(lps)) / 10.0
-
-
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -100,53 +101,21 @@ def test_log_probs_equal_hf_per_trajectory_float64(lifted, kind):
     """Tree log-probs and entropies (microbatched, rows shared inside each microbatch) vs HF's
     own per-trajectory forward. (Unlifted, DeepSeek-V3's and GLM-4-MoE's float32 router matmuls
     round differently for different row counts: 3e-8 / 8e-8 apart; see the float32 test.)"""
-    model = _model(kind)
-    seqs = _sequences(1)
-    runner = TreeRunner(model, capacity_tokens=48)
-    with torch.no_grad():
-        lps, ents = runner.log_probs(seqs, with_entropy=True)
-        for s, lp, ent in zip(seqs, lps, ents):
-            ids = torch.tensor([s])
-            logp = torch.log_softmax(model(ids, use_cache=False).logits[0].double(), -1)[:-1]
-            torch.testing.assert_close(
-                lp, logp.gather(1, ids[0, 1:, None])[:, 0], rtol=0, atol=1e-10
-            )
-            torch.testing.assert_close(ent, -(logp.exp() * logp).sum(-1), rtol=0, atol=1e-10)
-    assert runner.last_stats.compact_tokens < sum(len(s) for s in seqs)
-    assert runner.last_stats.microbatches > 1
+    assert_log_probs_equal_hf(_model(kind), _sequences(1))
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_float32_log_probs_close_to_hf(no_fla, kind):
     """The unmodified models in float32 (a production dtype): tree log-probs vs HF's own
     per-trajectory forward, within float32 rounding."""
-    model = _model(kind, seed=6).float()
-    seqs = _sequences(6)
-    with torch.no_grad():
-        lps = TreeRunner(model).log_probs(seqs)
-        for s, lp in zip(seqs, lps):
-            torch.testing.assert_close(lp.double(), _hf_log_probs(model, s), rtol=0, atol=5e-5)
+    assert_float32_log_probs_close_to_hf(_model(kind, seed=6).float(), _sequences(6))
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_gradients_equal_hf_per_trajectory_float64(lifted, kind):
     """With HF's float32 islands in float64: the tree loss and every parameter gradient equal
     those of HF's per-trajectory forward/backward (≤ 1e-9 relative to each tensor's scale)."""
-    model = _model(kind, seed=4)
-    seqs = _sequences(2)
-    model.zero_grad(set_to_none=True)
-    out = TreeRunner(model).forward_backward(seqs, _loss)
-    tree = _grads(model)
-    model.zero_grad(set_to_none=True)
-    ref_loss = _loss([_hf_log_probs(model, s) for s in seqs])
-    ref_loss.backward()
-    ref = _grads(model)
-    assert abs(out["loss"] - ref_loss.item()) <= 1e-10 * max(1.0, abs(ref_loss.item()))
-    assert tree.keys() == ref.keys() and ref
-    for name, g in ref.items():
-        scale = g.abs().max().item()
-        err = (tree[name] - g).abs().max().item()
-        assert err <= 1e-9 * max(scale, 1e-30), f"{name}: {err} vs scale {scale}"
+    assert_gradients_equal_hf(_model(kind, seed=4), _sequences(2))
 
 
 @pytest.mark.parametrize("kind", MOE_SOFTMAX)
@@ -236,11 +205,11 @@ def test_sliding_window_equals_hf_per_trajectory_float64(lifted, kind):
     seqs = _sequences(5)
     model = _windowed(kind, 5, seed=7)
     model.zero_grad(set_to_none=True)
-    out = TreeRunner(model, capacity_tokens=48).forward_backward(seqs, _loss)
+    out = TreeRunner(model, capacity_tokens=48).forward_backward(seqs, trajectory_loss)
     tree = _grads(model)
     model.zero_grad(set_to_none=True)
     ref_lps = [_hf_log_probs(model, s) for s in seqs]
-    ref_loss = _loss(ref_lps)
+    ref_loss = trajectory_loss(ref_lps)
     ref_loss.backward()
     assert abs(out["loss"] - ref_loss.item()) <= 1e-10 * max(1.0, abs(ref_loss.item()))
     for name, g in _grads(model).items():
@@ -336,7 +305,7 @@ def test_per_token_noise_refused_in_training(no_fla, kind, override, match):
             torch.testing.assert_close(lp, _hf_log_probs(model, s), rtol=0, atol=1e-10)
     model.train()
     with pytest.raises(NotImplementedError, match=match):
-        TreeRunner(model).forward_backward(seqs, _loss)
+        TreeRunner(model).forward_backward(seqs, trajectory_loss)
 
 
 def test_logit_transforms_applied(no_fla):

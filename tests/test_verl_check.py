@@ -110,9 +110,12 @@ _FLOP_KINDS += ("hunyuan_v1_dense", "apertus", "arcee")
 _FLOP_MOE_KINDS = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss")
 _FLOP_MOE_KINDS += ("granitemoe", "granitemoeshared", "minimax_m2")
 _FLOP_MAMBA2_KINDS = ("granitemoehybrid", "bamba", "nemotron_h")
+_FLOP_CONV_KINDS = ("lfm2", "lfm2_moe")
 
 
-@pytest.mark.parametrize("kind", _FLOP_KINDS + _FLOP_MOE_KINDS + _FLOP_MAMBA2_KINDS)
+@pytest.mark.parametrize(
+    "kind", _FLOP_KINDS + _FLOP_MOE_KINDS + _FLOP_MAMBA2_KINDS + _FLOP_CONV_KINDS
+)
 def test_flop_model_matches_the_module_tree(kind, monkeypatch):
     monkeypatch.setitem(sys.modules, "fla", None)
     from harts_verl.runtime.flops import model_shape
@@ -128,6 +131,9 @@ def test_flop_model_matches_the_module_tree(kind, monkeypatch):
     n_full = n_full or cfg.num_hidden_layers
     if kind in _FLOP_MAMBA2_KINDS:  # Mamba-2 / attention (/ MLP / MoE) blocks
         n_full = sum(t == "attention" for t in cfg.layers_block_type)
+        assert 0 < n_full < cfg.num_hidden_layers
+    if kind in _FLOP_CONV_KINDS:  # conv / full_attention layers
+        n_full = sum(t == "full_attention" for t in cfg.layer_types)
         assert 0 < n_full < cfg.num_hidden_layers
     h = cfg.num_attention_heads
     if kind == "deepseek_v3":  # MLA: q·k over nope + rope dims, p·v over v_head_dim

@@ -199,14 +199,16 @@ _ENGINE_FAMILIES = ["llama", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe"]
 _ENGINE_FAMILIES += ["olmo2", "olmo3", "phi3", "glm4", "gemma3_text", "gpt_oss", "gemma2"]
 _ENGINE_FAMILIES += ["granite", "cohere2", "granitemoeshared", "smollm3", "exaone4", "minimax_m2"]
 # The Mamba-2 hybrids Granite 4.0-H (MoE + shared MLP, NoPE attention), Bamba and Nemotron-H
-# (Mamba-2, attention, MLP and MoE blocks).
-_ENGINE_FAMILIES += ["granitemoehybrid", "bamba", "nemotron_h"]
+# (Mamba-2, attention, MLP and MoE blocks); the short-conv hybrids LFM2 (tied embeddings) and
+# LFM2-MoE.
+_RECURRENT = ["granitemoehybrid", "bamba", "nemotron_h", "lfm2", "lfm2_moe"]
+_ENGINE_FAMILIES += _RECURRENT
 # gpt-oss (attention sinks, a sliding and a full layer) runs HF's eager attention on the CPU, and
 # transformers 5.10's GptOssModel builds its masks without ``position_ids``: packed sequences
 # (veRL's remove-padding path) would attend across each other there, so its stock reference runs
-# veRL's padded path. So do the Mamba-2 hybrids: HF's Mamba-2 mixers take no ``position_ids``
-# (their torch path runs one recurrence through the packed row).
-_PADDED_REFERENCE = ("gpt_oss", "granitemoehybrid", "bamba", "nemotron_h")
+# veRL's padded path. So do the recurrent hybrids: HF's Mamba-2 mixers and LFM2's convolutions
+# take no ``position_ids`` (one recurrence / convolution through the packed row).
+_PADDED_REFERENCE = ("gpt_oss", *_RECURRENT)
 
 
 @pytest.mark.parametrize("kind", _ENGINE_FAMILIES)

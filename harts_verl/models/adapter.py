@@ -139,7 +139,8 @@ OLMO_HYBRID_MODEL_TYPES = ("olmo_hybrid",)
 _OLMO_GDN_CLASSES = ("OlmoHybridGatedDeltaNet",)
 _OLMO_ATTENTION_CLASSES = ("OlmoHybridAttention",)
 # Decoder layers that call their token mixer without forwarding extra keywords: OLMo Hybrid's
-# linear-attention layer, Nemotron-H's blocks (the Mamba-2 mixer), and Qwen3.5's (dense, MoE)
+# linear-attention layer, Nemotron-H's blocks (the Mamba-2 mixer), LFM2's (the short conv), and
+# Qwen3.5's (dense, MoE)
 # once veRL's monkey patch
 # (``verl.models.transformers.qwen3_5.qwen3_5_decoder_layer_forward``, applied to the classes
 # for the multi-modal ``qwen3_5`` / ``qwen3_5_moe`` models) has replaced HF's, which does forward
@@ -147,6 +148,8 @@ _OLMO_ATTENTION_CLASSES = ("OlmoHybridAttention",)
 _KEYWORD_DROPPING_LAYER_CLASSES = (
     "OlmoHybridLinearAttentionDecoderLayer",
     "NemotronHBlock",
+    "Lfm2DecoderLayer",
+    "Lfm2MoeDecoderLayer",
     "Qwen3_5DecoderLayer",
     "Qwen3_5MoeDecoderLayer",
 )
@@ -159,6 +162,13 @@ _KEYWORD_DROPPING_LAYER_CLASSES = (
 # final norm, attention through transformers' interface).
 MAMBA2_HYBRID_MODEL_TYPES = ("granitemoehybrid", "bamba", "nemotron_h")
 _MAMBA2_CLASSES = ("GraniteMoeHybridMambaLayer", "BambaMixer", "NemotronHMamba2Mixer")
+
+# Short-convolution hybrids: Liquid AI's LFM2 / LFM2-MoE (gated depthwise short convolutions —
+# ``in_proj`` → B, C, x; ``C · conv(B · x)`` → ``out_proj`` — interleaved with GQA attention
+# with q/k norms; LFM2-MoE: sigmoid-routed experts after its first dense layers). Run like the
+# Mamba-2 hybrids (HF's text model, the 1-element mask).
+CONV_HYBRID_MODEL_TYPES = ("lfm2", "lfm2_moe")
+_SHORT_CONV_CLASSES = ("Lfm2ShortConv", "Lfm2MoeShortConv")
 
 # Linear-attention hybrids, run through :class:`HybridTreeModel`.
 HYBRID_MODEL_TYPES = GATED_HYBRID_MODEL_TYPES + OLMO_HYBRID_MODEL_TYPES
@@ -255,6 +265,8 @@ _FULL_ATTENTION_CLASSES = (
     "GraniteMoeHybridAttention",
     "BambaAttention",
     "NemotronHAttention",
+    "Lfm2Attention",
+    "Lfm2MoeAttention",
 )
 # Softmax top-k routers whose load-balancing loss HF computes from the router logits
 # (``output_router_logits``; gpt-oss: Switch-style over the softmax of its biased logits, like
@@ -268,12 +280,13 @@ _FULL_ATTENTION_ROUTER_CLASSES = (
 )
 
 # Model types that run in tree mode (``harts_hybrid``: the native model through its HF wrapper).
-TREE_MODEL_TYPES = (
-    HYBRID_MODEL_TYPES + FULL_ATTENTION_MODEL_TYPES + MAMBA2_HYBRID_MODEL_TYPES + ("harts_hybrid",)
-)
 # Model types whose HF text model runs in tree mode with the 1-element mask of
-# :func:`tree_mode_attention_mask` (HF's own forward, no patched text model).
-MASKED_TREE_MODEL_TYPES = FULL_ATTENTION_MODEL_TYPES + MAMBA2_HYBRID_MODEL_TYPES
+# :func:`tree_mode_attention_mask` (HF's own forward, no patched text model), through
+# :class:`HFCausalTreeModel`.
+MASKED_TREE_MODEL_TYPES = (
+    FULL_ATTENTION_MODEL_TYPES + MAMBA2_HYBRID_MODEL_TYPES + CONV_HYBRID_MODEL_TYPES
+)
+TREE_MODEL_TYPES = HYBRID_MODEL_TYPES + MASKED_TREE_MODEL_TYPES + ("harts_hybrid",)
 
 
 def _model_type(model: nn.Module) -> str | None:
@@ -309,7 +322,8 @@ def as_tree_model(model: nn.Module) -> nn.Module:
     raise TypeError(
         f"model: {type(model).__name__} is not supported in tree mode (supported: "
         "HybridForCausalLM, transformers Qwen3-Next / Qwen3.5 / Qwen3.5-MoE / OLMo Hybrid, the "
-        f"Mamba-2 hybrids {', '.join(MAMBA2_HYBRID_MODEL_TYPES)}, and the causal LMs of "
+        f"Mamba-2 hybrids {', '.join(MAMBA2_HYBRID_MODEL_TYPES)}, the short-conv hybrids "
+        f"{', '.join(CONV_HYBRID_MODEL_TYPES)}, and the causal LMs of "
         f"{', '.join(FULL_ATTENTION_MODEL_TYPES)})"
     )
 
@@ -570,6 +584,19 @@ def _compact_batch(module: nn.Module, hidden_states: Any) -> int:
     return int(hidden_states.shape[1])
 
 
+def _uncached_input(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], cache: str
+) -> tuple[torch.Tensor, int]:
+    """``(hidden_states, C)`` of a tree-mode mixer call (``hidden_states`` its first parameter,
+    ``[1, C, D]``); raises ``ValueError`` when the call carries a cache (parameter ``cache``):
+    tree mode keeps none."""
+    hidden_states, cached = _bind(args, kwargs, ("hidden_states", cache))
+    c = _compact_batch(module, hidden_states)
+    if cached is not None:
+        raise ValueError(f"{cache}: tree mode keeps no cache (call with use_cache=False)")
+    return hidden_states, c
+
+
 def _olmo_gdn_tree_forward(
     self, *args: Any, harts_layout: TreeLayout | None = None, **kwargs: Any
 ) -> torch.Tensor:
@@ -584,10 +611,7 @@ def _olmo_gdn_tree_forward(
     layout = _tree_layout(self, harts_layout)
     if layout is None:
         return _original(self)(*args, **kwargs)
-    hidden_states, cache_params = _bind(args, kwargs, ("hidden_states", "cache_params"))
-    c = _compact_batch(self, hidden_states)
-    if cache_params is not None:
-        raise ValueError("cache_params: tree mode keeps no cache (call with use_cache=False)")
+    hidden_states, c = _uncached_input(self, args, kwargs, "cache_params")
     convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
     x = torch.cat([p(hidden_states)[0] for p in (self.q_proj, self.k_proj, self.v_proj)], dim=-1)
     weight = torch.cat([conv.weight.reshape(conv.weight.shape[0], -1) for conv in convs])
@@ -631,10 +655,7 @@ def _mamba2_tree_forward(
     layout = _tree_layout(self, harts_layout)
     if layout is None:
         return _original(self)(*args, **kwargs)
-    hidden_states, cache_params = _bind(args, kwargs, ("hidden_states", "cache_params"))
-    c = _compact_batch(self, hidden_states)
-    if cache_params is not None:
-        raise ValueError("cache_params: tree mode keeps no cache (call with use_cache=False)")
+    hidden_states, c = _uncached_input(self, args, kwargs, "cache_params")
     dtype = hidden_states.dtype
     n_heads, head_dim, n_groups, d_state = (
         self.num_heads,
@@ -666,6 +687,22 @@ def _mamba2_tree_forward(
     y = o + self.D.to(ct)[:, None] * x
     out = self.norm(y.reshape(1, c, inner), gate[None])
     return self.out_proj(out.to(dtype))
+
+
+def _short_conv_tree_forward(
+    self, *args: Any, harts_layout: TreeLayout | None = None, **kwargs: Any
+) -> torch.Tensor:
+    """Tree mode of an HF LFM2 gated short convolution: ``in_proj`` → B, C, x (thirds of the
+    channels), the depthwise causal conv of ``B · x`` over each row's path (no activation),
+    ``C ·`` that, ``out_proj``. hidden_states ``[1, C, D]`` → ``[1, C, D]``. Tree mode keeps no
+    cache and ignores the attention mask."""
+    layout = _tree_layout(self, harts_layout)
+    if layout is None:
+        return _original(self)(*args, **kwargs)
+    hidden_states, _ = _uncached_input(self, args, kwargs, "past_key_values")
+    b, cm, x = self.in_proj(hidden_states)[0].chunk(3, dim=-1)
+    conv = layout.short_conv(b * x, self.conv.weight.squeeze(1), self.conv.bias, None)
+    return self.out_proj((cm * conv)[None])
 
 
 def _olmo_attn_tree_forward(
@@ -764,6 +801,8 @@ def patch_tree_mixers(model: nn.Module) -> int:
             _patch(mod, _olmo_attn_tree_forward)
         elif _is_hf_class(mod, _MAMBA2_CLASSES):
             _patch(mod, _mamba2_tree_forward)
+        elif _is_hf_class(mod, _SHORT_CONV_CLASSES):
+            _patch(mod, _short_conv_tree_forward)
         elif _is_hf_class(mod, _HYBRID_TEXT_MODEL_CLASSES):
             _patch(mod, _hybrid_text_model_tree_forward)
             continue
@@ -853,7 +892,7 @@ def _tree_decoder_forward(
     if multiplier is not None:
         h = h * multiplier
     n_layers = tree_model.config.num_hidden_layers
-    rotary = getattr(base, "rotary_emb", None)
+    rotary = getattr(base, "rotary_emb", None) or getattr(base, "pos_emb", None)  # LFM2-MoE
     if rotary is not None and layout.forest.num_compact_tokens:
         check_rope_lengths(rotary, int(layout.forest.depth.max()) + 1)
     if rotary is None:
@@ -879,8 +918,8 @@ def _tree_decoder_forward(
 
 
 # Names of the final norm of HF text models: ``norm``, Nemotron-H's ``norm_f``, Bamba's
-# ``final_layernorm``.
-_FINAL_NORM_NAMES = ("norm", "norm_f", "final_layernorm")
+# ``final_layernorm``, LFM2's ``embedding_norm`` (applied after the last layer).
+_FINAL_NORM_NAMES = ("norm", "norm_f", "final_layernorm", "embedding_norm")
 
 
 def _final_norm(base: nn.Module) -> nn.Module:

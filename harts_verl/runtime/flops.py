@@ -25,6 +25,7 @@ from harts_verl.tree import RolloutForest
 
 __all__ = [
     "ModelShape",
+    "conv_hybrid_shape",
     "forward_flops",
     "full_attention_shape",
     "gated_hybrid_shape",
@@ -279,6 +280,45 @@ def mamba2_hybrid_shape(cfg: Any) -> ModelShape:
     return ModelShape(dense, attn, lin)
 
 
+def _lfm2_mlp_width(cfg: Any) -> int:
+    """The width of an LFM2 gated MLP: ``intermediate_size``, auto-adjusted as HF's ``Lfm2MLP``
+    does (2/3 of it, times ``block_ffn_dim_multiplier``, rounded up to ``block_multiple_of``)."""
+    width = cfg.intermediate_size
+    if getattr(cfg, "block_auto_adjust_ff_dim", False):
+        width = int(2 * width / 3)
+        if cfg.block_ffn_dim_multiplier is not None:
+            width = int(cfg.block_ffn_dim_multiplier * width)
+            width = cfg.block_multiple_of * (
+                (width + cfg.block_multiple_of - 1) // cfg.block_multiple_of
+            )
+    return width
+
+
+def conv_hybrid_shape(cfg: Any) -> ModelShape:
+    """Coefficients of a transformers short-conv hybrid (``lfm2``, ``lfm2_moe``) from
+    ``config.layer_types``: gated short convolutions (``in_proj`` to B, C, x; the depthwise
+    ``conv_L_cache``-token conv; ``out_proj``) and GQA attention; per layer a gated MLP (LFM2's
+    auto-adjusted width; LFM2-MoE's first ``num_dense_layers``) or LFM2-MoE's router and top-k
+    gated experts; the LM head."""
+    d = cfg.hidden_size
+    dense, attn = 2.0 * d * cfg.vocab_size, 0.0
+    for i, t in enumerate(cfg.layer_types):
+        if t == "full_attention":
+            dense_i, attn_i = _hf_attention_layer(cfg, output_gate=False)
+            dense, attn = dense + dense_i, attn + attn_i
+        else:
+            dense += 2.0 * 4 * d * d + 2.0 * cfg.conv_L_cache * d
+        if cfg.model_type == "lfm2":
+            dense += 2.0 * 3 * d * _lfm2_mlp_width(cfg)
+        elif i < cfg.num_dense_layers:
+            dense += 2.0 * 3 * d * cfg.intermediate_size
+        else:
+            experts = 3 * d * cfg.moe_intermediate_size * cfg.num_experts_per_tok
+            dense += 2.0 * (d * cfg.num_experts + experts)
+    return ModelShape(dense, attn, 0.0)
+
+
+_CONV_HYBRID_TYPES = ("lfm2", "lfm2_moe")
 _MAMBA2_HYBRID_TYPES = ("granitemoehybrid", "bamba", "nemotron_h")
 _GATED_HYBRID_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 _FULL_ATTENTION_TYPES = FULL_ATTENTION_MODEL_TYPES
@@ -295,8 +335,8 @@ def model_shape(cfg: Any) -> ModelShape:
     ``phi3`` / ``seed_oss`` / ``glm4`` / ``gemma3_text`` / ``gpt_oss`` / ``gemma2`` /
     ``granite`` / ``granitemoe`` / ``granitemoeshared`` / ``cohere`` / ``cohere2`` /
     ``smollm3`` / ``ministral`` / ``exaone4`` / ``ernie4_5`` / ``hunyuan_v1_dense`` /
-    ``apertus`` / ``arcee``, and the Mamba-2 hybrids ``granitemoehybrid`` / ``bamba`` /
-    ``nemotron_h``. Raises ``ValueError`` for any other ``model_type``."""
+    ``apertus`` / ``arcee``, the Mamba-2 hybrids ``granitemoehybrid`` / ``bamba`` /
+    ``nemotron_h`` and the short-conv hybrids ``lfm2`` / ``lfm2_moe``. Raises ``ValueError`` for any other ``model_type``."""
     from harts_verl.models.config import HybridConfig
 
     if isinstance(cfg, HybridConfig):
@@ -312,13 +352,14 @@ def model_shape(cfg: Any) -> ModelShape:
         return olmo_hybrid_shape(cfg)
     if model_type in _MAMBA2_HYBRID_TYPES:
         return mamba2_hybrid_shape(cfg)
+    if model_type in _CONV_HYBRID_TYPES:
+        return conv_hybrid_shape(cfg)
     if model_type in _FULL_ATTENTION_TYPES:
         return full_attention_shape(cfg)
     raise ValueError(
         f"model_shape: no FLOP model for model_type {model_type!r} (known: harts_hybrid, "
         f"{', '.join(_GATED_HYBRID_TYPES + _FULL_ATTENTION_TYPES + _MAMBA2_HYBRID_TYPES)}, "
-        "qwen3_5, qwen3_5_moe, "
-        "olmo_hybrid)"
+        f"{', '.join(_CONV_HYBRID_TYPES)}, qwen3_5, qwen3_5_moe, olmo_hybrid)"
     )
 
 

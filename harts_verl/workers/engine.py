@@ -76,6 +76,7 @@ from verl.workers.engine.fsdp.transformer_impl import (
 from verl.workers.engine.utils import detach_tree
 
 from harts_verl.models.adapter import (
+    CONV_HYBRID_MODEL_TYPES,
     HYBRID_MODEL_TYPES,
     MAMBA2_HYBRID_MODEL_TYPES,
     MASKED_TREE_MODEL_TYPES,
@@ -190,10 +191,11 @@ def forest_of_batch(data: TensorDict) -> RolloutForest:
 
 # What HF's stock forward can leave out of a model's attention (:meth:`_attention_term_dropped`).
 # Model types whose stock forward runs veRL's packed sequences (remove-padding path) as one:
-# HF's Mamba-2 mixers take no ``position_ids`` (one recurrence through the packed row), and
+# HF's Mamba-2 mixers and LFM2's short convolutions take no ``position_ids`` (one recurrence /
+# convolution through the packed row), and
 # transformers 5.10's gpt-oss builds its eager / sdpa masks without them. Their stock
 # (fallback) micro-batches and the audit's reference run padded rows.
-_PADDED_STOCK_TYPES = (*MAMBA2_HYBRID_MODEL_TYPES, "gpt_oss")
+_PADDED_STOCK_TYPES = (*MAMBA2_HYBRID_MODEL_TYPES, *CONV_HYBRID_MODEL_TYPES, "gpt_oss")
 
 _SINKS_DROPPED = "attention sinks"
 _SOFTCAP_DROPPED = "attention logit soft-cap (attn_logit_softcapping)"

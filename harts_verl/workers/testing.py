@@ -44,7 +44,7 @@ TINY_KINDS = (
     *("gemma2", "granite", "cohere", "cohere2", "granitemoe", "granitemoeshared"),
     *("smollm3", "ministral", "exaone4", "ernie4_5", "hunyuan_v1_dense", "apertus", "arcee"),
     "minimax_m2",
-    *("granitemoehybrid", "bamba", "nemotron_h"),
+    *("granitemoehybrid", "bamba", "nemotron_h", "lfm2", "lfm2_moe"),
 )
 # The multi-modal Qwen3.5 wrappers (``Qwen3_5ForConditionalGeneration`` /
 # ``Qwen3_5MoeForConditionalGeneration``, model_type ``qwen3_5`` / ``qwen3_5_moe``): the text
@@ -422,6 +422,37 @@ _MAMBA2_HYBRID = {
     ),
 }
 
+# The short-conv hybrids (Liquid AI LFM2 / LFM2-MoE): hidden 32, conv, attention (GQA 4/2, q/k
+# norms, RoPE), conv; 3-token convolutions with a bias. LFM2: its auto-adjusted gated MLP
+# (64 → 48 wide), tied embeddings (as released); LFM2-MoE: a dense first layer, then 4 experts
+# 16 wide, top-2 by sigmoid scores plus an expert bias.
+_CONV_LAYERS = ["conv", "full_attention", "conv"]
+_CONV_HYBRID = {
+    "lfm2": (
+        "Lfm2Config",
+        {
+            "num_hidden_layers": 3,
+            "layer_types": _CONV_LAYERS,
+            "conv_bias": True,
+            "block_multiple_of": 16,
+            "tie_word_embeddings": True,
+        },
+    ),
+    "lfm2_moe": (
+        "Lfm2MoeConfig",
+        {
+            "num_hidden_layers": 3,
+            "layer_types": _CONV_LAYERS,
+            "conv_bias": True,
+            "num_dense_layers": 1,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+        },
+    ),
+}
+_RECURRENT_HYBRID = {**_MAMBA2_HYBRID, **_CONV_HYBRID}
+
 
 def tiny_hf_config(kind: str, vocab_size: int = 64):
     """A tiny transformers config of ``kind`` (``qwen2``, ``qwen3_next``, ``qwen3_5`` = the
@@ -436,7 +467,8 @@ def tiny_hf_config(kind: str, vocab_size: int = 64):
     ``mixtral``, ``deepseek_v3``, ``glm4_moe``, ``olmo2``, ``olmo3``, ``phi3``, ``seed_oss``,
     ``glm4``, ``gemma3_text``, ``gpt_oss``, ``gemma2``, ``granite``, ``granitemoe``,
     ``granitemoeshared``, ``cohere``, ``cohere2``, ...; the Mamba-2 hybrids
-    ``granitemoehybrid``, ``bamba``, ``nemotron_h``), sdpa attention (eager for
+    ``granitemoehybrid``, ``bamba``, ``nemotron_h``; the short-conv hybrids ``lfm2``,
+    ``lfm2_moe``), sdpa attention (eager for
     gpt-oss, whose class has no sdpa, and Gemma 2, whose attention soft-cap HF's sdpa path
     drops), eager experts (float64-capable on CPU).
     Raises ``ValueError`` for another kind."""
@@ -446,8 +478,8 @@ def tiny_hf_config(kind: str, vocab_size: int = 64):
 
     if kind in TINY_MULTIMODAL_KINDS:
         return _multimodal_config(kind, vocab_size)
-    if kind in _FULL_ATTENTION or kind in _MAMBA2_HYBRID:
-        cls_name, extra = _FULL_ATTENTION.get(kind) or _MAMBA2_HYBRID[kind]
+    if kind in _FULL_ATTENTION or kind in _RECURRENT_HYBRID:
+        cls_name, extra = _FULL_ATTENTION.get(kind) or _RECURRENT_HYBRID[kind]
         extra = copy.deepcopy(extra)  # each config its own layer_types / rope_parameters
         cfg = getattr(transformers, cls_name)(vocab_size=vocab_size, **{**_DENSE, **extra})
     elif kind == "qwen3_next":
@@ -528,6 +560,8 @@ def tiny_hf_model(kind: str, *, seed: int = 0, vocab_size: int = 64) -> torch.nn
         "granitemoehybrid": transformers.GraniteMoeHybridForCausalLM,
         "bamba": transformers.BambaForCausalLM,
         "nemotron_h": transformers.NemotronHForCausalLM,
+        "lfm2": transformers.Lfm2ForCausalLM,
+        "lfm2_moe": transformers.Lfm2MoeForCausalLM,
         "smollm3": transformers.SmolLM3ForCausalLM,
         "ministral": transformers.MinistralForCausalLM,
         "exaone4": transformers.Exaone4ForCausalLM,

@@ -35,6 +35,35 @@ def _inputs(t: int, kda: bool, *, seed: int = 0):
 
 
 # ------------------------------------------------------------------------------ kernel vs reference
+def _assert_fla_matches_reference(fla_kernel, lens, inputs, **kw) -> None:
+    """fla (through ``fla_kernel``) vs our reference in float32 and the float64 truth, with
+    initial states and a gradient into the final state: outputs, final states and every
+    gradient; fla's float32 error against the truth stays within a small multiple of our float32
+    reference's own error (dg of GDN sums long products: both land near 1e-5 there)."""
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]))
+    h0 = 0.1 * torch.randn(len(lens), 2, 16, 16, generator=torch.Generator().manual_seed(1))
+    gen = torch.Generator().manual_seed(2)
+    do = torch.randn(sum(lens), 2, 16, generator=gen)
+    dht = torch.randn(len(lens), 2, 16, 16, generator=gen)
+    res = {}
+    for name, fn, dtype in (
+        ("fla", fla_kernel, torch.float32),
+        ("ref32", chunk_delta_rule_varlen, torch.float32),
+        ("ref64", chunk_delta_rule_varlen, torch.float64),
+    ):
+        xs = [x.detach().to(dtype).clone().requires_grad_(True) for x in (*inputs, h0)]
+        out = fn(*xs[:5], cu_seqlens=cu, initial_state=xs[5], **kw)
+        ((out.o * do.to(dtype)).sum() + (out.final_state * dht.to(dtype)).sum()).backward()
+        res[name] = (out.o, out.final_state, *(x.grad for x in xs))
+    fla_o, fla_state = res["fla"][:2]
+    assert fla_state.dtype == torch.float32
+    assert fla_o.shape == res["ref32"][0].shape and fla_o.dtype == torch.float32
+    names = ("o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0")
+    for n, a, b, truth in zip(names, res["fla"], res["ref32"], res["ref64"]):
+        e_fla, e_ref = err_ratio(a, truth), err_ratio(b, truth)
+        assert e_fla <= max(TOL, 8 * e_ref), f"{n}: fla {e_fla:.2e}, fp32 reference {e_ref:.2e}"
+
+
 @pytest.mark.parametrize(
     "kda,chunk,l2,beta_in_kernel",
     [
@@ -48,70 +77,28 @@ def _inputs(t: int, kda: bool, *, seed: int = 0):
 )
 def test_fla_matches_reference(fla_kernel, kda, chunk, l2, beta_in_kernel):
     lens = [37, 1, 64, 70]
-    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]))
     q, k, v, g, beta_logits = _inputs(sum(lens), kda, seed=chunk)
     if not l2:  # the kernel then expects normalised q/k, as models without in-kernel norm give
         q, k = (torch.nn.functional.normalize(x, dim=-1) for x in (q, k))
     beta = beta_logits if beta_in_kernel else torch.sigmoid(beta_logits)
-    h0 = 0.1 * torch.randn(len(lens), 2, 16, 16, generator=torch.Generator().manual_seed(1))
-    gen = torch.Generator().manual_seed(2)
-    do = torch.randn(sum(lens), 2, 16, generator=gen)
-    dht = torch.randn(len(lens), 2, 16, 16, generator=gen)
-    res = {}
-    for name, fn, dtype in (
-        ("fla", fla_kernel, torch.float32),
-        ("ref32", chunk_delta_rule_varlen, torch.float32),
-        ("ref64", chunk_delta_rule_varlen, torch.float64),
-    ):
-        xs = [x.detach().to(dtype).clone().requires_grad_(True) for x in (q, k, v, g, beta, h0)]
-        out = fn(
-            *xs[:5],
-            cu_seqlens=cu,
-            initial_state=xs[5],
-            chunk_size=chunk,
-            use_qk_l2norm=l2,
-            use_beta_sigmoid=beta_in_kernel,
-        )
-        ((out.o * do.to(dtype)).sum() + (out.final_state * dht.to(dtype)).sum()).backward()
-        res[name] = (out.o, out.final_state, *(x.grad for x in xs))
-    fla_o, fla_state = res["fla"][:2]
-    assert fla_state.dtype == torch.float32
-    assert fla_o.shape == res["ref32"][0].shape and fla_o.dtype == torch.float32
-    # fla's float32 error against the float64 truth stays within a small multiple of our float32
-    # reference's own error (dg of GDN sums long products: both land near 1e-5 there).
-    names = ("o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0")
-    for n, a, b, truth in zip(names, res["fla"], res["ref32"], res["ref64"]):
-        e_fla, e_ref = err_ratio(a, truth), err_ratio(b, truth)
-        assert e_fla <= max(TOL, 8 * e_ref), f"{n}: fla {e_fla:.2e}, fp32 reference {e_ref:.2e}"
+    _assert_fla_matches_reference(
+        fla_kernel,
+        lens,
+        (q, k, v, g, beta),
+        chunk_size=chunk,
+        use_qk_l2norm=l2,
+        use_beta_sigmoid=beta_in_kernel,
+    )
 
 
 @pytest.mark.parametrize("kda", [False, True], ids=["simple_gla", "gla"])
 def test_fla_gla_matches_reference(fla_kernel, kda):
     """``delta_rule=False`` (Mamba-2 SSD / GLA) through fla's ``chunk_simple_gla`` /
-    ``chunk_gla``: beta scales v, grouped heads repeated; outputs, final states and gradients vs
-    the torch reference (float32 error within a small multiple of the reference's own)."""
+    ``chunk_gla``: beta scales v, grouped heads repeated."""
     lens = [37, 1, 70]
-    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]))
     q, k, v, g, beta_logits = _inputs(sum(lens), kda, seed=7)
-    beta = torch.sigmoid(beta_logits)
-    h0 = 0.1 * torch.randn(len(lens), 2, 16, 16, generator=torch.Generator().manual_seed(1))
-    gen = torch.Generator().manual_seed(2)
-    do = torch.randn(sum(lens), 2, 16, generator=gen)
-    dht = torch.randn(len(lens), 2, 16, 16, generator=gen)
-    res = {}
-    for name, fn, dtype in (
-        ("fla", fla_kernel, torch.float32),
-        ("ref32", chunk_delta_rule_varlen, torch.float32),
-        ("ref64", chunk_delta_rule_varlen, torch.float64),
-    ):
-        xs = [x.detach().to(dtype).clone().requires_grad_(True) for x in (q, k, v, g, beta, h0)]
-        out = fn(*xs[:5], cu_seqlens=cu, initial_state=xs[5], scale=0.3, delta_rule=False)
-        ((out.o * do.to(dtype)).sum() + (out.final_state * dht.to(dtype)).sum()).backward()
-        res[name] = (out.o, out.final_state, *(x.grad for x in xs))
-    names = ("o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0")
-    for n, a, b, truth in zip(names, res["fla"], res["ref32"], res["ref64"]):
-        e_fla, e_ref = err_ratio(a, truth), err_ratio(b, truth)
-        assert e_fla <= max(TOL, 8 * e_ref), f"{n}: fla {e_fla:.2e}, fp32 reference {e_ref:.2e}"
+    inputs = (q, k, v, g, torch.sigmoid(beta_logits))
+    _assert_fla_matches_reference(fla_kernel, lens, inputs, scale=0.3, delta_rule=False)
 
 
 def test_fla_refuses_chunk_states_and_float64(fla_kernel):

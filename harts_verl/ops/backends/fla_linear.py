@@ -45,39 +45,42 @@ GDN_CHUNK_SIZES = (16, 32, 64)
 MAX_KEY_DIM = 256
 
 
-def load_fla_gla_ops() -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """Import ``(chunk_gla, chunk_simple_gla)`` from fla.
+def _import_fla(*paths: str) -> tuple[Callable[..., Any], ...]:
+    """The fla functions ``paths`` (``"fla.ops.kda.chunk_kda"`` …), imported.
 
     Raises:
-      ImportError: fla (or triton) is not installed or fails to import; the message says which.
+      ImportError: fla (or triton) is not installed or fails to import; the message names the
+        functions and the error.
     """
+    import importlib
+
     try:
-        from fla.ops.gla import chunk_gla
-        from fla.ops.simple_gla import chunk_simple_gla
+        return tuple(
+            getattr(importlib.import_module(p.rpartition(".")[0]), p.rpartition(".")[2])
+            for p in paths
+        )
     except Exception as exc:  # fla raises assorted errors when triton/drivers are missing
         raise ImportError(
-            f"fla kernels unavailable: cannot import fla.ops.gla.chunk_gla / "
-            f"fla.ops.simple_gla.chunk_simple_gla ({type(exc).__name__}: {exc})"
+            f"fla kernels unavailable: cannot import {' / '.join(paths)} "
+            f"({type(exc).__name__}: {exc}); install fla-core and flash-linear-attention >= 0.6 "
+            "with triton on a CUDA machine"
         ) from exc
-    return chunk_gla, chunk_simple_gla
 
 
 def load_fla_ops() -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """Import ``(chunk_kda, chunk_gated_delta_rule)`` from fla.
+    """Import ``(chunk_kda, chunk_gated_delta_rule)`` from fla (ImportError naming them when
+    fla or triton is missing or broken)."""
+    kda, gdn = _import_fla(
+        "fla.ops.kda.chunk_kda", "fla.ops.gated_delta_rule.chunk_gated_delta_rule"
+    )
+    return kda, gdn
 
-    Raises:
-      ImportError: fla (or triton) is not installed or fails to import; the message says which.
-    """
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-        from fla.ops.kda import chunk_kda
-    except Exception as exc:  # fla raises assorted errors when triton/drivers are missing
-        raise ImportError(
-            f"fla kernels unavailable: cannot import fla.ops.kda.chunk_kda / "
-            f"fla.ops.gated_delta_rule.chunk_gated_delta_rule ({type(exc).__name__}: {exc}); "
-            f"install fla-core and flash-linear-attention >= 0.6 with triton on a CUDA machine"
-        ) from exc
-    return chunk_kda, chunk_gated_delta_rule
+
+def load_fla_gla_ops() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """Import ``(chunk_gla, chunk_simple_gla)`` from fla (ImportError naming them when fla or
+    triton is missing or broken)."""
+    gla, simple = _import_fla("fla.ops.gla.chunk_gla", "fla.ops.simple_gla.chunk_simple_gla")
+    return gla, simple
 
 
 class FlaLinearKernel:

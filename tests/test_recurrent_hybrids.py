@@ -1,15 +1,20 @@
-"""Mamba-2 hybrids in tree mode (``MAMBA2_HYBRID_MODEL_TYPES``): IBM Granite 4.0-H
-(``granitemoehybrid``: Mamba-2 layers and a NoPE attention layer, each with 4 experts and a
-shared MLP, Granite's multipliers), Bamba (Mamba-2 and RoPE attention, dense MLPs) and NVIDIA
-Nemotron-H (separate Mamba-2, attention, ReLU² MLP and sigmoid-routed MoE blocks).
+"""Recurrent hybrids in tree mode: the Mamba-2 hybrids (``MAMBA2_HYBRID_MODEL_TYPES``) IBM
+Granite 4.0-H (``granitemoehybrid``: Mamba-2 layers and a NoPE attention layer, each with 4
+experts and a shared MLP, Granite's multipliers), Bamba (Mamba-2 and RoPE attention, dense MLPs)
+and NVIDIA Nemotron-H (separate Mamba-2, attention, ReLU² MLP and sigmoid-routed MoE blocks), and
+the short-conv hybrids (``CONV_HYBRID_MODEL_TYPES``) Liquid AI LFM2 (gated 3-token convolutions
+and RoPE attention with q/k norms, tied embeddings) and LFM2-MoE (sigmoid-routed experts with an
+expert bias after a dense first layer).
 
 A Mamba-2 mixer runs its in-projection, the depthwise conv over each row's path, SSD over the
 planned rounds (gated linear attention without the delta rule, state handoffs at forks), the D
-skip, HF's gated RMSNorm and out-projection. The oracle is HF's own per-trajectory forward (its
-pure-torch SSD, sdpa attention) in float64 with its float32 islands lifted
-(``_hf_float64.lift_mamba2_islands``): log-probs ≤ 1e-10, every parameter gradient ≤ 1e-9
-relative; unmodified float32 models within float32 rounding. The trajectories (up to 52 tokens)
-span several of the linear plan's 16-token chunks and of HF's (Granite 4.0-H, Bamba: 16 tokens).
+skip, HF's gated RMSNorm and out-projection; an LFM2 conv gates the tree conv of ``B · x`` by
+``C``. The oracle is HF's own per-trajectory forward (its pure-torch SSD and convolutions, sdpa
+attention) in float64 with its float32 islands lifted
+(``_hf_float64.lift_recurrent_hybrid_islands``): log-probs ≤ 1e-10, every parameter gradient
+≤ 1e-9 relative; unmodified float32 models within float32 rounding. The trajectories (up to 52
+tokens) span several of the linear plan's 16-token chunks and of HF's (Granite 4.0-H, Bamba: 16
+tokens).
 """
 
 from __future__ import annotations
@@ -17,9 +22,16 @@ from __future__ import annotations
 import pytest
 import torch
 from _forked import forked_sequences
-from _hf_float64 import hf_log_probs, spread_weights
+from _hf_float64 import (
+    assert_float32_log_probs_close_to_hf,
+    assert_gradients_equal_hf,
+    assert_log_probs_equal_hf,
+    hf_log_probs,
+    spread_weights,
+)
 
 from harts_verl.models.adapter import (
+    CONV_HYBRID_MODEL_TYPES,
     MAMBA2_HYBRID_MODEL_TYPES,
     TREE_MODEL_TYPES,
     HFCausalTreeModel,
@@ -30,14 +42,14 @@ from harts_verl.runtime import TreeRunner
 from harts_verl.tree import RolloutForest
 from harts_verl.workers.testing import TINY_KINDS, tiny_hf_config, tiny_hf_model
 
-KINDS = list(MAMBA2_HYBRID_MODEL_TYPES)
+KINDS = [*MAMBA2_HYBRID_MODEL_TYPES, *CONV_HYBRID_MODEL_TYPES]
 
 
 @pytest.fixture
 def lifted(monkeypatch, no_fla):
-    from _hf_float64 import lift_mamba2_islands
+    from _hf_float64 import lift_recurrent_hybrid_islands
 
-    lift_mamba2_islands(monkeypatch)
+    lift_recurrent_hybrid_islands(monkeypatch)
 
 
 def _model(kind: str, seed: int = 3) -> torch.nn.Module:
@@ -63,16 +75,7 @@ def _sequences(seed: int) -> list[list[int]]:
     return forked_sequences(seed, 64, prompt=24, extension=14, forks=[(9, 11), (17, 6)], root=13)
 
 
-def _loss(lps: list[torch.Tensor]) -> torch.Tensor:
-    w = torch.linspace(-1.0, 1.0, len(lps), dtype=torch.float64)
-    return sum((lp * w[i]).sum() + 0.1 * (lp**2).sum() for i, lp in enumerate(lps)) / 10.0
-
-
-def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def test_every_mamba2_type_has_a_tiny_model():
+def test_every_recurrent_hybrid_type_has_a_tiny_model():
     for kind in KINDS:
         assert kind in TINY_KINDS and tiny_hf_config(kind).model_type == kind
         assert kind in TREE_MODEL_TYPES
@@ -83,52 +86,21 @@ def test_every_mamba2_type_has_a_tiny_model():
 def test_log_probs_equal_hf_per_trajectory_float64(lifted, kind):
     """Tree log-probs and entropies, microbatched (48-token capacity: shared prefixes split
     across microbatches), vs HF's per-trajectory forward."""
-    model = _model(kind)
-    seqs = _sequences(1)
-    runner = TreeRunner(model, capacity_tokens=48)
-    with torch.no_grad():
-        lps, ents = runner.log_probs(seqs, with_entropy=True)
-        for s, lp, ent in zip(seqs, lps, ents):
-            ids = torch.tensor([s])
-            logp = torch.log_softmax(model(ids, use_cache=False).logits[0].double(), -1)[:-1]
-            torch.testing.assert_close(
-                lp, logp.gather(1, ids[0, 1:, None])[:, 0], rtol=0, atol=1e-10
-            )
-            torch.testing.assert_close(ent, -(logp.exp() * logp).sum(-1), rtol=0, atol=1e-10)
-    assert runner.last_stats.compact_tokens < sum(len(s) for s in seqs)
-    assert runner.last_stats.microbatches > 1
+    assert_log_probs_equal_hf(_model(kind), _sequences(1))
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_gradients_equal_hf_per_trajectory_float64(lifted, kind):
     """The tree loss and every parameter gradient (A_log, dt_bias, D, conv, projections, norms,
     experts) equal those of HF's per-trajectory forward/backward."""
-    model = _model(kind, seed=4)
-    seqs = _sequences(2)
-    model.zero_grad(set_to_none=True)
-    out = TreeRunner(model).forward_backward(seqs, _loss)
-    tree = _grads(model)
-    model.zero_grad(set_to_none=True)
-    ref_loss = _loss(hf_log_probs(model, seqs))
-    ref_loss.backward()
-    ref = _grads(model)
-    assert abs(out["loss"] - ref_loss.item()) <= 1e-10 * max(1.0, abs(ref_loss.item()))
-    assert tree.keys() == ref.keys() and any(n.endswith("A_log") for n in ref)
-    for name, g in ref.items():
-        scale = g.abs().max().item()
-        err = (tree[name] - g).abs().max().item()
-        assert err <= 1e-9 * max(scale, 1e-30), f"{name}: {err} vs scale {scale}"
+    names = assert_gradients_equal_hf(_model(kind, seed=4), _sequences(2))
+    assert any(n.endswith(("A_log", "conv.weight")) for n in names)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_float32_log_probs_close_to_hf(no_fla, kind):
     """The unmodified float32 models: tree log-probs vs HF's per-trajectory forward."""
-    model = _model(kind, seed=6).float()
-    seqs = _sequences(6)
-    with torch.no_grad():
-        lps = TreeRunner(model).log_probs(seqs)
-        for lp, ref in zip(lps, hf_log_probs(model, seqs)):
-            torch.testing.assert_close(lp.double(), ref.double(), rtol=0, atol=5e-5)
+    assert_float32_log_probs_close_to_hf(_model(kind, seed=6).float(), _sequences(6))
 
 
 def test_mixer_refuses_a_cache_and_runs_hf_code_outside_tree_calls(no_fla):
