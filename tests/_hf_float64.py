@@ -423,7 +423,9 @@ def hf_log_probs(model: torch.nn.Module, seqs: list[list[int]]) -> list[torch.Te
 # and A_log with ``.float()``, its gated RMSNorms (full width for Granite 4.0-H / Bamba, per group
 # for Nemotron-H) and RMSNorms (LFM2's too) compute in float32, Granite's router logits are
 # ``.float()``, Nemotron-H's router matmul and its causal LM's logits are float32.
-_RECURRENT_HYBRID_MODULES = ("granitemoehybrid", "bamba", "nemotron_h", "lfm2", "lfm2_moe")
+_RECURRENT_HYBRID_MODULES = (
+    *("granitemoehybrid", "bamba", "nemotron_h", "falcon_h1", "lfm2", "lfm2_moe"),
+)
 
 
 def _gated_group_rms(self, hidden_states, gate=None):
@@ -437,6 +439,21 @@ def _gated_group_rms(self, hidden_states, gate=None):
     hg = h.view(*h.shape[:-1], -1, width)
     hg = hg * torch.rsqrt(hg.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
     return self.weight * hg.view(h.shape).to(dt)
+
+
+def _falcon_gated_rms(self, hidden_states, gate=None):
+    """Falcon-H1's gated RMSNorm (per group of ``n_groups``; the gate before the norm unless
+    ``norm_before_gate``) in the compute dtype."""
+    dt = hidden_states.dtype
+    h = hidden_states.to(_compute_dtype(dt))
+    if not self.norm_before_gate and gate is not None:
+        h = h * F.silu(gate.to(h.dtype))
+    hg = h.view(*h.shape[:-1], self.n_groups, -1)
+    hg = hg * torch.rsqrt(hg.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    h = (self.weight.view(self.n_groups, -1) * hg).view(h.shape)
+    if self.norm_before_gate and gate is not None:
+        h = h * F.silu(gate.to(h.dtype))
+    return h.to(dt)
 
 
 def _float_keeping_float64(self, *args, **kwargs):
@@ -460,7 +477,9 @@ def lift_recurrent_hybrid_islands(monkeypatch) -> None:
         for name, obj in vars(m).items():
             if not isinstance(obj, type) or obj.__module__ != m.__name__:
                 continue
-            if name.endswith("RMSNormGated"):
+            if name == "FalconH1RMSNormGated":
+                monkeypatch.setattr(obj, "forward", _falcon_gated_rms)
+            elif name.endswith("RMSNormGated"):
                 monkeypatch.setattr(obj, "forward", _gated_group_rms)
             elif name.endswith("RMSNorm"):
                 monkeypatch.setattr(obj, "forward", _llama_rms)

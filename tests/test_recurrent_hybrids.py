@@ -1,7 +1,9 @@
 """Recurrent hybrids in tree mode: the Mamba-2 hybrids (``MAMBA2_HYBRID_MODEL_TYPES``) IBM
 Granite 4.0-H (``granitemoehybrid``: Mamba-2 layers and a NoPE attention layer, each with 4
 experts and a shared MLP, Granite's multipliers), Bamba (Mamba-2 and RoPE attention, dense MLPs)
-and NVIDIA Nemotron-H (separate Mamba-2, attention, ReLU² MLP and sigmoid-routed MoE blocks), and
+and NVIDIA Nemotron-H (separate Mamba-2, attention, ReLU² MLP and sigmoid-routed MoE blocks), TII Falcon-H1
+(a Mamba-2 mixer and attention in parallel in every layer, µP multipliers everywhere, logits
+times ``lm_head_multiplier``), and
 the short-conv hybrids (``CONV_HYBRID_MODEL_TYPES``) Liquid AI LFM2 (gated 3-token convolutions
 and RoPE attention with q/k norms, tied embeddings) and LFM2-MoE (sigmoid-routed experts with an
 expert bias after a dense first layer).
@@ -135,3 +137,16 @@ def test_time_steps_clamped_like_the_cuda_kernels(lifted):
         lps = TreeRunner(model).log_probs(seqs)
         for lp, ref in zip(lps, hf_log_probs(model, seqs)):
             torch.testing.assert_close(lp, ref, rtol=0, atol=1e-10)
+
+
+def test_falcon_h1_without_the_gated_norm(lifted):
+    """Falcon-H1 with ``mamba_rms_norm = False`` (its config's default): ``y · silu(z)`` in place
+    of the gated norm; log-probs equal HF's per-trajectory forward."""
+    import transformers
+
+    cfg = tiny_hf_config("falcon_h1")
+    cfg.mamba_rms_norm = False
+    torch.manual_seed(2)
+    model = spread_weights(transformers.FalconH1ForCausalLM(cfg).double().eval(), 2)
+    assert not any(type(m).__name__ == "FalconH1RMSNormGated" for m in model.modules())
+    assert_log_probs_equal_hf(model, _sequences(5))

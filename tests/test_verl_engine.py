@@ -198,10 +198,11 @@ def test_parity_vanilla(verl_cpu, kind, batch):
 _ENGINE_FAMILIES = ["llama", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe"]
 _ENGINE_FAMILIES += ["olmo2", "olmo3", "phi3", "glm4", "gemma3_text", "gpt_oss", "gemma2"]
 _ENGINE_FAMILIES += ["granite", "cohere2", "granitemoeshared", "smollm3", "exaone4", "minimax_m2"]
-# The Mamba-2 hybrids Granite 4.0-H (MoE + shared MLP, NoPE attention), Bamba and Nemotron-H
-# (Mamba-2, attention, MLP and MoE blocks); the short-conv hybrids LFM2 (tied embeddings) and
+# The Mamba-2 hybrids Granite 4.0-H (MoE + shared MLP, NoPE attention), Bamba, Nemotron-H
+# (Mamba-2, attention, MLP and MoE blocks) and Falcon-H1 (mixer and attention in parallel, µP
+# multipliers, logits times lm_head_multiplier); the short-conv hybrids LFM2 (tied embeddings) and
 # LFM2-MoE.
-_RECURRENT = ["granitemoehybrid", "bamba", "nemotron_h", "lfm2", "lfm2_moe"]
+_RECURRENT = ["granitemoehybrid", "bamba", "nemotron_h", "falcon_h1", "lfm2", "lfm2_moe"]
 _ENGINE_FAMILIES += _RECURRENT
 # gpt-oss (attention sinks, a sliding and a full layer) runs HF's eager attention on the CPU, and
 # transformers 5.10's GptOssModel builds its masks without ``position_ids``: packed sequences

@@ -139,7 +139,8 @@ OLMO_HYBRID_MODEL_TYPES = ("olmo_hybrid",)
 _OLMO_GDN_CLASSES = ("OlmoHybridGatedDeltaNet",)
 _OLMO_ATTENTION_CLASSES = ("OlmoHybridAttention",)
 # Decoder layers that call their token mixer without forwarding extra keywords: OLMo Hybrid's
-# linear-attention layer, Nemotron-H's blocks (the Mamba-2 mixer), LFM2's (the short conv), and
+# linear-attention layer, Nemotron-H's blocks and Falcon-H1's layers (the Mamba-2 mixer), LFM2's
+# (the short conv), and
 # Qwen3.5's (dense, MoE)
 # once veRL's monkey patch
 # (``verl.models.transformers.qwen3_5.qwen3_5_decoder_layer_forward``, applied to the classes
@@ -150,6 +151,7 @@ _KEYWORD_DROPPING_LAYER_CLASSES = (
     "NemotronHBlock",
     "Lfm2DecoderLayer",
     "Lfm2MoeDecoderLayer",
+    "FalconH1DecoderLayer",
     "Qwen3_5DecoderLayer",
     "Qwen3_5MoeDecoderLayer",
 )
@@ -160,8 +162,16 @@ _KEYWORD_DROPPING_LAYER_CLASSES = (
 # Nemotron-H (separate Mamba / attention / MLP / MoE blocks, NoPE). Their HF text models build
 # no RoPE-from-mask state, so they run like the full-attention models (embeddings → layers →
 # final norm, attention through transformers' interface).
-MAMBA2_HYBRID_MODEL_TYPES = ("granitemoehybrid", "bamba", "nemotron_h")
-_MAMBA2_CLASSES = ("GraniteMoeHybridMambaLayer", "BambaMixer", "NemotronHMamba2Mixer")
+# Falcon-H1 runs a Mamba-2 mixer and attention in parallel in every layer, with µP multipliers
+# (``ssm_in_multiplier``, the ``mup_vector`` of the in-projection, which its mixer applies; the
+# layer's and MLP's multipliers are HF's code; ``lm_head_multiplier`` a logit transform).
+MAMBA2_HYBRID_MODEL_TYPES = ("granitemoehybrid", "bamba", "nemotron_h", "falcon_h1")
+_MAMBA2_CLASSES = (
+    "GraniteMoeHybridMambaLayer",
+    "BambaMixer",
+    "NemotronHMamba2Mixer",
+    "FalconH1Mixer",
+)
 
 # Short-convolution hybrids: Liquid AI's LFM2 / LFM2-MoE (gated depthwise short convolutions —
 # ``in_proj`` → B, C, x; ``C · conv(B · x)`` → ``out_proj`` — interleaved with GQA attention
@@ -169,6 +179,12 @@ _MAMBA2_CLASSES = ("GraniteMoeHybridMambaLayer", "BambaMixer", "NemotronHMamba2M
 # Mamba-2 hybrids (HF's text model, the 1-element mask).
 CONV_HYBRID_MODEL_TYPES = ("lfm2", "lfm2_moe")
 _SHORT_CONV_CLASSES = ("Lfm2ShortConv", "Lfm2MoeShortConv")
+
+# Text models whose forward calls its layers without forwarding extra keywords (Falcon-H1): in
+# tree mode our own layer loop (:func:`_tree_decoder_forward`) replaces HF's, so every layer gets
+# ``harts_layout`` (also when activation checkpointing re-runs it in backward, after the tree
+# call ended).
+_KEYWORD_DROPPING_TEXT_MODEL_CLASSES = ("FalconH1Model",)
 
 # Linear-attention hybrids, run through :class:`HybridTreeModel`.
 HYBRID_MODEL_TYPES = GATED_HYBRID_MODEL_TYPES + OLMO_HYBRID_MODEL_TYPES
@@ -267,6 +283,7 @@ _FULL_ATTENTION_CLASSES = (
     "NemotronHAttention",
     "Lfm2Attention",
     "Lfm2MoeAttention",
+    "FalconH1Attention",
 )
 # Softmax top-k routers whose load-balancing loss HF computes from the router logits
 # (``output_router_logits``; gpt-oss: Switch-style over the softmax of its biased logits, like
@@ -345,7 +362,8 @@ def logit_transform_of(model: nn.Module) -> LogitTransform:
 def config_logit_transform(config: Any) -> LogitTransform:
     """The logit transform of the tree-mode causal LM whose own config is ``config``: Gemma 2 /
     Gemma 3's ``final_logit_softcapping`` (``cap · tanh(x / cap)``), Granite's ``logits_scaling``
-    (``x / logits_scaling``), Cohere's ``logit_scale`` (``x · logit_scale``), as their forwards
+    (``x / logits_scaling``), Cohere's ``logit_scale`` (``x · logit_scale``), Falcon-H1's
+    ``lm_head_multiplier`` (``x · lm_head_multiplier``), as their forwards
     compute them from ``self.config``. A multi-modal wrapper's ``text_config`` is not read (HF's
     ``Gemma3ForConditionalGeneration`` does not soft-cap). Raises ``ValueError`` naming the field
     when its value is not a finite positive number."""
@@ -353,11 +371,14 @@ def config_logit_transform(config: Any) -> LogitTransform:
     def field(key: str) -> float | None:
         return check_positive(f"config.{key}", getattr(config, key, None), none_ok=True)
 
-    cap, divisor, factor = (
-        field(k) for k in ("final_logit_softcapping", "logits_scaling", "logit_scale")
+    cap, divisor, factor, multiplier = (
+        field(k)
+        for k in ("final_logit_softcapping", "logits_scaling", "logit_scale", "lm_head_multiplier")
     )
     if factor is not None:  # Cohere
         return LogitTransform(factor, cap)
+    if multiplier is not None:  # Falcon-H1
+        return LogitTransform(multiplier, cap)
     return LogitTransform(1.0 if divisor is None else 1.0 / divisor, cap)  # Granite
 
 
@@ -641,7 +662,8 @@ def _olmo_gdn_tree_forward(
 def _mamba2_tree_forward(
     self, *args: Any, harts_layout: TreeLayout | None = None, **kwargs: Any
 ) -> torch.Tensor:
-    """Tree mode of an HF Mamba-2 mixer (Granite 4.0-H, Bamba, Nemotron-H): ``in_proj`` →
+    """Tree mode of an HF Mamba-2 mixer (Granite 4.0-H, Bamba, Nemotron-H, Falcon-H1 with its
+    ``ssm_in_multiplier`` and ``mup_vector``): ``in_proj`` →
     (gate ``z``, ``xBC``, ``dt``; Nemotron-H's leading MLP parts, unused by HF, skipped) →
     depthwise causal conv of ``xBC`` over each row's path and the mixer's activation → SSD over
     the planned rounds as gated linear attention without the delta rule (``q = C``, ``k = B``
@@ -649,7 +671,8 @@ def _mamba2_tree_forward(
     ``time_step_limit`` as the CUDA kernels clamp it (``dt_limit``; Nemotron-H's torch path
     floors it at ``time_step_min`` instead, transformers issue #47246 / PR #47513), log decay
     ``dt · A`` with ``A = -exp(A_log)``, query scale 1), in at least
-    float32 → ``+ D · x`` → HF's gated RMSNorm (``norm(y, z)``) → ``out_proj`` in the input
+    float32 → ``+ D · x`` → HF's gated RMSNorm (``norm(y, z)``; ``y · silu(z)`` for a Falcon-H1
+    without ``mamba_rms_norm``) → ``out_proj`` in the input
     dtype. hidden_states ``[1, C, D]`` → ``[1, C, D]``. Tree mode keeps no cache and ignores the
     attention mask (the layout gives each row its path)."""
     layout = _tree_layout(self, harts_layout)
@@ -664,7 +687,11 @@ def _mamba2_tree_forward(
         self.ssm_state_size,
     )
     inner = self.intermediate_size
-    proj = self.in_proj(hidden_states)[0]
+    multiplier = getattr(self, "ssm_in_multiplier", None)  # Falcon-H1's µP multipliers
+    proj = self.in_proj(hidden_states if multiplier is None else hidden_states * multiplier)[0]
+    mup = getattr(self, "mup_vector", None)
+    if mup is not None:
+        proj = proj * mup[0]
     width = inner + self.conv_dim + n_heads
     gate, xbc, dt = proj[:, proj.shape[-1] - width :].split([inner, self.conv_dim, n_heads], -1)
     xbc = self.act(layout.short_conv(xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, None))
@@ -684,8 +711,11 @@ def _mamba2_tree_forward(
         scale=1.0,
         delta_rule=False,
     )
-    y = o + self.D.to(ct)[:, None] * x
-    out = self.norm(y.reshape(1, c, inner), gate[None])
+    y = (o + self.D.to(ct)[:, None] * x).reshape(1, c, inner)
+    if getattr(self, "mamba_rms_norm", True):
+        out = self.norm(y, gate[None])
+    else:  # Falcon-H1 without the gated norm
+        out = y * F.silu(gate[None])
     return self.out_proj(out.to(dtype))
 
 
@@ -777,6 +807,33 @@ def _hybrid_text_model_tree_forward(
         return getattr(self, _PATCHED)(*args, harts_layout=layout, **kwargs)
 
 
+def _own_loop_text_model_tree_forward(
+    self, *args: Any, harts_layout: TreeLayout | None = None, **kwargs: Any
+) -> Any:
+    """Tree mode of an HF text model of :data:`_KEYWORD_DROPPING_TEXT_MODEL_CLASSES`: its
+    embeddings, layers and final norm through :func:`_tree_decoder_forward` (positions = row
+    depths; masks, caches and ``position_ids`` keywords are not read), returned as
+    ``BaseModelOutputWithPast(last_hidden_state [1, C, D])``. ``input_ids`` must be the layout's
+    ``[1, C]`` row tokens. The layout is the keyword, else that of the enclosing tree call."""
+    layout = harts_layout if harts_layout is not None else current_tree_layout()
+    if layout is None:
+        return _original(self)(*args, **kwargs)
+    (input_ids,) = _bind(args, kwargs, ("input_ids",))
+    name = type(self).__name__
+    if not isinstance(input_ids, torch.Tensor) or kwargs.get("inputs_embeds") is not None:
+        raise ValueError(f"input_ids: {name} in tree mode runs from token ids, not embeddings")
+    if tuple(input_ids.shape) != (1, layout.num_rows):
+        raise ValueError(
+            f"input_ids: {name} in tree mode expects the layout's [1, {layout.num_rows}] rows, "
+            f"got {tuple(input_ids.shape)}"
+        )
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    loop = types.SimpleNamespace(config=self.config, gradient_checkpointing=False)
+    hidden = _tree_decoder_forward(loop, self, input_ids[0], layout)
+    return BaseModelOutputWithPast(last_hidden_state=hidden[None])
+
+
 def patch_tree_mixers(model: nn.Module) -> int:
     """Make every supported token mixer of an HF model tree-aware (idempotent): the instance
     ``forward`` runs the tree ops when called with ``harts_layout=...`` or inside a
@@ -805,6 +862,9 @@ def patch_tree_mixers(model: nn.Module) -> int:
             _patch(mod, _short_conv_tree_forward)
         elif _is_hf_class(mod, _HYBRID_TEXT_MODEL_CLASSES):
             _patch(mod, _hybrid_text_model_tree_forward)
+            continue
+        elif _is_hf_class(mod, _KEYWORD_DROPPING_TEXT_MODEL_CLASSES):
+            _patch(mod, _own_loop_text_model_tree_forward)
             continue
         elif _is_hf_class(mod, _KEYWORD_DROPPING_LAYER_CLASSES):
             _patch(mod, _layout_scope_forward)

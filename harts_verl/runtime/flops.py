@@ -247,7 +247,8 @@ def _mamba2_mixer(cfg: Any) -> tuple[float, float]:
 
 def mamba2_hybrid_shape(cfg: Any) -> ModelShape:
     """Coefficients of a transformers Mamba-2 hybrid (``granitemoehybrid``: Granite 4.0-H,
-    ``bamba``, ``nemotron_h``) from ``config.layers_block_type``: Mamba-2 mixers
+    ``bamba``, ``nemotron_h`` from ``config.layers_block_type``; ``falcon_h1``: a mixer,
+    attention and a gated MLP in every layer): Mamba-2 mixers
     (:func:`_mamba2_mixer`) and GQA attention; Granite 4.0-H adds to every layer a MoE block
     (router, top-k gated experts ``intermediate_size`` wide) and a gated shared MLP
     (``shared_intermediate_size``), Bamba a gated MLP; Nemotron-H's ``mlp`` blocks are ungated
@@ -255,6 +256,12 @@ def mamba2_hybrid_shape(cfg: Any) -> ModelShape:
     head."""
     d = cfg.hidden_size
     dense, attn, lin = 2.0 * d * cfg.vocab_size, 0.0, 0.0
+    if cfg.model_type == "falcon_h1":  # a Mamba-2 mixer, attention and a gated MLP per layer
+        dense_m, lin_m = _mamba2_mixer(cfg)
+        dense_a, attn_a = _hf_attention_layer(cfg, output_gate=False)
+        n = cfg.num_hidden_layers
+        mlp = 2.0 * 3 * d * cfg.intermediate_size
+        return ModelShape(dense + n * (dense_m + dense_a + mlp), n * attn_a, n * lin_m)
     for t in cfg.layers_block_type:
         if t == "mamba":
             dense_i, lin_i = _mamba2_mixer(cfg)
@@ -319,7 +326,7 @@ def conv_hybrid_shape(cfg: Any) -> ModelShape:
 
 
 _CONV_HYBRID_TYPES = ("lfm2", "lfm2_moe")
-_MAMBA2_HYBRID_TYPES = ("granitemoehybrid", "bamba", "nemotron_h")
+_MAMBA2_HYBRID_TYPES = ("granitemoehybrid", "bamba", "nemotron_h", "falcon_h1")
 _GATED_HYBRID_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 _FULL_ATTENTION_TYPES = FULL_ATTENTION_MODEL_TYPES
 
@@ -336,7 +343,7 @@ def model_shape(cfg: Any) -> ModelShape:
     ``granite`` / ``granitemoe`` / ``granitemoeshared`` / ``cohere`` / ``cohere2`` /
     ``smollm3`` / ``ministral`` / ``exaone4`` / ``ernie4_5`` / ``hunyuan_v1_dense`` /
     ``apertus`` / ``arcee``, the Mamba-2 hybrids ``granitemoehybrid`` / ``bamba`` /
-    ``nemotron_h`` and the short-conv hybrids ``lfm2`` / ``lfm2_moe``. Raises ``ValueError`` for any other ``model_type``."""
+    ``nemotron_h`` / ``falcon_h1`` and the short-conv hybrids ``lfm2`` / ``lfm2_moe``. Raises ``ValueError`` for any other ``model_type``."""
     from harts_verl.models.config import HybridConfig
 
     if isinstance(cfg, HybridConfig):

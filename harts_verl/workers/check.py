@@ -6,7 +6,7 @@ seeded) of any model that runs in tree mode — Qwen3-Next, the Qwen3.5 / Qwen3.
 audited), OLMo Hybrid (``olmo_hybrid``), the native model (``harts_hybrid``), the full-attention
 causal LMs of ``FULL_ATTENTION_MODEL_TYPES`` (Qwen2 / Qwen3 / Llama / Mistral, Qwen2-MoE /
 Qwen3-MoE / Mixtral, DeepSeek-V3, GLM-4-MoE, OLMo 2 / OLMo 3, Phi-3, Seed-OSS, GLM-4,
-Gemma 3, gpt-oss, ...), the Mamba-2 hybrids (Granite 4.0-H, Bamba, Nemotron-H) and the
+Gemma 3, gpt-oss, ...), the Mamba-2 hybrids (Granite 4.0-H, Bamba, Nemotron-H, Falcon-H1) and the
 short-conv hybrids (LFM2, LFM2-MoE); ``--batch`` a dump of trajectories: a ``RolloutForest.save`` file (``.npz``), or a ``torch.save`` file (``.pt``)
 holding a list of token-id lists or a dict with ``input_ids`` (list, or a nested tensor as in a
 veRL batch). Prints JSON: max |Δlogp| tree vs expanded (``max_abs_dlogp``) and tree vs the

@@ -44,7 +44,7 @@ TINY_KINDS = (
     *("gemma2", "granite", "cohere", "cohere2", "granitemoe", "granitemoeshared"),
     *("smollm3", "ministral", "exaone4", "ernie4_5", "hunyuan_v1_dense", "apertus", "arcee"),
     "minimax_m2",
-    *("granitemoehybrid", "bamba", "nemotron_h", "lfm2", "lfm2_moe"),
+    *("granitemoehybrid", "bamba", "nemotron_h", "falcon_h1", "lfm2", "lfm2_moe"),
 )
 # The multi-modal Qwen3.5 wrappers (``Qwen3_5ForConditionalGeneration`` /
 # ``Qwen3_5MoeForConditionalGeneration``, model_type ``qwen3_5`` / ``qwen3_5_moe``): the text
@@ -375,7 +375,9 @@ def _multimodal_config(kind: str, vocab_size: int):
 # top-2 by sigmoid scores, one shared expert), the pure-torch path (no mamba kernels), with
 # HF's chunk of 256 tokens: transformers 5.10's Nemotron-H torch path sums its inter-chunk
 # state recurrence over the wrong axis, so it is right only within one chunk (Granite 4.0-H and
-# Bamba, whose torch paths are right, run in chunks of 16).
+# Bamba, whose torch paths are right, run in chunks of 16). Falcon-H1: two layers, each with a
+# Mamba-2 mixer (its gated norm after the gate, per group) and attention in parallel, every µP
+# multiplier away from 1.
 _MAMBA2_MIXER = dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8)
 _MAMBA2_HYBRID = {
     "granitemoehybrid": (
@@ -418,6 +420,26 @@ _MAMBA2_HYBRID = {
             "moe_shared_expert_intermediate_size": 16,
             "num_experts_per_tok": 2,
             "use_mamba_kernels": False,
+        },
+    ),
+    "falcon_h1": (
+        "FalconH1Config",
+        {
+            **_MAMBA2_MIXER,
+            "num_hidden_layers": 2,
+            "mamba_d_ssm": 64,
+            "mamba_chunk_size": 16,
+            "mamba_rms_norm": True,
+            "mamba_norm_before_gate": False,
+            "embedding_multiplier": 2.0,
+            "lm_head_multiplier": 0.5,
+            "mlp_multipliers": [0.8, 1.2],
+            "key_multiplier": 0.7,
+            "attention_in_multiplier": 1.3,
+            "attention_out_multiplier": 0.9,
+            "ssm_multipliers": [0.5, 1.5, 0.8, 1.2, 0.7],
+            "ssm_in_multiplier": 1.1,
+            "ssm_out_multiplier": 0.6,
         },
     ),
 }
@@ -467,7 +489,7 @@ def tiny_hf_config(kind: str, vocab_size: int = 64):
     ``mixtral``, ``deepseek_v3``, ``glm4_moe``, ``olmo2``, ``olmo3``, ``phi3``, ``seed_oss``,
     ``glm4``, ``gemma3_text``, ``gpt_oss``, ``gemma2``, ``granite``, ``granitemoe``,
     ``granitemoeshared``, ``cohere``, ``cohere2``, ...; the Mamba-2 hybrids
-    ``granitemoehybrid``, ``bamba``, ``nemotron_h``; the short-conv hybrids ``lfm2``,
+    ``granitemoehybrid``, ``bamba``, ``nemotron_h``, ``falcon_h1``; the short-conv hybrids ``lfm2``,
     ``lfm2_moe``), sdpa attention (eager for
     gpt-oss, whose class has no sdpa, and Gemma 2, whose attention soft-cap HF's sdpa path
     drops), eager experts (float64-capable on CPU).
@@ -560,6 +582,7 @@ def tiny_hf_model(kind: str, *, seed: int = 0, vocab_size: int = 64) -> torch.nn
         "granitemoehybrid": transformers.GraniteMoeHybridForCausalLM,
         "bamba": transformers.BambaForCausalLM,
         "nemotron_h": transformers.NemotronHForCausalLM,
+        "falcon_h1": transformers.FalconH1ForCausalLM,
         "lfm2": transformers.Lfm2ForCausalLM,
         "lfm2_moe": transformers.Lfm2MoeForCausalLM,
         "smollm3": transformers.SmolLM3ForCausalLM,
