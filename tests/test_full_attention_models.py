@@ -11,7 +11,11 @@ Granite (embedding, residual, attention and logit multipliers), Cohere (parallel
 MLP, q/k LayerNorms, interleaved RoPE, logit scale), Cohere 2 (a sliding RoPE layer, a full
 NoPE layer), SmolLM3 (a NoPE layer), Ministral, EXAONE 4 (a sliding RoPE layer and a full NoPE
 layer whose module keeps a sliding window), ERNIE 4.5, Hunyuan dense, Apertus, Arcee and the MoE
-MiniMax-M2 (sigmoid router with a correction bias). The logit transforms of the
+MiniMax-M2 (sigmoid router with a correction bias), OLMoE / FlexOlmo (softmax routing, q/k norms
+over all heads), dots.llm1 / Solar-Open (sigmoid routing, shared expert), GLM-4-MoE-Lite (MLA,
+a dense first layer), EXAONE-MoE (sliding RoPE + full NoPE layers), Ministral 3 and Mistral 4
+(YaRN with Llama 4's position-dependent query scaling; Mistral 4: MLA, MoE). The logit
+transforms of the
 causal-LM forwards (soft-caps, scalings) are applied by the compact head.
 
 Each attention module runs its own forward with transformers' attention interface pointed at tree
@@ -56,7 +60,7 @@ from harts_verl.workers.testing import (
 # ``test_gemma3_multimodal.py``.
 MULTIMODAL = {"gemma3": "gemma3_mm"}
 KINDS = [k for k in FULL_ATTENTION_MODEL_TYPES if k not in MULTIMODAL]
-MOE_SOFTMAX = ["qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss", "minimax_m2"]
+MOE_SOFTMAX = ["qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss", "minimax_m2", "olmoe", "flex_olmo"]
 
 
 def _model(kind: str, seed: int = 3, **cfg_overrides) -> torch.nn.Module:

@@ -109,6 +109,8 @@ _FLOP_KINDS += ("cohere", "cohere2", "smollm3", "ministral", "exaone4", "ernie4_
 _FLOP_KINDS += ("hunyuan_v1_dense", "apertus", "arcee")
 _FLOP_MOE_KINDS = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss")
 _FLOP_MOE_KINDS += ("granitemoe", "granitemoeshared", "minimax_m2")
+_FLOP_MOE_KINDS += ("olmoe", "flex_olmo", "dots1", "solar_open", "glm4_moe_lite", "exaone_moe")
+_FLOP_MOE_KINDS += ("ministral3", "mistral4")
 _FLOP_MAMBA2_KINDS = ("granitemoehybrid", "bamba", "nemotron_h", "falcon_h1")
 _FLOP_CONV_KINDS = ("lfm2", "lfm2_moe")
 
@@ -136,7 +138,11 @@ def test_flop_model_matches_the_module_tree(kind, monkeypatch):
         n_full = sum(t == "full_attention" for t in cfg.layer_types)
         assert 0 < n_full < cfg.num_hidden_layers
     h = cfg.num_attention_heads
-    if kind == "deepseek_v3":  # MLA: q·k over nope + rope dims, p·v over v_head_dim
+    if kind in (
+        "deepseek_v3",
+        "glm4_moe_lite",
+        "mistral4",
+    ):  # MLA: q·k over nope + rope, p·v over v dims
         per_layer = 2.0 * h * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
     else:
         per_layer = 4.0 * h * (getattr(cfg, "head_dim", None) or cfg.hidden_size // h)

@@ -198,6 +198,12 @@ def test_parity_vanilla(verl_cpu, kind, batch):
 _ENGINE_FAMILIES = ["llama", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe"]
 _ENGINE_FAMILIES += ["olmo2", "olmo3", "phi3", "glm4", "gemma3_text", "gpt_oss", "gemma2"]
 _ENGINE_FAMILIES += ["granite", "cohere2", "granitemoeshared", "smollm3", "exaone4", "minimax_m2"]
+# The MoE OLMoE and FlexOlmo (softmax routing, q/k norms over all heads), dots.llm1 and
+# Solar-Open (sigmoid routing with a correction bias, shared expert), GLM-4-MoE-Lite (MLA) and
+# EXAONE-MoE (a sliding RoPE layer and a full NoPE one).
+_ENGINE_FAMILIES += ["olmoe", "flex_olmo", "dots1", "solar_open", "glm4_moe_lite", "exaone_moe"]
+# Ministral 3 and Mistral 4 (MLA, MoE): YaRN with Llama 4's position-dependent query scaling.
+_ENGINE_FAMILIES += ["ministral3", "mistral4"]
 # The Mamba-2 hybrids Granite 4.0-H (MoE + shared MLP, NoPE attention), Bamba, Nemotron-H
 # (Mamba-2, attention, MLP and MoE blocks) and Falcon-H1 (mixer and attention in parallel, µP
 # multipliers, logits times lm_head_multiplier); the short-conv hybrids LFM2 (tied embeddings) and

@@ -140,9 +140,7 @@ _OLMO_GDN_CLASSES = ("OlmoHybridGatedDeltaNet",)
 _OLMO_ATTENTION_CLASSES = ("OlmoHybridAttention",)
 # Decoder layers that call their token mixer without forwarding extra keywords: OLMo Hybrid's
 # linear-attention layer, Nemotron-H's blocks and Falcon-H1's layers (the Mamba-2 mixer), LFM2's
-# (the short conv), and
-# Qwen3.5's (dense, MoE)
-# once veRL's monkey patch
+# layers (the short conv), and Qwen3.5's (dense, MoE) once veRL's monkey patch
 # (``verl.models.transformers.qwen3_5.qwen3_5_decoder_layer_forward``, applied to the classes
 # for the multi-modal ``qwen3_5`` / ``qwen3_5_moe`` models) has replaced HF's, which does forward
 # them. Wrapped whichever forward the class has, before or after the patch.
@@ -246,6 +244,14 @@ FULL_ATTENTION_MODEL_TYPES = (
     "apertus",
     "arcee",
     "minimax_m2",
+    "olmoe",
+    "flex_olmo",
+    "dots1",
+    "solar_open",
+    "glm4_moe_lite",
+    "exaone_moe",
+    "ministral3",
+    "mistral4",
 )
 _FULL_ATTENTION_CLASSES = (
     "Qwen2Attention",
@@ -278,6 +284,14 @@ _FULL_ATTENTION_CLASSES = (
     "ApertusAttention",
     "ArceeAttention",
     "MiniMaxM2Attention",
+    "OlmoeAttention",
+    "FlexOlmoAttention",
+    "Dots1Attention",
+    "SolarOpenAttention",
+    "Glm4MoeLiteAttention",
+    "ExaoneMoeAttention",
+    "Ministral3Attention",
+    "Mistral4Attention",
     "GraniteMoeHybridAttention",
     "BambaAttention",
     "NemotronHAttention",
@@ -294,15 +308,17 @@ _FULL_ATTENTION_ROUTER_CLASSES = (
     "MixtralTopKRouter",
     "GptOssTopKRouter",
     "MiniMaxM2TopKRouter",
+    "OlmoeTopKRouter",
+    "FlexOlmoTopKRouter",
 )
 
-# Model types that run in tree mode (``harts_hybrid``: the native model through its HF wrapper).
 # Model types whose HF text model runs in tree mode with the 1-element mask of
-# :func:`tree_mode_attention_mask` (HF's own forward, no patched text model), through
-# :class:`HFCausalTreeModel`.
+# :func:`tree_mode_attention_mask` (HF's own forward, no patched text model, except Falcon-H1's),
+# through :class:`HFCausalTreeModel`.
 MASKED_TREE_MODEL_TYPES = (
     FULL_ATTENTION_MODEL_TYPES + MAMBA2_HYBRID_MODEL_TYPES + CONV_HYBRID_MODEL_TYPES
 )
+# Model types that run in tree mode (``harts_hybrid``: the native model through its HF wrapper).
 TREE_MODEL_TYPES = HYBRID_MODEL_TYPES + MASKED_TREE_MODEL_TYPES + ("harts_hybrid",)
 
 
@@ -322,8 +338,8 @@ def _is_hybrid(model: nn.Module) -> bool:
 def as_tree_model(model: nn.Module) -> nn.Module:
     """Return a module with the tree interface ``forward(input_ids [C], layout) -> (hidden [C, D],
     aux_loss)`` and an ``lm_head``: the native model as is, HF Qwen3-Next / Qwen3.5 /
-    Qwen3.5-MoE / OLMo Hybrid through :class:`HybridTreeModel`, the full-attention models of
-    :data:`FULL_ATTENTION_MODEL_TYPES` through :class:`HFCausalTreeModel`. Raises ``TypeError``
+    Qwen3.5-MoE / OLMo Hybrid through :class:`HybridTreeModel`, the full-attention, Mamba-2 and
+    short-conv models of :data:`MASKED_TREE_MODEL_TYPES` through :class:`HFCausalTreeModel`. Raises ``TypeError``
     for any other model."""
     from harts_verl.models.hybrid import HybridForCausalLM
 
@@ -1084,6 +1100,9 @@ class HFCausalTreeModel(_HFTreeModel):
     (Qwen2 / Qwen3 / Llama / Mistral, the MoE Qwen2-MoE / Qwen3-MoE / Mixtral, DeepSeek-V3 with
     MLA, GLM-4-MoE, OLMo 2 / OLMo 3, Phi-3, Seed-OSS, GLM-4, Gemma 2 / Gemma 3, Granite /
     Granite-MoE (with or without a shared expert), Cohere / Cohere 2, SmolLM3, Ministral,
-    EXAONE 4, ERNIE 4.5, Hunyuan dense, Apertus, Arcee, MiniMax-M2, gpt-oss)."""
+    EXAONE 4, ERNIE 4.5, Hunyuan dense, Apertus, Arcee, MiniMax-M2, OLMoE, FlexOlmo, dots.llm1,
+    Solar-Open, GLM-4-MoE-Lite, EXAONE-MoE, Ministral 3, Mistral 4, gpt-oss), or of a Mamba-2
+    hybrid (Granite 4.0-H, Bamba, Nemotron-H, Falcon-H1) or short-conv hybrid (LFM2, LFM2-MoE):
+    :data:`MASKED_TREE_MODEL_TYPES`."""
 
     routers = _FULL_ATTENTION_ROUTER_CLASSES

@@ -125,24 +125,35 @@ def _mla_attention_layer(cfg: Any) -> tuple[float, float]:
 _UNGATED_MLP_TYPES = ("apertus", "arcee")  # up → activation (xIELU, ReLU²) → down
 
 
+# MoE families whose experts are ``intermediate_size`` wide (the others: ``moe_intermediate_size``).
+_EXPERT_WIDTH_IS_INTERMEDIATE = (
+    *("mixtral", "gpt_oss", "granitemoe", "granitemoeshared", "minimax_m2", "olmoe", "flex_olmo"),
+)
+
+
 def _ffn_layer(cfg: Any, i: int) -> float:
     """Row-wise FLOPs per token of layer ``i``'s feed-forward block in an HF model: a gated MLP
     of ``intermediate_size`` (Apertus' and Arcee's: ungated, two matrices), or a sparse MoE
     block: the router (one weight row per routed expert), ``num_experts_per_tok`` gated experts
-    (``moe_intermediate_size`` wide; Mixtral's, gpt-oss's, Granite-MoE's and MiniMax-M2's
-    ``intermediate_size``; biases ignored), and in full any shared expert: Granite-MoE-Shared's
+    (``moe_intermediate_size`` wide; ``intermediate_size`` for
+    :data:`_EXPERT_WIDTH_IS_INTERMEDIATE`; biases ignored), and in full any shared expert:
+    Granite-MoE-Shared's
     ``shared_intermediate_size`` wide one, Qwen2-MoE / Qwen3-Next / Qwen3.5-MoE's
     ``shared_expert_intermediate_size`` wide one and its sigmoid gate, DeepSeek-V3 / GLM-4-MoE's
-    ``n_shared_experts`` fused into one ``n_shared_experts × moe_intermediate_size`` wide MLP.
-    Sparse layers: with ``first_k_dense_replace`` (DeepSeek-V3, GLM-4-MoE) those from that index
-    on, else those with ``(i + 1) % decoder_sparse_step == 0`` not in ``mlp_only_layers``
+    ``n_shared_experts`` (EXAONE-MoE: ``num_shared_experts``) fused into one
+    ``n_shared_experts × moe_intermediate_size`` wide MLP. Sparse layers: those marked
+    ``sparse`` in ``mlp_layer_types`` where the config has them; with ``first_k_dense_replace``
+    (DeepSeek-V3, GLM-4-MoE) those from that index on, else those with ``(i + 1) % decoder_sparse_step == 0`` not in ``mlp_only_layers``
     (every layer where the config has neither, e.g. Mixtral)."""
     d = cfg.hidden_size
     num_experts = 0
     for key in ("num_experts", "num_local_experts", "n_routed_experts"):
         num_experts = num_experts or int(getattr(cfg, key, 0) or 0)
     first_dense = getattr(cfg, "first_k_dense_replace", None)
-    if first_dense is not None:
+    mlp_types = getattr(cfg, "mlp_layer_types", None)
+    if mlp_types is not None:  # GLM-4-MoE-Lite, EXAONE-MoE
+        sparse = mlp_types[i] == "sparse"
+    elif first_dense is not None:
         sparse = i >= first_dense
     else:
         step = getattr(cfg, "decoder_sparse_step", None) or 1
@@ -151,7 +162,7 @@ def _ffn_layer(cfg: Any, i: int) -> float:
         # a gated MLP (gate, up, down), or Apertus' / Arcee's ungated one (up, down)
         mats = 2 if cfg.model_type in _UNGATED_MLP_TYPES else 3
         return 2.0 * mats * d * cfg.intermediate_size
-    if cfg.model_type in ("mixtral", "gpt_oss", "granitemoe", "granitemoeshared", "minimax_m2"):
+    if cfg.model_type in _EXPERT_WIDTH_IS_INTERMEDIATE:
         width = cfg.intermediate_size
     else:
         width = cfg.moe_intermediate_size
@@ -161,7 +172,7 @@ def _ffn_layer(cfg: Any, i: int) -> float:
         flops += 3 * d * shared + d
     if getattr(cfg, "shared_intermediate_size", 0):  # Granite-MoE-Shared: no gate
         flops += 3 * d * cfg.shared_intermediate_size
-    n_shared = getattr(cfg, "n_shared_experts", None) or 0
+    n_shared = getattr(cfg, "n_shared_experts", None) or getattr(cfg, "num_shared_experts", 0)
     if n_shared:  # configs without shared experts may have no moe_intermediate_size
         flops += 3 * d * cfg.moe_intermediate_size * n_shared
     return 2.0 * flops

@@ -44,6 +44,8 @@ TINY_KINDS = (
     *("gemma2", "granite", "cohere", "cohere2", "granitemoe", "granitemoeshared"),
     *("smollm3", "ministral", "exaone4", "ernie4_5", "hunyuan_v1_dense", "apertus", "arcee"),
     "minimax_m2",
+    *("olmoe", "flex_olmo", "dots1", "solar_open", "glm4_moe_lite", "exaone_moe"),
+    *("ministral3", "mistral4"),
     *("granitemoehybrid", "bamba", "nemotron_h", "falcon_h1", "lfm2", "lfm2_moe"),
 )
 # The multi-modal Qwen3.5 wrappers (``Qwen3_5ForConditionalGeneration`` /
@@ -244,6 +246,113 @@ _FULL_ATTENTION = {
             "intermediate_size": 16,
             "num_local_experts": 4,
             "num_experts_per_tok": 2,
+        },
+    ),
+    # OLMoE / FlexOlmo: q/k norms over all heads, 4 experts 16 wide, top-2 softmax routing
+    # (FlexOlmo: post-norm layers). dots.llm1 / Solar-Open: sigmoid routing with a correction
+    # bias and a shared expert (dots1: one dense layer first); GLM-4-MoE-Lite (GLM-4.7-Flash):
+    # multi-head latent attention as DeepSeek-V3's, a dense first layer (``mlp_layer_types``);
+    # EXAONE-MoE: a sliding RoPE layer and a full NoPE one, a dense first layer, a shared expert.
+    "olmoe": (
+        "OlmoeConfig",
+        {**_NO_SPECIAL_IDS, "num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 16},
+    ),
+    "flex_olmo": (
+        "FlexOlmoConfig",
+        {**_NO_SPECIAL_IDS, "num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 16},
+    ),
+    "dots1": (
+        "Dots1Config",
+        {**_NO_SPECIAL_IDS, **_SIGMOID_MOE, "head_dim": 8},
+    ),
+    "solar_open": (
+        "SolarOpenConfig",
+        {
+            **_NO_SPECIAL_IDS,
+            **{k: v for k, v in _SIGMOID_MOE.items() if k != "first_k_dense_replace"},
+            "head_dim": 8,
+        },
+    ),
+    "glm4_moe_lite": (
+        "Glm4MoeLiteConfig",
+        {
+            **_NO_SPECIAL_IDS,
+            **{k: v for k, v in _SIGMOID_MOE.items() if k != "first_k_dense_replace"},
+            "mlp_layer_types": ["dense", "sparse"],
+            "num_key_value_heads": 4,
+            "q_lora_rank": 16,
+            "kv_lora_rank": 16,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": 4,
+        },
+    ),
+    "exaone_moe": (
+        "ExaoneMoeConfig",
+        {
+            **_NO_SPECIAL_IDS,
+            "head_dim": 8,
+            "sliding_window": 6,
+            "layer_types": _SLIDING_FULL,
+            "mlp_layer_types": ["dense", "sparse"],
+            "first_k_dense_replace": 1,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "num_shared_experts": 1,
+            "routed_scaling_factor": 1.5,
+        },
+    ),
+    # Ministral 3 / Mistral 4: YaRN RoPE with Llama 4's position-dependent query scaling
+    # (``llama_4_scaling_beta``, from the row depths in tree mode); Mistral 4: MLA with
+    # interleaved RoPE on half the rope dims, sigmoid-routed experts plus a shared one.
+    "ministral3": (
+        "Ministral3Config",
+        {
+            **_NO_SPECIAL_IDS,
+            "head_dim": 8,
+            "max_position_embeddings": 64,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "max_position_embeddings": 64,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale_all_dim": 1.0,
+                "mscale": 1.0,
+                "llama_4_scaling_beta": 0.1,
+            },
+        },
+    ),
+    "mistral4": (
+        "Mistral4Config",
+        {
+            **_NO_SPECIAL_IDS,
+            **{k: v for k, v in _SIGMOID_MOE.items() if k != "first_k_dense_replace"},
+            "num_key_value_heads": 4,
+            "q_lora_rank": 16,
+            "kv_lora_rank": 16,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "qk_head_dim": 16,
+            "head_dim": 16,
+            "v_head_dim": 4,
+            "max_position_embeddings": 64,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "max_position_embeddings": 64,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale_all_dim": 1.0,
+                "mscale": 1.0,
+                "llama_4_scaling_beta": 0.1,
+                "partial_rotary_factor": 0.5,
+            },
         },
     ),
     "cohere": (
@@ -593,6 +702,14 @@ def tiny_hf_model(kind: str, *, seed: int = 0, vocab_size: int = 64) -> torch.nn
         "apertus": transformers.ApertusForCausalLM,
         "arcee": transformers.ArceeForCausalLM,
         "minimax_m2": transformers.MiniMaxM2ForCausalLM,
+        "olmoe": transformers.OlmoeForCausalLM,
+        "flex_olmo": transformers.FlexOlmoForCausalLM,
+        "dots1": transformers.Dots1ForCausalLM,
+        "solar_open": transformers.SolarOpenForCausalLM,
+        "glm4_moe_lite": transformers.Glm4MoeLiteForCausalLM,
+        "exaone_moe": transformers.ExaoneMoeForCausalLM,
+        "ministral3": transformers.Ministral3ForCausalLM,
+        "mistral4": transformers.Mistral4ForCausalLM,
         "granitemoe": transformers.GraniteMoeForCausalLM,
         "granitemoeshared": transformers.GraniteMoeSharedForCausalLM,
         "cohere": transformers.CohereForCausalLM,
