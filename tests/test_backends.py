@@ -715,3 +715,18 @@ def test_same_device_treats_cuda_and_cuda0_alike(monkeypatch):
     assert same_device(d("cuda"), d("cuda", 0)) and same_device(d("cuda", 0), d("cuda"))
     assert not same_device(d("cuda"), d("cuda", 1))
     assert not same_device(d("cuda", 0), d("cpu"))
+
+
+def test_fla_wrapper_without_gla_kernels(no_fla, caplog):
+    """``delta_rule=False`` (Mamba-2 SSD) on an fla build without ``chunk_simple_gla``: the
+    ``auto`` kernel (``float64_fallback``) runs the torch reference with one WARNING, an
+    explicit ``fla`` kernel raises the ImportError naming the missing functions."""
+    q, k, v, g, beta = _linear_inputs(40, False, seed=3)
+    cu = torch.tensor([0, 17, 40])
+    with caplog.at_level("WARNING"):
+        got = _fake_kernel(float64_fallback=True)(q, k, v, g, beta, cu_seqlens=cu, delta_rule=False)
+    ref = chunk_delta_rule_varlen(q, k, v, g, beta, cu_seqlens=cu, delta_rule=False)
+    assert torch.equal(got.o, ref.o) and torch.equal(got.final_state, ref.final_state)
+    assert any("chunk_simple_gla" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ImportError, match="chunk_simple_gla"):
+        _fake_kernel()(q, k, v, g, beta, cu_seqlens=cu, delta_rule=False)

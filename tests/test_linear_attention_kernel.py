@@ -493,3 +493,18 @@ def test_bad_arguments_raise() -> None:
         kda_gate(x["g"], torch.zeros(4), torch.zeros(5))
     with pytest.raises(ValueError, match="A_log"):
         gdn_gate(x["beta"], torch.zeros(3), None)
+
+
+@pytest.mark.parametrize("delta_rule", [True, False])
+def test_autocast_keeps_the_compute_dtype(delta_rule: bool) -> None:
+    """Inside a bf16 autocast region (the veRL engine's forward) the kernel computes in float32
+    as outside it: bitwise the same outputs and states (autocast would run its matmuls in
+    bf16)."""
+    x = _inputs([40, 70], kda=False, seed=13, dtype=torch.float32)
+    flags = {"chunk_size": 32, "delta_rule": delta_rule, "output_chunk_states": True}
+    plain = chunk_delta_rule_varlen(**x, **flags)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        auto = chunk_delta_rule_varlen(**x, **flags)
+    assert auto.o.dtype == torch.float32
+    assert torch.equal(auto.o, plain.o) and torch.equal(auto.final_state, plain.final_state)
+    assert torch.equal(auto.chunk_states.states, plain.chunk_states.states)

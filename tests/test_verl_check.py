@@ -151,6 +151,23 @@ def test_flop_model_matches_the_module_tree(kind, monkeypatch):
     assert (shape.linear_per_token > 0) == (kind in linear)
 
 
+def test_flop_model_nemotron_h_latent_moe(monkeypatch):
+    """Nemotron-H's MoE with ``moe_latent_size`` (experts between two latent projections) and
+    ``n_shared_experts = 2`` (HF still builds one shared expert): the FLOP model matches the
+    module tree."""
+    monkeypatch.setitem(sys.modules, "fla", None)
+    import transformers
+
+    from harts_verl.runtime.flops import model_shape
+    from harts_verl.workers.testing import tiny_hf_config
+
+    cfg = tiny_hf_config("nemotron_h")
+    cfg.moe_latent_size = 8
+    cfg.n_shared_experts = 2
+    model = transformers.NemotronHForCausalLM(cfg)
+    assert model_shape(cfg).dense_per_token == pytest.approx(_param_flops(model), rel=1e-12)
+
+
 def test_flop_model_dispatch(monkeypatch):
     monkeypatch.setitem(sys.modules, "fla", None)
     import transformers

@@ -411,7 +411,8 @@ def chunk_delta_rule_varlen(
     Returns:
         :class:`DeltaRuleOutput` ``(o [T, HV, V] in v's dtype, final_state [N, HV, K, V],
         chunk_states | None)``. Math runs in float32 for float32/bf16/fp16 inputs and in float64
-        for float64 inputs; states are returned in that compute dtype.
+        for float64 inputs, also inside an autocast region (which the kernel turns off); states
+        are returned in that compute dtype.
 
     Guarantees:
         - Each member's outputs and states are computed with the same op sequence on fixed
@@ -426,6 +427,40 @@ def chunk_delta_rule_varlen(
     """
     if not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    with torch.autocast(q.device.type, enabled=False):  # the compute dtype, whatever autocast
+        return _chunk_delta_rule(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            cu_seqlens,
+            initial_state,
+            scale,
+            chunk_size,
+            use_qk_l2norm,
+            use_beta_sigmoid,
+            output_chunk_states,
+            delta_rule,
+        )
+
+
+def _chunk_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    initial_state: torch.Tensor | None,
+    scale: float | None,
+    chunk_size: int,
+    use_qk_l2norm: bool,
+    use_beta_sigmoid: bool,
+    output_chunk_states: bool,
+    delta_rule: bool,
+) -> DeltaRuleOutput:
+    """:func:`chunk_delta_rule_varlen` after its argument checks, with autocast off."""
     p = _prepare(
         q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, use_beta_sigmoid
     )

@@ -263,8 +263,8 @@ def mamba2_hybrid_shape(cfg: Any) -> ModelShape:
     (:func:`_mamba2_mixer`) and GQA attention; Granite 4.0-H adds to every layer a MoE block
     (router, top-k gated experts ``intermediate_size`` wide) and a gated shared MLP
     (``shared_intermediate_size``), Bamba a gated MLP; Nemotron-H's ``mlp`` blocks are ungated
-    (up, down), its ``moe`` blocks route to ungated experts plus ungated shared experts. The LM
-    head."""
+    (up, down), its ``moe`` blocks route to ungated experts (in ``moe_latent_size`` between
+    two latent projections when set) plus one ungated shared expert. The LM head."""
     d = cfg.hidden_size
     dense, attn, lin = 2.0 * d * cfg.vocab_size, 0.0, 0.0
     if cfg.model_type == "falcon_h1":  # a Mamba-2 mixer, attention and a gated MLP per layer
@@ -282,10 +282,13 @@ def mamba2_hybrid_shape(cfg: Any) -> ModelShape:
             dense, attn = dense + dense_i, attn + attn_i
         elif t == "mlp":  # Nemotron-H
             dense += 2.0 * 2 * d * cfg.intermediate_size
-        elif t == "moe":  # Nemotron-H
-            shared = cfg.n_shared_experts * cfg.moe_shared_expert_intermediate_size
-            width = cfg.num_experts_per_tok * cfg.moe_intermediate_size + shared
-            dense += 2.0 * (d * cfg.n_routed_experts + 2 * d * width)
+        elif t == "moe":  # Nemotron-H: one shared expert, routed ones in the latent width
+            latent = getattr(cfg, "moe_latent_size", None)
+            e_in = latent or d
+            routed = 2 * e_in * cfg.moe_intermediate_size * cfg.num_experts_per_tok
+            shared = 2 * d * cfg.moe_shared_expert_intermediate_size
+            proj = 2 * d * latent if latent else 0  # fc1 / fc2 latent projections
+            dense += 2.0 * (d * cfg.n_routed_experts + routed + shared + proj)
         else:
             raise ValueError(f"model_shape: unknown {cfg.model_type} layer type {t!r}")
         if cfg.model_type == "granitemoehybrid":

@@ -440,6 +440,16 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
                 model_type,
                 self._logit_transform,
             )
+        if model_type in _PADDED_STOCK_TYPES and self._sp_size() > 1:
+            logger.warning(
+                "harts_fsdp2: %s with ulysses_sequence_parallel_size = %d: tree batches are "
+                "exact, but stock (fallback) micro-batches take veRL's packed, sliced path, in "
+                "which this model's forward runs the packed sequences as one (it reads no "
+                "position_ids): keep harts.min_compression low and trajectories within the "
+                "token budget so that no batch falls back, or train without sequence parallelism",
+                model_type,
+                self._sp_size(),
+            )
         dropped = self._attention_term_dropped(module)
         if dropped == _SOFTCAP_DROPPED:
             logger.warning(
@@ -1109,14 +1119,16 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         """veRL's stock step for one micro-batch, with :meth:`_stock_attention`; for a model
         whose stock forward runs packed sequences as one (:data:`_PADDED_STOCK_TYPES`) on padded
         rows (a copy of the micro-batch with ``use_remove_padding=False``; not under Ulysses SP,
-        which needs packing), so a fallback batch computes each trajectory on its own, as tree
-        mode and the rollout do."""
+        which needs packing: the build warns), so a fallback batch computes each trajectory on
+        its own, as tree mode and the rollout do. The padded path holds ``[B, L_max, V]`` logits
+        where the packed one holds ``[tokens, V]``."""
         if self._model_type in _PADDED_STOCK_TYPES and self._sp_size() == 1:
             if "padded_stock" not in self._fallback_logged:
                 self._fallback_logged.add("padded_stock")
                 logger.warning(
                     "harts: stock (fallback) micro-batches of model type %r run veRL's padded "
-                    "path: its stock forward would run packed sequences as one",
+                    "path (logits [batch, longest, vocab]): its stock forward would run packed "
+                    "sequences as one",
                     self._model_type,
                 )
             micro_batch = tu.index_select_tensor_dict(micro_batch, list(range(len(micro_batch))))

@@ -31,6 +31,7 @@ fla exposes no exact per-chunk states (its ``h`` is stored in the input dtype an
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +40,8 @@ import torch
 from harts_verl.ops.linear_attention import DeltaRuleOutput, chunk_delta_rule_varlen, l2norm
 
 __all__ = ["FlaLinearKernel", "load_fla_gla_ops", "load_fla_ops"]
+
+logger = logging.getLogger(__name__)
 
 KDA_CHUNK_SIZES = (32, 64)
 GDN_CHUNK_SIZES = (16, 32, 64)
@@ -117,6 +120,7 @@ class FlaLinearKernel:
         self._chunk_gdn = chunk_gdn
         self._chunk_gla = chunk_gla
         self._chunk_simple_gla = chunk_simple_gla
+        self._gla_missing_logged = False
         self.float64_fallback = float64_fallback
 
     def __repr__(self) -> str:
@@ -243,9 +247,31 @@ class FlaLinearKernel:
         use_qk_l2norm: bool,
         use_beta_sigmoid: bool,
     ) -> DeltaRuleOutput:
-        """``delta_rule=False``: fla's ``chunk_simple_gla`` (scalar g) / ``chunk_gla``."""
+        """``delta_rule=False``: fla's ``chunk_simple_gla`` (scalar g) / ``chunk_gla``; with
+        ``float64_fallback`` (the ``auto`` backend) the torch reference when this fla build has
+        no GLA kernels (one WARNING), else the ImportError."""
         if self._chunk_gla is None or self._chunk_simple_gla is None:
-            self._chunk_gla, self._chunk_simple_gla = load_fla_gla_ops()
+            try:
+                self._chunk_gla, self._chunk_simple_gla = load_fla_gla_ops()
+            except ImportError as exc:
+                if not self.float64_fallback:
+                    raise
+                if not self._gla_missing_logged:
+                    self._gla_missing_logged = True
+                    logger.warning("linear backend auto: %s; using the torch reference", exc)
+                return chunk_delta_rule_varlen(
+                    q,
+                    k,
+                    v,
+                    g,
+                    beta,
+                    cu_seqlens=cu,
+                    initial_state=h0,
+                    scale=scale,
+                    use_qk_l2norm=use_qk_l2norm,
+                    use_beta_sigmoid=use_beta_sigmoid,
+                    delta_rule=False,
+                )
         if use_qk_l2norm:
             q, k = l2norm(q), l2norm(k)
         b = torch.sigmoid(beta) if use_beta_sigmoid else beta
