@@ -428,135 +428,102 @@ def chunk_delta_rule_varlen(
     if not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     with torch.autocast(q.device.type, enabled=False):  # the compute dtype, whatever autocast
-        return _chunk_delta_rule(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            cu_seqlens,
-            initial_state,
-            scale,
-            chunk_size,
-            use_qk_l2norm,
-            use_beta_sigmoid,
-            output_chunk_states,
-            delta_rule,
+        p = _prepare(
+            q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, use_beta_sigmoid
         )
+        C = chunk_size
+        T, HV, K = p.k.shape
+        V = p.v.shape[-1]
+        N = len(p.lengths)
+        device = p.k.device
+        kda = p.g.dim() == 3
 
+        # ---- chunk layout (host ints, then vectorized index tensors) ----
+        n_chunks = [(L + C - 1) // C for L in p.lengths]
+        offsets_host = [0]
+        for nc in n_chunks:
+            offsets_host.append(offsets_host[-1] + nc)
+        total = offsets_host[-1]
+        max_chunks = max(n_chunks, default=0)
+        chunk_offsets = torch.tensor(offsets_host, dtype=torch.int64, device=device)
+        nch = torch.tensor(n_chunks, dtype=torch.int64, device=device)
+        lens = torch.tensor(p.lengths, dtype=torch.int64, device=device)
+        starts = torch.tensor(p.starts, dtype=torch.int64, device=device)
+        member = torch.repeat_interleave(torch.arange(N, device=device), nch)  # [total]
+        local_chunk = torch.arange(total, device=device) - chunk_offsets[member]
+        local_pos = local_chunk[:, None] * C + torch.arange(C, device=device)[None, :]  # [total, C]
+        valid = local_pos < lens[member][:, None]
+        src = torch.where(valid, starts[member][:, None] + local_pos, T)  # row T = zero padding row
 
-def _chunk_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    cu_seqlens: torch.Tensor | None,
-    initial_state: torch.Tensor | None,
-    scale: float | None,
-    chunk_size: int,
-    use_qk_l2norm: bool,
-    use_beta_sigmoid: bool,
-    output_chunk_states: bool,
-    delta_rule: bool,
-) -> DeltaRuleOutput:
-    """:func:`chunk_delta_rule_varlen` after its argument checks, with autocast off."""
-    p = _prepare(
-        q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, use_beta_sigmoid
-    )
-    C = chunk_size
-    T, HV, K = p.k.shape
-    V = p.v.shape[-1]
-    N = len(p.lengths)
-    device = p.k.device
-    kda = p.g.dim() == 3
+        def to_chunks(x: torch.Tensor) -> torch.Tensor:
+            """[T, HV, ...] -> [total, HV, C, ...] with zero padding rows."""
+            xz = torch.cat([x, x.new_zeros((1, *x.shape[1:]))], dim=0)
+            return xz[src].transpose(1, 2).contiguous()
 
-    # ---- chunk layout (host ints, then vectorized index tensors) ----
-    n_chunks = [(L + C - 1) // C for L in p.lengths]
-    offsets_host = [0]
-    for nc in n_chunks:
-        offsets_host.append(offsets_host[-1] + nc)
-    total = offsets_host[-1]
-    max_chunks = max(n_chunks, default=0)
-    chunk_offsets = torch.tensor(offsets_host, dtype=torch.int64, device=device)
-    nch = torch.tensor(n_chunks, dtype=torch.int64, device=device)
-    lens = torch.tensor(p.lengths, dtype=torch.int64, device=device)
-    starts = torch.tensor(p.starts, dtype=torch.int64, device=device)
-    member = torch.repeat_interleave(torch.arange(N, device=device), nch)  # [total]
-    local_chunk = torch.arange(total, device=device) - chunk_offsets[member]
-    local_pos = local_chunk[:, None] * C + torch.arange(C, device=device)[None, :]  # [total, C]
-    valid = local_pos < lens[member][:, None]
-    src = torch.where(valid, starts[member][:, None] + local_pos, T)  # row T = zero padding row
+        qc, kc, vc, gc, bc = (to_chunks(x) for x in (p.q, p.k, p.v, p.g, p.beta))
 
-    def to_chunks(x: torch.Tensor) -> torch.Tensor:
-        """[T, HV, ...] -> [total, HV, C, ...] with zero padding rows."""
-        xz = torch.cat([x, x.new_zeros((1, *x.shape[1:]))], dim=0)
-        return xz[src].transpose(1, 2).contiguous()
+        # ---- intra-chunk math, batched over every chunk of every member (fixed shapes) ----
+        # For one chunk with start state S and G_i = sum_{t <= i} g_t (within the chunk), unrolling
+        # the recurrence gives the per-row corrections delta_i = beta_i (v_i - decayed S^T k_i):
+        #   (I + M) delta = diag(beta) (V - Kg S),  M_ij = beta_i sum_c k_i k_j e^(G_i - G_j), j < i
+        #   => delta = U - W S  with  [U | W] = (I + M)^-1 diag(beta) [V | Kg],  Kg = K * e^G
+        #   o  = Qg S + P delta,  Qg = scale Q * e^G,  P_ij = sum_c q_i k_j e^(G_i - G_j), j <= i
+        #   S' = e^(G_last) S + (K * e^(G_last - G))^T delta
+        G = torch.cumsum(gc, dim=2)  # within-chunk cumulative log decay, [total, HV, C(, K)]
+        G_last = G[:, :, -1]  # [total, HV(, K)]
+        # [total, HV, C, C], lower triangular incl. diagonal
+        attn, kk = _causal_scores(qc, kc, G, with_kk=delta_rule)
+        q_decayed = _decay_rows(qc, G)  # Qg, [total, HV, C, K]
+        if delta_rule:
+            # Unit lower-triangular system (I + M) delta = beta * (v - Kg S), M_ij = beta_i kk_ij
+            # (j < i).
+            strict = torch.ones(C, C, dtype=torch.bool, device=device).tril(-1)
+            eye = torch.eye(C, dtype=p.dtype, device=device)
+            lower = eye + (bc[..., None] * kk).masked_fill(~strict, 0.0)
+            k_decayed = _decay_rows(kc, G)  # Kg
+            rhs = torch.cat([vc * bc[..., None], k_decayed * bc[..., None]], dim=-1)
+            sol = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
+            u_part, w_part = sol[..., :V].contiguous(), sol[..., V:].contiguous()  # delta = U - W S
+        else:  # no correction: delta = beta * V, whatever the state
+            u_part, w_part = vc * bc[..., None], None
+        to_end = G_last[:, :, None] - G  # log decay from after row j to chunk end, <= 0
+        k_to_end_t = _decay_rows(kc, to_end).transpose(-1, -2).contiguous()  # [total, HV, K, C]
+        end_decay = G_last.exp()
+        end_decay = end_decay[..., None] if kda else end_decay[..., None, None]
 
-    qc, kc, vc, gc, bc = (to_chunks(x) for x in (p.q, p.k, p.v, p.g, p.beta))
+        # ---- inter-chunk recurrence: sequential over chunk index, batched over members ----
+        state = p.h0
+        o_parts: list[torch.Tensor] = []
+        row_parts: list[torch.Tensor] = []
+        start_states: list[torch.Tensor] = []
+        for c in range(max_chunks):
+            active = torch.nonzero(nch > c).squeeze(1)
+            rows = chunk_offsets[active] + c
+            S = state.index_select(0, active)  # [n_active, HV, K, V]
+            delta = u_part[rows] if w_part is None else u_part[rows] - torch.matmul(w_part[rows], S)
+            o_parts.append(torch.matmul(q_decayed[rows], S) + torch.matmul(attn[rows], delta))
+            row_parts.append(rows)
+            if output_chunk_states:
+                start_states.append(S)
+            S_next = end_decay[rows] * S + torch.matmul(k_to_end_t[rows], delta)
+            state = state.index_copy(0, active, S_next)
 
-    # ---- intra-chunk math, batched over every chunk of every member (fixed shapes) ----
-    # For one chunk with start state S and G_i = sum_{t <= i} g_t (within the chunk), unrolling
-    # the recurrence gives the per-row corrections delta_i = beta_i (v_i - decayed S^T k_i):
-    #   (I + M) delta = diag(beta) (V - Kg S),  M_ij = beta_i sum_c k_i k_j e^(G_i - G_j), j < i
-    #   => delta = U - W S  with  [U | W] = (I + M)^-1 diag(beta) [V | Kg],  Kg = K * e^G
-    #   o  = Qg S + P delta,  Qg = scale Q * e^G,  P_ij = sum_c q_i k_j e^(G_i - G_j), j <= i
-    #   S' = e^(G_last) S + (K * e^(G_last - G))^T delta
-    G = torch.cumsum(gc, dim=2)  # within-chunk cumulative log decay, [total, HV, C(, K)]
-    G_last = G[:, :, -1]  # [total, HV(, K)]
-    # [total, HV, C, C], lower triangular incl. diagonal
-    attn, kk = _causal_scores(qc, kc, G, with_kk=delta_rule)
-    q_decayed = _decay_rows(qc, G)  # Qg, [total, HV, C, K]
-    if delta_rule:
-        # Unit lower-triangular system (I + M) delta = beta * (v - Kg S), M_ij = beta_i kk_ij
-        # (j < i).
-        strict = torch.ones(C, C, dtype=torch.bool, device=device).tril(-1)
-        eye = torch.eye(C, dtype=p.dtype, device=device)
-        lower = eye + (bc[..., None] * kk).masked_fill(~strict, 0.0)
-        k_decayed = _decay_rows(kc, G)  # Kg
-        rhs = torch.cat([vc * bc[..., None], k_decayed * bc[..., None]], dim=-1)
-        sol = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
-        u_part, w_part = sol[..., :V].contiguous(), sol[..., V:].contiguous()  # delta = U - W S
-    else:  # no correction: delta = beta * V, whatever the state
-        u_part, w_part = vc * bc[..., None], None
-    to_end = G_last[:, :, None] - G  # log decay from after row j to chunk end, <= 0
-    k_to_end_t = _decay_rows(kc, to_end).transpose(-1, -2).contiguous()  # [total, HV, K, C]
-    end_decay = G_last.exp()
-    end_decay = end_decay[..., None] if kda else end_decay[..., None, None]
-
-    # ---- inter-chunk recurrence: sequential over chunk index, batched over members ----
-    state = p.h0
-    o_parts: list[torch.Tensor] = []
-    row_parts: list[torch.Tensor] = []
-    start_states: list[torch.Tensor] = []
-    for c in range(max_chunks):
-        active = torch.nonzero(nch > c).squeeze(1)
-        rows = chunk_offsets[active] + c
-        S = state.index_select(0, active)  # [n_active, HV, K, V]
-        delta = u_part[rows] if w_part is None else u_part[rows] - torch.matmul(w_part[rows], S)
-        o_parts.append(torch.matmul(q_decayed[rows], S) + torch.matmul(attn[rows], delta))
-        row_parts.append(rows)
-        if output_chunk_states:
-            start_states.append(S)
-        S_next = end_decay[rows] * S + torch.matmul(k_to_end_t[rows], delta)
-        state = state.index_copy(0, active, S_next)
-
-    # ---- back to the packed token layout ----
-    out_dtype = v.dtype
-    if total > 0:
-        all_rows = torch.cat(row_parts)
-        o_chunks = torch.zeros((total, HV, C, V), dtype=p.dtype, device=device)
-        o_chunks = o_chunks.index_copy(0, all_rows, torch.cat(o_parts))
-        o = o_chunks.transpose(1, 2).reshape(total * C, HV, V)[valid.reshape(-1)]
-    else:
-        o = p.v.new_zeros((0, HV, V))
-    chunk_states = None
-    if output_chunk_states:
-        cs = torch.zeros((total, HV, K, V), dtype=p.dtype, device=device)
+        # ---- back to the packed token layout ----
+        out_dtype = v.dtype
         if total > 0:
-            cs = cs.index_copy(0, all_rows, torch.cat(start_states))
-        chunk_states = ChunkStates(states=cs, chunk_offsets=chunk_offsets)
-    return DeltaRuleOutput(o=o.to(out_dtype), final_state=state, chunk_states=chunk_states)
+            all_rows = torch.cat(row_parts)
+            o_chunks = torch.zeros((total, HV, C, V), dtype=p.dtype, device=device)
+            o_chunks = o_chunks.index_copy(0, all_rows, torch.cat(o_parts))
+            o = o_chunks.transpose(1, 2).reshape(total * C, HV, V)[valid.reshape(-1)]
+        else:
+            o = p.v.new_zeros((0, HV, V))
+        chunk_states = None
+        if output_chunk_states:
+            cs = torch.zeros((total, HV, K, V), dtype=p.dtype, device=device)
+            if total > 0:
+                cs = cs.index_copy(0, all_rows, torch.cat(start_states))
+            chunk_states = ChunkStates(states=cs, chunk_offsets=chunk_offsets)
+        return DeltaRuleOutput(o=o.to(out_dtype), final_state=state, chunk_states=chunk_states)
 
 
 # --------------------------------------------------------------------------------------------

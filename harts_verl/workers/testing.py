@@ -115,6 +115,20 @@ _SIGMOID_MOE = dict(
 # times 0.25, tied embeddings; Cohere 2 (Command R7B / A): a 6-token sliding layer with RoPE,
 # then a full layer without.
 _NO_SPECIAL_IDS = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)
+# YaRN (4x over 16 original positions) with Llama 4's position-dependent query scaling (Ministral
+# 3, Mistral 4): the test trajectories span several of its 16-position steps.
+_YARN_LLAMA4 = dict(
+    rope_type="yarn",
+    rope_theta=10000.0,
+    factor=4.0,
+    original_max_position_embeddings=16,
+    max_position_embeddings=64,
+    beta_fast=32.0,
+    beta_slow=1.0,
+    mscale_all_dim=1.0,
+    mscale=1.0,
+    llama_4_scaling_beta=0.1,
+)
 _GRANITE = dict(
     embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=4.0
 )
@@ -312,18 +326,7 @@ _FULL_ATTENTION = {
             **_NO_SPECIAL_IDS,
             "head_dim": 8,
             "max_position_embeddings": 64,
-            "rope_parameters": {
-                "rope_type": "yarn",
-                "rope_theta": 10000.0,
-                "factor": 4.0,
-                "original_max_position_embeddings": 16,
-                "max_position_embeddings": 64,
-                "beta_fast": 32.0,
-                "beta_slow": 1.0,
-                "mscale_all_dim": 1.0,
-                "mscale": 1.0,
-                "llama_4_scaling_beta": 0.1,
-            },
+            "rope_parameters": _YARN_LLAMA4,
         },
     ),
     "mistral4": (
@@ -340,19 +343,7 @@ _FULL_ATTENTION = {
             "head_dim": 16,
             "v_head_dim": 4,
             "max_position_embeddings": 64,
-            "rope_parameters": {
-                "rope_type": "yarn",
-                "rope_theta": 10000.0,
-                "factor": 4.0,
-                "original_max_position_embeddings": 16,
-                "max_position_embeddings": 64,
-                "beta_fast": 32.0,
-                "beta_slow": 1.0,
-                "mscale_all_dim": 1.0,
-                "mscale": 1.0,
-                "llama_4_scaling_beta": 0.1,
-                "partial_rotary_factor": 0.5,
-            },
+            "rope_parameters": {**_YARN_LLAMA4, "partial_rotary_factor": 0.5},
         },
     ),
     "cohere": (
