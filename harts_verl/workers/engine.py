@@ -189,14 +189,13 @@ def forest_of_batch(data: TensorDict) -> RolloutForest:
     return forest
 
 
-# What HF's stock forward can leave out of a model's attention (:meth:`_attention_term_dropped`).
 # Model types whose stock forward runs veRL's packed sequences (remove-padding path) as one:
 # HF's Mamba-2 mixers and LFM2's short convolutions take no ``position_ids`` (one recurrence /
-# convolution through the packed row), and
-# transformers 5.10's gpt-oss builds its eager / sdpa masks without them. Their stock
-# (fallback) micro-batches and the audit's reference run padded rows.
+# convolution through the packed row), and transformers 5.10's gpt-oss builds its eager / sdpa
+# masks without them (see :meth:`HartsFSDPEngine._packed_reference_leaks`).
 _PADDED_STOCK_TYPES = (*MAMBA2_HYBRID_MODEL_TYPES, *CONV_HYBRID_MODEL_TYPES, "gpt_oss")
 
+# What HF's stock forward can leave out of a model's attention (:meth:`_attention_term_dropped`).
 _SINKS_DROPPED = "attention sinks"
 _SOFTCAP_DROPPED = "attention logit soft-cap (attn_logit_softcapping)"
 
@@ -440,12 +439,11 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
                 model_type,
                 self._logit_transform,
             )
-        if model_type in _PADDED_STOCK_TYPES and self._sp_size() > 1:
+        if self._packed_reference_leaks() and self._sp_size() > 1:
             logger.warning(
                 "harts_fsdp2: %s with ulysses_sequence_parallel_size = %d: tree batches are "
                 "exact, but stock (fallback) micro-batches take veRL's packed, sliced path, in "
-                "which this model's forward runs the packed sequences as one (it reads no "
-                "position_ids): keep harts.min_compression low and trajectories within the "
+                "which this model's forward runs the packed sequences as one: keep harts.min_compression low and trajectories within the "
                 "token budget so that no batch falls back, or train without sequence parallelism",
                 model_type,
                 self._sp_size(),
@@ -1117,12 +1115,12 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
 
     def _stock_forward_step(self, micro_batch: TensorDict, loss_function, forward_only):
         """veRL's stock step for one micro-batch, with :meth:`_stock_attention`; for a model
-        whose stock forward runs packed sequences as one (:data:`_PADDED_STOCK_TYPES`) on padded
-        rows (a copy of the micro-batch with ``use_remove_padding=False``; not under Ulysses SP,
+        whose stock forward runs packed sequences as one (:meth:`_packed_reference_leaks`) on
+        padded rows (a copy of the micro-batch with ``use_remove_padding=False``; not under Ulysses SP,
         which needs packing: the build warns), so a fallback batch computes each trajectory on
         its own, as tree mode and the rollout do. The padded path holds ``[B, L_max, V]`` logits
         where the packed one holds ``[tokens, V]``."""
-        if self._model_type in _PADDED_STOCK_TYPES and self._sp_size() == 1:
+        if self._packed_reference_leaks() and self._sp_size() == 1:
             if "padded_stock" not in self._fallback_logged:
                 self._fallback_logged.add("padded_stock")
                 logger.warning(
@@ -1138,8 +1136,8 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
 
     # ------------------------------------------------------------------ audit
     def _packed_reference_leaks(self) -> bool:
-        """Whether the stock forward of packed sequences mixes them (the audit's reference then
-        runs padded rows): HF's torch fallback for linear attention carries state across packed
+        """Whether the stock forward of packed sequences mixes them (the audit's reference and
+        stock micro-batches then run padded rows): HF's torch fallback for linear attention carries state across packed
         sequences (hybrids without fla), and so do the model types of
         :data:`_PADDED_STOCK_TYPES` (Mamba-2 mixers without ``position_ids``; gpt-oss's masks)."""
         if self._model_type in HYBRID_MODEL_TYPES and not _fla_importable():
