@@ -98,6 +98,18 @@ _SIGMOID_MOE = dict(
     first_k_dense_replace=1,
     routed_scaling_factor=1.5,
 )
+# The same routing without a dense first layer (families that do not read first_k_dense_replace)
+_SIGMOID_MOE_ALL_SPARSE = {k: v for k, v in _SIGMOID_MOE.items() if k != "first_k_dense_replace"}
+# Multi-head latent attention (DeepSeek-V3, GLM-4-MoE-Lite, Mistral 4): q and kv low-rank paths,
+# 8 + 8 q/k head dims, value heads of 4 (a value width unlike the q/k width).
+_MLA = dict(
+    num_key_value_heads=4,
+    q_lora_rank=16,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=4,
+)
 # OLMo 2 / OLMo 3, Phi-3, Seed-OSS, GLM-4 and Gemma 3: no pad/bos/eos ids (HF's defaults lie
 # outside a tiny vocabulary); OLMo 3 and Gemma 3: a sliding-window layer, then a full one
 # (window 4096 unless a test sets a shorter one); Phi-3: partial RoPE (6 of 8 dims, as in
@@ -144,18 +156,7 @@ _FULL_ATTENTION = {
     ),
     "qwen3_moe": ("Qwen3MoeConfig", {**_SOFTMAX_MOE, "num_experts": 4, "head_dim": 8}),
     "mixtral": ("MixtralConfig", {**_SOFTMAX_MOE, "num_local_experts": 4, "head_dim": 8}),
-    "deepseek_v3": (
-        "DeepseekV3Config",
-        {
-            **_SIGMOID_MOE,
-            "num_key_value_heads": 4,
-            "q_lora_rank": 16,
-            "kv_lora_rank": 16,
-            "qk_rope_head_dim": 8,
-            "qk_nope_head_dim": 8,
-            "v_head_dim": 4,
-        },
-    ),
+    "deepseek_v3": ("DeepseekV3Config", {**_SIGMOID_MOE, **_MLA}),
     "glm4_moe": ("Glm4MoeConfig", {**_SIGMOID_MOE, "head_dim": 8, "use_qk_norm": True}),
     "olmo2": ("Olmo2Config", _NO_SPECIAL_IDS),
     "olmo3": ("Olmo3Config", {**_NO_SPECIAL_IDS, "layer_types": _SLIDING_FULL}),
@@ -283,7 +284,7 @@ _FULL_ATTENTION = {
         "SolarOpenConfig",
         {
             **_NO_SPECIAL_IDS,
-            **{k: v for k, v in _SIGMOID_MOE.items() if k != "first_k_dense_replace"},
+            **_SIGMOID_MOE_ALL_SPARSE,
             "head_dim": 8,
         },
     ),
@@ -291,14 +292,9 @@ _FULL_ATTENTION = {
         "Glm4MoeLiteConfig",
         {
             **_NO_SPECIAL_IDS,
-            **{k: v for k, v in _SIGMOID_MOE.items() if k != "first_k_dense_replace"},
+            **_SIGMOID_MOE_ALL_SPARSE,
             "mlp_layer_types": ["dense", "sparse"],
-            "num_key_value_heads": 4,
-            "q_lora_rank": 16,
-            "kv_lora_rank": 16,
-            "qk_rope_head_dim": 8,
-            "qk_nope_head_dim": 8,
-            "v_head_dim": 4,
+            **_MLA,
         },
     ),
     "exaone_moe": (
@@ -333,15 +329,10 @@ _FULL_ATTENTION = {
         "Mistral4Config",
         {
             **_NO_SPECIAL_IDS,
-            **{k: v for k, v in _SIGMOID_MOE.items() if k != "first_k_dense_replace"},
-            "num_key_value_heads": 4,
-            "q_lora_rank": 16,
-            "kv_lora_rank": 16,
-            "qk_rope_head_dim": 8,
-            "qk_nope_head_dim": 8,
+            **_SIGMOID_MOE_ALL_SPARSE,
+            **_MLA,
             "qk_head_dim": 16,
             "head_dim": 16,
-            "v_head_dim": 4,
             "max_position_embeddings": 64,
             "rope_parameters": {**_YARN_LLAMA4, "partial_rotary_factor": 0.5},
         },
