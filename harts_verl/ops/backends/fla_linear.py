@@ -151,12 +151,19 @@ class FlaLinearKernel:
           TypeError: float64 inputs without ``float64_fallback``.
           ValueError: shapes or chunk size fla does not support.
         """
-        if q.dtype == torch.float64:
-            if not self.float64_fallback:
-                raise TypeError(
-                    "linear backend 'fla': float64 is not supported by fla's kernels; use "
-                    "linear_backend='reference' (or 'auto', which runs float64 on the reference)"
-                )
+        reference = q.dtype == torch.float64
+        if reference and not self.float64_fallback:
+            raise TypeError(
+                "linear backend 'fla': float64 is not supported by fla's kernels; use "
+                "linear_backend='reference' (or 'auto', which runs float64 on the reference)"
+            )
+        if output_chunk_states and not reference:
+            raise NotImplementedError(
+                "linear backend 'fla': exact chunk-start states are not exposed by fla (its "
+                "per-chunk states are internal and stored in the input dtype); build the layout "
+                "with final_states_only=True so kept states are member final states"
+            )
+        if reference or (not delta_rule and not self._has_gla_kernels()):
             return chunk_delta_rule_varlen(
                 q,
                 k,
@@ -171,12 +178,6 @@ class FlaLinearKernel:
                 use_beta_sigmoid=use_beta_sigmoid,
                 output_chunk_states=output_chunk_states,
                 delta_rule=delta_rule,
-            )
-        if output_chunk_states:
-            raise NotImplementedError(
-                "linear backend 'fla': exact chunk-start states are not exposed by fla (its "
-                "per-chunk states are internal and stored in the input dtype); build the layout "
-                "with final_states_only=True so kept states are member final states"
             )
         if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[0] != q.shape[0]:
             raise ValueError(
@@ -234,6 +235,22 @@ class FlaLinearKernel:
         )
         return DeltaRuleOutput(o=o.squeeze(0).to(v.dtype), final_state=final, chunk_states=None)
 
+    def _has_gla_kernels(self) -> bool:
+        """Whether fla's GLA kernels are loaded (imported on first use). Without them the
+        ``auto`` kernel (``float64_fallback``) runs SSD on the torch reference (one WARNING);
+        an explicit ``fla`` kernel raises the ImportError."""
+        if self._chunk_gla is None or self._chunk_simple_gla is None:
+            try:
+                self._chunk_gla, self._chunk_simple_gla = load_fla_gla_ops()
+            except ImportError as exc:
+                if not self.float64_fallback:
+                    raise
+                if not self._gla_missing_logged:
+                    self._gla_missing_logged = True
+                    logger.warning("linear backend auto: %s; using the torch reference", exc)
+                return False
+        return True
+
     def _gla(
         self,
         q: torch.Tensor,
@@ -247,31 +264,7 @@ class FlaLinearKernel:
         use_qk_l2norm: bool,
         use_beta_sigmoid: bool,
     ) -> DeltaRuleOutput:
-        """``delta_rule=False``: fla's ``chunk_simple_gla`` (scalar g) / ``chunk_gla``; with
-        ``float64_fallback`` (the ``auto`` backend) the torch reference when this fla build has
-        no GLA kernels (one WARNING), else the ImportError."""
-        if self._chunk_gla is None or self._chunk_simple_gla is None:
-            try:
-                self._chunk_gla, self._chunk_simple_gla = load_fla_gla_ops()
-            except ImportError as exc:
-                if not self.float64_fallback:
-                    raise
-                if not self._gla_missing_logged:
-                    self._gla_missing_logged = True
-                    logger.warning("linear backend auto: %s; using the torch reference", exc)
-                return chunk_delta_rule_varlen(
-                    q,
-                    k,
-                    v,
-                    g,
-                    beta,
-                    cu_seqlens=cu,
-                    initial_state=h0,
-                    scale=scale,
-                    use_qk_l2norm=use_qk_l2norm,
-                    use_beta_sigmoid=use_beta_sigmoid,
-                    delta_rule=False,
-                )
+        """``delta_rule=False``: fla's ``chunk_simple_gla`` (scalar g) / ``chunk_gla``."""
         if use_qk_l2norm:
             q, k = l2norm(q), l2norm(k)
         b = torch.sigmoid(beta) if use_beta_sigmoid else beta
