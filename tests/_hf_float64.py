@@ -429,29 +429,20 @@ _RECURRENT_HYBRID_MODULES = (
 
 
 def _gated_group_rms(self, hidden_states, gate=None):
-    """HF's gated RMSNorm of the Mamba-2 mixers (``x · silu(gate)`` normalised per group of
-    ``self.group_size``, the whole width without one) in the compute dtype."""
+    """HF's gated RMSNorm of the Mamba-2 mixers in the compute dtype: ``x · silu(gate)``
+    normalised per group (``self.group_size`` wide, or ``self.n_groups`` groups: Nemotron-H,
+    Falcon-H1; the whole width without either) times the weight; Falcon-H1's
+    ``norm_before_gate`` applies the gate after the norm."""
     dt = hidden_states.dtype
     h = hidden_states.to(_compute_dtype(dt))
-    if gate is not None:
+    gate_after = gate is not None and getattr(self, "norm_before_gate", False)
+    if gate is not None and not gate_after:
         h = h * F.silu(gate.to(h.dtype))
-    width = getattr(self, "group_size", h.shape[-1])
+    width = getattr(self, "group_size", None) or h.shape[-1] // getattr(self, "n_groups", 1)
     hg = h.view(*h.shape[:-1], -1, width)
     hg = hg * torch.rsqrt(hg.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-    return self.weight * hg.view(h.shape).to(dt)
-
-
-def _falcon_gated_rms(self, hidden_states, gate=None):
-    """Falcon-H1's gated RMSNorm (per group of ``n_groups``; the gate before the norm unless
-    ``norm_before_gate``) in the compute dtype."""
-    dt = hidden_states.dtype
-    h = hidden_states.to(_compute_dtype(dt))
-    if not self.norm_before_gate and gate is not None:
-        h = h * F.silu(gate.to(h.dtype))
-    hg = h.view(*h.shape[:-1], self.n_groups, -1)
-    hg = hg * torch.rsqrt(hg.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-    h = (self.weight.view(self.n_groups, -1) * hg).view(h.shape)
-    if self.norm_before_gate and gate is not None:
+    h = self.weight * hg.view(h.shape)
+    if gate_after:
         h = h * F.silu(gate.to(h.dtype))
     return h.to(dt)
 
@@ -477,9 +468,7 @@ def lift_recurrent_hybrid_islands(monkeypatch) -> None:
         for name, obj in vars(m).items():
             if not isinstance(obj, type) or obj.__module__ != m.__name__:
                 continue
-            if name == "FalconH1RMSNormGated":
-                monkeypatch.setattr(obj, "forward", _falcon_gated_rms)
-            elif name.endswith("RMSNormGated"):
+            if name.endswith("RMSNormGated"):
                 monkeypatch.setattr(obj, "forward", _gated_group_rms)
             elif name.endswith("RMSNorm"):
                 monkeypatch.setattr(obj, "forward", _llama_rms)
