@@ -419,13 +419,35 @@ def hf_log_probs(model: torch.nn.Module, seqs: list[list[int]]) -> list[torch.Te
     return lps
 
 
-# The float32 islands of the Mamba-2 and short-conv hybrids: HF's Mamba-2 torch path casts x, B, C
-# and A_log with ``.float()``, its gated RMSNorms (full width for Granite 4.0-H / Bamba, per group
-# for Nemotron-H) and RMSNorms (LFM2's too) compute in float32, Granite's router logits are
-# ``.float()``, Nemotron-H's router matmul and its causal LM's logits are float32.
+# The float32 islands of the recurrent hybrids: HF's Mamba-2 torch path casts x, B, C and A_log
+# with ``.float()`` (Jamba's Mamba-1 scan too), its gated RMSNorms (full width for Granite 4.0-H /
+# Bamba, per group for Nemotron-H) and RMSNorms (LFM2's, MiniMax's, Jamba's too) compute in
+# float32, Granite's and MiniMax's router logits are ``.float()``, Jamba's routing softmax is
+# float32, Nemotron-H's router matmul and its causal LM's logits are float32.
 _RECURRENT_HYBRID_MODULES = (
-    *("granitemoehybrid", "bamba", "nemotron_h", "falcon_h1", "lfm2", "lfm2_moe"),
+    *("granitemoehybrid", "bamba", "nemotron_h", "falcon_h1", "lfm2", "lfm2_moe", "minimax"),
+    "jamba",
 )
+
+
+def _jamba_route(self, hidden_states, router_logits):
+    """Jamba's routing (softmax, top-k, no renormalisation) in the logits' dtype (HF: float32)."""
+    weights = torch.softmax(router_logits, dim=-1)
+    top_k_weights, top_k_index = torch.topk(weights, self.top_k, dim=-1)
+    return top_k_index, top_k_weights.to(hidden_states.dtype)
+
+
+def lift_lightning_decay_tables(model: torch.nn.Module) -> torch.nn.Module:
+    """Recompute the decay tables of ``model``'s MiniMax lightning-attention mixers
+    (``query_decay``, ``key_decay``, ``diagonal_decay``: float32 exps of the slopes, made at
+    init) in the dtype of their ``slope_rate`` buffer, from that buffer (HF's own
+    ``decay_factors``); in place, returns ``model``."""
+    for mod in model.modules():
+        if type(mod).__name__ == "MiniMaxLightningAttention":
+            tables = mod.decay_factors(mod.slope_rate)
+            for name, t in zip(("query_decay", "key_decay", "diagonal_decay"), tables):
+                setattr(mod, name, t)
+    return model
 
 
 def _gated_group_rms(self, hidden_states, gate=None):
@@ -453,9 +475,8 @@ def _float_keeping_float64(self, *args, **kwargs):
 
 
 def lift_recurrent_hybrid_islands(monkeypatch) -> None:
-    """Patch (through pytest's ``monkeypatch``) the float32 islands of the Mamba-2 and short-conv
-    hybrids to
-    compute in the input dtype: ``Tensor.float()`` keeps float64 (HF's Mamba-2 torch path, the
+    """Patch (through pytest's ``monkeypatch``) the float32 islands of the recurrent hybrids
+    (:data:`_RECURRENT_HYBRID_MODULES`) to compute in the input dtype: ``Tensor.float()`` keeps float64 (HF's Mamba-2 torch path, the
     router logits and Nemotron-H's logits cast with it; unchanged for other dtypes), the
     (gated) RMSNorms, routers and rotary tables in the compute dtype. Same formulas, HF's own
     SSD code."""
@@ -476,6 +497,8 @@ def lift_recurrent_hybrid_islands(monkeypatch) -> None:
                 monkeypatch.setattr(obj, "forward", _sigmoid_router_logits)
             elif name.endswith("TopKGating"):  # Granite 4.0-H
                 monkeypatch.setattr(obj, "forward", _granite_gating)
+            elif name == "JambaSparseMoeBlock":
+                monkeypatch.setattr(obj, "route_tokens_to_experts", _jamba_route)
             elif name.endswith("RotaryEmbedding"):  # a float64 table (default RoPE)
                 monkeypatch.setattr(obj, "forward", _olmo_rotary)
 

@@ -3,20 +3,23 @@ Granite 4.0-H (``granitemoehybrid``: Mamba-2 layers and a NoPE attention layer, 
 experts and a shared MLP, Granite's multipliers), Bamba (Mamba-2 and RoPE attention, dense MLPs)
 and NVIDIA Nemotron-H (separate Mamba-2, attention, ReLU² MLP and sigmoid-routed MoE blocks), TII Falcon-H1
 (a Mamba-2 mixer and attention in parallel in every layer, µP multipliers everywhere, logits
-times ``lm_head_multiplier``), and
+times ``lm_head_multiplier``),
 the short-conv hybrids (``CONV_HYBRID_MODEL_TYPES``) Liquid AI LFM2 (gated 3-token convolutions
 and RoPE attention with q/k norms, tied embeddings) and LFM2-MoE (sigmoid-routed experts with an
-expert bias after a dense first layer).
+expert bias after a dense first layer), and the lightning-attention hybrid MiniMax-Text-01 /
+MiniMax-M1 (``LIGHTNING_HYBRID_MODEL_TYPES``: linear attention with a fixed decay per head and
+layer, GQA softmax attention, softmax top-k MoE, DeepNorm-style residual factors).
 
 A Mamba-2 mixer runs its in-projection, the depthwise conv over each row's path, SSD over the
 planned rounds (gated linear attention without the delta rule, state handoffs at forks), the D
 skip, HF's gated RMSNorm and out-projection; an LFM2 conv gates the tree conv of ``B · x`` by
-``C``. The oracle is HF's own per-trajectory forward (its pure-torch SSD and convolutions, sdpa
+``C``; a lightning mixer runs the same kernel with a constant decay and unit write scale. The oracle is HF's own per-trajectory forward (its pure-torch SSD and convolutions, sdpa
 attention) in float64 with its float32 islands lifted
-(``_hf_float64.lift_recurrent_hybrid_islands``): log-probs ≤ 1e-10, every parameter gradient
+(``_hf_float64.lift_recurrent_hybrid_islands``; MiniMax's decay tables recomputed in float64,
+``lift_lightning_decay_tables``): log-probs ≤ 1e-10, every parameter gradient
 ≤ 1e-9 relative; unmodified float32 models within float32 rounding. The trajectories (up to 52
-tokens) span several of the linear plan's 16-token chunks and of HF's (Granite 4.0-H, Bamba: 16
-tokens).
+tokens) span several of the linear plan's 16-token chunks and of HF's (Granite 4.0-H, Bamba,
+MiniMax: 16 tokens).
 """
 
 from __future__ import annotations
@@ -29,11 +32,14 @@ from _hf_float64 import (
     assert_gradients_equal_hf,
     assert_log_probs_equal_hf,
     hf_log_probs,
+    lift_lightning_decay_tables,
     spread_weights,
 )
 
 from harts_verl.models.adapter import (
     CONV_HYBRID_MODEL_TYPES,
+    LIGHTNING_HYBRID_MODEL_TYPES,
+    MAMBA1_HYBRID_MODEL_TYPES,
     MAMBA2_HYBRID_MODEL_TYPES,
     TREE_MODEL_TYPES,
     HFCausalTreeModel,
@@ -44,7 +50,12 @@ from harts_verl.runtime import TreeRunner
 from harts_verl.tree import RolloutForest
 from harts_verl.workers.testing import TINY_KINDS, tiny_hf_config, tiny_hf_model
 
-KINDS = [*MAMBA2_HYBRID_MODEL_TYPES, *CONV_HYBRID_MODEL_TYPES]
+KINDS = [
+    *MAMBA2_HYBRID_MODEL_TYPES,
+    *MAMBA1_HYBRID_MODEL_TYPES,
+    *CONV_HYBRID_MODEL_TYPES,
+    *LIGHTNING_HYBRID_MODEL_TYPES,
+]
 
 
 @pytest.fixture
@@ -57,8 +68,10 @@ def lifted(monkeypatch, no_fla):
 def _model(kind: str, seed: int = 3) -> torch.nn.Module:
     """A float64 tiny model of ``kind``, weights from N(0, 0.2²) (norm weights 1 ± 0.2), then
     the Mamba-2 parameters redrawn in their own ranges: ``A_log`` so that decays span
-    ``exp(-dt · A)`` well below 1, ``dt_bias`` around softplus⁻¹(0.1..1), ``D`` around 1."""
+    ``exp(-dt · A)`` well below 1, ``dt_bias`` around softplus⁻¹(0.1..1), ``D`` around 1;
+    MiniMax's lightning decay tables in float64."""
     model = spread_weights(tiny_hf_model(kind, seed=seed).double().eval(), seed)
+    lift_lightning_decay_tables(model)
     gen = torch.Generator().manual_seed(seed + 100)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -94,9 +107,10 @@ def test_log_probs_equal_hf_per_trajectory_float64(lifted, kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_gradients_equal_hf_per_trajectory_float64(lifted, kind):
     """The tree loss and every parameter gradient (A_log, dt_bias, D, conv, projections, norms,
-    experts) equal those of HF's per-trajectory forward/backward."""
+    experts; MiniMax's lightning q/k/v projections and output gates) equal those of HF's
+    per-trajectory forward/backward."""
     names = assert_gradients_equal_hf(_model(kind, seed=4), _sequences(2))
-    assert any(n.endswith(("A_log", "conv.weight")) for n in names)
+    assert any(n.endswith(("A_log", "conv.weight", "qkv_proj.weight")) for n in names)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -105,12 +119,16 @@ def test_float32_log_probs_close_to_hf(no_fla, kind):
     assert_float32_log_probs_close_to_hf(_model(kind, seed=6).float(), _sequences(6))
 
 
-def test_mixer_refuses_a_cache_and_runs_hf_code_outside_tree_calls(no_fla):
-    """A patched Mamba-2 mixer runs HF's own forward outside a tree call (same output as the
-    unpatched class), and refuses a cache inside one."""
-    model = _model("granitemoehybrid")
+@pytest.mark.parametrize(
+    ("kind", "mixer_class"),
+    [("granitemoehybrid", "GraniteMoeHybridMambaLayer"), ("jamba", "JambaMambaMixer")],
+)
+def test_mixer_refuses_a_cache_and_runs_hf_code_outside_tree_calls(no_fla, kind, mixer_class):
+    """A patched Mamba-2 / Mamba-1 mixer runs HF's own forward outside a tree call (same output
+    as the unpatched class), and refuses a cache inside one."""
+    model = _model(kind)
     tree = as_tree_model(model)
-    mixer = next(m for m in model.modules() if type(m).__name__ == "GraniteMoeHybridMambaLayer")
+    mixer = next(m for m in model.modules() if type(m).__name__ == mixer_class)
     x = torch.randn(1, 7, model.config.hidden_size, dtype=torch.float64)
     with torch.no_grad():
         assert torch.equal(mixer(x), type(mixer).forward(mixer, x))
@@ -150,3 +168,62 @@ def test_falcon_h1_without_the_gated_norm(lifted):
     model = spread_weights(transformers.FalconH1ForCausalLM(cfg).double().eval(), 2)
     assert not any(type(m).__name__ == "FalconH1RMSNormGated" for m in model.modules())
     assert_log_probs_equal_hf(model, _sequences(5))
+
+
+def test_minimax_sliding_window_on_its_softmax_layers(lifted):
+    """MiniMax applies ``config.sliding_window`` to its ``full_attention`` layers (HF builds
+    their mask with the window whenever one is set): tree mode windows them too, and its
+    log-probs equal HF's per-trajectory forward; without the window they differ."""
+    import transformers
+
+    cfg = tiny_hf_config("minimax")
+    cfg.sliding_window = 6
+    torch.manual_seed(5)
+    model = spread_weights(transformers.MiniMaxForCausalLM(cfg).double().eval(), 5)
+    lift_lightning_decay_tables(model)
+    assert_log_probs_equal_hf(model, _sequences(7))
+    seqs = _sequences(7)
+    with torch.no_grad():
+        windowed = TreeRunner(model).log_probs(seqs)
+        model.config.sliding_window = None
+        full = TreeRunner(model).log_probs(seqs)
+    assert max((a - b).abs().max().item() for a, b in zip(windowed, full) if a.numel()) > 1e-3
+
+
+@pytest.mark.parametrize("kind", ["minimax", "jamba"])
+def test_router_aux_loss_equals_hf_padded_batch(lifted, kind):
+    """``output_router_logits``: the load-balancing loss in tree mode (rows weighted by their
+    multiplicity) of MiniMax (softmax top-k router module) and Jamba (a linear router in its MoE
+    layers only) equals HF's over the padded batch of all trajectories (padding masked; HF
+    zeroes MiniMax's lightning values and Jamba's scan inputs at padding)."""
+    cfg = tiny_hf_config(kind)
+    cfg.output_router_logits, cfg.router_aux_loss_coef = True, 0.37
+    torch.manual_seed(6)
+    model = spread_weights(type(tiny_hf_model(kind))(cfg).double().eval(), 6)
+    seqs = _sequences(3)
+    layout = TreeLayout(RolloutForest.from_sequences(seqs))
+    with torch.no_grad():
+        _, aux = as_tree_model(model)(layout.token_ids, layout)
+        n = max(len(s) for s in seqs)
+        ids = torch.tensor([s + [0] * (n - len(s)) for s in seqs])
+        mask = torch.tensor([[1] * len(s) + [0] * (n - len(s)) for s in seqs])
+        ref = model(ids, attention_mask=mask, use_cache=False).aux_loss
+    assert aux.item() > 0
+    # HF averages its expert mask in float32
+    torch.testing.assert_close(aux, ref * cfg.router_aux_loss_coef, rtol=1e-6, atol=0)
+
+
+def test_lightning_mixer_runs_hf_code_outside_tree_calls(no_fla):
+    """A patched MiniMax lightning mixer runs HF's own forward outside a tree call and refuses a
+    cache inside one."""
+    model = _model("minimax")
+    as_tree_model(model)
+    mixer = model.model.layers[0].self_attn
+    assert type(mixer).__name__ == "MiniMaxLightningAttention"
+    x = torch.randn(1, 7, model.config.hidden_size, dtype=torch.float64)
+    with torch.no_grad():
+        out = mixer(x, None, None)[0]
+        assert torch.equal(out, type(mixer).forward(mixer, x, None, None)[0])
+    layout = TreeLayout(RolloutForest.from_sequences([[1, 2, 3]]))
+    with pytest.raises(ValueError, match="past_key_values"):
+        mixer(x[:, :3], None, None, past_key_values=object(), harts_layout=layout)

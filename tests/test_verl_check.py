@@ -113,10 +113,18 @@ _FLOP_MOE_KINDS += ("olmoe", "flex_olmo", "dots1", "solar_open", "glm4_moe_lite"
 _FLOP_MOE_KINDS += ("ministral3", "mistral4")
 _FLOP_MAMBA2_KINDS = ("granitemoehybrid", "bamba", "nemotron_h", "falcon_h1")
 _FLOP_CONV_KINDS = ("lfm2", "lfm2_moe")
+_FLOP_LIGHTNING_KINDS = ("minimax",)
+_FLOP_MAMBA1_KINDS = ("jamba",)
 
 
 @pytest.mark.parametrize(
-    "kind", _FLOP_KINDS + _FLOP_MOE_KINDS + _FLOP_MAMBA2_KINDS + _FLOP_CONV_KINDS
+    "kind",
+    _FLOP_KINDS
+    + _FLOP_MOE_KINDS
+    + _FLOP_MAMBA2_KINDS
+    + _FLOP_MAMBA1_KINDS
+    + _FLOP_CONV_KINDS
+    + _FLOP_LIGHTNING_KINDS,
 )
 def test_flop_model_matches_the_module_tree(kind, monkeypatch):
     monkeypatch.setitem(sys.modules, "fla", None)
@@ -131,7 +139,8 @@ def test_flop_model_matches_the_module_tree(kind, monkeypatch):
     # attention
     n_full = sum(t != "linear_attention" for t in getattr(cfg, "layer_types", None) or [])
     n_full = n_full or cfg.num_hidden_layers
-    if kind in _FLOP_MAMBA2_KINDS and kind != "falcon_h1":  # Mamba-2 / attention (/ MLP / MoE)
+    if kind in _FLOP_MAMBA2_KINDS + _FLOP_MAMBA1_KINDS and kind != "falcon_h1":
+        # Mamba-2 or Mamba-1 / attention (/ MLP / MoE) blocks
         n_full = sum(t == "attention" for t in cfg.layers_block_type)
         assert 0 < n_full < cfg.num_hidden_layers
     if kind in _FLOP_CONV_KINDS:  # conv / full_attention layers
@@ -147,7 +156,8 @@ def test_flop_model_matches_the_module_tree(kind, monkeypatch):
     else:
         per_layer = 4.0 * h * (getattr(cfg, "head_dim", None) or cfg.hidden_size // h)
     assert shape.attention_per_pair == per_layer * n_full
-    linear = ("qwen3_next", "qwen3_5", "qwen3_5_moe", *_FLOP_MAMBA2_KINDS)
+    linear = ("qwen3_next", "qwen3_5", "qwen3_5_moe", *_FLOP_MAMBA2_KINDS, *_FLOP_MAMBA1_KINDS)
+    linear += _FLOP_LIGHTNING_KINDS
     assert (shape.linear_per_token > 0) == (kind in linear)
 
 

@@ -207,14 +207,16 @@ _ENGINE_FAMILIES += ["ministral3", "mistral4"]
 # The Mamba-2 hybrids Granite 4.0-H (MoE + shared MLP, NoPE attention), Bamba, Nemotron-H
 # (Mamba-2, attention, MLP and MoE blocks) and Falcon-H1 (mixer and attention in parallel, µP
 # multipliers, logits times lm_head_multiplier); the short-conv hybrids LFM2 (tied embeddings) and
-# LFM2-MoE.
+# LFM2-MoE; the lightning-attention hybrid MiniMax-Text-01 / M1 (MoE every layer); the Mamba-1
+# hybrid Jamba (NoPE attention, MoE every other layer).
 _RECURRENT = ["granitemoehybrid", "bamba", "nemotron_h", "falcon_h1", "lfm2", "lfm2_moe"]
+_RECURRENT += ["minimax", "jamba"]
 _ENGINE_FAMILIES += _RECURRENT
 # gpt-oss (attention sinks, a sliding and a full layer) runs HF's eager attention on the CPU, and
 # transformers 5.10's GptOssModel builds its masks without ``position_ids``: packed sequences
 # (veRL's remove-padding path) would attend across each other there, so its stock reference runs
-# veRL's padded path. So do the recurrent hybrids: HF's Mamba-2 mixers and LFM2's convolutions
-# take no ``position_ids`` (one recurrence / convolution through the packed row).
+# veRL's padded path. So do the recurrent hybrids: HF's Mamba-2 / Mamba-1 mixers, LFM2's
+# convolutions and MiniMax's lightning attention take no ``position_ids`` (one recurrence / convolution through the packed row).
 _PADDED_REFERENCE = ("gpt_oss", *_RECURRENT)
 
 

@@ -150,6 +150,7 @@ _KEYWORD_DROPPING_LAYER_CLASSES = (
     "Lfm2DecoderLayer",
     "Lfm2MoeDecoderLayer",
     "FalconH1DecoderLayer",
+    "JambaMambaDecoderLayer",
     "Qwen3_5DecoderLayer",
     "Qwen3_5MoeDecoderLayer",
 )
@@ -177,6 +178,29 @@ _MAMBA2_CLASSES = (
 # Mamba-2 hybrids (HF's text model, the 1-element mask).
 CONV_HYBRID_MODEL_TYPES = ("lfm2", "lfm2_moe")
 _SHORT_CONV_CLASSES = ("Lfm2ShortConv", "Lfm2MoeShortConv")
+
+# Mamba-1 hybrids: AI21 Jamba (Jamba 1.5 / 1.7, Jamba Reasoning): Mamba-1 mixers (selective
+# scan: a diagonal decay per channel and state entry, RMSNorms on dt, B and C) interleaved with
+# NoPE GQA attention, a softmax top-k MoE (no renormalisation) in every ``expert_layer_period``-th
+# layer. The selective scan runs as gated linear attention without the delta rule, one value
+# head per channel (its state ``[N, 1]``), a per-channel decay ``dt · A`` over the N state
+# entries, q/k = C/B shared by all channels.
+MAMBA1_HYBRID_MODEL_TYPES = ("jamba",)
+_MAMBA1_CLASSES = ("JambaMambaMixer",)
+# MoE blocks whose router is a plain ``nn.Linear`` named ``router`` (its output: the logits).
+_LINEAR_ROUTER_PARENTS = ("JambaSparseMoeBlock",)
+
+# Lightning-attention hybrids: MiniMax-Text-01 / MiniMax-M1 (``minimax``): lightning attention
+# (linear attention with a fixed decay per head and layer, SiLU on q/k/v, RMSNorm and a sigmoid
+# output gate) interleaved with GQA softmax attention, a softmax top-k MoE in every layer,
+# DeepNorm-style residual factors (HF's decoder layer). Run like the Mamba-2 hybrids (HF's
+# decoder layers, the 1-element mask); the lightning mixer runs as gated linear attention
+# without the delta rule over the planned rounds.
+LIGHTNING_HYBRID_MODEL_TYPES = ("minimax",)
+_LIGHTNING_CLASSES = ("MiniMaxLightningAttention",)
+# Model types whose HF text model applies ``config.sliding_window`` to its ``full_attention``
+# layers too (MiniMax builds its softmax layers' mask with the window whenever one is set).
+_WINDOW_ON_FULL_LAYERS = ("minimax",)
 
 # Text models whose forward calls its layers without forwarding extra keywords (Falcon-H1): in
 # tree mode our own layer loop (:func:`_tree_decoder_forward`) replaces HF's, so every layer gets
@@ -298,6 +322,8 @@ _FULL_ATTENTION_CLASSES = (
     "Lfm2Attention",
     "Lfm2MoeAttention",
     "FalconH1Attention",
+    "MiniMaxAttention",
+    "JambaAttention",
 )
 # Softmax top-k routers whose load-balancing loss HF computes from the router logits
 # (``output_router_logits``; gpt-oss: Switch-style over the softmax of its biased logits, like
@@ -310,13 +336,18 @@ _FULL_ATTENTION_ROUTER_CLASSES = (
     "MiniMaxM2TopKRouter",
     "OlmoeTopKRouter",
     "FlexOlmoTopKRouter",
+    "MiniMaxTopKRouter",
 )
 
 # Model types whose HF text model runs in tree mode with the 1-element mask of
 # :func:`tree_mode_attention_mask` (HF's own forward, no patched text model, except Falcon-H1's),
 # through :class:`HFCausalTreeModel`.
 MASKED_TREE_MODEL_TYPES = (
-    FULL_ATTENTION_MODEL_TYPES + MAMBA2_HYBRID_MODEL_TYPES + CONV_HYBRID_MODEL_TYPES
+    FULL_ATTENTION_MODEL_TYPES
+    + MAMBA2_HYBRID_MODEL_TYPES
+    + CONV_HYBRID_MODEL_TYPES
+    + LIGHTNING_HYBRID_MODEL_TYPES
+    + MAMBA1_HYBRID_MODEL_TYPES
 )
 # Model types that run in tree mode (``harts_hybrid``: the native model through its HF wrapper).
 TREE_MODEL_TYPES = HYBRID_MODEL_TYPES + MASKED_TREE_MODEL_TYPES + ("harts_hybrid",)
@@ -356,7 +387,8 @@ def as_tree_model(model: nn.Module) -> nn.Module:
         f"model: {type(model).__name__} is not supported in tree mode (supported: "
         "HybridForCausalLM, transformers Qwen3-Next / Qwen3.5 / Qwen3.5-MoE / OLMo Hybrid, the "
         f"Mamba-2 hybrids {', '.join(MAMBA2_HYBRID_MODEL_TYPES)}, the short-conv hybrids "
-        f"{', '.join(CONV_HYBRID_MODEL_TYPES)}, and the causal LMs of "
+        f"{', '.join(CONV_HYBRID_MODEL_TYPES)}, the lightning-attention hybrids "
+        f"{', '.join(LIGHTNING_HYBRID_MODEL_TYPES)}, and the causal LMs of "
         f"{', '.join(FULL_ATTENTION_MODEL_TYPES)})"
     )
 
@@ -491,7 +523,9 @@ def _sliding_window(module: nn.Module, keyword: int | None) -> int | None:
     window = keyword or getattr(module, "sliding_window", None)
     if types is not None and idx is not None and 0 <= idx < len(types):
         if types[idx] == "full_attention":
-            return None
+            if getattr(config, "model_type", None) not in _WINDOW_ON_FULL_LAYERS:
+                return None
+            window = keyword or getattr(config, "sliding_window", None)
         if types[idx] == "sliding_attention" and not window:
             window = getattr(config, "sliding_window", None)
     return int(window) if window else None
@@ -622,15 +656,15 @@ def _compact_batch(module: nn.Module, hidden_states: Any) -> int:
 
 
 def _uncached_input(
-    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], cache: str
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *params: str
 ) -> tuple[torch.Tensor, int]:
-    """``(hidden_states, C)`` of a tree-mode mixer call (``hidden_states`` its first parameter,
-    ``[1, C, D]``); raises ``ValueError`` when the call carries a cache (parameter ``cache``):
-    tree mode keeps none."""
-    hidden_states, cached = _bind(args, kwargs, ("hidden_states", cache))
+    """``(hidden_states, C)`` of a tree-mode mixer call whose leading parameters are
+    ``hidden_states`` (``[1, C, D]``) and then ``params``, the last of them its cache; raises
+    ``ValueError`` when the call carries a cache: tree mode keeps none."""
+    hidden_states, *rest = _bind(args, kwargs, ("hidden_states", *params))
     c = _compact_batch(module, hidden_states)
-    if cached is not None:
-        raise ValueError(f"{cache}: tree mode keeps no cache (call with use_cache=False)")
+    if rest[-1] is not None:
+        raise ValueError(f"{params[-1]}: tree mode keeps no cache (call with use_cache=False)")
     return hidden_states, c
 
 
@@ -735,6 +769,45 @@ def _mamba2_tree_forward(
     return self.out_proj(out.to(dtype))
 
 
+def _mamba1_tree_forward(
+    self, *args: Any, harts_layout: TreeLayout | None = None, **kwargs: Any
+) -> torch.Tensor:
+    """Tree mode of an HF Mamba-1 mixer (Jamba): ``in_proj`` → (x, gate) → depthwise causal
+    conv of x over each row's path and the mixer's activation → ``x_proj`` → (dt, B, C), each
+    through its RMSNorm → ``dt = softplus(dt_proj(dt))`` → the selective scan over the planned
+    rounds as gated linear attention without the delta rule (one value head per channel with
+    ``v = x``, q/k = C/B shared by all channels, write scale ``dt``, per-channel log decay
+    ``dt · A`` over the state entries with ``A = -exp(A_log)``, query scale 1), in at least
+    float32 → ``+ D · x`` → times ``act(gate)`` → ``out_proj`` in the input dtype.
+    hidden_states ``[1, C, D]`` → ``[1, C, D]``. Tree mode keeps no cache and ignores the
+    attention mask (the layout gives each row its path)."""
+    layout = _tree_layout(self, harts_layout)
+    if layout is None:
+        return _original(self)(*args, **kwargs)
+    hidden_states, _ = _uncached_input(self, args, kwargs, "cache_params")
+    dtype = hidden_states.dtype
+    n, rank = self.ssm_state_size, self.time_step_rank
+    x, gate = self.in_proj(hidden_states)[0].chunk(2, dim=-1)
+    x = self.act(layout.short_conv(x, self.conv1d.weight.squeeze(1), self.conv1d.bias, None))
+    dt, b, cm = self.x_proj(x).split([rank, n, n], dim=-1)
+    dt = F.softplus(self.dt_proj(self.dt_layernorm(dt)))
+    b, cm = self.b_layernorm(b), self.c_layernorm(cm)
+    ct = torch.promote_types(dtype, torch.float32)
+    x, dt = x.to(ct), dt.to(ct)
+    log_decay = -torch.exp(self.A_log.to(ct))[None] * dt[..., None]  # [C, channels, N]
+    o = layout.linear_attention(
+        cm.to(ct)[:, None],
+        b.to(ct)[:, None],
+        x[..., None],
+        log_decay,
+        dt,
+        scale=1.0,
+        delta_rule=False,
+    )
+    y = (o[..., 0] + self.D.to(ct) * x) * self.act(gate.to(ct))
+    return self.out_proj(y.to(dtype)[None])
+
+
 def _short_conv_tree_forward(
     self, *args: Any, harts_layout: TreeLayout | None = None, **kwargs: Any
 ) -> torch.Tensor:
@@ -749,6 +822,34 @@ def _short_conv_tree_forward(
     b, cm, x = self.in_proj(hidden_states)[0].chunk(3, dim=-1)
     conv = layout.short_conv(b * x, self.conv.weight.squeeze(1), self.conv.bias, None)
     return self.out_proj((cm * conv)[None])
+
+
+def _lightning_tree_forward(
+    self, *args: Any, harts_layout: TreeLayout | None = None, **kwargs: Any
+) -> tuple[torch.Tensor, None]:
+    """Tree mode of an HF MiniMax lightning-attention mixer: ``act(qkv_proj)`` → q, k, v per
+    head; linear attention over the planned rounds without the delta rule, decay
+    ``exp(-slope_rate)`` per head and token (the layer's ``slope_rate`` buffer), write scale 1,
+    query scale 1, each row's own token included, in at least float32; RMSNorm over all heads,
+    times ``sigmoid(output_gate(x))``, ``out_proj`` in the input dtype. hidden_states
+    ``[1, C, D]`` → (``[1, C, D]``, None). Tree mode keeps no cache and ignores the attention
+    mask (the layout gives each row its path)."""
+    layout = _tree_layout(self, harts_layout)
+    if layout is None:
+        return _original(self)(*args, **kwargs)
+    names = ("position_embeddings", "attention_mask", "past_key_values")
+    hidden_states, c = _uncached_input(self, args, kwargs, *names)
+    dtype = hidden_states.dtype
+    heads, head_dim = self.num_attention_heads, self.head_dim
+    ct = torch.promote_types(dtype, torch.float32)
+    qkv = self.act_fn(self.qkv_proj(hidden_states))[0].reshape(c, heads, 3 * head_dim)
+    q, k, v = qkv.to(ct).split(head_dim, dim=-1)
+    log_decay = -self.slope_rate.to(ct).reshape(1, heads).expand(c, heads)
+    write = torch.ones(c, heads, dtype=ct, device=qkv.device)
+    o = layout.linear_attention(q, k, v, log_decay, write, scale=1.0, delta_rule=False)
+    o = self.norm(o.to(dtype).reshape(1, c, heads * head_dim))
+    o = torch.sigmoid(self.output_gate(hidden_states)) * o
+    return self.out_proj(o), None
 
 
 def _olmo_attn_tree_forward(
@@ -876,6 +977,10 @@ def patch_tree_mixers(model: nn.Module) -> int:
             _patch(mod, _mamba2_tree_forward)
         elif _is_hf_class(mod, _SHORT_CONV_CLASSES):
             _patch(mod, _short_conv_tree_forward)
+        elif _is_hf_class(mod, _LIGHTNING_CLASSES):
+            _patch(mod, _lightning_tree_forward)
+        elif _is_hf_class(mod, _MAMBA1_CLASSES):
+            _patch(mod, _mamba1_tree_forward)
         elif _is_hf_class(mod, _HYBRID_TEXT_MODEL_CLASSES):
             _patch(mod, _hybrid_text_model_tree_forward)
             continue
@@ -1032,6 +1137,9 @@ class _HFTreeModel(nn.Module):
         if patch_tree_mixers(hf_model) == 0:
             raise TypeError(f"model: {type(hf_model).__name__} has no supported token mixer")
         self._routers = [m for m in hf_model.modules() if _is_hf_class(m, self.routers)]
+        self._routers += [
+            m.router for m in hf_model.modules() if _is_hf_class(m, _LINEAR_ROUTER_PARENTS)
+        ]
 
     @property
     def lm_head(self) -> nn.Linear:
@@ -1073,7 +1181,9 @@ class _HFTreeModel(nn.Module):
         want_aux = bool(getattr(self.config, "output_router_logits", False)) and self._routers
         hooks = (
             [
-                r.register_forward_hook(lambda _m, _i, out: captured.append(out[0]))
+                r.register_forward_hook(
+                    lambda _m, _i, out: captured.append(out[0] if isinstance(out, tuple) else out)
+                )
                 for r in self._routers
             ]
             if want_aux
@@ -1102,7 +1212,8 @@ class HFCausalTreeModel(_HFTreeModel):
     Granite-MoE (with or without a shared expert), Cohere / Cohere 2, SmolLM3, Ministral,
     EXAONE 4, ERNIE 4.5, Hunyuan dense, Apertus, Arcee, MiniMax-M2, OLMoE, FlexOlmo, dots.llm1,
     Solar-Open, GLM-4-MoE-Lite, EXAONE-MoE, Ministral 3, Mistral 4, gpt-oss), or of a Mamba-2
-    hybrid (Granite 4.0-H, Bamba, Nemotron-H, Falcon-H1) or short-conv hybrid (LFM2, LFM2-MoE):
+    hybrid (Granite 4.0-H, Bamba, Nemotron-H, Falcon-H1), Mamba-1 hybrid (Jamba), short-conv
+    hybrid (LFM2, LFM2-MoE) or lightning-attention hybrid (MiniMax-Text-01 / MiniMax-M1):
     :data:`MASKED_TREE_MODEL_TYPES`."""
 
     routers = _FULL_ATTENTION_ROUTER_CLASSES

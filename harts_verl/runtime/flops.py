@@ -30,6 +30,8 @@ __all__ = [
     "full_attention_shape",
     "gated_hybrid_shape",
     "ideal_flop_ratio",
+    "lightning_hybrid_shape",
+    "mamba1_hybrid_shape",
     "mamba2_hybrid_shape",
     "model_shape",
     "native_model_shape",
@@ -339,6 +341,61 @@ def conv_hybrid_shape(cfg: Any) -> ModelShape:
     return ModelShape(dense, attn, 0.0)
 
 
+def lightning_hybrid_shape(cfg: Any) -> ModelShape:
+    """Coefficients of a transformers lightning-attention hybrid (``minimax``: MiniMax-Text-01 /
+    MiniMax-M1) from ``config.layer_types``: lightning layers (q|k|v, output-gate and output
+    projections; the chunk-64 linear attention without the delta rule: per head q·k and p·v
+    inside the chunk, state read and update) and GQA attention; a router and top-k gated experts
+    ``intermediate_size`` wide in every layer; the LM head."""
+    d = cfg.hidden_size
+    dense, attn, lin = 2.0 * d * cfg.vocab_size, 0.0, 0.0
+    h = cfg.num_attention_heads
+    hd = getattr(cfg, "head_dim", None) or d // h
+    for t in cfg.layer_types:
+        if t == "linear_attention":
+            dense += 2.0 * (d * 3 * h * hd + d * h * hd + h * hd * d)
+            lin += h * (2.0 * 64 * 2 * hd + 4.0 * hd * hd)
+        elif t == "full_attention":
+            dense_i, attn_i = _hf_attention_layer(cfg, output_gate=False)
+            dense, attn = dense + dense_i, attn + attn_i
+        else:
+            raise ValueError(f"model_shape: unknown {cfg.model_type} layer type {t!r}")
+        experts = 3 * d * cfg.intermediate_size * cfg.num_experts_per_tok
+        dense += 2.0 * (d * cfg.num_local_experts + experts)
+    return ModelShape(dense, attn, lin)
+
+
+def mamba1_hybrid_shape(cfg: Any) -> ModelShape:
+    """Coefficients of a transformers Mamba-1 hybrid (``jamba``) from
+    ``config.layers_block_type``: Mamba-1 mixers (``in_proj`` to x and gate, the depthwise conv
+    of x, ``x_proj`` to dt / B / C, ``dt_proj``, ``out_proj``; the selective scan as chunk-64
+    linear attention, one value head per channel with the state entries as keys: per channel
+    q·k and p·x inside the chunk, state read and update) and GQA attention; in the layers of
+    ``config.layers_num_experts`` > 1 a router and top-k gated experts ``intermediate_size``
+    wide, elsewhere a gated MLP; the LM head."""
+    d = cfg.hidden_size
+    dense, attn, lin = 2.0 * d * cfg.vocab_size, 0.0, 0.0
+    inner, n, rank = cfg.mamba_expand * d, cfg.mamba_d_state, cfg.mamba_dt_rank
+    for t, experts in zip(cfg.layers_block_type, cfg.layers_num_experts):
+        if t == "mamba":
+            proj = d * 2 * inner + inner * (rank + 2 * n) + rank * inner + inner * d
+            dense += 2.0 * proj + 2.0 * cfg.mamba_d_conv * inner
+            lin += inner * (2.0 * 64 * (n + 1) + 4.0 * n)
+        elif t == "attention":
+            dense_i, attn_i = _hf_attention_layer(cfg, output_gate=False)
+            dense, attn = dense + dense_i, attn + attn_i
+        else:
+            raise ValueError(f"model_shape: unknown {cfg.model_type} layer type {t!r}")
+        if experts > 1:
+            routed = 3 * d * cfg.intermediate_size * cfg.num_experts_per_tok
+            dense += 2.0 * (d * experts + routed)
+        else:
+            dense += 2.0 * 3 * d * cfg.intermediate_size
+    return ModelShape(dense, attn, lin)
+
+
+_MAMBA1_HYBRID_TYPES = ("jamba",)
+_LIGHTNING_HYBRID_TYPES = ("minimax",)
 _CONV_HYBRID_TYPES = ("lfm2", "lfm2_moe")
 _MAMBA2_HYBRID_TYPES = ("granitemoehybrid", "bamba", "nemotron_h", "falcon_h1")
 _GATED_HYBRID_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
@@ -357,7 +414,9 @@ def model_shape(cfg: Any) -> ModelShape:
     ``granite`` / ``granitemoe`` / ``granitemoeshared`` / ``cohere`` / ``cohere2`` /
     ``smollm3`` / ``ministral`` / ``exaone4`` / ``ernie4_5`` / ``hunyuan_v1_dense`` /
     ``apertus`` / ``arcee``, the Mamba-2 hybrids ``granitemoehybrid`` / ``bamba`` /
-    ``nemotron_h`` / ``falcon_h1`` and the short-conv hybrids ``lfm2`` / ``lfm2_moe``. Raises ``ValueError`` for any other ``model_type``."""
+    ``nemotron_h`` / ``falcon_h1``, the Mamba-1 hybrid ``jamba``, the short-conv hybrids
+    ``lfm2`` / ``lfm2_moe`` and the lightning-attention hybrid ``minimax``. Raises ``ValueError`` for any other
+    ``model_type``."""
     from harts_verl.models.config import HybridConfig
 
     if isinstance(cfg, HybridConfig):
@@ -375,12 +434,18 @@ def model_shape(cfg: Any) -> ModelShape:
         return mamba2_hybrid_shape(cfg)
     if model_type in _CONV_HYBRID_TYPES:
         return conv_hybrid_shape(cfg)
+    if model_type in _LIGHTNING_HYBRID_TYPES:
+        return lightning_hybrid_shape(cfg)
+    if model_type in _MAMBA1_HYBRID_TYPES:
+        return mamba1_hybrid_shape(cfg)
     if model_type in _FULL_ATTENTION_TYPES:
         return full_attention_shape(cfg)
     raise ValueError(
         f"model_shape: no FLOP model for model_type {model_type!r} (known: harts_hybrid, "
         f"{', '.join(_GATED_HYBRID_TYPES + _FULL_ATTENTION_TYPES + _MAMBA2_HYBRID_TYPES)}, "
-        f"{', '.join(_CONV_HYBRID_TYPES)}, qwen3_5, qwen3_5_moe, olmo_hybrid)"
+        f"{', '.join(_CONV_HYBRID_TYPES + _LIGHTNING_HYBRID_TYPES + _MAMBA1_HYBRID_TYPES)}, "
+        "qwen3_5, qwen3_5_moe, "
+        "olmo_hybrid)"
     )
 
 

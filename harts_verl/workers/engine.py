@@ -78,6 +78,8 @@ from verl.workers.engine.utils import detach_tree
 from harts_verl.models.adapter import (
     CONV_HYBRID_MODEL_TYPES,
     HYBRID_MODEL_TYPES,
+    LIGHTNING_HYBRID_MODEL_TYPES,
+    MAMBA1_HYBRID_MODEL_TYPES,
     MAMBA2_HYBRID_MODEL_TYPES,
     MASKED_TREE_MODEL_TYPES,
     TREE_MODEL_TYPES,
@@ -190,10 +192,16 @@ def forest_of_batch(data: TensorDict) -> RolloutForest:
 
 
 # Model types whose stock forward runs veRL's packed sequences (remove-padding path) as one:
-# HF's Mamba-2 mixers and LFM2's short convolutions take no ``position_ids`` (one recurrence /
-# convolution through the packed row), and transformers 5.10's gpt-oss builds its eager / sdpa
+# HF's Mamba-2 / Mamba-1 mixers, LFM2's short convolutions and MiniMax's lightning attention take no
+# ``position_ids`` (one recurrence / convolution through the packed row), and transformers 5.10's gpt-oss builds its eager / sdpa
 # masks without them (see :meth:`HartsFSDPEngine._packed_reference_leaks`).
-_PADDED_STOCK_TYPES = (*MAMBA2_HYBRID_MODEL_TYPES, *CONV_HYBRID_MODEL_TYPES, "gpt_oss")
+_PADDED_STOCK_TYPES = (
+    *MAMBA2_HYBRID_MODEL_TYPES,
+    *MAMBA1_HYBRID_MODEL_TYPES,
+    *CONV_HYBRID_MODEL_TYPES,
+    *LIGHTNING_HYBRID_MODEL_TYPES,
+    "gpt_oss",
+)
 
 # What HF's stock forward can leave out of a model's attention (:meth:`_attention_term_dropped`).
 _SINKS_DROPPED = "attention sinks"
@@ -1139,7 +1147,8 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         """Whether the stock forward of packed sequences mixes them (the audit's reference and
         stock micro-batches then run padded rows): HF's torch fallback for linear attention carries state across packed
         sequences (hybrids without fla), and so do the model types of
-        :data:`_PADDED_STOCK_TYPES` (Mamba-2 mixers without ``position_ids``; gpt-oss's masks)."""
+        :data:`_PADDED_STOCK_TYPES` (Mamba-2 / Mamba-1, short-conv and lightning mixers without
+        ``position_ids``; gpt-oss's masks)."""
         if self._model_type in HYBRID_MODEL_TYPES and not _fla_importable():
             return True
         return self._model_type in _PADDED_STOCK_TYPES

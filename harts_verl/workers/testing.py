@@ -47,6 +47,8 @@ TINY_KINDS = (
     *("olmoe", "flex_olmo", "dots1", "solar_open", "glm4_moe_lite", "exaone_moe"),
     *("ministral3", "mistral4"),
     *("granitemoehybrid", "bamba", "nemotron_h", "falcon_h1", "lfm2", "lfm2_moe"),
+    "minimax",
+    "jamba",
 )
 # The multi-modal Qwen3.5 wrappers (``Qwen3_5ForConditionalGeneration`` /
 # ``Qwen3_5MoeForConditionalGeneration``, model_type ``qwen3_5`` / ``qwen3_5_moe``): the text
@@ -564,7 +566,53 @@ _CONV_HYBRID = {
         },
     ),
 }
-_RECURRENT_HYBRID = {**_MAMBA2_HYBRID, **_CONV_HYBRID}
+# The lightning-attention hybrid MiniMax-Text-01 / MiniMax-M1 (``minimax``): lightning, softmax
+# (GQA 4/2, RoPE), lightning, lightning (the released 7:1 pattern, shortened); 4 experts 16 wide,
+# top-2 softmax routing in every layer; HF's lightning blocks of 16 tokens; residual factors
+# other than 1 (the released checkpoints use DeepNorm-style alphas).
+_LIGHTNING_HYBRID = {
+    "minimax": (
+        "MiniMaxConfig",
+        {
+            "num_hidden_layers": 4,
+            "layer_types": ["linear_attention", "full_attention"] + ["linear_attention"] * 2,
+            "head_dim": 8,
+            "block_size": 16,
+            "intermediate_size": 16,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "full_attn_alpha_factor": 1.2,
+            "full_attn_beta_factor": 0.9,
+            "linear_attn_alpha_factor": 1.3,
+            "linear_attn_beta_factor": 0.8,
+            "mlp_alpha_factor": 1.1,
+            "mlp_beta_factor": 0.7,
+        },
+    ),
+}
+# The Mamba-1 hybrid AI21 Jamba: mamba, attention (NoPE, GQA 4/2), mamba, mamba; Mamba-1 mixers
+# 64 channels wide (expand 2), state 8, rank-4 time steps, 4-token convolutions; 4 experts
+# (top-2, no renormalisation) in layers 1 and 3, MLPs elsewhere; the pure-torch selective scan.
+_MAMBA1_HYBRID = {
+    "jamba": (
+        "JambaConfig",
+        {
+            "num_hidden_layers": 4,
+            "attn_layer_period": 4,
+            "attn_layer_offset": 1,
+            "expert_layer_period": 2,
+            "expert_layer_offset": 1,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 16,
+            "mamba_d_state": 8,
+            "mamba_dt_rank": 4,
+            "use_mamba_kernels": False,
+            "pad_token_id": None,
+        },
+    ),
+}
+_RECURRENT_HYBRID = {**_MAMBA2_HYBRID, **_CONV_HYBRID, **_LIGHTNING_HYBRID, **_MAMBA1_HYBRID}
 
 
 def tiny_hf_config(kind: str, vocab_size: int = 64):
@@ -581,7 +629,8 @@ def tiny_hf_config(kind: str, vocab_size: int = 64):
     ``glm4``, ``gemma3_text``, ``gpt_oss``, ``gemma2``, ``granite``, ``granitemoe``,
     ``granitemoeshared``, ``cohere``, ``cohere2``, ...; the Mamba-2 hybrids
     ``granitemoehybrid``, ``bamba``, ``nemotron_h``, ``falcon_h1``; the short-conv hybrids ``lfm2``,
-    ``lfm2_moe``), sdpa attention (eager for
+    ``lfm2_moe``; the lightning-attention hybrid ``minimax``; the Mamba-1 hybrid ``jamba``), sdpa
+    attention (eager for
     gpt-oss, whose class has no sdpa, and Gemma 2, whose attention soft-cap HF's sdpa path
     drops), eager experts (float64-capable on CPU).
     Raises ``ValueError`` for another kind."""
@@ -676,6 +725,8 @@ def tiny_hf_model(kind: str, *, seed: int = 0, vocab_size: int = 64) -> torch.nn
         "falcon_h1": transformers.FalconH1ForCausalLM,
         "lfm2": transformers.Lfm2ForCausalLM,
         "lfm2_moe": transformers.Lfm2MoeForCausalLM,
+        "minimax": transformers.MiniMaxForCausalLM,
+        "jamba": transformers.JambaForCausalLM,
         "smollm3": transformers.SmolLM3ForCausalLM,
         "ministral": transformers.MinistralForCausalLM,
         "exaone4": transformers.Exaone4ForCausalLM,
