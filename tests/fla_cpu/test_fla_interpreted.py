@@ -41,10 +41,12 @@ def _assert_fla_matches_reference(fla_kernel, lens, inputs, **kw) -> None:
     gradient; fla's float32 error against the truth stays within a small multiple of our float32
     reference's own error (dg of GDN sums long products: both land near 1e-5 there)."""
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]))
-    h0 = 0.1 * torch.randn(len(lens), 2, 16, 16, generator=torch.Generator().manual_seed(1))
+    kdim, (hv, vdim) = inputs[0].shape[-1], inputs[2].shape[1:]
+    state = (len(lens), hv, kdim, vdim)
+    h0 = 0.1 * torch.randn(state, generator=torch.Generator().manual_seed(1))
     gen = torch.Generator().manual_seed(2)
-    do = torch.randn(sum(lens), 2, 16, generator=gen)
-    dht = torch.randn(len(lens), 2, 16, 16, generator=gen)
+    do = torch.randn(sum(lens), hv, vdim, generator=gen)
+    dht = torch.randn(state, generator=gen)
     res = {}
     for name, fn, dtype in (
         ("fla", fla_kernel, torch.float32),
@@ -99,6 +101,20 @@ def test_fla_gla_matches_reference(fla_kernel, kda):
     q, k, v, g, beta_logits = _inputs(sum(lens), kda, seed=7)
     inputs = (q, k, v, g, torch.sigmoid(beta_logits))
     _assert_fla_matches_reference(fla_kernel, lens, inputs, scale=0.3, delta_rule=False)
+
+
+def test_fla_gla_one_channel_value_heads(fla_kernel):
+    """Mamba-1's selective scan through ``chunk_gla``: one q/k head (B, C) shared by 3 value
+    heads of one channel each (zero-padded to fla's 16-wide value tile), a per-channel decay
+    over the 16 state entries, write scale dt."""
+    lens = [37, 1, 70]
+    q, k, _, g, beta_logits = _inputs(sum(lens), True, seed=9)
+    gen = torch.Generator().manual_seed(10)
+    v = torch.randn(sum(lens), 3, 1, generator=gen)
+    g = g[:, :1].expand(-1, 3, -1) * torch.tensor([1.0, 0.5, 2.0])[:, None]
+    beta = torch.nn.functional.softplus(beta_logits[:, :1]).expand(-1, 3).contiguous()
+    inputs = (q, k, v, g.contiguous(), beta)
+    _assert_fla_matches_reference(fla_kernel, lens, inputs, scale=1.0, delta_rule=False)
 
 
 def test_fla_refuses_chunk_states_and_float64(fla_kernel):

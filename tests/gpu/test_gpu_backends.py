@@ -139,6 +139,46 @@ def test_fla_vs_reference(cuda, report, kda, delta_rule, dtype):
     assert all(v <= tol_bwd for k_, v in errs.items() if k_.startswith("d")), errs
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fla_gla_one_channel_value_heads(cuda, report, dtype):
+    """Mamba-1's selective scan (Jamba) through fla's ``chunk_gla``: one q/k head (C, B of 16
+    state entries) shared by 64 value heads of one channel each (zero-padded to fla's value
+    tile), a per-channel decay, write scale dt; vs the torch reference."""
+    kern = _need("linear", "fla", cuda)
+    lens = [100, 1, 200, 37]
+    t = sum(lens)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), device=cuda)
+    gen = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(t, 1, 16, generator=gen).to(cuda, dtype) for _ in range(2))
+    v = torch.randn(t, 64, 1, generator=gen).to(cuda, dtype)
+    dt = torch.nn.functional.softplus(torch.randn(t, 64, generator=gen) - 2.0).to(cuda)
+    a = torch.arange(1, 17, dtype=torch.float32).to(cuda)  # S4D-real A = -(1 .. N)
+    g = -dt[..., None] * a
+    h0 = 0.1 * torch.randn(len(lens), 64, 16, 1, generator=gen).to(cuda)
+    res = {}
+    for name, fn in (("fla", kern), ("ref", chunk_delta_rule_varlen)):
+        xs = [x.clone().requires_grad_(True) for x in (q, k, v, g, dt, h0)]
+        out = fn(*xs[:5], cu_seqlens=cu, initial_state=xs[5], scale=1.0, delta_rule=False)
+        gen_d = torch.Generator(device=cuda).manual_seed(0)
+        do = torch.randn(out.o.shape, device=cuda, generator=gen_d)
+        dht = torch.randn(out.final_state.shape, device=cuda, generator=gen_d)
+        ((out.o.float() * do).sum() + (out.final_state * dht).sum()).backward()
+        res[name] = (out.o.float(), out.final_state, [x.grad.float() for x in xs])
+    tol_fwd, tol_bwd = (2e-3, 5e-3) if dtype == torch.float32 else (8e-3, 2e-2)
+    errs = {
+        "o": err_ratio(res["fla"][0], res["ref"][0]),
+        "final_state": err_ratio(res["fla"][1], res["ref"][1]),
+    }
+    for gname, ga, gb in zip(
+        ("dq", "dk", "dv", "dg", "dbeta", "dh0"), res["fla"][2], res["ref"][2]
+    ):
+        errs[gname] = err_ratio(ga, gb)
+    report[f"fla_vs_ref_mamba1_{str(dtype).split('.')[-1]}"] = errs
+    assert res["fla"][1].shape == (len(lens), 64, 16, 1)
+    assert errs["o"] <= tol_fwd and errs["final_state"] <= tol_fwd, errs
+    assert all(v <= tol_bwd for k_, v in errs.items() if k_.startswith("d")), errs
+
+
 # ------------------------------------------------------------------------------ attention
 def _varlen_kernel(name: str, cuda):
     """The named varlen attention kernel, or skip (``torch_varlen`` must exist with

@@ -21,7 +21,10 @@ Gated linear attention without the delta rule (``delta_rule=False``, Mamba-2 SSD
 :func:`fla.ops.simple_gla.chunk_simple_gla` (``g`` ``[T, HV]``) or :func:`fla.ops.gla.chunk_gla`
 (``g`` ``[T, HV, K]``): ``beta`` scales ``v`` before the call (the write is
 ``beta_t k_t v_t^T``), grouped q/k heads are repeated to the value heads, q/k L2 norm and the
-beta sigmoid are applied outside; fla's own chunk length (64) is used.
+beta sigmoid are applied outside; fla's own chunk length (64) is used. Value heads narrower than
+:data:`MIN_GLA_VALUE_DIM` (Mamba-1's selective scan: one channel per head) are zero-padded to it
+(fla's GLA tiles are at least that wide): the padded columns carry zero values, states and
+outputs, and are cut off again.
 
 fla exposes no exact per-chunk states (its ``h`` is stored in the input dtype and is internal), so
 ``output_chunk_states=True`` is refused: plans run with this kernel are first rewritten by
@@ -46,6 +49,8 @@ logger = logging.getLogger(__name__)
 KDA_CHUNK_SIZES = (32, 64)
 GDN_CHUNK_SIZES = (16, 32, 64)
 MAX_KEY_DIM = 256
+# The narrowest value head fla's GLA kernels take (their value tile feeds ``tl.dot``).
+MIN_GLA_VALUE_DIM = 16
 
 
 def _import_fla(*paths: str) -> tuple[Callable[..., Any], ...]:
@@ -264,7 +269,8 @@ class FlaLinearKernel:
         use_qk_l2norm: bool,
         use_beta_sigmoid: bool,
     ) -> DeltaRuleOutput:
-        """``delta_rule=False``: fla's ``chunk_simple_gla`` (scalar g) / ``chunk_gla``."""
+        """``delta_rule=False``: fla's ``chunk_simple_gla`` (scalar g) / ``chunk_gla``; value
+        heads narrower than :data:`MIN_GLA_VALUE_DIM` zero-padded to it."""
         if use_qk_l2norm:
             q, k = l2norm(q), l2norm(k)
         b = torch.sigmoid(beta) if use_beta_sigmoid else beta
@@ -273,14 +279,22 @@ class FlaLinearKernel:
             q = q.repeat_interleave(group, dim=1)
             k = k.repeat_interleave(group, dim=1)
         fn = self._chunk_gla if g.dim() == 3 else self._chunk_simple_gla
+        vdim = v.shape[-1]
+        written = v * b.to(v.dtype)[..., None]
+        pad = max(0, MIN_GLA_VALUE_DIM - vdim)
+        if pad:  # zero value columns: zero states and outputs there
+            written = torch.nn.functional.pad(written, (0, pad))
+            h0 = None if h0 is None else torch.nn.functional.pad(h0, (0, pad))
         o, final = fn(
             q.unsqueeze(0),
             k.unsqueeze(0),
-            (v * b.to(v.dtype)[..., None]).unsqueeze(0),
+            written.unsqueeze(0),
             g=g.to(torch.float32).unsqueeze(0),
             scale=scale,
             initial_state=h0,
             output_final_state=True,
             cu_seqlens=cu,
         )
+        if pad:
+            o, final = o[..., :vdim], final[..., :vdim]
         return DeltaRuleOutput(o=o.squeeze(0).to(v.dtype), final_state=final, chunk_states=None)
