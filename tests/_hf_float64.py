@@ -288,11 +288,11 @@ def _softcap_eager_attention(
 # Eager attention functions with a float32 softmax (the oracle of families run eager).
 _EAGER_SOFTCAP_MODULES = ("gemma2",)
 # Cohere's LayerNorms (hidden and per-head q/k) and its interleaved RoPE compute in float32.
-_COHERE_MODULES = ("cohere", "cohere2")
+_COHERE_MODULES = ("cohere", "cohere2", "cohere2_moe")
 
 
 # ERNIE 4.5's interleaved (GLM-style) RoPE computes in float32.
-_ERNIE_MODULES = ("ernie4_5",)
+_ERNIE_MODULES = ("ernie4_5", "ernie4_5_moe")
 
 
 def _ernie_rotary(m):
@@ -357,8 +357,61 @@ def _sigmoid_bias_router(self, hidden_states, e_score_correction_bias):
     return logits, top / top.sum(dim=-1, keepdim=True), idx
 
 
+def _ernie_moe_router(self, hidden_states):
+    """ERNIE 4.5 MoE's router (softmax scores, top-k of scores + ``moe_statics`` bias, the
+    unbiased scores renormalised with a floor) with logits and softmax in the compute dtype
+    instead of float32."""
+    dt = _compute_dtype(hidden_states.dtype)
+    logits = F.linear(hidden_states.to(dt), self.weight.to(dt))
+    w = F.softmax(logits, dim=1)
+    _, idx = torch.topk(self.moe_statics(w), self.top_k, dim=-1)
+    w = torch.gather(w, -1, idx)
+    w = w / torch.clamp(w.sum(-1, keepdim=True), min=self.norm_min)
+    return logits, idx, w.to(hidden_states.dtype)
+
+
+def _cohere_moe_router(self, hidden_states):
+    """Cohere 2 MoE's router (top-k of the logits, softmax over the chosen, or their sigmoid,
+    renormalised with ``norm_topk_prob``) with the softmax in the compute dtype."""
+    logits = F.linear(hidden_states, self.weight)
+    scores, idx = torch.topk(logits, self.top_k, dim=-1)
+    if self.expert_selection_fn == "softmax":
+        scores = F.softmax(scores, dim=1, dtype=_compute_dtype(scores.dtype))
+    else:
+        scores = torch.sigmoid(scores)
+        if self.norm_topk_prob:
+            scores = scores / scores.sum(-1, keepdim=True)
+    return logits, scores.to(hidden_states.dtype), idx
+
+
+def _longcat_router(self, hidden_states):
+    """LongCat-Flash's router (softmax over routed and zero-computation experts, top-k of the
+    scores + correction bias, unbiased scores times ``routed_scaling_factor``) with logits and
+    softmax in the compute dtype instead of float32."""
+    h = hidden_states.view(-1, self.config.hidden_size)
+    dt = _compute_dtype(h.dtype)
+    logits = F.linear(h.to(dt), self.classifier.weight.to(dt))
+    scores = logits.softmax(dim=-1)
+    idx = self.get_topk_indices(scores)
+    return (scores.gather(1, idx) * self.routed_scaling_factor).to(logits.dtype), idx
+
+
+def _hunyuan_route(self, router_logits):
+    """Hunyuan-MoE's routing (softmax, top-k, renormalised) in the logits' compute dtype."""
+    w = F.softmax(router_logits, dim=1, dtype=_compute_dtype(router_logits.dtype))
+    w, idx = torch.topk(w, self.top_k, dim=-1)
+    return idx, (w / w.sum(dim=-1, keepdim=True)).to(router_logits.dtype)
+
+
 # Routers with their own lifted forward (by class name).
-_OWN_ROUTERS = {"MiniMaxM2TopKRouter": _sigmoid_bias_router}
+_OWN_ROUTERS = {
+    "MiniMaxM2TopKRouter": _sigmoid_bias_router,
+    "Ernie4_5_MoeTopKRouter": _ernie_moe_router,
+    "Cohere2MoeTopKRouter": _cohere_moe_router,
+    "LongcatFlashTopkRouter": _longcat_router,
+}
+# MoE blocks whose routing runs in their own method (class name → method, lifted version).
+_OWN_ROUTING_METHODS = {"HunYuanMoEV1Moe": ("route_tokens_to_experts", _hunyuan_route)}
 
 
 def lift_full_attention_islands(monkeypatch) -> None:
@@ -375,7 +428,9 @@ def lift_full_attention_islands(monkeypatch) -> None:
         for name, obj in vars(m).items():
             if not isinstance(obj, type) or obj.__module__ != m.__name__:
                 continue
-            if name in _OWN_ROUTERS:
+            if name in _OWN_ROUTING_METHODS:
+                monkeypatch.setattr(obj, *_OWN_ROUTING_METHODS[name])
+            elif name in _OWN_ROUTERS:
                 monkeypatch.setattr(obj, "forward", _OWN_ROUTERS[name])
             elif name.endswith("RMSNorm"):
                 monkeypatch.setattr(obj, "forward", rms)

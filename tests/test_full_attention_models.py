@@ -14,7 +14,11 @@ layer whose module keeps a sliding window), ERNIE 4.5, Hunyuan dense, Apertus, A
 MiniMax-M2 (sigmoid router with a correction bias), OLMoE / FlexOlmo (softmax routing, q/k norms
 over all heads), dots.llm1 / Solar-Open (sigmoid routing, shared expert), GLM-4-MoE-Lite (MLA,
 a dense first layer), EXAONE-MoE (sliding RoPE + full NoPE layers), Ministral 3 and Mistral 4
-(YaRN with Llama 4's position-dependent query scaling; Mistral 4: MLA, MoE). The logit
+(YaRN with Llama 4's position-dependent query scaling; Mistral 4: MLA, MoE), Hunyuan-MoE (q/k
+norms after RoPE, shared MLP), ERNIE 4.5 MoE (``moe_statics`` correction bias, shared expert,
+a dense first layer), Cohere 2 MoE (dense prefix, sliding RoPE + full NoPE layers, averaged
+shared expert) and LongCat-Flash (two MLA attentions and two MLPs a layer, a shortcut MoE with
+zero-computation experts). The logit
 transforms of the
 causal-LM forwards (soft-caps, scalings) are applied by the compact head.
 
@@ -61,6 +65,7 @@ from harts_verl.workers.testing import (
 MULTIMODAL = {"gemma3": "gemma3_mm"}
 KINDS = [k for k in FULL_ATTENTION_MODEL_TYPES if k not in MULTIMODAL]
 MOE_SOFTMAX = ["qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss", "minimax_m2", "olmoe", "flex_olmo"]
+MOE_SOFTMAX += ["ernie4_5_moe"]
 
 
 def _model(kind: str, seed: int = 3, **cfg_overrides) -> torch.nn.Module:

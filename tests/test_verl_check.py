@@ -91,15 +91,20 @@ def _param_flops(model: torch.nn.Module) -> float:
     ``…TopKRouter`` / ``…TopkRouter``; stacked routed experts: ``…Experts`` / ``…NaiveMoe``
     (their own weight matrices, each with one leading row per expert; gpt-oss's stacked biases
     are not matmuls)."""
-    top_k = getattr(model.config, "num_experts_per_tok", 0)
+    cfg = model.config
+    top_k = getattr(cfg, "num_experts_per_tok", None) or getattr(cfg, "moe_topk", 0)
     total = 0.0
     for m in model.modules():
         name = type(m).__name__
-        if isinstance(m, torch.nn.Linear | torch.nn.Conv1d) or name.lower().endswith("topkrouter"):
+        if isinstance(m, torch.nn.Linear | torch.nn.Conv1d):
+            total += m.weight.numel()
+        elif name.lower().endswith("topkrouter") and hasattr(m, "weight"):  # else: a Linear
             total += m.weight.numel()
         elif name.endswith(("Experts", "NaiveMoe")):
+            # one expert: one row of each stacked weight (LongCat-Flash allocates gate_up rows
+            # for its zero-computation experts too)
             own = [p for p in m.parameters(recurse=False) if p.dim() == 3]
-            total += sum(p.numel() for p in own) * top_k / own[0].shape[0]
+            total += sum(p[0].numel() for p in own) * top_k
     return 2.0 * total
 
 
@@ -111,6 +116,7 @@ _FLOP_MOE_KINDS = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe
 _FLOP_MOE_KINDS += ("granitemoe", "granitemoeshared", "minimax_m2")
 _FLOP_MOE_KINDS += ("olmoe", "flex_olmo", "dots1", "solar_open", "glm4_moe_lite", "exaone_moe")
 _FLOP_MOE_KINDS += ("ministral3", "mistral4")
+_FLOP_MOE_KINDS += ("hunyuan_v1_moe", "ernie4_5_moe", "cohere2_moe", "longcat_flash")
 _FLOP_MAMBA2_KINDS = ("granitemoehybrid", "bamba", "nemotron_h", "falcon_h1")
 _FLOP_CONV_KINDS = ("lfm2", "lfm2_moe")
 _FLOP_LIGHTNING_KINDS = ("minimax",)
@@ -151,6 +157,7 @@ def test_flop_model_matches_the_module_tree(kind, monkeypatch):
         "deepseek_v3",
         "glm4_moe_lite",
         "mistral4",
+        "longcat_flash",
     ):  # MLA: q·k over nope + rope, p·v over v dims
         per_layer = 2.0 * h * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
     else:

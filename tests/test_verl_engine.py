@@ -204,6 +204,10 @@ _ENGINE_FAMILIES += ["granite", "cohere2", "granitemoeshared", "smollm3", "exaon
 _ENGINE_FAMILIES += ["olmoe", "flex_olmo", "dots1", "solar_open", "glm4_moe_lite", "exaone_moe"]
 # Ministral 3 and Mistral 4 (MLA, MoE): YaRN with Llama 4's position-dependent query scaling.
 _ENGINE_FAMILIES += ["ministral3", "mistral4"]
+# Hunyuan-MoE (q/k norms after RoPE), ERNIE 4.5 MoE (correction-biased routing, shared expert),
+# Cohere 2 MoE (logit scale, sliding RoPE + full NoPE layers), LongCat-Flash (two MLA attentions
+# a layer, zero-computation experts).
+_ENGINE_FAMILIES += ["hunyuan_v1_moe", "ernie4_5_moe", "cohere2_moe", "longcat_flash"]
 # The Mamba-2 hybrids Granite 4.0-H (MoE + shared MLP, NoPE attention), Bamba, Nemotron-H
 # (Mamba-2, attention, MLP and MoE blocks) and Falcon-H1 (mixer and attention in parallel, µP
 # multipliers, logits times lm_head_multiplier); the short-conv hybrids LFM2 (tied embeddings) and

@@ -8,7 +8,8 @@ attention); outside one the original forward runs untouched. The attention modul
 full-attention models (Qwen2 / Qwen3 / Llama / Mistral, Qwen2-MoE / Qwen3-MoE / Mixtral,
 DeepSeek-V3's MLA, GLM-4-MoE, OLMo 2 / OLMo 3, Phi-3, Seed-OSS, GLM-4, Gemma 2 / Gemma 3,
 Granite / Granite-MoE, Cohere / Cohere 2, SmolLM3, Ministral, EXAONE 4, ERNIE 4.5, Hunyuan
-dense, Apertus, Arcee, MiniMax-M2, gpt-oss with its attention sinks) run their own forward in
+dense / MoE, ERNIE 4.5 MoE, Cohere 2 MoE, LongCat-Flash, Apertus, Arcee, MiniMax-M2, gpt-oss with
+its attention sinks, ...) run their own forward in
 tree mode, with transformers' attention interface pointed at tree attention
 (:func:`tree_attention_interface`, which takes sliding windows, sinks and Gemma 2's logit
 soft-capping). Embeddings, norms, MLP /
@@ -276,6 +277,10 @@ FULL_ATTENTION_MODEL_TYPES = (
     "exaone_moe",
     "ministral3",
     "mistral4",
+    "hunyuan_v1_moe",
+    "ernie4_5_moe",
+    "cohere2_moe",
+    "longcat_flash",
 )
 _FULL_ATTENTION_CLASSES = (
     "Qwen2Attention",
@@ -316,6 +321,10 @@ _FULL_ATTENTION_CLASSES = (
     "ExaoneMoeAttention",
     "Ministral3Attention",
     "Mistral4Attention",
+    "HunYuanMoEV1Attention",
+    "Ernie4_5_MoeAttention",
+    "Cohere2MoeAttention",
+    "LongcatFlashMLA",
     "GraniteMoeHybridAttention",
     "BambaAttention",
     "NemotronHAttention",
@@ -327,7 +336,9 @@ _FULL_ATTENTION_CLASSES = (
 )
 # Softmax top-k routers whose load-balancing loss HF computes from the router logits
 # (``output_router_logits``; gpt-oss: Switch-style over the softmax of its biased logits, like
-# Mixtral's); DeepSeek-V3 / GLM-4-MoE route by sigmoid scores without one.
+# Mixtral's; ERNIE 4.5 MoE: over the plain softmax, without its ``moe_statics`` bias);
+# DeepSeek-V3 / GLM-4-MoE route by sigmoid scores without one, and Hunyuan-MoE, Cohere 2 MoE
+# and LongCat-Flash compute none.
 _FULL_ATTENTION_ROUTER_CLASSES = (
     "Qwen2MoeTopKRouter",
     "Qwen3MoeTopKRouter",
@@ -337,6 +348,7 @@ _FULL_ATTENTION_ROUTER_CLASSES = (
     "OlmoeTopKRouter",
     "FlexOlmoTopKRouter",
     "MiniMaxTopKRouter",
+    "Ernie4_5_MoeTopKRouter",
 )
 
 # Model types whose HF text model runs in tree mode with the 1-element mask of
@@ -1211,7 +1223,9 @@ class HFCausalTreeModel(_HFTreeModel):
     MLA, GLM-4-MoE, OLMo 2 / OLMo 3, Phi-3, Seed-OSS, GLM-4, Gemma 2 / Gemma 3, Granite /
     Granite-MoE (with or without a shared expert), Cohere / Cohere 2, SmolLM3, Ministral,
     EXAONE 4, ERNIE 4.5, Hunyuan dense, Apertus, Arcee, MiniMax-M2, OLMoE, FlexOlmo, dots.llm1,
-    Solar-Open, GLM-4-MoE-Lite, EXAONE-MoE, Ministral 3, Mistral 4, gpt-oss), or of a Mamba-2
+    Solar-Open, GLM-4-MoE-Lite, EXAONE-MoE, Ministral 3, Mistral 4, Hunyuan-MoE, ERNIE 4.5 MoE,
+    Cohere 2 MoE, LongCat-Flash (two MLA attentions a layer, zero-computation experts),
+    gpt-oss), or of a Mamba-2
     hybrid (Granite 4.0-H, Bamba, Nemotron-H, Falcon-H1), Mamba-1 hybrid (Jamba), short-conv
     hybrid (LFM2, LFM2-MoE) or lightning-attention hybrid (MiniMax-Text-01 / MiniMax-M1):
     :data:`MASKED_TREE_MODEL_TYPES`."""

@@ -31,6 +31,7 @@ __all__ = [
     "gated_hybrid_shape",
     "ideal_flop_ratio",
     "lightning_hybrid_shape",
+    "longcat_flash_shape",
     "mamba1_hybrid_shape",
     "mamba2_hybrid_shape",
     "model_shape",
@@ -130,54 +131,97 @@ _UNGATED_MLP_TYPES = ("apertus", "arcee")  # up → activation (xIELU, ReLU²) �
 # MoE families whose experts are ``intermediate_size`` wide (the others: ``moe_intermediate_size``).
 _EXPERT_WIDTH_IS_INTERMEDIATE = (
     *("mixtral", "gpt_oss", "granitemoe", "granitemoeshared", "minimax_m2", "olmoe", "flex_olmo"),
+    *("hunyuan_v1_moe", "cohere2_moe"),
 )
+
+
+def _per_layer(value: Any, i: int) -> Any:
+    """A config field that is one value or a list with one per layer (Hunyuan's ``moe_topk``)."""
+    return value[i] if isinstance(value, list | tuple) else value
+
+
+def _is_sparse_layer(cfg: Any, i: int) -> bool:
+    """Whether layer ``i`` of an HF MoE config routes to experts: ``mlp_layer_types`` where the
+    config has them (``sparse``); ERNIE 4.5 MoE's ``moe_layer_interval`` between
+    ``moe_layer_start_index`` and ``moe_layer_end_index`` (-1: the last layer); from
+    ``first_k_dense_replace`` on (DeepSeek-V3, GLM-4-MoE); else every
+    ``decoder_sparse_step``-th layer not in ``mlp_only_layers`` (every layer where the config has
+    none of these, e.g. Mixtral)."""
+    mlp_types = getattr(cfg, "mlp_layer_types", None)
+    if mlp_types is not None:  # GLM-4-MoE-Lite, EXAONE-MoE, Cohere 2 MoE
+        return mlp_types[i] == "sparse"
+    interval = getattr(cfg, "moe_layer_interval", None)
+    if interval is not None:  # ERNIE 4.5 MoE
+        end = cfg.moe_layer_end_index
+        end = cfg.num_hidden_layers - 1 if end == -1 else end
+        return (i + 1) % interval == 0 and cfg.moe_layer_start_index <= i <= end
+    first_dense = getattr(cfg, "first_k_dense_replace", None)
+    if first_dense is not None:
+        return i >= first_dense
+    step = getattr(cfg, "decoder_sparse_step", None) or 1
+    return (i + 1) % step == 0 and i not in (getattr(cfg, "mlp_only_layers", None) or ())
 
 
 def _ffn_layer(cfg: Any, i: int) -> float:
     """Row-wise FLOPs per token of layer ``i``'s feed-forward block in an HF model: a gated MLP
-    of ``intermediate_size`` (Apertus' and Arcee's: ungated, two matrices), or a sparse MoE
-    block: the router (one weight row per routed expert), ``num_experts_per_tok`` gated experts
+    of ``intermediate_size`` (Apertus' and Arcee's: ungated, two matrices; Cohere 2 MoE's dense
+    prefix: ``prefix_dense_intermediate_size``), or, in a sparse layer
+    (:func:`_is_sparse_layer`), a sparse MoE block: the router (one weight row per routed
+    expert), ``num_experts_per_tok`` (Hunyuan: ``moe_topk``, one or one per layer) gated experts
     (``moe_intermediate_size`` wide; ``intermediate_size`` for
     :data:`_EXPERT_WIDTH_IS_INTERMEDIATE`; biases ignored), and in full any shared expert:
-    Granite-MoE-Shared's
-    ``shared_intermediate_size`` wide one, Qwen2-MoE / Qwen3-Next / Qwen3.5-MoE's
-    ``shared_expert_intermediate_size`` wide one and its sigmoid gate, DeepSeek-V3 / GLM-4-MoE's
-    ``n_shared_experts`` (EXAONE-MoE: ``num_shared_experts``) fused into one
-    ``n_shared_experts × moe_intermediate_size`` wide MLP. Sparse layers: those marked
-    ``sparse`` in ``mlp_layer_types`` where the config has them; with ``first_k_dense_replace``
-    (DeepSeek-V3, GLM-4-MoE) those from that index on, else those with ``(i + 1) % decoder_sparse_step == 0`` not in ``mlp_only_layers``
-    (every layer where the config has neither, e.g. Mixtral)."""
+    Granite-MoE-Shared's ``shared_intermediate_size`` wide one, Qwen2-MoE / Qwen3-Next /
+    Qwen3.5-MoE's ``shared_expert_intermediate_size`` wide one and its sigmoid gate,
+    Hunyuan-MoE's MLP as wide as its experts, DeepSeek-V3 / GLM-4-MoE's ``n_shared_experts``
+    (EXAONE-MoE, Cohere 2 MoE: ``num_shared_experts``; ERNIE 4.5 MoE:
+    ``moe_num_shared_experts``) fused into one MLP that many experts wide."""
     d = cfg.hidden_size
     num_experts = 0
     for key in ("num_experts", "num_local_experts", "n_routed_experts"):
         num_experts = num_experts or int(getattr(cfg, key, 0) or 0)
-    first_dense = getattr(cfg, "first_k_dense_replace", None)
-    mlp_types = getattr(cfg, "mlp_layer_types", None)
-    if mlp_types is not None:  # GLM-4-MoE-Lite, EXAONE-MoE
-        sparse = mlp_types[i] == "sparse"
-    elif first_dense is not None:
-        sparse = i >= first_dense
-    else:
-        step = getattr(cfg, "decoder_sparse_step", None) or 1
-        sparse = (i + 1) % step == 0 and i not in (getattr(cfg, "mlp_only_layers", None) or ())
-    if not (num_experts and sparse):
+    if not (num_experts and _is_sparse_layer(cfg, i)):
         # a gated MLP (gate, up, down), or Apertus' / Arcee's ungated one (up, down)
         mats = 2 if cfg.model_type in _UNGATED_MLP_TYPES else 3
-        return 2.0 * mats * d * cfg.intermediate_size
+        width = getattr(cfg, "prefix_dense_intermediate_size", None) or cfg.intermediate_size
+        return 2.0 * mats * d * width
     if cfg.model_type in _EXPERT_WIDTH_IS_INTERMEDIATE:
         width = cfg.intermediate_size
     else:
         width = cfg.moe_intermediate_size
-    flops = d * num_experts + 3 * d * width * cfg.num_experts_per_tok
+    top_k = getattr(cfg, "num_experts_per_tok", None) or _per_layer(cfg.moe_topk, i)
+    flops = d * num_experts + 3 * d * width * top_k
     shared = getattr(cfg, "shared_expert_intermediate_size", None)
     if shared is not None:
         flops += 3 * d * shared + d
     if getattr(cfg, "shared_intermediate_size", 0):  # Granite-MoE-Shared: no gate
         flops += 3 * d * cfg.shared_intermediate_size
-    n_shared = getattr(cfg, "n_shared_experts", None) or getattr(cfg, "num_shared_experts", 0)
+    if cfg.model_type == "hunyuan_v1_moe":  # its shared MLP, as wide as the experts
+        flops += 3 * d * width
+    n_shared = (
+        getattr(cfg, "n_shared_experts", None)
+        or getattr(cfg, "num_shared_experts", None)
+        or getattr(cfg, "moe_num_shared_experts", 0)
+    )
     if n_shared:  # configs without shared experts may have no moe_intermediate_size
-        flops += 3 * d * cfg.moe_intermediate_size * n_shared
+        flops += 3 * d * width * n_shared
     return 2.0 * flops
+
+
+def longcat_flash_shape(cfg: Any) -> ModelShape:
+    """Coefficients of an HF LongCat-Flash (``longcat_flash``): per layer (``num_layers``) two
+    multi-head latent attentions (:func:`_mla_attention_layer`), two gated MLPs
+    ``ffn_hidden_size`` wide and a shortcut MoE: the router over the routed and
+    zero-computation experts and ``moe_topk`` gated experts ``expert_ffn_hidden_size`` wide (an
+    upper bound: a token routed to a zero-computation expert does no work there); the LM head."""
+    d = cfg.hidden_size
+    dense_a, attn_a = _mla_attention_layer(cfg)
+    mlps = 2 * 3 * d * cfg.ffn_hidden_size
+    router = d * (cfg.n_routed_experts + cfg.zero_expert_num)
+    experts = 3 * d * cfg.expert_ffn_hidden_size * cfg.moe_topk
+    per_layer = 2 * dense_a + 2.0 * (mlps + router + experts)
+    return ModelShape(
+        2.0 * d * cfg.vocab_size + cfg.num_layers * per_layer, cfg.num_layers * 2 * attn_a, 0.0
+    )
 
 
 def gated_hybrid_shape(cfg: Any) -> ModelShape:
@@ -438,6 +482,8 @@ def model_shape(cfg: Any) -> ModelShape:
         return lightning_hybrid_shape(cfg)
     if model_type in _MAMBA1_HYBRID_TYPES:
         return mamba1_hybrid_shape(cfg)
+    if model_type == "longcat_flash":
+        return longcat_flash_shape(cfg)
     if model_type in _FULL_ATTENTION_TYPES:
         return full_attention_shape(cfg)
     raise ValueError(

@@ -46,6 +46,7 @@ TINY_KINDS = (
     "minimax_m2",
     *("olmoe", "flex_olmo", "dots1", "solar_open", "glm4_moe_lite", "exaone_moe"),
     *("ministral3", "mistral4"),
+    *("hunyuan_v1_moe", "ernie4_5_moe", "cohere2_moe", "longcat_flash"),
     *("granitemoehybrid", "bamba", "nemotron_h", "falcon_h1", "lfm2", "lfm2_moe"),
     "minimax",
     "jamba",
@@ -337,6 +338,74 @@ _FULL_ATTENTION = {
             "head_dim": 16,
             "max_position_embeddings": 64,
             "rope_parameters": {**_YARN_LLAMA4, "partial_rotary_factor": 0.5},
+        },
+    ),
+    # Hunyuan-A13B-like: q/k norms after RoPE, softmax top-2 of 4 experts (renormalised) plus a
+    # shared MLP in every layer, experts as wide as the MLP.
+    "hunyuan_v1_moe": (
+        "HunYuanMoEV1Config",
+        {
+            **_NO_SPECIAL_IDS,
+            "head_dim": 8,
+            "intermediate_size": 16,
+            "num_experts": 4,
+            "moe_topk": 2,
+        },
+    ),
+    # ERNIE 4.5 MoE: a dense first layer, then softmax top-2 of 4 experts chosen with the
+    # ``moe_statics`` correction bias, a shared expert; interleaved RoPE.
+    "ernie4_5_moe": (
+        "Ernie4_5_MoeConfig",
+        {
+            **_NO_SPECIAL_IDS,
+            "num_hidden_layers": 3,
+            "head_dim": 8,
+            "moe_num_experts": 4,
+            "moe_k": 2,
+            "moe_intermediate_size": 16,
+            "moe_num_shared_experts": 1,
+        },
+    ),
+    # Cohere 2 MoE (Command A-like): a dense RoPE prefix layer, a sliding RoPE layer, a full NoPE
+    # layer; parallel attention and MoE (softmax over the top-2 logits) averaged with a shared
+    # expert; LayerNorms; logits times logit_scale.
+    "cohere2_moe": (
+        "Cohere2MoeConfig",
+        {
+            **_NO_SPECIAL_IDS,
+            "num_hidden_layers": 3,
+            "head_dim": 8,
+            "intermediate_size": 16,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "num_shared_experts": 1,
+            "prefix_dense_intermediate_size": 64,
+            "first_k_dense_replace": 1,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+            "sliding_window": 6,
+            "logit_scale": 0.25,
+        },
+    ),
+    # LongCat-Flash: two MLA attentions and two dense MLPs per layer, a shortcut MoE (softmax
+    # over 4 experts and 2 zero-computation experts, top-2 by score + correction bias, scaled).
+    "longcat_flash": (
+        "LongcatFlashConfig",
+        {
+            **_NO_SPECIAL_IDS,
+            "num_layers": 2,
+            "num_key_value_heads": 4,
+            "ffn_hidden_size": 64,
+            "q_lora_rank": 16,
+            "kv_lora_rank": 16,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "head_dim": 8,
+            "v_head_dim": 4,
+            "n_routed_experts": 4,
+            "zero_expert_num": 2,
+            "moe_topk": 2,
+            "expert_ffn_hidden_size": 16,
+            "routed_scaling_factor": 1.5,
         },
     ),
     "cohere": (
@@ -743,6 +812,10 @@ def tiny_hf_model(kind: str, *, seed: int = 0, vocab_size: int = 64) -> torch.nn
         "exaone_moe": transformers.ExaoneMoeForCausalLM,
         "ministral3": transformers.Ministral3ForCausalLM,
         "mistral4": transformers.Mistral4ForCausalLM,
+        "hunyuan_v1_moe": transformers.HunYuanMoEV1ForCausalLM,
+        "ernie4_5_moe": transformers.Ernie4_5_MoeForCausalLM,
+        "cohere2_moe": transformers.Cohere2MoeForCausalLM,
+        "longcat_flash": transformers.LongcatFlashForCausalLM,
         "granitemoe": transformers.GraniteMoeForCausalLM,
         "granitemoeshared": transformers.GraniteMoeSharedForCausalLM,
         "cohere": transformers.CohereForCausalLM,
