@@ -59,6 +59,42 @@ def _multiturn_batch(seed: int) -> tuple[list[list[int]], list[int], list]:
     return seqs, [17] * 4, spans
 
 
+def _random_batch(seed: int) -> tuple[list[list[int]], list[int], list]:
+    """A random tree batch: 1-3 prompts of 1-24 tokens, each with a group of 1-4 samples. A
+    sample's response is fresh (1-20 tokens) or forks a sibling's at a random point (0: a
+    shared first token; the whole response: an exact duplicate, possibly with other tool
+    spans); some samples move the prompt/response boundary into their prompt (the same tokens,
+    a shorter prompt); random tool spans (loss mask 0) in half of the longer responses."""
+    rng = np.random.default_rng(seed)
+    seqs: list[list[int]] = []
+    prompt_lens: list[int] = []
+    spans: list[tuple[int, int, int]] = []
+    for _ in range(int(rng.integers(1, 4))):
+        prompt = rng.integers(0, VOCAB, int(rng.integers(1, 25))).tolist()
+        group: list[list[int]] = []
+        for _ in range(int(rng.integers(1, 5))):
+            if group and rng.random() < 0.6:
+                base = group[int(rng.integers(len(group)))]
+                cut = int(rng.integers(0, len(base) + 1))
+                fresh = rng.integers(0, VOCAB, int(rng.integers(0, 12))).tolist()
+                resp = (base[:cut] + fresh) or base[:1]
+            else:
+                resp = rng.integers(0, VOCAB, int(rng.integers(1, 21))).tolist()
+            group.append(resp)
+        for resp in group:
+            plen = len(prompt)
+            if plen > 1 and rng.random() < 0.2:  # the same tokens, a shorter prompt
+                plen = int(rng.integers(1, plen))
+            i = len(seqs)
+            seqs.append(prompt + resp)
+            prompt_lens.append(plen)
+            n = len(seqs[i]) - plen
+            if n > 4 and rng.random() < 0.5:
+                a = int(rng.integers(1, n - 2))
+                spans.append((i, a, int(rng.integers(a + 1, n))))
+    return seqs, prompt_lens, spans
+
+
 BATCHES = {"grpo": _grpo_batch, "multiturn": _multiturn_batch}
 
 
@@ -178,6 +214,22 @@ def test_parity_vanilla(verl_cpu, kind, batch):
     _compare(ref, tree)
     assert tree[1]["harts/microbatches"][0] >= 2
     assert tree[1]["harts/compression"][0] > 1.0
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3_5", "granitemoehybrid", "jamba"])
+@pytest.mark.parametrize("seed", range(5))
+def test_parity_random_batches(verl_cpu, kind, seed):
+    """Random tree batches (:func:`_random_batch`: duplicates, forks at every depth, moved
+    prompt boundaries, tool spans, one-token prompts and responses): inference and one train
+    step equal the stock engine's, over several micro-batches (attention, GatedDeltaNet,
+    Mamba-2 and Mamba-1 mixers)."""
+    testing, paths = verl_cpu
+    data = _random_batch(seed)
+    padded = kind in HYBRIDS or kind in _PADDED_REFERENCE
+    ref = _run(testing, paths[kind], "fsdp2", data, loss_mode="vanilla", padded=padded)
+    harts = {"chunk_size": 8, "capacity_tokens": 40}
+    tree = _run(testing, paths[kind], "harts_fsdp2", data, loss_mode="vanilla", harts=harts)
+    _compare(ref, tree)
 
 
 # Full-attention families beyond Qwen2: Llama (no per-layer mask mapping), the MoE Qwen3-MoE and
