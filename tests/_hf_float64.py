@@ -475,14 +475,22 @@ def hf_log_probs(model: torch.nn.Module, seqs: list[list[int]]) -> list[torch.Te
 
 
 # The float32 islands of the recurrent hybrids: HF's Mamba-2 torch path casts x, B, C and A_log
-# with ``.float()`` (Jamba's Mamba-1 scan too), its gated RMSNorms (full width for Granite 4.0-H /
-# Bamba, per group for Nemotron-H) and RMSNorms (LFM2's, MiniMax's, Jamba's too) compute in
+# with ``.float()`` (the Mamba-1 scans too), its gated RMSNorms (full width for Granite 4.0-H /
+# Bamba, per group for Nemotron-H) and RMSNorms (LFM2's, MiniMax's, Jamba's, Falcon-Mamba's
+# weightless ones too) compute in
 # float32, Granite's and MiniMax's router logits are ``.float()``, Jamba's routing softmax is
 # float32, Nemotron-H's router matmul and its causal LM's logits are float32.
 _RECURRENT_HYBRID_MODULES = (
     *("granitemoehybrid", "bamba", "nemotron_h", "falcon_h1", "lfm2", "lfm2_moe", "minimax"),
-    "jamba",
+    *("jamba", "mamba", "falcon_mamba", "mamba2"),
 )
+
+
+def _weightless_rms(hidden_states, variance_epsilon=1e-6):
+    """Falcon-Mamba's ``rms_forward`` (an RMSNorm without weight) in the compute dtype."""
+    h = hidden_states.to(_compute_dtype(hidden_states.dtype))
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + variance_epsilon)
+    return h.to(hidden_states.dtype)
 
 
 def _jamba_route(self, hidden_states, router_logits):
@@ -556,6 +564,8 @@ def lift_recurrent_hybrid_islands(monkeypatch) -> None:
                 monkeypatch.setattr(obj, "route_tokens_to_experts", _jamba_route)
             elif name.endswith("RotaryEmbedding"):  # a float64 table (default RoPE)
                 monkeypatch.setattr(obj, "forward", _olmo_rotary)
+        if hasattr(m, "rms_forward"):  # Falcon-Mamba
+            monkeypatch.setattr(m, "rms_forward", _weightless_rms)
 
 
 def trajectory_loss(lps: list[torch.Tensor]) -> torch.Tensor:

@@ -8,7 +8,9 @@ the short-conv hybrids (``CONV_HYBRID_MODEL_TYPES``) Liquid AI LFM2 (gated 3-tok
 and RoPE attention with q/k norms, tied embeddings) and LFM2-MoE (sigmoid-routed experts with an
 expert bias after a dense first layer), and the lightning-attention hybrid MiniMax-Text-01 /
 MiniMax-M1 (``LIGHTNING_HYBRID_MODEL_TYPES``: linear attention with a fixed decay per head and
-layer, GQA softmax attention, softmax top-k MoE, DeepNorm-style residual factors).
+layer, GQA softmax attention, softmax top-k MoE, DeepNorm-style residual factors); also the
+pure state-space models Mamba, Falcon-Mamba and Mamba-2 (``SSM_MODEL_TYPES``), whose every
+layer is such a mixer.
 
 A Mamba-2 mixer runs its in-projection, the depthwise conv over each row's path, SSD over the
 planned rounds (gated linear attention without the delta rule, state handoffs at forks), the D
@@ -41,6 +43,7 @@ from harts_verl.models.adapter import (
     LIGHTNING_HYBRID_MODEL_TYPES,
     MAMBA1_HYBRID_MODEL_TYPES,
     MAMBA2_HYBRID_MODEL_TYPES,
+    SSM_MODEL_TYPES,
     TREE_MODEL_TYPES,
     HFCausalTreeModel,
     as_tree_model,
@@ -55,6 +58,7 @@ KINDS = [
     *MAMBA1_HYBRID_MODEL_TYPES,
     *CONV_HYBRID_MODEL_TYPES,
     *LIGHTNING_HYBRID_MODEL_TYPES,
+    *SSM_MODEL_TYPES,
 ]
 
 

@@ -121,6 +121,7 @@ _FLOP_MAMBA2_KINDS = ("granitemoehybrid", "bamba", "nemotron_h", "falcon_h1")
 _FLOP_CONV_KINDS = ("lfm2", "lfm2_moe")
 _FLOP_LIGHTNING_KINDS = ("minimax",)
 _FLOP_MAMBA1_KINDS = ("jamba",)
+_FLOP_SSM_KINDS = ("mamba", "falcon_mamba", "mamba2")
 
 
 @pytest.mark.parametrize(
@@ -130,7 +131,8 @@ _FLOP_MAMBA1_KINDS = ("jamba",)
     + _FLOP_MAMBA2_KINDS
     + _FLOP_MAMBA1_KINDS
     + _FLOP_CONV_KINDS
-    + _FLOP_LIGHTNING_KINDS,
+    + _FLOP_LIGHTNING_KINDS
+    + _FLOP_SSM_KINDS,
 )
 def test_flop_model_matches_the_module_tree(kind, monkeypatch):
     monkeypatch.setitem(sys.modules, "fla", None)
@@ -152,6 +154,9 @@ def test_flop_model_matches_the_module_tree(kind, monkeypatch):
     if kind in _FLOP_CONV_KINDS:  # conv / full_attention layers
         n_full = sum(t == "full_attention" for t in cfg.layer_types)
         assert 0 < n_full < cfg.num_hidden_layers
+    if kind in _FLOP_SSM_KINDS:  # no attention; every layer a mixer
+        assert shape.attention_per_pair == 0.0 and shape.linear_per_token > 0
+        return
     h = cfg.num_attention_heads
     if kind in (
         "deepseek_v3",

@@ -287,6 +287,17 @@ def test_parity_full_attention_families(verl_cpu, kind):
     assert tree[1]["harts/microbatches"][0] >= 2
 
 
+@pytest.mark.parametrize("kind", ["mamba", "mamba2"])
+def test_attention_free_models_are_refused_by_name(verl_cpu, kind):
+    """veRL's FSDP engine cannot build a pure state-space model (its monkey patch reads
+    ``num_attention_heads``): ``harts_fsdp2`` says so, naming the model type, before veRL
+    fails on the missing attribute."""
+    testing, paths = verl_cpu
+    cfg = testing.actor_config(strategy="harts_fsdp2", loss_mode="vanilla")
+    with pytest.raises(ValueError, match=f"model_type '{kind}'.*num_attention_heads"):
+        testing.build_engine(paths[kind], cfg, use_remove_padding=False)
+
+
 def test_gemma2_sdpa_fallback_batches_keep_the_soft_cap(verl_cpu, caplog, monkeypatch):
     """Gemma 2 on sdpa (which drops its attention soft-cap): the build warns, and a fallback
     batch runs eager attention, so it computes what a tree batch computes (log-probs <= 1e-6

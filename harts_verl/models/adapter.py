@@ -152,6 +152,9 @@ _KEYWORD_DROPPING_LAYER_CLASSES = (
     "Lfm2MoeDecoderLayer",
     "FalconH1DecoderLayer",
     "JambaMambaDecoderLayer",
+    "MambaBlock",
+    "FalconMambaBlock",
+    "Mamba2Block",
     "Qwen3_5DecoderLayer",
     "Qwen3_5MoeDecoderLayer",
 )
@@ -167,6 +170,7 @@ _KEYWORD_DROPPING_LAYER_CLASSES = (
 # layer's and MLP's multipliers are HF's code; ``lm_head_multiplier`` a logit transform).
 MAMBA2_HYBRID_MODEL_TYPES = ("granitemoehybrid", "bamba", "nemotron_h", "falcon_h1")
 _MAMBA2_CLASSES = (
+    "Mamba2Mixer",
     "GraniteMoeHybridMambaLayer",
     "BambaMixer",
     "NemotronHMamba2Mixer",
@@ -187,7 +191,11 @@ _SHORT_CONV_CLASSES = ("Lfm2ShortConv", "Lfm2MoeShortConv")
 # head per channel (its state ``[N, 1]``), a per-channel decay ``dt · A`` over the N state
 # entries, q/k = C/B shared by all channels.
 MAMBA1_HYBRID_MODEL_TYPES = ("jamba",)
-_MAMBA1_CLASSES = ("JambaMambaMixer",)
+_MAMBA1_CLASSES = ("JambaMambaMixer", "MambaMixer", "FalconMambaMixer")
+# Pure state-space models: Mamba (Mamba-1), TII Falcon-Mamba (Mamba-1 with weightless RMSNorms on
+# dt, B and C) and Mamba-2 (``backbone`` in place of ``model``: embeddings, residual blocks of
+# norm → mixer, ``norm_f``). Their mixers are the hybrids' (above); every layer is linear.
+SSM_MODEL_TYPES = ("mamba", "falcon_mamba", "mamba2")
 # MoE blocks whose router is a plain ``nn.Linear`` named ``router`` (its output: the logits).
 _LINEAR_ROUTER_PARENTS = ("JambaSparseMoeBlock",)
 
@@ -360,6 +368,7 @@ MASKED_TREE_MODEL_TYPES = (
     + CONV_HYBRID_MODEL_TYPES
     + LIGHTNING_HYBRID_MODEL_TYPES
     + MAMBA1_HYBRID_MODEL_TYPES
+    + SSM_MODEL_TYPES
 )
 # Model types that run in tree mode (``harts_hybrid``: the native model through its HF wrapper).
 TREE_MODEL_TYPES = HYBRID_MODEL_TYPES + MASKED_TREE_MODEL_TYPES + ("harts_hybrid",)
@@ -784,9 +793,10 @@ def _mamba2_tree_forward(
 def _mamba1_tree_forward(
     self, *args: Any, harts_layout: TreeLayout | None = None, **kwargs: Any
 ) -> torch.Tensor:
-    """Tree mode of an HF Mamba-1 mixer (Jamba): ``in_proj`` → (x, gate) → depthwise causal
-    conv of x over each row's path and the mixer's activation → ``x_proj`` → (dt, B, C), each
-    through its RMSNorm → ``dt = softplus(dt_proj(dt))`` → the selective scan over the planned
+    """Tree mode of an HF Mamba-1 mixer (Jamba, Mamba, Falcon-Mamba): ``in_proj`` → (x, gate)
+    → depthwise causal conv of x over each row's path and the mixer's activation → ``x_proj`` →
+    (dt, B, C), each through its RMSNorm (Jamba: weighted; Falcon-Mamba: weightless; Mamba:
+    none) → ``dt = softplus(dt_proj(dt))`` → the selective scan over the planned
     rounds as gated linear attention without the delta rule (one value head per channel with
     ``v = x``, q/k = C/B shared by all channels, write scale ``dt``, per-channel log decay
     ``dt · A`` over the state entries with ``A = -exp(A_log)``, query scale 1), in at least
@@ -802,8 +812,12 @@ def _mamba1_tree_forward(
     x, gate = self.in_proj(hidden_states)[0].chunk(2, dim=-1)
     x = self.act(layout.short_conv(x, self.conv1d.weight.squeeze(1), self.conv1d.bias, None))
     dt, b, cm = self.x_proj(x).split([rank, n, n], dim=-1)
-    dt = F.softplus(self.dt_proj(self.dt_layernorm(dt)))
-    b, cm = self.b_layernorm(b), self.c_layernorm(cm)
+    if hasattr(self, "dt_layernorm"):  # Jamba
+        dt, b, cm = self.dt_layernorm(dt), self.b_layernorm(b), self.c_layernorm(cm)
+    elif hasattr(self, "rms_eps"):  # Falcon-Mamba: weightless RMSNorms
+        rms = sys.modules[type(self).__module__].rms_forward
+        dt, b, cm = (rms(t, variance_epsilon=self.rms_eps) for t in (dt, b, cm))
+    dt = F.softplus(self.dt_proj(dt))
     ct = torch.promote_types(dtype, torch.float32)
     x, dt = x.to(ct), dt.to(ct)
     log_decay = -torch.exp(self.A_log.to(ct))[None] * dt[..., None]  # [C, channels, N]
@@ -1021,8 +1035,8 @@ def _patch(module: nn.Module, fn) -> None:
 
 def _text_model(hf_model: nn.Module) -> nn.Module:
     """The decoder stack of an HF causal LM (``model``; ``model.language_model`` for the
-    multi-modal Qwen3.5 and Gemma 3 wrappers)."""
-    base = hf_model.model
+    multi-modal Qwen3.5 and Gemma 3 wrappers; the state-space models' ``backbone``)."""
+    base = hf_model.model if hasattr(hf_model, "model") else hf_model.backbone
     return getattr(base, "language_model", base)
 
 
@@ -1226,8 +1240,8 @@ class HFCausalTreeModel(_HFTreeModel):
     Solar-Open, GLM-4-MoE-Lite, EXAONE-MoE, Ministral 3, Mistral 4, Hunyuan-MoE, ERNIE 4.5 MoE,
     Cohere 2 MoE, LongCat-Flash (two MLA attentions a layer, zero-computation experts),
     gpt-oss), or of a Mamba-2
-    hybrid (Granite 4.0-H, Bamba, Nemotron-H, Falcon-H1), Mamba-1 hybrid (Jamba), short-conv
-    hybrid (LFM2, LFM2-MoE) or lightning-attention hybrid (MiniMax-Text-01 / MiniMax-M1):
-    :data:`MASKED_TREE_MODEL_TYPES`."""
+    hybrid (Granite 4.0-H, Bamba, Nemotron-H, Falcon-H1), Mamba-1 hybrid (Jamba), state-space
+    model (Mamba, Falcon-Mamba, Mamba-2), short-conv hybrid (LFM2, LFM2-MoE) or
+    lightning-attention hybrid (MiniMax-Text-01 / MiniMax-M1): :data:`MASKED_TREE_MODEL_TYPES`."""
 
     routers = _FULL_ATTENTION_ROUTER_CLASSES

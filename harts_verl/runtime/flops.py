@@ -38,6 +38,7 @@ __all__ = [
     "native_model_shape",
     "olmo_hybrid_shape",
     "qwen3_next_shape",
+    "ssm_shape",
 ]
 
 
@@ -293,6 +294,9 @@ def _mamba2_mixer(cfg: Any) -> tuple[float, float]:
     if cfg.model_type == "nemotron_h":
         nh, p, ng = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups
         n, w = cfg.ssm_state_size, cfg.conv_kernel
+    elif cfg.model_type == "mamba2":
+        nh, p, ng = cfg.num_heads, cfg.head_dim, cfg.n_groups
+        n, w = cfg.state_size, cfg.conv_kernel
     else:
         nh, p, ng = cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_n_groups
         n, w = cfg.mamba_d_state, cfg.mamba_d_conv
@@ -409,6 +413,33 @@ def lightning_hybrid_shape(cfg: Any) -> ModelShape:
     return ModelShape(dense, attn, lin)
 
 
+def _mamba1_mixer(cfg: Any) -> tuple[float, float]:
+    """(row-wise FLOPs per token, selective-scan FLOPs per processed token) of one HF Mamba-1
+    mixer (Jamba's ``mamba_*`` fields; Mamba / Falcon-Mamba's ``expand``, ``state_size`` …):
+    ``in_proj`` (x, gate), the depthwise conv of x, ``x_proj`` (dt, B, C), ``dt_proj``,
+    ``out_proj``; the scan as chunk-64 linear attention with one value head per channel and the
+    state entries as keys (per channel q·k and p·x inside the chunk, state read and update)."""
+    d = cfg.hidden_size
+    if cfg.model_type == "jamba":
+        inner, n, rank = cfg.mamba_expand * d, cfg.mamba_d_state, cfg.mamba_dt_rank
+        width = cfg.mamba_d_conv
+    else:
+        inner, n, rank = int(cfg.expand * d), cfg.state_size, int(cfg.time_step_rank)
+        width = cfg.conv_kernel
+    proj = d * 2 * inner + inner * (rank + 2 * n) + rank * inner + inner * d
+    return 2.0 * proj + 2.0 * width * inner, inner * (2.0 * 64 * (n + 1) + 4.0 * n)
+
+
+def ssm_shape(cfg: Any) -> ModelShape:
+    """Coefficients of a transformers state-space model (``mamba``, ``falcon_mamba``: Mamba-1
+    mixers, :func:`_mamba1_mixer`; ``mamba2``: Mamba-2 mixers, :func:`_mamba2_mixer`) in every
+    layer; the LM head."""
+    mixer = _mamba2_mixer if cfg.model_type == "mamba2" else _mamba1_mixer
+    dense, lin = mixer(cfg)
+    n = cfg.num_hidden_layers
+    return ModelShape(2.0 * cfg.hidden_size * cfg.vocab_size + n * dense, 0.0, n * lin)
+
+
 def mamba1_hybrid_shape(cfg: Any) -> ModelShape:
     """Coefficients of a transformers Mamba-1 hybrid (``jamba``) from
     ``config.layers_block_type``: Mamba-1 mixers (``in_proj`` to x and gate, the depthwise conv
@@ -419,12 +450,10 @@ def mamba1_hybrid_shape(cfg: Any) -> ModelShape:
     wide, elsewhere a gated MLP; the LM head."""
     d = cfg.hidden_size
     dense, attn, lin = 2.0 * d * cfg.vocab_size, 0.0, 0.0
-    inner, n, rank = cfg.mamba_expand * d, cfg.mamba_d_state, cfg.mamba_dt_rank
     for t, experts in zip(cfg.layers_block_type, cfg.layers_num_experts):
         if t == "mamba":
-            proj = d * 2 * inner + inner * (rank + 2 * n) + rank * inner + inner * d
-            dense += 2.0 * proj + 2.0 * cfg.mamba_d_conv * inner
-            lin += inner * (2.0 * 64 * (n + 1) + 4.0 * n)
+            dense_i, lin_i = _mamba1_mixer(cfg)
+            dense, lin = dense + dense_i, lin + lin_i
         elif t == "attention":
             dense_i, attn_i = _hf_attention_layer(cfg, output_gate=False)
             dense, attn = dense + dense_i, attn + attn_i
@@ -439,6 +468,7 @@ def mamba1_hybrid_shape(cfg: Any) -> ModelShape:
 
 
 _MAMBA1_HYBRID_TYPES = ("jamba",)
+_SSM_TYPES = ("mamba", "falcon_mamba", "mamba2")
 _LIGHTNING_HYBRID_TYPES = ("minimax",)
 _CONV_HYBRID_TYPES = ("lfm2", "lfm2_moe")
 _MAMBA2_HYBRID_TYPES = ("granitemoehybrid", "bamba", "nemotron_h", "falcon_h1")
@@ -458,7 +488,8 @@ def model_shape(cfg: Any) -> ModelShape:
     ``granite`` / ``granitemoe`` / ``granitemoeshared`` / ``cohere`` / ``cohere2`` /
     ``smollm3`` / ``ministral`` / ``exaone4`` / ``ernie4_5`` / ``hunyuan_v1_dense`` /
     ``apertus`` / ``arcee``, the Mamba-2 hybrids ``granitemoehybrid`` / ``bamba`` /
-    ``nemotron_h`` / ``falcon_h1``, the Mamba-1 hybrid ``jamba``, the short-conv hybrids
+    ``nemotron_h`` / ``falcon_h1``, the Mamba-1 hybrid ``jamba``, the state-space models
+    ``mamba`` / ``falcon_mamba`` / ``mamba2``, the short-conv hybrids
     ``lfm2`` / ``lfm2_moe`` and the lightning-attention hybrid ``minimax``. Raises ``ValueError`` for any other
     ``model_type``."""
     from harts_verl.models.config import HybridConfig
@@ -482,6 +513,8 @@ def model_shape(cfg: Any) -> ModelShape:
         return lightning_hybrid_shape(cfg)
     if model_type in _MAMBA1_HYBRID_TYPES:
         return mamba1_hybrid_shape(cfg)
+    if model_type in _SSM_TYPES:
+        return ssm_shape(cfg)
     if model_type == "longcat_flash":
         return longcat_flash_shape(cfg)
     if model_type in _FULL_ATTENTION_TYPES:
@@ -490,6 +523,7 @@ def model_shape(cfg: Any) -> ModelShape:
         f"model_shape: no FLOP model for model_type {model_type!r} (known: harts_hybrid, "
         f"{', '.join(_GATED_HYBRID_TYPES + _FULL_ATTENTION_TYPES + _MAMBA2_HYBRID_TYPES)}, "
         f"{', '.join(_CONV_HYBRID_TYPES + _LIGHTNING_HYBRID_TYPES + _MAMBA1_HYBRID_TYPES)}, "
+        f"{', '.join(_SSM_TYPES)}, "
         "qwen3_5, qwen3_5_moe, "
         "olmo_hybrid)"
     )

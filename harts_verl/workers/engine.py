@@ -82,6 +82,7 @@ from harts_verl.models.adapter import (
     MAMBA1_HYBRID_MODEL_TYPES,
     MAMBA2_HYBRID_MODEL_TYPES,
     MASKED_TREE_MODEL_TYPES,
+    SSM_MODEL_TYPES,
     TREE_MODEL_TYPES,
     length_dependent_rope,
     logit_transform_of,
@@ -192,12 +193,14 @@ def forest_of_batch(data: TensorDict) -> RolloutForest:
 
 
 # Model types whose stock forward runs veRL's packed sequences (remove-padding path) as one:
-# HF's Mamba-2 / Mamba-1 mixers, LFM2's short convolutions and MiniMax's lightning attention take no
+# HF's Mamba-2 / Mamba-1 mixers (hybrids and pure SSMs), LFM2's short convolutions and MiniMax's
+# lightning attention take no
 # ``position_ids`` (one recurrence / convolution through the packed row), and transformers 5.10's gpt-oss builds its eager / sdpa
 # masks without them (see :meth:`HartsFSDPEngine._packed_reference_leaks`).
 _PADDED_STOCK_TYPES = (
     *MAMBA2_HYBRID_MODEL_TYPES,
     *MAMBA1_HYBRID_MODEL_TYPES,
+    *SSM_MODEL_TYPES,
     *CONV_HYBRID_MODEL_TYPES,
     *LIGHTNING_HYBRID_MODEL_TYPES,
     "gpt_oss",
@@ -206,6 +209,22 @@ _PADDED_STOCK_TYPES = (
 # What HF's stock forward can leave out of a model's attention (:meth:`_attention_term_dropped`).
 _SINKS_DROPPED = "attention sinks"
 _SOFTCAP_DROPPED = "attention logit soft-cap (attn_logit_softcapping)"
+
+
+def _check_attention_heads(config: Any) -> None:
+    """Raise ``ValueError`` for a model without attention heads (the pure state-space models:
+    ``config.num_attention_heads`` absent from the config and its text config): veRL's FSDP
+    engine reads them while it builds the module (``apply_monkey_patch``) and cannot build such a
+    model; tree mode runs it outside veRL (``TreeRunner``, ``harts-verl bench`` / ``check``)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if any(hasattr(c, "num_attention_heads") for c in (config, text)):
+        return
+    model_type = getattr(config, "model_type", None)
+    raise ValueError(
+        f"model_type {model_type!r}: veRL's FSDP engine cannot build a model without attention "
+        "heads (its apply_monkey_patch reads config.num_attention_heads); HARTS tree mode runs "
+        "it outside veRL (TreeRunner, harts-verl bench / check)"
+    )
 
 
 def _batch_temperature(micro_batch: TensorDict) -> float | np.ndarray:
@@ -423,6 +442,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         return True
 
     def _build_module(self):
+        _check_attention_heads(self.model_config.hf_config)
         module = super()._build_module()
         model_type = getattr(getattr(module, "config", None), "model_type", None)
         self._tree_supported = self._tree_head(module) and patch_tree_mixers(module) > 0

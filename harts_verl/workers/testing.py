@@ -50,6 +50,7 @@ TINY_KINDS = (
     *("granitemoehybrid", "bamba", "nemotron_h", "falcon_h1", "lfm2", "lfm2_moe"),
     "minimax",
     "jamba",
+    *("mamba", "falcon_mamba", "mamba2"),
 )
 # The multi-modal Qwen3.5 wrappers (``Qwen3_5ForConditionalGeneration`` /
 # ``Qwen3_5MoeForConditionalGeneration``, model_type ``qwen3_5`` / ``qwen3_5_moe``): the text
@@ -682,6 +683,18 @@ _MAMBA1_HYBRID = {
     ),
 }
 _RECURRENT_HYBRID = {**_MAMBA2_HYBRID, **_CONV_HYBRID, **_LIGHTNING_HYBRID, **_MAMBA1_HYBRID}
+# The pure state-space models (Mamba, Falcon-Mamba, Mamba-2): hidden 32, 2 layers, mixers 64
+# channels wide (Mamba-2: 4 heads of 16, 2 groups, 16-token chunks), state 8; the residual
+# stream in the model dtype (their default keeps it in float32).
+_SSM_MAMBA1 = dict(state_size=8, expand=2, time_step_rank=4, conv_kernel=4)
+_SSM = {
+    "mamba": ("MambaConfig", _SSM_MAMBA1),
+    "falcon_mamba": ("FalconMambaConfig", _SSM_MAMBA1),
+    "mamba2": (
+        "Mamba2Config",
+        dict(num_heads=4, head_dim=16, n_groups=2, state_size=8, chunk_size=16, expand=2),
+    ),
+}
 
 
 def tiny_hf_config(kind: str, vocab_size: int = 64):
@@ -698,8 +711,8 @@ def tiny_hf_config(kind: str, vocab_size: int = 64):
     ``glm4``, ``gemma3_text``, ``gpt_oss``, ``gemma2``, ``granite``, ``granitemoe``,
     ``granitemoeshared``, ``cohere``, ``cohere2``, ...; the Mamba-2 hybrids
     ``granitemoehybrid``, ``bamba``, ``nemotron_h``, ``falcon_h1``; the short-conv hybrids ``lfm2``,
-    ``lfm2_moe``; the lightning-attention hybrid ``minimax``; the Mamba-1 hybrid ``jamba``), sdpa
-    attention (eager for
+    ``lfm2_moe``; the lightning-attention hybrid ``minimax``; the Mamba-1 hybrid ``jamba``; the
+    state-space models ``mamba``, ``falcon_mamba``, ``mamba2``), sdpa attention (eager for
     gpt-oss, whose class has no sdpa, and Gemma 2, whose attention soft-cap HF's sdpa path
     drops), eager experts (float64-capable on CPU).
     Raises ``ValueError`` for another kind."""
@@ -709,7 +722,17 @@ def tiny_hf_config(kind: str, vocab_size: int = 64):
 
     if kind in TINY_MULTIMODAL_KINDS:
         return _multimodal_config(kind, vocab_size)
-    if kind in _FULL_ATTENTION or kind in _RECURRENT_HYBRID:
+    if kind in _SSM:
+        cls_name, extra = _SSM[kind]
+        cfg = getattr(transformers, cls_name)(
+            vocab_size=vocab_size,
+            hidden_size=32,
+            num_hidden_layers=2,
+            residual_in_fp32=False,
+            **_NO_SPECIAL_IDS,
+            **extra,
+        )
+    elif kind in _FULL_ATTENTION or kind in _RECURRENT_HYBRID:
         cls_name, extra = _FULL_ATTENTION.get(kind) or _RECURRENT_HYBRID[kind]
         extra = copy.deepcopy(extra)  # each config its own layer_types / rope_parameters
         cfg = getattr(transformers, cls_name)(vocab_size=vocab_size, **{**_DENSE, **extra})
@@ -796,6 +819,9 @@ def tiny_hf_model(kind: str, *, seed: int = 0, vocab_size: int = 64) -> torch.nn
         "lfm2_moe": transformers.Lfm2MoeForCausalLM,
         "minimax": transformers.MiniMaxForCausalLM,
         "jamba": transformers.JambaForCausalLM,
+        "mamba": transformers.MambaForCausalLM,
+        "falcon_mamba": transformers.FalconMambaForCausalLM,
+        "mamba2": transformers.Mamba2ForCausalLM,
         "smollm3": transformers.SmolLM3ForCausalLM,
         "ministral": transformers.MinistralForCausalLM,
         "exaone4": transformers.Exaone4ForCausalLM,
