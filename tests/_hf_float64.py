@@ -596,6 +596,25 @@ def assert_log_probs_equal_hf(
     assert runner.last_stats.microbatches > 1
 
 
+def assert_router_aux_loss_equals_hf_padded(model: torch.nn.Module, seqs: list[list[int]]) -> None:
+    """``model`` (``output_router_logits`` on): its tree-mode load-balancing loss (rows weighted
+    by multiplicity) equals HF's over the padded batch of all trajectories (padding masked)
+    times ``router_aux_loss_coef``, to HF's float32 expert-mask averaging (1e-6 relative)."""
+    from harts_verl.models.adapter import as_tree_model
+    from harts_verl.ops.layout import TreeLayout
+    from harts_verl.tree import RolloutForest
+
+    layout = TreeLayout(RolloutForest.from_sequences(seqs))
+    with torch.no_grad():
+        _, aux = as_tree_model(model)(layout.token_ids, layout)
+        n = max(len(s) for s in seqs)
+        ids = torch.tensor([s + [0] * (n - len(s)) for s in seqs])
+        mask = torch.tensor([[1] * len(s) + [0] * (n - len(s)) for s in seqs])
+        ref = model(ids, attention_mask=mask, use_cache=False).aux_loss
+    assert aux.item() > 0
+    torch.testing.assert_close(aux, ref * model.config.router_aux_loss_coef, rtol=1e-6, atol=0)
+
+
 def assert_gradients_equal_hf(model: torch.nn.Module, seqs: list[list[int]]) -> set[str]:
     """The tree loss (:func:`trajectory_loss`) and every parameter gradient of ``model`` equal
     those of HF's per-trajectory forward/backward (loss ≤ 1e-10, each gradient ≤ 1e-9 relative

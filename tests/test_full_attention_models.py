@@ -38,6 +38,7 @@ from _hf_float64 import (
     assert_float32_log_probs_close_to_hf,
     assert_gradients_equal_hf,
     assert_log_probs_equal_hf,
+    assert_router_aux_loss_equals_hf_padded,
     spread_weights,
     trajectory_loss,
 )
@@ -132,18 +133,7 @@ def test_router_aux_loss_equals_hf_padded_batch(lifted, kind):
     """``output_router_logits``: the tree model's load-balancing loss (rows weighted by their
     multiplicity) equals HF's over the padded batch of all trajectories (padding masked)."""
     model = _model(kind, seed=5, output_router_logits=True, router_aux_loss_coef=0.37)
-    seqs = _sequences(3)
-    forest = RolloutForest.from_sequences(seqs)
-    layout = TreeLayout(forest)
-    with torch.no_grad():
-        _, aux = as_tree_model(model)(layout.token_ids, layout)
-        n = max(len(s) for s in seqs)
-        ids = torch.tensor([s + [0] * (n - len(s)) for s in seqs])
-        mask = torch.tensor([[1] * len(s) + [0] * (n - len(s)) for s in seqs])
-        ref = model(ids, attention_mask=mask, use_cache=False).aux_loss
-    assert aux.item() > 0
-    # HF averages its expert mask in float32
-    torch.testing.assert_close(aux, ref * model.config.router_aux_loss_coef, rtol=1e-6, atol=0)
+    assert_router_aux_loss_equals_hf_padded(model, _sequences(3))
 
 
 def test_every_full_attention_type_has_a_tiny_model():

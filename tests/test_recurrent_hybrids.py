@@ -33,6 +33,7 @@ from _hf_float64 import (
     assert_float32_log_probs_close_to_hf,
     assert_gradients_equal_hf,
     assert_log_probs_equal_hf,
+    assert_router_aux_loss_equals_hf_padded,
     hf_log_probs,
     lift_lightning_decay_tables,
     spread_weights,
@@ -204,17 +205,7 @@ def test_router_aux_loss_equals_hf_padded_batch(lifted, kind):
     cfg.output_router_logits, cfg.router_aux_loss_coef = True, 0.37
     torch.manual_seed(6)
     model = spread_weights(type(tiny_hf_model(kind))(cfg).double().eval(), 6)
-    seqs = _sequences(3)
-    layout = TreeLayout(RolloutForest.from_sequences(seqs))
-    with torch.no_grad():
-        _, aux = as_tree_model(model)(layout.token_ids, layout)
-        n = max(len(s) for s in seqs)
-        ids = torch.tensor([s + [0] * (n - len(s)) for s in seqs])
-        mask = torch.tensor([[1] * len(s) + [0] * (n - len(s)) for s in seqs])
-        ref = model(ids, attention_mask=mask, use_cache=False).aux_loss
-    assert aux.item() > 0
-    # HF averages its expert mask in float32
-    torch.testing.assert_close(aux, ref * cfg.router_aux_loss_coef, rtol=1e-6, atol=0)
+    assert_router_aux_loss_equals_hf_padded(model, _sequences(3))
 
 
 def test_lightning_mixer_runs_hf_code_outside_tree_calls(no_fla):

@@ -98,28 +98,17 @@ _LINEAR_KINDS = [(True, True), (False, True), (False, False)]
 _LINEAR_IDS = ["kda", "gdn", "ssd"]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize(("kda", "delta_rule"), _LINEAR_KINDS, ids=_LINEAR_IDS)
-def test_fla_vs_reference(cuda, report, kda, delta_rule, dtype):
-    kern = _need("linear", "fla", cuda)
-    lens = [100, 64, 1, 200, 37]
-    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), device=cuda)
-    inputs = _linear_inputs(sum(lens), kda, dtype, cuda, seed=1)
-    h0 = 0.1 * torch.randn(len(lens), 4, 64, 64, device=cuda)
+def _assert_fla_matches_reference(kern, inputs, h0, cu, dtype, report, key, **kw) -> None:
+    """fla (``kern``) vs the torch reference on ``inputs`` (q, k, v, g, beta) with initial
+    states ``h0`` and a gradient into the final state: error ratios of outputs, final states and
+    every gradient recorded under ``report[key]``, within fla's own tolerances for ``dtype``."""
     res = {}
     for name, fn in (("fla", kern), ("ref", chunk_delta_rule_varlen)):
         xs = [x.clone().requires_grad_(True) for x in (*inputs, h0)]
-        out = fn(
-            *xs[:5],
-            cu_seqlens=cu,
-            initial_state=xs[5],
-            use_qk_l2norm=True,
-            chunk_size=64,
-            delta_rule=delta_rule,
-        )
-        gen = torch.Generator(device=cuda).manual_seed(0)
-        do = torch.randn(out.o.shape, device=cuda, generator=gen)
-        dht = torch.randn(out.final_state.shape, device=cuda, generator=gen)
+        out = fn(*xs[:5], cu_seqlens=cu, initial_state=xs[5], **kw)
+        gen = torch.Generator(device=cu.device).manual_seed(0)
+        do = torch.randn(out.o.shape, device=cu.device, generator=gen)
+        dht = torch.randn(out.final_state.shape, device=cu.device, generator=gen)
         ((out.o.float() * do).sum() + (out.final_state * dht).sum()).backward()
         res[name] = (out.o.float(), out.final_state, [x.grad.float() for x in xs])
     tol_fwd, tol_bwd = (2e-3, 5e-3) if dtype == torch.float32 else (8e-3, 2e-2)
@@ -131,12 +120,35 @@ def test_fla_vs_reference(cuda, report, kda, delta_rule, dtype):
         ("dq", "dk", "dv", "dg", "dbeta", "dh0"), res["fla"][2], res["ref"][2]
     ):
         errs[gname] = err_ratio(ga, gb)
-    kind = _LINEAR_IDS[_LINEAR_KINDS.index((kda, delta_rule))]
-    key = f"fla_vs_ref_{kind}_{str(dtype).split('.')[-1]}"
     report[key] = errs
     assert res["fla"][1].dtype == torch.float32
+    assert res["fla"][1].shape == res["ref"][1].shape
     assert errs["o"] <= tol_fwd and errs["final_state"] <= tol_fwd, errs
     assert all(v <= tol_bwd for k_, v in errs.items() if k_.startswith("d")), errs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("kda", "delta_rule"), _LINEAR_KINDS, ids=_LINEAR_IDS)
+def test_fla_vs_reference(cuda, report, kda, delta_rule, dtype):
+    kern = _need("linear", "fla", cuda)
+    lens = [100, 64, 1, 200, 37]
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), device=cuda)
+    inputs = _linear_inputs(sum(lens), kda, dtype, cuda, seed=1)
+    h0 = 0.1 * torch.randn(len(lens), 4, 64, 64, device=cuda)
+    kind = _LINEAR_IDS[_LINEAR_KINDS.index((kda, delta_rule))]
+    key = f"fla_vs_ref_{kind}_{str(dtype).split('.')[-1]}"
+    _assert_fla_matches_reference(
+        kern,
+        inputs,
+        h0,
+        cu,
+        dtype,
+        report,
+        key,
+        use_qk_l2norm=True,
+        chunk_size=64,
+        delta_rule=delta_rule,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -153,30 +165,19 @@ def test_fla_gla_one_channel_value_heads(cuda, report, dtype):
     v = torch.randn(t, 64, 1, generator=gen).to(cuda, dtype)
     dt = torch.nn.functional.softplus(torch.randn(t, 64, generator=gen) - 2.0).to(cuda)
     a = torch.arange(1, 17, dtype=torch.float32).to(cuda)  # S4D-real A = -(1 .. N)
-    g = -dt[..., None] * a
     h0 = 0.1 * torch.randn(len(lens), 64, 16, 1, generator=gen).to(cuda)
-    res = {}
-    for name, fn in (("fla", kern), ("ref", chunk_delta_rule_varlen)):
-        xs = [x.clone().requires_grad_(True) for x in (q, k, v, g, dt, h0)]
-        out = fn(*xs[:5], cu_seqlens=cu, initial_state=xs[5], scale=1.0, delta_rule=False)
-        gen_d = torch.Generator(device=cuda).manual_seed(0)
-        do = torch.randn(out.o.shape, device=cuda, generator=gen_d)
-        dht = torch.randn(out.final_state.shape, device=cuda, generator=gen_d)
-        ((out.o.float() * do).sum() + (out.final_state * dht).sum()).backward()
-        res[name] = (out.o.float(), out.final_state, [x.grad.float() for x in xs])
-    tol_fwd, tol_bwd = (2e-3, 5e-3) if dtype == torch.float32 else (8e-3, 2e-2)
-    errs = {
-        "o": err_ratio(res["fla"][0], res["ref"][0]),
-        "final_state": err_ratio(res["fla"][1], res["ref"][1]),
-    }
-    for gname, ga, gb in zip(
-        ("dq", "dk", "dv", "dg", "dbeta", "dh0"), res["fla"][2], res["ref"][2]
-    ):
-        errs[gname] = err_ratio(ga, gb)
-    report[f"fla_vs_ref_mamba1_{str(dtype).split('.')[-1]}"] = errs
-    assert res["fla"][1].shape == (len(lens), 64, 16, 1)
-    assert errs["o"] <= tol_fwd and errs["final_state"] <= tol_fwd, errs
-    assert all(v <= tol_bwd for k_, v in errs.items() if k_.startswith("d")), errs
+    key = f"fla_vs_ref_mamba1_{str(dtype).split('.')[-1]}"
+    _assert_fla_matches_reference(
+        kern,
+        (q, k, v, -dt[..., None] * a, dt),
+        h0,
+        cu,
+        dtype,
+        report,
+        key,
+        scale=1.0,
+        delta_rule=False,
+    )
 
 
 # ------------------------------------------------------------------------------ attention
