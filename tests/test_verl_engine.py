@@ -216,13 +216,16 @@ def test_parity_vanilla(verl_cpu, kind, batch):
     assert tree[1]["harts/compression"][0] > 1.0
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3_5", "granitemoehybrid", "jamba"])
+@pytest.mark.parametrize(
+    "kind",
+    ["qwen2", "qwen3_5", "deepseek_v3", "gpt_oss", "granitemoehybrid", "jamba", "lfm2", "minimax"],
+)
 @pytest.mark.parametrize("seed", range(5))
 def test_parity_random_batches(verl_cpu, kind, seed):
     """Random tree batches (:func:`_random_batch`: duplicates, forks at every depth, moved
     prompt boundaries, tool spans, one-token prompts and responses): inference and one train
-    step equal the stock engine's, over several micro-batches (attention, GatedDeltaNet,
-    Mamba-2 and Mamba-1 mixers)."""
+    step equal the stock engine's, over several micro-batches (GQA / MLA / sink attention,
+    GatedDeltaNet, Mamba-2 and Mamba-1 mixers, short convolutions, lightning attention)."""
     testing, paths = verl_cpu
     data = _random_batch(seed)
     padded = kind in HYBRIDS or kind in _PADDED_REFERENCE
@@ -272,7 +275,8 @@ _ENGINE_FAMILIES += _RECURRENT
 # transformers 5.10's GptOssModel builds its masks without ``position_ids``: packed sequences
 # (veRL's remove-padding path) would attend across each other there, so its stock reference runs
 # veRL's padded path. So do the recurrent hybrids: HF's Mamba-2 / Mamba-1 mixers, LFM2's
-# convolutions and MiniMax's lightning attention take no ``position_ids`` (one recurrence / convolution through the packed row).
+# convolutions and MiniMax's lightning attention take no ``position_ids`` (one recurrence /
+# convolution through the packed row).
 _PADDED_REFERENCE = ("gpt_oss", *_RECURRENT)
 
 

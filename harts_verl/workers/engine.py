@@ -194,9 +194,9 @@ def forest_of_batch(data: TensorDict) -> RolloutForest:
 
 # Model types whose stock forward runs veRL's packed sequences (remove-padding path) as one:
 # HF's Mamba-2 / Mamba-1 mixers (hybrids and pure SSMs), LFM2's short convolutions and MiniMax's
-# lightning attention take no
-# ``position_ids`` (one recurrence / convolution through the packed row), and transformers 5.10's gpt-oss builds its eager / sdpa
-# masks without them (see :meth:`HartsFSDPEngine._packed_reference_leaks`).
+# lightning attention take no ``position_ids`` (one recurrence / convolution through the packed
+# row), and transformers 5.10's gpt-oss builds its eager / sdpa masks without them (see
+# :meth:`HartsFSDPEngine._packed_reference_leaks`).
 _PADDED_STOCK_TYPES = (
     *MAMBA2_HYBRID_MODEL_TYPES,
     *MAMBA1_HYBRID_MODEL_TYPES,
@@ -1165,8 +1165,8 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
     # ------------------------------------------------------------------ audit
     def _packed_reference_leaks(self) -> bool:
         """Whether the stock forward of packed sequences mixes them (the audit's reference and
-        stock micro-batches then run padded rows): HF's torch fallback for linear attention carries state across packed
-        sequences (hybrids without fla), and so do the model types of
+        stock micro-batches then run padded rows): HF's torch fallback for linear attention
+        carries state across packed sequences (hybrids without fla), and so do the model types of
         :data:`_PADDED_STOCK_TYPES` (Mamba-2 / Mamba-1, short-conv and lightning mixers without
         ``position_ids``; gpt-oss's masks)."""
         if self._model_type in HYBRID_MODEL_TYPES and not _fla_importable():
