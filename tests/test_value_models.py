@@ -3,7 +3,8 @@ run their backbone once per compact row; every position takes its row's value.
 
 Oracle: the classifier's own forward of each trajectory alone (float64, HF's float32 islands
 lifted): values ≤ 1e-10 and every parameter gradient of a value loss ≤ 1e-9 relative, for a
-full-attention, an MoE, an MLA and a hybrid (GatedDeltaNet) backbone, on a forest with forks,
+full-attention, an MoE, an MLA, a hybrid (GatedDeltaNet) and a lightning-attention hybrid
+(MiniMax) backbone, on a forest with forks,
 a prefix trajectory, an identical pair and a second root."""
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 from _forked import forked_sequences
-from _hf_float64 import spread_weights
+from _hf_float64 import lift_lightning_decay_tables, spread_weights
 
 from harts_verl.models.adapter import (
     FULL_ATTENTION_MODEL_TYPES,
+    MASKED_TREE_MODEL_TYPES,
     patch_tree_mixers,
     tree_call,
     tree_mode_attention_mask,
@@ -23,18 +25,24 @@ from harts_verl.ops.layout import TreeLayout
 from harts_verl.tree import RolloutForest
 from harts_verl.workers.testing import tiny_hf_config
 
-KINDS = ["qwen2", "qwen3_moe", "deepseek_v3", "qwen3_next"]
+KINDS = ["qwen2", "qwen3_moe", "deepseek_v3", "qwen3_next", "minimax"]
 
 
 @pytest.fixture
 def lifted(monkeypatch, no_fla, request):
     """HF's float32 islands in float64: those of the full-attention families, or (hybrids)
     those of the gated-delta models."""
-    from _hf_float64 import lift_float32_islands, lift_full_attention_islands
+    from _hf_float64 import (
+        lift_float32_islands,
+        lift_full_attention_islands,
+        lift_recurrent_hybrid_islands,
+    )
 
     kind = request.node.callspec.params["kind"]
     if kind in FULL_ATTENTION_MODEL_TYPES:
         lift_full_attention_islands(monkeypatch)
+    elif kind in MASKED_TREE_MODEL_TYPES:  # the recurrent hybrids
+        lift_recurrent_hybrid_islands(monkeypatch)
     else:
         lift_float32_islands(monkeypatch)
 
@@ -48,7 +56,7 @@ def _critic(kind: str, seed: int) -> torch.nn.Module:
     cfg.num_labels, cfg.classifier_dropout = 1, 0.0
     torch.manual_seed(seed)
     model = AutoModelForTokenClassification.from_config(cfg).double().eval()
-    return spread_weights(model, seed)
+    return lift_lightning_decay_tables(spread_weights(model, seed))
 
 
 def _tree_values(model: torch.nn.Module, seqs: list[list[int]], kind: str) -> list[torch.Tensor]:
@@ -57,7 +65,7 @@ def _tree_values(model: torch.nn.Module, seqs: list[list[int]], kind: str) -> li
     layout = TreeLayout(forest, chunk_size=4)
     assert patch_tree_mixers(model) > 0
     kwargs = (
-        {"attention_mask": tree_mode_attention_mask()} if kind in FULL_ATTENTION_MODEL_TYPES else {}
+        {"attention_mask": tree_mode_attention_mask()} if kind in MASKED_TREE_MODEL_TYPES else {}
     )
     with tree_call():
         out = model(
