@@ -16,7 +16,10 @@ import torch
 pytest.importorskip("verl")
 
 VOCAB = 64
-KINDS = ("qwen2", "qwen3_next", "qwen3_moe")
+KINDS = ("qwen2", "qwen3_next", "qwen3_moe", "minimax")
+# Stock references that run padded rows: HF's linear-attention torch fallback (no fla) and
+# MiniMax's lightning attention would carry state across packed rows.
+_PADDED = ("qwen3_next", "minimax")
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +70,9 @@ def _run(testing, path, strategy, *, padded, harts=None):
 @pytest.mark.parametrize("kind", KINDS)
 def test_critic_parity_with_stock_value_engine(critics, kind):
     testing, paths = critics
-    # Without fla, HF's linear-attention torch fallback would carry state across packed rows:
-    # the stock reference runs padded rows (the tree engine's audit does that by itself).
-    ref = _run(testing, paths[kind], "fsdp2", padded=kind == "qwen3_next")
+    # the stock reference runs padded rows where packed ones would mix (the tree engine's audit
+    # does that by itself)
+    ref = _run(testing, paths[kind], "fsdp2", padded=kind in _PADDED)
     tree = _run(testing, paths[kind], "harts_fsdp2", padded=False, harts={"audit_every": 1})
     (inf_r, met_r, p0_r, p1_r), (inf_t, met_t, p0_t, p1_t) = ref, tree
     assert inf_t["metrics"]["harts/fallback"] == [0.0]
