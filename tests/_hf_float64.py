@@ -482,7 +482,7 @@ def hf_log_probs(model: torch.nn.Module, seqs: list[list[int]]) -> list[torch.Te
 # float32, Nemotron-H's router matmul and its causal LM's logits are float32.
 _RECURRENT_HYBRID_MODULES = (
     *("granitemoehybrid", "bamba", "nemotron_h", "falcon_h1", "lfm2", "lfm2_moe", "minimax"),
-    *("jamba", "mamba", "falcon_mamba", "mamba2"),
+    *("jamba", "mamba", "falcon_mamba", "mamba2", "zamba2"),
 )
 
 

@@ -173,6 +173,40 @@ def test_flop_model_matches_the_module_tree(kind, monkeypatch):
     assert (shape.linear_per_token > 0) == (kind in linear)
 
 
+def test_flop_model_zamba2_counts_every_use_of_its_shared_block(monkeypatch):
+    """Zamba2 runs one shared transformer block in each of its ``hybrid`` layers (tied weights;
+    each block keeps the LoRA adapters of every use): the FLOP model equals 2 × the weights of every linear and conv call of
+    a one-token forward (each use counted), and its attention pairs those of each use."""
+    monkeypatch.setitem(sys.modules, "fla", None)
+    from harts_verl.runtime.flops import model_shape
+    from harts_verl.workers.testing import tiny_hf_model
+
+    model = tiny_hf_model("zamba2")
+    calls: list[float] = []
+    q_calls: list[str] = []
+    hooks = [
+        m.register_forward_hook(lambda m, _i, _o: calls.append(2.0 * m.weight.numel()))
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear | torch.nn.Conv1d)
+    ]
+    hooks += [
+        m.register_forward_hook(lambda _m, _i, _o, n=name: q_calls.append(n))
+        for name, m in model.named_modules()
+        if name.endswith("self_attn.q_proj")
+    ]
+    with torch.no_grad():
+        model(torch.tensor([[1]]), use_cache=False)
+    for h in hooks:
+        h.remove()
+    cfg = model.config
+    shape = model_shape(cfg)
+    assert shape.dense_per_token == pytest.approx(sum(calls), rel=1e-12)
+    uses = cfg.layers_block_type.count("hybrid")
+    assert uses == 2 and len(q_calls) == uses  # the shared block runs in each use
+    per_use = 4.0 * cfg.num_attention_heads * cfg.attention_head_dim
+    assert shape.attention_per_pair == uses * per_use and shape.linear_per_token > 0
+
+
 def test_flop_model_nemotron_h_latent_moe(monkeypatch):
     """Nemotron-H's MoE with ``moe_latent_size`` (experts between two latent projections) and
     ``n_shared_experts = 2`` (HF still builds one shared expert): the FLOP model matches the

@@ -267,7 +267,8 @@ _ENGINE_FAMILIES += ["hunyuan_v1_moe", "ernie4_5_moe", "cohere2_moe", "longcat_f
 # (Mamba-2, attention, MLP and MoE blocks) and Falcon-H1 (mixer and attention in parallel, µP
 # multipliers, logits times lm_head_multiplier); the short-conv hybrids LFM2 (tied embeddings) and
 # LFM2-MoE; the lightning-attention hybrid MiniMax-Text-01 / M1 (MoE every layer); the Mamba-1
-# hybrid Jamba (NoPE attention, MoE every other layer).
+# hybrid Jamba (NoPE attention, MoE every other layer). (Zamba2 is left out: veRL's FSDP2
+# wrapping fails on its tied shared blocks, a plain tensor meeting a DTensor in the stock path.)
 _RECURRENT = ["granitemoehybrid", "bamba", "nemotron_h", "falcon_h1", "lfm2", "lfm2_moe"]
 _RECURRENT += ["minimax", "jamba"]
 _ENGINE_FAMILIES += _RECURRENT

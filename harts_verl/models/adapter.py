@@ -168,9 +168,13 @@ _KEYWORD_DROPPING_LAYER_CLASSES = (
 # Falcon-H1 runs a Mamba-2 mixer and attention in parallel in every layer, with µP multipliers
 # (``ssm_in_multiplier``, the ``mup_vector`` of the in-projection, which its mixer applies; the
 # layer's and MLP's multipliers are HF's code; ``lm_head_multiplier`` a logit transform).
-MAMBA2_HYBRID_MODEL_TYPES = ("granitemoehybrid", "bamba", "nemotron_h", "falcon_h1")
+# Zyphra's Zamba2: Mamba-2 layers, some preceded by a shared transformer block (attention over
+# the concatenated hidden state and embeddings, per-use LoRA adapters, an MLP, a linear back into
+# the residual stream; see :func:`_tree_decoder_forward`).
+MAMBA2_HYBRID_MODEL_TYPES = ("granitemoehybrid", "bamba", "nemotron_h", "falcon_h1", "zamba2")
 _MAMBA2_CLASSES = (
     "Mamba2Mixer",
+    "Zamba2MambaMixer",
     "GraniteMoeHybridMambaLayer",
     "BambaMixer",
     "NemotronHMamba2Mixer",
@@ -210,6 +214,10 @@ _LIGHTNING_CLASSES = ("MiniMaxLightningAttention",)
 # Model types whose HF text model applies ``config.sliding_window`` to its ``full_attention``
 # layers too (MiniMax builds its softmax layers' mask with the window whenever one is set).
 _WINDOW_ON_FULL_LAYERS = ("minimax",)
+
+# Text models whose layers take the embeddings and their own index positionally (Zamba2: its
+# shared attention blocks read the concatenation of the hidden state and the embeddings).
+_EMBEDDINGS_TO_EVERY_LAYER_TEXT_MODEL_CLASSES = ("Zamba2Model",)
 
 # Text models whose forward calls its layers without forwarding extra keywords (Falcon-H1): in
 # tree mode our own layer loop (:func:`_tree_decoder_forward`) replaces HF's, so every layer gets
@@ -341,6 +349,7 @@ _FULL_ATTENTION_CLASSES = (
     "FalconH1Attention",
     "MiniMaxAttention",
     "JambaAttention",
+    "Zamba2Attention",
 )
 # Softmax top-k routers whose load-balancing loss HF computes from the router logits
 # (``output_router_logits``; gpt-oss: Switch-style over the softmax of its biased logits, like
@@ -1111,16 +1120,22 @@ def _tree_decoder_forward(
     else:
         pes = [rotary(h, pos)] * n_layers
 
-    def run(x: torch.Tensor, layer: nn.Module, pe: Any) -> torch.Tensor:
+    # Zamba2's layers take the embeddings (the shared blocks' second input) and their index
+    # positionally, then the padding and causal masks (None here), as its text model passes them.
+    with_embeddings = _is_hf_class(base, _EMBEDDINGS_TO_EVERY_LAYER_TEXT_MODEL_CLASSES)
+    embeddings = h
+
+    def run(x: torch.Tensor, layer: nn.Module, pe: Any, idx: int, e: torch.Tensor) -> torch.Tensor:
+        kw = dict(position_embeddings=pe, position_ids=pos, harts_layout=layout)
         with tree_call(layout):
-            out = layer(x, position_embeddings=pe, position_ids=pos, harts_layout=layout)
+            out = layer(x, e, idx, None, None, **kw) if with_embeddings else layer(x, **kw)
         return out[0] if isinstance(out, tuple) else out  # Bamba's layers return a tuple
 
-    for layer, pe in zip(base.layers[:n_layers], pes):
+    for idx, (layer, pe) in enumerate(zip(base.layers[:n_layers], pes)):
         if tree_model.gradient_checkpointing and torch.is_grad_enabled():
-            h = checkpoint(run, h, layer, pe, use_reentrant=False)
+            h = checkpoint(run, h, layer, pe, idx, embeddings, use_reentrant=False)
         else:
-            h = run(h, layer, pe)
+            h = run(h, layer, pe, idx, embeddings)
     return _final_norm(base)(h)[0]
 
 

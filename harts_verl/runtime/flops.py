@@ -297,6 +297,9 @@ def _mamba2_mixer(cfg: Any) -> tuple[float, float]:
     elif cfg.model_type == "mamba2":
         nh, p, ng = cfg.num_heads, cfg.head_dim, cfg.n_groups
         n, w = cfg.state_size, cfg.conv_kernel
+    elif cfg.model_type == "zamba2":
+        nh, p, ng = cfg.n_mamba_heads, cfg.mamba_headdim, cfg.mamba_ngroups
+        n, w = cfg.mamba_d_state, cfg.mamba_d_conv
     else:
         nh, p, ng = cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_n_groups
         n, w = cfg.mamba_d_state, cfg.mamba_d_conv
@@ -306,9 +309,25 @@ def _mamba2_mixer(cfg: Any) -> tuple[float, float]:
     return dense, nh * (2.0 * 64 * (n + p) + 4.0 * n * p)
 
 
+def _zamba2_shared_block(cfg: Any) -> tuple[float, float]:
+    """(row-wise FLOPs per token, softmax-attention FLOPs per pair) of one use of a Zamba2
+    shared transformer block: q/k/v over the concatenated hidden state and embeddings
+    (``attention_hidden_size`` = 2 × hidden) plus their LoRA adapters, ``o_proj``, the gated MLP
+    and its adapter, and the linear back into the residual stream."""
+    d, d2, r = cfg.hidden_size, cfg.attention_hidden_size, cfg.adapter_rank
+    hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.attention_head_dim
+    attn = d2 * hq * hd + 2 * d2 * hkv * hd + hq * hd * d
+    if cfg.use_shared_attention_adapter:
+        attn += 3 * 2 * d2 * r
+    inter = cfg.intermediate_size
+    mlp = d * 2 * inter + d * r + r * 2 * inter + inter * d
+    return 2.0 * (attn + mlp + d * d), 2.0 * hq * 2 * hd
+
+
 def mamba2_hybrid_shape(cfg: Any) -> ModelShape:
     """Coefficients of a transformers Mamba-2 hybrid (``granitemoehybrid``: Granite 4.0-H,
-    ``bamba``, ``nemotron_h`` from ``config.layers_block_type``; ``falcon_h1``: a mixer,
+    ``bamba``, ``nemotron_h``, ``zamba2`` (a shared block before the mixer in its ``hybrid``
+    layers, :func:`_zamba2_shared_block`) from ``config.layers_block_type``; ``falcon_h1``: a mixer,
     attention and a gated MLP in every layer): Mamba-2 mixers
     (:func:`_mamba2_mixer`) and GQA attention; Granite 4.0-H adds to every layer a MoE block
     (router, top-k gated experts ``intermediate_size`` wide) and a gated shared MLP
@@ -324,9 +343,12 @@ def mamba2_hybrid_shape(cfg: Any) -> ModelShape:
         mlp = 2.0 * 3 * d * cfg.intermediate_size
         return ModelShape(dense + n * (dense_m + dense_a + mlp), n * attn_a, n * lin_m)
     for t in cfg.layers_block_type:
-        if t == "mamba":
+        if t in ("mamba", "hybrid"):
             dense_i, lin_i = _mamba2_mixer(cfg)
             dense, lin = dense + dense_i, lin + lin_i
+            if t == "hybrid":  # Zamba2: the shared block before the mixer
+                dense_i, attn_i = _zamba2_shared_block(cfg)
+                dense, attn = dense + dense_i, attn + attn_i
         elif t == "attention":
             dense_i, attn_i = _hf_attention_layer(cfg, output_gate=False)
             dense, attn = dense + dense_i, attn + attn_i
@@ -471,7 +493,7 @@ _MAMBA1_HYBRID_TYPES = ("jamba",)
 _SSM_TYPES = ("mamba", "falcon_mamba", "mamba2")
 _LIGHTNING_HYBRID_TYPES = ("minimax",)
 _CONV_HYBRID_TYPES = ("lfm2", "lfm2_moe")
-_MAMBA2_HYBRID_TYPES = ("granitemoehybrid", "bamba", "nemotron_h", "falcon_h1")
+_MAMBA2_HYBRID_TYPES = ("granitemoehybrid", "bamba", "nemotron_h", "falcon_h1", "zamba2")
 _GATED_HYBRID_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 _FULL_ATTENTION_TYPES = FULL_ATTENTION_MODEL_TYPES
 

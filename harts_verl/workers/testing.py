@@ -48,6 +48,7 @@ TINY_KINDS = (
     *("ministral3", "mistral4"),
     *("hunyuan_v1_moe", "ernie4_5_moe", "cohere2_moe", "longcat_flash"),
     *("granitemoehybrid", "bamba", "nemotron_h", "falcon_h1", "lfm2", "lfm2_moe"),
+    "zamba2",
     "minimax",
     "jamba",
     *("mamba", "falcon_mamba", "mamba2"),
@@ -605,6 +606,28 @@ _MAMBA2_HYBRID = {
             "ssm_out_multiplier": 0.6,
         },
     ),
+    # Zamba2 (1.2B-like): mamba, hybrid (shared block + mamba), mamba, hybrid; one shared block
+    # used twice with LoRA adapters per use, RoPE in the shared attention (4 heads of 16 over the
+    # 64-wide concatenation), Mamba-2 mixers of 4 heads × 16, 2 groups; HF's chunks of 256 tokens
+    # (its torch path, like Nemotron-H's, is right only within one chunk: transformers #47246).
+    "zamba2": (
+        "Zamba2Config",
+        {
+            **_NO_SPECIAL_IDS,
+            "num_hidden_layers": 4,
+            "layers_block_type": ["mamba", "hybrid", "mamba", "hybrid"],
+            "num_key_value_heads": 4,  # HF's adapters assume as many kv heads as heads
+            "num_mem_blocks": 1,
+            "use_shared_attention_adapter": True,
+            "adapter_rank": 4,
+            "use_mem_rope": True,
+            "mamba_d_state": 8,
+            "n_mamba_heads": 4,
+            "mamba_ngroups": 2,
+            "chunk_size": 256,
+            "use_mamba_kernels": False,
+        },
+    ),
 }
 
 # The short-conv hybrids (Liquid AI LFM2 / LFM2-MoE): hidden 32, conv, attention (GQA 4/2, q/k
@@ -815,6 +838,7 @@ def tiny_hf_model(kind: str, *, seed: int = 0, vocab_size: int = 64) -> torch.nn
         "bamba": transformers.BambaForCausalLM,
         "nemotron_h": transformers.NemotronHForCausalLM,
         "falcon_h1": transformers.FalconH1ForCausalLM,
+        "zamba2": transformers.Zamba2ForCausalLM,
         "lfm2": transformers.Lfm2ForCausalLM,
         "lfm2_moe": transformers.Lfm2MoeForCausalLM,
         "minimax": transformers.MiniMaxForCausalLM,
