@@ -211,9 +211,6 @@ _LINEAR_ROUTER_PARENTS = ("JambaSparseMoeBlock",)
 # without the delta rule over the planned rounds.
 LIGHTNING_HYBRID_MODEL_TYPES = ("minimax",)
 _LIGHTNING_CLASSES = ("MiniMaxLightningAttention",)
-# Model types whose HF text model applies ``config.sliding_window`` to its ``full_attention``
-# layers too (MiniMax builds its softmax layers' mask with the window whenever one is set).
-_WINDOW_ON_FULL_LAYERS = ("minimax",)
 
 # Text models whose layers take the embeddings and their own index positionally (Zamba2: its
 # shared attention blocks read the concatenation of the hidden state and the embeddings).
@@ -542,21 +539,21 @@ _SINK_ATTENTION_KWARGS = ("s_aux", "sinks")
 def _sliding_window(module: nn.Module, keyword: int | None) -> int | None:
     """The sliding window HF applies in ``module``'s layer. Where ``config.layer_types`` names
     the layer's type, that decides (HF picks the layer's mask by it): a ``full_attention``
-    layer has none, even when its module keeps a ``sliding_window`` attribute (EXAONE 4), a
-    ``sliding_attention`` layer has the interface keyword, else the module's or the config's
-    ``sliding_window``. Without layer types: the keyword, else the module's ``sliding_window``
-    (Qwen2-MoE sets it on its sliding layers without passing it on; HF applies it through the
-    layer's sliding mask). None (or 0): no window."""
+    layer has the interface keyword only, which HF passes with a window its mask applies too
+    (MiniMax: ``config.sliding_window`` on its full layers), not a ``sliding_window`` attribute
+    its module keeps without passing it (EXAONE 4, Qwen2-MoE); a ``sliding_attention`` layer
+    has the interface keyword, else the module's or the config's ``sliding_window``. Without
+    layer types: the keyword, else the module's ``sliding_window`` (Qwen2-MoE sets it on its
+    sliding layers without passing it on; HF applies it through the layer's sliding mask).
+    None (or 0): no window."""
     config = getattr(module, "config", None)
     types = getattr(config, "layer_types", None)
     idx = getattr(module, "layer_idx", None)
     window = keyword or getattr(module, "sliding_window", None)
     if types is not None and idx is not None and 0 <= idx < len(types):
         if types[idx] == "full_attention":
-            if getattr(config, "model_type", None) not in _WINDOW_ON_FULL_LAYERS:
-                return None
-            window = keyword or getattr(config, "sliding_window", None)
-        if types[idx] == "sliding_attention" and not window:
+            window = keyword
+        elif types[idx] == "sliding_attention" and not window:
             window = getattr(config, "sliding_window", None)
     return int(window) if window else None
 
