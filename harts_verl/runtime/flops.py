@@ -20,7 +20,14 @@ from typing import Any
 
 import numpy as np
 
-from harts_verl.models.adapter import FULL_ATTENTION_MODEL_TYPES
+from harts_verl.models.adapter import (
+    CONV_HYBRID_MODEL_TYPES,
+    FULL_ATTENTION_MODEL_TYPES,
+    LIGHTNING_HYBRID_MODEL_TYPES,
+    MAMBA1_HYBRID_MODEL_TYPES,
+    MAMBA2_HYBRID_MODEL_TYPES,
+    SSM_MODEL_TYPES,
+)
 from harts_verl.tree import RolloutForest
 
 __all__ = [
@@ -110,6 +117,12 @@ def _hf_attention_layer(cfg: Any, *, output_gate: bool) -> tuple[float, float]:
     hd = getattr(cfg, "head_dim", None) or d // hq
     q_out = hq * hd * (2 if output_gate else 1)
     return 2.0 * (d * q_out + 2 * d * hkv * hd + hq * hd * d), 2.0 * hq * 2 * hd
+
+
+def _gla_chunk_flops(heads: int, k: int, v: int) -> float:
+    """Chunk-64 gated linear attention without the delta rule, per processed token: per value
+    head q·k and p·v inside the chunk (2·64·(K+V)), state read and update (4·K·V)."""
+    return heads * (2.0 * 64 * (k + v) + 4.0 * k * v)
 
 
 def _mla_attention_layer(cfg: Any) -> tuple[float, float]:
@@ -306,7 +319,7 @@ def _mamba2_mixer(cfg: Any) -> tuple[float, float]:
     inner = nh * p
     conv = inner + 2 * ng * n
     dense = 2.0 * d * (inner + conv + nh) + 2.0 * inner * d + 2.0 * w * conv
-    return dense, nh * (2.0 * 64 * (n + p) + 4.0 * n * p)
+    return dense, _gla_chunk_flops(nh, n, p)
 
 
 def _zamba2_shared_block(cfg: Any) -> tuple[float, float]:
@@ -424,7 +437,7 @@ def lightning_hybrid_shape(cfg: Any) -> ModelShape:
     for t in cfg.layer_types:
         if t == "linear_attention":
             dense += 2.0 * (d * 3 * h * hd + d * h * hd + h * hd * d)
-            lin += h * (2.0 * 64 * 2 * hd + 4.0 * hd * hd)
+            lin += _gla_chunk_flops(h, hd, hd)
         elif t == "full_attention":
             dense_i, attn_i = _hf_attention_layer(cfg, output_gate=False)
             dense, attn = dense + dense_i, attn + attn_i
@@ -449,7 +462,7 @@ def _mamba1_mixer(cfg: Any) -> tuple[float, float]:
         inner, n, rank = int(cfg.expand * d), cfg.state_size, int(cfg.time_step_rank)
         width = cfg.conv_kernel
     proj = d * 2 * inner + inner * (rank + 2 * n) + rank * inner + inner * d
-    return 2.0 * proj + 2.0 * width * inner, inner * (2.0 * 64 * (n + 1) + 4.0 * n)
+    return 2.0 * proj + 2.0 * width * inner, _gla_chunk_flops(inner, n, 1)
 
 
 def ssm_shape(cfg: Any) -> ModelShape:
@@ -489,11 +502,6 @@ def mamba1_hybrid_shape(cfg: Any) -> ModelShape:
     return ModelShape(dense, attn, lin)
 
 
-_MAMBA1_HYBRID_TYPES = ("jamba",)
-_SSM_TYPES = ("mamba", "falcon_mamba", "mamba2")
-_LIGHTNING_HYBRID_TYPES = ("minimax",)
-_CONV_HYBRID_TYPES = ("lfm2", "lfm2_moe")
-_MAMBA2_HYBRID_TYPES = ("granitemoehybrid", "bamba", "nemotron_h", "falcon_h1", "zamba2")
 _GATED_HYBRID_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 _FULL_ATTENTION_TYPES = FULL_ATTENTION_MODEL_TYPES
 
@@ -527,15 +535,15 @@ def model_shape(cfg: Any) -> ModelShape:
         return gated_hybrid_shape(cfg)
     if model_type == "olmo_hybrid":
         return olmo_hybrid_shape(cfg)
-    if model_type in _MAMBA2_HYBRID_TYPES:
+    if model_type in MAMBA2_HYBRID_MODEL_TYPES:
         return mamba2_hybrid_shape(cfg)
-    if model_type in _CONV_HYBRID_TYPES:
+    if model_type in CONV_HYBRID_MODEL_TYPES:
         return conv_hybrid_shape(cfg)
-    if model_type in _LIGHTNING_HYBRID_TYPES:
+    if model_type in LIGHTNING_HYBRID_MODEL_TYPES:
         return lightning_hybrid_shape(cfg)
-    if model_type in _MAMBA1_HYBRID_TYPES:
+    if model_type in MAMBA1_HYBRID_MODEL_TYPES:
         return mamba1_hybrid_shape(cfg)
-    if model_type in _SSM_TYPES:
+    if model_type in SSM_MODEL_TYPES:
         return ssm_shape(cfg)
     if model_type == "longcat_flash":
         return longcat_flash_shape(cfg)
@@ -543,9 +551,9 @@ def model_shape(cfg: Any) -> ModelShape:
         return full_attention_shape(cfg)
     raise ValueError(
         f"model_shape: no FLOP model for model_type {model_type!r} (known: harts_hybrid, "
-        f"{', '.join(_GATED_HYBRID_TYPES + _FULL_ATTENTION_TYPES + _MAMBA2_HYBRID_TYPES)}, "
-        f"{', '.join(_CONV_HYBRID_TYPES + _LIGHTNING_HYBRID_TYPES + _MAMBA1_HYBRID_TYPES)}, "
-        f"{', '.join(_SSM_TYPES)}, "
+        f"{', '.join(_GATED_HYBRID_TYPES + _FULL_ATTENTION_TYPES + MAMBA2_HYBRID_MODEL_TYPES)}, "
+        f"{', '.join(CONV_HYBRID_MODEL_TYPES + LIGHTNING_HYBRID_MODEL_TYPES)}, "
+        f"{', '.join(MAMBA1_HYBRID_MODEL_TYPES + SSM_MODEL_TYPES)}, "
         "qwen3_5, qwen3_5_moe, "
         "olmo_hybrid)"
     )
