@@ -105,7 +105,8 @@ _SIGMOID_MOE = dict(
 )
 # The same routing without a dense first layer (families that do not read first_k_dense_replace)
 _SIGMOID_MOE_ALL_SPARSE = {k: v for k, v in _SIGMOID_MOE.items() if k != "first_k_dense_replace"}
-# Multi-head latent attention (DeepSeek-V3, GLM-4-MoE-Lite, Mistral 4): q and kv low-rank paths,
+# Multi-head latent attention (DeepSeek-V3, GLM-4-MoE-Lite, Mistral 4, LongCat-Flash): q and kv
+# low-rank paths,
 # 8 + 8 q/k head dims, value heads of 4 (a value width unlike the q/k width).
 _MLA = dict(
     num_key_value_heads=4,
@@ -394,15 +395,10 @@ _FULL_ATTENTION = {
         "LongcatFlashConfig",
         {
             **_NO_SPECIAL_IDS,
+            **_MLA,
             "num_layers": 2,
-            "num_key_value_heads": 4,
             "ffn_hidden_size": 64,
-            "q_lora_rank": 16,
-            "kv_lora_rank": 16,
-            "qk_rope_head_dim": 8,
-            "qk_nope_head_dim": 8,
             "head_dim": 8,
-            "v_head_dim": 4,
             "n_routed_experts": 4,
             "zero_expert_num": 2,
             "moe_topk": 2,
