@@ -410,8 +410,20 @@ _OWN_ROUTERS = {
     "Cohere2MoeTopKRouter": _cohere_moe_router,
     "LongcatFlashTopkRouter": _longcat_router,
 }
+
+
+def _jamba_route(self, hidden_states, router_logits):
+    """Jamba's routing (softmax, top-k, no renormalisation) in the logits' dtype (HF: float32)."""
+    weights = torch.softmax(router_logits, dim=-1)
+    top_k_weights, top_k_index = torch.topk(weights, self.top_k, dim=-1)
+    return top_k_index, top_k_weights.to(hidden_states.dtype)
+
+
 # MoE blocks whose routing runs in their own method (class name → method, lifted version).
-_OWN_ROUTING_METHODS = {"HunYuanMoEV1Moe": ("route_tokens_to_experts", _hunyuan_route)}
+_OWN_ROUTING_METHODS = {
+    "HunYuanMoEV1Moe": ("route_tokens_to_experts", _hunyuan_route),
+    "JambaSparseMoeBlock": ("route_tokens_to_experts", _jamba_route),
+}
 
 
 def lift_full_attention_islands(monkeypatch) -> None:
@@ -493,13 +505,6 @@ def _weightless_rms(hidden_states, variance_epsilon=1e-6):
     return h.to(hidden_states.dtype)
 
 
-def _jamba_route(self, hidden_states, router_logits):
-    """Jamba's routing (softmax, top-k, no renormalisation) in the logits' dtype (HF: float32)."""
-    weights = torch.softmax(router_logits, dim=-1)
-    top_k_weights, top_k_index = torch.topk(weights, self.top_k, dim=-1)
-    return top_k_index, top_k_weights.to(hidden_states.dtype)
-
-
 def lift_lightning_decay_tables(model: torch.nn.Module) -> torch.nn.Module:
     """Recompute the decay tables of ``model``'s MiniMax lightning-attention mixers
     (``query_decay``, ``key_decay``, ``diagonal_decay``: float32 exps of the slopes, made at
@@ -560,8 +565,8 @@ def lift_recurrent_hybrid_islands(monkeypatch) -> None:
                 monkeypatch.setattr(obj, "forward", _sigmoid_router_logits)
             elif name.endswith("TopKGating"):  # Granite 4.0-H
                 monkeypatch.setattr(obj, "forward", _granite_gating)
-            elif name == "JambaSparseMoeBlock":
-                monkeypatch.setattr(obj, "route_tokens_to_experts", _jamba_route)
+            elif name in _OWN_ROUTING_METHODS:  # Jamba
+                monkeypatch.setattr(obj, *_OWN_ROUTING_METHODS[name])
             elif name.endswith("RotaryEmbedding"):  # a float64 table (default RoPE)
                 monkeypatch.setattr(obj, "forward", _olmo_rotary)
         if hasattr(m, "rms_forward"):  # Falcon-Mamba
