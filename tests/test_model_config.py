@@ -97,6 +97,9 @@ BAD = {
     "aux_coef_negative": (dict(router_aux_loss_coef=-1.0), "router_aux_loss_coef"),
     "tie_not_bool": (dict(tie_word_embeddings=1), "tie_word_embeddings"),
     "gate_not_bool": (dict(attn_output_gate="yes"), "attn_output_gate"),
+    "kda_gate_bias_not_bool": (dict(kda_gate_bias=0), "kda_gate_bias"),
+    "mla_use_nope_not_bool": (dict(mla_use_nope="true"), "mla_use_nope"),
+    "shared_gate_not_bool": (dict(shared_expert_gate=None), "shared_expert_gate"),
 }
 
 

@@ -456,3 +456,24 @@ def test_loss_fn_must_return_a_scalar_tensor():
             runner.forward_backward(
                 seqs, lambda lps: torch.cat([lp for lp in lps if lp is not None])
             )
+
+
+@pytest.mark.parametrize("name", ["tiny", "bench", "kimi_tiny"])
+def test_native_flop_model_matches_the_module_tree(name):
+    """Row-wise FLOPs per token of the native model = 2 × (every Linear / short-conv weight,
+    routed experts counted top-k times); the three Kimi-Linear switches (no output-gate bias, an
+    ungated shared expert, NoPE MLA) change what the model holds and the count with it."""
+    from harts_verl.models.layers import MoEFFN
+    from harts_verl.models.mixers import ShortConv
+    from harts_verl.runtime.flops import native_model_shape
+
+    cfg = preset(name)
+    model = HybridForCausalLM.from_config(cfg)
+    total = 0
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear | ShortConv):
+            total += m.weight.numel()
+        elif isinstance(m, MoEFFN):  # one expert's weights, top-k experts per token
+            one = sum(w[0].numel() for w in (m.w_gate, m.w_up, m.w_down))
+            total += cfg.num_experts_per_tok * one
+    assert native_model_shape(cfg).dense_per_token == pytest.approx(2.0 * total, rel=1e-12)

@@ -44,7 +44,14 @@ _REAL_FIELDS = (
     "routed_scaling_factor",
     "router_aux_loss_coef",
 )
-_BOOL_FIELDS = ("tie_word_embeddings", "attn_output_gate", "norm_topk_prob")
+_BOOL_FIELDS = (
+    "tie_word_embeddings",
+    "attn_output_gate",
+    "norm_topk_prob",
+    "kda_gate_bias",
+    "mla_use_nope",
+    "shared_expert_gate",
+)
 
 
 def _as_int(name: str, value: Any, expected: str = "an int") -> int:
@@ -94,13 +101,16 @@ class HybridConfig:
     conv_size: int = 4
     chunk_size: int = 64
     kda_lower_bound: float | None = None
+    kda_gate_bias: bool = True  # bias of the output gate's up-projection (False: Kimi-Linear)
     # full attention, shared
     num_attention_heads: int = 4
     # MLA
     q_lora_rank: int | None = None
     kv_lora_rank: int = 32
     qk_nope_head_dim: int = 16
-    qk_rope_head_dim: int = 8  # 0 = NoPE MLA (Kimi-Linear)
+    qk_rope_head_dim: int = 8  # 0: no decoupled key part
+    # True: the qk_rope_head_dim part is not rotated (NoPE MLA; Kimi-Linear keeps the shared part)
+    mla_use_nope: bool = False
     v_head_dim: int = 16
     # GQA (Qwen3-Next style)
     num_key_value_heads: int = 2
@@ -112,6 +122,7 @@ class HybridConfig:
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 32
     shared_expert_intermediate_size: int = 32
+    shared_expert_gate: bool = True  # sigmoid gate on the shared expert (False: plain sum)
     router: str = "softmax"
     n_group: int = 1
     topk_group: int = 1
@@ -236,7 +247,7 @@ class HybridConfig:
             raise ValueError(
                 "qk_nope_head_dim: expected > 0 when qk_rope_head_dim = 0 (query/key dim 0)"
             )
-        if r:
+        if r and not self.mla_use_nope:
             _positive("rope_theta", self.rope_theta, "(mla rope)")
 
     def _check_gqa(self) -> None:
@@ -334,15 +345,19 @@ PRESETS: dict[str, dict[str, Any]] = {
         moe_intermediate_size=256,
         shared_expert_intermediate_size=256,
     ),
-    # Kimi-Linear-like: KDA + NoPE MLA + sigmoid grouped routing.
+    # Kimi-Linear's architecture: KDA without an output-gate bias, NoPE MLA whose shared key part
+    # is not rotated, sigmoid grouped routing with an ungated shared expert, no aux loss.
     "kimi_tiny": dict(
         layer_types=["kda", "kda", "mla", "kda"],
         moe_layers=[1, 2, 3],
-        qk_rope_head_dim=0,
+        kda_gate_bias=False,
+        mla_use_nope=True,
         router="sigmoid_grouped",
         n_group=2,
         topk_group=1,
         routed_scaling_factor=2.5,
+        shared_expert_gate=False,
+        router_aux_loss_coef=0.0,
     ),
 }
 

@@ -88,7 +88,7 @@ class SwiGLU(nn.Module):
 
 class MoEFFN(nn.Module):
     """Mixture of SwiGLU experts with deterministic top-k routing (no token drop), an optional
-    sigmoid-gated shared expert, and a router auxiliary loss weighted by row multiplicity
+    shared expert (sigmoid-gated, or added as is with ``shared_expert_gate=False``), and a router auxiliary loss weighted by row multiplicity
     (invariant 7: each row is routed once, statistics equal the trajectory-wise ones)."""
 
     def __init__(self, cfg: HybridConfig) -> None:
@@ -104,7 +104,7 @@ class MoEFFN(nn.Module):
         self.w_down = nn.Parameter(torch.randn(e, f, d) * cfg.initializer_range)
         if cfg.shared_expert_intermediate_size:
             self.shared = SwiGLU(d, cfg.shared_expert_intermediate_size)
-            self.shared_gate = nn.Linear(d, 1, bias=False)
+            self.shared_gate = nn.Linear(d, 1, bias=False) if cfg.shared_expert_gate else None
         else:
             self.shared = None
 
@@ -136,7 +136,10 @@ class MoEFFN(nn.Module):
         _, route = self.route(x)
         out = moe.moe_forward(x, route.weights, route.experts, self.w_gate, self.w_up, self.w_down)
         if self.shared is not None:
-            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+            shared = self.shared(x)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(x)) * shared
+            out = out + shared
         aux = moe.load_balancing_loss(
             route.probs,
             route.experts,

@@ -47,7 +47,7 @@ class KDAMixer(nn.Module):
         self.A_log = nn.Parameter(torch.log(torch.empty(hv).uniform_(1, 16)))
         self.dt_bias = nn.Parameter(torch.empty(hv * kd).uniform_(-4.0, -2.0))
         self.g_a = nn.Linear(d, vd, bias=False)
-        self.g_b = nn.Linear(vd, hv * vd, bias=True)
+        self.g_b = nn.Linear(vd, hv * vd, bias=cfg.kda_gate_bias)
         self.o_norm = GatedRMSNorm(vd, cfg.rms_norm_eps, activation="sigmoid")
         self.o_proj = nn.Linear(hv * vd, d, bias=False)
 
@@ -104,7 +104,8 @@ class GDNMixer(nn.Module):
 
 class MLAMixer(nn.Module):
     """Multi-head latent attention: latent KV (``kv_lora_rank``) with a decoupled RoPE key shared
-    by all heads; ``qk_rope_head_dim = 0`` gives the NoPE variant (Kimi-Linear)."""
+    by all heads. NoPE variants: ``qk_rope_head_dim = 0`` (no decoupled part) or ``mla_use_nope``
+    (the decoupled query / shared key part is kept but not rotated, as in Kimi-Linear)."""
 
     def __init__(self, cfg: HybridConfig) -> None:
         super().__init__()
@@ -113,6 +114,7 @@ class MLAMixer(nn.Module):
         self.nope, self.rope, self.vd = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_rank = cfg.kv_lora_rank
         self.theta = cfg.rope_theta
+        self.use_nope = cfg.mla_use_nope
         qd = self.nope + self.rope
         if cfg.q_lora_rank:
             self.q_a = nn.Linear(d, cfg.q_lora_rank, bias=False)
@@ -137,13 +139,15 @@ class MLAMixer(nn.Module):
         c_kv, k_rope = kv_a[:, : self.kv_rank], kv_a[:, self.kv_rank :]
         kv = self.kv_b(self.kv_norm(c_kv)).view(c, h, self.nope + self.vd)
         k_nope, v = kv[..., : self.nope], kv[..., self.nope :]
-        if self.rope:
+        if self.rope and not self.use_nope:
             cos, sin = rope_cos_sin(layout.position_ids, self.rope, self.theta, x.dtype)
             q_nope, q_rope = q[..., : self.nope], q[..., self.nope :]
             q_rope = apply_rope(q_rope, cos, sin)
             k_rope = apply_rope(k_rope[:, None, :], cos, sin).expand(c, h, self.rope)
             q = torch.cat([q_nope, q_rope], dim=-1)
             k = torch.cat([k_nope, k_rope], dim=-1)
+        elif self.rope:  # NoPE with the shared key part (Kimi-Linear)
+            k = torch.cat([k_nope, k_rope[:, None, :].expand(c, h, self.rope)], dim=-1)
         else:
             k = k_nope
         o = layout.attention(q, k, v, scale=self.scale)

@@ -68,11 +68,11 @@ def native_model_shape(cfg: Any) -> ModelShape:
         if t in ("kda", "gdn"):
             h, hv = cfg.linear_num_heads, cfg.linear_num_value_heads
             k, v = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-            proj = d * (2 * h * k + hv * v) + d * hv * v + hv * v * d  # q,k,v + gate/z + out
-            if t == "kda":
-                proj += d * k + k * hv * k + d * hv + d * v + v * hv * v  # low-rank gates, beta
-            else:
-                proj += 2 * d * hv
+            proj = d * (2 * h * k + hv * v) + hv * v * d  # q, k, v, out
+            if t == "kda":  # low-rank decay and output gates, beta
+                proj += d * k + k * hv * k + d * hv + d * v + v * hv * v
+            else:  # z (output gate), a, b
+                proj += d * hv * v + 2 * d * hv
             dense += 2.0 * proj + 2.0 * cfg.conv_size * (2 * h * k + hv * v)
             b = cfg.chunk_size
             lin += hv * (2.0 * b * (k + v) + 6.0 * k * v)
@@ -89,7 +89,8 @@ def native_model_shape(cfg: Any) -> ModelShape:
             dense += 2.0 * d * cfg.num_experts
             dense += 2.0 * 3 * d * cfg.moe_intermediate_size * cfg.num_experts_per_tok
             if cfg.shared_expert_intermediate_size:
-                dense += 2.0 * (3 * d * cfg.shared_expert_intermediate_size + d)
+                gate = d if cfg.shared_expert_gate else 0
+                dense += 2.0 * (3 * d * cfg.shared_expert_intermediate_size + gate)
         else:
             dense += 2.0 * 3 * d * cfg.intermediate_size
     return ModelShape(dense, attn, lin)
