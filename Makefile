@@ -13,7 +13,14 @@ FLA_PY := $(FLA_VENV)/bin/python
 FLA_STAMP := $(FLA_VENV)/.harts-installed
 FLA_PINS ?= triton==3.6.0 fla-core==0.6.0
 
-.PHONY: venv test test-fla-cpu demo lint format bench clean
+# transformers' own Kimi-Linear (>= 5.23) is the oracle of the Kimi-Linear conversion, but veRL
+# pins transformers < 5.11: it goes, without dependencies, into a folder that only the oracle's
+# subprocess puts on PYTHONPATH (tests/_kimi_linear_oracle.py).
+ORACLE_DIR ?= .oracles/transformers
+ORACLE_STAMP := $(ORACLE_DIR)/.harts-installed
+ORACLE_PINS ?= transformers==5.24.0 tokenizers==0.23.3
+
+.PHONY: venv oracles test test-fla-cpu demo lint format bench clean
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +31,13 @@ $(STAMP): pyproject.toml Makefile
 	@touch $(STAMP)
 
 venv: $(STAMP)
+
+$(ORACLE_STAMP): Makefile $(STAMP)
+	rm -rf $(ORACLE_DIR)
+	$(PY) -m pip install -q --no-deps --target $(ORACLE_DIR) $(ORACLE_PINS)
+	@touch $(ORACLE_STAMP)
+
+oracles: $(ORACLE_STAMP)
 
 lint: venv
 	$(VENV)/bin/ruff format --check harts_verl tests benchmarks
@@ -44,7 +58,8 @@ $(FLA_STAMP): pyproject.toml Makefile
 	@touch $(FLA_STAMP)
 
 # pytest exit code 5 = no tests collected: that is a failure for us, say so.
-test: venv lint
+test: venv lint oracles
+	HARTS_KIMI_ORACLE=$(abspath $(ORACLE_DIR)) HARTS_REQUIRE_ORACLES=1 \
 	$(PY) -m pytest tests --ignore=tests/fla_cpu; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 	$(MAKE) --no-print-directory test-fla-cpu
@@ -62,4 +77,4 @@ bench: venv
 	$(VENV)/bin/harts-verl bench
 
 clean:
-	rm -rf $(VENV) $(FLA_VENV) build *.egg-info
+	rm -rf $(VENV) $(FLA_VENV) .oracles build *.egg-info

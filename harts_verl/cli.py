@@ -1,4 +1,4 @@
-"""Command line: ``harts-verl demo | bench | inspect | check``.
+"""Command line: ``harts-verl demo | bench | inspect | check | convert``.
 
 Exit status: 0 on success; 2 for a user error — a bad option value or input file, reported as
 one line ``harts-verl <command>: <message>`` on stderr that names the option (``--capacity``,
@@ -312,6 +312,50 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_check)
 
 
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from harts_verl.models import kimi_linear
+
+    def progress(msg: str) -> None:
+        print(f"harts-verl convert: {msg}", file=sys.stderr, flush=True)
+
+    with _inputs():  # the checkpoint and config are the user's input
+        summary = kimi_linear.convert_checkpoint(
+            args.src,
+            args.dst,
+            to=args.to,
+            max_shard_bytes=int(args.max_shard_gib * 2**30),
+            progress=progress,
+        )
+    _print_json(summary)
+    return 0
+
+
+def _add_convert(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "convert",
+        help="Kimi-Linear checkpoint <-> harts_hybrid (train it with veRL, serve it again)",
+        description="Convert a Kimi-Linear model directory (Moonshot's format, or what "
+        "transformers >= 5.23 saves) into the native harts_hybrid model that veRL 0.9.1 loads, "
+        "or a harts_hybrid converted from one back into Kimi-Linear's format (vLLM / SGLang). "
+        "Streams layer by layer; copies tokenizer files; prints a JSON summary.",
+    )
+    p.add_argument("src", help="source model directory (config.json + safetensors)")
+    p.add_argument("dst", help="destination directory (created; must not hold a model)")
+    p.add_argument(
+        "--to",
+        choices=("harts_hybrid", "kimi_linear"),
+        default="harts_hybrid",
+        help="target format (default harts_hybrid)",
+    )
+    p.add_argument(
+        "--max-shard-gib",
+        type=finite_float_arg(0, inclusive=False),
+        default=5.0,
+        help="largest safetensors shard written, in GiB (default 5)",
+    )
+    p.set_defaults(func=_cmd_convert)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``harts-verl`` with ``argv``; the exit status (see the module doc): a user error is
     one line on stderr and 2, argparse's own errors exit 2 as well."""
@@ -332,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.set_defaults(func=_cmd_bench)
     _add_inspect(sub)
     _add_check(sub)
+    _add_convert(sub)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))

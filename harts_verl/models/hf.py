@@ -266,7 +266,8 @@ def load_causal_lm(
 ) -> torch.nn.Module:
     """A causal LM from ``spec``: an HF model directory (its weights) or a ``config.json``
     (random weights after ``torch.manual_seed(seed)``), the native model included
-    (``harts_hybrid``). sdpa attention (eager where the class has no sdpa:
+    (``harts_hybrid``) and Kimi-Linear (``kimi_linear``, converted to the native model:
+    :mod:`harts_verl.models.kimi_linear`). sdpa attention (eager where the class has no sdpa:
     :func:`attn_implementation_for`); ``eager_experts``: MoE experts run transformers' eager
     implementation (float64-capable on any device). Returned in ``dtype``, in eval mode.
     Raises ``ValueError`` naming ``spec`` when it is neither."""
@@ -278,6 +279,11 @@ def load_causal_lm(
         raise ValueError(f"model: config file {spec!r} does not exist")
     if not is_config and not os.path.isdir(spec):
         raise ValueError(f"model: expected an HF model directory or a config.json, got {spec!r}")
+    from harts_verl.models import kimi_linear
+
+    raw = kimi_linear.read_config(spec)
+    if kimi_linear.is_kimi_linear_config(raw):  # transformers 5.10 has no kimi_linear
+        return _load_kimi_linear(spec, raw, is_config=is_config, dtype=dtype, seed=seed)
     cfg = AutoConfig.from_pretrained(spec)  # a directory, or the named config file
     cfg._attn_implementation = attn_implementation_for(cfg)
     if eager_experts:
@@ -290,6 +296,26 @@ def load_causal_lm(
     else:
         model = AutoModelForCausalLM.from_pretrained(spec, config=cfg)
     return model.to(dtype).eval()
+
+
+def _load_kimi_linear(
+    spec: str, raw: dict[str, Any], *, is_config: bool, dtype: torch.dtype, seed: int
+) -> HartsHybridForCausalLM:
+    """A Kimi-Linear config or checkpoint as the native model (converted in memory; convert
+    large checkpoints once with ``harts-verl convert``)."""
+    from harts_verl.models import kimi_linear
+
+    hybrid = kimi_linear.hybrid_config_from_kimi_linear(raw)
+    tokens = {k: raw[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in raw}
+    cfg = HartsHybridConfig.from_hybrid_config(hybrid, **tokens)
+    torch.manual_seed(seed)
+    model = HartsHybridForCausalLM(cfg).to(dtype)  # checkpoint tensors are cast into dtype
+    if not is_config:
+        sd = kimi_linear.hybrid_state_dict_from_kimi_linear(
+            kimi_linear.CheckpointTensors(path=spec), hybrid
+        )
+        model.model.load_state_dict(sd, strict=not hybrid.tie_word_embeddings)
+    return model.eval()
 
 
 register_auto_classes()

@@ -1,0 +1,409 @@
+"""Kimi-Linear checkpoints as the native hybrid model (``harts_verl.models.kimi_linear``).
+
+The oracle is transformers' own ``KimiLinearForCausalLM`` (transformers >= 5.23, run in a
+subprocess: ``_kimi_linear_oracle.py``), in float64 with its float32 islands lifted: the converted
+native model gives the same logits (<= 1e-10) trajectory-wise and in tree mode, from Moonshot's
+checkpoint format and from transformers' in-memory names; the checkpoint converted back loads in
+transformers and gives bitwise the same logits. ``make test`` installs that transformers into
+``.oracles/transformers`` (``HARTS_KIMI_ORACLE``) and requires it (``HARTS_REQUIRE_ORACLES=1``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from harts_verl.models import kimi_linear as kl
+from harts_verl.models.config import HybridConfig, preset
+from harts_verl.models.hf import HartsHybridForCausalLM, load_causal_lm
+from harts_verl.models.hybrid import HybridForCausalLM
+from harts_verl.runtime import TreeRunner
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# Moonshot-style config: 6 layers (KDA, KDA, MLA, KDA, KDA, MLA), first layer dense, MoE with
+# 2 expert groups (1 kept), a shared expert, MLA with a q bottleneck off and a NoPE shared part.
+KIMI_CONFIG = {
+    "model_type": "kimi_linear",
+    "vocab_size": 96,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "kv_lora_rank": 16,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "mla_use_nope": True,
+    "num_experts": 4,
+    "num_experts_per_token": 2,
+    "num_shared_experts": 1,
+    "moe_renormalize": True,
+    "moe_router_activation_func": "sigmoid",
+    "routed_scaling_factor": 2.446,
+    "use_grouped_topk": True,
+    "num_expert_group": 2,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "linear_attn_config": {
+        "head_dim": 16,
+        "num_heads": 2,
+        "short_conv_kernel_size": 4,
+        "kda_layers": [1, 2, 4, 5],
+        "full_attn_layers": [3, 6],
+    },
+    "rms_norm_eps": 1e-5,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def _sequences() -> list[list[int]]:
+    """A prompt shared by all, two turns forking inside a 64-token chunk and one past it."""
+    g = torch.Generator().manual_seed(11)
+    prompt = torch.randint(3, 96, (70,), generator=g).tolist()
+    turn = torch.randint(3, 96, (30,), generator=g).tolist()
+    tails = [torch.randint(3, 96, (n,), generator=g).tolist() for n in (25, 40, 9)]
+    return [
+        prompt + turn + tails[0],
+        prompt + turn + tails[1],
+        prompt + tails[2],
+        prompt[:50],
+    ]
+
+
+# --- configuration ---------------------------------------------------------------------------
+
+
+def test_config_maps_moonshot_keys():
+    cfg = kl.hybrid_config_from_kimi_linear(KIMI_CONFIG)
+    assert cfg.layer_types == ["kda", "kda", "mla", "kda", "kda", "mla"]
+    assert cfg.moe_layers == [1, 2, 3, 4, 5]
+    assert (cfg.linear_num_heads, cfg.linear_key_head_dim, cfg.conv_size) == (2, 16, 4)
+    assert cfg.shared_expert_intermediate_size == 32
+    assert (cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok) == (2, 1, 2)
+    assert cfg.router == "sigmoid_grouped" and cfg.routed_scaling_factor == 2.446
+    assert not cfg.kda_gate_bias and cfg.mla_use_nope and not cfg.shared_expert_gate
+    assert cfg.router_aux_loss_coef == 0.0
+
+
+def test_config_transformers_keys_and_precedence():
+    """transformers' names (``layer_types``, ``mlp_layer_types``, ``num_local_experts``, ...)
+    work, and ``layer_types`` wins over ``linear_attn_config``'s lists (as in transformers)."""
+    d = {
+        k: v
+        for k, v in KIMI_CONFIG.items()
+        if k not in ("num_experts", "num_experts_per_token", "num_shared_experts")
+    }
+    d.update(
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=2,
+        layer_types=["linear_attention"] * 5 + ["full_attention"],
+        mlp_layer_types=["dense", "dense", "sparse", "dense", "sparse", "sparse"],
+    )
+    cfg = kl.hybrid_config_from_kimi_linear(d)
+    assert cfg.layer_types == ["kda"] * 5 + ["mla"]
+    assert cfg.moe_layers == [2, 4, 5]
+    assert cfg.shared_expert_intermediate_size == 64
+    freq = dict(KIMI_CONFIG, first_k_dense_replace=2, moe_layer_freq=2)
+    assert kl.hybrid_config_from_kimi_linear(freq).moe_layers == [2, 4]
+    flat = dict(KIMI_CONFIG, use_grouped_topk=False)
+    assert (kl.hybrid_config_from_kimi_linear(flat).n_group, flat["num_expert_group"]) == (1, 2)
+
+
+def test_config_round_trip():
+    cfg = kl.hybrid_config_from_kimi_linear(KIMI_CONFIG)
+    back = kl.kimi_linear_config_from_hybrid(cfg, KIMI_CONFIG)
+    assert back["linear_attn_config"]["kda_layers"] == [1, 2, 4, 5]
+    assert back["linear_attn_config"]["full_attn_layers"] == [3, 6]
+    assert back["bos_token_id"] == 1 and back["mla_use_nope"] is True
+    assert kl.hybrid_config_from_kimi_linear(back) == cfg
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(mla_use_nope=False), "mla_use_nope"),
+        (dict(moe_router_activation_func="softmax"), "moe_router_activation_func"),
+        (dict(hidden_act="gelu"), "hidden_act"),
+        (dict(attention_bias=True), "attention_bias"),
+        (dict(model_type="qwen3_next"), "model_type"),
+        (
+            dict(linear_attn_config=dict(KIMI_CONFIG["linear_attn_config"], kda_layers=[1, 2, 4])),
+            r"layers \[5\]",
+        ),
+        (
+            dict(linear_attn_config=dict(KIMI_CONFIG["linear_attn_config"], kda_layers=[1, 2, 3])),
+            "both",
+        ),
+        (dict(layer_types=["linear_attention"] * 5), "layer_types"),
+        (dict(mlp_layer_types=["dense"] * 5 + ["moe"]), "mlp_layer_types"),
+    ],
+)
+def test_config_errors_name_the_key(change, match):
+    with pytest.raises(ValueError, match=match):
+        kl.hybrid_config_from_kimi_linear(dict(KIMI_CONFIG, **change))
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(kda_gate_bias=True), "kda_gate_bias"),
+        (dict(layer_types=["kda", "gdn", "mla", "kda", "kda", "mla"]), "layer_types"),
+        (dict(shared_expert_gate=True), "shared_expert_gate"),
+        (dict(router="softmax", n_group=1), "router"),
+        (dict(mla_use_nope=False), "mla_use_nope"),
+        (dict(router_aux_loss_coef=0.01), "router_aux_loss_coef"),
+    ],
+)
+def test_export_refuses_other_architectures(change, match):
+    cfg = kl.hybrid_config_from_kimi_linear(KIMI_CONFIG)
+    other = HybridConfig(**{**cfg.to_dict(), **change})
+    with pytest.raises(ValueError, match=match):
+        kl.kimi_linear_config_from_hybrid(other)
+    with pytest.raises(ValueError, match=match):
+        kl.kimi_linear_state_dict_from_hybrid({}, other)
+
+
+# --- state dicts -----------------------------------------------------------------------------
+
+
+def _native(cfg: HybridConfig, seed: int = 0) -> HybridForCausalLM:
+    torch.manual_seed(seed)
+    model = HybridForCausalLM(cfg).double()
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if "norm" in name or name.endswith("correction_bias"):
+                t.add_(0.1 * torch.randn_like(t))
+    return model
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 12])
+def test_state_dict_round_trip_is_exact(q_lora_rank):
+    cfg = kl.hybrid_config_from_kimi_linear(dict(KIMI_CONFIG, q_lora_rank=q_lora_rank))
+    sd = _native(cfg).state_dict()
+    kimi = kl.kimi_linear_state_dict_from_hybrid(sd, cfg)
+    assert "model.layers.0.mlp.gate_proj.weight" in kimi
+    assert kimi["model.layers.0.self_attn.A_log"].shape == (1, 1, 2, 1)
+    assert kimi["model.layers.0.self_attn.q_conv1d.weight"].shape == (32, 1, 4)
+    assert kimi["model.layers.1.block_sparse_moe.experts.3.w2.weight"].shape == (64, 32)
+    back = kl.hybrid_state_dict_from_kimi_linear(kimi, cfg)
+    assert back.keys() == sd.keys()
+    for k, v in sd.items():
+        assert torch.equal(back[k], v), k
+
+
+def test_state_dict_errors_name_the_tensor():
+    cfg = kl.hybrid_config_from_kimi_linear(KIMI_CONFIG)
+    kimi = kl.kimi_linear_state_dict_from_hybrid(_native(cfg).state_dict(), cfg)
+    missing = dict(kimi)
+    del missing["model.layers.3.self_attn.b_proj.weight"]
+    with pytest.raises(ValueError, match=r"model\.layers\.3\.self_attn\.b_proj\.weight"):
+        kl.hybrid_state_dict_from_kimi_linear(missing, cfg)
+    extra = dict(kimi, **{"model.layers.2.self_attn.extra.weight": torch.zeros(2)})
+    with pytest.raises(ValueError, match=r"no place.*model\.layers\.2\.self_attn\.extra"):
+        kl.hybrid_state_dict_from_kimi_linear(extra, cfg)
+    wrong = dict(kimi)
+    wrong["model.layers.2.self_attn.kv_b_proj.weight"] = torch.zeros(3, 16)
+    with pytest.raises(ValueError, match=r"layers\.2\.mixer\.kv_b\.weight.*shape \(3, 16\)"):
+        kl.hybrid_state_dict_from_kimi_linear(wrong, cfg)
+    # multi-token-prediction layers beyond num_hidden_layers are dropped (logged), not an error
+    mtp = dict(kimi, **{"model.layers.6.self_attn.q_proj.weight": torch.zeros(2)})
+    assert (
+        kl.hybrid_state_dict_from_kimi_linear(mtp, cfg).keys() == _native(cfg).state_dict().keys()
+    )
+
+
+def test_kimi_tiny_preset_is_a_kimi_linear_architecture():
+    cfg = preset("kimi_tiny")
+    d = kl.kimi_linear_config_from_hybrid(cfg)
+    assert kl.hybrid_config_from_kimi_linear(d) == HybridConfig(
+        **{**cfg.to_dict(), "chunk_size": 64}
+    )
+
+
+# --- checkpoints -----------------------------------------------------------------------------
+
+
+def _write_kimi_checkpoint(path: str, cfg_dict: dict, model: HybridForCausalLM) -> None:
+    from safetensors.torch import save_file
+
+    cfg = kl.hybrid_config_from_kimi_linear(cfg_dict)
+    sd = kl.kimi_linear_state_dict_from_hybrid(model.state_dict(), cfg)
+    os.makedirs(path, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg_dict, f)
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"model_max_length": 128}, f)
+
+
+def test_convert_checkpoint_both_ways(tmp_path):
+    cfg = kl.hybrid_config_from_kimi_linear(KIMI_CONFIG)
+    model = _native(cfg, seed=4)
+    src = str(tmp_path / "kimi")
+    _write_kimi_checkpoint(src, KIMI_CONFIG, model)
+    harts = str(tmp_path / "harts")
+    summary = kl.convert_checkpoint(src, harts, max_shard_bytes=200_000)
+    assert summary["layers"] == 6 and len(summary["files"]) > 1  # sharded, with an index
+    assert os.path.isfile(os.path.join(harts, "model.safetensors.index.json"))
+    assert os.path.isfile(os.path.join(harts, "tokenizer_config.json"))
+    loaded = HartsHybridForCausalLM.from_pretrained(harts, dtype=torch.float64)
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded.model.state_dict()[k], v), k
+    back = str(tmp_path / "back")
+    kl.convert_checkpoint(harts, back, to="kimi_linear")
+    with open(os.path.join(back, "config.json")) as f:
+        back_cfg = json.load(f)
+    assert kl.hybrid_config_from_kimi_linear(back_cfg) == cfg
+    assert back_cfg["eos_token_id"] == 2
+    a = kl.CheckpointTensors(path=src)
+    b = kl.CheckpointTensors(path=back)
+    assert a.names == b.names
+    for k in a.names:
+        assert torch.equal(a.take(k), b.take(k)), k
+    with pytest.raises(ValueError, match="already holds a model"):
+        kl.convert_checkpoint(src, harts)
+    with pytest.raises(ValueError, match="needs a 'harts_hybrid' model"):
+        kl.convert_checkpoint(src, str(tmp_path / "x"), to="kimi_linear")
+
+
+def test_cli_convert(tmp_path, capsys):
+    from harts_verl.cli import main
+
+    cfg = kl.hybrid_config_from_kimi_linear(KIMI_CONFIG)
+    src = str(tmp_path / "kimi")
+    _write_kimi_checkpoint(src, KIMI_CONFIG, _native(cfg, seed=2))
+    assert main(["convert", src, str(tmp_path / "harts")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["from"] == "kimi_linear" and out["to"] == "harts_hybrid" and out["layers"] == 6
+    assert (
+        main(["convert", str(tmp_path / "harts"), str(tmp_path / "back"), "--to", "kimi_linear"])
+        == 0
+    )
+
+
+def test_load_causal_lm_reads_kimi_linear_config_and_checkpoint(tmp_path):
+    """``harts-verl bench/check --model`` accept a Kimi-Linear config (random weights) or
+    checkpoint (its weights, converted in memory)."""
+    cfg_file = tmp_path / "config.json"
+    cfg_file.write_text(json.dumps(KIMI_CONFIG))
+    model = load_causal_lm(str(cfg_file), dtype=torch.float64)
+    assert isinstance(model, HartsHybridForCausalLM)
+    assert model.config.to_hybrid_config() == kl.hybrid_config_from_kimi_linear(KIMI_CONFIG)
+    cfg = kl.hybrid_config_from_kimi_linear(KIMI_CONFIG)
+    native = _native(cfg, seed=6)
+    src = str(tmp_path / "kimi")
+    _write_kimi_checkpoint(src, KIMI_CONFIG, native)
+    loaded = load_causal_lm(src, dtype=torch.float64)
+    for k, v in native.state_dict().items():
+        assert torch.equal(loaded.model.state_dict()[k], v), k
+
+
+# --- transformers' KimiLinear as the oracle --------------------------------------------------
+
+
+def _oracle_path() -> str:
+    path = os.environ.get("HARTS_KIMI_ORACLE", os.path.join(HERE, "..", ".oracles", "transformers"))
+    if not os.path.isdir(os.path.join(path, "transformers")):
+        why = f"transformers >= 5.23 for the Kimi-Linear oracle not installed at {path!r}"
+        if os.environ.get("HARTS_REQUIRE_ORACLES") == "1":
+            pytest.fail(why + " (make test installs it)")
+        pytest.skip(why + " (make test installs it)")
+    return path
+
+
+def _run_oracle(*args: str) -> None:
+    env = dict(os.environ, PYTHONPATH=_oracle_path(), OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "_kimi_linear_oracle.py"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if proc.returncode:
+        raise AssertionError(f"oracle failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory):
+    """transformers' KimiLinear, random float64 weights: its checkpoint (Moonshot's format), its
+    in-memory state dict, and its logits for :func:`_sequences`."""
+    _oracle_path()
+    out = tmp_path_factory.mktemp("kimi_oracle")
+    spec = {"seed": 3, "config": dict(KIMI_CONFIG), "sequences": _sequences()}
+    spec["config"].pop("model_type")
+    (out / "spec.json").write_text(json.dumps(spec))
+    _run_oracle("build", str(out / "spec.json"), str(out))
+    return out, torch.load(out / "logits.pt")
+
+
+def _max_error(model: HartsHybridForCausalLM, ref: list[torch.Tensor]) -> float:
+    err = 0.0
+    with torch.no_grad():
+        for seq, r in zip(_sequences(), ref, strict=True):
+            got = model(input_ids=torch.tensor([seq])).logits[0]
+            err = max(err, (got - r).abs().max().item())
+    return err
+
+
+@pytest.mark.parametrize("layout", ["checkpoint", "inmemory"])
+def test_converted_model_matches_transformers_float64(oracle, layout):
+    out, ref = oracle
+    model = load_causal_lm(str(out / layout), dtype=torch.float64)
+    assert _max_error(model, ref) <= 1e-10
+
+
+def test_tree_mode_matches_transformers_float64(oracle, tmp_path):
+    """Converted once to harts_hybrid, the model in tree mode (the sequences share a prompt and
+    a turn, forks inside and past a chunk) gives transformers' per-trajectory log-probs."""
+    out, ref = oracle
+    harts = str(tmp_path / "harts")
+    kl.convert_checkpoint(str(out / "checkpoint"), harts)
+    model = HartsHybridForCausalLM.from_pretrained(harts, dtype=torch.float64).model
+    seqs = _sequences()
+    runner = TreeRunner(model, chunk_size=16)
+    lps = runner.log_probs(seqs)
+    assert runner.last_stats.compact_tokens < sum(len(s) for s in seqs)
+    for seq, lp, r in zip(seqs, lps, ref, strict=True):
+        want = torch.log_softmax(r[:-1], -1).gather(1, torch.tensor(seq[1:])[:, None])[:, 0]
+        torch.testing.assert_close(lp, want, rtol=0, atol=1e-10)
+
+
+def test_converted_back_loads_in_transformers(oracle, tmp_path):
+    out, ref = oracle
+    harts, back = str(tmp_path / "harts"), str(tmp_path / "back")
+    kl.convert_checkpoint(str(out / "checkpoint"), harts)
+    kl.convert_checkpoint(harts, back, to="kimi_linear")
+    spec = out / "spec.json"
+    _run_oracle("logits", str(spec), back, str(tmp_path / "back.pt"))
+    for a, b in zip(torch.load(tmp_path / "back.pt"), ref, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_oracle_sees_a_wrong_mapping(oracle):
+    """The comparison has teeth: swapping two KDA projections in the conversion is caught."""
+    out, ref = oracle
+    model = load_causal_lm(str(out / "checkpoint"), dtype=torch.float64)
+    sd = copy.deepcopy(model.model.state_dict())
+    sd["layers.0.mixer.q_proj.weight"], sd["layers.0.mixer.k_proj.weight"] = (
+        sd["layers.0.mixer.k_proj.weight"],
+        sd["layers.0.mixer.q_proj.weight"],
+    )
+    model.model.load_state_dict(sd)
+    assert _max_error(model, ref) > 1e-4
