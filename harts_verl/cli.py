@@ -324,6 +324,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
             args.dst,
             to=args.to,
             max_shard_bytes=int(args.max_shard_gib * 2**30),
+            config_only=args.config_only,
             progress=progress,
         )
     _print_json(summary)
@@ -352,6 +353,12 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
         type=finite_float_arg(0, inclusive=False),
         default=5.0,
         help="largest safetensors shard written, in GiB (default 5)",
+    )
+    p.add_argument(
+        "--config-only",
+        action="store_true",
+        help="write the harts_hybrid config.json alone: veRL's model.hf_config_path beside a "
+        "Kimi-Linear model.path (weights converted while loading, rollout serves the original)",
     )
     p.set_defaults(func=_cmd_convert)
 

@@ -407,3 +407,37 @@ def test_oracle_sees_a_wrong_mapping(oracle):
     )
     model.model.load_state_dict(sd)
     assert _max_error(model, ref) > 1e-4
+
+
+def test_verl_engine_trains_a_kimi_linear_checkpoint_in_place(oracle, tmp_path):
+    """veRL with ``model.path`` = the Kimi-Linear checkpoint (what the rollout serves) and
+    ``model.hf_config_path`` = ``convert --config-only``: the harts_fsdp2 engine converts the
+    weights while loading, its tree-mode log-probs equal transformers' (fp32 engine), and its
+    weight export gives the rollout Moonshot's names with the checkpoint's tensors."""
+    pytest.importorskip("verl")
+    from _verl_cpu import verl_cpu_process
+
+    testing = verl_cpu_process()
+    out, ref = oracle
+    ckpt, cfg_dir = str(out / "checkpoint"), str(tmp_path / "cfg")
+    summary = kl.convert_checkpoint(ckpt, cfg_dir, config_only=True)
+    assert summary["files"] == ["config.json"] and os.listdir(cfg_dir) == ["config.json"]
+    engine = testing.build_engine(ckpt, testing.actor_config(), hf_config_path=cfg_dir)
+    params, peft = engine.get_per_tensor_param()
+    exported = dict(params)
+    src = kl.CheckpointTensors(path=ckpt)
+    assert peft is None and len(exported) == len(src.names)
+    for k, v in exported.items():
+        # transformers saves the dense layer under block_sparse_moe (a global rename); Moonshot's
+        # checkpoints and vLLM name it mlp, as the export does
+        theirs = k if src.has(k) else k.replace(".mlp.", ".block_sparse_moe.")
+        assert torch.equal(v, src.take(theirs).to(v.dtype)), k
+    assert src.taken == src.names
+    seqs = _sequences()
+    batch = testing.make_batch(seqs, [40, 40, 40, 20])
+    with engine.eval_mode():
+        inf = engine.infer_batch(batch)
+    assert inf["metrics"]["harts/compression"][0] > 1.0
+    for seq, lp, r in zip(seqs, inf["model_output"]["log_probs"].unbind(), ref, strict=True):
+        want = torch.log_softmax(r[:-1], -1).gather(1, torch.tensor(seq[1:])[:, None])[:, 0]
+        torch.testing.assert_close(lp[:-1].double(), want, rtol=0, atol=2e-5)

@@ -19,6 +19,7 @@ veRL's FSDP engines, which load the actor through the Auto classes from ``model.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, ClassVar
 
 import numpy as np
@@ -130,6 +131,19 @@ class HartsHybridForCausalLM(PreTrainedModel):
     @property
     def harts_native_model(self) -> HybridForCausalLM:
         return self.model
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: Any, *model_args: Any, **kwargs: Any):
+        """transformers' ``from_pretrained``; a Kimi-Linear model directory is also accepted and
+        converted while loading (:func:`~harts_verl.models.kimi_linear.load_from_kimi_linear`):
+        veRL then trains a Kimi-Linear checkpoint in place, with ``hf_config_path`` naming a
+        ``harts-verl convert --config-only`` directory."""
+        from harts_verl.models import kimi_linear
+
+        path = pretrained_model_name_or_path
+        if isinstance(path, str | os.PathLike) and kimi_linear.is_kimi_linear_dir(str(path)):
+            return kimi_linear.load_from_kimi_linear(cls, str(path), **kwargs)
+        return super().from_pretrained(path, *model_args, **kwargs)
 
     def _init_weights(self, module: torch.nn.Module) -> None:
         std = self.config.initializer_range
@@ -271,7 +285,6 @@ def load_causal_lm(
     :func:`attn_implementation_for`); ``eager_experts``: MoE experts run transformers' eager
     implementation (float64-capable on any device). Returned in ``dtype``, in eval mode.
     Raises ``ValueError`` naming ``spec`` when it is neither."""
-    import os
 
     register_auto_classes()
     is_config = spec.endswith(".json")
@@ -301,21 +314,14 @@ def load_causal_lm(
 def _load_kimi_linear(
     spec: str, raw: dict[str, Any], *, is_config: bool, dtype: torch.dtype, seed: int
 ) -> HartsHybridForCausalLM:
-    """A Kimi-Linear config or checkpoint as the native model (converted in memory; convert
-    large checkpoints once with ``harts-verl convert``)."""
+    """A Kimi-Linear config (random weights) or checkpoint (converted in memory; convert large
+    checkpoints once with ``harts-verl convert``) as the native model."""
     from harts_verl.models import kimi_linear
 
-    hybrid = kimi_linear.hybrid_config_from_kimi_linear(raw)
-    tokens = {k: raw[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in raw}
-    cfg = HartsHybridConfig.from_hybrid_config(hybrid, **tokens)
-    torch.manual_seed(seed)
-    model = HartsHybridForCausalLM(cfg).to(dtype)  # checkpoint tensors are cast into dtype
     if not is_config:
-        sd = kimi_linear.hybrid_state_dict_from_kimi_linear(
-            kimi_linear.CheckpointTensors(path=spec), hybrid
-        )
-        model.model.load_state_dict(sd, strict=not hybrid.tie_word_embeddings)
-    return model.eval()
+        return HartsHybridForCausalLM.from_pretrained(spec, dtype=dtype)
+    torch.manual_seed(seed)
+    return HartsHybridForCausalLM(kimi_linear.harts_config_from_kimi_linear(raw)).to(dtype).eval()
 
 
 register_auto_classes()

@@ -38,11 +38,16 @@ __all__ = [
     "KIMI_LINEAR_MODEL_TYPE",
     "CheckpointTensors",
     "convert_checkpoint",
+    "harts_config_from_kimi_linear",
     "hybrid_config_from_kimi_linear",
     "hybrid_state_dict_from_kimi_linear",
     "is_kimi_linear_config",
+    "is_kimi_linear_dir",
     "kimi_linear_config_from_hybrid",
+    "kimi_linear_source",
     "kimi_linear_state_dict_from_hybrid",
+    "kimi_linear_tensors_from_hybrid",
+    "load_from_kimi_linear",
     "read_config",
 ]
 
@@ -457,32 +462,54 @@ def _kimi_layer_to_hybrid(
     return out
 
 
-def _hybrid_layer_to_kimi(
-    sd: Mapping[str, torch.Tensor], cfg: HybridConfig, i: int
-) -> dict[str, torch.Tensor]:
-    p, q = f"model.layers.{i}.", f"layers.{i}."
-    out = {p + theirs: sd[q + ours] for ours, theirs in _NORMS}
+def kimi_linear_tensors_from_hybrid(
+    name: str, tensor: torch.Tensor, cfg: HybridConfig
+) -> list[tuple[str, torch.Tensor]]:
+    """The Kimi-Linear (Moonshot) tensors of one native state-dict entry ``name`` (with or
+    without ``model.``): a rename, a reshape (``A_log``, convolutions) or, for stacked experts,
+    one transposed tensor per expert. Views, no copies. Raises ``ValueError`` for a name the
+    native Kimi-Linear architecture does not have. Used per tensor by the veRL engine's weight
+    export to the rollout server (vLLM / SGLang load Moonshot's names)."""
+    key = name.removeprefix("model.")
+    top = {
+        "embed_tokens.weight": "model.embed_tokens.weight",
+        "norm.weight": "model.norm.weight",
+        "lm_head.weight": "lm_head.weight",
+    }
+    if key in top:
+        return [(top[key], tensor)]
+    parts = key.split(".", 2)
+    if len(parts) < 3 or parts[0] != "layers" or not parts[1].isdigit():
+        raise ValueError(f"kimi_linear export: unexpected tensor {name!r}")
+    i, rest = int(parts[1]), parts[2]
+    if i >= cfg.num_hidden_layers:
+        raise ValueError(f"kimi_linear export: {name!r} is beyond {cfg.num_hidden_layers} layers")
+    p = f"model.layers.{i}."
+    table = dict(_NORMS)
+    table.update(_KDA_PLAIN if cfg.layer_types[i] == "kda" else _MLA)
     if cfg.layer_types[i] == "kda":
-        out.update({p + theirs: sd[q + ours] for ours, theirs in _KDA_PLAIN})
-        out.update({p + "self_attn." + theirs: sd[q + ours] for ours, theirs in _KDA_GATE})
-        out[p + "self_attn.A_log"] = sd[q + "mixer.A_log"].reshape(1, 1, -1, 1)
-        for c in "qkv":
-            out[p + f"self_attn.{c}_conv1d.weight"] = sd[q + f"mixer.{c}_conv.weight"].unsqueeze(1)
-    else:
-        out.update({p + theirs: sd[q + ours] for ours, theirs in _MLA if q + ours in sd})
-    if q + "ffn.router.weight" not in sd:
-        out.update({p + f"mlp.{n}.weight": sd[q + f"ffn.{n}.weight"] for n in _SWIGLU})
-        return out
-    r = p + "block_sparse_moe."
-    out[r + "gate.weight"] = sd[q + "ffn.router.weight"]
-    out[r + "gate.e_score_correction_bias"] = sd[q + "ffn.correction_bias"]
-    for ours, w in (("w_gate", "w1"), ("w_up", "w3"), ("w_down", "w2")):
-        for j, t in enumerate(sd[q + f"ffn.{ours}"].unbind(0)):
-            out[r + f"experts.{j}.{w}.weight"] = t.T
-    for n in _SWIGLU:
-        if q + f"ffn.shared.{n}.weight" in sd:
-            out[r + f"shared_experts.{n}.weight"] = sd[q + f"ffn.shared.{n}.weight"]
-    return out
+        table.update({ours: "self_attn." + theirs for ours, theirs in _KDA_GATE})
+    moe = i in cfg.moe_layers and cfg.num_experts > 0
+    root = "block_sparse_moe." if moe else "mlp."
+    table.update({f"ffn.{n}.weight": f"{root}{n}.weight" for n in _SWIGLU})
+    table.update({f"ffn.shared.{n}.weight": f"{root}shared_experts.{n}.weight" for n in _SWIGLU})
+    table.update(
+        {
+            "ffn.router.weight": root + "gate.weight",
+            "ffn.correction_bias": root + "gate.e_score_correction_bias",
+        }
+    )
+    if rest in table:
+        return [(p + table[rest], tensor)]
+    if rest == "mixer.A_log":
+        return [(p + "self_attn.A_log", tensor.reshape(1, 1, -1, 1))]
+    if rest.endswith("_conv.weight") and rest[len("mixer.")] in "qkv":
+        return [(p + f"self_attn.{rest[len('mixer.')]}_conv1d.weight", tensor.unsqueeze(1))]
+    experts = {"ffn.w_gate": "w1", "ffn.w_up": "w3", "ffn.w_down": "w2"}
+    if rest in experts:
+        w = experts[rest]
+        return [(f"{p}{root}experts.{j}.{w}.weight", t.T) for j, t in enumerate(tensor.unbind(0))]
+    raise ValueError(f"kimi_linear export: unexpected tensor {name!r}")
 
 
 def expected_hybrid_shapes(cfg: HybridConfig) -> dict[str, torch.Size]:
@@ -580,12 +607,9 @@ def kimi_linear_state_dict_from_hybrid(
     extra = sorted(set(sd) - set(expected) - {"lm_head.weight"})
     if extra:
         raise ValueError(f"state dict: unexpected tensors {extra[:5]}")
-    out = {"model.embed_tokens.weight": sd["embed_tokens.weight"]}
-    for i in range(cfg.num_hidden_layers):
-        out.update(_hybrid_layer_to_kimi(sd, cfg, i))
-    out["model.norm.weight"] = sd["norm.weight"]
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = sd["lm_head.weight"]
+    out: dict[str, torch.Tensor] = {}
+    for k in expected:
+        out.update(kimi_linear_tensors_from_hybrid(k, sd[k], cfg))
     return out
 
 
@@ -671,6 +695,7 @@ def convert_checkpoint(
     *,
     to: str = HARTS_MODEL_TYPE,
     max_shard_bytes: int = 5 * 2**30,
+    config_only: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Convert the model directory ``src`` into ``dst`` (created; must not hold a model yet):
@@ -678,7 +703,9 @@ def convert_checkpoint(
     Streams layer by layer (peak memory about one layer plus one shard), copies the tokenizer
     and other side files, and returns a summary (model types, layers, tensors, bytes, files).
     A ``harts_hybrid`` written here keeps the source config under ``harts_source_config``, so the
-    way back restores its tokenizer ids and ``auto_map``."""
+    way back restores its tokenizer ids and ``auto_map``. ``config_only`` (to ``harts_hybrid``):
+    write the config alone, for veRL's ``model.hf_config_path`` beside a Kimi-Linear
+    ``model.path`` (the weights are converted while loading)."""
     if to not in (HARTS_MODEL_TYPE, KIMI_LINEAR_MODEL_TYPE):
         raise ValueError(
             f"to: expected {HARTS_MODEL_TYPE!r} or {KIMI_LINEAR_MODEL_TYPE!r}, got {to!r}"
@@ -689,6 +716,24 @@ def convert_checkpoint(
         raise ValueError(f"dst: {dst!r} already holds a model (config.json)")
     d = read_config(src)
     say = progress or (lambda msg: logger.info("convert: %s", msg))
+    if config_only:
+        if to != HARTS_MODEL_TYPE:
+            raise ValueError("config_only: only with to='harts_hybrid'")
+        cfg = hybrid_config_from_kimi_linear(d)
+        os.makedirs(dst, exist_ok=True)
+        with open(os.path.join(dst, "config.json"), "w") as f:
+            json.dump(_harts_config_dict(cfg, d), f, indent=2)
+        say(f"wrote the harts_hybrid config of {cfg.num_hidden_layers} layers to {dst}")
+        return {
+            "src": src,
+            "dst": dst,
+            "from": d.get("model_type"),
+            "to": to,
+            "layers": cfg.num_hidden_layers,
+            "tensors": 0,
+            "bytes": 0,
+            "files": ["config.json"],
+        }
     os.makedirs(dst, exist_ok=True)
     writer = _ShardWriter(dst, max_shard_bytes)
     tensors = 0
@@ -734,15 +779,75 @@ def convert_checkpoint(
     return summary
 
 
-def _harts_config_dict(cfg: HybridConfig, source: Mapping[str, Any]) -> dict[str, Any]:
-    """``config.json`` of the ``harts_hybrid`` conversion of the Kimi-Linear config ``source``."""
+def harts_config_from_kimi_linear(source: Mapping[str, Any]) -> Any:
+    """The ``HartsHybridConfig`` of the Kimi-Linear config dict ``source``: its architecture
+    (:func:`hybrid_config_from_kimi_linear`), its tokenizer ids, and ``source`` itself under
+    ``harts_source_config`` (the veRL engine exports weights in Kimi-Linear's names for such a
+    model, and ``convert --to kimi_linear`` restores the config)."""
     from harts_verl.models.hf import HartsHybridConfig
 
     extra = {k: source[k] for k in _TOKEN_KEYS if source.get(k) is not None}
-    hf = HartsHybridConfig.from_hybrid_config(cfg, **extra)
-    out = hf.to_dict()
+    return HartsHybridConfig.from_hybrid_config(
+        hybrid_config_from_kimi_linear(source), **extra, **{SOURCE_CONFIG_KEY: dict(source)}
+    )
+
+
+def kimi_linear_source(config: Any) -> HybridConfig | None:
+    """The native architecture of ``config`` (a ``HartsHybridConfig``) when it was converted from
+    Kimi-Linear (its ``harts_source_config`` is a ``kimi_linear`` config), else None."""
+    source = getattr(config, SOURCE_CONFIG_KEY, None)
+    if getattr(config, "model_type", None) != HARTS_MODEL_TYPE or not is_kimi_linear_config(
+        source or {}
+    ):
+        return None
+    return config.to_hybrid_config()
+
+
+def is_kimi_linear_dir(path: str) -> bool:
+    """Whether ``path`` is a model directory whose ``config.json`` is a Kimi-Linear config."""
+    file = os.path.join(path, "config.json")
+    return os.path.isfile(file) and is_kimi_linear_config(read_config(path))
+
+
+_ARCH_EXEMPT = {"chunk_size", "initializer_range"}  # runtime / init choices, not weights
+
+
+def load_from_kimi_linear(cls: Any, path: str, *, config: Any = None, **kwargs: Any) -> Any:
+    """``cls.from_pretrained`` (``HartsHybridForCausalLM``) of the Kimi-Linear directory
+    ``path``: the weights converted while loading, cast to ``dtype`` / ``torch_dtype`` (default
+    float32). ``config``: a ``HartsHybridConfig`` of the same architecture (e.g. from ``convert
+    --config-only``; its ``chunk_size`` is honoured), else the converted one. Under an empty-weight
+    (meta) context, as veRL uses on FSDP ranks other than 0, the model is built and not loaded.
+    Other keyword arguments of ``from_pretrained`` (``trust_remote_code``, ...) are accepted and
+    not used."""
+    raw = read_config(path)
+    arch = hybrid_config_from_kimi_linear(raw)
+    if config is None:
+        config = harts_config_from_kimi_linear(raw)
+    else:
+        mine = config.to_hybrid_config().to_dict()
+        theirs = arch.to_dict()
+        diff = sorted(k for k in mine if k not in _ARCH_EXEMPT and mine[k] != theirs[k])
+        if diff:
+            detail = ", ".join(f"{k}: {mine[k]!r} vs {theirs[k]!r}" for k in diff[:4])
+            raise ValueError(
+                f"config: does not describe the Kimi-Linear checkpoint {path!r} ({detail})"
+            )
+    dtype = kwargs.get("dtype", kwargs.get("torch_dtype")) or torch.float32
+    if isinstance(dtype, str):
+        dtype = torch.float32 if dtype == "auto" else getattr(torch, dtype)
+    model = cls(config).to(dtype)
+    if any(p.is_meta for p in model.parameters()):
+        return model
+    sd = hybrid_state_dict_from_kimi_linear(CheckpointTensors(path=path), config.to_hybrid_config())
+    model.model.load_state_dict(sd, strict=not arch.tie_word_embeddings)
+    return model.eval()
+
+
+def _harts_config_dict(cfg: HybridConfig, source: Mapping[str, Any]) -> dict[str, Any]:
+    """``config.json`` of the ``harts_hybrid`` conversion of the Kimi-Linear config ``source``."""
+    out = harts_config_from_kimi_linear(source).to_dict()
     out["architectures"] = ["HartsHybridForCausalLM"]
-    out[SOURCE_CONFIG_KEY] = dict(source)
     return out
 
 

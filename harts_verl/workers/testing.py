@@ -1021,6 +1021,7 @@ def build_engine(
     use_fused_kernels: bool = False,
     lora_rank: int = 0,
     attn_implementation: str | None = None,
+    hf_config_path: str | None = None,
 ):
     """Build and initialise the engine of ``actor_cfg.strategy`` for the model at
     ``model_path`` through veRL's ``EngineRegistry`` (as ``TrainingWorker`` does);
@@ -1029,7 +1030,8 @@ def build_engine(
     ``use_fused_kernels``: veRL's fused LM-head forward (torch backend; it replaces the model
     class's ``forward`` for the rest of the process); ``lora_rank`` > 0: veRL's LoRA adapters
     (peft, every linear layer, ``lora_alpha`` = 2 × rank); ``attn_implementation``: HF's
-    attention implementation (default: :func:`~harts_verl.models.hf.attn_implementation_for`)."""
+    attention implementation (default: :func:`~harts_verl.models.hf.attn_implementation_for`);
+    ``hf_config_path``: veRL's ``model.hf_config_path`` (the config, when not ``model_path``'s)."""
     from transformers import AutoConfig
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import HFModelConfig
@@ -1037,9 +1039,11 @@ def build_engine(
 
     from harts_verl.models.hf import attn_implementation_for
 
-    attn = attn_implementation or attn_implementation_for(AutoConfig.from_pretrained(model_path))
+    config_path = hf_config_path or model_path
+    attn = attn_implementation or attn_implementation_for(AutoConfig.from_pretrained(config_path))
     model_cfg = HFModelConfig(
         path=model_path,
+        hf_config_path=hf_config_path,
         load_tokenizer=False,
         override_config={"attn_implementation": attn},
         enable_gradient_checkpointing=gradient_checkpointing,
