@@ -13,9 +13,9 @@ FLA_PY := $(FLA_VENV)/bin/python
 FLA_STAMP := $(FLA_VENV)/.harts-installed
 FLA_PINS ?= triton==3.6.0 fla-core==0.6.0
 
-# transformers' own Kimi-Linear (>= 5.23) is the oracle of the Kimi-Linear conversion, but veRL
+# transformers' own Kimi-Linear and Ling 3 (>= 5.23) are the oracles of their conversions, but veRL
 # pins transformers < 5.11: it goes, without dependencies, into a folder that only the oracle's
-# subprocess puts on PYTHONPATH (tests/_kimi_linear_oracle.py).
+# subprocess puts on PYTHONPATH (tests/_source_oracle.py).
 ORACLE_DIR ?= .oracles/transformers
 ORACLE_STAMP := $(ORACLE_DIR)/.harts-installed
 ORACLE_PINS ?= transformers==5.24.0 tokenizers==0.23.3
@@ -59,7 +59,7 @@ $(FLA_STAMP): pyproject.toml Makefile
 
 # pytest exit code 5 = no tests collected: that is a failure for us, say so.
 test: venv lint oracles
-	HARTS_KIMI_ORACLE=$(abspath $(ORACLE_DIR)) HARTS_REQUIRE_ORACLES=1 \
+	HARTS_ORACLE_TRANSFORMERS=$(abspath $(ORACLE_DIR)) HARTS_REQUIRE_ORACLES=1 \
 	$(PY) -m pytest tests --ignore=tests/fla_cpu; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 	$(MAKE) --no-print-directory test-fla-cpu

@@ -313,13 +313,13 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from harts_verl.models import kimi_linear
+    from harts_verl.models import checkpoints
 
     def progress(msg: str) -> None:
         print(f"harts-verl convert: {msg}", file=sys.stderr, flush=True)
 
     with _inputs():  # the checkpoint and config are the user's input
-        summary = kimi_linear.convert_checkpoint(
+        summary = checkpoints.convert_checkpoint(
             args.src,
             args.dst,
             to=args.to,
@@ -334,17 +334,17 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 def _add_convert(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "convert",
-        help="Kimi-Linear checkpoint <-> harts_hybrid (train it with veRL, serve it again)",
-        description="Convert a Kimi-Linear model directory (Moonshot's format, or what "
-        "transformers >= 5.23 saves) into the native harts_hybrid model that veRL 0.9.1 loads, "
-        "or a harts_hybrid converted from one back into Kimi-Linear's format (vLLM / SGLang). "
-        "Streams layer by layer; copies tokenizer files; prints a JSON summary.",
+        help="Kimi-Linear / Ling 3 checkpoint <-> harts_hybrid (train with veRL, serve again)",
+        description="Convert a Kimi-Linear (kimi_linear) or Ling 3 (bailing_hybrid) model "
+        "directory (its own format, or what transformers >= 5.23 saves) into the native "
+        "harts_hybrid model that veRL 0.9.1 loads, or a harts_hybrid back into one of them "
+        "(vLLM / SGLang). Streams layer by layer; copies tokenizer files; prints a JSON summary.",
     )
     p.add_argument("src", help="source model directory (config.json + safetensors)")
     p.add_argument("dst", help="destination directory (created; must not hold a model)")
     p.add_argument(
         "--to",
-        choices=("harts_hybrid", "kimi_linear"),
+        choices=("harts_hybrid", "kimi_linear", "bailing_hybrid"),
         default="harts_hybrid",
         help="target format (default harts_hybrid)",
     )
@@ -358,7 +358,7 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
         "--config-only",
         action="store_true",
         help="write the harts_hybrid config.json alone: veRL's model.hf_config_path beside a "
-        "Kimi-Linear model.path (weights converted while loading, rollout serves the original)",
+        "Kimi-Linear / Ling 3 model.path (weights converted while loading, rollout serves it)",
     )
     p.set_defaults(func=_cmd_convert)
 

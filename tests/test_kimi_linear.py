@@ -1,11 +1,12 @@
-"""Kimi-Linear checkpoints as the native hybrid model (``harts_verl.models.kimi_linear``).
+"""Kimi-Linear checkpoints as the native hybrid model (``harts_verl.models.kimi_linear``,
+``harts_verl.models.checkpoints``).
 
 The oracle is transformers' own ``KimiLinearForCausalLM`` (transformers >= 5.23, run in a
-subprocess: ``_kimi_linear_oracle.py``), in float64 with its float32 islands lifted: the converted
+subprocess: ``_source_oracle.py``), in float64 with its float32 islands lifted: the converted
 native model gives the same logits (<= 1e-10) trajectory-wise and in tree mode, from Moonshot's
 checkpoint format and from transformers' in-memory names; the checkpoint converted back loads in
 transformers and gives bitwise the same logits. ``make test`` installs that transformers into
-``.oracles/transformers`` (``HARTS_KIMI_ORACLE``) and requires it (``HARTS_REQUIRE_ORACLES=1``).
+``.oracles/transformers`` (``HARTS_ORACLE_TRANSFORMERS``) and requires it (``HARTS_REQUIRE_ORACLES=1``).
 """
 
 from __future__ import annotations
@@ -13,19 +14,17 @@ from __future__ import annotations
 import copy
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from _oracles import build_oracle, run_oracle
 
+from harts_verl.models import checkpoints as ck
 from harts_verl.models import kimi_linear as kl
 from harts_verl.models.config import HybridConfig, preset
 from harts_verl.models.hf import HartsHybridForCausalLM, load_causal_lm
 from harts_verl.models.hybrid import HybridForCausalLM
 from harts_verl.runtime import TreeRunner
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 # Moonshot-style config: 6 layers (KDA, KDA, MLA, KDA, KDA, MLA), first layer dense, MoE with
 # 2 expert groups (1 kept), a shared expert, MLA with a q bottleneck off and a NoPE shared part.
@@ -83,6 +82,14 @@ def _sequences() -> list[list[int]]:
         prompt + tails[2],
         prompt[:50],
     ]
+
+
+def _to_hybrid(sd, cfg):
+    return ck.hybrid_state_dict_from_source(kl.FORMAT, sd, cfg)
+
+
+def _to_kimi(sd, cfg):
+    return ck.source_state_dict_from_hybrid(kl.FORMAT, sd, cfg)
 
 
 # --- configuration ---------------------------------------------------------------------------
@@ -176,7 +183,7 @@ def test_export_refuses_other_architectures(change, match):
     with pytest.raises(ValueError, match=match):
         kl.kimi_linear_config_from_hybrid(other)
     with pytest.raises(ValueError, match=match):
-        kl.kimi_linear_state_dict_from_hybrid({}, other)
+        _to_kimi({}, other)
 
 
 # --- state dicts -----------------------------------------------------------------------------
@@ -196,12 +203,12 @@ def _native(cfg: HybridConfig, seed: int = 0) -> HybridForCausalLM:
 def test_state_dict_round_trip_is_exact(q_lora_rank):
     cfg = kl.hybrid_config_from_kimi_linear(dict(KIMI_CONFIG, q_lora_rank=q_lora_rank))
     sd = _native(cfg).state_dict()
-    kimi = kl.kimi_linear_state_dict_from_hybrid(sd, cfg)
+    kimi = _to_kimi(sd, cfg)
     assert "model.layers.0.mlp.gate_proj.weight" in kimi
     assert kimi["model.layers.0.self_attn.A_log"].shape == (1, 1, 2, 1)
     assert kimi["model.layers.0.self_attn.q_conv1d.weight"].shape == (32, 1, 4)
     assert kimi["model.layers.1.block_sparse_moe.experts.3.w2.weight"].shape == (64, 32)
-    back = kl.hybrid_state_dict_from_kimi_linear(kimi, cfg)
+    back = _to_hybrid(kimi, cfg)
     assert back.keys() == sd.keys()
     for k, v in sd.items():
         assert torch.equal(back[k], v), k
@@ -209,23 +216,21 @@ def test_state_dict_round_trip_is_exact(q_lora_rank):
 
 def test_state_dict_errors_name_the_tensor():
     cfg = kl.hybrid_config_from_kimi_linear(KIMI_CONFIG)
-    kimi = kl.kimi_linear_state_dict_from_hybrid(_native(cfg).state_dict(), cfg)
+    kimi = _to_kimi(_native(cfg).state_dict(), cfg)
     missing = dict(kimi)
     del missing["model.layers.3.self_attn.b_proj.weight"]
     with pytest.raises(ValueError, match=r"model\.layers\.3\.self_attn\.b_proj\.weight"):
-        kl.hybrid_state_dict_from_kimi_linear(missing, cfg)
+        _to_hybrid(missing, cfg)
     extra = dict(kimi, **{"model.layers.2.self_attn.extra.weight": torch.zeros(2)})
     with pytest.raises(ValueError, match=r"no place.*model\.layers\.2\.self_attn\.extra"):
-        kl.hybrid_state_dict_from_kimi_linear(extra, cfg)
+        _to_hybrid(extra, cfg)
     wrong = dict(kimi)
     wrong["model.layers.2.self_attn.kv_b_proj.weight"] = torch.zeros(3, 16)
     with pytest.raises(ValueError, match=r"layers\.2\.mixer\.kv_b\.weight.*shape \(3, 16\)"):
-        kl.hybrid_state_dict_from_kimi_linear(wrong, cfg)
+        _to_hybrid(wrong, cfg)
     # multi-token-prediction layers beyond num_hidden_layers are dropped (logged), not an error
     mtp = dict(kimi, **{"model.layers.6.self_attn.q_proj.weight": torch.zeros(2)})
-    assert (
-        kl.hybrid_state_dict_from_kimi_linear(mtp, cfg).keys() == _native(cfg).state_dict().keys()
-    )
+    assert _to_hybrid(mtp, cfg).keys() == _native(cfg).state_dict().keys()
 
 
 def test_kimi_tiny_preset_is_a_kimi_linear_architecture():
@@ -243,7 +248,7 @@ def _write_kimi_checkpoint(path: str, cfg_dict: dict, model: HybridForCausalLM) 
     from safetensors.torch import save_file
 
     cfg = kl.hybrid_config_from_kimi_linear(cfg_dict)
-    sd = kl.kimi_linear_state_dict_from_hybrid(model.state_dict(), cfg)
+    sd = _to_kimi(model.state_dict(), cfg)
     os.makedirs(path, exist_ok=True)
     save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(path, "model.safetensors"))
     with open(os.path.join(path, "config.json"), "w") as f:
@@ -258,7 +263,7 @@ def test_convert_checkpoint_both_ways(tmp_path):
     src = str(tmp_path / "kimi")
     _write_kimi_checkpoint(src, KIMI_CONFIG, model)
     harts = str(tmp_path / "harts")
-    summary = kl.convert_checkpoint(src, harts, max_shard_bytes=200_000)
+    summary = ck.convert_checkpoint(src, harts, max_shard_bytes=200_000)
     assert summary["layers"] == 6 and len(summary["files"]) > 1  # sharded, with an index
     assert os.path.isfile(os.path.join(harts, "model.safetensors.index.json"))
     assert os.path.isfile(os.path.join(harts, "tokenizer_config.json"))
@@ -266,20 +271,20 @@ def test_convert_checkpoint_both_ways(tmp_path):
     for k, v in model.state_dict().items():
         assert torch.equal(loaded.model.state_dict()[k], v), k
     back = str(tmp_path / "back")
-    kl.convert_checkpoint(harts, back, to="kimi_linear")
+    ck.convert_checkpoint(harts, back, to="kimi_linear")
     with open(os.path.join(back, "config.json")) as f:
         back_cfg = json.load(f)
     assert kl.hybrid_config_from_kimi_linear(back_cfg) == cfg
     assert back_cfg["eos_token_id"] == 2
-    a = kl.CheckpointTensors(path=src)
-    b = kl.CheckpointTensors(path=back)
+    a = ck.CheckpointTensors(path=src)
+    b = ck.CheckpointTensors(path=back)
     assert a.names == b.names
     for k in a.names:
         assert torch.equal(a.take(k), b.take(k)), k
     with pytest.raises(ValueError, match="already holds a model"):
-        kl.convert_checkpoint(src, harts)
+        ck.convert_checkpoint(src, harts)
     with pytest.raises(ValueError, match="needs a 'harts_hybrid' model"):
-        kl.convert_checkpoint(src, str(tmp_path / "x"), to="kimi_linear")
+        ck.convert_checkpoint(src, str(tmp_path / "x"), to="kimi_linear")
 
 
 def test_cli_convert(tmp_path, capsys):
@@ -317,40 +322,11 @@ def test_load_causal_lm_reads_kimi_linear_config_and_checkpoint(tmp_path):
 # --- transformers' KimiLinear as the oracle --------------------------------------------------
 
 
-def _oracle_path() -> str:
-    path = os.environ.get("HARTS_KIMI_ORACLE", os.path.join(HERE, "..", ".oracles", "transformers"))
-    if not os.path.isdir(os.path.join(path, "transformers")):
-        why = f"transformers >= 5.23 for the Kimi-Linear oracle not installed at {path!r}"
-        if os.environ.get("HARTS_REQUIRE_ORACLES") == "1":
-            pytest.fail(why + " (make test installs it)")
-        pytest.skip(why + " (make test installs it)")
-    return path
-
-
-def _run_oracle(*args: str) -> None:
-    env = dict(os.environ, PYTHONPATH=_oracle_path(), OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "_kimi_linear_oracle.py"), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if proc.returncode:
-        raise AssertionError(f"oracle failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-
-
 @pytest.fixture(scope="module")
 def oracle(tmp_path_factory):
     """transformers' KimiLinear, random float64 weights: its checkpoint (Moonshot's format), its
     in-memory state dict, and its logits for :func:`_sequences`."""
-    _oracle_path()
-    out = tmp_path_factory.mktemp("kimi_oracle")
-    spec = {"seed": 3, "config": dict(KIMI_CONFIG), "sequences": _sequences()}
-    spec["config"].pop("model_type")
-    (out / "spec.json").write_text(json.dumps(spec))
-    _run_oracle("build", str(out / "spec.json"), str(out))
-    return out, torch.load(out / "logits.pt")
+    return build_oracle(tmp_path_factory.mktemp("kimi_oracle"), KIMI_CONFIG, _sequences())
 
 
 def _max_error(model: HartsHybridForCausalLM, ref: list[torch.Tensor]) -> float:
@@ -374,7 +350,7 @@ def test_tree_mode_matches_transformers_float64(oracle, tmp_path):
     a turn, forks inside and past a chunk) gives transformers' per-trajectory log-probs."""
     out, ref = oracle
     harts = str(tmp_path / "harts")
-    kl.convert_checkpoint(str(out / "checkpoint"), harts)
+    ck.convert_checkpoint(str(out / "checkpoint"), harts)
     model = HartsHybridForCausalLM.from_pretrained(harts, dtype=torch.float64).model
     seqs = _sequences()
     runner = TreeRunner(model, chunk_size=16)
@@ -388,10 +364,10 @@ def test_tree_mode_matches_transformers_float64(oracle, tmp_path):
 def test_converted_back_loads_in_transformers(oracle, tmp_path):
     out, ref = oracle
     harts, back = str(tmp_path / "harts"), str(tmp_path / "back")
-    kl.convert_checkpoint(str(out / "checkpoint"), harts)
-    kl.convert_checkpoint(harts, back, to="kimi_linear")
+    ck.convert_checkpoint(str(out / "checkpoint"), harts)
+    ck.convert_checkpoint(harts, back, to="kimi_linear")
     spec = out / "spec.json"
-    _run_oracle("logits", str(spec), back, str(tmp_path / "back.pt"))
+    run_oracle("logits", str(spec), back, str(tmp_path / "back.pt"))
     for a, b in zip(torch.load(tmp_path / "back.pt"), ref, strict=True):
         assert torch.equal(a, b)
 
@@ -420,12 +396,12 @@ def test_verl_engine_trains_a_kimi_linear_checkpoint_in_place(oracle, tmp_path):
     testing = verl_cpu_process()
     out, ref = oracle
     ckpt, cfg_dir = str(out / "checkpoint"), str(tmp_path / "cfg")
-    summary = kl.convert_checkpoint(ckpt, cfg_dir, config_only=True)
+    summary = ck.convert_checkpoint(ckpt, cfg_dir, config_only=True)
     assert summary["files"] == ["config.json"] and os.listdir(cfg_dir) == ["config.json"]
     engine = testing.build_engine(ckpt, testing.actor_config(), hf_config_path=cfg_dir)
     params, peft = engine.get_per_tensor_param()
     exported = dict(params)
-    src = kl.CheckpointTensors(path=ckpt)
+    src = ck.CheckpointTensors(path=ckpt)
     assert peft is None and len(exported) == len(src.names)
     for k, v in exported.items():
         # transformers saves the dense layer under block_sparse_moe (a global rename); Moonshot's

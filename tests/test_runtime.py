@@ -66,7 +66,7 @@ def _check_model(
     _assert_grads_close(gt, ge)
 
 
-@pytest.mark.parametrize("name", ["tiny", "kimi_tiny"])
+@pytest.mark.parametrize("name", ["tiny", "kimi_tiny", "ling_tiny"])
 @pytest.mark.parametrize("recompute", [False, True])
 def test_native_model_tree_equals_expanded_float64(name, recompute):
     torch.manual_seed(0)
@@ -458,7 +458,7 @@ def test_loss_fn_must_return_a_scalar_tensor():
             )
 
 
-@pytest.mark.parametrize("name", ["tiny", "bench", "kimi_tiny"])
+@pytest.mark.parametrize("name", ["tiny", "bench", "kimi_tiny", "ling_tiny"])
 def test_native_flop_model_matches_the_module_tree(name):
     """Row-wise FLOPs per token of the native model = 2 × (every Linear / short-conv weight,
     routed experts counted top-k times); the three Kimi-Linear switches (no output-gate bias, an

@@ -49,7 +49,9 @@ _BOOL_FIELDS = (
     "attn_output_gate",
     "norm_topk_prob",
     "kda_gate_bias",
+    "kda_low_rank_gates",
     "mla_use_nope",
+    "mla_output_gate",
     "shared_expert_gate",
 )
 
@@ -102,6 +104,8 @@ class HybridConfig:
     chunk_size: int = 64
     kda_lower_bound: float | None = None
     kda_gate_bias: bool = True  # bias of the output gate's up-projection (False: Kimi-Linear)
+    # decay and output gates through a rank-K / rank-V bottleneck (False: full rank, Ling 3)
+    kda_low_rank_gates: bool = True
     # full attention, shared
     num_attention_heads: int = 4
     # MLA
@@ -111,6 +115,8 @@ class HybridConfig:
     qk_rope_head_dim: int = 8  # 0: no decoupled key part
     # True: the qk_rope_head_dim part is not rotated (NoPE MLA; Kimi-Linear keeps the shared part)
     mla_use_nope: bool = False
+    mla_output_gate: bool = False  # a sigmoid gate per head on the attention output (Ling 3)
+    mla_norm_eps: float | None = None  # eps of the latent q / kv RMSNorms (None: rms_norm_eps)
     v_head_dim: int = 16
     # GQA (Qwen3-Next style)
     num_key_value_heads: int = 2
@@ -163,6 +169,8 @@ class HybridConfig:
             setattr(self, name, _as_real(name, getattr(self, name)))
         if self.kda_lower_bound is not None:
             self.kda_lower_bound = _as_real("kda_lower_bound", self.kda_lower_bound, " or None")
+        if self.mla_norm_eps is not None:
+            self.mla_norm_eps = _as_real("mla_norm_eps", self.mla_norm_eps, " or None")
         for name in _BOOL_FIELDS:
             v = getattr(self, name)
             if not isinstance(v, bool):
@@ -237,6 +245,8 @@ class HybridConfig:
                 f"got {self.q_lora_rank}"
             )
         _positive("kv_lora_rank", self.kv_lora_rank, why)
+        if self.mla_norm_eps is not None:
+            _positive("mla_norm_eps", self.mla_norm_eps, why)
         _positive("v_head_dim", self.v_head_dim, why)
         if self.qk_nope_head_dim < 0:
             raise ValueError(f"qk_nope_head_dim: expected an int >= 0, got {self.qk_nope_head_dim}")
@@ -359,11 +369,28 @@ PRESETS: dict[str, dict[str, Any]] = {
         shared_expert_gate=False,
         router_aux_loss_coef=0.0,
     ),
+    # Ling 3's architecture (bailing_hybrid): KDA with full-rank gates and the safe (bounded)
+    # decay, MLA with RoPE and a sigmoid gate per head, sigmoid grouped routing.
+    "ling_tiny": dict(
+        layer_types=["kda", "mla", "kda", "mla"],
+        moe_layers=[1, 2, 3],
+        kda_gate_bias=False,
+        kda_low_rank_gates=False,
+        kda_lower_bound=-5.0,
+        mla_output_gate=True,
+        mla_norm_eps=1e-6,
+        router="sigmoid_grouped",
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        shared_expert_gate=False,
+        router_aux_loss_coef=0.0,
+    ),
 }
 
 
 def preset(name: str, **overrides: Any) -> HybridConfig:
-    """A named configuration (``tiny``, ``bench``, ``kimi_tiny``) with optional overrides (any
+    """A named configuration (``tiny``, ``bench``, ``kimi_tiny``, ``ling_tiny``) with optional overrides (any
     :class:`HybridConfig` field; validated like the constructor)."""
     if name not in PRESETS:
         raise ValueError(f"preset: unknown {name!r}, expected one of {sorted(PRESETS)}")

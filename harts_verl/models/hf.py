@@ -134,15 +134,16 @@ class HartsHybridForCausalLM(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: Any, *model_args: Any, **kwargs: Any):
-        """transformers' ``from_pretrained``; a Kimi-Linear model directory is also accepted and
-        converted while loading (:func:`~harts_verl.models.kimi_linear.load_from_kimi_linear`):
-        veRL then trains a Kimi-Linear checkpoint in place, with ``hf_config_path`` naming a
-        ``harts-verl convert --config-only`` directory."""
-        from harts_verl.models import kimi_linear
+        """transformers' ``from_pretrained``; a Kimi-Linear or Ling 3 model directory is also
+        accepted and converted while loading
+        (:func:`~harts_verl.models.checkpoints.load_from_source`): veRL then trains such a
+        checkpoint in place, with ``hf_config_path`` naming a ``harts-verl convert
+        --config-only`` directory."""
+        from harts_verl.models import checkpoints
 
         path = pretrained_model_name_or_path
-        if isinstance(path, str | os.PathLike) and kimi_linear.is_kimi_linear_dir(str(path)):
-            return kimi_linear.load_from_kimi_linear(cls, str(path), **kwargs)
+        if isinstance(path, str | os.PathLike) and checkpoints.source_format_of_dir(str(path)):
+            return checkpoints.load_from_source(cls, str(path), **kwargs)
         return super().from_pretrained(path, *model_args, **kwargs)
 
     def _init_weights(self, module: torch.nn.Module) -> None:
@@ -280,8 +281,8 @@ def load_causal_lm(
 ) -> torch.nn.Module:
     """A causal LM from ``spec``: an HF model directory (its weights) or a ``config.json``
     (random weights after ``torch.manual_seed(seed)``), the native model included
-    (``harts_hybrid``) and Kimi-Linear (``kimi_linear``, converted to the native model:
-    :mod:`harts_verl.models.kimi_linear`). sdpa attention (eager where the class has no sdpa:
+    (``harts_hybrid``), Kimi-Linear (``kimi_linear``) and Ling 3 (``bailing_hybrid``), converted
+    to the native model (:mod:`harts_verl.models.checkpoints`). sdpa attention (eager where the class has no sdpa:
     :func:`attn_implementation_for`); ``eager_experts``: MoE experts run transformers' eager
     implementation (float64-capable on any device). Returned in ``dtype``, in eval mode.
     Raises ``ValueError`` naming ``spec`` when it is neither."""
@@ -292,11 +293,15 @@ def load_causal_lm(
         raise ValueError(f"model: config file {spec!r} does not exist")
     if not is_config and not os.path.isdir(spec):
         raise ValueError(f"model: expected an HF model directory or a config.json, got {spec!r}")
-    from harts_verl.models import kimi_linear
+    from harts_verl.models import checkpoints
 
-    raw = kimi_linear.read_config(spec)
-    if kimi_linear.is_kimi_linear_config(raw):  # transformers 5.10 has no kimi_linear
-        return _load_kimi_linear(spec, raw, is_config=is_config, dtype=dtype, seed=seed)
+    raw = checkpoints.read_config(spec)
+    if checkpoints.format_of_config(raw) is not None:  # not in transformers 5.10
+        if not is_config:
+            return HartsHybridForCausalLM.from_pretrained(spec, dtype=dtype)
+        torch.manual_seed(seed)
+        cfg = checkpoints.harts_config_from_source(raw)
+        return HartsHybridForCausalLM(cfg).to(dtype).eval()
     cfg = AutoConfig.from_pretrained(spec)  # a directory, or the named config file
     cfg._attn_implementation = attn_implementation_for(cfg)
     if eager_experts:
@@ -309,19 +314,6 @@ def load_causal_lm(
     else:
         model = AutoModelForCausalLM.from_pretrained(spec, config=cfg)
     return model.to(dtype).eval()
-
-
-def _load_kimi_linear(
-    spec: str, raw: dict[str, Any], *, is_config: bool, dtype: torch.dtype, seed: int
-) -> HartsHybridForCausalLM:
-    """A Kimi-Linear config (random weights) or checkpoint (converted in memory; convert large
-    checkpoints once with ``harts-verl convert``) as the native model."""
-    from harts_verl.models import kimi_linear
-
-    if not is_config:
-        return HartsHybridForCausalLM.from_pretrained(spec, dtype=dtype)
-    torch.manual_seed(seed)
-    return HartsHybridForCausalLM(kimi_linear.harts_config_from_kimi_linear(raw)).to(dtype).eval()
 
 
 register_auto_classes()

@@ -26,8 +26,8 @@ class ShortConv(nn.Module):
 
 
 class KDAMixer(nn.Module):
-    """Kimi Delta Attention: per-channel decay, short convs on q/k/v, low-rank decay and output
-    gates, sigmoid-gated RMSNorm."""
+    """Kimi Delta Attention: per-channel decay, short convs on q/k/v, decay and output gates
+    (low-rank, or full-rank with ``kda_low_rank_gates=False``), sigmoid-gated RMSNorm."""
 
     def __init__(self, cfg: HybridConfig) -> None:
         super().__init__()
@@ -41,13 +41,20 @@ class KDAMixer(nn.Module):
         self.q_conv = ShortConv(h * kd, cfg.conv_size)
         self.k_conv = ShortConv(h * kd, cfg.conv_size)
         self.v_conv = ShortConv(hv * vd, cfg.conv_size)
-        self.f_a = nn.Linear(d, kd, bias=False)
-        self.f_b = nn.Linear(kd, hv * kd, bias=False)
+        self.low_rank = cfg.kda_low_rank_gates
+        if self.low_rank:
+            self.f_a = nn.Linear(d, kd, bias=False)
+            self.f_b = nn.Linear(kd, hv * kd, bias=False)
+        else:
+            self.f_proj = nn.Linear(d, hv * kd, bias=False)
         self.b_proj = nn.Linear(d, hv, bias=False)
         self.A_log = nn.Parameter(torch.log(torch.empty(hv).uniform_(1, 16)))
         self.dt_bias = nn.Parameter(torch.empty(hv * kd).uniform_(-4.0, -2.0))
-        self.g_a = nn.Linear(d, vd, bias=False)
-        self.g_b = nn.Linear(vd, hv * vd, bias=cfg.kda_gate_bias)
+        if self.low_rank:
+            self.g_a = nn.Linear(d, vd, bias=False)
+            self.g_b = nn.Linear(vd, hv * vd, bias=cfg.kda_gate_bias)
+        else:
+            self.g_proj = nn.Linear(d, hv * vd, bias=cfg.kda_gate_bias)
         self.o_norm = GatedRMSNorm(vd, cfg.rms_norm_eps, activation="sigmoid")
         self.o_proj = nn.Linear(hv * vd, d, bias=False)
 
@@ -56,15 +63,17 @@ class KDAMixer(nn.Module):
         q = self.q_conv(self.q_proj(x), layout).view(c, self.h, self.kd)
         k = self.k_conv(self.k_proj(x), layout).view(c, self.h, self.kd)
         v = self.v_conv(self.v_proj(x), layout).view(c, self.hv, self.vd)
+        f = self.f_b(self.f_a(x)) if self.low_rank else self.f_proj(x)
         g = kda_gate(
-            self.f_b(self.f_a(x)).view(c, self.hv, self.kd),
+            f.view(c, self.hv, self.kd),
             self.A_log,
             self.dt_bias,
             self.lower_bound,
         )
         beta = torch.sigmoid(self.b_proj(x).float() if x.dtype != torch.float64 else self.b_proj(x))
         o = layout.linear_attention(q, k, v, g, beta, use_qk_l2norm=True)
-        o = self.o_norm(o, self.g_b(self.g_a(x)).view(c, self.hv, self.vd))
+        gate = self.g_b(self.g_a(x)) if self.low_rank else self.g_proj(x)
+        o = self.o_norm(o, gate.view(c, self.hv, self.vd))
         return self.o_proj(o.reshape(c, self.hv * self.vd))
 
 
@@ -105,7 +114,8 @@ class GDNMixer(nn.Module):
 class MLAMixer(nn.Module):
     """Multi-head latent attention: latent KV (``kv_lora_rank``) with a decoupled RoPE key shared
     by all heads. NoPE variants: ``qk_rope_head_dim = 0`` (no decoupled part) or ``mla_use_nope``
-    (the decoupled query / shared key part is kept but not rotated, as in Kimi-Linear)."""
+    (the decoupled query / shared key part is kept but not rotated, as in Kimi-Linear).
+    ``mla_output_gate``: a sigmoid gate per head on the attention output (Ling 3)."""
 
     def __init__(self, cfg: HybridConfig) -> None:
         super().__init__()
@@ -116,15 +126,17 @@ class MLAMixer(nn.Module):
         self.theta = cfg.rope_theta
         self.use_nope = cfg.mla_use_nope
         qd = self.nope + self.rope
+        eps = cfg.rms_norm_eps if cfg.mla_norm_eps is None else cfg.mla_norm_eps
         if cfg.q_lora_rank:
             self.q_a = nn.Linear(d, cfg.q_lora_rank, bias=False)
-            self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(cfg.q_lora_rank, eps)
             self.q_b = nn.Linear(cfg.q_lora_rank, h * qd, bias=False)
         else:
             self.q_proj = nn.Linear(d, h * qd, bias=False)
         self.kv_a = nn.Linear(d, self.kv_rank + self.rope, bias=False)
-        self.kv_norm = RMSNorm(self.kv_rank, cfg.rms_norm_eps)
+        self.kv_norm = RMSNorm(self.kv_rank, eps)
         self.kv_b = nn.Linear(self.kv_rank, h * (self.nope + self.vd), bias=False)
+        self.g_proj = nn.Linear(d, h, bias=False) if cfg.mla_output_gate else None
         self.o_proj = nn.Linear(h * self.vd, d, bias=False)
         self.scale = qd**-0.5
 
@@ -151,6 +163,12 @@ class MLAMixer(nn.Module):
         else:
             k = k_nope
         o = layout.attention(q, k, v, scale=self.scale)
+        if self.g_proj is not None:  # one sigmoid gate per head
+            g = self.g_proj(x)
+            o = (
+                o
+                * torch.sigmoid(g if x.dtype == torch.float64 else g.float()).to(o.dtype)[..., None]
+            )
         return self.o_proj(o.reshape(c, h * self.vd))
 
 

@@ -69,8 +69,12 @@ def native_model_shape(cfg: Any) -> ModelShape:
             h, hv = cfg.linear_num_heads, cfg.linear_num_value_heads
             k, v = cfg.linear_key_head_dim, cfg.linear_value_head_dim
             proj = d * (2 * h * k + hv * v) + hv * v * d  # q, k, v, out
-            if t == "kda":  # low-rank decay and output gates, beta
-                proj += d * k + k * hv * k + d * hv + d * v + v * hv * v
+            if t == "kda":  # decay and output gates (low-rank or full), beta
+                if cfg.kda_low_rank_gates:
+                    proj += d * k + k * hv * k + d * v + v * hv * v
+                else:
+                    proj += d * hv * k + d * hv * v
+                proj += d * hv
             else:  # z (output gate), a, b
                 proj += d * hv * v + 2 * d * hv
             dense += 2.0 * proj + 2.0 * cfg.conv_size * (2 * h * k + hv * v)
@@ -78,7 +82,8 @@ def native_model_shape(cfg: Any) -> ModelShape:
             lin += hv * (2.0 * b * (k + v) + 6.0 * k * v)
         elif t == "mla":
             dense_i, attn_i = _mla_attention_layer(cfg)
-            dense, attn = dense + dense_i, attn + attn_i
+            gate = 2.0 * d * cfg.num_attention_heads if cfg.mla_output_gate else 0.0
+            dense, attn = dense + dense_i + gate, attn + attn_i
         else:  # gqa
             hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
             dense += 2.0 * (

@@ -75,7 +75,7 @@ from verl.workers.engine.fsdp.transformer_impl import (
 )
 from verl.workers.engine.utils import detach_tree
 
-from harts_verl.models import kimi_linear
+from harts_verl.models import checkpoints
 from harts_verl.models.adapter import (
     CONV_HYBRID_MODEL_TYPES,
     HYBRID_MODEL_TYPES,
@@ -501,31 +501,34 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
     # ------------------------------------------------------------------ weight export
     def get_per_tensor_param(self, *args: Any, **kwargs: Any):
         """veRL's weight export to the rollout server. A ``harts_hybrid`` converted from
-        Kimi-Linear (``harts_source_config``) exports Moonshot's tensor names, one tensor per
-        expert, so vLLM / SGLang serving the Kimi-Linear checkpoint load them; LoRA adapters of
-        such a model are exported only merged (``lora.merge=true``)."""
+        Kimi-Linear or Ling 3 (``harts_source_config``) exports the source's tensor names and
+        layouts (one tensor per expert, ...), so vLLM / SGLang serving the source checkpoint
+        load them; LoRA adapters of such a model are exported only merged
+        (``lora.merge=true``)."""
         params, peft = super().get_per_tensor_param(*args, **kwargs)
-        arch = kimi_linear.kimi_linear_source(self.model_config.hf_config)
-        if arch is None:
+        source = checkpoints.source_architecture(self.model_config.hf_config)
+        if source is None:
             return params, peft
+        fmt, arch = source
         if peft is not None:
             raise ValueError(
-                "lora: a harts_hybrid converted from Kimi-Linear exports weights in Kimi-Linear's "
+                f"lora: a harts_hybrid converted from {fmt.display} exports weights in its "
                 "names, which unmerged LoRA adapters do not have; set "
                 "actor_rollout_ref.model.lora.merge=true"
             )
         return (
             pair
             for name, tensor in params
-            for pair in kimi_linear.kimi_linear_tensors_from_hybrid(name, tensor, arch)
+            for pair in checkpoints.source_tensors_from_hybrid(fmt, name, tensor, arch)
         ), peft
 
     def get_per_tensor_param_shard(self, **kwargs: Any):
-        if kimi_linear.kimi_linear_source(self.model_config.hf_config) is not None:
+        source = checkpoints.source_architecture(self.model_config.hf_config)
+        if source is not None:
             raise ValueError(
-                "checkpoint engine: sharded / delta weight export of a harts_hybrid converted "
-                "from Kimi-Linear is not supported (it exports full tensors in Kimi-Linear's "
-                "names); use the default full-tensor weight sync"
+                f"checkpoint engine: sharded / delta weight export of a harts_hybrid converted "
+                f"from {source[0].display} is not supported (it exports full tensors in the "
+                "source's names); use the default full-tensor weight sync"
             )
         return super().get_per_tensor_param_shard(**kwargs)
 

@@ -1,21 +1,22 @@
-"""transformers' own Kimi-Linear (>= 5.23) as an oracle, run in a subprocess whose ``PYTHONPATH``
-puts that transformers first (veRL pins transformers < 5.11, which has no ``kimi_linear``).
+"""transformers' own Kimi-Linear and Ling 3 (>= 5.23) as oracles, run in a subprocess whose
+``PYTHONPATH`` puts that transformers first (veRL pins transformers < 5.11, which has neither).
 Imports torch and transformers only, never harts_verl.
 
-``python _kimi_linear_oracle.py build SPEC.json OUT`` builds a random float64 KimiLinear from the
-Moonshot-style config in SPEC (``config``; ``seed``; ``sequences``: token lists), saves it with
-``save_pretrained`` into ``OUT/checkpoint`` (Moonshot's format), saves its in-memory state dict
-under transformers' names into ``OUT/inmemory``, and writes ``OUT/logits.pt`` (one ``[L, V]``
-float64 tensor per sequence, each sequence run alone).
-``python _kimi_linear_oracle.py logits SPEC.json CKPT OUT.pt`` loads CKPT with transformers and
+``python _source_oracle.py build SPEC.json OUT`` builds a random float64 model of the config in
+SPEC (``config``, with its ``model_type``: ``kimi_linear`` or ``bailing_hybrid``; ``seed``;
+``sequences``: token lists), saves it with ``save_pretrained`` into ``OUT/checkpoint`` (the
+source's own format), saves its in-memory state dict under transformers' names into
+``OUT/inmemory``, and writes ``OUT/logits.pt`` (one ``[L, V]`` float64 tensor per sequence, each
+sequence run alone).
+``python _source_oracle.py logits SPEC.json CKPT OUT.pt`` loads CKPT with transformers and
 writes its logits for SPEC's sequences.
 
-Two alignments, both with transformers' numerics otherwise untouched:
+Alignments, with transformers' numerics otherwise untouched:
 * float32 islands (KDA, gates, router, gated norm) are lifted to float64 by giving the modeling
   module a ``torch`` whose ``float32`` is ``float64`` and making ``Tensor.float`` ``double`` (this
   process runs the oracle only), so the comparison can be exact;
-* the latent-KV / latent-q RMSNorms get ``rms_norm_eps`` (Moonshot's model and vLLM use it;
-  transformers hard-codes 1e-6).
+* Kimi-Linear only: the latent-KV / latent-q RMSNorms get ``rms_norm_eps`` (Moonshot's model
+  and vLLM use it; transformers hard-codes 1e-6).
 """
 
 from __future__ import annotations
@@ -35,22 +36,34 @@ def _lift_float32(module: types.ModuleType) -> None:
     torch.Tensor.float = torch.Tensor.double  # ``x.float()`` islands (gates, decay masks)
     proxy = types.ModuleType("torch_float64")
     proxy.__dict__.update({k: getattr(torch, k) for k in dir(torch) if not k.startswith("__")})
-    proxy.float32 = torch.float64
+    proxy.float32 = proxy.float = torch.float64
     module.torch = proxy
 
 
-def _model_class():
+_CLASSES = {
+    "kimi_linear": ("kimi_linear", "KimiLinearConfig", "KimiLinearForCausalLM"),
+    "bailing_hybrid": ("bailing_hybrid", "BailingHybridConfig", "BailingHybridForCausalLM"),
+}
+
+
+def _classes(model_type: str):
+    """(config class, causal-LM class) of ``model_type``, its float32 islands lifted."""
+    import importlib
+
     import transformers
-    from transformers.models.kimi_linear import modeling_kimi_linear as mk
 
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
     if (major, minor) < (5, 23):
-        raise SystemExit(f"transformers {transformers.__version__} has no kimi_linear (need 5.23+)")
-    _lift_float32(mk)
-    return mk
+        raise SystemExit(f"transformers {transformers.__version__} is too old (need 5.23+)")
+    name, cfg_cls, lm_cls = _CLASSES[model_type]
+    mod = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+    _lift_float32(mod)
+    return getattr(mod, cfg_cls), getattr(mod, lm_cls)
 
 
 def _align(model, eps: float) -> None:
+    if model.config.model_type != "kimi_linear":
+        return
     for m in model.modules():
         for name in ("kv_a_layernorm", "q_a_layernorm"):
             norm = getattr(m, name, None)
@@ -62,7 +75,12 @@ def _randomize(model, seed: int) -> None:
     """Every parameter and buffer random, norms near 1, KDA decays in their usual ranges."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+        biases = [  # the routers' correction biases are buffers; rope tables are not weights
+            (n, b)
+            for n, b in model.named_buffers()
+            if n.endswith(("correction_bias", "expert_bias"))
+        ]
+        for name, p in list(model.named_parameters()) + biases:
             if name.endswith("A_log"):
                 p.copy_(torch.empty(p.shape).uniform_(1.0, 16.0, generator=g).log())
             elif name.endswith("dt_bias"):
@@ -70,7 +88,7 @@ def _randomize(model, seed: int) -> None:
                 p.copy_(dt.exp() + torch.log(-torch.expm1(-dt.exp())))
             elif "norm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            elif name.endswith("e_score_correction_bias"):
+            elif name.endswith(("e_score_correction_bias", "expert_bias")):
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(0.08 * torch.randn(p.shape, generator=g))
@@ -85,20 +103,16 @@ def _logits(model, sequences: list[list[int]]) -> list[torch.Tensor]:
     return out
 
 
-def _config(mk, spec: dict):
-    cfg = mk.KimiLinearConfig(**spec["config"])
-    cfg._experts_implementation = "eager"
-    cfg._attn_implementation = "eager"
-    return cfg
-
-
 def build(spec_path: str, out: str) -> None:
-    mk = _model_class()
     with open(spec_path) as f:
         spec = json.load(f)
-    cfg = _config(mk, spec)
+    config = dict(spec["config"])
+    config_cls, lm_cls = _classes(config.pop("model_type"))
+    cfg = config_cls(**config)
+    cfg._experts_implementation = "eager"
+    cfg._attn_implementation = "eager"
     torch.manual_seed(spec.get("seed", 0))
-    model = mk.KimiLinearForCausalLM(cfg).double().eval()
+    model = lm_cls(cfg).double().eval()
     _randomize(model, spec.get("seed", 0))
     _align(model, cfg.rms_norm_eps)
     model.save_pretrained(os.path.join(out, "checkpoint"))
@@ -116,10 +130,10 @@ def build(spec_path: str, out: str) -> None:
 
 
 def logits(spec_path: str, ckpt: str, out: str) -> None:
-    mk = _model_class()
     with open(spec_path) as f:
         spec = json.load(f)
-    model = mk.KimiLinearForCausalLM.from_pretrained(
+    _, lm_cls = _classes(spec["config"]["model_type"])
+    model = lm_cls.from_pretrained(
         ckpt, dtype=torch.float64, experts_implementation="eager", attn_implementation="eager"
     ).eval()
     _align(model, model.config.rms_norm_eps)

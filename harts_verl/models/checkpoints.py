@@ -1,0 +1,745 @@
+"""Checkpoints of KDA + MLA hybrids from other code bases as the native hybrid model, and back.
+
+The native model (:class:`~harts_verl.models.hybrid.HybridForCausalLM`) expresses Kimi-Linear
+(``kimi_linear``, :mod:`harts_verl.models.kimi_linear`) and Ling 3 (``bailing_hybrid``,
+:mod:`harts_verl.models.ling`). transformers 5.10 (veRL 0.9.1's pin) has neither, so such a
+checkpoint is trained as ``harts_hybrid``: converted once (:func:`convert_checkpoint`), or while
+loading (``HartsHybridForCausalLM.from_pretrained`` of the source directory, with
+``hf_config_path`` naming a ``convert --config-only`` directory), and exported back in the
+source's tensor names for the rollout server (:func:`source_tensors_from_hybrid`) or as a
+checkpoint (``convert --to <source model type>``).
+
+Every format is a :class:`SourceFormat`: how its ``config.json`` maps to a
+:class:`HybridConfig` and back, and a :class:`SourceNames` table of its tensor names (the first
+name of each entry is written, all are read: the source code base's checkpoint names and
+transformers' in-memory ones). Conversions are exact (renames, reshapes, splits, stacks and row
+permutations, never casts); every source tensor must find its place (multi-token-prediction
+layers beyond ``num_hidden_layers`` are dropped and logged); a missing or misshapen tensor is a
+``ValueError`` naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from harts_verl.models.config import HybridConfig
+
+__all__ = [
+    "HARTS_MODEL_TYPE",
+    "CheckpointTensors",
+    "SourceFormat",
+    "SourceNames",
+    "config_value",
+    "convert_checkpoint",
+    "expected_hybrid_shapes",
+    "format_of_config",
+    "harts_config_from_source",
+    "hybrid_state_dict_from_source",
+    "load_from_source",
+    "mixers_of_layer_types",
+    "moe_layers_of",
+    "read_config",
+    "source_architecture",
+    "source_format_of_dir",
+    "source_state_dict_from_hybrid",
+    "source_tensors_from_hybrid",
+]
+
+logger = logging.getLogger(__name__)
+
+HARTS_MODEL_TYPE = "harts_hybrid"
+SOURCE_CONFIG_KEY = "harts_source_config"  # the source config a harts_hybrid came from
+TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+_ARCH_EXEMPT = {"chunk_size", "initializer_range"}  # runtime / init choices, not weights
+
+
+# --- formats ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SourceNames:
+    """Tensor names of a source format under ``model.layers.{i}.``; in every tuple the first
+    name is the one written, all are read."""
+
+    attn: tuple[str, ...]  # token-mixer root, e.g. ("self_attn.",)
+    o_proj: tuple[str, ...]  # output projection of both mixers, e.g. ("o_proj",)
+    embed: tuple[str, ...]  # full names of the embedding
+    dense: tuple[str, ...]  # dense FFN roots
+    moe: tuple[str, ...]  # MoE FFN roots
+    experts: tuple[str, str, str]  # per-expert (gate, up, down) names
+    correction_bias: tuple[str, ...]  # under the MoE root
+    a_log_shape: tuple[int, ...]  # KDA ``A_log`` as stored (-1 = heads)
+    rope_interleaved: bool = False  # MLA rope channels in interleaved pairs (DeepSeek layout)
+
+
+@dataclass(frozen=True)
+class SourceFormat:
+    """One source code base: its ``model_type``, the architecture of a config dict
+    (``hybrid_config``), the config dict of an architecture (``source_config``, from the
+    original config when there is one), the check that an architecture is expressible
+    (``check_architecture``: ``ValueError`` naming the field) and its tensor names."""
+
+    model_type: str
+    display: str
+    hybrid_config: Callable[[Mapping[str, Any]], HybridConfig]
+    source_config: Callable[[HybridConfig, Mapping[str, Any] | None], dict[str, Any]]
+    check_architecture: Callable[[HybridConfig], None]
+    names: SourceNames
+
+
+def config_value(d: Mapping[str, Any], *names: str, default: Any = ..., what: str) -> Any:
+    """The value of the first of ``names`` set in the config dict ``d`` (the source code base's
+    name first, then transformers'); ``ValueError`` naming ``what`` and the keys when none is set
+    and there is no ``default``."""
+    for n in names:
+        if d.get(n) is not None:
+            return d[n]
+    if default is ...:
+        raise ValueError(f"{what}: missing {' / '.join(names)}")
+    return default
+
+
+def mixers_of_layer_types(layer_types: Any, n: int, what: str) -> list[str]:
+    """Native mixers (``kda`` / ``mla``) of transformers' ``layer_types``
+    (``linear_attention`` / ``full_attention``) for ``n`` layers."""
+    names = {"linear_attention": "kda", "full_attention": "mla"}
+    lt = list(layer_types)
+    if len(lt) != n:
+        raise ValueError(f"{what}: layer_types has {len(lt)} entries, num_hidden_layers is {n}")
+    for i, t in enumerate(lt):
+        if t not in names:
+            raise ValueError(f"{what}: layer_types[{i}] = {t!r}, expected one of {list(names)}")
+    return [names[t] for t in lt]
+
+
+def moe_layers_of(d: Mapping[str, Any], n: int, what: str, first_k_dense: int = 1) -> list[int]:
+    """MoE layer indices of a DeepSeek-style config: none without experts; ``mlp_layer_types``
+    (``sparse``) when given; else the layers ``>= first_k_dense_replace`` (default
+    ``first_k_dense``, the model's transformers default) that are multiples of
+    ``moe_layer_freq`` (default 1)."""
+    if not config_value(
+        d, "num_experts", "num_local_experts", "n_routed_experts", default=0, what=what
+    ):
+        return []
+    if d.get("mlp_layer_types") is not None:
+        mt = list(d["mlp_layer_types"])
+        if len(mt) != n or any(t not in ("dense", "sparse") for t in mt):
+            raise ValueError(
+                f"{what}: mlp_layer_types must list 'dense' / 'sparse' for each of the {n} "
+                f"layers, got {mt!r}"
+            )
+        return [i for i, t in enumerate(mt) if t == "sparse"]
+    k = int(d.get("first_k_dense_replace", first_k_dense))
+    freq = int(d.get("moe_layer_freq", 1))
+    if freq < 1:
+        raise ValueError(f"{what}: moe_layer_freq must be >= 1, got {freq}")
+    return [i for i in range(n) if i >= k and i % freq == 0]
+
+
+def _formats() -> dict[str, SourceFormat]:
+    from harts_verl.models import kimi_linear, ling
+
+    return {f.model_type: f for f in (kimi_linear.FORMAT, ling.FORMAT)}
+
+
+def format_of_config(d: Any) -> SourceFormat | None:
+    """The source format of the ``config.json`` dict ``d``, or None."""
+    if not isinstance(d, Mapping):
+        return None
+    return _formats().get(d.get("model_type"))
+
+
+def _format(model_type: str) -> SourceFormat:
+    fmts = _formats()
+    if model_type not in fmts:
+        raise ValueError(f"to: expected one of {[HARTS_MODEL_TYPE, *fmts]}, got {model_type!r}")
+    return fmts[model_type]
+
+
+def read_config(path: str) -> dict[str, Any]:
+    """The ``config.json`` dict of a model directory (or of a config file path)."""
+    file = path if path.endswith(".json") else os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        raise ValueError(f"model: no config.json at {path!r}")
+    with open(file) as f:
+        return json.load(f)
+
+
+def source_format_of_dir(path: str) -> SourceFormat | None:
+    """The source format of the model directory ``path`` (None: not a source checkpoint)."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    return format_of_config(read_config(path))
+
+
+def harts_config_from_source(source: Mapping[str, Any]) -> Any:
+    """The ``HartsHybridConfig`` of a source config dict: its architecture, its tokenizer ids,
+    and ``source`` itself under ``harts_source_config`` (the veRL engine exports weights in the
+    source's names for such a model; ``convert --to`` restores the config)."""
+    from harts_verl.models.hf import HartsHybridConfig
+
+    fmt = format_of_config(source)
+    if fmt is None:
+        raise ValueError(f"model_type: no converter for {source.get('model_type')!r}")
+    extra = {k: source[k] for k in TOKEN_KEYS if source.get(k) is not None}
+    return HartsHybridConfig.from_hybrid_config(
+        fmt.hybrid_config(source), **extra, **{SOURCE_CONFIG_KEY: dict(source)}
+    )
+
+
+def source_architecture(config: Any) -> tuple[SourceFormat, HybridConfig] | None:
+    """(format, architecture) of a ``HartsHybridConfig`` converted from a source format (its
+    ``harts_source_config``), else None."""
+    if getattr(config, "model_type", None) != HARTS_MODEL_TYPE:
+        return None
+    fmt = format_of_config(getattr(config, SOURCE_CONFIG_KEY, None))
+    return None if fmt is None else (fmt, config.to_hybrid_config())
+
+
+# --- tensors ---------------------------------------------------------------------------------
+
+
+class CheckpointTensors:
+    """Lazy, read-once view of a checkpoint's tensors: a directory of safetensors shards (with
+    or without ``model.safetensors.index.json``) or an in-memory mapping. Records which names were
+    taken, so a conversion can refuse to drop any."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor] | None = None, path: str | None = None):
+        self._mem = dict(tensors) if tensors is not None else None
+        self._where: dict[str, str] = {}
+        self._handles: dict[str, Any] = {}
+        self.taken: set[str] = set()
+        if self._mem is None:
+            if path is None:
+                raise TypeError("CheckpointTensors: give tensors or path")
+            self._where = _weight_map(path)
+
+    @property
+    def names(self) -> set[str]:
+        return set(self._mem) if self._mem is not None else set(self._where)
+
+    def has(self, name: str) -> bool:
+        return name in (self._mem if self._mem is not None else self._where)
+
+    def first(self, *names: str) -> str | None:
+        """The first of ``names`` present, or None."""
+        return next((n for n in names if self.has(n)), None)
+
+    def take(self, *names: str) -> torch.Tensor:
+        """The tensor of the first of ``names`` present; ``ValueError`` naming them all."""
+        name = self.first(*names)
+        if name is None:
+            raise ValueError(f"checkpoint: missing tensor {' / '.join(names)}")
+        self.taken.add(name)
+        if self._mem is not None:
+            return self._mem[name]
+        return self._handle(self._where[name]).get_tensor(name)
+
+    def _handle(self, file: str) -> Any:
+        from safetensors import safe_open
+
+        if file not in self._handles:
+            self._handles[file] = safe_open(file, framework="pt")
+        return self._handles[file]
+
+
+def _weight_map(path: str) -> dict[str, str]:
+    """tensor name -> safetensors file of the checkpoint directory ``path``."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            wm = json.load(f)["weight_map"]
+        return {k: os.path.join(path, v) for k, v in wm.items()}
+    single = os.path.join(path, "model.safetensors")
+    if not os.path.isfile(single):
+        raise ValueError(
+            f"checkpoint {path!r}: no model.safetensors or model.safetensors.index.json"
+        )
+    from safetensors import safe_open
+
+    with safe_open(single, framework="pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def expected_hybrid_shapes(cfg: HybridConfig) -> dict[str, torch.Size]:
+    """Every state-dict entry of :class:`HybridForCausalLM` for ``cfg`` and its shape (built on
+    the meta device: no memory)."""
+    from harts_verl.models.hybrid import HybridForCausalLM
+
+    with torch.device("meta"):
+        model = HybridForCausalLM(cfg)
+    sd = model.state_dict()
+    if cfg.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    return {k: v.shape for k, v in sd.items()}
+
+
+# --- the name table of a layer ---------------------------------------------------------------
+
+_SWIGLU = ("gate_proj", "up_proj", "down_proj")
+_EXPERTS = ("ffn.w_gate", "ffn.w_up", "ffn.w_down")
+
+
+def _rope_perm(r: int) -> torch.Tensor:
+    """Interleaved rope pairs (x0, x1), (x2, x3), ... -> rotate-half halves (evens, odds)."""
+    return torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2)])
+
+
+def _permute_rope_rows(w: torch.Tensor, cfg: HybridConfig, key: str, inverse: bool) -> torch.Tensor:
+    """Reorder the rope rows of an MLA projection between the interleaved layout and ours: the
+    query projection's per-head ``[nope | rope]`` rows, or the latent projection's trailing
+    rope rows. Rotating the reordered channels rotate-half style gives the interleaved result."""
+    r = cfg.qk_rope_head_dim
+    perm = _rope_perm(r)
+    if inverse:
+        perm = torch.argsort(perm)
+    if key.endswith(("q_proj.weight", "q_b.weight")):
+        per_head = w.reshape(cfg.num_attention_heads, cfg.qk_nope_head_dim + r, -1)
+        rope = per_head[:, cfg.qk_nope_head_dim :][:, perm]
+        return torch.cat([per_head[:, : cfg.qk_nope_head_dim], rope], dim=1).reshape(w.shape)
+    return torch.cat([w[: cfg.kv_lora_rank], w[cfg.kv_lora_rank :][perm]], dim=0)
+
+
+def _layer_table(
+    names: SourceNames, cfg: HybridConfig, i: int
+) -> dict[str, tuple[tuple[str, ...], str]]:
+    """Native key (under ``layers.{i}.``) -> (source names under ``model.layers.{i}.``, kind);
+    kinds: ``plain``, ``a_log``, ``rope`` (MLA rows to reorder). Convolutions and experts are
+    handled apart (one source tensor for several native ones, or the other way round)."""
+    t: dict[str, tuple[tuple[str, ...], str]] = {
+        "input_norm.weight": (("input_layernorm.weight",), "plain"),
+        "post_norm.weight": (("post_attention_layernorm.weight",), "plain"),
+    }
+    a = names.attn
+
+    def attn(*leaf: str) -> tuple[str, ...]:
+        return tuple(r + n for r in a for n in leaf)
+
+    t["mixer.o_proj.weight"] = (attn(*(o + ".weight" for o in names.o_proj)), "plain")
+    if cfg.layer_types[i] == "kda":
+        for n in ("q_proj", "k_proj", "v_proj", "b_proj", "o_norm"):
+            t[f"mixer.{n}.weight"] = (attn(f"{n}.weight"), "plain")
+        gates = (
+            {"f_a": "f_a_proj", "f_b": "f_b_proj", "g_a": "g_a_proj", "g_b": "g_b_proj"}
+            if cfg.kda_low_rank_gates
+            else {"f_proj": "f_proj", "g_proj": "g_proj"}
+        )
+        for ours, theirs in gates.items():
+            forget = (f"forget_gate.{theirs}.weight",) if theirs.startswith("f") else ()
+            t[f"mixer.{ours}.weight"] = (attn(f"{theirs}.weight", *forget), "plain")
+        t["mixer.dt_bias"] = (attn("dt_bias", "forget_gate.dt_bias"), "plain")
+        t["mixer.A_log"] = (attn("A_log", "forget_gate.A_log"), "a_log")
+    else:
+        rope = "rope" if names.rope_interleaved and cfg.qk_rope_head_dim else "plain"
+        mla = {
+            "q_proj": ("q_proj", rope),
+            "q_a": ("q_a_proj", "plain"),
+            "q_norm": ("q_a_layernorm", "plain"),
+            "q_b": ("q_b_proj", rope),
+            "kv_a": ("kv_a_proj_with_mqa", rope),
+            "kv_norm": ("kv_a_layernorm", "plain"),
+            "kv_b": ("kv_b_proj", "plain"),
+            "g_proj": ("g_proj", "plain"),
+        }
+        for ours, (theirs, kind) in mla.items():
+            t[f"mixer.{ours}.weight"] = (attn(f"{theirs}.weight"), kind)
+    moe = i in cfg.moe_layers and cfg.num_experts > 0
+    if not moe:
+        for n in _SWIGLU:
+            t[f"ffn.{n}.weight"] = (tuple(r + f"{n}.weight" for r in names.dense), "plain")
+        return t
+    m = names.moe
+    t["ffn.router.weight"] = (tuple(r + "gate.weight" for r in m), "plain")
+    t["ffn.correction_bias"] = (tuple(r + b for r in m for b in names.correction_bias), "plain")
+    for n in _SWIGLU:
+        t[f"ffn.shared.{n}.weight"] = (tuple(r + f"shared_experts.{n}.weight" for r in m), "plain")
+    return t
+
+
+def _to_hybrid(kind: str, w: torch.Tensor, cfg: HybridConfig, key: str) -> torch.Tensor:
+    if kind == "a_log":
+        return w.reshape(-1)
+    if kind == "rope":
+        return _permute_rope_rows(w, cfg, key, inverse=False)
+    return w
+
+
+def _layer_to_hybrid(
+    src: CheckpointTensors,
+    fmt: SourceFormat,
+    cfg: HybridConfig,
+    i: int,
+    expected: Mapping[str, torch.Size],
+) -> dict[str, torch.Tensor]:
+    names, p, q = fmt.names, f"model.layers.{i}.", f"layers.{i}."
+    out = {}
+    for ours, (theirs, kind) in _layer_table(names, cfg, i).items():
+        if q + ours in expected:
+            out[q + ours] = _to_hybrid(kind, src.take(*(p + n for n in theirs)), cfg, ours)
+    if cfg.layer_types[i] == "kda":
+        fused = src.first(*(p + r + "conv1d.weight" for r in names.attn))
+        if fused is not None:  # transformers' one conv over q|k|v
+            sizes = [expected[q + f"mixer.{c}_conv.weight"][0] for c in "qkv"]
+            parts = torch.split(src.take(fused).squeeze(1), sizes, dim=0)
+            out.update({q + f"mixer.{c}_conv.weight": w for c, w in zip("qkv", parts, strict=True)})
+        else:
+            for c in "qkv":
+                w = src.take(*(p + r + f"{c}_conv1d.weight" for r in names.attn))
+                out[q + f"mixer.{c}_conv.weight"] = w.squeeze(1)
+    if q + "ffn.w_gate" in expected:
+        out.update(_experts_to_hybrid(src, names, p, q, expected[q + "ffn.w_gate"][0]))
+    return out
+
+
+def _experts_to_hybrid(
+    src: CheckpointTensors, names: SourceNames, p: str, q: str, e: int
+) -> dict[str, torch.Tensor]:
+    """Stacked ``[E, D, F]`` / ``[E, F, D]`` experts from per-expert ``[F, D]`` / ``[D, F]``
+    tensors, or from transformers' fused ``gate_up_proj [E, 2F, D]`` / ``down_proj [E, D, F]``."""
+    roots = [p + r for r in names.moe]
+    fused = src.first(*(r + "experts.gate_up_proj" for r in roots))
+    if fused is not None:
+        gate_up = src.take(fused)
+        f = gate_up.shape[1] // 2
+        down = src.take(fused[: -len("gate_up_proj")] + "down_proj")
+        return {
+            q + "ffn.w_gate": gate_up[:, :f].transpose(1, 2),
+            q + "ffn.w_up": gate_up[:, f:].transpose(1, 2),
+            q + "ffn.w_down": down.transpose(1, 2),
+        }
+    out = {}
+    for ours, w in zip(_EXPERTS, names.experts, strict=True):
+        out[q + ours] = torch.stack(
+            [src.take(*(r + f"experts.{j}.{w}.weight" for r in roots)).T for j in range(e)]
+        )
+    return out
+
+
+def source_tensors_from_hybrid(
+    fmt: SourceFormat, name: str, tensor: torch.Tensor, cfg: HybridConfig
+) -> list[tuple[str, torch.Tensor]]:
+    """The source-format tensors of one native state-dict entry ``name`` (with or without
+    ``model.``): a rename, a reshape (``A_log``, convolutions), a row reordering (interleaved
+    rope) or, for stacked experts, one transposed tensor per expert. Raises ``ValueError`` for a
+    name the architecture does not have. Used per tensor by the veRL engine's weight export to
+    the rollout server."""
+    names = fmt.names
+    key = name.removeprefix("model.")
+    top = {
+        "embed_tokens.weight": names.embed[0],
+        "norm.weight": "model.norm.weight",
+        "lm_head.weight": "lm_head.weight",
+    }
+    if key in top:
+        return [(top[key], tensor)]
+    parts = key.split(".", 2)
+    if len(parts) < 3 or parts[0] != "layers" or not parts[1].isdigit():
+        raise ValueError(f"{fmt.model_type} export: unexpected tensor {name!r}")
+    i, rest = int(parts[1]), parts[2]
+    if i >= cfg.num_hidden_layers:
+        raise ValueError(
+            f"{fmt.model_type} export: {name!r} is beyond {cfg.num_hidden_layers} layers"
+        )
+    p, a = f"model.layers.{i}.", names.attn[0]
+    table = _layer_table(names, cfg, i)
+    if rest in table:
+        theirs, kind = table[rest]
+        if kind == "a_log":
+            tensor = tensor.reshape(names.a_log_shape)
+        elif kind == "rope":
+            tensor = _permute_rope_rows(tensor, cfg, rest, inverse=True)
+        return [(p + theirs[0], tensor)]
+    if rest.startswith("mixer.") and rest.endswith("_conv.weight"):
+        return [(p + a + f"{rest[len('mixer.')]}_conv1d.weight", tensor.unsqueeze(1))]
+    if rest in _EXPERTS:
+        w = names.experts[_EXPERTS.index(rest)]
+        root = p + names.moe[0]
+        return [(f"{root}experts.{j}.{w}.weight", t.T) for j, t in enumerate(tensor.unbind(0))]
+    raise ValueError(f"{fmt.model_type} export: unexpected tensor {name!r}")
+
+
+def _check_shapes(
+    got: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Size], keys: Any
+) -> None:
+    for k in keys:
+        if k not in got:
+            raise ValueError(f"checkpoint: no tensor for {k!r}")
+        if got[k].shape != expected[k]:
+            raise ValueError(
+                f"checkpoint: {k!r} has shape {tuple(got[k].shape)}, the config needs "
+                f"{tuple(expected[k])}"
+            )
+
+
+def _layer_index(name: str) -> int | None:
+    parts = name.split(".")
+    if len(parts) > 2 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
+        return int(parts[2])
+    return None
+
+
+def _iter_to_hybrid(
+    src: CheckpointTensors,
+    fmt: SourceFormat,
+    cfg: HybridConfig,
+    progress: Callable[[str], None] | None = None,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """The native state dict of ``src`` in pieces (embeddings, each layer, head), shape-checked;
+    raises ``ValueError`` for unused source tensors after the last piece."""
+    expected = expected_hybrid_shapes(cfg)
+    n = cfg.num_hidden_layers
+    first = {"embed_tokens.weight": src.take(*fmt.names.embed)}
+    _check_shapes(first, expected, first)
+    yield first
+    for i in range(n):
+        piece = _layer_to_hybrid(src, fmt, cfg, i, expected)
+        _check_shapes(piece, expected, [k for k in expected if k.startswith(f"layers.{i}.")])
+        if progress is not None:
+            progress(f"layer {i + 1}/{n} ({cfg.layer_types[i]})")
+        yield piece
+    last = {"norm.weight": src.take("model.norm.weight")}
+    if not cfg.tie_word_embeddings:
+        last["lm_head.weight"] = src.take("lm_head.weight")
+    _check_shapes(last, expected, last)
+    yield last
+    unused = src.names - src.taken
+    mtp = {k for k in unused if (_layer_index(k) or 0) >= n}
+    if mtp:
+        logger.warning(
+            "%s: dropped %d tensors of multi-token-prediction layers (index >= %d)",
+            fmt.model_type,
+            len(mtp),
+            n,
+        )
+    rest = sorted(k for k in unused - mtp if "rotary_emb" not in k)
+    if rest:
+        raise ValueError(
+            f"checkpoint: {len(rest)} tensors have no place in the native model, e.g. {rest[:5]}"
+        )
+
+
+def hybrid_state_dict_from_source(
+    fmt: SourceFormat, tensors: Mapping[str, torch.Tensor] | CheckpointTensors, cfg: HybridConfig
+) -> dict[str, torch.Tensor]:
+    """The :class:`HybridForCausalLM` state dict (keys without ``model.``) of a source state
+    dict in format ``fmt`` (any accepted names)."""
+    src = tensors if isinstance(tensors, CheckpointTensors) else CheckpointTensors(tensors)
+    out: dict[str, torch.Tensor] = {}
+    for piece in _iter_to_hybrid(src, fmt, cfg):
+        out.update(piece)
+    return out
+
+
+def source_state_dict_from_hybrid(
+    fmt: SourceFormat, sd: Mapping[str, torch.Tensor], cfg: HybridConfig
+) -> dict[str, torch.Tensor]:
+    """The source-format state dict of a :class:`HybridForCausalLM` state dict (keys with or
+    without ``model.``); the inverse of :func:`hybrid_state_dict_from_source`. Raises
+    ``ValueError`` when ``cfg`` is not expressible in ``fmt`` or a tensor is missing."""
+    fmt.check_architecture(cfg)
+    sd = {k.removeprefix("model."): v for k, v in sd.items()}
+    expected = expected_hybrid_shapes(cfg)
+    _check_shapes(sd, expected, expected)
+    extra = sorted(set(sd) - set(expected) - {"lm_head.weight"})
+    if extra:
+        raise ValueError(f"state dict: unexpected tensors {extra[:5]}")
+    out: dict[str, torch.Tensor] = {}
+    for k in expected:
+        out.update(source_tensors_from_hybrid(fmt, k, sd[k], cfg))
+    return out
+
+
+# --- checkpoints -----------------------------------------------------------------------------
+
+
+@dataclass
+class _ShardWriter:
+    """Writes tensors to ``model-0000k-of-0000N.safetensors`` shards of at most ``max_bytes``
+    (one shard: ``model.safetensors``) plus the index."""
+
+    path: str
+    max_bytes: int
+    _pending: dict[str, torch.Tensor] = field(default_factory=dict)
+    _files: list[list[str]] = field(default_factory=list)
+    _size: int = 0
+    total: int = 0
+
+    def add(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        for k, v in tensors.items():
+            nbytes = v.numel() * v.element_size()
+            if self._pending and self._size + nbytes > self.max_bytes:
+                self._flush()
+            self._pending[k] = v.contiguous()
+            self._size += nbytes
+            self.total += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        tmp = os.path.join(self.path, f".shard-{len(self._files):05d}.safetensors")
+        save_file(self._pending, tmp, metadata={"format": "pt"})
+        self._files.append(sorted(self._pending))
+        self._pending, self._size = {}, 0
+
+    def close(self) -> list[str]:
+        if self._pending or not self._files:
+            self._flush()
+        n = len(self._files)
+        names = (
+            ["model.safetensors"]
+            if n == 1
+            else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+        )
+        for k, name in enumerate(names):
+            os.replace(
+                os.path.join(self.path, f".shard-{k:05d}.safetensors"),
+                os.path.join(self.path, name),
+            )
+        if n > 1:
+            wm = {key: names[k] for k, keys in enumerate(self._files) for key in keys}
+            with open(os.path.join(self.path, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size": self.total}, "weight_map": wm}, f, indent=2)
+        return names
+
+
+def _copy_side_files(src: str, dst: str) -> None:
+    """Tokenizer, generation config and other files of ``src`` (not weights, not config.json)."""
+    for name in os.listdir(src):
+        full = os.path.join(src, name)
+        if (
+            not os.path.isfile(full)
+            or name == "config.json"
+            or name in _WEIGHT_FILES
+            or name.endswith((".safetensors", ".bin", ".pt"))
+        ):
+            continue
+        shutil.copy2(full, os.path.join(dst, name))
+
+
+def _harts_config_dict(source: Mapping[str, Any]) -> dict[str, Any]:
+    out = harts_config_from_source(source).to_dict()
+    out["architectures"] = ["HartsHybridForCausalLM"]
+    return out
+
+
+def _hybrid_config_of_harts(d: Mapping[str, Any]) -> HybridConfig:
+    from harts_verl.models.hf import HartsHybridConfig
+
+    keep = {k: v for k, v in d.items() if k not in ("architectures", "transformers_version")}
+    return HartsHybridConfig(**keep).to_hybrid_config()
+
+
+def convert_checkpoint(
+    src: str,
+    dst: str,
+    *,
+    to: str = HARTS_MODEL_TYPE,
+    max_shard_bytes: int = 5 * 2**30,
+    config_only: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Convert the model directory ``src`` into ``dst`` (created; must not hold a model yet): a
+    source checkpoint (Kimi-Linear, Ling 3) to ``harts_hybrid`` (``to="harts_hybrid"``), or a
+    ``harts_hybrid`` to a source format (``to="kimi_linear"`` / ``"bailing_hybrid"``). Streams
+    layer by layer (peak memory about one layer plus one shard), copies the tokenizer and other
+    side files, and returns a summary (model types, layers, tensors, bytes, files). A
+    ``harts_hybrid`` written here keeps the source config under ``harts_source_config``, so the
+    way back restores its tokenizer ids and ``auto_map``. ``config_only`` (to ``harts_hybrid``):
+    write the config alone, for veRL's ``model.hf_config_path`` beside the source ``model.path``
+    (the weights are converted while loading)."""
+    if os.path.abspath(src) == os.path.abspath(dst):
+        raise ValueError(f"dst: must differ from src ({src!r})")
+    if os.path.exists(os.path.join(dst, "config.json")):
+        raise ValueError(f"dst: {dst!r} already holds a model (config.json)")
+    d = read_config(src)
+    say = progress or (lambda msg: logger.info("convert: %s", msg))
+    summary: dict[str, Any] = {"src": src, "dst": dst, "from": d.get("model_type"), "to": to}
+    if to == HARTS_MODEL_TYPE:
+        fmt = format_of_config(d)
+        if fmt is None:
+            raise ValueError(
+                f"model_type: converting to {HARTS_MODEL_TYPE} needs one of {list(_formats())}, "
+                f"got {d.get('model_type')!r}"
+            )
+        cfg = fmt.hybrid_config(d)
+        out_cfg = _harts_config_dict(d)
+    else:
+        fmt = _format(to)
+        if config_only:
+            raise ValueError(f"config_only: only with to={HARTS_MODEL_TYPE!r}")
+        if d.get("model_type") != HARTS_MODEL_TYPE:
+            raise ValueError(
+                f"model_type: converting to {to} needs a {HARTS_MODEL_TYPE!r} model, got "
+                f"{d.get('model_type')!r}"
+            )
+        cfg = _hybrid_config_of_harts(d)
+        base = d.get(SOURCE_CONFIG_KEY)
+        out_cfg = fmt.source_config(cfg, base if format_of_config(base) is fmt else None)
+        out_cfg.update({k: d[k] for k in TOKEN_KEYS if d.get(k) is not None})
+    os.makedirs(dst, exist_ok=True)
+    if config_only:
+        files, tensors, nbytes = ["config.json"], 0, 0
+    else:
+        writer = _ShardWriter(dst, max_shard_bytes)
+        tensors = 0
+        src_t = CheckpointTensors(path=src)
+        if to == HARTS_MODEL_TYPE:
+            for piece in _iter_to_hybrid(src_t, fmt, cfg, say):
+                writer.add({"model." + k: v for k, v in piece.items()})
+                tensors += len(piece)
+        else:
+            sd = {k: src_t.take(k) for k in sorted(src_t.names)}
+            out_sd = source_state_dict_from_hybrid(fmt, sd, cfg)
+            writer.add(out_sd)
+            tensors = len(out_sd)
+        files, nbytes = writer.close(), writer.total
+        _copy_side_files(src, dst)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(out_cfg, f, indent=2)
+    say(f"wrote {tensors} tensors ({nbytes / 2**20:.1f} MiB) and config.json to {dst}")
+    summary.update(layers=cfg.num_hidden_layers, tensors=tensors, bytes=nbytes, files=files)
+    return summary
+
+
+def load_from_source(cls: Any, path: str, *, config: Any = None, **kwargs: Any) -> Any:
+    """``cls.from_pretrained`` (``HartsHybridForCausalLM``) of the source checkpoint ``path``:
+    the weights converted while loading, cast to ``dtype`` / ``torch_dtype`` (default float32).
+    ``config``: a ``HartsHybridConfig`` of the same architecture (e.g. from ``convert
+    --config-only``; its ``chunk_size`` is honoured), else the converted one. Under an
+    empty-weight (meta) context, as veRL uses on FSDP ranks other than 0, the model is built and
+    not loaded. Other keyword arguments of ``from_pretrained`` (``trust_remote_code``, ...) are
+    accepted and not used."""
+    raw = read_config(path)
+    fmt = format_of_config(raw)
+    if fmt is None:
+        raise ValueError(f"model_type: no converter for {raw.get('model_type')!r} at {path!r}")
+    arch = fmt.hybrid_config(raw)
+    if config is None:
+        config = harts_config_from_source(raw)
+    else:
+        mine, theirs = config.to_hybrid_config().to_dict(), arch.to_dict()
+        diff = sorted(k for k in mine if k not in _ARCH_EXEMPT and mine[k] != theirs[k])
+        if diff:
+            detail = ", ".join(f"{k}: {mine[k]!r} vs {theirs[k]!r}" for k in diff[:4])
+            raise ValueError(
+                f"config: does not describe the {fmt.display} checkpoint {path!r} ({detail})"
+            )
+    dtype = kwargs.get("dtype", kwargs.get("torch_dtype")) or torch.float32
+    if isinstance(dtype, str):
+        dtype = torch.float32 if dtype == "auto" else getattr(torch, dtype)
+    model = cls(config).to(dtype)
+    if any(p.is_meta for p in model.parameters()):
+        return model
+    src = CheckpointTensors(path=path)
+    sd = hybrid_state_dict_from_source(fmt, src, config.to_hybrid_config())
+    model.model.load_state_dict(sd, strict=not arch.tie_word_embeddings)
+    return model.eval()

@@ -1,0 +1,228 @@
+"""Ling 3 checkpoints (``bailing_hybrid``) as the native hybrid model (``harts_verl.models.ling``).
+
+The oracle is transformers' own ``BailingHybridForCausalLM`` (transformers >= 5.23, in a
+subprocess: ``_source_oracle.py``), in float64 with its float32 islands lifted: the converted
+native model gives the same logits (<= 1e-10) trajectory-wise and in tree mode, from Ling's
+checkpoint names and from transformers' in-memory ones; the checkpoint converted back loads in
+transformers with bitwise the same logits; the veRL engine trains a Ling checkpoint in place and
+exports Ling's names. Ling 3's KDA has full-rank gates and the safe decay, its MLA interleaved
+RoPE (reordered into our layout while converting) and a sigmoid gate per head.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from _oracles import build_oracle, run_oracle
+
+from harts_verl.models import checkpoints as ck
+from harts_verl.models import ling
+from harts_verl.models.config import HybridConfig, preset
+from harts_verl.models.hf import HartsHybridForCausalLM, load_causal_lm
+from harts_verl.models.hybrid import HybridForCausalLM
+from harts_verl.runtime import TreeRunner
+
+# 6 layers (KDA, KDA, MLA, KDA, KDA, MLA: layer groups of 3), first layer dense, MoE with 2
+# expert groups (1 kept) and a shared expert, MLA with RoPE (base 1e4, so the rotation matters
+# over these lengths) and a head gate.
+LING_CONFIG = {
+    "model_type": "bailing_hybrid",
+    "vocab_size": 96,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 6,
+    "layer_group_size": 3,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "short_conv_kernel_size": 4,
+    "kda_safe_gate": True,
+    "kda_lower_bound": -5.0,
+    "kv_lora_rank": 16,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "rope_theta": 10000.0,
+    "num_experts": 4,
+    "num_experts_per_token": 2,
+    "num_shared_experts": 1,
+    "moe_renormalize": True,
+    "routed_scaling_factor": 2.5,
+    "num_expert_group": 2,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "num_nextn_predict_layers": 0,
+    "pad_token_id": 0,
+    "eos_token_id": 2,
+}
+
+
+def _sequences() -> list[list[int]]:
+    """A prompt shared by all, two turns forking inside a 64-token chunk and one past it."""
+    g = torch.Generator().manual_seed(12)
+    prompt = torch.randint(3, 96, (70,), generator=g).tolist()
+    turn = torch.randint(3, 96, (30,), generator=g).tolist()
+    tails = [torch.randint(3, 96, (n,), generator=g).tolist() for n in (25, 40, 9)]
+    return [prompt + turn + tails[0], prompt + turn + tails[1], prompt + tails[2], prompt[:50]]
+
+
+def test_config_maps_ling_keys():
+    cfg = ling.hybrid_config_from_ling(LING_CONFIG)
+    assert cfg.layer_types == ["kda", "kda", "mla", "kda", "kda", "mla"]
+    assert cfg.moe_layers == [1, 2, 3, 4, 5]
+    assert (cfg.linear_num_heads, cfg.linear_key_head_dim, cfg.conv_size) == (2, 16, 4)
+    assert cfg.kda_lower_bound == -5.0 and not cfg.kda_low_rank_gates and not cfg.kda_gate_bias
+    assert cfg.mla_output_gate and not cfg.mla_use_nope and cfg.mla_norm_eps == 1e-6
+    assert cfg.rope_theta == 10000.0 and cfg.qk_rope_head_dim == 8
+    assert (cfg.n_group, cfg.topk_group, cfg.shared_expert_intermediate_size) == (2, 1, 32)
+    unsafe = ling.hybrid_config_from_ling(dict(LING_CONFIG, kda_safe_gate=False))
+    assert unsafe.kda_lower_bound is None
+    # transformers' defaults: 6-layer groups, the first 2 layers dense
+    bare = {k: v for k, v in LING_CONFIG.items() if k not in ("layer_group_size",)}
+    bare.pop("first_k_dense_replace")
+    cfg = ling.hybrid_config_from_ling(dict(bare, num_hidden_layers=12))
+    assert cfg.layer_types == (["kda"] * 5 + ["mla"]) * 2 and cfg.moe_layers == list(range(2, 12))
+
+
+def test_config_round_trip_and_errors():
+    cfg = ling.hybrid_config_from_ling(LING_CONFIG)
+    back = ling.ling_config_from_hybrid(cfg, LING_CONFIG)
+    assert back["eos_token_id"] == 2 and back["layer_types"][2] == "full_attention"
+    assert ling.hybrid_config_from_ling(back) == cfg
+    with pytest.raises(ValueError, match="rope type 'yarn'"):
+        ling.hybrid_config_from_ling(dict(LING_CONFIG, rope_parameters={"rope_type": "yarn"}))
+    with pytest.raises(ValueError, match="hidden_act"):
+        ling.hybrid_config_from_ling(dict(LING_CONFIG, hidden_act="gelu"))
+    with pytest.raises(ValueError, match="kda_low_rank_gates: Ling 3 needs False"):
+        ling.ling_config_from_hybrid(preset("kimi_tiny"))
+    assert ling.hybrid_config_from_ling(
+        ling.ling_config_from_hybrid(preset("ling_tiny"))
+    ) == HybridConfig(**{**preset("ling_tiny").to_dict(), "chunk_size": 64})
+
+
+def _native(cfg: HybridConfig, seed: int = 0) -> HybridForCausalLM:
+    torch.manual_seed(seed)
+    return HybridForCausalLM(cfg).double()
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 12])
+def test_state_dict_round_trip_is_exact(q_lora_rank):
+    """Ling's names, A_log [H], per-expert gate/up/down, the interleaved rope rows."""
+    cfg = ling.hybrid_config_from_ling(dict(LING_CONFIG, q_lora_rank=q_lora_rank))
+    sd = _native(cfg).state_dict()
+    out = ck.source_state_dict_from_hybrid(ling.FORMAT, sd, cfg)
+    assert "model.word_embeddings.weight" in out
+    assert out["model.layers.0.attention.A_log"].shape == (2,)
+    assert out["model.layers.0.attention.dense.weight"].shape == (64, 32)
+    assert out["model.layers.2.attention.g_proj.weight"].shape == (2, 64)
+    assert "model.layers.1.mlp.gate.expert_bias" in out
+    assert out["model.layers.1.mlp.experts.3.down_proj.weight"].shape == (64, 32)
+    q = "q_b_proj" if q_lora_rank else "q_proj"
+    theirs = out[f"model.layers.2.attention.{q}.weight"].reshape(2, 24, -1)
+    ours = sd[f"layers.2.mixer.{'q_b' if q_lora_rank else 'q_proj'}.weight"].reshape(2, 24, -1)
+    assert torch.equal(theirs[:, 16::2], ours[:, 16:20])  # even rope channels first in ours
+    back = ck.hybrid_state_dict_from_source(ling.FORMAT, out, cfg)
+    assert back.keys() == sd.keys()
+    for k, v in sd.items():
+        assert torch.equal(back[k], v), k
+
+
+# --- transformers' BailingHybrid as the oracle -----------------------------------------------
+
+
+@pytest.fixture(scope="module", params=[None, 12], ids=["q_proj", "q_lora"])
+def oracle(request, tmp_path_factory):
+    config = dict(LING_CONFIG, q_lora_rank=request.param)
+    out = tmp_path_factory.mktemp(f"ling_oracle_{request.param}")
+    return build_oracle(out, config, _sequences(), seed=4)
+
+
+def _max_error(model: HartsHybridForCausalLM, ref: list[torch.Tensor]) -> float:
+    err = 0.0
+    with torch.no_grad():
+        for seq, r in zip(_sequences(), ref, strict=True):
+            got = model(input_ids=torch.tensor([seq])).logits[0]
+            err = max(err, (got - r).abs().max().item())
+    return err
+
+
+@pytest.mark.parametrize("layout", ["checkpoint", "inmemory"])
+def test_converted_model_matches_transformers_float64(oracle, layout):
+    out, ref = oracle
+    model = load_causal_lm(str(out / layout), dtype=torch.float64)
+    assert _max_error(model, ref) <= 1e-10
+
+
+def test_tree_mode_matches_transformers_float64(oracle, tmp_path):
+    out, ref = oracle
+    harts = str(tmp_path / "harts")
+    ck.convert_checkpoint(str(out / "checkpoint"), harts)
+    model = HartsHybridForCausalLM.from_pretrained(harts, dtype=torch.float64).model
+    seqs = _sequences()
+    runner = TreeRunner(model, chunk_size=16)
+    lps = runner.log_probs(seqs)
+    assert runner.last_stats.compact_tokens < sum(len(s) for s in seqs)
+    for seq, lp, r in zip(seqs, lps, ref, strict=True):
+        want = torch.log_softmax(r[:-1], -1).gather(1, torch.tensor(seq[1:])[:, None])[:, 0]
+        torch.testing.assert_close(lp, want, rtol=0, atol=1e-10)
+
+
+def test_converted_back_loads_in_transformers(oracle, tmp_path):
+    out, ref = oracle
+    harts, back = str(tmp_path / "harts"), str(tmp_path / "back")
+    ck.convert_checkpoint(str(out / "checkpoint"), harts)
+    summary = ck.convert_checkpoint(harts, back, to="bailing_hybrid")
+    assert summary["to"] == "bailing_hybrid"
+    with open(os.path.join(back, "config.json")) as f:
+        assert json.load(f)["model_type"] == "bailing_hybrid"
+    run_oracle("logits", str(out / "spec.json"), back, str(tmp_path / "back.pt"))
+    for a, b in zip(torch.load(tmp_path / "back.pt"), ref, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_oracle_sees_unpermuted_rope(oracle):
+    """The comparison has teeth: loading the MLA rope rows without reordering them is caught."""
+    out, ref = oracle
+    model = load_causal_lm(str(out / "checkpoint"), dtype=torch.float64)
+    src = ck.CheckpointTensors(path=str(out / "checkpoint"))
+    sd = dict(model.model.state_dict())
+    sd["layers.2.mixer.kv_a.weight"] = src.take(
+        "model.layers.2.attention.kv_a_proj_with_mqa.weight"
+    )
+    model.model.load_state_dict(sd)
+    assert _max_error(model, ref) > 1e-6
+
+
+def test_verl_engine_trains_a_ling_checkpoint_in_place(oracle, tmp_path):
+    """veRL with ``model.path`` = the Ling checkpoint and ``hf_config_path`` = ``convert
+    --config-only``: the engine's tree-mode log-probs equal transformers' (fp32 engine) and its
+    weight export gives the rollout Ling's names with the checkpoint's tensors."""
+    pytest.importorskip("verl")
+    from _verl_cpu import verl_cpu_process
+
+    testing = verl_cpu_process()
+    out, ref = oracle
+    ckpt, cfg_dir = str(out / "checkpoint"), str(tmp_path / "cfg")
+    ck.convert_checkpoint(ckpt, cfg_dir, config_only=True)
+    engine = testing.build_engine(ckpt, testing.actor_config(), hf_config_path=cfg_dir)
+    params, peft = engine.get_per_tensor_param()
+    exported = dict(params)
+    src = ck.CheckpointTensors(path=ckpt)
+    assert peft is None and exported.keys() == src.names
+    for k, v in exported.items():
+        assert torch.equal(v, src.take(k).to(v.dtype)), k
+    seqs = _sequences()
+    with engine.eval_mode():
+        inf = engine.infer_batch(testing.make_batch(seqs, [40, 40, 40, 20]))
+    assert inf["metrics"]["harts/compression"][0] > 1.0
+    for seq, lp, r in zip(seqs, inf["model_output"]["log_probs"].unbind(), ref, strict=True):
+        want = torch.log_softmax(r[:-1], -1).gather(1, torch.tensor(seq[1:])[:, None])[:, 0]
+        torch.testing.assert_close(lp[:-1].double(), want, rtol=0, atol=2e-5)
