@@ -329,9 +329,10 @@ def measure_bench(prep: PreparedBench) -> dict[str, Any]:
         ),
         default=0.0,
     )
-    cos = _logit_cosine(
-        tree.hidden_states(seqs), expanded.hidden_states(seqs), model.lm_head.weight
-    )
+    # the output head: HF models (harts_hybrid's wrapper included) name it themselves
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = head if head is not None else model.lm_head
+    cos = _logit_cosine(tree.hidden_states(seqs), expanded.hidden_states(seqs), head.weight)
     result = {
         "benchmark": "harts_bench",
         "workload": cfg.workload,

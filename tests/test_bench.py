@@ -15,6 +15,8 @@ import torch
 
 from harts_verl.benchmark import BenchConfig, run_bench, timing_order
 from harts_verl.cli import main
+from harts_verl.models import kimi_linear
+from harts_verl.models.config import preset
 
 SMALL = dict(
     scale=0.004,
@@ -82,6 +84,24 @@ def test_hf_model_from_config(tmp_path, monkeypatch, kind):
     # Replay exists only with linear attention: DeepSeek-V3 (MLA) has none.
     assert (res["replay_tokens"] > 0) == (kind == "qwen3_5_moe")
     _check_result(res)
+
+
+def test_native_and_kimi_linear_models(tmp_path):
+    """A saved ``harts_hybrid`` config and a Kimi-Linear ``config.json`` (converted to it) run
+    the whole bench, its fidelity figures (through the wrapper's output head) included."""
+    from harts_verl.models.hf import HartsHybridConfig
+
+    native = tmp_path / "native"
+    HartsHybridConfig.from_hybrid_config(preset("ling_tiny", vocab_size=64)).save_pretrained(
+        str(native)
+    )
+    kimi = tmp_path / "kimi.json"
+    d = kimi_linear.kimi_linear_config_from_hybrid(preset("kimi_tiny", vocab_size=64))
+    kimi.write_text(json.dumps(d))
+    for spec in (str(native / "config.json"), str(kimi)):
+        res = run_bench(BenchConfig(model=spec, **SMALL))
+        assert res["model_type"] == "harts_hybrid"
+        _check_result(res)
 
 
 def test_model_errors(tmp_path, monkeypatch):

@@ -17,14 +17,19 @@ import os
 
 import pytest
 import torch
-from _oracles import build_oracle, run_oracle
+from _oracles import (
+    assert_round_trip_in_transformers,
+    assert_tree_mode_matches,
+    assert_verl_engine_matches,
+    build_oracle,
+    max_logit_error,
+)
 
 from harts_verl.models import checkpoints as ck
 from harts_verl.models import kimi_linear as kl
 from harts_verl.models.config import HybridConfig, preset
 from harts_verl.models.hf import HartsHybridForCausalLM, load_causal_lm
 from harts_verl.models.hybrid import HybridForCausalLM
-from harts_verl.runtime import TreeRunner
 
 # Moonshot-style config: 6 layers (KDA, KDA, MLA, KDA, KDA, MLA), first layer dense, MoE with
 # 2 expert groups (1 kept), a shared expert, MLA with a q bottleneck off and a NoPE shared part.
@@ -329,47 +334,23 @@ def oracle(tmp_path_factory):
     return build_oracle(tmp_path_factory.mktemp("kimi_oracle"), KIMI_CONFIG, _sequences())
 
 
-def _max_error(model: HartsHybridForCausalLM, ref: list[torch.Tensor]) -> float:
-    err = 0.0
-    with torch.no_grad():
-        for seq, r in zip(_sequences(), ref, strict=True):
-            got = model(input_ids=torch.tensor([seq])).logits[0]
-            err = max(err, (got - r).abs().max().item())
-    return err
-
-
 @pytest.mark.parametrize("layout", ["checkpoint", "inmemory"])
 def test_converted_model_matches_transformers_float64(oracle, layout):
     out, ref = oracle
     model = load_causal_lm(str(out / layout), dtype=torch.float64)
-    assert _max_error(model, ref) <= 1e-10
+    assert max_logit_error(model, _sequences(), ref) <= 1e-10
 
 
 def test_tree_mode_matches_transformers_float64(oracle, tmp_path):
     """Converted once to harts_hybrid, the model in tree mode (the sequences share a prompt and
     a turn, forks inside and past a chunk) gives transformers' per-trajectory log-probs."""
     out, ref = oracle
-    harts = str(tmp_path / "harts")
-    ck.convert_checkpoint(str(out / "checkpoint"), harts)
-    model = HartsHybridForCausalLM.from_pretrained(harts, dtype=torch.float64).model
-    seqs = _sequences()
-    runner = TreeRunner(model, chunk_size=16)
-    lps = runner.log_probs(seqs)
-    assert runner.last_stats.compact_tokens < sum(len(s) for s in seqs)
-    for seq, lp, r in zip(seqs, lps, ref, strict=True):
-        want = torch.log_softmax(r[:-1], -1).gather(1, torch.tensor(seq[1:])[:, None])[:, 0]
-        torch.testing.assert_close(lp, want, rtol=0, atol=1e-10)
+    assert_tree_mode_matches(out, _sequences(), ref, tmp_path)
 
 
 def test_converted_back_loads_in_transformers(oracle, tmp_path):
     out, ref = oracle
-    harts, back = str(tmp_path / "harts"), str(tmp_path / "back")
-    ck.convert_checkpoint(str(out / "checkpoint"), harts)
-    ck.convert_checkpoint(harts, back, to="kimi_linear")
-    spec = out / "spec.json"
-    run_oracle("logits", str(spec), back, str(tmp_path / "back.pt"))
-    for a, b in zip(torch.load(tmp_path / "back.pt"), ref, strict=True):
-        assert torch.equal(a, b)
+    assert_round_trip_in_transformers(out, ref, tmp_path, "kimi_linear")
 
 
 def test_oracle_sees_a_wrong_mapping(oracle):
@@ -382,38 +363,34 @@ def test_oracle_sees_a_wrong_mapping(oracle):
         sd["layers.0.mixer.q_proj.weight"],
     )
     model.model.load_state_dict(sd)
-    assert _max_error(model, ref) > 1e-4
+    assert max_logit_error(model, _sequences(), ref) > 1e-4
 
 
 def test_verl_engine_trains_a_kimi_linear_checkpoint_in_place(oracle, tmp_path):
-    """veRL with ``model.path`` = the Kimi-Linear checkpoint (what the rollout serves) and
-    ``model.hf_config_path`` = ``convert --config-only``: the harts_fsdp2 engine converts the
-    weights while loading, its tree-mode log-probs equal transformers' (fp32 engine), and its
-    weight export gives the rollout Moonshot's names with the checkpoint's tensors."""
-    pytest.importorskip("verl")
-    from _verl_cpu import verl_cpu_process
-
-    testing = verl_cpu_process()
+    """veRL trains the Kimi-Linear checkpoint in place (see ``assert_verl_engine_matches``).
+    transformers saves the dense layer under block_sparse_moe (a global rename); Moonshot's
+    checkpoints and vLLM name it mlp, as the export does."""
     out, ref = oracle
-    ckpt, cfg_dir = str(out / "checkpoint"), str(tmp_path / "cfg")
-    summary = ck.convert_checkpoint(ckpt, cfg_dir, config_only=True)
-    assert summary["files"] == ["config.json"] and os.listdir(cfg_dir) == ["config.json"]
-    engine = testing.build_engine(ckpt, testing.actor_config(), hf_config_path=cfg_dir)
-    params, peft = engine.get_per_tensor_param()
-    exported = dict(params)
-    src = ck.CheckpointTensors(path=ckpt)
-    assert peft is None and len(exported) == len(src.names)
-    for k, v in exported.items():
-        # transformers saves the dense layer under block_sparse_moe (a global rename); Moonshot's
-        # checkpoints and vLLM name it mlp, as the export does
-        theirs = k if src.has(k) else k.replace(".mlp.", ".block_sparse_moe.")
-        assert torch.equal(v, src.take(theirs).to(v.dtype)), k
-    assert src.taken == src.names
-    seqs = _sequences()
-    batch = testing.make_batch(seqs, [40, 40, 40, 20])
-    with engine.eval_mode():
-        inf = engine.infer_batch(batch)
-    assert inf["metrics"]["harts/compression"][0] > 1.0
-    for seq, lp, r in zip(seqs, inf["model_output"]["log_probs"].unbind(), ref, strict=True):
-        want = torch.log_softmax(r[:-1], -1).gather(1, torch.tensor(seq[1:])[:, None])[:, 0]
-        torch.testing.assert_close(lp[:-1].double(), want, rtol=0, atol=2e-5)
+
+    def checkpoint_name(name, src):
+        return name if src.has(name) else name.replace(".mlp.", ".block_sparse_moe.")
+
+    assert_verl_engine_matches(out, _sequences(), [40, 40, 40, 20], ref, tmp_path, checkpoint_name)
+
+
+def test_bench_and_check_read_kimi_linear(tmp_path):
+    """``harts-verl bench / check --model`` take a Kimi-Linear config.json or directory: the
+    config check gives the harts_hybrid conversion, the loader the converted model."""
+    from harts_verl.workers import check
+
+    cfg_file = tmp_path / "kimi.json"
+    cfg_file.write_text(json.dumps(KIMI_CONFIG))
+    hf_cfg = check.tree_model_config(str(cfg_file))
+    assert hf_cfg.model_type == "harts_hybrid"
+    assert hf_cfg.to_hybrid_config() == kl.hybrid_config_from_kimi_linear(KIMI_CONFIG)
+    model = check.load_tree_model(str(cfg_file), dtype=torch.float64)
+    assert isinstance(model, HartsHybridForCausalLM)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(dict(KIMI_CONFIG, hidden_act="gelu")))
+    with pytest.raises(ValueError, match=r"model: cannot read the config.*hidden_act"):
+        check.tree_model_config(str(bad))

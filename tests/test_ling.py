@@ -11,19 +11,21 @@ RoPE (reordered into our layout while converting) and a sigmoid gate per head.
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 import torch
-from _oracles import build_oracle, run_oracle
+from _oracles import (
+    assert_round_trip_in_transformers,
+    assert_tree_mode_matches,
+    assert_verl_engine_matches,
+    build_oracle,
+    max_logit_error,
+)
 
 from harts_verl.models import checkpoints as ck
 from harts_verl.models import ling
 from harts_verl.models.config import HybridConfig, preset
-from harts_verl.models.hf import HartsHybridForCausalLM, load_causal_lm
+from harts_verl.models.hf import load_causal_lm
 from harts_verl.models.hybrid import HybridForCausalLM
-from harts_verl.runtime import TreeRunner
 
 # 6 layers (KDA, KDA, MLA, KDA, KDA, MLA: layer groups of 3), first layer dense, MoE with 2
 # expert groups (1 kept) and a shared expert, MLA with RoPE (base 1e4, so the rotation matters
@@ -145,47 +147,21 @@ def oracle(request, tmp_path_factory):
     return build_oracle(out, config, _sequences(), seed=4)
 
 
-def _max_error(model: HartsHybridForCausalLM, ref: list[torch.Tensor]) -> float:
-    err = 0.0
-    with torch.no_grad():
-        for seq, r in zip(_sequences(), ref, strict=True):
-            got = model(input_ids=torch.tensor([seq])).logits[0]
-            err = max(err, (got - r).abs().max().item())
-    return err
-
-
 @pytest.mark.parametrize("layout", ["checkpoint", "inmemory"])
 def test_converted_model_matches_transformers_float64(oracle, layout):
     out, ref = oracle
     model = load_causal_lm(str(out / layout), dtype=torch.float64)
-    assert _max_error(model, ref) <= 1e-10
+    assert max_logit_error(model, _sequences(), ref) <= 1e-10
 
 
 def test_tree_mode_matches_transformers_float64(oracle, tmp_path):
     out, ref = oracle
-    harts = str(tmp_path / "harts")
-    ck.convert_checkpoint(str(out / "checkpoint"), harts)
-    model = HartsHybridForCausalLM.from_pretrained(harts, dtype=torch.float64).model
-    seqs = _sequences()
-    runner = TreeRunner(model, chunk_size=16)
-    lps = runner.log_probs(seqs)
-    assert runner.last_stats.compact_tokens < sum(len(s) for s in seqs)
-    for seq, lp, r in zip(seqs, lps, ref, strict=True):
-        want = torch.log_softmax(r[:-1], -1).gather(1, torch.tensor(seq[1:])[:, None])[:, 0]
-        torch.testing.assert_close(lp, want, rtol=0, atol=1e-10)
+    assert_tree_mode_matches(out, _sequences(), ref, tmp_path)
 
 
 def test_converted_back_loads_in_transformers(oracle, tmp_path):
     out, ref = oracle
-    harts, back = str(tmp_path / "harts"), str(tmp_path / "back")
-    ck.convert_checkpoint(str(out / "checkpoint"), harts)
-    summary = ck.convert_checkpoint(harts, back, to="bailing_hybrid")
-    assert summary["to"] == "bailing_hybrid"
-    with open(os.path.join(back, "config.json")) as f:
-        assert json.load(f)["model_type"] == "bailing_hybrid"
-    run_oracle("logits", str(out / "spec.json"), back, str(tmp_path / "back.pt"))
-    for a, b in zip(torch.load(tmp_path / "back.pt"), ref, strict=True):
-        assert torch.equal(a, b)
+    assert_round_trip_in_transformers(out, ref, tmp_path, "bailing_hybrid")
 
 
 def test_oracle_sees_unpermuted_rope(oracle):
@@ -198,31 +174,11 @@ def test_oracle_sees_unpermuted_rope(oracle):
         "model.layers.2.attention.kv_a_proj_with_mqa.weight"
     )
     model.model.load_state_dict(sd)
-    assert _max_error(model, ref) > 1e-6
+    assert max_logit_error(model, _sequences(), ref) > 1e-6
 
 
 def test_verl_engine_trains_a_ling_checkpoint_in_place(oracle, tmp_path):
-    """veRL with ``model.path`` = the Ling checkpoint and ``hf_config_path`` = ``convert
-    --config-only``: the engine's tree-mode log-probs equal transformers' (fp32 engine) and its
-    weight export gives the rollout Ling's names with the checkpoint's tensors."""
-    pytest.importorskip("verl")
-    from _verl_cpu import verl_cpu_process
-
-    testing = verl_cpu_process()
+    """veRL trains the Ling 3 checkpoint in place and exports Ling's names (see
+    ``assert_verl_engine_matches``)."""
     out, ref = oracle
-    ckpt, cfg_dir = str(out / "checkpoint"), str(tmp_path / "cfg")
-    ck.convert_checkpoint(ckpt, cfg_dir, config_only=True)
-    engine = testing.build_engine(ckpt, testing.actor_config(), hf_config_path=cfg_dir)
-    params, peft = engine.get_per_tensor_param()
-    exported = dict(params)
-    src = ck.CheckpointTensors(path=ckpt)
-    assert peft is None and exported.keys() == src.names
-    for k, v in exported.items():
-        assert torch.equal(v, src.take(k).to(v.dtype)), k
-    seqs = _sequences()
-    with engine.eval_mode():
-        inf = engine.infer_batch(testing.make_batch(seqs, [40, 40, 40, 20]))
-    assert inf["metrics"]["harts/compression"][0] > 1.0
-    for seq, lp, r in zip(seqs, inf["model_output"]["log_probs"].unbind(), ref, strict=True):
-        want = torch.log_softmax(r[:-1], -1).gather(1, torch.tensor(seq[1:])[:, None])[:, 0]
-        torch.testing.assert_close(lp[:-1].double(), want, rtol=0, atol=2e-5)
+    assert_verl_engine_matches(out, _sequences(), [40, 40, 40, 20], ref, tmp_path)

@@ -37,6 +37,9 @@ __all__ = [
     "CheckpointTensors",
     "SourceFormat",
     "SourceNames",
+    "check_hybrid_architecture",
+    "common_hybrid_kwargs",
+    "common_source_config",
     "config_value",
     "convert_checkpoint",
     "expected_hybrid_shapes",
@@ -143,6 +146,152 @@ def moe_layers_of(d: Mapping[str, Any], n: int, what: str, first_k_dense: int = 
     if freq < 1:
         raise ValueError(f"{what}: moe_layer_freq must be >= 1, got {freq}")
     return [i for i in range(n) if i >= k and i % freq == 0]
+
+
+# --- the DeepSeek-style KDA + MLA configs (Kimi-Linear, Ling 3) -------------------------------
+
+
+def common_hybrid_kwargs(
+    d: Mapping[str, Any],
+    what: str,
+    *,
+    rms_norm_eps: float,
+    moe_intermediate_size: int,
+    first_k_dense: int,
+) -> dict[str, Any]:
+    """:class:`HybridConfig` keyword arguments that Kimi-Linear and Ling 3 configs share: sizes,
+    norms, MLA dimensions, DeepSeek-style MoE (sigmoid grouped routing with the correction
+    bias, ungated shared experts, no aux loss: balancing is the bias's), KDA without an output
+    gate bias. The keyword arguments are the format's transformers defaults. ``ValueError``
+    naming ``what`` for an activation other than silu or attention biases."""
+
+    def get(*names: str, default: Any = ...) -> Any:
+        return config_value(d, *names, default=default, what=what)
+
+    if get("hidden_act", default="silu") != "silu":
+        raise ValueError(f"{what}: hidden_act {d['hidden_act']!r}, expected 'silu'")
+    if get("attention_bias", default=False):
+        raise ValueError(f"{what}: attention_bias=true is not supported")
+    n = int(get("num_hidden_layers"))
+    experts = int(get("num_experts", "num_local_experts", default=0))
+    kw: dict[str, Any] = dict(
+        vocab_size=get("vocab_size"),
+        hidden_size=get("hidden_size"),
+        intermediate_size=get("intermediate_size"),
+        moe_layers=moe_layers_of(d, n, what, first_k_dense),
+        rms_norm_eps=float(get("rms_norm_eps", default=rms_norm_eps)),
+        tie_word_embeddings=bool(get("tie_word_embeddings", default=False)),
+        initializer_range=float(get("initializer_range", default=0.02)),
+        kda_gate_bias=False,
+        num_attention_heads=get("num_attention_heads"),
+        q_lora_rank=get("q_lora_rank", default=None) or None,
+        kv_lora_rank=get("kv_lora_rank", default=512),
+        qk_nope_head_dim=get("qk_nope_head_dim", default=128),
+        qk_rope_head_dim=int(get("qk_rope_head_dim", default=64)),
+        v_head_dim=get("v_head_dim", default=128),
+        num_experts=experts,
+        router="sigmoid_grouped",
+        router_aux_loss_coef=0.0,
+        shared_expert_gate=False,
+    )
+    if experts:
+        moe_f = int(get("moe_intermediate_size", default=moe_intermediate_size))
+        grouped = bool(get("use_grouped_topk", default=True))
+        kw.update(
+            num_experts_per_tok=get("num_experts_per_token", "num_experts_per_tok"),
+            moe_intermediate_size=moe_f,
+            shared_expert_intermediate_size=int(
+                get("num_shared_experts", "n_shared_experts", default=0)
+            )
+            * moe_f,
+            n_group=int(get("num_expert_group", "n_group", default=1)) if grouped else 1,
+            topk_group=int(get("topk_group", default=1)) if grouped else 1,
+            routed_scaling_factor=float(get("routed_scaling_factor", default=1.0)),
+            norm_topk_prob=bool(get("moe_renormalize", "norm_topk_prob", default=True)),
+        )
+    return kw
+
+
+def check_hybrid_architecture(
+    cfg: HybridConfig, display: str, checks: list[tuple[str, Any, Any]]
+) -> None:
+    """Raise ``ValueError`` naming the first field of ``cfg`` that the format ``display`` cannot
+    express: layers other than kda / mla, what :func:`common_hybrid_kwargs` fixes, then the
+    format's own ``checks`` (name, value, required value)."""
+    bad = [(i, t) for i, t in enumerate(cfg.layer_types) if t not in ("kda", "mla")]
+    if bad:
+        raise ValueError(f"layer_types: {display} has kda and mla layers only, got {bad}")
+    common = [
+        ("kda_gate_bias", cfg.kda_gate_bias, False),
+        ("linear_num_value_heads", cfg.linear_num_value_heads, cfg.linear_num_heads),
+        ("linear_value_head_dim", cfg.linear_value_head_dim, cfg.linear_key_head_dim),
+    ]
+    if bool(cfg.moe_layers) and cfg.num_experts > 0:
+        common += [
+            ("router", cfg.router, "sigmoid_grouped"),
+            ("shared_expert_gate", cfg.shared_expert_gate, False),
+            (
+                "shared_expert_intermediate_size % moe_intermediate_size",
+                cfg.shared_expert_intermediate_size % cfg.moe_intermediate_size,
+                0,
+            ),
+            ("router_aux_loss_coef", cfg.router_aux_loss_coef, 0.0),
+        ]
+    for name, got, want in common + checks:
+        if got != want:
+            raise ValueError(f"{name}: {display} needs {want!r}, got {got!r}")
+
+
+def common_source_config(
+    cfg: HybridConfig, base: Mapping[str, Any] | None, model_type: str, architecture: str
+) -> dict[str, Any]:
+    """The ``config.json`` keys that Kimi-Linear and Ling 3 share, for ``cfg``, over ``base``
+    (the original config of a converted model: tokenizer ids, ``auto_map``, ...): sizes, norms,
+    transformers' ``layer_types`` / ``mlp_layer_types``, MLA dimensions and the MoE."""
+    n = cfg.num_hidden_layers
+    out = dict(base or {})
+    moe = sorted(cfg.moe_layers) if cfg.num_experts else []
+    out.update(
+        model_type=model_type,
+        architectures=out.get("architectures") or [architecture],
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=n,
+        hidden_act="silu",
+        rms_norm_eps=cfg.rms_norm_eps,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        initializer_range=cfg.initializer_range,
+        layer_types=[
+            "linear_attention" if t == "kda" else "full_attention" for t in cfg.layer_types
+        ],
+        mlp_layer_types=["sparse" if i in moe else "dense" for i in range(n)],
+        first_k_dense_replace=moe[0] if moe else n,
+        moe_layer_freq=1,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_attention_heads,
+        q_lora_rank=cfg.q_lora_rank or None,
+        kv_lora_rank=cfg.kv_lora_rank,
+        qk_nope_head_dim=cfg.qk_nope_head_dim,
+        qk_rope_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim,
+    )
+    if not moe:
+        out["num_experts"] = None
+        return out
+    out.update(
+        num_experts=cfg.num_experts,
+        num_experts_per_token=cfg.num_experts_per_tok,
+        moe_intermediate_size=cfg.moe_intermediate_size,
+        num_shared_experts=cfg.shared_expert_intermediate_size // cfg.moe_intermediate_size,
+        moe_renormalize=cfg.norm_topk_prob,
+        moe_router_activation_func="sigmoid",
+        routed_scaling_factor=cfg.routed_scaling_factor,
+        use_grouped_topk=True,
+        num_expert_group=cfg.n_group,
+        topk_group=cfg.topk_group,
+    )
+    return out
 
 
 def _formats() -> dict[str, SourceFormat]:

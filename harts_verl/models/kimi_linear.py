@@ -22,9 +22,11 @@ from typing import Any
 from harts_verl.models.checkpoints import (
     SourceFormat,
     SourceNames,
+    check_hybrid_architecture,
+    common_hybrid_kwargs,
+    common_source_config,
     config_value,
     mixers_of_layer_types,
-    moe_layers_of,
 )
 from harts_verl.models.config import HybridConfig
 
@@ -84,68 +86,33 @@ def hybrid_config_from_kimi_linear(d: Mapping[str, Any], *, chunk_size: int = 64
         raise ValueError(
             f"model_type: expected {KIMI_LINEAR_MODEL_TYPE!r}, got {d.get('model_type')!r}"
         )
-    n = int(_get(d, "num_hidden_layers"))
-    if _get(d, "hidden_act", default="silu") != "silu":
-        raise ValueError(f"kimi_linear config: hidden_act {d['hidden_act']!r}, expected 'silu'")
-    if _get(d, "attention_bias", default=False):
-        raise ValueError("kimi_linear config: attention_bias=true is not supported")
-    rope = int(_get(d, "qk_rope_head_dim", default=64))
-    if d.get("mla_use_nope") is False and rope:
+    what = "kimi_linear config"
+    kw = common_hybrid_kwargs(
+        d, what, rms_norm_eps=1e-5, moe_intermediate_size=1024, first_k_dense=1
+    )
+    if d.get("mla_use_nope") is False and kw["qk_rope_head_dim"]:
         raise ValueError(
-            "kimi_linear config: mla_use_nope=false (RoPE MLA) is not supported; released "
-            "Kimi-Linear checkpoints and transformers' KimiLinear use NoPE MLA"
+            f"{what}: mla_use_nope=false (RoPE MLA) is not supported; released Kimi-Linear "
+            "checkpoints and transformers' KimiLinear use NoPE MLA"
         )
     act = _get(d, "moe_router_activation_func", default="sigmoid")
     if act != "sigmoid":
-        raise ValueError(
-            f"kimi_linear config: moe_router_activation_func {act!r}, expected 'sigmoid'"
-        )
+        raise ValueError(f"{what}: moe_router_activation_func {act!r}, expected 'sigmoid'")
     lac = d.get("linear_attn_config") or {}
-    head_dim = int(lac.get("head_dim", _get(d, "linear_head_dim", default=128)))
     heads = int(lac.get("num_heads", _get(d, "linear_num_heads", default=32)))
-    conv = int(lac.get("short_conv_kernel_size", _get(d, "linear_conv_kernel_dim", default=4)))
-    experts = int(_get(d, "num_experts", "num_local_experts", default=0))
-    moe_f = int(_get(d, "moe_intermediate_size", default=1024))
-    n_shared = int(_get(d, "num_shared_experts", "n_shared_experts", default=0))
-    grouped = bool(_get(d, "use_grouped_topk", default=True))
-    kw: dict[str, Any] = dict(
-        vocab_size=_get(d, "vocab_size"),
-        hidden_size=_get(d, "hidden_size"),
-        intermediate_size=_get(d, "intermediate_size"),
-        layer_types=_kimi_layer_types(d, n),
-        moe_layers=moe_layers_of(d, n, "kimi_linear config"),
-        rms_norm_eps=float(_get(d, "rms_norm_eps", default=1e-5)),
-        tie_word_embeddings=bool(_get(d, "tie_word_embeddings", default=False)),
-        initializer_range=float(_get(d, "initializer_range", default=0.02)),
+    head_dim = int(lac.get("head_dim", _get(d, "linear_head_dim", default=128)))
+    kw.update(
+        layer_types=_kimi_layer_types(d, int(_get(d, "num_hidden_layers"))),
         linear_num_heads=heads,
         linear_num_value_heads=heads,
         linear_key_head_dim=head_dim,
         linear_value_head_dim=head_dim,
-        conv_size=conv,
+        conv_size=int(
+            lac.get("short_conv_kernel_size", _get(d, "linear_conv_kernel_dim", default=4))
+        ),
         chunk_size=chunk_size,
-        kda_gate_bias=False,
-        num_attention_heads=_get(d, "num_attention_heads"),
-        q_lora_rank=_get(d, "q_lora_rank", default=None) or None,
-        kv_lora_rank=_get(d, "kv_lora_rank", default=512),
-        qk_nope_head_dim=_get(d, "qk_nope_head_dim", default=128),
-        qk_rope_head_dim=rope,
         mla_use_nope=True,
-        v_head_dim=_get(d, "v_head_dim", default=128),
-        num_experts=experts,
-        router="sigmoid_grouped",
-        router_aux_loss_coef=0.0,  # Kimi-Linear balances experts with the correction bias
-        shared_expert_gate=False,
     )
-    if experts:
-        kw.update(
-            num_experts_per_tok=_get(d, "num_experts_per_token", "num_experts_per_tok"),
-            moe_intermediate_size=moe_f,
-            shared_expert_intermediate_size=n_shared * moe_f,
-            n_group=int(_get(d, "num_expert_group", "n_group", default=1)) if grouped else 1,
-            topk_group=int(_get(d, "topk_group", default=1)) if grouped else 1,
-            routed_scaling_factor=float(_get(d, "routed_scaling_factor", default=1.0)),
-            norm_topk_prob=bool(_get(d, "moe_renormalize", "norm_topk_prob", default=True)),
-        )
     return HybridConfig(**kw)
 
 
@@ -157,10 +124,7 @@ def kimi_linear_config_from_hybrid(
     model: tokenizer ids, ``auto_map``, ...). Raises ``ValueError`` naming the field when ``cfg``
     is not a Kimi-Linear architecture."""
     check_kimi_architecture(cfg)
-    n = cfg.num_hidden_layers
-    out = dict(base or {})
-    moe = sorted(cfg.moe_layers) if cfg.num_experts else []
-    first_dense = moe[0] if moe else n
+    out = common_source_config(cfg, base, KIMI_LINEAR_MODEL_TYPE, "KimiLinearForCausalLM")
     lac = dict(out.get("linear_attn_config") or {})
     lac.update(
         head_dim=cfg.linear_key_head_dim,
@@ -169,85 +133,23 @@ def kimi_linear_config_from_hybrid(
         kda_layers=[i + 1 for i, t in enumerate(cfg.layer_types) if t == "kda"],
         full_attn_layers=[i + 1 for i, t in enumerate(cfg.layer_types) if t == "mla"],
     )
-    out.update(
-        model_type=KIMI_LINEAR_MODEL_TYPE,
-        architectures=out.get("architectures") or ["KimiLinearForCausalLM"],
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=n,
-        hidden_act="silu",
-        rms_norm_eps=cfg.rms_norm_eps,
-        tie_word_embeddings=cfg.tie_word_embeddings,
-        initializer_range=cfg.initializer_range,
-        linear_attn_config=lac,
-        layer_types=[
-            "linear_attention" if t == "kda" else "full_attention" for t in cfg.layer_types
-        ],
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_attention_heads,
-        q_lora_rank=cfg.q_lora_rank or None,
-        kv_lora_rank=cfg.kv_lora_rank,
-        qk_nope_head_dim=cfg.qk_nope_head_dim,
-        qk_rope_head_dim=cfg.qk_rope_head_dim,
-        v_head_dim=cfg.v_head_dim,
-        mla_use_nope=True,
-        mlp_layer_types=["sparse" if i in moe else "dense" for i in range(n)],
-        first_k_dense_replace=first_dense,
-        moe_layer_freq=1,
-    )
-    if moe:
-        out.update(
-            num_experts=cfg.num_experts,
-            num_experts_per_token=cfg.num_experts_per_tok,
-            moe_intermediate_size=cfg.moe_intermediate_size,
-            num_shared_experts=cfg.shared_expert_intermediate_size // cfg.moe_intermediate_size,
-            moe_renormalize=cfg.norm_topk_prob,
-            moe_router_activation_func="sigmoid",
-            routed_scaling_factor=cfg.routed_scaling_factor,
-            use_grouped_topk=True,
-            num_expert_group=cfg.n_group,
-            topk_group=cfg.topk_group,
-        )
-    else:
-        out["num_experts"] = None
+    out.update(linear_attn_config=lac, mla_use_nope=True)
     return out
 
 
 def check_kimi_architecture(cfg: HybridConfig) -> None:
     """Raise ``ValueError`` naming the first field of ``cfg`` that Kimi-Linear cannot express."""
-    bad = [(i, t) for i, t in enumerate(cfg.layer_types) if t not in ("kda", "mla")]
-    if bad:
-        raise ValueError(f"layer_types: Kimi-Linear has kda and mla layers only, got {bad}")
-    checks = [
-        ("kda_gate_bias", cfg.kda_gate_bias, False),
-        ("kda_lower_bound", cfg.kda_lower_bound, None),
-        ("linear_num_value_heads", cfg.linear_num_value_heads, cfg.linear_num_heads),
-        ("linear_value_head_dim", cfg.linear_value_head_dim, cfg.linear_key_head_dim),
-        ("kda_low_rank_gates", cfg.kda_low_rank_gates, True),
-        ("mla_use_nope", cfg.mla_use_nope or cfg.qk_rope_head_dim == 0, True),
-        ("mla_output_gate", cfg.mla_output_gate, False),
-        ("mla_norm_eps", cfg.mla_norm_eps in (None, cfg.rms_norm_eps), True),
-    ]
-    moe = bool(cfg.moe_layers) and cfg.num_experts > 0
-    if moe:
-        checks += [
-            ("router", cfg.router, "sigmoid_grouped"),
-            (
-                "shared_expert_gate",
-                cfg.shared_expert_gate or not cfg.shared_expert_intermediate_size,
-                False,
-            ),
-            (
-                "shared_expert_intermediate_size % moe_intermediate_size",
-                cfg.shared_expert_intermediate_size % cfg.moe_intermediate_size,
-                0,
-            ),
-            ("router_aux_loss_coef", cfg.router_aux_loss_coef, 0.0),
-        ]
-    for name, got, want in checks:
-        if got != want:
-            raise ValueError(f"{name}: Kimi-Linear needs {want!r}, got {got!r}")
+    check_hybrid_architecture(
+        cfg,
+        "Kimi-Linear",
+        [
+            ("kda_lower_bound", cfg.kda_lower_bound, None),
+            ("kda_low_rank_gates", cfg.kda_low_rank_gates, True),
+            ("mla_use_nope", cfg.mla_use_nope or cfg.qk_rope_head_dim == 0, True),
+            ("mla_output_gate", cfg.mla_output_gate, False),
+            ("mla_norm_eps", cfg.mla_norm_eps in (None, cfg.rms_norm_eps), True),
+        ],
+    )
 
 
 FORMAT = SourceFormat(

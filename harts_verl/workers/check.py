@@ -296,8 +296,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def tree_model_config(spec: str) -> Any:
-    """The HF config of the model ``spec`` names (an HF model directory or a ``config.json``),
-    read without building the model, after checking that its type runs in tree mode
+    """The HF config of the model ``spec`` names (an HF model directory or a ``config.json``;
+    Kimi-Linear and Ling 3 give their ``harts_hybrid`` conversion), read without building the
+    model, after checking that its type runs in tree mode
     (``harts_verl.models.adapter.TREE_MODEL_TYPES``).
 
     Raises ``ValueError`` starting with ``model:`` when ``spec`` does not exist, is neither a
@@ -306,6 +307,7 @@ def tree_model_config(spec: str) -> Any:
     (``harts_verl.models.adapter.config_logit_transform``) with an unusable value."""
     from transformers import AutoConfig
 
+    from harts_verl.models import checkpoints
     from harts_verl.models.adapter import TREE_MODEL_TYPES, config_logit_transform
     from harts_verl.models.hf import register_auto_classes
 
@@ -318,7 +320,14 @@ def tree_model_config(spec: str) -> Any:
         raise ValueError(f"model: {spec!r} has no config.json")
     register_auto_classes()
     try:
-        cfg = AutoConfig.from_pretrained(spec)
+        raw = checkpoints.read_config(spec)
+    except ValueError:  # unreadable JSON: transformers' reader names the problem below
+        raw = None
+    try:
+        if checkpoints.format_of_config(raw) is not None:  # Kimi-Linear, Ling 3: converted
+            cfg = checkpoints.harts_config_from_source(raw)
+        else:
+            cfg = AutoConfig.from_pretrained(spec)
     except (OSError, ValueError, KeyError) as exc:
         raise ValueError(f"model: cannot read the config of {spec!r}: {exc}") from exc
     model_type = getattr(cfg, "model_type", None)
