@@ -58,6 +58,17 @@ def build_oracle(
     return out, torch.load(out / "logits.pt")
 
 
+def shared_prefix_sequences(seed: int, vocab: int) -> list[list[int]]:
+    """Four trajectories over tokens [3, vocab): a 70-token prompt shared by all, a 30-token turn
+    shared by two whose tails fork after it (inside a 64-token chunk), one forking right after
+    the prompt (past the first chunk) and one that is a 50-token prefix of the prompt."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(3, vocab, (70,), generator=g).tolist()
+    turn = torch.randint(3, vocab, (30,), generator=g).tolist()
+    tails = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (25, 40, 9)]
+    return [prompt + turn + tails[0], prompt + turn + tails[1], prompt + tails[2], prompt[:50]]
+
+
 def reference_log_probs(seq: list[int], logits: torch.Tensor) -> torch.Tensor:
     """``log p(seq[t+1] | seq[<=t])`` from the oracle's logits ``[L, V]`` of ``seq``."""
     return torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(seq[1:])[:, None])[:, 0]

@@ -23,6 +23,7 @@ from _oracles import (
     assert_verl_engine_matches,
     build_oracle,
     max_logit_error,
+    shared_prefix_sequences,
 )
 
 from harts_verl.models import checkpoints as ck
@@ -76,17 +77,7 @@ KIMI_CONFIG = {
 
 
 def _sequences() -> list[list[int]]:
-    """A prompt shared by all, two turns forking inside a 64-token chunk and one past it."""
-    g = torch.Generator().manual_seed(11)
-    prompt = torch.randint(3, 96, (70,), generator=g).tolist()
-    turn = torch.randint(3, 96, (30,), generator=g).tolist()
-    tails = [torch.randint(3, 96, (n,), generator=g).tolist() for n in (25, 40, 9)]
-    return [
-        prompt + turn + tails[0],
-        prompt + turn + tails[1],
-        prompt + tails[2],
-        prompt[:50],
-    ]
+    return shared_prefix_sequences(11, 96)
 
 
 def _to_hybrid(sd, cfg):
