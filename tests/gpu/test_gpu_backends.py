@@ -332,16 +332,18 @@ def test_tree_vs_trajectories_attention(cuda, report):
     )
 
 
-def test_model_tree_vs_expanded_bf16(cuda, report):
-    """The native hybrid model (KDA, MLA, GDN, GQA, MoE) with the auto backends: tree vs
-    trajectory-wise log-probs and logits in bf16, plus one backward each."""
+@pytest.mark.parametrize("name", ["tiny", "kimi_tiny", "ling_tiny"])
+def test_model_tree_vs_expanded_bf16(cuda, report, name):
+    """The native hybrid model (KDA, MLA, GDN, GQA, MoE; Kimi-Linear's and Ling 3's
+    architectures) with the auto backends: tree vs trajectory-wise log-probs and logits in bf16,
+    plus one backward each."""
     from harts_verl.models import HybridForCausalLM, preset
     from harts_verl.runtime import ExpandedRunner, TreeRunner
 
     torch.manual_seed(0)
     # Linear-attention head shapes as in the kernel tests above (reuses their compiled kernels).
     cfg = preset(
-        "tiny",
+        name,
         linear_num_heads=2,
         linear_num_value_heads=4,
         linear_key_head_dim=64,
@@ -362,14 +364,15 @@ def test_model_tree_vs_expanded_bf16(cuda, report):
     w = model.lm_head.weight.detach().double()
     h_t, h_e = tree.hidden_states(seqs), exp.hidden_states(seqs)
     cos = float(np.mean([mean_cos(a.double() @ w.T, b.double() @ w.T) for a, b in zip(h_t, h_e)]))
-    report["model_tree_vs_expanded_bf16"] = {"max_abs_dlogp": dlogp, "mean_logit_cos": cos}
+    key = "model_tree_vs_expanded_bf16" + ("" if name == "tiny" else f"_{name}")
+    report[key] = {"max_abs_dlogp": dlogp, "mean_logit_cos": cos}
 
     def loss(lps):
         return torch.stack([lp.float().sum() for lp in lps]).sum() / 1000
 
     tree.forward_backward(seqs, loss, separable=True)
     exp.forward_backward(seqs, loss, separable=True)
-    assert cos >= COS_MIN, report["model_tree_vs_expanded_bf16"]
+    assert cos >= COS_MIN, report[key]
 
 
 @pytest.mark.parametrize("window", [None, 7])
