@@ -224,6 +224,12 @@ def test_state_dict_errors_name_the_tensor():
     wrong["model.layers.2.self_attn.kv_b_proj.weight"] = torch.zeros(3, 16)
     with pytest.raises(ValueError, match=r"layers\.2\.mixer\.kv_b\.weight.*shape \(3, 16\)"):
         _to_hybrid(wrong, cfg)
+    native = _native(cfg).state_dict()
+    with pytest.raises(ValueError, match=r"unexpected tensors \['layers\.0\.extra'\]"):
+        _to_kimi(dict(native, **{"layers.0.extra": torch.zeros(1)}), cfg)
+    del native["layers.4.mixer.dt_bias"]
+    with pytest.raises(ValueError, match=r"missing tensor model\.layers\.4\.mixer\.dt_bias"):
+        _to_kimi(native, cfg)
     # multi-token-prediction layers beyond num_hidden_layers are dropped (logged), not an error
     mtp = dict(kimi, **{"model.layers.6.self_attn.q_proj.weight": torch.zeros(2)})
     assert _to_hybrid(mtp, cfg).keys() == _native(cfg).state_dict().keys()

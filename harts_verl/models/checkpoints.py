@@ -688,22 +688,43 @@ def hybrid_state_dict_from_source(
     return out
 
 
+def _iter_from_hybrid(
+    src: CheckpointTensors,
+    fmt: SourceFormat,
+    cfg: HybridConfig,
+    progress: Callable[[str], None] | None = None,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """The source-format state dict of the native state dict in ``src`` (keys with or without
+    ``model.``), one native tensor's worth at a time, shape-checked; raises ``ValueError`` for
+    an architecture ``fmt`` cannot express, a missing tensor, or (after the last piece) a native
+    tensor the architecture does not have."""
+    fmt.check_architecture(cfg)
+    expected = expected_hybrid_shapes(cfg)
+    layer = -1
+    for k in expected:
+        t = src.take("model." + k, k)
+        _check_shapes({k: t}, expected, [k])
+        i = _layer_index("model." + k)
+        if progress is not None and i is not None and i != layer:
+            layer = i
+            progress(f"layer {i + 1}/{cfg.num_hidden_layers} ({cfg.layer_types[i]})")
+        yield dict(source_tensors_from_hybrid(fmt, k, t, cfg))
+    tied = {"lm_head.weight", "model.lm_head.weight"} if cfg.tie_word_embeddings else set()
+    extra = sorted(src.names - src.taken - tied)
+    if extra:
+        raise ValueError(f"state dict: unexpected tensors {extra[:5]}")
+
+
 def source_state_dict_from_hybrid(
     fmt: SourceFormat, sd: Mapping[str, torch.Tensor], cfg: HybridConfig
 ) -> dict[str, torch.Tensor]:
     """The source-format state dict of a :class:`HybridForCausalLM` state dict (keys with or
     without ``model.``); the inverse of :func:`hybrid_state_dict_from_source`. Raises
-    ``ValueError`` when ``cfg`` is not expressible in ``fmt`` or a tensor is missing."""
-    fmt.check_architecture(cfg)
-    sd = {k.removeprefix("model."): v for k, v in sd.items()}
-    expected = expected_hybrid_shapes(cfg)
-    _check_shapes(sd, expected, expected)
-    extra = sorted(set(sd) - set(expected) - {"lm_head.weight"})
-    if extra:
-        raise ValueError(f"state dict: unexpected tensors {extra[:5]}")
+    ``ValueError`` when ``cfg`` is not expressible in ``fmt`` or a tensor is missing or
+    unexpected."""
     out: dict[str, torch.Tensor] = {}
-    for k in expected:
-        out.update(source_tensors_from_hybrid(fmt, k, sd[k], cfg))
+    for piece in _iter_from_hybrid(CheckpointTensors(sd), fmt, cfg):
+        out.update(piece)
     return out
 
 
@@ -846,10 +867,9 @@ def convert_checkpoint(
                 writer.add({"model." + k: v for k, v in piece.items()})
                 tensors += len(piece)
         else:
-            sd = {k: src_t.take(k) for k in sorted(src_t.names)}
-            out_sd = source_state_dict_from_hybrid(fmt, sd, cfg)
-            writer.add(out_sd)
-            tensors = len(out_sd)
+            for piece in _iter_from_hybrid(src_t, fmt, cfg, say):
+                writer.add(piece)
+                tensors += len(piece)
         files, nbytes = writer.close(), writer.total
         _copy_side_files(src, dst)
     with open(os.path.join(dst, "config.json"), "w") as f:
