@@ -174,3 +174,52 @@ def test_run_sh_needs_model_path(recipe):
         timeout=60,
     )
     assert out.returncode == 2 and "VARIANT" in out.stderr
+
+
+@pytest.mark.parametrize("recipe", ["swebench", "tau3bench"])
+def test_run_sh_trains_a_kimi_linear_checkpoint_in_place(recipe, tmp_path):
+    """With a Kimi-Linear checkpoint as MODEL_PATH, run.sh writes its harts_hybrid config once
+    (``convert --config-only``) and passes it as ``hf_config_path`` (the rollout serves the
+    checkpoint); other models get no such override. ``PY`` is a stand-in that prints the
+    trainer's arguments instead of starting it."""
+    import json
+    import sys
+
+    from harts_verl.models import kimi_linear
+    from harts_verl.models.config import preset
+
+    ckpt = tmp_path / "kimi"
+    ckpt.mkdir()
+    cfg = kimi_linear.kimi_linear_config_from_hybrid(preset("kimi_tiny"))
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("train.parquet", "val.parquet", "tools.yaml"):
+        (data / name).write_text("")
+    fake = tmp_path / "py"
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        'if [ "$1" = -m ] && [ "$2" = harts_verl.main_ppo ]; then printf "%s\\n" "$@"; exit 0; fi\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    fake.chmod(0o755)
+    env = {**os.environ, "PY": str(fake), "DATA_DIR": str(data), "MODEL_PATH": str(ckpt)}
+    script = str(ROOT / "recipes" / recipe / "run.sh")
+    out = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    args = out.stdout.splitlines()
+    assert f"actor_rollout_ref.model.hf_config_path={data / 'harts_config'}" in args
+    assert "actor_rollout_ref.model.trust_remote_code=true" in args
+    assert f"actor_rollout_ref.model.path={ckpt}" in args
+    written = json.loads((data / "harts_config" / "config.json").read_text())
+    assert written["model_type"] == "harts_hybrid"
+    assert written["harts_source_config"]["model_type"] == "kimi_linear"
+    other = subprocess.run(
+        ["bash", script],
+        env={**env, "MODEL_PATH": str(tmp_path)},  # no config.json: not a source checkpoint
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert other.returncode == 0, other.stderr
+    assert not any("hf_config_path" in a for a in other.stdout.splitlines())

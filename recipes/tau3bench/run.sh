@@ -6,6 +6,8 @@
 #      DATA_DIR (written by prepare.py when missing), VARIANT=fsdp2|megatron, NNODES (1),
 #      GPUS_PER_NODE (8), AGENT_LOOPS (agent-loop yaml with the user simulator; default
 #      agent_loops.yaml = scripted user, which only fixture tasks have), PY.
+# A Kimi-Linear / Ling 3 checkpoint as MODEL_PATH trains in place (fsdp2; see
+# ../source_checkpoint.sh).
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
@@ -19,6 +21,10 @@ GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
 AGENT_LOOPS="${AGENT_LOOPS:-$HERE/agent_loops.yaml}"
 case "$VARIANT" in fsdp2|megatron) ;; *) echo "VARIANT must be fsdp2 or megatron" >&2; exit 2;; esac
 [ -f "$DATA_DIR/train.parquet" ] || "$PY" "$HERE/prepare.py" "$DATA_DIR" --domain "$DOMAIN"
+# shellcheck source=../source_checkpoint.sh
+. "$ROOT/recipes/source_checkpoint.sh"
+HARTS_OVERRIDES=()
+[ "$VARIANT" != fsdp2 ] || harts_source_overrides "$MODEL_PATH" "$DATA_DIR/harts_config"
 cd "$ROOT"
 exec "$PY" -m harts_verl.main_ppo --config-path "$HERE" --config-name "tau3bench_$VARIANT" \
   data.train_files="$DATA_DIR/train.parquet" data.val_files="$DATA_DIR/val.parquet" \
@@ -26,4 +32,4 @@ exec "$PY" -m harts_verl.main_ppo --config-path "$HERE" --config-name "tau3bench
   actor_rollout_ref.rollout.multi_turn.tool_config_path="$DATA_DIR/tools.yaml" \
   actor_rollout_ref.rollout.agent.agent_loop_config_path="$AGENT_LOOPS" \
   reward.custom_reward_function.path="$HERE/reward.py" \
-  trainer.nnodes="$NNODES" trainer.n_gpus_per_node="$GPUS_PER_NODE" "$@"
+  trainer.nnodes="$NNODES" trainer.n_gpus_per_node="$GPUS_PER_NODE" "${HARTS_OVERRIDES[@]}" "$@"
