@@ -149,6 +149,7 @@ def assert_verl_engine_matches(
     src = checkpoints.CheckpointTensors(path=ckpt)
     assert peft is None and len(exported) == len(src.names)
     for k, v in exported.items():
+        assert v.is_contiguous(), k  # veRL's bucketed senders flatten with view(-1)
         assert torch.equal(v, src.take(source_name(k, src)).to(v.dtype)), k
     assert src.taken == src.names
     with engine.eval_mode():

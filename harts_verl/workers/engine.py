@@ -516,10 +516,13 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
                 "names, which unmerged LoRA adapters do not have; set "
                 "actor_rollout_ref.model.lora.merge=true"
             )
+        # contiguous: veRL's bucketed senders flatten each tensor with view(-1)
         return (
-            pair
+            (source_name, source_tensor.contiguous())
             for name, tensor in params
-            for pair in checkpoints.source_tensors_from_hybrid(fmt, name, tensor, arch)
+            for source_name, source_tensor in checkpoints.source_tensors_from_hybrid(
+                fmt, name, tensor, arch
+            )
         ), peft
 
     def get_per_tensor_param_shard(self, **kwargs: Any):
