@@ -4,6 +4,7 @@ weight loading, and registration where veRL looks for rollout replicas and serve
 from __future__ import annotations
 
 import asyncio
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -192,3 +193,78 @@ def test_generation_length_on_the_server(server):
     assert len(_gen(server, [1, 2, 3], max_tokens=0, **sp).token_ids) == 1
     assert len(_gen(server, [1, 2, 3], **sp).token_ids) == 16
     assert len(_gen(server, [1, 2, 3], max_tokens=100, **sp).token_ids) == 29
+
+
+def test_load_weights_refuses_unknown_tensors(server):
+    """A tensor that matches no parameter by name and shape is an error, not a silent skip (a
+    rollout keeping old weights would sample off-policy); nothing is loaded then."""
+    before = dict(server.model.state_dict())
+    name = next(n for n, _ in server.model.named_parameters())
+    bad = [(name, torch.ones_like(before[name])), ("no.such.weight", torch.zeros(2))]
+    with pytest.raises(ValueError, match=r"1 tensors match no parameter.*no\.such\.weight"):
+        server.load_weights(bad)
+    assert torch.equal(server.model.state_dict()[name], before[name])
+    wrong_shape = [(name, torch.zeros(3))]
+    with pytest.raises(ValueError, match="match no parameter"):
+        server.load_weights(wrong_shape)
+
+
+def test_serves_a_kimi_linear_checkpoint(tmp_path):
+    """A Kimi-Linear checkpoint is served as its harts_hybrid conversion: sampling re-reads the
+    prefix (no KV cache) and equals step-by-step full forwards; the weight sync arrives in
+    Kimi-Linear's names (what the engine exports for such a model) and is converted back."""
+    from safetensors.torch import save_file
+
+    from harts_verl.models import checkpoints, kimi_linear
+    from harts_verl.models.config import preset
+    from harts_verl.models.hybrid import HybridForCausalLM
+    from harts_verl.workers.rollout.cpu_server import HFGenerationServer
+
+    cfg = preset("kimi_tiny", vocab_size=64)
+    torch.manual_seed(0)
+    native = HybridForCausalLM(cfg)
+    ckpt = tmp_path / "kimi"
+    ckpt.mkdir()
+    weights = checkpoints.source_state_dict_from_hybrid(
+        kimi_linear.FORMAT, native.state_dict(), cfg
+    )
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(ckpt / "model.safetensors"))
+    (ckpt / "config.json").write_text(json.dumps(kimi_linear.kimi_linear_config_from_hybrid(cfg)))
+    srv = HFGenerationServer(
+        SimpleNamespace(max_model_len=None, prompt_length=16, response_length=16),
+        SimpleNamespace(path=str(ckpt), tokenizer=None),
+    )
+    out = _gen(srv, [1, 2, 3], temperature=0, max_tokens=5)
+    ids = [1, 2, 3]
+    with torch.no_grad():
+        for _ in range(5):
+            ids.append(int(srv.model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    assert out.token_ids == ids[3:]
+    torch.manual_seed(1)
+    other = HybridForCausalLM(cfg)
+    sync = checkpoints.source_state_dict_from_hybrid(kimi_linear.FORMAT, other.state_dict(), cfg)
+    assert srv.load_weights(list(sync.items())) == len(other.state_dict())
+    for k, v in other.state_dict().items():
+        assert torch.equal(srv.model.model.state_dict()[k], v), k
+
+
+def test_load_weights_repacks_per_expert_tensors(tmp_path):
+    """veRL's weight sync unpacks transformers' packed experts into vLLM's per-expert names
+    (``unfuse_moe_params``); the CPU server packs them back (they were dropped before)."""
+    from verl.workers.engine.fsdp.utils import unfuse_moe_params
+
+    from harts_verl.workers import testing
+    from harts_verl.workers.rollout.cpu_server import HFGenerationServer
+
+    path = testing.save_tiny_model("qwen3_moe", str(tmp_path / "moe"), seed=1)
+    srv = HFGenerationServer(
+        SimpleNamespace(max_model_len=None, prompt_length=16, response_length=16),
+        SimpleNamespace(path=path, tokenizer=None),
+    )
+    other = testing.tiny_hf_model("qwen3_moe", seed=2)
+    sent = list(unfuse_moe_params(other.state_dict().items(), "qwen3_moe"))
+    assert any(".experts.0.gate_proj.weight" in n for n, _ in sent)
+    assert srv.load_weights(sent) == len(sent)
+    mine = srv.model.state_dict()
+    for k, v in other.state_dict().items():
+        assert torch.equal(mine[k], v), k

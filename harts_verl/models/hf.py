@@ -122,6 +122,7 @@ class HartsHybridForCausalLM(PreTrainedModel):
     _supports_sdpa = True  # attention is the model's own (tree/varlen ops); any choice is accepted
     _supports_flash_attn = True
     supports_harts_layout = True  # the engine's tree call reaches ``forward`` directly
+    supports_kv_cache = False  # no incremental decoding: samplers re-read the prefix
 
     def __init__(self, config: HartsHybridConfig) -> None:
         super().__init__(config)

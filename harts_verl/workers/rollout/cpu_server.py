@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import re
 import time
 from typing import Any
 
@@ -53,18 +54,24 @@ def sample_tokens(
     stop_token_ids: list[int] | None = None,
     seed: int | None = None,
 ) -> tuple[list[int], list[float]]:
-    """Autoregressive sampling with the model's KV cache; returns (token ids, log-probs of the
-    sampled tokens under the temperature-scaled distribution). temperature 0 = greedy."""
+    """Autoregressive sampling with the model's KV cache (a model whose ``supports_kv_cache`` is
+    False, the native ``harts_hybrid``, re-reads its whole prefix at each step); returns (token
+    ids, log-probs of the sampled tokens under the temperature-scaled distribution).
+    temperature 0 = greedy."""
     stops = set(stop_token_ids or [])
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     ids = torch.tensor([prompt_ids], dtype=torch.long)
+    cached = getattr(model, "supports_kv_cache", True)
     out_ids: list[int] = []
     out_lp: list[float] = []
     past = None
     with torch.no_grad():
         for _ in range(max(0, max_new_tokens)):
-            res = model(input_ids=ids, past_key_values=past, use_cache=True)
-            past = res.past_key_values
+            if cached:
+                res = model(input_ids=ids, past_key_values=past, use_cache=True)
+                past = res.past_key_values
+            else:
+                res = model(input_ids=torch.tensor([prompt_ids + out_ids], dtype=torch.long))
             logits = res.logits[0, -1].float()
             if temperature and temperature > 0:
                 logits = logits / temperature
@@ -88,6 +95,32 @@ def sample_tokens(
                 break
             ids = torch.tensor([[tok]], dtype=torch.long)
     return out_ids, out_lp
+
+
+_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+def _load_target(
+    params: dict[str, torch.Tensor], name: str, t: torch.Tensor
+) -> torch.Tensor | None:
+    """The parameter (or the slice of a packed expert parameter) that tensor ``name`` of shape
+    ``t.shape`` loads into, or None."""
+    key = name if name in params else name.removeprefix("_fsdp_wrapped_module.")
+    if key in params and params[key].shape == t.shape:
+        return params[key]
+    m = _EXPERT.fullmatch(key)
+    if m is None:
+        return None
+    base, j, kind = m.group(1), int(m.group(2)), m.group(3)
+    packed = params.get(f"{base}.{'down_proj' if kind == 'down_proj' else 'gate_up_proj'}")
+    if packed is None or packed.dim() != 3 or j >= packed.shape[0]:
+        return None
+    if kind == "down_proj":
+        view = packed[j]
+    else:  # gate rows first, then up rows (veRL's unfuse_moe_params splits them so)
+        f = packed.shape[1] // 2
+        view = packed[j, :f] if kind == "gate_proj" else packed[j, f:]
+    return view if view.shape == t.shape else None
 
 
 def request_seed(request_id: str, prompt_length: int, seed: Any = None) -> int:
@@ -167,17 +200,22 @@ class HFGenerationServer:
     ) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from harts_verl.models.hf import attn_implementation_for
+        from harts_verl.models import checkpoints
+        from harts_verl.models.hf import HartsHybridForCausalLM, attn_implementation_for
 
         self.config = config
         self.model_config = model_config
         self.replica_rank = replica_rank
         path = getattr(model_config, "local_path", None) or model_config.path
-        hf_cfg = AutoConfig.from_pretrained(path, trust_remote_code=True)
-        hf_cfg._attn_implementation = attn_implementation_for(hf_cfg)  # sdpa; gpt-oss: eager
-        self.model = AutoModelForCausalLM.from_pretrained(
-            path, config=hf_cfg, torch_dtype=torch.float32, trust_remote_code=True
-        ).eval()
+        if checkpoints.source_format_of_dir(path) is not None:  # Kimi-Linear / Ling 3
+            self.model = HartsHybridForCausalLM.from_pretrained(path, dtype=torch.float32)
+            hf_cfg = self.model.config
+        else:
+            hf_cfg = AutoConfig.from_pretrained(path, trust_remote_code=True)
+            hf_cfg._attn_implementation = attn_implementation_for(hf_cfg)  # gpt-oss: eager
+            self.model = AutoModelForCausalLM.from_pretrained(
+                path, config=hf_cfg, torch_dtype=torch.float32, trust_remote_code=True
+            ).eval()
         tok = getattr(model_config, "tokenizer", None)
         self.eos_token_id = getattr(tok, "eos_token_id", None) if tok is not None else None
         if self.eos_token_id is None:
@@ -252,18 +290,40 @@ class HFGenerationServer:
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
-        """Copy full tensors (HF parameter names) into the model; returns the count loaded."""
+        """Copy full tensors (HF parameter names) into the model; returns the count loaded.
+        Per-expert tensors (``...experts.{j}.gate_proj / up_proj / down_proj.weight``, as veRL's
+        ``unfuse_moe_params`` sends them for vLLM) go into transformers' packed
+        ``experts.gate_up_proj`` / ``down_proj``. A ``harts_hybrid`` converted from Kimi-Linear / Ling 3 receives the whole model in the
+        source's names (what the engine exports) and converts it back. ``ValueError`` naming
+        the tensors that match no parameter or buffer by name and shape (nothing is loaded
+        then): a rollout silently keeping old weights would sample off-policy."""
+        from harts_verl.models import checkpoints
+
+        named = list(named_tensors)
+        source = checkpoints.source_architecture(getattr(self.model, "config", None))
+        if source is not None:
+            fmt, arch = source
+            native = checkpoints.hybrid_state_dict_from_source(fmt, dict(named), arch)
+            named = [("model." + k, v) for k, v in native.items()]
         params = dict(self.model.named_parameters())
         params.update(dict(self.model.named_buffers()))
-        n = 0
+        pairs, unmatched = [], []
+        for name, t in named:
+            target = _load_target(params, name, t)
+            if target is not None:
+                pairs.append((target, t))
+            else:
+                unmatched.append(f"{name} {tuple(t.shape)}")
+        if unmatched:
+            raise ValueError(
+                f"load_weights: {len(unmatched)} tensors match no parameter of the rollout "
+                f"model by name and shape, e.g. {unmatched[:3]}"
+            )
         with torch.no_grad():
-            for name, t in named_tensors:
-                key = name if name in params else name.removeprefix("_fsdp_wrapped_module.")
-                if key in params and params[key].shape == t.shape:
-                    params[key].copy_(t.to(params[key].dtype))
-                    n += 1
+            for param, t in pairs:
+                param.copy_(t.to(param.dtype))
         self.weight_version += 1
-        return n
+        return len(pairs)
 
     def set_global_steps(self, global_steps: int) -> None:
         """Remember the trainer step (reported in ``TokenOutput.extra_fields``)."""
