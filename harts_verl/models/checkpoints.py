@@ -51,6 +51,7 @@ __all__ = [
     "moe_layers_of",
     "read_config",
     "source_architecture",
+    "source_config_of",
     "source_format_of_dir",
     "source_state_dict_from_hybrid",
     "source_tensors_from_hybrid",
@@ -323,11 +324,20 @@ def read_config(path: str) -> dict[str, Any]:
         return json.load(f)
 
 
+def source_config_of(spec: str) -> dict[str, Any] | None:
+    """The ``config.json`` dict of ``spec`` (a model directory or a config file) when it is a
+    source format (Kimi-Linear, Ling 3), else None: also for a missing or unreadable config,
+    which the caller's own reader (transformers') then reports."""
+    try:
+        d = read_config(spec)
+    except ValueError:  # no config.json, or invalid JSON
+        return None
+    return d if format_of_config(d) is not None else None
+
+
 def source_format_of_dir(path: str) -> SourceFormat | None:
     """The source format of the model directory ``path`` (None: not a source checkpoint)."""
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        return None
-    return format_of_config(read_config(path))
+    return format_of_config(source_config_of(path))
 
 
 def harts_config_from_source(source: Mapping[str, Any]) -> Any:

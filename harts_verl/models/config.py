@@ -390,8 +390,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def preset(name: str, **overrides: Any) -> HybridConfig:
-    """A named configuration (``tiny``, ``bench``, ``kimi_tiny``, ``ling_tiny``) with optional overrides (any
-    :class:`HybridConfig` field; validated like the constructor)."""
+    """A named configuration (``tiny``, ``bench``, ``kimi_tiny``, ``ling_tiny``) with optional
+    overrides (any :class:`HybridConfig` field; validated like the constructor)."""
     if name not in PRESETS:
         raise ValueError(f"preset: unknown {name!r}, expected one of {sorted(PRESETS)}")
     unknown = set(overrides) - {f.name for f in fields(HybridConfig)}

@@ -284,9 +284,9 @@ def load_causal_lm(
     (random weights after ``torch.manual_seed(seed)``), the native model included
     (``harts_hybrid``), Kimi-Linear (``kimi_linear``) and Ling 3 (``bailing_hybrid``),
     converted to the native model (:mod:`harts_verl.models.checkpoints`). sdpa attention (eager
-    where the class has no sdpa: :func:`attn_implementation_for`); ``eager_experts``: MoE experts run transformers' eager
-    implementation (float64-capable on any device). Returned in ``dtype``, in eval mode.
-    Raises ``ValueError`` naming ``spec`` when it is neither."""
+    where the class has no sdpa: :func:`attn_implementation_for`); ``eager_experts``: MoE
+    experts run transformers' eager implementation (float64-capable on any device). Returned in
+    ``dtype``, in eval mode. Raises ``ValueError`` naming ``spec`` when it is neither."""
     register_auto_classes()
     is_config = spec.endswith(".json")
     if is_config and not os.path.isfile(spec):
@@ -295,11 +295,8 @@ def load_causal_lm(
         raise ValueError(f"model: expected an HF model directory or a config.json, got {spec!r}")
     from harts_verl.models import checkpoints
 
-    try:
-        raw = checkpoints.read_config(spec)
-    except ValueError:  # no or unreadable config.json: transformers' reader says so below
-        raw = None
-    if checkpoints.format_of_config(raw) is not None:  # not in transformers 5.10
+    raw = checkpoints.source_config_of(spec)
+    if raw is not None:  # Kimi-Linear / Ling 3: not in transformers 5.10
         if not is_config:
             return HartsHybridForCausalLM.from_pretrained(spec, dtype=dtype)
         torch.manual_seed(seed)

@@ -88,8 +88,9 @@ class SwiGLU(nn.Module):
 
 class MoEFFN(nn.Module):
     """Mixture of SwiGLU experts with deterministic top-k routing (no token drop), an optional
-    shared expert (sigmoid-gated, or added as is with ``shared_expert_gate=False``), and a router auxiliary loss weighted by row multiplicity
-    (invariant 7: each row is routed once, statistics equal the trajectory-wise ones)."""
+    shared expert (sigmoid-gated, or added as is with ``shared_expert_gate=False``), and a router
+    auxiliary loss weighted by row multiplicity (invariant 7: each row is routed once,
+    statistics equal the trajectory-wise ones)."""
 
     def __init__(self, cfg: HybridConfig) -> None:
         super().__init__()

@@ -319,12 +319,9 @@ def tree_model_config(spec: str) -> Any:
     elif not os.path.isfile(os.path.join(spec, "config.json")):
         raise ValueError(f"model: {spec!r} has no config.json")
     register_auto_classes()
+    raw = checkpoints.source_config_of(spec)
     try:
-        raw = checkpoints.read_config(spec)
-    except ValueError:  # unreadable JSON: transformers' reader names the problem below
-        raw = None
-    try:
-        if checkpoints.format_of_config(raw) is not None:  # Kimi-Linear, Ling 3: converted
+        if raw is not None:  # Kimi-Linear, Ling 3: their harts_hybrid conversion
             cfg = checkpoints.harts_config_from_source(raw)
         else:
             cfg = AutoConfig.from_pretrained(spec)

@@ -293,8 +293,9 @@ class HFGenerationServer:
         """Copy full tensors (HF parameter names) into the model; returns the count loaded.
         Per-expert tensors (``...experts.{j}.gate_proj / up_proj / down_proj.weight``, as veRL's
         ``unfuse_moe_params`` sends them for vLLM) go into transformers' packed
-        ``experts.gate_up_proj`` / ``down_proj``. A ``harts_hybrid`` converted from Kimi-Linear / Ling 3 receives the whole model in the
-        source's names (what the engine exports) and converts it back. ``ValueError`` naming
+        ``experts.gate_up_proj`` / ``down_proj``. A ``harts_hybrid`` converted from Kimi-Linear
+        / Ling 3 receives the whole model in the source's names (what the engine exports) and
+        converts it back. ``ValueError`` naming
         the tensors that match no parameter or buffer by name and shape (nothing is loaded
         then): a rollout silently keeping old weights would sample off-policy."""
         from harts_verl.models import checkpoints
