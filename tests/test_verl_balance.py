@@ -243,7 +243,15 @@ def test_trainer_balance_batch_override(monkeypatch):
     batch, metrics = Batch(), {}
     assert cls._balance_batch(fake, batch, metrics) is batch
     order, expected = harts_balance_batch(seqs, 2, 4)  # 32 / (2 x 4) = 4 prompts x n per step
-    assert batch.order == order and metrics == expected
+    assert batch.order == order
+    assert {k: v for k, v in metrics.items() if k.startswith("harts/")} == expected
+    # veRL's own per-rank token metrics, of the ranks' parts of this order (stock names)
+    lens = [len(s) for s in seqs]
+    rank_tokens = [sum(lens[i] for i in order[r * 16 : (r + 1) * 16]) for r in range(2)]
+    assert metrics["global_seqlen/balanced_min"] == min(rank_tokens)
+    assert metrics["global_seqlen/balanced_max"] == max(rank_tokens)
+    assert metrics["global_seqlen/mean"] == sum(lens) / 2
+    assert metrics["global_seqlen/max"] == max(sum(lens[:16]), sum(lens[16:]))
     for q in range(8):  # rank r, mini-batch k = the q-th consecutive block of 4: one whole tree
         assert len({tree_of[i] for i in order[q * 4 : (q + 1) * 4]}) == 1
 

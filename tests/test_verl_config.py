@@ -227,3 +227,24 @@ def test_tree_balanced_partition_keeps_trees_and_balances_work():
     assert sorted(len(p) for p in parts) == [4, 4]
     with pytest.raises(ValueError, match="dp_size"):
         tree_balanced_partition(seqs, 3)
+
+
+def test_harts_section_with_another_strategy_is_named_in_a_warning(caplog):
+    """A ``harts:`` section whose strategy is not ``harts_fsdp2`` is not used: a WARNING names
+    its changed settings and the strategy to set (defaults alone stay quiet)."""
+    import dataclasses
+
+    from harts_verl.workers import testing
+    from harts_verl.workers.config import HartsFSDPActorConfig
+
+    base = testing.actor_config(strategy="fsdp2")
+    kw = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
+    kw.pop("engine", None)
+    with caplog.at_level("WARNING", logger="harts_verl.workers.config"):
+        HartsFSDPActorConfig(**kw, harts={"chunk_size": 8, "min_compression": 1.5})
+        HartsFSDPActorConfig(**{**kw, "strategy": "harts_fsdp2"}, harts={"chunk_size": 8})
+        HartsFSDPActorConfig(**kw)
+    msgs = [r.getMessage() for r in caplog.records if r.name == "harts_verl.workers.config"]
+    assert len(msgs) == 1, msgs
+    assert "'fsdp2'" in msgs[0] and "harts.chunk_size, harts.min_compression" in msgs[0]
+    assert "strategy=harts_fsdp2" in msgs[0]

@@ -10,6 +10,7 @@ without fla, HF's torch fallback would carry linear-attention state across packe
 
 from __future__ import annotations
 
+import types
 from contextlib import nullcontext
 from functools import partial
 
@@ -629,8 +630,22 @@ def test_split_dependent_losses_are_named(verl_cpu, caplog):
     assert split_dependent_loss(lambda **kw: None) is None
     norm = testing.actor_config(loss_agg_mode="seq-mean-token-sum-norm")
     assert "loss_scale_factor" in split_dependent_loss(loss(norm))
-    for mode in ("kl_cov", "clip_cov"):
+    for mode in ("kl_cov", "clip_cov", "geo_mean"):
         assert mode in split_dependent_loss(loss(testing.actor_config(loss_mode=mode)))
+    # bypass_mode: only the per-micro-batch normalization of the IS weights depends on the cut
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
+    from verl.workers.config.actor import PolicyLossConfig
+
+    for normalize in (False, True):
+        rc = RolloutCorrectionConfig(
+            rollout_is="sequence", rollout_is_batch_normalize=normalize, bypass_mode=True
+        )
+        cfg = types.SimpleNamespace(
+            loss_agg_mode="token-mean",
+            policy_loss=PolicyLossConfig(loss_mode="bypass_mode", rollout_correction=rc),
+        )
+        why = split_dependent_loss(loss(cfg))
+        assert (why is not None and "rollout_is_batch_normalize" in why) == normalize, why
 
     seqs, prompt_lens, spans = _grpo_batch(seed=3)
     engine = testing.build_engine(paths["qwen2"], norm)

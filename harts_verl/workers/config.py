@@ -20,6 +20,7 @@ attach the validated :class:`HartsConfig` to the same engine config object (attr
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,8 @@ from verl.base_config import BaseConfig  # loads our plugin (-> engine) if verl 
 from verl.workers.config import FSDPActorConfig, FSDPCriticConfig
 
 from harts_verl.workers import STRATEGY
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "STRATEGY",
@@ -136,6 +139,20 @@ def _attach_harts(cfg: Any, parent_post_init: Any) -> None:
     (which copies ``strategy`` into the engine config), then attach the section to that engine
     config as ``harts``."""
     object.__setattr__(cfg, "harts", HartsConfig.from_any(cfg.harts))
+    if cfg.strategy != STRATEGY and cfg.harts != HartsConfig():
+        changed = [
+            f.name
+            for f in dataclasses.fields(HartsConfig)
+            if getattr(cfg.harts, f.name) != getattr(HartsConfig(), f.name)
+        ]
+        logger.warning(
+            "%s: strategy is %r, so its harts: settings (%s) are not used; set strategy=%s to "
+            "train over rollout trees",
+            type(cfg).__name__,
+            cfg.strategy,
+            ", ".join(f"harts.{name}" for name in changed),
+            STRATEGY,
+        )
     parent_post_init()
     object.__setattr__(cfg.engine, "harts", cfg.harts)
 

@@ -56,7 +56,7 @@ from __future__ import annotations
 import logging
 import time
 import types
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -278,12 +278,39 @@ def split_dependent_loss(loss_function: Any) -> str | None:
             "micro-batch's padded response width (set loss_scale_factor, e.g. to the "
             "maximum response length)"
         )
-    mode = getattr(getattr(config, "policy_loss", None), "loss_mode", None)
+    policy_loss = getattr(config, "policy_loss", None)
+    mode = _config_get(policy_loss, "loss_mode")
     if mode in ("clip_cov", "kl_cov"):
         out.append(
             f"policy loss {mode!r} selects tokens by covariance statistics of each micro-batch"
         )
+    elif mode == "geo_mean":
+        out.append("policy loss 'geo_mean' averages its sequence losses over each micro-batch")
+    elif mode == "bypass_mode":
+        correction = _config_get(policy_loss, "rollout_correction")
+        if _config_get(correction, "rollout_is_batch_normalize") and _config_get(
+            correction, "rollout_is"
+        ):
+            out.append(
+                "policy loss 'bypass_mode' with rollout_correction.rollout_is_batch_normalize "
+                "rescales the importance weights to mean 1 within each micro-batch"
+            )
     return "; ".join(out) or None
+
+
+def _config_get(config: Any, key: str) -> Any:
+    """``config[key]`` of a veRL dataclass config, an omegaconf / dict section, or None."""
+    if config is None:
+        return None
+    if isinstance(config, Mapping):
+        return config.get(key)
+    getter = getattr(config, "get", None)
+    if callable(getter):
+        try:
+            return getter(key, None)
+        except TypeError:
+            pass
+    return getattr(config, key, None)
 
 
 def _fla_importable() -> bool:

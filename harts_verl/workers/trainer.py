@@ -142,6 +142,27 @@ def num_mini_batches_of(config: Any, batch_size: int) -> int:
     return max(batch_size // global_mini, 1)
 
 
+def seqlen_metrics(
+    batch: Any, sequences: list[Any], order: list[int], dp_size: int, prefix: str
+) -> dict[str, float]:
+    """veRL's ``log_seqlen_unbalance`` metrics (``{prefix}/min``, ``max``, ``minmax_diff``,
+    ``balanced_min``, ``balanced_max``, ``mean``) for the batch order ``order`` cut into
+    ``dp_size`` equal rank parts: the lengths are the batch tags' ``seq_len`` (what the stock
+    trainer logs), else the sequences' lengths."""
+    from verl.utils.seqlen_balancing import log_seqlen_unbalance
+
+    tags = getattr(batch, "tags", None)
+    if tags is not None and len(tags) == len(sequences) and all("seq_len" in t for t in tags):
+        lengths = [int(t["seq_len"]) for t in tags]
+    else:
+        lengths = [len(s) for s in sequences]
+    if not lengths or dp_size <= 0:
+        return {}
+    per = len(order) // dp_size
+    parts = [order[r * per : (r + 1) * per] for r in range(dp_size)]
+    return dict(log_seqlen_unbalance(seqlen_list=lengths, partitions=parts, prefix=prefix))
+
+
 @functools.cache
 def trainer_class() -> type:
     """``PPOTrainerSync`` with tree-aware ``_balance_batch`` (built on first use)."""
@@ -173,6 +194,9 @@ def trainer_class() -> type:
             order, stats = harts_balance_batch(seqs, dp_size, nm)
             batch.reorder(order)
             metrics.update(stats)
+            # veRL's own per-rank token metrics ({prefix}/min, max, balanced_min, ...), of the
+            # same lengths (the tags' seq_len, as stock) and the ranks' parts of our order
+            metrics.update(seqlen_metrics(batch, seqs, order, dp_size, logging_prefix))
             return batch
 
     return HartsPPOTrainerSync
