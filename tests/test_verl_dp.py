@@ -140,6 +140,45 @@ def test_two_rank_dp_equals_single_process(tmp_path):
                 assert c1[call]["dummies"] == c0[call]["planned"] - 2  # split once, then pad
 
 
+def test_two_rank_dp_split_dependent_loss_equals_stock(tmp_path):
+    """``geo_mean`` (a mean over each micro-batch) under DP 2, at a token budget of several
+    micro-batches per rank: ``harts_fsdp2`` evaluates the loss on veRL's own micro-batches, so
+    the per-micro-batch losses, the gradients and the grad norm are the stock engine's."""
+    from harts_verl.workers.balance import tree_balanced_partition
+    from harts_verl.workers.testing import save_tiny_model
+
+    rng = np.random.default_rng(12)
+    seqs, pls = [], []
+    for _ in range(4):  # four GRPO-style trees of 3 samples with shared response prefixes
+        p = rng.integers(0, 64, int(rng.integers(8, 14))).tolist()
+        r0 = rng.integers(0, 64, 5).tolist()
+        for k in range(3):
+            seqs.append(p + r0[: 1 + 2 * k] + rng.integers(0, 64, int(rng.integers(2, 7))).tolist())
+            pls.append(len(p))
+    path = save_tiny_model("qwen2", str(tmp_path / "qwen2"), seed=8)
+    base = {
+        "model_path": path,
+        "sequences": seqs,
+        "prompt_lengths": pls,
+        "parts": tree_balanced_partition(seqs, 2),
+        "loss_mode": "geo_mean",
+        "max_token_len": 48,
+    }
+    stock = _launch(2, {**base, "strategy": "fsdp2"}, tmp_path, "stock")
+    tree = _launch(2, base, tmp_path, "tree")
+    for s, t in zip(stock, tree):
+        assert t["indices"] == s["indices"]
+        assert t["metrics"]["harts/stock_split_loss"] == [1.0]
+        assert t["metrics"]["harts/fallback"] == [0.0]
+        assert len(s["metrics"]["loss"]) >= 2  # the budget cuts each rank's batch
+        np.testing.assert_allclose(t["metrics"]["loss"], s["metrics"]["loss"], rtol=1e-5, atol=1e-7)
+        assert abs(t["grad_norm"] - s["grad_norm"]) <= 1e-6 * s["grad_norm"]
+        for name, g in s["grads"].items():
+            assert float((t["grads"][name] - g).abs().max()) <= 1e-6 * max(
+                float(g.abs().max()), 1e-3
+            ), name
+
+
 def test_ulysses_sp_ranks_share_the_trees(tmp_path):
     """Ulysses SP 2 (one DP group of two ranks): the SP ranks share the tree micro-batches
     (equal counts, each micro-batch on one rank) instead of slicing sequences; both ranks return

@@ -113,6 +113,8 @@ def _run(
     batch,
     *,
     loss_mode,
+    loss_agg_mode="token-mean",
+    max_token_len=4096,
     harts=None,
     padded=False,
     entropy=0.0,
@@ -127,7 +129,13 @@ def _run(
     ``gradient_checkpointing``: veRL's (HF's activation checkpointing, non-reentrant)."""
     seqs, prompt_lens, spans = batch
     cfg = testing.actor_config(
-        strategy=strategy, loss_mode=loss_mode, harts=harts, entropy_coeff=entropy, **optim
+        strategy=strategy,
+        loss_mode=loss_mode,
+        loss_agg_mode=loss_agg_mode,
+        harts=harts,
+        entropy_coeff=entropy,
+        max_token_len=max_token_len,
+        **optim,
     )
     torch.manual_seed(1234)  # LoRA's A matrices are drawn at build: the same for both engines
     engine = testing.build_engine(
@@ -145,6 +153,7 @@ def _run(
         tool_spans=spans,
         temperature=temperature,
         use_fused_kernels=fused,
+        max_token_len=max_token_len,
     )
     with engine.eval_mode():
         inf = engine.infer_batch(mk(calculate_entropy=True, use_remove_padding=not padded))
@@ -620,8 +629,9 @@ def test_distillation_and_sequence_parallel_fall_back(verl_cpu):
 
 
 def test_split_dependent_losses_are_named(verl_cpu, caplog):
-    """Losses whose value depends on the micro-batching (per-micro-batch padded width or
-    covariance selection) are named once in a WARNING; the others are not."""
+    """Losses whose value depends on the micro-batching (per-micro-batch padded width,
+    covariance selection, means over a micro-batch) are named, and once in a WARNING when they
+    are evaluated on tree micro-batches; the others are not."""
     from harts_verl.workers.engine import split_dependent_loss
 
     testing, paths = verl_cpu
@@ -647,7 +657,10 @@ def test_split_dependent_losses_are_named(verl_cpu, caplog):
         why = split_dependent_loss(loss(cfg))
         assert (why is not None and "rollout_is_batch_normalize" in why) == normalize, why
 
-    seqs, prompt_lens, spans = _grpo_batch(seed=3)
+    seqs, prompt_lens, spans = _grpo_batch(seed=3)  # evaluated on tree micro-batches: named
+    norm = testing.actor_config(
+        loss_agg_mode="seq-mean-token-sum-norm", harts={"split_dependent_losses": "tree"}
+    )
     engine = testing.build_engine(paths["qwen2"], norm)
     with caplog.at_level("WARNING"), engine.train_mode():
         for _ in range(2):
@@ -656,6 +669,48 @@ def test_split_dependent_losses_are_named(verl_cpu, caplog):
             )
     assert out["metrics"]["harts/fallback"] == [0.0]
     assert sum("seq-mean-token-sum-norm" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize(
+    "kind,loss_mode,loss_agg_mode",
+    [
+        ("qwen2", "geo_mean", "token-mean"),
+        ("qwen2", "clip_cov", "token-mean"),
+        ("qwen3_next", "kl_cov", "token-mean"),
+        ("qwen3_next", "vanilla", "seq-mean-token-sum-norm"),
+    ],
+)
+def test_split_dependent_losses_match_stock(verl_cpu, caplog, kind, loss_mode, loss_agg_mode):
+    """A loss that depends on the micro-batching is evaluated on veRL's own micro-batches
+    (``harts.split_dependent_losses: stock``, the default): log-probs, gradient norm and the
+    step equal the stock engine's at a token budget that cuts the batch into several
+    micro-batches; with ``tree`` the loss sees the tree micro-batches (a WARNING), and the step
+    differs (so the comparison can fail)."""
+    testing, paths = verl_cpu
+    data = _grpo_batch(seed=2)
+    run = partial(
+        _run,
+        testing,
+        paths[kind],
+        batch=data,
+        loss_mode=loss_mode,
+        loss_agg_mode=loss_agg_mode,
+        entropy=0.01,
+        max_token_len=64,
+    )
+    ref = run(strategy="fsdp2", padded=kind in HYBRIDS)
+    with caplog.at_level("WARNING"):
+        tree = run(strategy="harts_fsdp2")
+    assert not [r for r in caplog.records if "micro-batch" in r.getMessage()]
+    assert tree[1]["harts/stock_split_loss"] == [1.0]
+    _compare(ref, tree)
+    if loss_mode == "geo_mean":
+        with caplog.at_level("WARNING"):
+            other = run(strategy="harts_fsdp2", harts={"split_dependent_losses": "tree"})
+        assert other[1]["harts/stock_split_loss"] == [0.0]
+        assert any("split_dependent_losses=tree" in r.getMessage() for r in caplog.records)
+        gr, gt = ref[1]["grad_norm"], other[1]["grad_norm"]
+        assert abs(gr - gt) > 1e-3 * abs(gr), (gr, gt)
 
 
 def test_fixed_micro_batch_size_bounds_capacity(verl_cpu):

@@ -61,6 +61,10 @@ class HartsConfig(BaseConfig):
       rows_per_chunk: rows per chunk of the compact log-prob/entropy kernel (memory bound).
       planner: options passed to ``plan_microbatches`` (``strategies``, ``improve``,
         ``balance``, ``work_slack``, ``restarts``, ``effort``, ``seed``).
+      split_dependent_losses: where a loss that depends on the micro-batching (e.g. the
+        ``geo_mean`` / ``clip_cov`` / ``kl_cov`` policy losses) is evaluated: ``stock`` (on
+        veRL's own micro-batches, the stock engine's numbers; the tree micro-batches run one
+        more forward without graph) or ``tree`` (on the tree micro-batches; a WARNING).
     """
 
     enable: bool = True
@@ -71,6 +75,7 @@ class HartsConfig(BaseConfig):
     audit_trajectories: int = 4
     rows_per_chunk: int = 4096
     planner: dict[str, Any] = field(default_factory=dict)
+    split_dependent_losses: str = "stock"
 
     def __post_init__(self) -> None:
         def positive_int(name: str, value: Any, *, allow_zero: bool = False) -> None:
@@ -90,6 +95,11 @@ class HartsConfig(BaseConfig):
         mc = self.min_compression
         if isinstance(mc, bool) or not isinstance(mc, int | float) or not mc >= 0:
             raise ValueError(f"harts.min_compression: expected a number >= 0, got {mc!r}")
+        if self.split_dependent_losses not in ("stock", "tree"):
+            raise ValueError(
+                "harts.split_dependent_losses: expected 'stock' or 'tree', got "
+                f"{self.split_dependent_losses!r}"
+            )
         if not isinstance(self.planner, Mapping):
             raise ValueError(
                 f"harts.planner: expected a mapping, got {type(self.planner).__name__}"

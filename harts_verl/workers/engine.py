@@ -142,6 +142,21 @@ def _sequences(input_ids: torch.Tensor) -> list[np.ndarray]:
     return [values[offsets[i] : offsets[i + 1]] for i in range(offsets.shape[0] - 1)]
 
 
+def _kept_len(columns: dict[str, list[torch.Tensor | None]], i: int) -> int:
+    """The length of trajectory ``i``'s kept outputs (the same in every column)."""
+    return int(next(iter(columns.values()))[i].shape[0])
+
+
+def _checked_scalar_loss(loss: Any) -> torch.Tensor:
+    """``loss`` as a one-element tensor; TypeError naming what the loss function returned."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise TypeError(
+            "loss_function: expected a one-element tensor as the loss, got "
+            f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}"
+        )
+    return loss.reshape(())
+
+
 def _tree_metadata(data: TensorDict) -> list[Any] | None:
     """Per-trajectory ``extra_fields["harts_tree"]`` values recorded by ``harts_tool_agent``
     (None when the batch has no ``extra_fields`` or a trajectory lacks the key)."""
@@ -826,19 +841,33 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             for k, v in {"fallback": 1.0, "compression": compression}.items():
                 out["metrics"][f"harts/{k}"] = [v]
             return out
-        if not forward_only and "split_dependent" not in self._fallback_logged:
+        stock_split = False
+        if not forward_only:
             why = split_dependent_loss(loss_function)
-            if why is not None:
+            stock_split = why is not None and self._can_split_like_stock()
+            if (
+                why is not None
+                and not stock_split
+                and "split_dependent" not in self._fallback_logged
+            ):
                 self._fallback_logged.add("split_dependent")
                 logger.warning(
                     "harts_fsdp2: the loss depends on how the batch is cut into "
-                    "micro-batches (%s); tree micro-batches are planned by compact work, so its "
+                    "micro-batches (%s); it is evaluated on tree micro-batches (%s), so its "
                     "values differ from stock fsdp2's micro-batching (logged once)",
                     why,
+                    "harts.split_dependent_losses=tree"
+                    if self.harts.split_dependent_losses == "tree"
+                    else "Ulysses sequence parallelism",
                 )
         return self._tree_forward_backward_batch(
-            data, loss_function, forward_only, forest, temperature, compression
+            data, loss_function, forward_only, forest, temperature, compression, stock_split
         )
+
+    def _can_split_like_stock(self) -> bool:
+        """Whether a loss that depends on the micro-batching is evaluated on veRL's own
+        micro-batches (``harts.split_dependent_losses`` = ``stock``; not under Ulysses SP)."""
+        return self.harts.split_dependent_losses == "stock" and self._sp_size() == 1
 
     def _tree_forward_backward_batch(
         self,
@@ -848,6 +877,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         forest: RolloutForest,
         temperature: float | np.ndarray,
         compression: float,
+        stock_split: bool = False,
     ):
         tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
         return_model_output = tu.get_non_tensor_data(
@@ -878,6 +908,11 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         indices: list[list[int]] = []
         stats = {"compact_tokens": 0, "replay_tokens": 0, "rounds": 0}
         shortest = [int(np.argmin(forest.lengths))]  # what a dummy micro-batch runs
+        if stock_split:
+            output_lst, indices, stats = self._stock_split_forward_backward(
+                data, loss_function, forest, temperature, mine, return_model_output
+            )
+            mine = []  # done: every micro-batch ran twice (see the method)
         for k, idx in enumerate(mine):
             dummy = idx is None
             sel = shortest if dummy else idx.tolist()
@@ -932,11 +967,125 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         metrics["harts/dummy_microbatches"] = [float(sum(g is None for g in groups_eq))]
         metrics["harts/planning_ms"] = [planning_ms]
         metrics["harts/fallback"] = [0.0]
+        if not forward_only:
+            metrics["harts/stock_split_loss"] = [float(stock_split)]
         if self.harts.audit_every and self._calls % self.harts.audit_every == 0:
             with self._without_ulysses():  # the stock reference runs whole trajectories too
                 audit = self._audit(data, out.get("model_output", {}), temperature)
             metrics["harts/audit"] = [audit]
         return out
+
+    def _stock_split_forward_backward(
+        self,
+        data: TensorDict,
+        loss_function,
+        forest: RolloutForest,
+        temperature: float | np.ndarray,
+        groups: list[np.ndarray | None],
+        return_model_output: bool,
+    ) -> tuple[list[dict], list[list[int]], dict[str, int]]:
+        """Training step of a loss that depends on the micro-batching, with the stock engine's
+        numbers: (1) every tree micro-batch of ``groups`` (None: a dummy) runs without graph
+        and keeps its trajectories' model outputs; (2) ``loss_function`` runs on veRL's own
+        micro-batches of ``data`` (``prepare_micro_batches``, as the stock engine cuts them)
+        over those outputs, giving each micro-batch's loss, metrics and the loss gradient with
+        respect to every output; (3) every tree micro-batch runs again with graph and
+        back-propagates Σ output · gradient. The parameter gradients are the stock ones (the
+        loss is a function of the outputs only); the cost is one more forward without graph.
+        Returns the per-micro-batch outputs (``loss``, ``metrics``, ``model_output`` when
+        ``return_model_output``), their trajectory indices and the tree statistics."""
+        from verl.workers.engine.utils import prepare_micro_batches
+
+        n = len(data)
+        device = get_device_id()
+        shortest = [int(np.argmin(forest.lengths))]
+        stats = {"compact_tokens": 0, "replay_tokens": 0, "rounds": 0}
+        kept: dict[str, list[torch.Tensor | None]] = {}
+        for k, idx in enumerate(groups):  # (1) outputs without graph
+            sel = shortest if idx is None else idx.tolist()
+            micro_batch = tu.index_select_tensor_dict(data, sel)
+            with torch.no_grad(), torch.profiler.record_function(f"harts_outputs{k}"):
+                outputs, _, mb_stats = self._tree_micro_batch_outputs(
+                    micro_batch, select_temperatures(temperature, sel)
+                )
+            if idx is None:
+                continue
+            for key in stats:
+                stats[key] += mb_stats[key]
+            for key, nested in outputs.items():
+                column = kept.setdefault(key, [None] * n)
+                for i, t in zip(sel, nested.unbind()):
+                    column[i] = t.detach()
+
+        micro_batches, batch_idx = prepare_micro_batches(
+            data=data, dp_group=self.get_data_parallel_group(), same_micro_num_in_dp=True
+        )
+        if batch_idx is None:  # fixed-size micro-batches: consecutive chunks
+            ends = np.cumsum([len(mb) for mb in micro_batches])
+            batch_idx = [list(range(e - len(mb), e)) for mb, e in zip(micro_batches, ends)]
+        batch_idx = [[int(i) for i in b] for b in batch_idx]
+        grads: dict[str, list[torch.Tensor | None]] = {key: [None] * n for key in kept}
+        output_lst: list[dict] = []
+        for micro_batch, idx in zip(micro_batches, batch_idx):  # (2) the loss, stock-cut
+            micro_batch = micro_batch.to(device)
+            lengths = torch.tensor([0] + [_kept_len(kept, i) for i in idx], device=device)
+            offsets = torch.cumsum(lengths, 0)
+            leaves = {
+                key: torch.cat([col[i] for i in idx]).requires_grad_(True)
+                for key, col in kept.items()
+            }
+            model_output = {
+                key: torch.nested.nested_tensor_from_jagged(leaf, offsets)
+                for key, leaf in leaves.items()
+            }
+            with self._autocast():
+                loss, metrics = loss_function(
+                    model_output=model_output,
+                    data=micro_batch,
+                    dp_group=self.get_data_parallel_group(),
+                )
+            loss = _checked_scalar_loss(loss)
+            if loss.requires_grad:
+                keys = list(leaves)
+                got = torch.autograd.grad(loss, [leaves[k] for k in keys], allow_unused=True)
+                for key, g in zip(keys, got):
+                    if g is None:
+                        continue
+                    for i, part in zip(idx, g.split(lengths[1:].tolist())):
+                        grads[key][i] = part
+            meta = {"loss": float(loss.detach().item()), "metrics": metrics}
+            if return_model_output:
+                meta["model_output"] = detach_tree(model_output)
+            output_lst.append(meta)
+
+        scaler = getattr(self, "scaler", None)
+        for k, idx in enumerate(groups):  # (3) graph, backward of <outputs, loss gradient>
+            sel = shortest if idx is None else idx.tolist()
+            micro_batch = tu.index_select_tensor_dict(data, sel)
+            sync_ctx = self._gradient_sync_context(is_last_micro_batch=k == len(groups) - 1)
+            with sync_ctx, torch.profiler.record_function(f"harts_micro_batch{k}"):
+                outputs, anchor, _ = self._tree_micro_batch_outputs(
+                    micro_batch, select_temperatures(temperature, sel)
+                )
+                total = anchor.sum() * 0.0
+                for key, nested in outputs.items():
+                    if idx is None or all(grads[key][i] is None for i in sel):
+                        continue
+                    g = torch.cat(
+                        [
+                            grads[key][i]
+                            if grads[key][i] is not None
+                            else torch.zeros(_kept_len(kept, i), device=device)
+                            for i in sel
+                        ]
+                    )
+                    values = nested.values()
+                    total = total + (values * g.to(values.dtype)).sum()
+                if scaler is not None:
+                    scaler.scale(total).backward()
+                else:
+                    total.backward()
+        return output_lst, batch_idx, stats
 
     def _sp_merge(
         self,
@@ -1149,20 +1298,9 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         dummy: bool = False,
     ) -> tuple[torch.Tensor, dict, dict]:
         micro_batch = micro_batch.to(get_device_id())
-        input_ids = micro_batch["input_ids"]
-        forest = RolloutForest.from_sequences(_sequences(input_ids))
-        device = input_ids.values().device
-        layout = TreeLayout(forest, chunk_size=self.harts.chunk_size, device=device)
-        autocast_dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
-        autocast_ctx = (
-            nullcontext()
-            if autocast_dtype == torch.float32
-            else torch.autocast(device_type=get_device_name(), dtype=autocast_dtype)
-        )
-        with autocast_ctx:
-            model_output, anchor = self._tree_outputs(
-                micro_batch, forest, layout, temperature, device
-            )
+        device = micro_batch["input_ids"].values().device
+        with self._autocast():
+            model_output, anchor, stats = self._tree_micro_batch_outputs(micro_batch, temperature)
             if dummy:
                 loss = anchor.sum() * 0.0
                 metrics: dict = {}
@@ -1181,12 +1319,36 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             "loss": float(loss.detach().item()),
             "metrics": metrics,
         }
+        return loss, meta, stats
+
+    def _autocast(self) -> AbstractContextManager[Any]:
+        """The stock engine's autocast (none when its parameter dtype is float32)."""
+        autocast_dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
+        if autocast_dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(device_type=get_device_name(), dtype=autocast_dtype)
+
+    def _tree_micro_batch_outputs(
+        self, micro_batch: TensorDict, temperature: float | np.ndarray
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, int]]:
+        """One tree forward of ``micro_batch`` (moved to the device, under the stock autocast):
+        veRL's model output (nested per trajectory, batch order), one tensor of the graph, and
+        the micro-batch's ``compact_tokens`` / ``replay_tokens`` / ``rounds``."""
+        micro_batch = micro_batch.to(get_device_id())
+        input_ids = micro_batch["input_ids"]
+        forest = RolloutForest.from_sequences(_sequences(input_ids))
+        device = input_ids.values().device
+        layout = TreeLayout(forest, chunk_size=self.harts.chunk_size, device=device)
+        with self._autocast():
+            model_output, anchor = self._tree_outputs(
+                micro_batch, forest, layout, temperature, device
+            )
         stats = {"compact_tokens": forest.num_compact_tokens, "replay_tokens": 0, "rounds": 0}
         if "linear_plan" in layout.__dict__:
             plan = layout.linear_plan.plan
             stats["replay_tokens"] = int(plan.replay_tokens)
             stats["rounds"] = int(plan.num_rounds)
-        return loss, meta, stats
+        return model_output, anchor, stats
 
     def forward_step(self, micro_batch: TensorDict, loss_function, forward_only):
         """One micro-batch in tree mode; veRL's stock step inside a fallback batch, and for a

@@ -1185,12 +1185,15 @@ def dp_worker(
     strategy: str = "harts_fsdp2",
     sp: int = 1,
     capacity_tokens: int = 40,
+    loss_mode: str = "vanilla",
+    max_token_len: int = 4096,
 ) -> None:
     """One rank of a gloo data-parallel run of the ``harts_fsdp2`` engine (CPU shim): infer
     log-probs and one train step on the trajectories ``parts[rank // sp]`` of this rank's DP
     group (``sp``: Ulysses sequence-parallel size; ranks ``d·sp … d·sp + sp − 1`` share DP rank
     ``d``); saves ``{"indices", "log_probs", "entropy", "grads", "grad_norm", "metrics"}`` to
-    ``out_path`` (full gradients, gathered from the FSDP shards; ``metrics``: the train step's
+    ``out_path`` (``loss_mode``: the policy loss; ``max_token_len``: the token budget of a
+    micro-batch; full gradients, gathered from the FSDP shards; ``metrics``: the train step's
     ``harts/*`` metrics and its per-micro-batch losses; ``metric_values``: the loss function's
     veRL ``Metric`` entries as ``{key: (aggregation, values)}``)."""
     import sys
@@ -1208,10 +1211,21 @@ def dp_worker(
     seqs = [sequences[i] for i in mine]
     pls = [prompt_lengths[i] for i in mine]
     cfg = actor_config(
-        strategy=strategy, harts={"chunk_size": 8, "capacity_tokens": capacity_tokens}, sp=sp
+        strategy=strategy,
+        harts={"chunk_size": 8, "capacity_tokens": capacity_tokens},
+        sp=sp,
+        loss_mode=loss_mode,
+        max_token_len=max_token_len,
     )
     engine = build_engine(model_path, cfg)
-    mk = partial(make_batch, seqs, pls, global_batch_size=len(sequences), trajectory_ids=mine)
+    mk = partial(
+        make_batch,
+        seqs,
+        pls,
+        global_batch_size=len(sequences),
+        trajectory_ids=mine,
+        max_token_len=max_token_len,
+    )
     with engine.eval_mode():
         inf = engine.infer_batch(mk(calculate_entropy=True))
     with engine.train_mode():
