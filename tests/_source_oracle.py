@@ -136,6 +136,16 @@ def logits(spec_path: str, ckpt: str, out: str) -> None:
     model = lm_cls.from_pretrained(
         ckpt, dtype=torch.float64, experts_implementation="eager", attn_implementation="eager"
     ).eval()
+    # Fresh allocations, as the in-memory model of ``build`` has: safetensors maps each tensor
+    # at its offset in the file, and BLAS results can depend on a buffer's alignment (seen on
+    # AMD EPYC: 1e-15 between two loads of the same weights from differently laid out files).
+    with torch.no_grad():
+        for module in model.modules():
+            for _name, p in module.named_parameters(recurse=False):
+                p.data = p.data.clone()
+            for name, b in module.named_buffers(recurse=False):
+                if b is not None:
+                    module._buffers[name] = b.clone()
     _align(model, model.config.rms_norm_eps)
     torch.save(_logits(model, spec["sequences"]), out)
 

@@ -292,6 +292,8 @@ def test_length_dependent_rope(lifted, rope, max_pos, limit):
         ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
         # Seed-OSS draws its residual dropout per token (inside the attention and MLP modules)
         ("seed_oss", {"residual_dropout": 0.1}, "residual dropout"),
+        # Phi-3's residual dropout modules (nn.Dropout(resid_pdrop) after attention and MLP)
+        ("phi3", {"resid_pdrop": 0.1}, r"resid_attn_dropout \(p = 0.1\)"),
     ],
 )
 def test_per_token_noise_refused_in_training(no_fla, kind, override, match):

@@ -446,6 +446,9 @@ def test_per_trajectory_temperature_validation() -> None:
     same = compact_log_probs(h, w, forest, temperature=[0.7, 0.7, 0.7], output="flat")
     scalar = compact_log_probs(h, w, forest, temperature=0.7, output="flat")
     assert torch.equal(same.log_probs, scalar.log_probs)  # all equal: the one-temperature path
+    for one in (np.array(0.7), np.array([0.7]), torch.tensor([0.7], dtype=torch.float64)):
+        got = compact_log_probs(h, w, forest, temperature=one, output="flat")  # one temperature
+        assert torch.equal(got.log_probs, scalar.log_probs)
     for bad, msg in (
         ([1.0, 2.0], r"shape \(3,\)"),
         (np.ones((3, 1)), r"shape \(3,\)"),
@@ -453,6 +456,8 @@ def test_per_trajectory_temperature_validation() -> None:
         (torch.tensor([1.0, float("nan"), 2.0]), r"temperature\[1\]"),
         (torch.tensor([True, False, True]), "real numbers"),
         (["a", "b", "c"], "expected numbers"),
+        (np.array(True), "finite positive number"),
+        (np.array([-0.5]), "finite positive number"),
     ):
         with pytest.raises(ValueError, match=msg):
             compact_log_probs(h, w, forest, temperature=bad)

@@ -80,6 +80,24 @@ def test_automodel_round_trip(tmp_path, monkeypatch):
         torch.testing.assert_close(a, ref[i], rtol=0, atol=1e-6)
         torch.testing.assert_close(b, ref[i], rtol=0, atol=1e-6)
     assert bool((padded[2, 1:] == 0).all())  # padding positions
+    # packing that does not cover the tokens, or positions that do not start a sequence at 0
+    # (no cache to continue), are refused by name: no token is dropped or computed silently
+    with torch.no_grad():
+        for bad_cu in ([0, 18, 30], [0, 18], [0, 20, 18, 23], [1, 18, 23]):
+            with pytest.raises(ValueError, match="cu_seqlens"):
+                model(input_ids=ids, cu_seqlens=torch.tensor(bad_cu))
+        with pytest.raises(ValueError, match=r"position_ids \(sequence 0\)"):
+            model(input_ids=ids[:, :3], position_ids=torch.tensor([[5, 6, 7]]))
+        with pytest.raises(ValueError, match=r"position_ids\[0\]"):
+            model(input_ids=pad, attention_mask=mask, position_ids=(mask.cumsum(1) - 1) + mask)
+        with pytest.raises(ValueError, match="position_ids: shape"):
+            model(input_ids=ids, position_ids=pos[:, :5])
+        lpad, lmask = torch.zeros_like(pad), torch.zeros_like(mask)
+        for i, s in enumerate(seqs):
+            lpad[i, 18 - len(s) :], lmask[i, 18 - len(s) :] = torch.tensor(s), 1
+        # left padding with HF's positions (cumsum of the mask - 1): accepted
+        left = model(input_ids=lpad, attention_mask=lmask, position_ids=lmask.cumsum(1) - 1).logits
+    torch.testing.assert_close(left[1, -4:], padded[1, :4], rtol=0, atol=1e-12)
 
 
 @pytest.fixture(scope="module")

@@ -477,3 +477,36 @@ def test_native_flop_model_matches_the_module_tree(name):
             one = sum(w[0].numel() for w in (m.w_gate, m.w_up, m.w_down))
             total += cfg.num_experts_per_tok * one
     assert native_model_shape(cfg).dense_per_token == pytest.approx(2.0 * total, rel=1e-12)
+
+
+def test_model_and_op_inputs_are_checked_by_name():
+    """Direct calls of the native model and of the tree linear-attention op name the bad input
+    (instead of failing deep inside an embedding or a gather)."""
+    from harts_verl.ops.layout import TreeLayout
+    from harts_verl.tree import RolloutForest
+
+    cfg = preset("tiny")
+    model = HybridForCausalLM(cfg).double()
+    forest = RolloutForest.from_sequences([[1, 2, 3], [1, 2, 4]])
+    layout = TreeLayout(forest, chunk_size=2)
+    ids = layout.token_ids
+    with pytest.raises(TypeError, match="layout: expected a TreeLayout"):
+        model(ids, forest)
+    with pytest.raises(TypeError, match="input_ids: expected integer"):
+        model(ids.double(), layout)
+    with pytest.raises(ValueError, match=f"token id {cfg.vocab_size} is outside"):
+        model(torch.tensor([1, 2, cfg.vocab_size, 4]), layout)
+    with pytest.raises(ValueError, match="token id -1 is outside"):
+        model(torch.tensor([1, 2, -1, 4]), layout)
+    with pytest.raises(ValueError, match=r"input_ids: expected \[C\]"):
+        model(ids[None], layout)
+    with pytest.raises(TypeError, match="preset"):
+        HybridForCausalLM.from_config("tiny")
+    c = layout.num_rows
+    q = torch.zeros(c, 2, 4, dtype=torch.float64)
+    g, beta = torch.zeros(c, 2, dtype=torch.float64), torch.full((c, 2), 0.5, dtype=torch.float64)
+    assert layout.linear_attention(q, q, q, g, beta).shape == (c, 2, 4)
+    with pytest.raises(ValueError, match=r"q: expected \[C, H, K\], got shape \(4, 8\)"):
+        layout.linear_attention(q.reshape(c, 8), q, q, g, beta)
+    with pytest.raises(ValueError, match=r"beta: expected \[C, H\]"):
+        layout.linear_attention(q, q, q, g, beta[..., None])

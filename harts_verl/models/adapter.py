@@ -1215,6 +1215,23 @@ class _HFTreeModel(nn.Module):
                 "so rows shared by several trajectories would share it (call model.eval(), or "
                 "set router_jitter_noise = 0)"
             )
+        if self.hf.training:
+            dropped = sorted(
+                {
+                    f"{name} (p = {float(m.p)})"
+                    for name, m in self.hf.named_modules()
+                    if isinstance(m, nn.Dropout) and m.p
+                }
+            )
+            if dropped:
+                shown = ", ".join(dropped[:3]) + (
+                    f" and {len(dropped) - 3} more" if len(dropped) > 3 else ""
+                )
+                raise NotImplementedError(
+                    f"{type(self.hf).__name__}: dropout in training ({shown}) draws one mask per "
+                    "row, so rows shared by several trajectories would share it (call "
+                    "model.eval(), or set the dropout probabilities to 0)"
+                )
         captured: list[torch.Tensor] = []
         want_aux = bool(getattr(self.config, "output_router_logits", False)) and self._routers
         hooks = (

@@ -223,33 +223,66 @@ def _trajectories(
     position_ids: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None,
 ) -> tuple[list[np.ndarray], torch.Tensor]:
-    """The sequences of a trajectory-wise call and the flat input positions of their tokens."""
+    """The sequences of a trajectory-wise call and the flat input positions of their tokens:
+    rows of ``input_ids [B, L]`` (their ``attention_mask`` tokens), or the packed sequences of
+    one row (``cu_seqlens`` from 0 to L, else restarts of ``position_ids``). Every sequence
+    starts at position 0 (no cache): ``position_ids`` must count 0, 1, … within each sequence.
+    Raises ValueError naming the field otherwise (no token is dropped silently)."""
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids: expected [B, L], got shape {tuple(input_ids.shape)}")
     ids = input_ids.detach().cpu().numpy().astype(np.int64, copy=False)
     b, length = ids.shape
+    pos = None
+    if position_ids is not None:
+        pos = position_ids.detach().cpu().numpy().astype(np.int64)
+        if pos.ndim == 3:  # multi-axis (e.g. M-RoPE) positions: the text axis
+            pos = pos[0]
+        if pos.shape != ids.shape:
+            raise ValueError(f"position_ids: shape {pos.shape} != input_ids {ids.shape}")
     if attention_mask is not None:
         mask = attention_mask.detach().cpu().numpy().astype(bool)
         if mask.shape != ids.shape:
             raise ValueError(f"attention_mask: shape {mask.shape} != input_ids {ids.shape}")
         seqs = [ids[r][mask[r]] for r in range(b)]
         flat = np.flatnonzero(mask.reshape(-1))
-    elif b == 1 and (cu_seqlens is not None or position_ids is not None):
+        if pos is not None:
+            for r in range(b):
+                _check_positions(pos[r][mask[r]], f"position_ids[{r}]")
+    elif b == 1 and (cu_seqlens is not None or pos is not None):
         if cu_seqlens is not None:
-            cu = cu_seqlens.detach().cpu().numpy().astype(np.int64)
-            cu = cu[cu <= length]
+            cu = cu_seqlens.detach().cpu().numpy().astype(np.int64).reshape(-1)
+            if cu.shape[0] < 2 or cu[0] != 0 or cu[-1] != length or bool((np.diff(cu) < 0).any()):
+                raise ValueError(
+                    f"cu_seqlens: expected non-decreasing offsets from 0 to the {length} packed "
+                    f"tokens, got {cu.tolist()}"
+                )
         else:
-            pos = position_ids.detach().cpu().numpy().reshape(-1, length)[0]
-            starts = np.flatnonzero(np.r_[True, pos[1:] != pos[:-1] + 1])
-            cu = np.r_[starts, length]
+            p = pos[0]
+            cu = np.r_[np.flatnonzero(np.r_[True, p[1:] != p[:-1] + 1]), length]
         seqs = [ids[0, cu[i] : cu[i + 1]] for i in range(cu.shape[0] - 1) if cu[i + 1] > cu[i]]
-        flat = np.arange(int(cu[-1]) - int(cu[0])) + int(cu[0])
+        flat = np.arange(length)
+        if pos is not None:
+            for i in range(cu.shape[0] - 1):
+                _check_positions(pos[0, cu[i] : cu[i + 1]], f"position_ids (sequence {i})")
     else:
         seqs = [ids[r] for r in range(b)]
         flat = np.arange(b * length)
+        if pos is not None:
+            for r in range(b):
+                _check_positions(pos[r], f"position_ids[{r}]")
     if not seqs or any(s.shape[0] == 0 for s in seqs):
         raise ValueError("input_ids: every sequence needs at least one token")
     return seqs, torch.as_tensor(flat, dtype=torch.long, device=input_ids.device)
+
+
+def _check_positions(pos: np.ndarray, name: str) -> None:
+    """``pos`` must be 0, 1, …, n−1: each sequence is computed from its first token (there is no
+    cache to continue); ValueError naming ``name`` otherwise."""
+    if not np.array_equal(pos, np.arange(pos.shape[0])):
+        raise ValueError(
+            f"{name}: expected positions 0, 1, ..., {pos.shape[0] - 1} (every sequence starts at "
+            f"its first token; no cache), got {pos[:8].tolist()}{' ...' if pos.shape[0] > 8 else ''}"
+        )
 
 
 def register_auto_classes() -> None:

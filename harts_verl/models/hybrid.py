@@ -62,8 +62,15 @@ class HybridForCausalLM(nn.Module):
 
     @classmethod
     def from_config(cls, config: HybridConfig | dict[str, Any]) -> HybridForCausalLM:
+        """The model of a :class:`HybridConfig` or its dict form (randomly initialized).
+        Raises TypeError for anything else (a preset name: :func:`preset` first)."""
         if isinstance(config, dict):
             config = HybridConfig.from_dict(config)
+        if not isinstance(config, HybridConfig):
+            raise TypeError(
+                f"config: expected a HybridConfig or a dict, got {type(config).__name__} "
+                "(for a preset name use harts_verl.models.preset(name))"
+            )
         return cls(config)
 
     def _init_weights(self) -> None:
@@ -79,10 +86,23 @@ class HybridForCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, layout: TreeLayout
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if input_ids.ndim != 1:
-            raise ValueError(
-                f"input_ids: expected [C] row token ids, got shape {tuple(input_ids.shape)}"
+        if not isinstance(layout, TreeLayout):
+            raise TypeError(
+                f"layout: expected a TreeLayout (TreeLayout(forest, chunk_size=...)), got "
+                f"{type(layout).__name__}"
             )
+        if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 1:
+            shape = tuple(input_ids.shape) if hasattr(input_ids, "shape") else type(input_ids)
+            raise ValueError(f"input_ids: expected [C] row token ids, got {shape}")
+        if input_ids.dtype.is_floating_point or input_ids.dtype in (torch.bool, torch.complex64):
+            raise TypeError(f"input_ids: expected integer token ids, got {input_ids.dtype}")
+        if input_ids.device.type == "cpu" and input_ids.numel():  # (no device sync elsewhere)
+            lo, hi = int(input_ids.min()), int(input_ids.max())
+            if lo < 0 or hi >= self.config.vocab_size:
+                raise ValueError(
+                    f"input_ids: token id {lo if lo < 0 else hi} is outside the vocabulary "
+                    f"(size {self.config.vocab_size})"
+                )
         if input_ids.shape[0] != layout.num_rows:
             raise ValueError(f"input_ids: {input_ids.shape[0]} rows, layout has {layout.num_rows}")
         x = self.embed_tokens(input_ids)

@@ -338,26 +338,34 @@ def _check_inputs(
 
 
 def _check_temperature(temperature: Any) -> float:
-    """A finite positive number (python/numpy scalar or one-element tensor), as a float."""
-    is_tensor = isinstance(temperature, Tensor) and temperature.numel() == 1
-    is_number = isinstance(temperature, int | float | np.integer | np.floating)
-    t = (
-        float(temperature)
-        if (is_number or is_tensor) and not isinstance(temperature, bool)
-        else 0.0
-    )
+    """A finite positive number (python/numpy scalar, one-element tensor or numpy array), as a
+    float."""
+    value: Any = None
+    if isinstance(temperature, Tensor) and temperature.numel() == 1:
+        if temperature.dtype != torch.bool and not temperature.is_complex():
+            value = temperature.detach().reshape(())
+    elif isinstance(temperature, np.ndarray) and temperature.size == 1:
+        if temperature.dtype.kind in "iuf":
+            value = temperature.reshape(())
+    elif isinstance(temperature, int | float | np.integer | np.floating) and not isinstance(
+        temperature, bool
+    ):
+        value = temperature
+    t = float(value) if value is not None else 0.0
     if not np.isfinite(t) or t <= 0:
         raise ValueError(f"temperature: expected a finite positive number, got {temperature!r}")
     return t
 
 
 def check_temperatures(temperature: Any, n: int) -> float | np.ndarray:
-    """One temperature (:func:`_check_temperature`), or per trajectory: a 1-D array / tensor /
-    sequence of ``n`` finite positive numbers, as float64 numpy (one float when they are all
-    equal). Raises ``ValueError`` naming ``temperature`` otherwise."""
-    per = isinstance(temperature, list | tuple | np.ndarray) or (
+    """One temperature (:func:`_check_temperature`; a one-element tensor or numpy array is one
+    too, whatever ``n``), or per trajectory: a 1-D array / tensor / sequence of ``n`` finite
+    positive numbers, as float64 numpy (one float when they are all equal). Raises
+    ``ValueError`` naming ``temperature`` otherwise."""
+    per = isinstance(temperature, list | tuple) or (
         isinstance(temperature, Tensor) and temperature.numel() != 1
     )
+    per = per or (isinstance(temperature, np.ndarray) and temperature.size != 1)
     if not per:
         return _check_temperature(temperature)
     if isinstance(temperature, Tensor):

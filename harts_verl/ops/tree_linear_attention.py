@@ -126,9 +126,17 @@ def tree_delta_rule(
     """
     run = chunk_delta_rule_varlen if kernel is None else kernel
     c = layout.inverse_rows.shape[0]
+    dims = {"q": 3, "k": 3, "v": 3, "beta": 2}  # g: [C, H] (scalar gate) or [C, H, K]
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if x.shape[0] != c:
             raise ValueError(f"{name}: expected {c} rows in dim 0, got {x.shape[0]}")
+        want = dims.get(name)
+        if (want is not None and x.dim() != want) or (name == "g" and x.dim() not in (2, 3)):
+            form = {"q": "[C, H, K]", "k": "[C, H, K]", "v": "[C, H, V]", "beta": "[C, H]"}
+            raise ValueError(
+                f"{name}: expected {form.get(name, '[C, H] or [C, H, K]')}, got shape "
+                f"{tuple(x.shape)}"
+            )
     extra: dict[str, Any] = {} if delta_rule else {"delta_rule": False}
     saved: list[torch.Tensor] = []
     outs: list[torch.Tensor] = []
