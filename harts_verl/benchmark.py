@@ -197,6 +197,8 @@ class PreparedBench:
     microbatches: int
     replay_tokens: int
     ideal_flop_ratio: float
+    oversize_microbatches: int = 0  # compact work above capacity_tokens (a lone trajectory)
+    notes: list[str] = field(default_factory=list)  # settings the run could not honour
 
 
 def prepare_bench(cfg: BenchConfig) -> PreparedBench:
@@ -234,6 +236,21 @@ def prepare_bench(cfg: BenchConfig) -> PreparedBench:
 
     groups = tree.plan(forest)
     subs = [forest.subset(g) if len(groups) > 1 else forest for g in groups]
+    notes = []
+    if cfg.max_semantic_tokens is not None and forest.num_semantic_tokens > cfg.max_semantic_tokens:
+        notes.append(
+            f"max_semantic_tokens {cfg.max_semantic_tokens} is below the first trajectory's "
+            f"{forest.num_semantic_tokens} tokens: it runs alone"
+        )
+    cap = cfg.capacity_tokens
+    oversize = sum(s.num_compact_tokens > cap for s in subs) if cap else 0
+    if oversize:
+        notes.append(
+            f"{oversize} microbatches exceed capacity_tokens {cap} (a single trajectory "
+            "longer than the capacity runs alone)"
+        )
+    for note in notes:
+        print(f"harts-verl bench: note: {note}", file=sys.stderr)
     shape = model_shape(mcfg)
     # Replay exists only where chunked linear attention runs.
     replays = [
@@ -261,6 +278,8 @@ def prepare_bench(cfg: BenchConfig) -> PreparedBench:
         microbatches=len(groups),
         replay_tokens=int(sum(replays)),
         ideal_flop_ratio=ideal,
+        oversize_microbatches=int(oversize),
+        notes=notes,
     )
 
 
@@ -349,6 +368,7 @@ def measure_bench(prep: PreparedBench) -> dict[str, Any]:
         "compact_tokens": forest.num_compact_tokens,
         "compression": round(forest.compression, 4),
         "microbatches": prep.microbatches,
+        "oversize_microbatches": prep.oversize_microbatches,
         "replay_tokens": prep.replay_tokens,
         "ideal_flop_ratio": round(ideal, 4),
         "expanded_seconds_median": round(t_exp, 4),
@@ -370,6 +390,8 @@ def measure_bench(prep: PreparedBench) -> dict[str, Any]:
         "repeats": cfg.repeats,
         "warmup": cfg.warmup,
     }
+    if prep.notes:
+        result["notes"] = list(prep.notes)
     if peak:
         result["peak_memory_mib"] = {k: round(v, 1) for k, v in peak.items()}
     else:

@@ -258,6 +258,7 @@ def test_cli_input_errors_are_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("HARTS_VERL_DEBUG", raising=False)
     monkeypatch.setattr(bench, "measure_bench", lambda *a: pytest.fail("measured"))
     (tmp_path / "bad.json").write_text("{bad")
+    (tmp_path / "list.json").write_text("[1, 2]")
     (tmp_path / "d").mkdir()
     tiny = ["--preset", "tiny", "--no-progress"]
     for argv, msg in [
@@ -269,6 +270,7 @@ def test_cli_input_errors_are_one_line(tmp_path, capsys, monkeypatch):
         (["bench", *tiny, "--workload-option", "foo=1"], "--workload-option: foo: unknown"),
         (["bench", "--model", "nofile.json"], "--model: config file 'nofile.json' does not"),
         (["bench", "--model", str(tmp_path / "bad.json")], "not a valid JSON file"),
+        (["bench", "--model", str(tmp_path / "list.json")], "holds a JSON list, not an object"),
         (["bench", "--plot", str(tmp_path / "d")], "--plot: "),
         (["bench", "--plot", str(tmp_path / "x.nope")], "--plot: unsupported format"),
         (["demo", "--plot", str(tmp_path / "no" / "x.png")], "--plot: cannot write"),
@@ -378,3 +380,21 @@ def test_planner_summary_pass_is_null_without_instances():
     out = planner.summarize([failed])
     assert out["realistic_time_limited_dp1"]["instances"] == 0
     assert out["realistic_time_limited_dp1"]["pass"] is None
+
+
+def test_settings_the_run_cannot_honour_are_reported(capsys):
+    """A token budget below the first trajectory, or a capacity below a trajectory's length,
+    runs anyway (whole trajectories) and says so: ``notes`` and ``oversize_microbatches`` in
+    the plan (and the JSON), one stderr line each."""
+    from harts_verl.benchmark import BenchConfig, prepare_bench
+
+    prep = prepare_bench(
+        BenchConfig(preset="tiny", scale=0.0005, max_semantic_tokens=10, capacity_tokens=64)
+    )
+    assert prep.forest.num_trajectories == 1 and prep.forest.num_semantic_tokens > 64
+    assert prep.oversize_microbatches == prep.microbatches == 1
+    assert len(prep.notes) == 2
+    err = capsys.readouterr().err
+    assert "max_semantic_tokens 10 is below" in err and "exceed capacity_tokens 64" in err
+    ok = prepare_bench(BenchConfig(preset="tiny", scale=0.0005))
+    assert ok.oversize_microbatches == 0 and ok.notes == []

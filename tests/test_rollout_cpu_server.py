@@ -209,6 +209,31 @@ def test_load_weights_refuses_unknown_tensors(server):
         server.load_weights(wrong_shape)
 
 
+def test_load_weights_of_a_tied_model(tmp_path):
+    """A model with tied input/output embeddings (Qwen2.5-0.5B style): veRL's sync sends its
+    ``state_dict()``, ``lm_head.weight`` included; every tensor loads (no refusal)."""
+    from harts_verl.workers import testing
+    from harts_verl.workers.rollout.cpu_server import HFGenerationServer
+
+    model = testing.tiny_hf_model("qwen2", seed=1, vocab_size=64)
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    model.save_pretrained(str(tmp_path / "tied"))
+    srv = HFGenerationServer(
+        SimpleNamespace(max_model_len=None, prompt_length=16, response_length=16),
+        SimpleNamespace(path=str(tmp_path / "tied"), tokenizer=None),
+    )
+    assert srv.model.lm_head.weight is srv.model.model.embed_tokens.weight
+    actor = testing.tiny_hf_model("qwen2", seed=2, vocab_size=64)
+    actor.config.tie_word_embeddings = True
+    actor.tie_weights()
+    sd = actor.state_dict()
+    assert "lm_head.weight" in sd
+    assert srv.load_weights(list(sd.items())) == len(sd)
+    for k, v in sd.items():
+        assert torch.equal(srv.model.state_dict()[k], v), k
+
+
 def test_serves_a_kimi_linear_checkpoint(tmp_path):
     """A Kimi-Linear checkpoint is served as its harts_hybrid conversion: sampling re-reads the
     prefix (no KV cache) and equals step-by-step full forwards; the weight sync arrives in

@@ -113,3 +113,111 @@ def test_round_trips_are_exact(model_type, data):
     assert back.keys() == sd.keys()
     for k, v in sd.items():
         assert torch.equal(back[k], v), k
+
+
+def _kimi_dir(path, cfg: HybridConfig, seed: int = 0, extra=None) -> dict:
+    """A Kimi-Linear checkpoint directory of a random ``cfg`` model; ``extra`` edits the source
+    state dict before it is saved. Returns the saved tensors."""
+    import json
+
+    from safetensors.torch import save_file
+
+    sd = _random_model(cfg, seed).float().state_dict()
+    if cfg.tie_word_embeddings:
+        sd.pop("lm_head.weight")
+    source = ck.source_state_dict_from_hybrid(kimi_linear.FORMAT, sd, cfg)
+    source = dict(extra(source)) if extra else source
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in source.items()}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(kimi_linear.kimi_linear_config_from_hybrid(cfg)))
+    return source
+
+
+def test_tied_checkpoint_may_store_its_head(tmp_path):
+    """A tied checkpoint that also stores ``lm_head.weight`` (equal to the embedding) converts
+    and loads; a stored head that differs from the embedding is refused by name."""
+    from harts_verl.models.config import preset
+
+    cfg = preset("kimi_tiny", vocab_size=64, tie_word_embeddings=True)
+    emb = "model.embed_tokens.weight"
+    src = _kimi_dir(tmp_path / "tied", cfg, extra=lambda d: {**d, "lm_head.weight": d[emb].clone()})
+    ck.convert_checkpoint(str(tmp_path / "tied"), str(tmp_path / "tied_out"))
+    back = ck.hybrid_state_dict_from_source(kimi_linear.FORMAT, src, cfg)
+    assert "lm_head.weight" not in back
+    bad = dict(src, **{"lm_head.weight": src[emb] + 1})
+    with pytest.raises(ValueError, match=r"lm_head\.weight differs from the input embedding"):
+        ck.hybrid_state_dict_from_source(kimi_linear.FORMAT, bad, cfg)
+
+
+def test_failed_conversion_leaves_nothing_behind(tmp_path):
+    """A conversion that fails after shards were written (an unexpected tensor is found at the
+    end) removes them: no hidden partial shards, and a directory it created is gone."""
+    import os
+
+    from harts_verl.models.config import preset
+
+    cfg = preset("kimi_tiny", vocab_size=64)
+    extra = lambda d: {**d, "model.layers.0.foo.weight": torch.zeros(2)}  # noqa: E731
+    _kimi_dir(tmp_path / "src", cfg, extra=extra)
+    for dst in (tmp_path / "new", tmp_path / "existing"):
+        if dst.name == "existing":
+            dst.mkdir()
+        with pytest.raises(ValueError, match=r"no place in the native model.*foo"):
+            ck.convert_checkpoint(str(tmp_path / "src"), str(dst), max_shard_bytes=4096)
+        assert (dst.name == "existing" and os.listdir(dst) == []) or not dst.exists()
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match=r"dst: .* is not a directory"):
+        ck.convert_checkpoint(str(tmp_path / "src"), str(tmp_path / "afile"))
+
+
+def test_unreadable_checkpoints_are_named(tmp_path):
+    """Broken configs, indexes and weight files give a ValueError naming the file."""
+    import json
+
+    from harts_verl.models.config import preset
+
+    cfg = preset("kimi_tiny", vocab_size=64)
+    _kimi_dir(tmp_path / "m", cfg)
+    m = tmp_path / "m"
+    (tmp_path / "list").mkdir()
+    (tmp_path / "list" / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="expected a JSON object"):
+        ck.convert_checkpoint(str(tmp_path / "list"), str(tmp_path / "o1"))
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{nope")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        ck.convert_checkpoint(str(tmp_path / "bad"), str(tmp_path / "o2"))
+    index = m / "model.safetensors.index.json"
+    for content, match in (
+        ({"metadata": {}}, "weight_map"),
+        ({"weight_map": {"x": "model-00002.safetensors"}}, "do not exist"),
+    ):
+        index.write_text(json.dumps(content))
+        with pytest.raises(ValueError, match=f"index.json.*{match}"):
+            ck.convert_checkpoint(str(m), str(tmp_path / "o3"))
+    index.unlink()
+    data = (m / "model.safetensors").read_bytes()
+    (m / "model.safetensors").write_bytes(data[: len(data) // 2])  # truncated
+    with pytest.raises(ValueError, match=r"model\.safetensors"):
+        ck.convert_checkpoint(str(m), str(tmp_path / "o4"))
+    bad_group = dict(ling.ling_config_from_hybrid(preset("ling_tiny")), layer_group_size=0)
+    bad_group.pop("layer_types", None)
+    with pytest.raises(ValueError, match="layer_group_size"):
+        ling.hybrid_config_from_ling(bad_group)
+
+
+def test_load_from_source_dtype(tmp_path):
+    """``dtype="auto"`` takes the checkpoint config's dtype (as transformers does); a name that
+    is no torch floating dtype is refused by name."""
+    import json
+
+    from harts_verl.models.config import preset
+    from harts_verl.models.hf import HartsHybridForCausalLM
+
+    _kimi_dir(tmp_path / "m", preset("kimi_tiny", vocab_size=64))
+    cfg_file = tmp_path / "m" / "config.json"
+    cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), "dtype": "bfloat16"}))
+    model = ck.load_from_source(HartsHybridForCausalLM, str(tmp_path / "m"), dtype="auto")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    with pytest.raises(ValueError, match="dtype: expected a torch floating dtype"):
+        ck.load_from_source(HartsHybridForCausalLM, str(tmp_path / "m"), dtype="bf16")

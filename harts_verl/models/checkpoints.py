@@ -321,7 +321,13 @@ def read_config(path: str) -> dict[str, Any]:
     if not os.path.isfile(file):
         raise ValueError(f"model: no config.json at {path!r}")
     with open(file) as f:
-        return json.load(f)
+        try:
+            d = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{file}: not valid JSON ({exc})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{file}: expected a JSON object, got a {type(d).__name__}")
+    return d
 
 
 def source_config_of(spec: str) -> dict[str, Any] | None:
@@ -401,13 +407,22 @@ class CheckpointTensors:
         self.taken.add(name)
         if self._mem is not None:
             return self._mem[name]
-        return self._handle(self._where[name]).get_tensor(name)
+        from safetensors import SafetensorError
+
+        file = self._where[name]
+        try:
+            return self._handle(file).get_tensor(name)
+        except SafetensorError as exc:
+            raise ValueError(f"checkpoint {file!r}: cannot read tensor {name} ({exc})") from None
 
     def _handle(self, file: str) -> Any:
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         if file not in self._handles:
-            self._handles[file] = safe_open(file, framework="pt")
+            try:
+                self._handles[file] = safe_open(file, framework="pt")
+            except (SafetensorError, OSError) as exc:
+                raise ValueError(f"checkpoint {file!r}: unreadable ({exc})") from None
         return self._handles[file]
 
 
@@ -416,17 +431,29 @@ def _weight_map(path: str) -> dict[str, str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
-            wm = json.load(f)["weight_map"]
+            try:
+                raw = json.load(f)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{index}: not valid JSON ({exc})") from None
+        wm = raw.get("weight_map") if isinstance(raw, dict) else None
+        if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+            raise ValueError(f"{index}: expected a 'weight_map' of tensor name -> shard file")
+        missing = sorted({v for v in wm.values() if not os.path.isfile(os.path.join(path, v))})
+        if missing:
+            raise ValueError(f"{index}: names shard files that do not exist: {missing[:3]}")
         return {k: os.path.join(path, v) for k, v in wm.items()}
     single = os.path.join(path, "model.safetensors")
     if not os.path.isfile(single):
         raise ValueError(
             f"checkpoint {path!r}: no model.safetensors or model.safetensors.index.json"
         )
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(single, framework="pt") as f:
-        return dict.fromkeys(f.keys(), single)
+    try:
+        with safe_open(single, framework="pt") as f:
+            return dict.fromkeys(f.keys(), single)
+    except SafetensorError as exc:
+        raise ValueError(f"checkpoint {single!r}: unreadable ({exc})") from None
 
 
 def expected_hybrid_shapes(cfg: HybridConfig) -> dict[str, torch.Size]:
@@ -668,6 +695,13 @@ def _iter_to_hybrid(
     last = {"norm.weight": src.take("model.norm.weight")}
     if not cfg.tie_word_embeddings:
         last["lm_head.weight"] = src.take("lm_head.weight")
+    elif "lm_head.weight" in src.names:  # a tied checkpoint may store the head as well
+        head = src.take("lm_head.weight")
+        if not torch.equal(head, first["embed_tokens.weight"]):
+            raise ValueError(
+                "checkpoint: lm_head.weight differs from the input embedding, but the config "
+                "ties them (tie_word_embeddings: true)"
+            )
     _check_shapes(last, expected, last)
     yield last
     unused = src.names - src.taken
@@ -770,6 +804,14 @@ class _ShardWriter:
         self._files.append(sorted(self._pending))
         self._pending, self._size = {}, 0
 
+    def abort(self) -> None:
+        """Remove the shards written so far (a conversion that failed leaves nothing behind)."""
+        for k in range(len(self._files)):
+            tmp = os.path.join(self.path, f".shard-{k:05d}.safetensors")
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        self._files, self._pending, self._size = [], {}, 0
+
     def close(self) -> list[str]:
         if self._pending or not self._files:
             self._flush()
@@ -799,7 +841,7 @@ def _copy_side_files(src: str, dst: str) -> None:
             not os.path.isfile(full)
             or name == "config.json"
             or name in _WEIGHT_FILES
-            or name.endswith((".safetensors", ".bin", ".pt"))
+            or name.endswith((".safetensors", ".bin", ".pt", ".h5", ".msgpack", ".index.json"))
         ):
             continue
         shutil.copy2(full, os.path.join(dst, name))
@@ -855,7 +897,7 @@ def convert_checkpoint(
     else:
         fmt = _format(to)
         if config_only:
-            raise ValueError(f"config_only: only with to={HARTS_MODEL_TYPE!r}")
+            raise ValueError(f"config_only (--config-only): only with to={HARTS_MODEL_TYPE!r}")
         if d.get("model_type") != HARTS_MODEL_TYPE:
             raise ValueError(
                 f"model_type: converting to {to} needs a {HARTS_MODEL_TYPE!r} model, got "
@@ -865,22 +907,31 @@ def convert_checkpoint(
         base = d.get(SOURCE_CONFIG_KEY)
         out_cfg = fmt.source_config(cfg, base if format_of_config(base) is fmt else None)
         out_cfg.update({k: d[k] for k in TOKEN_KEYS if d.get(k) is not None})
+    if os.path.exists(dst) and not os.path.isdir(dst):
+        raise ValueError(f"dst: {dst!r} exists and is not a directory")
+    created = not os.path.exists(dst)
     os.makedirs(dst, exist_ok=True)
     if config_only:
         files, tensors, nbytes = ["config.json"], 0, 0
     else:
         writer = _ShardWriter(dst, max_shard_bytes)
         tensors = 0
-        src_t = CheckpointTensors(path=src)
-        if to == HARTS_MODEL_TYPE:
-            for piece in _iter_to_hybrid(src_t, fmt, cfg, say):
-                writer.add({"model." + k: v for k, v in piece.items()})
-                tensors += len(piece)
-        else:
-            for piece in _iter_from_hybrid(src_t, fmt, cfg, say):
-                writer.add(piece)
-                tensors += len(piece)
-        files, nbytes = writer.close(), writer.total
+        try:
+            src_t = CheckpointTensors(path=src)
+            if to == HARTS_MODEL_TYPE:
+                for piece in _iter_to_hybrid(src_t, fmt, cfg, say):
+                    writer.add({"model." + k: v for k, v in piece.items()})
+                    tensors += len(piece)
+            else:
+                for piece in _iter_from_hybrid(src_t, fmt, cfg, say):
+                    writer.add(piece)
+                    tensors += len(piece)
+            files, nbytes = writer.close(), writer.total
+        except BaseException:
+            writer.abort()  # no hidden partial shards in dst
+            if created and not os.listdir(dst):
+                os.rmdir(dst)
+            raise
         _copy_side_files(src, dst)
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(out_cfg, f, indent=2)
@@ -891,7 +942,8 @@ def convert_checkpoint(
 
 def load_from_source(cls: Any, path: str, *, config: Any = None, **kwargs: Any) -> Any:
     """``cls.from_pretrained`` (``HartsHybridForCausalLM``) of the source checkpoint ``path``:
-    the weights converted while loading, cast to ``dtype`` / ``torch_dtype`` (default float32).
+    the weights converted while loading, cast to ``dtype`` / ``torch_dtype`` (default float32;
+    ``"auto"``: the checkpoint config's ``dtype`` / ``torch_dtype``).
     ``config``: a ``HartsHybridConfig`` of the same architecture (e.g. from ``convert
     --config-only``; its ``chunk_size`` is honoured), else the converted one. Under an
     empty-weight (meta) context, as veRL uses on FSDP ranks other than 0, the model is built and
@@ -913,8 +965,13 @@ def load_from_source(cls: Any, path: str, *, config: Any = None, **kwargs: Any) 
                 f"config: does not describe the {fmt.display} checkpoint {path!r} ({detail})"
             )
     dtype = kwargs.get("dtype", kwargs.get("torch_dtype")) or torch.float32
+    if dtype == "auto":  # as transformers: the checkpoint config's dtype (float32 without one)
+        dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"
     if isinstance(dtype, str):
-        dtype = torch.float32 if dtype == "auto" else getattr(torch, dtype)
+        named = getattr(torch, dtype, None)
+        if not isinstance(named, torch.dtype) or not named.is_floating_point:
+            raise ValueError(f"dtype: expected a torch floating dtype or 'auto', got {dtype!r}")
+        dtype = named
     model = cls(config).to(dtype)
     if any(p.is_meta for p in model.parameters()):
         return model

@@ -74,7 +74,9 @@ def hybrid_config_from_ling(d: Mapping[str, Any], *, chunk_size: int = 64) -> Hy
     if d.get("layer_types") is not None:
         layer_types = mixers_of_layer_types(d["layer_types"], n, what)
     else:
-        group = int(_get(d, "layer_group_size", default=6))
+        group = _get(d, "layer_group_size", default=6)
+        if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+            raise ValueError(f"{what}: layer_group_size: expected an int >= 1, got {group!r}")
         layer_types = ["mla" if (i + 1) % group == 0 else "kda" for i in range(n)]
     heads = int(_get(d, "linear_num_heads", "num_attention_heads"))
     # transformers' saved config holds the rope dim in head_dim and the KDA head in linear_head_dim

@@ -27,6 +27,7 @@ traceback). Errors of the audit itself are not input errors and keep their trace
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import pickle
@@ -319,13 +320,23 @@ def tree_model_config(spec: str) -> Any:
     elif not os.path.isfile(os.path.join(spec, "config.json")):
         raise ValueError(f"model: {spec!r} has no config.json")
     register_auto_classes()
+    file = spec if spec.endswith(".json") else os.path.join(spec, "config.json")
+    try:
+        with open(file) as f:
+            top = json.load(f)
+    except OSError as exc:
+        raise ValueError(f"model: cannot read {file!r}: {exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"model: {file!r} is not a valid JSON file ({exc})") from None
+    if not isinstance(top, dict):
+        raise ValueError(f"model: {file!r} holds a JSON {type(top).__name__}, not an object")
     raw = checkpoints.source_config_of(spec)
     try:
         if raw is not None:  # Kimi-Linear, Ling 3: their harts_hybrid conversion
             cfg = checkpoints.harts_config_from_source(raw)
         else:
             cfg = AutoConfig.from_pretrained(spec)
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"model: cannot read the config of {spec!r}: {exc}") from exc
     model_type = getattr(cfg, "model_type", None)
     if model_type not in TREE_MODEL_TYPES:

@@ -306,8 +306,9 @@ class HFGenerationServer:
             fmt, arch = source
             native = checkpoints.hybrid_state_dict_from_source(fmt, dict(named), arch)
             named = [("model." + k, v) for k, v in native.items()]
-        params = dict(self.model.named_parameters())
-        params.update(dict(self.model.named_buffers()))
+        # every name of a tied parameter (veRL sends ``lm_head.weight`` of a tied model too)
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        params.update(dict(self.model.named_buffers(remove_duplicate=False)))
         pairs, unmatched = [], []
         for name, t in named:
             target = _load_target(params, name, t)
