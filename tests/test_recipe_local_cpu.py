@@ -159,3 +159,19 @@ def test_local_cpu_recipe_ppo_with_tree_critic(tmp_path):
         assert math.isfinite(m[key]), (key, m)
     assert m["critic/harts/fallback"] == 0.0 and m["actor/harts/fallback"] == 0.0, m
     assert m["critic/harts/compression"] > 2.0, m  # the shared agent prompt, computed once
+
+
+def test_calculator_answers_only_in_vocabulary_numbers():
+    """The demo's calculator tool answers what the word-level vocabulary can say; a result
+    without a word (it would be tokenized as ``<unk>``) or a bad call is ``error``."""
+    from harts_verl.workers.rollout import local_task as lt
+
+    tok = lt.build_tokenizer()
+    assert lt.calc("add", 9, 9) == "18" and lt.calc("sub", 0, 9) == "-9"
+    for call in (("add", 18, 18), ("sub", -9, 9), ("mul", 2, 3), ("add", "x", 1)):
+        assert lt.calc(*call) == "error"
+    for a in range(10):
+        for b in range(10):
+            for op in ("add", "sub"):
+                out = lt.calc(op, a, b)
+                assert out != "error" and tok.unk_token_id not in tok.encode(out)

@@ -147,7 +147,9 @@ def build_tokenizer(path: str | None = None) -> Any:
 
 
 def calc(op: str, a: int, b: int) -> str:
-    """Calculator tool: ``add`` or ``sub`` two small integers.
+    """Calculator tool: ``add`` or ``sub`` two small integers. Returns the result, or
+    ``"error"`` for a bad operation or operand, or a result the vocabulary has no word for
+    (outside -9 … 18: it would be tokenized as ``<unk>``).
 
     Args:
         op: "add" or "sub".
@@ -158,11 +160,10 @@ def calc(op: str, a: int, b: int) -> str:
         x, y = int(a), int(b)
     except (TypeError, ValueError):
         return "error"
-    if op == "add":
-        return str(x + y)
-    if op == "sub":
-        return str(x - y)
-    return "error"
+    if op not in ("add", "sub"):
+        return "error"
+    out = str(x + y if op == "add" else x - y)
+    return out if out in NUMBERS else "error"
 
 
 def calc_tool() -> Any:
