@@ -542,16 +542,33 @@ def _float_keeping_float64(self, *args, **kwargs):
     return self if self.dtype == torch.float64 else self.to(torch.float32, *args, **kwargs)
 
 
+def _rg_scan_lifted(original):
+    """RecurrentGemma's ``RecurrentGemmaRglru._rnn_scan`` accumulating in the compute dtype
+    (HF: float32 whatever the input)."""
+
+    def scan(self, hidden_states, recurrent_gate, reset, recurrent_states, acc_dtype=None):
+        acc = _compute_dtype(hidden_states.dtype)
+        return original(self, hidden_states, recurrent_gate, reset, recurrent_states, acc)
+
+    return scan
+
+
 def lift_recurrent_hybrid_islands(monkeypatch) -> None:
     """Patch (through pytest's ``monkeypatch``) the float32 islands of the recurrent hybrids
-    (:data:`_RECURRENT_HYBRID_MODULES`) to compute in the input dtype: ``Tensor.float()`` keeps float64 (HF's Mamba-2 torch path, the
-    router logits and Nemotron-H's logits cast with it; unchanged for other dtypes), the
-    (gated) RMSNorms, routers and rotary tables in the compute dtype. Same formulas, HF's own
-    SSD code."""
+    (:data:`_RECURRENT_HYBRID_MODULES`) to compute in the input dtype: ``Tensor.float()``
+    keeps float64 (HF's Mamba-2 torch path, the router logits and Nemotron-H's logits cast
+    with it, RecurrentGemma's RMSNorms; unchanged for other dtypes), the (gated) RMSNorms,
+    routers and rotary tables in the compute dtype, RecurrentGemma's RG-LRU scan accumulating
+    in it. Same formulas, HF's own SSD and scan code."""
+    from transformers.models.recurrent_gemma import modeling_recurrent_gemma
     from transformers.models.zamba2 import modeling_zamba2
 
     monkeypatch.setattr(torch.Tensor, "float", _float_keeping_float64)
     monkeypatch.setattr(modeling_zamba2.Zamba2RMSNormGated, "forward", _gated_group_rms)
+    rglru = modeling_recurrent_gemma.RecurrentGemmaRglru
+    monkeypatch.setattr(rglru, "_rnn_scan", _rg_scan_lifted(rglru._rnn_scan))
+    rotary = modeling_recurrent_gemma.RecurrentGemmaRotaryEmbedding
+    monkeypatch.setattr(rotary, "forward", _olmo_rotary)
     for short in _RECURRENT_HYBRID_MODULES:
         m = importlib.import_module(f"transformers.models.{short}.modeling_{short}")
         for name, obj in vars(m).items():

@@ -44,6 +44,7 @@ from harts_verl.models.adapter import (
     LIGHTNING_HYBRID_MODEL_TYPES,
     MAMBA1_HYBRID_MODEL_TYPES,
     MAMBA2_HYBRID_MODEL_TYPES,
+    RECURRENT_GEMMA_MODEL_TYPES,
     SSM_MODEL_TYPES,
     TREE_MODEL_TYPES,
     HFCausalTreeModel,
@@ -59,6 +60,7 @@ KINDS = [
     *MAMBA1_HYBRID_MODEL_TYPES,
     *CONV_HYBRID_MODEL_TYPES,
     *LIGHTNING_HYBRID_MODEL_TYPES,
+    *RECURRENT_GEMMA_MODEL_TYPES,
     *SSM_MODEL_TYPES,
 ]
 
@@ -112,10 +114,11 @@ def test_log_probs_equal_hf_per_trajectory_float64(lifted, kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_gradients_equal_hf_per_trajectory_float64(lifted, kind):
     """The tree loss and every parameter gradient (A_log, dt_bias, D, conv, projections, norms,
-    experts; MiniMax's lightning q/k/v projections and output gates) equal those of HF's
-    per-trajectory forward/backward."""
+    experts; MiniMax's lightning q/k/v projections and output gates; RecurrentGemma's RG-LRU
+    gates and ``recurrent_param``) equal those of HF's per-trajectory forward/backward."""
     names = assert_gradients_equal_hf(_model(kind, seed=4), _sequences(2))
-    assert any(n.endswith(("A_log", "conv.weight", "qkv_proj.weight")) for n in names)
+    own = ("A_log", "conv.weight", "qkv_proj.weight", "recurrent_param", "conv_1d.weight")
+    assert any(n.endswith(own) for n in names)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -100,6 +100,8 @@ def _param_flops(model: torch.nn.Module) -> float:
             total += m.weight.numel()
         elif name.lower().endswith("topkrouter") and hasattr(m, "weight"):  # else: a Linear
             total += m.weight.numel()
+        elif name == "RecurrentGemmaRglru":  # block-diagonal input and recurrence gates
+            total += m.input_gate_weight.numel() + m.recurrent_gate_weight.numel()
         elif name.endswith(("Experts", "NaiveMoe")):
             # one expert: one row of each stacked weight (LongCat-Flash allocates gate_up rows
             # for its zero-computation experts too)
@@ -121,6 +123,7 @@ _FLOP_MAMBA2_KINDS = ("granitemoehybrid", "bamba", "nemotron_h", "falcon_h1")
 _FLOP_CONV_KINDS = ("lfm2", "lfm2_moe")
 _FLOP_LIGHTNING_KINDS = ("minimax",)
 _FLOP_MAMBA1_KINDS = ("jamba",)
+_FLOP_RECURRENT_GEMMA_KINDS = ("recurrent_gemma",)
 _FLOP_SSM_KINDS = ("mamba", "falcon_mamba", "mamba2")
 
 
@@ -132,6 +135,7 @@ _FLOP_SSM_KINDS = ("mamba", "falcon_mamba", "mamba2")
     + _FLOP_MAMBA1_KINDS
     + _FLOP_CONV_KINDS
     + _FLOP_LIGHTNING_KINDS
+    + _FLOP_RECURRENT_GEMMA_KINDS
     + _FLOP_SSM_KINDS,
 )
 def test_flop_model_matches_the_module_tree(kind, monkeypatch):
@@ -147,8 +151,10 @@ def test_flop_model_matches_the_module_tree(kind, monkeypatch):
     # attention
     n_full = sum(t != "linear_attention" for t in getattr(cfg, "layer_types", None) or [])
     n_full = n_full or cfg.num_hidden_layers
-    if kind in _FLOP_MAMBA2_KINDS + _FLOP_MAMBA1_KINDS and kind != "falcon_h1":
-        # Mamba-2 or Mamba-1 / attention (/ MLP / MoE) blocks
+    if kind in _FLOP_MAMBA2_KINDS + _FLOP_MAMBA1_KINDS + _FLOP_RECURRENT_GEMMA_KINDS and (
+        kind != "falcon_h1"
+    ):
+        # Mamba-2, Mamba-1 or RG-LRU / attention (/ MLP / MoE) blocks
         n_full = sum(t == "attention" for t in cfg.layers_block_type)
         assert 0 < n_full < cfg.num_hidden_layers
     if kind in _FLOP_CONV_KINDS:  # conv / full_attention layers
@@ -169,7 +175,7 @@ def test_flop_model_matches_the_module_tree(kind, monkeypatch):
         per_layer = 4.0 * h * (getattr(cfg, "head_dim", None) or cfg.hidden_size // h)
     assert shape.attention_per_pair == per_layer * n_full
     linear = ("qwen3_next", "qwen3_5", "qwen3_5_moe", *_FLOP_MAMBA2_KINDS, *_FLOP_MAMBA1_KINDS)
-    linear += _FLOP_LIGHTNING_KINDS
+    linear += _FLOP_LIGHTNING_KINDS + _FLOP_RECURRENT_GEMMA_KINDS
     assert (shape.linear_per_token > 0) == (kind in linear)
 
 

@@ -228,7 +228,17 @@ def test_parity_vanilla(verl_cpu, kind, batch):
 
 @pytest.mark.parametrize(
     "kind",
-    ["qwen2", "qwen3_5", "deepseek_v3", "gpt_oss", "granitemoehybrid", "jamba", "lfm2", "minimax"],
+    [
+        "qwen2",
+        "qwen3_5",
+        "deepseek_v3",
+        "gpt_oss",
+        "granitemoehybrid",
+        "jamba",
+        "lfm2",
+        "minimax",
+        "recurrent_gemma",
+    ],
 )
 @pytest.mark.parametrize("seed", range(5))
 def test_parity_random_batches(verl_cpu, kind, seed):
@@ -277,16 +287,17 @@ _ENGINE_FAMILIES += ["hunyuan_v1_moe", "ernie4_5_moe", "cohere2_moe", "longcat_f
 # (Mamba-2, attention, MLP and MoE blocks) and Falcon-H1 (mixer and attention in parallel, µP
 # multipliers, logits times lm_head_multiplier); the short-conv hybrids LFM2 (tied embeddings) and
 # LFM2-MoE; the lightning-attention hybrid MiniMax-Text-01 / M1 (MoE every layer); the Mamba-1
-# hybrid Jamba (NoPE attention, MoE every other layer). (Zamba2 is left out: veRL's FSDP2
+# hybrid Jamba (NoPE attention, MoE every other layer); the Griffin hybrid RecurrentGemma (RG-LRU
+# and local MQA attention, logits soft-capped, tied embeddings). (Zamba2 is left out: veRL's FSDP2
 # wrapping fails on its tied shared blocks, a plain tensor meeting a DTensor in the stock path.)
 _RECURRENT = ["granitemoehybrid", "bamba", "nemotron_h", "falcon_h1", "lfm2", "lfm2_moe"]
-_RECURRENT += ["minimax", "jamba"]
+_RECURRENT += ["minimax", "jamba", "recurrent_gemma"]
 _ENGINE_FAMILIES += _RECURRENT
 # gpt-oss (attention sinks, a sliding and a full layer) runs HF's eager attention on the CPU, and
 # transformers 5.10's GptOssModel builds its masks without ``position_ids``: packed sequences
 # (veRL's remove-padding path) would attend across each other there, so its stock reference runs
-# veRL's padded path. So do the recurrent hybrids: HF's Mamba-2 / Mamba-1 mixers, LFM2's
-# convolutions and MiniMax's lightning attention take no ``position_ids`` (one recurrence /
+# veRL's padded path. So do the recurrent hybrids: HF's Mamba-2 / Mamba-1 mixers, LFM2's and
+# RecurrentGemma's convolutions and MiniMax's lightning attention take no ``position_ids`` (one recurrence /
 # convolution through the packed row).
 _PADDED_REFERENCE = ("gpt_oss", *_RECURRENT)
 

@@ -203,6 +203,23 @@ SSM_MODEL_TYPES = ("mamba", "falcon_mamba", "mamba2")
 # MoE blocks whose router is a plain ``nn.Linear`` named ``router`` (its output: the logits).
 _LINEAR_ROUTER_PARENTS = ("JambaSparseMoeBlock",)
 
+# Griffin hybrids: Google RecurrentGemma (``recurrent_gemma``): recurrent blocks (two branches:
+# ``act(linear_y(x))`` and ``linear_x(x)`` → a depthwise conv with bias → the RG-LRU, a diagonal
+# linear recurrence ``h_t = a_t · h_{t-1} + sqrt(1 - a_t²) · (i_t · x_t)`` with input and
+# recurrence gates from block-diagonal projections; their product → ``linear_out``) interleaved
+# with local (sliding-window) MQA attention with half-dimension RoPE; embeddings times
+# ``sqrt(hidden)`` (its text model's bf16 ``normalizer``), logits soft-capped by
+# ``logits_soft_cap``. The RG-LRU runs as gated linear attention without the delta rule, one
+# head per channel with a one-entry state (q = k = 1, v = the normalized input, write scale 1,
+# log decay ``log a_t``).
+RECURRENT_GEMMA_MODEL_TYPES = ("recurrent_gemma",)
+_RG_RECURRENT_CLASSES = ("RecurrentGemmaRecurrentBlock",)
+_RG_ATTENTION_CLASSES = ("RecurrentGemmaSdpaAttention",)
+# Text models whose forward builds a ``[T, T]`` sliding-window mask and calls its layers with
+# positional ``(hidden, position_ids, attention_mask, use_cache, cache)`` (RecurrentGemma): in
+# tree mode our own layer loop (:func:`_tree_decoder_forward`) runs them with the layout.
+_POSITIONAL_LAYER_TEXT_MODEL_CLASSES = ("RecurrentGemmaModel",)
+
 # Lightning-attention hybrids: MiniMax-Text-01 / MiniMax-M1 (``minimax``): lightning attention
 # (linear attention with a fixed decay per head and layer, SiLU on q/k/v, RMSNorm and a sigmoid
 # output gate) interleaved with GQA softmax attention, a softmax top-k MoE in every layer,
@@ -375,6 +392,7 @@ MASKED_TREE_MODEL_TYPES = (
     + LIGHTNING_HYBRID_MODEL_TYPES
     + MAMBA1_HYBRID_MODEL_TYPES
     + SSM_MODEL_TYPES
+    + RECURRENT_GEMMA_MODEL_TYPES
 )
 # Model types that run in tree mode (``harts_hybrid``: the native model through its HF wrapper).
 TREE_MODEL_TYPES = HYBRID_MODEL_TYPES + MASKED_TREE_MODEL_TYPES + ("harts_hybrid",)
@@ -415,7 +433,10 @@ def as_tree_model(model: nn.Module) -> nn.Module:
         "HybridForCausalLM, transformers Qwen3-Next / Qwen3.5 / Qwen3.5-MoE / OLMo Hybrid, the "
         f"Mamba-2 hybrids {', '.join(MAMBA2_HYBRID_MODEL_TYPES)}, the short-conv hybrids "
         f"{', '.join(CONV_HYBRID_MODEL_TYPES)}, the lightning-attention hybrids "
-        f"{', '.join(LIGHTNING_HYBRID_MODEL_TYPES)}, and the causal LMs of "
+        f"{', '.join(LIGHTNING_HYBRID_MODEL_TYPES)}, the Mamba-1 hybrids "
+        f"{', '.join(MAMBA1_HYBRID_MODEL_TYPES)}, the Griffin hybrids "
+        f"{', '.join(RECURRENT_GEMMA_MODEL_TYPES)}, the state-space models "
+        f"{', '.join(SSM_MODEL_TYPES)}, and the causal LMs of "
         f"{', '.join(FULL_ATTENTION_MODEL_TYPES)})"
     )
 
@@ -436,7 +457,8 @@ def logit_transform_of(model: nn.Module) -> LogitTransform:
 
 def config_logit_transform(config: Any) -> LogitTransform:
     """The logit transform of the tree-mode causal LM whose own config is ``config``: Gemma 2 /
-    Gemma 3's ``final_logit_softcapping`` (``cap · tanh(x / cap)``), Granite's ``logits_scaling``
+    Gemma 3's ``final_logit_softcapping`` (``cap · tanh(x / cap)``; RecurrentGemma's
+    ``logits_soft_cap``), Granite's ``logits_scaling``
     (``x / logits_scaling``), Cohere's ``logit_scale`` (``x · logit_scale``), Falcon-H1's
     ``lm_head_multiplier`` (``x · lm_head_multiplier``), as their forwards
     compute them from ``self.config``. A multi-modal wrapper's ``text_config`` is not read (HF's
@@ -450,6 +472,8 @@ def config_logit_transform(config: Any) -> LogitTransform:
         field(k)
         for k in ("final_logit_softcapping", "logits_scaling", "logit_scale", "lm_head_multiplier")
     )
+    if getattr(config, "model_type", None) in RECURRENT_GEMMA_MODEL_TYPES:
+        cap = field("logits_soft_cap")  # its forward always soft-caps
     if factor is not None:  # Cohere
         return LogitTransform(factor, cap)
     if multiplier is not None:  # Falcon-H1
@@ -884,6 +908,109 @@ def _lightning_tree_forward(
     return self.out_proj(o), None
 
 
+def _rg_lru_tree(module: nn.Module, x: torch.Tensor, layout: TreeLayout) -> torch.Tensor:
+    """RecurrentGemma's RG-LRU over the planned rounds, x ``[C, W]`` (the conv output) →
+    ``[C, W]`` in x's dtype: HF's input and recurrence gates (block-diagonal, ``baddbmm``), log
+    decay ``log a = -8 · r · softplus(Λ)``, the input times ``sqrt(1 - a²)`` (HF's
+    ``SqrtBoundDerivative``: the gradient of the root clipped) except at depth 0 (a trajectory's
+    first token: the reset, multiplier 1), then the diagonal scan ``h_t = a_t · h_{t-1} + x̂_t``
+    (zero state at depth 0) as gated linear attention without the delta rule — one head per
+    channel, q = k = 1, write scale 1 — accumulated in at least float32 (HF: float32)."""
+    c, width = x.shape
+    heads, block = module.num_attention_heads, module.block_width
+    xs = x.reshape(c, heads, block).permute(1, 0, 2)
+    gate_x = torch.baddbmm(module.input_gate_bias[:, None, :], xs, module.input_gate_weight)
+    gate_a = torch.baddbmm(module.recurrent_gate_bias[:, None, :], xs, module.recurrent_gate_weight)
+    gate_x = torch.sigmoid(gate_x.transpose(0, 1).reshape(c, width))
+    gate_a = torch.sigmoid(gate_a.transpose(0, 1).reshape(c, width))
+    log_a = -8.0 * gate_a * F.softplus(module.recurrent_param)
+    sqrt_bound = sys.modules[type(module).__module__].SqrtBoundDerivative
+    multiplier = sqrt_bound.apply(1 - torch.exp(2 * log_a))
+    reset = (layout.position_ids == 0)[:, None]
+    multiplier = reset + ~reset * multiplier
+    normalized = x * gate_x * multiplier.type(x.dtype)
+    ct = torch.promote_types(x.dtype, torch.float32)
+    ones = torch.ones(c, width, 1, dtype=ct, device=x.device)
+    h = layout.linear_attention(
+        ones,
+        ones,
+        normalized.to(ct)[..., None],
+        log_a.to(ct),
+        ones[..., 0],
+        scale=1.0,
+        delta_rule=False,
+    )
+    return h[..., 0].to(x.dtype)
+
+
+def _rg_recurrent_tree_forward(
+    self, *args: Any, harts_layout: TreeLayout | None = None, **kwargs: Any
+) -> torch.Tensor:
+    """Tree mode of a RecurrentGemma recurrent block: ``act(linear_y(x))`` times the RG-LRU
+    (:func:`_rg_lru_tree`) of the depthwise causal conv (with bias, no activation) of
+    ``linear_x(x)`` over each row's path, then ``linear_out``. input_states ``[1, C, D]`` →
+    ``[1, C, D]``. Tree mode keeps no cache (``use_cache`` must be false; the mask is
+    ignored: the layout gives each row its path)."""
+    layout = _tree_layout(self, harts_layout)
+    if layout is None:
+        return _original(self)(*args, **kwargs)
+    names = ("input_states", "position_ids", "attention_mask", "use_cache")
+    hidden_states, _, _, use_cache = _bind(args, kwargs, names)
+    _compact_batch(self, hidden_states)
+    if use_cache:
+        raise ValueError("use_cache: tree mode keeps no cache (call with use_cache=False)")
+    y = self.act_fn(self.linear_y(hidden_states))
+    x = self.linear_x(hidden_states)[0]
+    x = layout.short_conv(x, self.conv_1d.weight.squeeze(1), self.conv_1d.bias, None)
+    return self.linear_out(_rg_lru_tree(self.rg_lru, x, layout)[None] * y)
+
+
+def _rg_attn_tree_forward(
+    self, *args: Any, harts_layout: TreeLayout | None = None, **kwargs: Any
+) -> torch.Tensor:
+    """Tree mode of a RecurrentGemma local attention block: q/k/v projections, RoPE on the first
+    ``partial_rotary_factor`` of each head (the module's own rotary table at the row depths),
+    softmax attention (MQA / GQA, scale ``head_dim ** -0.5``) of each row over the
+    ``config.attention_window_size`` latest tokens of its path (itself included), ``o_proj``.
+    hidden_states ``[1, C, D]`` → ``[1, C, D]``. Tree mode keeps no cache and takes no attention
+    dropout in training."""
+    layout = _tree_layout(self, harts_layout)
+    if layout is None:
+        return _original(self)(*args, **kwargs)
+    names = ("hidden_states", "position_ids", "attention_mask", "past_key_values")
+    hidden_states, _, _, past_key_values = _bind(args, kwargs, names)
+    c = _compact_batch(self, hidden_states)
+    if past_key_values is not None:
+        raise ValueError("past_key_values: tree mode keeps no cache (call with use_cache=False)")
+    if self.training and self.attention_dropout:
+        raise NotImplementedError(
+            f"{type(self).__name__}: attention dropout ({self.attention_dropout}) is not "
+            "supported in tree mode"
+        )
+    d = self.head_dim
+    q = self.q_proj(hidden_states).view(1, c, -1, d).transpose(1, 2)
+    k = self.k_proj(hidden_states).view(1, c, -1, d).transpose(1, 2)
+    v = self.v_proj(hidden_states).view(1, c, -1, d).transpose(1, 2)
+    cos, sin = self.rotary_emb(v, layout.position_ids[None])
+    parts = int(1 / self.partial_rotary_factor)
+    q_rot, *q_pass = torch.chunk(q, parts, dim=-1)
+    k_rot, *k_pass = torch.chunk(k, parts, dim=-1)
+    rope = sys.modules[type(self).__module__].apply_rotary_pos_emb
+    q_rot, k_rot = rope(q_rot, k_rot, cos, sin)
+    q, k = torch.cat((q_rot, *q_pass), dim=-1), torch.cat((k_rot, *k_pass), dim=-1)
+    window = getattr(self.config, "attention_window_size", None)
+    if window and layout.forest.num_compact_tokens and int(layout.forest.depth.max()) < window:
+        window = None  # the window changes nothing
+    o = layout.attention(
+        q[0].transpose(0, 1),
+        k[0].transpose(0, 1),
+        v[0].transpose(0, 1),
+        scale=d**-0.5,
+        window=int(window) if window else None,
+    )
+    return self.o_proj(o.reshape(1, c, -1))
+
+
 def _olmo_attn_tree_forward(
     self, *args: Any, harts_layout: TreeLayout | None = None, **kwargs: Any
 ) -> tuple[torch.Tensor, None]:
@@ -1013,6 +1140,10 @@ def patch_tree_mixers(model: nn.Module) -> int:
             _patch(mod, _lightning_tree_forward)
         elif _is_hf_class(mod, _MAMBA1_CLASSES):
             _patch(mod, _mamba1_tree_forward)
+        elif _is_hf_class(mod, _RG_RECURRENT_CLASSES):
+            _patch(mod, _rg_recurrent_tree_forward)
+        elif _is_hf_class(mod, _RG_ATTENTION_CLASSES):
+            _patch(mod, _rg_attn_tree_forward)
         elif _is_hf_class(mod, _HYBRID_TEXT_MODEL_CLASSES):
             _patch(mod, _hybrid_text_model_tree_forward)
             continue
@@ -1097,13 +1228,20 @@ def _tree_decoder_forward(
     ``base.rotary_emb``; a model without one (OLMo Hybrid NoPE) gets ``position_embeddings=None``.
     A rotary embedding whose ``forward`` takes a ``layer_type`` (Gemma 3: its own frequencies
     and scaling for sliding and full layers) gives each layer the table of its
-    ``config.layer_types`` entry, as HF's text model does. No attention mask is built.
-    input_ids ``[C]`` → hidden ``[C, D]``."""
+    ``config.layer_types`` entry, as HF's text model does. RecurrentGemma's text model
+    (:data:`_POSITIONAL_LAYER_TEXT_MODEL_CLASSES`) scales the embeddings by its ``normalizer``
+    and calls its layers with positional ``(hidden, position_ids, mask, use_cache, cache)``;
+    so does this loop. No attention mask is built. input_ids ``[C]`` → hidden ``[C, D]``."""
     pos = layout.position_ids[None]
     h = base.get_input_embeddings()(input_ids[None])
     multiplier = getattr(base, "embedding_multiplier", None)  # Granite's text model forward
     if multiplier is not None:
         h = h * multiplier
+    # RecurrentGemma's text model: embeddings times its (bf16) normalizer, layers called with
+    # positional (hidden, position_ids, attention_mask, use_cache, cache).
+    positional = _is_hf_class(base, _POSITIONAL_LAYER_TEXT_MODEL_CLASSES)
+    if positional:
+        h = h * base.normalizer.type(h.dtype)
     n_layers = tree_model.config.num_hidden_layers
     rotary = getattr(base, "rotary_emb", None) or getattr(base, "pos_emb", None)  # LFM2-MoE
     if rotary is not None and layout.forest.num_compact_tokens:
@@ -1125,7 +1263,12 @@ def _tree_decoder_forward(
     def run(x: torch.Tensor, layer: nn.Module, pe: Any, idx: int, e: torch.Tensor) -> torch.Tensor:
         kw = dict(position_embeddings=pe, position_ids=pos, harts_layout=layout)
         with tree_call(layout):
-            out = layer(x, e, idx, None, None, **kw) if with_embeddings else layer(x, **kw)
+            if positional:
+                out = layer(x, pos, None, False, None, harts_layout=layout)
+            elif with_embeddings:
+                out = layer(x, e, idx, None, None, **kw)
+            else:
+                out = layer(x, **kw)
         return out[0] if isinstance(out, tuple) else out  # Bamba's layers return a tuple
 
     for idx, (layer, pe) in enumerate(zip(base.layers[:n_layers], pes)):
@@ -1137,8 +1280,9 @@ def _tree_decoder_forward(
 
 
 # Names of the final norm of HF text models: ``norm``, Nemotron-H's ``norm_f``, Bamba's
-# ``final_layernorm``, LFM2's ``embedding_norm`` (applied after the last layer).
-_FINAL_NORM_NAMES = ("norm", "norm_f", "final_layernorm", "embedding_norm")
+# ``final_layernorm``, LFM2's ``embedding_norm`` (applied after the last layer), RecurrentGemma's
+# ``final_norm``.
+_FINAL_NORM_NAMES = ("norm", "norm_f", "final_layernorm", "embedding_norm", "final_norm")
 
 
 def _final_norm(base: nn.Module) -> nn.Module:
@@ -1270,7 +1414,8 @@ class HFCausalTreeModel(_HFTreeModel):
     Cohere 2 MoE, LongCat-Flash (two MLA attentions a layer, zero-computation experts),
     gpt-oss), or of a Mamba-2
     hybrid (Granite 4.0-H, Bamba, Nemotron-H, Falcon-H1), Mamba-1 hybrid (Jamba), state-space
-    model (Mamba, Falcon-Mamba, Mamba-2), short-conv hybrid (LFM2, LFM2-MoE) or
-    lightning-attention hybrid (MiniMax-Text-01 / MiniMax-M1): :data:`MASKED_TREE_MODEL_TYPES`."""
+    model (Mamba, Falcon-Mamba, Mamba-2), short-conv hybrid (LFM2, LFM2-MoE),
+    lightning-attention hybrid (MiniMax-Text-01 / MiniMax-M1) or Griffin hybrid
+    (RecurrentGemma): :data:`MASKED_TREE_MODEL_TYPES`."""
 
     routers = _FULL_ATTENTION_ROUTER_CLASSES

@@ -26,6 +26,7 @@ from harts_verl.models.adapter import (
     LIGHTNING_HYBRID_MODEL_TYPES,
     MAMBA1_HYBRID_MODEL_TYPES,
     MAMBA2_HYBRID_MODEL_TYPES,
+    RECURRENT_GEMMA_MODEL_TYPES,
     SSM_MODEL_TYPES,
 )
 from harts_verl.tree import RolloutForest
@@ -45,6 +46,7 @@ __all__ = [
     "native_model_shape",
     "olmo_hybrid_shape",
     "qwen3_next_shape",
+    "recurrent_gemma_shape",
     "ssm_shape",
 ]
 
@@ -508,6 +510,30 @@ def mamba1_hybrid_shape(cfg: Any) -> ModelShape:
     return ModelShape(dense, attn, lin)
 
 
+def recurrent_gemma_shape(cfg: Any) -> ModelShape:
+    """Coefficients of a transformers RecurrentGemma (``recurrent_gemma``) from
+    ``config.layers_block_type``: recurrent blocks (``linear_y``, ``linear_x``, the depthwise
+    ``conv1d_width``-token conv, the RG-LRU's block-diagonal input and recurrence gates,
+    ``linear_out``; the scan as chunk-64 linear attention with one one-entry head per channel)
+    and local MQA / GQA attention (pairs counted as for full attention: the window is not
+    modelled, as for other sliding-window layers); per layer a gated MLP
+    ``intermediate_size // 2`` wide; the LM head."""
+    d, w = cfg.hidden_size, cfg.lru_width
+    dense, attn, lin = 2.0 * d * cfg.vocab_size, 0.0, 0.0
+    block = w // cfg.num_attention_heads
+    for t in cfg.layers_block_type:
+        if t == "recurrent":
+            dense += 2.0 * (3 * d * w + 2 * w * block) + 2.0 * cfg.conv1d_width * w
+            lin += _gla_chunk_flops(w, 1, 1)
+        elif t == "attention":
+            dense_i, attn_i = _hf_attention_layer(cfg, output_gate=False)
+            dense, attn = dense + dense_i, attn + attn_i
+        else:
+            raise ValueError(f"model_shape: unknown {cfg.model_type} layer type {t!r}")
+        dense += 2.0 * 3 * d * (cfg.intermediate_size // 2)
+    return ModelShape(dense, attn, lin)
+
+
 _GATED_HYBRID_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 _FULL_ATTENTION_TYPES = FULL_ATTENTION_MODEL_TYPES
 
@@ -524,7 +550,8 @@ def model_shape(cfg: Any) -> ModelShape:
     ``granite`` / ``granitemoe`` / ``granitemoeshared`` / ``cohere`` / ``cohere2`` /
     ``smollm3`` / ``ministral`` / ``exaone4`` / ``ernie4_5`` / ``hunyuan_v1_dense`` /
     ``apertus`` / ``arcee``, the Mamba-2 hybrids ``granitemoehybrid`` / ``bamba`` /
-    ``nemotron_h`` / ``falcon_h1``, the Mamba-1 hybrid ``jamba``, the state-space models
+    ``nemotron_h`` / ``falcon_h1``, the Mamba-1 hybrid ``jamba``, the Griffin hybrid
+    ``recurrent_gemma``, the state-space models
     ``mamba`` / ``falcon_mamba`` / ``mamba2``, the short-conv hybrids
     ``lfm2`` / ``lfm2_moe`` and the lightning-attention hybrid ``minimax``. Raises ``ValueError`` for any other
     ``model_type``."""
@@ -551,6 +578,8 @@ def model_shape(cfg: Any) -> ModelShape:
         return mamba1_hybrid_shape(cfg)
     if model_type in SSM_MODEL_TYPES:
         return ssm_shape(cfg)
+    if model_type in RECURRENT_GEMMA_MODEL_TYPES:
+        return recurrent_gemma_shape(cfg)
     if model_type == "longcat_flash":
         return longcat_flash_shape(cfg)
     if model_type in _FULL_ATTENTION_TYPES:
@@ -559,7 +588,7 @@ def model_shape(cfg: Any) -> ModelShape:
         f"model_shape: no FLOP model for model_type {model_type!r} (known: harts_hybrid, "
         f"{', '.join(_GATED_HYBRID_TYPES + _FULL_ATTENTION_TYPES + MAMBA2_HYBRID_MODEL_TYPES)}, "
         f"{', '.join(CONV_HYBRID_MODEL_TYPES + LIGHTNING_HYBRID_MODEL_TYPES)}, "
-        f"{', '.join(MAMBA1_HYBRID_MODEL_TYPES + SSM_MODEL_TYPES)}, "
+        f"{', '.join(MAMBA1_HYBRID_MODEL_TYPES + SSM_MODEL_TYPES + RECURRENT_GEMMA_MODEL_TYPES)}, "
         "qwen3_5, qwen3_5_moe, "
         "olmo_hybrid)"
     )

@@ -83,6 +83,7 @@ from harts_verl.models.adapter import (
     MAMBA1_HYBRID_MODEL_TYPES,
     MAMBA2_HYBRID_MODEL_TYPES,
     MASKED_TREE_MODEL_TYPES,
+    RECURRENT_GEMMA_MODEL_TYPES,
     SSM_MODEL_TYPES,
     TREE_MODEL_TYPES,
     length_dependent_rope,
@@ -209,9 +210,9 @@ def forest_of_batch(data: TensorDict) -> RolloutForest:
 
 
 # Model types whose stock forward runs veRL's packed sequences (remove-padding path) as one:
-# HF's Mamba-2 / Mamba-1 mixers (hybrids and pure SSMs), LFM2's short convolutions and MiniMax's
-# lightning attention take no ``position_ids`` (one recurrence / convolution through the packed
-# row), and transformers 5.10's gpt-oss builds its eager / sdpa masks without them (see
+# HF's Mamba-2 / Mamba-1 mixers (hybrids and pure SSMs), LFM2's short convolutions, MiniMax's
+# lightning attention and RecurrentGemma's convolutions take no ``position_ids`` (one recurrence /
+# convolution through the packed row), and transformers 5.10's gpt-oss builds its eager / sdpa masks without them (see
 # :meth:`HartsFSDPEngine._packed_reference_leaks`).
 _PADDED_STOCK_TYPES = (
     *MAMBA2_HYBRID_MODEL_TYPES,
@@ -219,6 +220,7 @@ _PADDED_STOCK_TYPES = (
     *SSM_MODEL_TYPES,
     *CONV_HYBRID_MODEL_TYPES,
     *LIGHTNING_HYBRID_MODEL_TYPES,
+    *RECURRENT_GEMMA_MODEL_TYPES,
     "gpt_oss",
 )
 

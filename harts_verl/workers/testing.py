@@ -51,6 +51,7 @@ TINY_KINDS = (
     "zamba2",
     "minimax",
     "jamba",
+    "recurrent_gemma",
     *("mamba", "falcon_mamba", "mamba2"),
 )
 # The multi-modal Qwen3.5 wrappers (``Qwen3_5ForConditionalGeneration`` /
@@ -701,7 +702,34 @@ _MAMBA1_HYBRID = {
         },
     ),
 }
-_RECURRENT_HYBRID = {**_MAMBA2_HYBRID, **_CONV_HYBRID, **_LIGHTNING_HYBRID, **_MAMBA1_HYBRID}
+# The Griffin hybrid Google RecurrentGemma: recurrent, recurrent, attention, recurrent (the
+# released 2:1 pattern); RG-LRU 32 channels wide in 4 gate blocks, 4-token convolutions; local MQA
+# attention (4 heads of 8, one key/value head, RoPE on half of each head) over a 12-token window;
+# tied embeddings (as released); logits soft-capped at 5 (30 released: a cap that tiny logits
+# reach).
+_RECURRENT_GEMMA = {
+    "recurrent_gemma": (
+        "RecurrentGemmaConfig",
+        {
+            **_NO_SPECIAL_IDS,
+            "num_hidden_layers": 4,
+            "num_key_value_heads": 1,
+            "lru_width": 32,
+            "attention_window_size": 12,
+            "conv1d_width": 4,
+            "logits_soft_cap": 5.0,
+            "block_types": ["recurrent", "recurrent", "attention"],
+            "tie_word_embeddings": True,
+        },
+    ),
+}
+_RECURRENT_HYBRID = {
+    **_MAMBA2_HYBRID,
+    **_CONV_HYBRID,
+    **_LIGHTNING_HYBRID,
+    **_MAMBA1_HYBRID,
+    **_RECURRENT_GEMMA,
+}
 # The pure state-space models (Mamba, Falcon-Mamba, Mamba-2): hidden 32, 2 layers, mixers 64
 # channels wide (Mamba-2: 4 heads of 16, 2 groups, 16-token chunks), state 8; the residual
 # stream in the model dtype (their default keeps it in float32).
@@ -731,7 +759,7 @@ def tiny_hf_config(kind: str, vocab_size: int = 64):
     ``granitemoeshared``, ``cohere``, ``cohere2``, ...; the Mamba-2 hybrids
     ``granitemoehybrid``, ``bamba``, ``nemotron_h``, ``falcon_h1``; the short-conv hybrids ``lfm2``,
     ``lfm2_moe``; the lightning-attention hybrid ``minimax``; the Mamba-1 hybrid ``jamba``; the
-    state-space models ``mamba``, ``falcon_mamba``, ``mamba2``), sdpa attention (eager for
+    Griffin hybrid ``recurrent_gemma``; the state-space models ``mamba``, ``falcon_mamba``, ``mamba2``), sdpa attention (eager for
     gpt-oss, whose class has no sdpa, and Gemma 2, whose attention soft-cap HF's sdpa path
     drops), eager experts (float64-capable on CPU).
     Raises ``ValueError`` for another kind."""
@@ -839,6 +867,7 @@ def tiny_hf_model(kind: str, *, seed: int = 0, vocab_size: int = 64) -> torch.nn
         "lfm2_moe": transformers.Lfm2MoeForCausalLM,
         "minimax": transformers.MiniMaxForCausalLM,
         "jamba": transformers.JambaForCausalLM,
+        "recurrent_gemma": transformers.RecurrentGemmaForCausalLM,
         "mamba": transformers.MambaForCausalLM,
         "falcon_mamba": transformers.FalconMambaForCausalLM,
         "mamba2": transformers.Mamba2ForCausalLM,

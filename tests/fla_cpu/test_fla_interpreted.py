@@ -117,6 +117,20 @@ def test_fla_gla_one_channel_value_heads(fla_kernel):
     _assert_fla_matches_reference(fla_kernel, lens, inputs, scale=1.0, delta_rule=False)
 
 
+def test_fla_simple_gla_one_entry_heads(fla_kernel):
+    """RecurrentGemma's RG-LRU through ``chunk_simple_gla``: 5 heads of one channel each, a
+    one-entry state (q = k = 1, keys and values zero-padded to fla's 16-wide tiles), a scalar
+    decay per head and token, write scale 1."""
+    lens = [37, 1, 70]
+    t = sum(lens)
+    gen = torch.Generator().manual_seed(11)
+    ones = torch.ones(t, 5, 1)
+    v = torch.randn(t, 5, 1, generator=gen)
+    g = -8.0 * torch.rand(t, 5, generator=gen) * torch.tensor([0.05, 0.3, 0.7, 1.0, 2.0])
+    inputs = (ones, ones.clone(), v, g, torch.ones(t, 5))
+    _assert_fla_matches_reference(fla_kernel, lens, inputs, scale=1.0, delta_rule=False)
+
+
 def test_fla_refuses_chunk_states_and_float64(fla_kernel):
     q, k, v, g, beta = _inputs(8, False)
     cu = torch.tensor([0, 8])

@@ -180,6 +180,35 @@ def test_fla_gla_one_channel_value_heads(cuda, report, dtype):
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fla_simple_gla_one_entry_heads(cuda, report, dtype):
+    """RecurrentGemma's RG-LRU through fla's ``chunk_simple_gla``: 64 heads of one channel with
+    a one-entry state (q = k = 1; keys and values zero-padded to fla's tiles), a scalar decay per
+    head and token, write scale 1; vs the torch reference."""
+    kern = _need("linear", "fla", cuda)
+    lens = [100, 1, 200, 37]
+    t = sum(lens)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), device=cuda)
+    gen = torch.Generator().manual_seed(4)
+    ones = torch.ones(t, 64, 1).to(cuda, dtype)
+    v = torch.randn(t, 64, 1, generator=gen).to(cuda, dtype)
+    g = (-8.0 * torch.rand(t, 64, generator=gen) * torch.rand(64, generator=gen)).to(cuda)
+    h0 = 0.1 * torch.randn(len(lens), 64, 1, 1, generator=gen).to(cuda)
+    beta = torch.ones(t, 64, device=cuda)
+    key = f"fla_vs_ref_rglru_{str(dtype).split('.')[-1]}"
+    _assert_fla_matches_reference(
+        kern,
+        (ones, ones.clone(), v, g, beta),
+        h0,
+        cu,
+        dtype,
+        report,
+        key,
+        scale=1.0,
+        delta_rule=False,
+    )
+
+
 # ------------------------------------------------------------------------------ attention
 def _varlen_kernel(name: str, cuda):
     """The named varlen attention kernel, or skip (``torch_varlen`` must exist with

@@ -24,7 +24,9 @@ Gated linear attention without the delta rule (``delta_rule=False``, Mamba-2 SSD
 beta sigmoid are applied outside; fla's own chunk length (64) is used. Value heads narrower than
 :data:`MIN_GLA_VALUE_DIM` (Mamba-1's selective scan: one channel per head) are zero-padded to it
 (fla's GLA tiles are at least that wide): the padded columns carry zero values, states and
-outputs, and are cut off again.
+outputs, and are cut off again; key heads narrower than :data:`MIN_GLA_KEY_DIM` (RecurrentGemma's
+RG-LRU: one state entry per channel) likewise, with zero q / k entries (``scale`` defaults to the
+true key width).
 
 fla exposes no exact per-chunk states (its ``h`` is stored in the input dtype and is internal), so
 ``output_chunk_states=True`` is refused: plans run with this kernel are first rewritten by
@@ -51,6 +53,9 @@ GDN_CHUNK_SIZES = (16, 32, 64)
 MAX_KEY_DIM = 256
 # The narrowest value head fla's GLA kernels take (their value tile feeds ``tl.dot``).
 MIN_GLA_VALUE_DIM = 16
+# The narrowest key head passed to them (``chunk_gla`` sizes its key tile from K, and ``tl.dot``
+# needs 16): RecurrentGemma's RG-LRU has one-entry heads.
+MIN_GLA_KEY_DIM = 16
 
 
 def _import_fla(*paths: str) -> tuple[Callable[..., Any], ...]:
@@ -270,7 +275,8 @@ class FlaLinearKernel:
         use_beta_sigmoid: bool,
     ) -> DeltaRuleOutput:
         """``delta_rule=False``: fla's ``chunk_simple_gla`` (scalar g) / ``chunk_gla``; value
-        heads narrower than :data:`MIN_GLA_VALUE_DIM` zero-padded to it."""
+        and key heads narrower than :data:`MIN_GLA_VALUE_DIM` / :data:`MIN_GLA_KEY_DIM`
+        zero-padded to them."""
         if use_qk_l2norm:
             q, k = l2norm(q), l2norm(k)
         b = torch.sigmoid(beta) if use_beta_sigmoid else beta
@@ -279,22 +285,31 @@ class FlaLinearKernel:
             q = q.repeat_interleave(group, dim=1)
             k = k.repeat_interleave(group, dim=1)
         fn = self._chunk_gla if g.dim() == 3 else self._chunk_simple_gla
-        vdim = v.shape[-1]
+        kdim, vdim = q.shape[-1], v.shape[-1]
+        if scale is None:  # the default of the true key width, not the padded one
+            scale = kdim**-0.5
         written = v * b.to(v.dtype)[..., None]
+        g = g.to(torch.float32)
         pad = max(0, MIN_GLA_VALUE_DIM - vdim)
         if pad:  # zero value columns: zero states and outputs there
             written = torch.nn.functional.pad(written, (0, pad))
             h0 = None if h0 is None else torch.nn.functional.pad(h0, (0, pad))
+        kpad = max(0, MIN_GLA_KEY_DIM - kdim)
+        if kpad:  # zero key entries: they add nothing to q·k, and their state rows stay zero
+            q, k = (torch.nn.functional.pad(x, (0, kpad)) for x in (q, k))
+            if g.dim() == 3:
+                g = torch.nn.functional.pad(g, (0, kpad))
+            h0 = None if h0 is None else torch.nn.functional.pad(h0, (0, 0, 0, kpad))
         o, final = fn(
             q.unsqueeze(0),
             k.unsqueeze(0),
             written.unsqueeze(0),
-            g=g.to(torch.float32).unsqueeze(0),
+            g=g.unsqueeze(0),
             scale=scale,
             initial_state=h0,
             output_final_state=True,
             cu_seqlens=cu,
         )
-        if pad:
-            o, final = o[..., :vdim], final[..., :vdim]
+        if pad or kpad:
+            o, final = o[..., :vdim], final[..., :kdim, :vdim]
         return DeltaRuleOutput(o=o.squeeze(0).to(v.dtype), final_state=final, chunk_states=None)
