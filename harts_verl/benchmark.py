@@ -10,7 +10,10 @@ analytic FLOP ratio for this model and forest (see :mod:`harts_verl.runtime.flop
 Fidelity: ``max_abs_dlogp`` between tree and expanded log-probs in the run dtype, and
 ``mean_logit_cos`` (mean over semantic positions of the full-vocabulary logit cosine).
 ``replay_tokens`` counts the chunked linear-attention replay of the tree layout (0 for a model
-without linear-attention layers, which replays nothing).
+without linear-attention layers, which replays nothing). ``compact_tokens`` / ``compression``
+describe the whole forest; ``run_compact_tokens`` / ``run_compression`` the work the tree runner
+does over its microbatches (a tree the capacity cuts repeats its shared prefix in each part),
+which is what ``ideal_flop_ratio`` (and so ``efficiency``) is computed from.
 
 :func:`prepare_bench` checks every setting and builds everything (model, workload, forest, plan)
 before :func:`measure_bench` times anything: a bad setting or input file raises there, naming
@@ -198,6 +201,8 @@ class PreparedBench:
     replay_tokens: int
     ideal_flop_ratio: float
     oversize_microbatches: int = 0  # compact work above capacity_tokens (a lone trajectory)
+    run_compact_tokens: int = 0  # Σ compact rows of the microbatches (shared rows of split trees
+    # count once per microbatch that holds them)
     notes: list[str] = field(default_factory=list)  # settings the run could not honour
 
 
@@ -279,6 +284,7 @@ def prepare_bench(cfg: BenchConfig) -> PreparedBench:
         replay_tokens=int(sum(replays)),
         ideal_flop_ratio=ideal,
         oversize_microbatches=int(oversize),
+        run_compact_tokens=int(sum(s.num_compact_tokens for s in subs)),
         notes=notes,
     )
 
@@ -367,6 +373,15 @@ def measure_bench(prep: PreparedBench) -> dict[str, Any]:
         "semantic_tokens": forest.num_semantic_tokens,
         "compact_tokens": forest.num_compact_tokens,
         "compression": round(forest.compression, 4),
+        # what the tree runner computes: the microbatches' rows (a tree cut by the capacity
+        # repeats its shared prefix in each part); ideal_flop_ratio is of this work
+        "run_compact_tokens": prep.run_compact_tokens,
+        "run_compression": round(
+            forest.num_semantic_tokens / prep.run_compact_tokens
+            if prep.run_compact_tokens
+            else 1.0,
+            4,
+        ),
         "microbatches": prep.microbatches,
         "oversize_microbatches": prep.oversize_microbatches,
         "replay_tokens": prep.replay_tokens,

@@ -45,6 +45,10 @@ def _check_result(res: dict) -> None:
     )
     assert res["max_abs_dlogp"] <= 1e-4 and res["mean_logit_cos"] > 0.99999
     assert len(res["tree_seconds"]) == len(res["expanded_seconds"]) == 1
+    assert res["compact_tokens"] <= res["run_compact_tokens"] <= res["semantic_tokens"]
+    assert res["run_compression"] == pytest.approx(
+        res["semantic_tokens"] / res["run_compact_tokens"], rel=1e-3
+    )
     json.dumps(res)
 
 
@@ -398,3 +402,20 @@ def test_settings_the_run_cannot_honour_are_reported(capsys):
     assert "max_semantic_tokens 10 is below" in err and "exceed capacity_tokens 64" in err
     ok = prepare_bench(BenchConfig(preset="tiny", scale=0.0005))
     assert ok.oversize_microbatches == 0 and ok.notes == []
+
+
+def test_run_compact_tokens_count_each_microbatch_s_rows():
+    """A capacity that cuts the trees: ``run_compact_tokens`` is the sum of the microbatches'
+    own tries (their shared prefixes repeated), above the forest's ``compact_tokens``, and the
+    ideal FLOP ratio is of that work (below the whole forest's)."""
+    from harts_verl.benchmark import prepare_bench
+    from harts_verl.runtime.flops import ideal_flop_ratio, model_shape
+    from harts_verl.tree.microbatch import compact_work
+
+    prep = prepare_bench(BenchConfig(preset="tiny", scale=0.002, capacity_tokens=600))
+    groups = prep.tree.plan(prep.forest)
+    assert len(groups) > 1
+    assert prep.run_compact_tokens == sum(compact_work(prep.forest, g) for g in groups)
+    assert prep.run_compact_tokens > prep.forest.num_compact_tokens
+    whole = ideal_flop_ratio(model_shape(prep.mcfg), prep.forest, 0)["ideal_flop_ratio"]
+    assert prep.ideal_flop_ratio < whole

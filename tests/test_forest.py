@@ -206,6 +206,12 @@ def test_edge_cases():
         ([[1], [[1, 2], [3, 4]]], r"sequences\[1\]: expected a 1-D"),
         ([[1], "abc"], r"sequences\[1\]: expected a 1-D sequence of token ids, got a string"),
         ([[True, False]], r"sequences\[0\]: token ids must be integers"),
+        # a bool among ints: numpy would make [True, 5] int64 [1, 5]
+        ([[1], [True, 5]], r"sequences\[1\]: token ids must be integers, got a bool"),
+        ([[3, np.True_]], r"sequences\[0\]: token ids must be integers, got a bool"),
+        ([bytearray(b"ab")], r"sequences\[0\]: expected a 1-D sequence of token ids, got a str"),
+        # one trajectory passed as the whole batch: its first id is no trajectory
+        ([5, 6], r"sequences\[0\]: expected a 1-D .* got the single value 5 .*wrap one"),
         # Python ints past int64 turn the array into floats/objects: name the value instead.
         ([[1], [-1, 2**63]], r"sequences\[1\]: token id 9223372036854775808 does not fit in int64"),
         ([[2**64]], r"sequences\[0\]: token id 18446744073709551616 does not fit in int64"),
@@ -235,6 +241,11 @@ def test_bad_group_ids_and_turns():
         RolloutForest.from_sequences([[1]]).rows_of(3)
     with pytest.raises(ValueError, match="trajectory_indices"):
         RolloutForest.from_sequences([[1]]).subset([1])
+    # bools among ints are refused, as a bool array is (numpy would read True as 1)
+    with pytest.raises(ValueError, match="group_ids: expected integers, got a bool"):
+        RolloutForest.from_sequences([[1], [2]], group_ids=[True, 5])
+    with pytest.raises(ValueError, match="trajectory_indices"):
+        RolloutForest.from_sequences([[1, 2], [1, 3], [4]]).subset([True, 2])
 
 
 @pytest.mark.parametrize(

@@ -458,6 +458,8 @@ def test_per_trajectory_temperature_validation() -> None:
         (["a", "b", "c"], "expected numbers"),
         (np.array(True), "finite positive number"),
         (np.array([-0.5]), "finite positive number"),
+        ([True, 1.0, 2.0], "got a bool"),  # numpy would read True as 1.0
+        (np.array([True, False, True]), "got a bool"),
     ):
         with pytest.raises(ValueError, match=msg):
             compact_log_probs(h, w, forest, temperature=bad)

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from harts_verl.tree import Microbatch, MicrobatchPlan, RolloutForest, plan_microbatches
 from harts_verl.tree.microbatch import (
+    MAX_DP_SIZE,
     compact_work,
     lcp_interval_tree,
     lower_bound_work,
@@ -290,6 +291,16 @@ def test_bad_arguments():
         plan_microbatches(f, capacity_tokens=5, strategies=["magic"])
     with pytest.raises(TypeError, match="RolloutForest"):
         plan_microbatches([[1, 2]], capacity_tokens=5)  # type: ignore[arg-type]
+    # a DP world past MAX_DP_SIZE would allocate one microbatch list per replica
+    with pytest.raises(ValueError, match=r"dp_size: expected an int <= 1048576"):
+        plan_microbatches(f, capacity_tokens=5, dp_size=2**40)
+    assert MAX_DP_SIZE == 2**20
+    with pytest.raises(ValueError, match="dp_size"):
+        place_microbatches(np.array([3, 2]), 0)
+    with pytest.raises(ValueError, match="works"):
+        place_microbatches(np.array([3.5, 2.0]), 2)
+    with pytest.raises(ValueError, match="trajectories"):
+        compact_work(f, [True, 1])  # a bool among ints (numpy would read it as 1)
 
 
 @pytest.mark.parametrize("seed", [-1, -(2**70), 1.0, True, None])

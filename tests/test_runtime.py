@@ -191,6 +191,21 @@ def test_recompute_does_not_change_results():
     _assert_grads_close(grads[1], grads[0], rel=1e-12)
 
 
+def test_runner_keeps_the_models_own_checkpointing_setting():
+    """``recompute`` governs the runner's forwards; the model's own ``gradient_checkpointing``
+    is what it was before (it used to be left at the runner's value)."""
+    model = HybridForCausalLM.from_config(preset("tiny", vocab_size=64, chunk_size=16)).double()
+    seqs = _forest_sequences(3, 64)
+    seen = []
+    model.register_forward_pre_hook(lambda m, _args: seen.append(m.gradient_checkpointing))
+    model.gradient_checkpointing = True
+    TreeRunner(model, chunk_size=16, recompute=False).forward_backward(seqs, _loss_fn(len(seqs)))
+    assert seen == [False] and model.gradient_checkpointing is True
+    model.gradient_checkpointing = False
+    TreeRunner(model, chunk_size=16, recompute=True).log_probs(seqs)
+    assert seen[1:] == [True] and model.gradient_checkpointing is False
+
+
 def test_bf16_logit_cosine():
     """bf16 tree vs float64 expanded: mean logit cosine ≥ 0.9999 and no worse than expanded bf16."""
     torch.manual_seed(3)

@@ -380,6 +380,33 @@ def test_fallback_batches_of_packing_unsafe_models_run_padded(verl_cpu, caplog, 
     assert float((log_probs(False) - tree).abs().max()) > 1e-3
 
 
+def test_trajectories_over_the_token_budget_run_whole_and_are_named(verl_cpu, caplog):
+    """A trajectory longer than the micro-batch budget (here harts.capacity_tokens = 12) runs
+    whole in its own micro-batch — nothing truncated, the same log-probs as with a budget that
+    fits — and the engine says so (one WARNING, the metric harts/oversize_microbatches), where
+    the stock engine refuses the batch."""
+    testing, paths = verl_cpu
+    seqs, prompt_lens, spans = _multiturn_batch(seed=12)
+    assert max(len(s) for s in seqs) > 12
+
+    def infer(capacity: int):
+        cfg = testing.actor_config(harts={"capacity_tokens": capacity})
+        engine = testing.build_engine(paths["qwen2"], cfg)
+        with engine.eval_mode():
+            res = engine.infer_batch(testing.make_batch(seqs, prompt_lens, tool_spans=spans))
+        return res["model_output"]["log_probs"], res["metrics"]
+
+    with caplog.at_level("WARNING"):
+        small, met_small = infer(12)
+    assert met_small["harts/oversize_microbatches"][0] >= 1
+    assert any("exceed the token budget of 12 rows" in r.getMessage() for r in caplog.records)
+    fits, met_fits = infer(4096)
+    assert met_fits["harts/oversize_microbatches"] == [0.0]
+    for a, b in zip(small.unbind(), fits.unbind(), strict=True):
+        assert a.shape == b.shape
+        assert float((a - b).abs().max()) <= 1e-6
+
+
 def test_fused_kernels_with_a_logit_transform_warn(verl_cpu, caplog, monkeypatch):
     """veRL's fused forward leaves out Granite's logits_scaling (stock batches would differ from
     tree mode, HF and the rollout): the build says so."""

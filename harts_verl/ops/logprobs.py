@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from harts_verl.tree._checks import check_positive
+from harts_verl.tree._checks import check_positive, holds_bool
 
 __all__ = [
     "LabelPairs",
@@ -373,6 +373,8 @@ def check_temperatures(temperature: Any, n: int) -> float | np.ndarray:
             raise ValueError(f"temperature: expected real numbers, got {temperature.dtype}")
         arr = temperature.detach().to("cpu", torch.float64).numpy()
     else:
+        if holds_bool(temperature) or getattr(temperature, "dtype", None) == np.bool_:
+            raise ValueError(f"temperature: expected numbers, got a bool in {temperature!r}")
         try:
             arr = np.asarray(temperature, dtype=np.float64)
         except (TypeError, ValueError) as exc:

@@ -189,8 +189,14 @@ class _Runner:
         self, forest: RolloutForest, temperature: float | np.ndarray, with_entropy: bool
     ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, torch.Tensor]:
         layout = TreeLayout(forest, chunk_size=self.chunk_size, device=self.device)
+        # The runner's ``recompute`` for this forward; the model's own setting is restored after
+        # it (checkpointed layers keep what they need for their recomputation in backward).
+        saved = getattr(self.model, "gradient_checkpointing", False)
         self.model.gradient_checkpointing = self.recompute
-        hidden, aux = self.model(layout.token_ids, layout)
+        try:
+            hidden, aux = self.model(layout.token_ids, layout)
+        finally:
+            self.model.gradient_checkpointing = saved
         w = self.model.lm_head.weight
         res = compact_log_probs(
             hidden,

@@ -17,6 +17,16 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
+def holds_bool(values: Any) -> bool:
+    """Whether a list / tuple holds a bool (Python or numpy) among its items: numpy turns
+    ``[True, 5]`` into int64 ``[1, 5]``, so a dtype check after ``np.asarray`` cannot see it.
+    False for anything else (arrays carry their dtype)."""
+    if not isinstance(values, list | tuple):
+        return False
+    kinds = set(map(type, values))
+    return bool in kinds or np.bool_ in kinds
+
+
 def check_int(name: str, value: Any, minimum: int, maximum: int | None = INT64_MAX) -> int:
     """``value`` as a Python int after checking it is an integer (:func:`is_int`) in
     ``[minimum, maximum]`` (``maximum=None``: no upper bound; by default the int64 range, so

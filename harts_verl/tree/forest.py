@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from harts_verl.tree._checks import INT64_MAX, is_int
+from harts_verl.tree._checks import INT64_MAX, holds_bool, is_int
 from harts_verl.tree._rangemin import RangeMin
 
 __all__ = ["RolloutForest", "Segments", "Turn", "as_trajectory_array"]
@@ -68,8 +68,10 @@ def as_trajectory_array(
     Raises ValueError naming ``field[index]`` for ragged/nested input, non-integer or negative
     ids, and an empty ``item`` (a trajectory, or a turn of :meth:`RolloutForest.from_turns`).
     """
-    if isinstance(seq, str | bytes):
+    if isinstance(seq, str | bytes | bytearray):
         raise ValueError(f"{field}[{index}]: expected a 1-D sequence of token ids, got a string")
+    if holds_bool(seq):
+        raise ValueError(f"{field}[{index}]: token ids must be integers, got a bool")
     try:
         arr = np.asarray(seq)
     except ValueError as exc:  # ragged nesting inside one trajectory
@@ -88,6 +90,11 @@ def as_trajectory_array(
             arr = exact
     if arr.dtype == object:
         raise ValueError(f"{field}[{index}]: expected integer token ids, got objects/ragged data")
+    if arr.ndim == 0:
+        raise ValueError(
+            f"{field}[{index}]: expected a 1-D sequence of token ids, got the single value "
+            f"{seq!r} ({field} is a list of {item}s: wrap one {item} in a list)"
+        )
     if arr.ndim != 1:
         raise ValueError(
             f"{field}[{index}]: expected a 1-D sequence of token ids, got shape {arr.shape}"
@@ -318,6 +325,8 @@ class RolloutForest:
             raise ValueError(f"group_ids: expected {n} integers ({exc})") from exc
         if g.shape != (n,):
             raise ValueError(f"group_ids: expected shape ({n},), got {g.shape}")
+        if holds_bool(group_ids):
+            raise ValueError("group_ids: expected integers, got a bool")
         if n and (g.dtype == object or g.dtype.kind == "f"):  # Python ints past int64
             wide = _int_outside_int64(group_ids)
             if wide is not None:
@@ -487,7 +496,11 @@ class RolloutForest:
         """The forest of the given trajectories (in the given order); equal to building it from
         their sequences, without re-sorting (leaf order and LCPs are restricted)."""
         idx = np.asarray(trajectory_indices)
-        if idx.ndim != 1 or (idx.size and idx.dtype.kind not in "iu"):
+        if (
+            idx.ndim != 1
+            or (idx.size and idx.dtype.kind not in "iu")
+            or holds_bool(trajectory_indices)
+        ):
             raise ValueError("trajectory_indices: expected a 1-D array of integer indices")
         idx = idx.astype(np.int64, copy=False)
         n = self.num_trajectories

@@ -83,10 +83,12 @@ from typing import Any
 import numpy as np
 
 from harts_verl.tree._checks import check_int as _check_int
+from harts_verl.tree._checks import holds_bool
 from harts_verl.tree._rangemin import RangeMin
 from harts_verl.tree.forest import RolloutForest
 
 __all__ = [
+    "MAX_DP_SIZE",
     "IntervalTree",
     "Microbatch",
     "MicrobatchPlan",
@@ -101,6 +103,8 @@ __all__ = [
     "validate_options",
 ]
 
+# The most DP replicas a plan takes (one empty microbatch list is kept per replica).
+MAX_DP_SIZE = 1 << 20
 _INF = np.int64(1) << 62
 _DENSE_LCP_MAX = 2500  # below this many trajectories, keep the full LCP matrix
 _BAL_GROUPS, _BAL_SOURCES, _BAL_CANDS = 16, 8, 16  # balance search breadth
@@ -1281,8 +1285,13 @@ def place_microbatches(works: np.ndarray, dp_size: int) -> tuple[np.ndarray, np.
     Works sorted decreasingly (ties by index) are cut into consecutive groups of ``dp_size``,
     one group per slot: Σ over slots of the slot's largest work is then minimal for these works.
     Within a slot, larger microbatches go to replicas with less cumulative work so far (ties:
-    lower replica id)."""
-    works = np.asarray(works, dtype=np.int64)
+    lower replica id). Raises ValueError for a ``dp_size`` outside ``[1, MAX_DP_SIZE]`` or
+    ``works`` that are not a 1-D array of non-negative integers."""
+    _check_int("dp_size", dp_size, 1, MAX_DP_SIZE)
+    raw = np.asarray(works)
+    if raw.ndim != 1 or (raw.size and (raw.dtype.kind not in "iu" or int(raw.min()) < 0)):
+        raise ValueError("works: expected a 1-D array of non-negative integer works")
+    works = raw.astype(np.int64, copy=False)
     k = works.shape[0]
     num_slots = -(-k // dp_size) if k else 0
     order = np.lexsort((np.arange(k), -works))
@@ -1308,7 +1317,7 @@ def _check_forest(forest: Any) -> None:
 def _check_inputs(forest: Any, capacity_tokens: Any, dp_size: Any, seed: Any) -> None:
     _check_forest(forest)
     _check_int("capacity_tokens", capacity_tokens, 1)
-    _check_int("dp_size", dp_size, 1)
+    _check_int("dp_size", dp_size, 1, MAX_DP_SIZE)
     _check_int("seed", seed, 0, None)  # numpy's generators take any non-negative int
 
 
@@ -1385,7 +1394,8 @@ def plan_microbatches(
     perturb-and-improve rounds, default 0 — only they use ``seed``); ``effort`` (number >= 0,
     scales move budgets); ``max_layers_work`` (int >= 0, bound on K·n for the fixed-K contiguous
     DP). An unknown option raises TypeError, an illegal value ValueError naming the option;
-    ``capacity_tokens`` and ``dp_size`` must be ints in ``[1, 2**63 - 1]`` and ``seed`` an int
+    ``capacity_tokens`` must be an int in ``[1, 2**63 - 1]``, ``dp_size`` one in
+    ``[1, MAX_DP_SIZE]`` (2**20) and ``seed`` an int
     ``>= 0`` (ValueError naming it, checked before any planning).
 
     Guarantees: each trajectory is in exactly one microbatch; no microbatch exceeds the
@@ -1787,7 +1797,8 @@ def compact_work(forest: RolloutForest, trajectories: Sequence[int] | np.ndarray
     _check_forest(forest)
     idx = np.asarray(trajectories)
     n = forest.num_trajectories
-    if idx.ndim != 1 or (idx.size and (idx.dtype.kind not in "iu" or idx.dtype == np.bool_)):
+    bad_dtype = idx.size and (idx.dtype.kind not in "iu" or idx.dtype == np.bool_)
+    if idx.ndim != 1 or bad_dtype or holds_bool(trajectories):
         raise ValueError("trajectories: expected a 1-D array of integer trajectory indices")
     if idx.size == 0:
         return 0

@@ -467,6 +467,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         self._calls = 0
         self._stock_batch = False  # inside a fallback batch: forward_step is veRL's
         self._fallback_logged: set[str] = set()  # fallback reasons already logged
+        self._oversize_warned = False  # a micro-batch over the token budget was named
 
     # ------------------------------------------------------------------ model build
     # which model output the audit compares, and whether positions are shifted by one
@@ -706,6 +707,28 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         ]
         return groups, (time.perf_counter() - t0) * 1e3
 
+    def _note_oversize(
+        self, forest: RolloutForest, groups: list[tuple[int, np.ndarray]], capacity: int
+    ) -> int:
+        """The number of planned micro-batches whose compact work exceeds ``capacity``: each
+        holds copies of one trajectory longer than the budget, which runs whole (nothing is
+        truncated). The stock engine refuses such a batch, so the first one is named in a
+        WARNING (the metric ``harts/oversize_microbatches`` counts them in every call)."""
+        over = [w for w, _ in groups if w > capacity]
+        if over and not self._oversize_warned:
+            self._oversize_warned = True
+            logger.warning(
+                "harts_fsdp2: %d micro-batch(es) exceed the token budget of %d rows: the "
+                "longest trajectory has %d tokens and runs whole in one micro-batch (the stock "
+                "engine refuses such a batch: 'max_token_len must be greater than the sequence "
+                "length'); raise max_token_len_per_gpu or harts.capacity_tokens to bound "
+                "memory (metric harts/oversize_microbatches)",
+                len(over),
+                capacity,
+                int(forest.lengths.max()),
+            )
+        return len(over)
+
     @staticmethod
     def _equalize(
         forest: RolloutForest, groups: list[tuple[int, np.ndarray]], target: int
@@ -893,6 +916,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
 
         capacity = self._capacity(data, int(forest.lengths.max()) if len(data) else 1)
         groups, planning_ms = self._plan(forest, capacity)
+        oversize = self._note_oversize(forest, groups, capacity)
         target = int(self._dp_all_reduce([len(groups)], op=dist.ReduceOp.MAX)[0])
         sp = self._sp_size()
         target = -(-target // sp) * sp  # Ulysses SP: the SP ranks share the micro-batches
@@ -968,6 +992,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         metrics["harts/microbatches"] = [float(len(groups_eq))]
         metrics["harts/dummy_microbatches"] = [float(sum(g is None for g in groups_eq))]
         metrics["harts/planning_ms"] = [planning_ms]
+        metrics["harts/oversize_microbatches"] = [float(oversize)]
         metrics["harts/fallback"] = [0.0]
         if not forward_only:
             metrics["harts/stock_split_loss"] = [float(stock_split)]
