@@ -185,6 +185,30 @@ def test_chunk_matches_recurrent_float64(
         "use_beta_sigmoid": use_beta_sigmoid,
         "delta_rule": delta_rule,
     }
+    _assert_chunk_matches_recurrent(x, flags, lengths, chunk_size, with_h0)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 16, 64])
+@pytest.mark.parametrize(("group", "V"), [(1, 1), (3, 1), (2, 3)])
+@pytest.mark.parametrize("with_h0", [False, True])
+def test_diagonal_scan_matches_recurrent_float64(
+    chunk_size: int, group: int, V: int, with_h0: bool
+) -> None:
+    """One-entry keys, a scalar decay, no delta rule (RecurrentGemma's RG-LRU: a diagonal
+    recurrence per channel, run as a within-chunk scan instead of [C, C] scores): chunkwise ==
+    token-by-token, outputs, final and chunk-start states; strong decays included."""
+    lengths = [75, 0, 40, 64, 1, 130]
+    x = _inputs(lengths, kda=False, H=2, group=group, K=1, V=V, seed=3, with_h0=with_h0)
+    x["g"] = x["g"] * torch.linspace(0.01, 30.0, x["g"].shape[0], dtype=F64)[:, None]
+    for flags in ({"delta_rule": False}, {"delta_rule": False, "use_beta_sigmoid": True}):
+        _assert_chunk_matches_recurrent(x, flags, lengths, chunk_size, with_h0)
+
+
+def _assert_chunk_matches_recurrent(
+    x: dict, flags: dict, lengths: list[int], chunk_size: int, with_h0: bool
+) -> None:
+    """The chunk kernel on ``x`` equals the recurrent oracle to 1e-10 (float64): outputs, final
+    states, and every chunk-start state (the oracle's final state of the member prefix)."""
     o, final, cs = chunk_delta_rule_varlen(
         **x, **flags, chunk_size=chunk_size, output_chunk_states=True
     )
@@ -217,25 +241,28 @@ def test_chunk_matches_recurrent_float64(
 
 
 @pytest.mark.parametrize(
-    ("kda", "chunk_size", "decay", "delta_rule"),
+    ("kda", "chunk_size", "decay", "delta_rule", "K"),
     [
-        (True, 16, 1.0, True),
-        (True, 64, 1.0, True),
-        (True, 24, 1.0, True),
-        (False, 32, 1.0, True),
-        (True, 32, 30.0, True),
-        (False, 64, 30.0, True),
-        (False, 32, 1.0, False),
-        (True, 16, 30.0, False),
+        (True, 16, 1.0, True, 8),
+        (True, 64, 1.0, True, 8),
+        (True, 24, 1.0, True, 8),
+        (False, 32, 1.0, True, 8),
+        (True, 32, 30.0, True, 8),
+        (False, 64, 30.0, True, 8),
+        (False, 32, 1.0, False, 8),
+        (True, 16, 30.0, False, 8),
+        (False, 64, 1.0, False, 1),  # the diagonal scan (one-entry keys)
+        (False, 5, 30.0, False, 1),
     ],
 )
 def test_gradients_match_recurrent_float64(
-    kda: bool, chunk_size: int, decay: float, delta_rule: bool
+    kda: bool, chunk_size: int, decay: float, delta_rule: bool, K: int
 ) -> None:
     """Autograd grads of the chunk kernel equal the recurrent oracle's (q, k, v, g, beta, h0);
     decay=30 makes in-chunk cumulative log decays reach the hundreds (overflow hazard);
-    ``delta_rule=False``: gated linear attention (Mamba-2 SSD)."""
-    x = _inputs([75, 0, 40, 64], kda=kda, seed=11, decay=decay)
+    ``delta_rule=False``: gated linear attention (Mamba-2 SSD; with K = 1 the diagonal scan of
+    RecurrentGemma's RG-LRU)."""
+    x = _inputs([75, 0, 40, 64], kda=kda, K=K, seed=11, decay=decay)
     x["beta"] = torch.logit(x["beta"])  # exercise use_beta_sigmoid in the graph
     names = ("q", "k", "v", "g", "beta", "initial_state")
     gen = torch.Generator().manual_seed(5)
@@ -396,6 +423,30 @@ def test_bitwise_mid_chunk_stop(kda: bool, chunk_size: int, stop: int) -> None:
     other = dict(_rows(x, 256, 296), initial_state=x["initial_state"][1:])
     o_packed, _, _ = chunk_delta_rule_varlen(**_pack([other, short]), chunk_size=chunk_size)
     assert torch.equal(o_packed[40:], o[:stop])
+
+
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_bitwise_diagonal_scan_invariances(chunk_size: int) -> None:
+    """The diagonal-scan path (K = 1, scalar decay, no delta rule) keeps the float32 batch
+    invariances: packed == alone, chunk-boundary handoff == straight run, a member ending inside
+    a chunk == the same rows of a longer run."""
+    C, L = chunk_size, 3 * chunk_size + 27
+    x = _inputs([L, 50, 93], kda=False, H=4, group=2, K=1, V=1, dtype=F32, seed=9)
+    flags = {"chunk_size": C, "delta_rule": False}
+    whole = dict(_rows(x, 0, L), initial_state=x["initial_state"][:1])
+    o, s, cs = chunk_delta_rule_varlen(**whole, **flags, output_chunk_states=True)
+    op, sp, _ = chunk_delta_rule_varlen(**x, **flags)
+    assert torch.equal(op[:L], o) and torch.equal(sp[0], s[0])
+    head = dict(_rows(x, 0, C), initial_state=x["initial_state"][:1])
+    o1, s1, _ = chunk_delta_rule_varlen(**head, **flags)
+    assert cs is not None and torch.equal(s1[0], cs.states[1])
+    other = dict(_rows(x, L, L + 50), initial_state=x["initial_state"][1:2])
+    tail = dict(_rows(x, C, L), initial_state=s1)
+    o2, s2, _ = chunk_delta_rule_varlen(**_pack([other, tail]), **flags)
+    assert torch.equal(torch.cat([o1, o2[50:]]), o) and torch.equal(s2[1], s[0])
+    short = dict(_rows(x, 0, C + 5), initial_state=x["initial_state"][:1])
+    o_short, _, _ = chunk_delta_rule_varlen(**short, **flags)
+    assert torch.equal(o_short, o[: C + 5])
 
 
 def test_bitwise_bf16_handoff() -> None:

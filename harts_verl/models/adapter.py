@@ -908,6 +908,26 @@ def _lightning_tree_forward(
     return self.out_proj(o), None
 
 
+def _attention_input(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], second: str
+) -> tuple[torch.Tensor, Any, int]:
+    """``(hidden_states, the value of parameter second, C)`` of a tree-mode attention call
+    whose leading parameters are ``hidden_states`` (``[1, C, D]``), ``second``,
+    ``attention_mask`` and ``past_key_values``. Raises ``ValueError`` for a cache (tree mode
+    keeps none) and ``NotImplementedError`` for attention dropout in training."""
+    names = ("hidden_states", second, "attention_mask", "past_key_values")
+    hidden_states, value, _, past_key_values = _bind(args, kwargs, names)
+    c = _compact_batch(module, hidden_states)
+    if past_key_values is not None:
+        raise ValueError("past_key_values: tree mode keeps no cache (call with use_cache=False)")
+    if module.training and module.attention_dropout:
+        raise NotImplementedError(
+            f"{type(module).__name__}: attention dropout ({module.attention_dropout}) is not "
+            "supported in tree mode"
+        )
+    return hidden_states, value, c
+
+
 def _rg_lru_tree(module: nn.Module, x: torch.Tensor, layout: TreeLayout) -> torch.Tensor:
     """RecurrentGemma's RG-LRU over the planned rounds, x ``[C, W]`` (the conv output) →
     ``[C, W]`` in x's dtype: HF's input and recurrence gates (block-diagonal, ``baddbmm``), log
@@ -977,16 +997,7 @@ def _rg_attn_tree_forward(
     layout = _tree_layout(self, harts_layout)
     if layout is None:
         return _original(self)(*args, **kwargs)
-    names = ("hidden_states", "position_ids", "attention_mask", "past_key_values")
-    hidden_states, _, _, past_key_values = _bind(args, kwargs, names)
-    c = _compact_batch(self, hidden_states)
-    if past_key_values is not None:
-        raise ValueError("past_key_values: tree mode keeps no cache (call with use_cache=False)")
-    if self.training and self.attention_dropout:
-        raise NotImplementedError(
-            f"{type(self).__name__}: attention dropout ({self.attention_dropout}) is not "
-            "supported in tree mode"
-        )
+    hidden_states, _, c = _attention_input(self, args, kwargs, "position_ids")
     d = self.head_dim
     q = self.q_proj(hidden_states).view(1, c, -1, d).transpose(1, 2)
     k = self.k_proj(hidden_states).view(1, c, -1, d).transpose(1, 2)
@@ -1022,16 +1033,9 @@ def _olmo_attn_tree_forward(
     layout = _tree_layout(self, harts_layout)
     if layout is None:
         return _original(self)(*args, **kwargs)
-    names = ("hidden_states", "position_embeddings", "attention_mask", "past_key_values")
-    hidden_states, position_embeddings, _, past_key_values = _bind(args, kwargs, names)
-    c = _compact_batch(self, hidden_states)
-    if past_key_values is not None:
-        raise ValueError("past_key_values: tree mode keeps no cache (call with use_cache=False)")
-    if self.training and self.attention_dropout:
-        raise NotImplementedError(
-            f"{type(self).__name__}: attention dropout ({self.attention_dropout}) is not "
-            "supported in tree mode"
-        )
+    hidden_states, position_embeddings, c = _attention_input(
+        self, args, kwargs, "position_embeddings"
+    )
     q = self.q_norm(self.q_proj(hidden_states)).view(1, c, -1, self.head_dim).transpose(1, 2)
     k = self.k_norm(self.k_proj(hidden_states)).view(1, c, -1, self.head_dim).transpose(1, 2)
     v = self.v_proj(hidden_states).view(1, c, -1, self.head_dim)
