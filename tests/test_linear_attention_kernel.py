@@ -188,20 +188,61 @@ def test_chunk_matches_recurrent_float64(
     _assert_chunk_matches_recurrent(x, flags, lengths, chunk_size, with_h0)
 
 
+# Small states that run as a scan of the state (K * V <= 16; no delta rule): RecurrentGemma's
+# RG-LRU (K = V = 1, scalar decay), Jamba's Mamba-1 scan (K = d_state, V = 1, per-entry decay),
+# and the edges of the rule.
+_SCAN_SHAPES = [
+    (False, 1, 1, 1),
+    (False, 3, 1, 1),
+    (False, 2, 1, 3),
+    (True, 1, 16, 1),
+    (True, 2, 4, 4),
+    (False, 1, 2, 8),
+]
+
+
 @pytest.mark.parametrize("chunk_size", [1, 3, 16, 64])
-@pytest.mark.parametrize(("group", "V"), [(1, 1), (3, 1), (2, 3)])
+@pytest.mark.parametrize(("kda", "group", "K", "V"), _SCAN_SHAPES)
 @pytest.mark.parametrize("with_h0", [False, True])
-def test_diagonal_scan_matches_recurrent_float64(
-    chunk_size: int, group: int, V: int, with_h0: bool
+def test_small_state_scan_matches_recurrent_float64(
+    chunk_size: int, kda: bool, group: int, K: int, V: int, with_h0: bool
 ) -> None:
-    """One-entry keys, a scalar decay, no delta rule (RecurrentGemma's RG-LRU: a diagonal
-    recurrence per channel, run as a within-chunk scan instead of [C, C] scores): chunkwise ==
-    token-by-token, outputs, final and chunk-start states; strong decays included."""
+    """No delta rule and at most 16 state entries a head: a within-chunk scan of the state
+    instead of [C, C] scores; chunkwise == token-by-token, outputs, final and chunk-start
+    states; strong decays included (cumulative log decays in the hundreds)."""
     lengths = [75, 0, 40, 64, 1, 130]
-    x = _inputs(lengths, kda=False, H=2, group=group, K=1, V=V, seed=3, with_h0=with_h0)
-    x["g"] = x["g"] * torch.linspace(0.01, 30.0, x["g"].shape[0], dtype=F64)[:, None]
+    x = _inputs(lengths, kda=kda, H=2, group=group, K=K, V=V, seed=3, with_h0=with_h0)
+    ramp = torch.linspace(0.01, 30.0, x["g"].shape[0], dtype=F64)
+    x["g"] = x["g"] * (ramp[:, None, None] if kda else ramp[:, None])
     for flags in ({"delta_rule": False}, {"delta_rule": False, "use_beta_sigmoid": True}):
         _assert_chunk_matches_recurrent(x, flags, lengths, chunk_size, with_h0)
+
+
+@pytest.mark.parametrize(("kda", "group", "K", "V"), _SCAN_SHAPES)
+def test_small_state_scan_gradients_match_recurrent_float64(
+    kda: bool, group: int, K: int, V: int
+) -> None:
+    """Autograd gradients of the scan path (q, k, v, g, beta, h0) equal the recurrent
+    oracle's, with in-kernel q/k L2 norm and beta sigmoid in the graph."""
+    x = _inputs([75, 0, 40, 64], kda=kda, H=2, group=group, K=K, V=V, seed=11, decay=30.0)
+    x["beta"] = torch.logit(x["beta"])
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    gen = torch.Generator().manual_seed(5)
+    w_o = torch.randn(x["v"].shape, generator=gen, dtype=F64)
+    w_s = torch.randn(x["initial_state"].shape, generator=gen, dtype=F64)
+
+    def grads(fn: Callable[..., tuple]) -> list[torch.Tensor]:
+        leaves = {n: x[n].detach().clone().requires_grad_() for n in names}
+        flags = dict(use_qk_l2norm=True, use_beta_sigmoid=True, delta_rule=False)
+        out = fn(**leaves, cu_seqlens=x["cu_seqlens"], **flags)
+        ((out[0] * w_o).sum() + (out[1] * w_s).sum()).backward()
+        return [leaves[n].grad for n in names]
+
+    g_chunk = grads(lambda **kw: chunk_delta_rule_varlen(**kw, chunk_size=16))
+    g_ref = grads(recurrent_delta_rule_ref)
+    for name, a, b in zip(names, g_chunk, g_ref, strict=True):
+        assert torch.isfinite(a).all(), name
+        assert _rel(a, b) <= 1e-9, (name, _rel(a, b))
 
 
 def _assert_chunk_matches_recurrent(
@@ -251,8 +292,6 @@ def _assert_chunk_matches_recurrent(
         (False, 64, 30.0, True, 8),
         (False, 32, 1.0, False, 8),
         (True, 16, 30.0, False, 8),
-        (False, 64, 1.0, False, 1),  # the diagonal scan (one-entry keys)
-        (False, 5, 30.0, False, 1),
     ],
 )
 def test_gradients_match_recurrent_float64(
@@ -260,8 +299,7 @@ def test_gradients_match_recurrent_float64(
 ) -> None:
     """Autograd grads of the chunk kernel equal the recurrent oracle's (q, k, v, g, beta, h0);
     decay=30 makes in-chunk cumulative log decays reach the hundreds (overflow hazard);
-    ``delta_rule=False``: gated linear attention (Mamba-2 SSD; with K = 1 the diagonal scan of
-    RecurrentGemma's RG-LRU)."""
+    ``delta_rule=False``: gated linear attention (Mamba-2 SSD)."""
     x = _inputs([75, 0, 40, 64], kda=kda, K=K, seed=11, decay=decay)
     x["beta"] = torch.logit(x["beta"])  # exercise use_beta_sigmoid in the graph
     names = ("q", "k", "v", "g", "beta", "initial_state")
@@ -426,12 +464,13 @@ def test_bitwise_mid_chunk_stop(kda: bool, chunk_size: int, stop: int) -> None:
 
 
 @pytest.mark.parametrize("chunk_size", [16, 64])
-def test_bitwise_diagonal_scan_invariances(chunk_size: int) -> None:
-    """The diagonal-scan path (K = 1, scalar decay, no delta rule) keeps the float32 batch
-    invariances: packed == alone, chunk-boundary handoff == straight run, a member ending inside
-    a chunk == the same rows of a longer run."""
+@pytest.mark.parametrize(("kda", "K"), [(False, 1), (True, 16)])
+def test_bitwise_small_state_scan_invariances(chunk_size: int, kda: bool, K: int) -> None:
+    """The scan path (no delta rule, a small state: RG-LRU- and Mamba-1-shaped) keeps the
+    float32 batch invariances: packed == alone, chunk-boundary handoff == straight run, a
+    member ending inside a chunk == the same rows of a longer run."""
     C, L = chunk_size, 3 * chunk_size + 27
-    x = _inputs([L, 50, 93], kda=False, H=4, group=2, K=1, V=1, dtype=F32, seed=9)
+    x = _inputs([L, 50, 93], kda=kda, H=4, group=2, K=K, V=1, dtype=F32, seed=9)
     flags = {"chunk_size": C, "delta_rule": False}
     whole = dict(_rows(x, 0, L), initial_state=x["initial_state"][:1])
     o, s, cs = chunk_delta_rule_varlen(**whole, **flags, output_chunk_states=True)

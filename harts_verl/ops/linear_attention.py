@@ -23,11 +23,13 @@ head ``h // (HV // H)``.
 
 :func:`chunk_delta_rule_varlen` is the chunkwise (WY / UT-transform) algorithm, written so that a
 member's results never depend on what else is in the batch (fixed ``[chunk_size, chunk_size]``
-shapes per chunk, ``matmul``/elementwise ops only, no ``einsum``); with one-entry keys
-(``K = 1``), a scalar decay and no delta rule — a diagonal recurrence per value head, e.g.
-RecurrentGemma's RG-LRU — a chunk's writes are a within-chunk scan (:func:`_diagonal_scan`,
-``O(C log C)`` per head instead of ``[C, C]`` score matrices: measured on one CPU thread, 4096
-tokens × 256 one-entry heads, 2.9 s → 0.14 s forward and 18.0 s → 0.27 s backward); :func:`recurrent_delta_rule_ref`
+shapes per chunk, ``matmul``/elementwise ops only, no ``einsum``); without the delta rule and
+with a small state (``K · V <= 16`` entries a head: RecurrentGemma's RG-LRU, one entry a channel;
+Jamba's Mamba-1 scan, ``d_state`` entries a channel) every state entry is its own diagonal
+recurrence, and a chunk's writes are a within-chunk scan of the state (:func:`_diagonal_scan`,
+``log2 C`` elementwise steps instead of ``[C, C]`` score matrices: measured on one CPU
+thread, 4096 tokens × 256 one-entry heads, 2.9 s → 0.14 s forward and 18.0 s → 0.27 s
+backward); :func:`recurrent_delta_rule_ref`
 is the token-by-token oracle. Both are differentiable with respect to every tensor input,
 including the initial states.
 """
@@ -366,24 +368,33 @@ def _causal_scores_per_channel(
 
 
 def _diagonal_scan(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """Within-chunk scan ``h_i = exp(g_i) * h_{i-1} + x_i`` from ``h_{-1} = 0`` of every chunk:
-    ``h_i = sum_{j <= i} exp(G_i - G_j) x_j`` with ``G`` the within-chunk cumulative log decay.
+    """Within-chunk scan ``h_i = exp(g_i) * h_{i-1} + x_i`` from ``h_{-1} = 0`` of every chunk,
+    entry by entry: ``h_i = sum_{j <= i} exp(G_i - G_j) x_j`` with ``G`` the within-chunk
+    cumulative log decay.
 
-    x: ``[..., C, V]``; g: ``[..., C]`` (log decays ``<= 0``). Hillis-Steele steps of spans 1, 2,
-    4, ... (``ceil(log2 C)`` elementwise steps): only sums of log decays over row ranges are
-    exponentiated (never ``exp(G) * exp(-G)``), and row i reads rows ``<= i`` only, with the
-    same op sequence whatever the rows after it (so a member ending inside a chunk matches a
-    longer run bitwise)."""
-    C = x.shape[-2]
-    h, span_log = x, g
+    x: ``[..., C, K, V]``; g: ``[..., C]`` (scalar decay) or ``[..., C, K]`` (per key entry),
+    log decays ``<= 0``. Hillis-Steele steps of spans 1, 2, 4, ... (``ceil(log2 C)``
+    elementwise steps): only sums of log decays over row ranges are exponentiated (never
+    ``exp(G) * exp(-G)``), and row i reads rows ``<= i`` only, with the same op sequence
+    whatever the rows after it (so a member ending inside a chunk matches a longer run
+    bitwise)."""
+    C = x.shape[-3]
+    span = g[..., None, None] if g.dim() == x.dim() - 2 else g[..., None]  # [..., C, K|1, 1]
+    h = x
     d = 1
     while d < C:
         h = torch.cat(
-            [h[..., :d, :], h[..., d:, :] + span_log[..., d:, None].exp() * h[..., :-d, :]], -2
+            [h[..., :d, :, :], h[..., d:, :, :] + span[..., d:, :, :].exp() * h[..., :-d, :, :]], -3
         )
-        span_log = torch.cat([span_log[..., :d], span_log[..., d:] + span_log[..., :-d]], -1)
+        span = torch.cat([span[..., :d, :, :], span[..., d:, :, :] + span[..., :-d, :, :]], -3)
         d *= 2
     return h
+
+
+# The largest state (K * V entries per head) that runs as a scan of the state itself: it
+# materialises K * V entries per token where the score path keeps [C, C] (or, per channel,
+# ~K * (16 + C / 16)) per chunk row.
+_SCAN_MAX_STATE = 16
 
 
 def _decay_rows(x: torch.Tensor, logdecay: torch.Tensor) -> torch.Tensor:
@@ -497,16 +508,18 @@ def chunk_delta_rule_varlen(
         G = torch.cumsum(gc, dim=2)  # within-chunk cumulative log decay, [total, HV, C(, K)]
         G_last = G[:, :, -1]  # [total, HV(, K)]
         q_decayed = _decay_rows(qc, G)  # Qg, [total, HV, C, K]
-        # One-entry keys, a scalar decay, no delta rule (RecurrentGemma's RG-LRU: a diagonal
-        # recurrence per channel): the chunk's writes are a diagonal scan, not [C, C] scores.
-        diagonal = not delta_rule and not kda and K == 1
+        # No delta rule and a small state (RecurrentGemma's RG-LRU: one entry per channel;
+        # Mamba-1's selective scan: d_state entries per channel): every state entry is its own
+        # diagonal recurrence, so a chunk's writes are a scan of the state, not [C, C] scores.
+        diagonal = not delta_rule and K * V <= _SCAN_MAX_STATE
         if diagonal:
-            # S_i = e^(G_i) S + h_i with h the scan of k_j beta_j v_j from a zero state, so
-            # o_i = Qg_i S + q_i h_i and S' = e^(G_last) S + h_last.
-            h = _diagonal_scan(kc * bc[..., None] * vc, gc)  # [total, HV, C, V]
-            local_o = qc * h
-            end_write = h[:, :, -1:, :]  # [total, HV, 1 = K, V]
-            end_decay = G_last.exp()[..., None, None]
+            # S_i = e^(G_i) S + h_i with h the scan of beta_j k_j (outer) v_j from a zero
+            # state, so o_i = Qg_i S + q_i^T h_i and S' = e^(G_last) S + h_last.
+            write = (kc * bc[..., None])[..., :, None] * vc[..., None, :]  # [total, HV, C, K, V]
+            h = _diagonal_scan(write, gc)
+            local_o = (qc[..., None] * h).sum(-2)  # [total, HV, C, V]
+            end_write = h[:, :, -1]  # [total, HV, K, V]
+            end_decay = G_last.exp()[..., None] if kda else G_last.exp()[..., None, None]
         else:
             # [total, HV, C, C], lower triangular incl. diagonal
             attn, kk = _causal_scores(qc, kc, G, with_kk=delta_rule)
@@ -544,7 +557,7 @@ def chunk_delta_rule_varlen(
             if output_chunk_states:
                 start_states.append(S)
             if diagonal:
-                o_parts.append(q_decayed[rows] * S + local_o[rows])  # K = 1: broadcasts
+                o_parts.append(torch.matmul(q_decayed[rows], S) + local_o[rows])
                 state = state.index_copy(0, active, end_decay[rows] * S + end_write[rows])
                 continue
             delta = u_part[rows] if w_part is None else u_part[rows] - torch.matmul(w_part[rows], S)
