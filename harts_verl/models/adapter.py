@@ -215,9 +215,10 @@ _LINEAR_ROUTER_PARENTS = ("JambaSparseMoeBlock",)
 RECURRENT_GEMMA_MODEL_TYPES = ("recurrent_gemma",)
 _RG_RECURRENT_CLASSES = ("RecurrentGemmaRecurrentBlock",)
 _RG_ATTENTION_CLASSES = ("RecurrentGemmaSdpaAttention",)
-# Text models whose forward builds a ``[T, T]`` sliding-window mask and calls its layers with
-# positional ``(hidden, position_ids, attention_mask, use_cache, cache)`` (RecurrentGemma): in
-# tree mode our own layer loop (:func:`_tree_decoder_forward`) runs them with the layout.
+# Text models that scale their embeddings by a ``normalizer`` buffer and call their layers with
+# positional ``(hidden, position_ids, attention_mask, use_cache, cache)`` (RecurrentGemma):
+# :func:`_tree_decoder_forward` does the same. (HF's own forward, which the veRL engine runs,
+# takes the 1-element tree mask as is and passes ``harts_layout`` on to the blocks.)
 _POSITIONAL_LAYER_TEXT_MODEL_CLASSES = ("RecurrentGemmaModel",)
 
 # Lightning-attention hybrids: MiniMax-Text-01 / MiniMax-M1 (``minimax``): lightning attention
