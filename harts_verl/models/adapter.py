@@ -583,6 +583,15 @@ def _sliding_window(module: nn.Module, keyword: int | None) -> int | None:
     return int(window) if window else None
 
 
+def _effective_window(layout: TreeLayout, window: int | None) -> int | None:
+    """``window`` as an int, or None when there is none (None or 0) or it changes nothing: no
+    path of the layout is longer than it."""
+    if not window:
+        return None
+    longest = int(layout.forest.depth.max()) + 1 if layout.forest.num_compact_tokens else 0
+    return int(window) if longest > window else None
+
+
 def tree_attention_interface(
     module: nn.Module,
     query: torch.Tensor,
@@ -622,11 +631,7 @@ def tree_attention_interface(
     if len(given) > 1 and given[0] is not given[1]:
         raise ValueError(f"{name}: two different attention-sink tensors (s_aux and sinks)")
     sinks = given[0] if given else None
-    window = _sliding_window(module, sliding_window)
-    if window is not None:
-        longest = int(layout.forest.depth.max()) + 1 if layout.forest.num_compact_tokens else 0
-        if longest <= window:  # the window changes nothing
-            window = None
+    window = _effective_window(layout, _sliding_window(module, sliding_window))
     for t, what in ((query, "query"), (key, "key"), (value, "value")):
         if t.dim() != 4 or t.shape[0] != 1:
             raise ValueError(
@@ -1010,15 +1015,13 @@ def _rg_attn_tree_forward(
     rope = sys.modules[type(self).__module__].apply_rotary_pos_emb
     q_rot, k_rot = rope(q_rot, k_rot, cos, sin)
     q, k = torch.cat((q_rot, *q_pass), dim=-1), torch.cat((k_rot, *k_pass), dim=-1)
-    window = getattr(self.config, "attention_window_size", None)
-    if window and layout.forest.num_compact_tokens and int(layout.forest.depth.max()) < window:
-        window = None  # the window changes nothing
+    window = _effective_window(layout, getattr(self.config, "attention_window_size", None))
     o = layout.attention(
         q[0].transpose(0, 1),
         k[0].transpose(0, 1),
         v[0].transpose(0, 1),
         scale=d**-0.5,
-        window=int(window) if window else None,
+        window=window,
     )
     return self.o_proj(o.reshape(1, c, -1))
 

@@ -508,6 +508,8 @@ def chunk_delta_rule_varlen(
         G = torch.cumsum(gc, dim=2)  # within-chunk cumulative log decay, [total, HV, C(, K)]
         G_last = G[:, :, -1]  # [total, HV(, K)]
         q_decayed = _decay_rows(qc, G)  # Qg, [total, HV, C, K]
+        end_decay = G_last.exp()
+        end_decay = end_decay[..., None] if kda else end_decay[..., None, None]
         # No delta rule and a small state (RecurrentGemma's RG-LRU: one entry per channel;
         # Mamba-1's selective scan: d_state entries per channel): every state entry is its own
         # diagonal recurrence, so a chunk's writes are a scan of the state, not [C, C] scores.
@@ -519,30 +521,25 @@ def chunk_delta_rule_varlen(
             h = _diagonal_scan(write, gc)
             local_o = (qc[..., None] * h).sum(-2)  # [total, HV, C, V]
             end_write = h[:, :, -1]  # [total, HV, K, V]
-            end_decay = G_last.exp()[..., None] if kda else G_last.exp()[..., None, None]
         else:
             # [total, HV, C, C], lower triangular incl. diagonal
             attn, kk = _causal_scores(qc, kc, G, with_kk=delta_rule)
-        if diagonal:
-            u_part = w_part = None
-        elif delta_rule:
-            # Unit lower-triangular system (I + M) delta = beta * (v - Kg S), M_ij = beta_i kk_ij
-            # (j < i).
-            strict = torch.ones(C, C, dtype=torch.bool, device=device).tril(-1)
-            eye = torch.eye(C, dtype=p.dtype, device=device)
-            lower = eye + (bc[..., None] * kk).masked_fill(~strict, 0.0)
-            k_decayed = _decay_rows(kc, G)  # Kg
-            rhs = torch.cat([vc * bc[..., None], k_decayed * bc[..., None]], dim=-1)
-            sol = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
-            u_part, w_part = sol[..., :V].contiguous(), sol[..., V:].contiguous()  # delta = U - W S
-        else:  # no correction: delta = beta * V, whatever the state
-            u_part, w_part = vc * bc[..., None], None
-        if not diagonal:
+            if delta_rule:
+                # Unit lower-triangular system (I + M) delta = beta * (v - Kg S),
+                # M_ij = beta_i kk_ij (j < i).
+                strict = torch.ones(C, C, dtype=torch.bool, device=device).tril(-1)
+                eye = torch.eye(C, dtype=p.dtype, device=device)
+                lower = eye + (bc[..., None] * kk).masked_fill(~strict, 0.0)
+                k_decayed = _decay_rows(kc, G)  # Kg
+                rhs = torch.cat([vc * bc[..., None], k_decayed * bc[..., None]], dim=-1)
+                sol = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
+                # delta = U - W S
+                u_part, w_part = sol[..., :V].contiguous(), sol[..., V:].contiguous()
+            else:  # no correction: delta = beta * V, whatever the state
+                u_part, w_part = vc * bc[..., None], None
             to_end = G_last[:, :, None] - G  # log decay from after row j to chunk end, <= 0
             # [total, HV, K, C]
             k_to_end_t = _decay_rows(kc, to_end).transpose(-1, -2).contiguous()
-            end_decay = G_last.exp()
-            end_decay = end_decay[..., None] if kda else end_decay[..., None, None]
 
         # ---- inter-chunk recurrence: sequential over chunk index, batched over members ----
         state = p.h0
