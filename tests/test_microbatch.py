@@ -472,6 +472,51 @@ def test_slack_repair_aligns_slots_within_budget():
     assert slack.summary()["slot_imbalance_p95"] <= strict.summary()["slot_imbalance_p95"] + 1e-12
 
 
+def test_thin_pieces_keeps_each_bins_range_within_the_pair_bound(monkeypatch):
+    """The swap screen's piece thinning: everything under the pair bound; above it every bin
+    keeps its whole-bin piece, its least- and its largest-gain piece and the same share ``f`` of
+    its pieces (``f² · hot · P`` = the bound), deterministically."""
+    import harts_verl.tree.microbatch as mb
+
+    rng = np.random.default_rng(0)
+    sizes = np.array([10, 1, 30, 200])
+    pb = np.repeat(np.arange(sizes.size), sizes)
+    pt = np.concatenate([np.arange(s) for s in sizes])
+    gain = rng.integers(0, 50, pb.size)
+    hot = 40
+    monkeypatch.setattr(mb, "_SWAP_PAIRS", hot * pb.size)
+    assert mb._thin_pieces(pb, pt, gain, hot).tolist() == list(range(pb.size))
+    monkeypatch.setattr(mb, "_SWAP_PAIRS", 1000)
+    keep = mb._thin_pieces(pb, pt, gain, hot)
+    assert np.array_equal(keep, mb._thin_pieces(pb, pt, gain, hot))
+    assert np.array_equal(np.unique(keep), keep)
+    frac = np.sqrt(1000 / (hot * pb.size))
+    for b, size in enumerate(sizes):
+        mine = keep[pb[keep] == b]
+        assert (pt[mine] == 0).any()  # the whole bin
+        rest = np.flatnonzero(pb == b)
+        assert gain[mine].min() == gain[rest].min()
+        assert gain[mine].max() == gain[rest].max()
+        assert int(size * frac) <= len(mine) <= max(int(size * frac), 1) + 2
+
+
+def test_slack_plan_with_thinned_swaps_keeps_the_invariants(monkeypatch):
+    """With the swap screen forced to thin its pieces, the work-slack plan still satisfies
+    every planner guarantee and the slack bounds."""
+    import harts_verl.tree.microbatch as mb
+    from harts_verl.tree import workloads
+
+    monkeypatch.setattr(mb, "_SWAP_PAIRS", 50)
+    w = workloads.swe_like(scale=1.0, seed=0, path_caps=(16384,))
+    f = RolloutForest.from_sequences(w.sequences, group_ids=w.group_ids)
+    cap, dp = 32768, 4
+    strict = plan_microbatches(f, capacity_tokens=cap, dp_size=dp)
+    slack = plan_microbatches(f, capacity_tokens=cap, dp_size=dp, work_slack=0.02)
+    check_plan(f, slack, cap, dp)
+    assert slack.total_compact_tokens <= strict.total_compact_tokens * 1.02
+    assert slack.slot_critical_work <= strict.slot_critical_work
+
+
 def test_slot_penalty_matches_definition():
     import harts_verl.tree.microbatch as mb
 
