@@ -62,8 +62,8 @@ share of each microbatch's pieces, at most ``_SWAP_PAIRS`` pairs a round — 300
 ≈ 35 tokens at dp 8: 10.6 s at capacity 512 and 4.1 s at 4096, was 23–26 s), minimising (slot-critical work above the strict choice's, Σ excess²,
 Σ imbalance²) under sorted grouping, with a bounded tabu walk out of local minima. Measured
 (``benchmarks/planner.py``, SWE-like steps at dp 8, 32K capacity, 66–74 least-work
-microbatches): ε = 0.02 gives K = 72/80 and P95 within-slot imbalance 1.45–1.65 % for
-+1.3–1.95 % compact tokens, never a larger slot-critical work (strict: 24–46 %, dominated by the
+microbatches): ε = 0.02 gives K = 72 and P95 within-slot imbalance 1.41–1.43 % for
++1.93–1.95 % compact tokens (64K / 128K capacity: 1.45–1.61 % for +1.41–2.0 %), never a larger slot-critical work (strict: 24–46 %, dominated by the
 padding slot when K is not a multiple of dp). Where aligning K costs more than ε (e.g. 16K
 capacity with 8K trajectories: ≈ 3 %) the target is not reached. Everything is a deterministic
 function of the forest, the capacity, ``dp_size``, the options and ``seed`` (no wall-clock
