@@ -466,3 +466,26 @@ def test_per_trajectory_temperature_validation() -> None:
     empty = RolloutForest.from_sequences([])
     out = compact_log_probs(h[:0], w, empty, temperature=torch.zeros(0))
     assert out.log_probs == []
+
+
+def test_temperature_floor_of_the_compute_dtype() -> None:
+    """A positive temperature below 1 / sqrt(max) of the compute dtype (where logits /
+    temperature could overflow into NaN) is refused by name, per trajectory too, in the compact
+    head and the reference alike; the floor itself is accepted and finite."""
+    f = RolloutForest.from_sequences([[1, 2, 3], [1, 4]])
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        hidden, weight, bias = _params(f.num_compact_tokens, 0)
+        hidden, weight, bias = hidden.to(dtype), weight.to(dtype), bias.to(dtype)
+        cdt = torch.float64 if dtype == torch.float64 else torch.float32
+        floor = float(torch.finfo(cdt).max) ** -0.5
+        with pytest.raises(ValueError, match=r"^temperature: .* below"):
+            compact_log_probs(hidden, weight, f, lm_head_bias=bias, temperature=floor / 2)
+        with pytest.raises(ValueError, match=r"^temperature\[1\]: .* below"):
+            compact_log_probs(hidden, weight, f, temperature=[1.0, floor / 10])
+        with pytest.raises(ValueError, match=r"^temperature: .* below"):
+            expanded_log_probs_ref(hidden[:3], weight, torch.tensor([2, 3]), temperature=1e-320)
+        res = compact_log_probs(hidden, weight, f, temperature=floor, with_entropy=True)
+        assert all(torch.isfinite(x).all() for x in res.log_probs)
+    with pytest.raises(ValueError, match="below"):  # float64 floor 7.5e-155; 1e-40 is legal
+        compact_log_probs(*_params(f.num_compact_tokens, 0)[:2], f, temperature=1e-160)
+    compact_log_probs(*_params(f.num_compact_tokens, 0)[:2], f, temperature=1e-40)

@@ -525,3 +525,48 @@ def test_model_and_op_inputs_are_checked_by_name():
         layout.linear_attention(q.reshape(c, 8), q, q, g, beta)
     with pytest.raises(ValueError, match=r"beta: expected \[C, H\]"):
         layout.linear_attention(q, q, q, g, beta[..., None])
+
+
+def test_forward_backward_refuses_to_train_nothing():
+    """Under torch.no_grad() / inference_mode, or with every parameter frozen, forward_backward
+    raises the same clear RuntimeError on every path (one microbatch, separable, coupled)
+    before any work, instead of returning a loss with no gradients."""
+    model = _tiny_float64(0)
+    seqs = [[1, 2, 3, 4], [1, 2, 5, 6], [7, 8, 9]]
+
+    def loss(lps):
+        return sum(x.sum() for x in lps if x is not None)
+
+    for cap, sep in ((None, False), (4, True), (4, False)):
+        runner = TreeRunner(model, capacity_tokens=cap)
+        for ctx in (torch.no_grad, torch.inference_mode):
+            with ctx(), pytest.raises(RuntimeError, match="gradients are disabled"):
+                runner.forward_backward(seqs, loss, separable=sep)
+        assert all(p.grad is None for p in model.parameters())
+    for p in model.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="no parameter of the model requires a gradient"):
+        TreeRunner(model, capacity_tokens=4).forward_backward(seqs, loss)
+    next(model.parameters()).requires_grad_(True)  # one trainable tensor is enough
+    TreeRunner(model, capacity_tokens=4).forward_backward(seqs, loss)
+    assert next(model.parameters()).grad is not None
+
+
+def test_oversize_trajectories_are_counted_and_warned_once(caplog):
+    """A trajectory longer than capacity_tokens runs whole (same log-probs as without a
+    capacity), the runner WARNs once and last_stats counts such trajectories per call."""
+    model = _tiny_float64(1)
+    seqs = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 7], [1, 2, 9], [4, 5]]
+    ref = TreeRunner(model).log_probs(seqs)
+    runner = TreeRunner(model, capacity_tokens=4)
+    with caplog.at_level("WARNING", logger="harts_verl.runtime.runner"):
+        got = runner.log_probs(seqs)
+        assert runner.last_stats.oversize_trajectories == 2
+        runner.log_probs(seqs)
+    warned = [r for r in caplog.records if "longer than capacity_tokens=4" in r.getMessage()]
+    assert len(warned) == 1
+    for a, b in zip(got, ref, strict=True):
+        assert torch.equal(a, b) or torch.allclose(a, b, atol=1e-12, rtol=0)
+    runner.log_probs([[1, 2, 9], [4, 5]])
+    assert runner.last_stats.oversize_trajectories == 0
+    assert TreeRunner(model).last_stats.oversize_trajectories == 0

@@ -357,6 +357,24 @@ def _check_temperature(temperature: Any) -> float:
     return t
 
 
+def check_temperature_floor(temperature: float | np.ndarray, dtype: torch.dtype) -> None:
+    """Refuse (ValueError naming ``temperature``) a checked temperature below ``1 / √max`` of
+    the compute dtype of ``dtype`` logits (float32: 5.4e-20, float64: 7.5e-155): above it,
+    ``logits / temperature`` stays finite for every logit below ``√max`` (float32: 1.8e19),
+    where a tinier temperature can turn log-probs and entropies into NaN."""
+    finfo = torch.finfo(_compute_dtype(dtype))
+    floor = float(finfo.max) ** -0.5
+    arr = np.atleast_1d(np.asarray(temperature, dtype=np.float64))
+    bad = np.flatnonzero(arr < floor)
+    if bad.size:
+        i = int(bad[0])
+        name = "temperature" if np.ndim(temperature) == 0 else f"temperature[{i}]"
+        raise ValueError(
+            f"{name}: {float(arr[i])!r} is below {floor:.3g}, the smallest temperature "
+            f"{finfo.dtype} logits take (logits / temperature could overflow into NaN)"
+        )
+
+
 def check_temperatures(temperature: Any, n: int) -> float | np.ndarray:
     """One temperature (:func:`_check_temperature`; a one-element tensor or numpy array is one
     too, whatever ``n``), or per trajectory: a 1-D array / tensor / sequence of ``n`` finite
@@ -461,6 +479,7 @@ def compact_log_probs(
     c = int(forest.num_compact_tokens)
     _check_inputs(hidden, lm_head_weight, lm_head_bias, forest, c)
     temperature = check_temperatures(temperature, int(forest.num_trajectories))
+    check_temperature_floor(temperature, hidden.dtype)
     transform = _check_transform(logit_transform)
     if (
         not isinstance(rows_per_chunk, int | np.integer)
@@ -596,6 +615,7 @@ def expanded_log_probs_ref(
         shape = tuple(labels.shape) if isinstance(labels, Tensor) else None
         raise ValueError(f"labels: expected shape ({max(n - 1, 0)},), got {shape}")
     temperature = _check_temperature(temperature)
+    check_temperature_floor(temperature, hidden_seq.dtype)
     scale, cap = _check_transform(logit_transform)
     cdt = _compute_dtype(hidden_seq.dtype)
     z = F.linear(hidden_seq[: max(n - 1, 0)], lm_head_weight, lm_head_bias).to(cdt) * scale

@@ -9,6 +9,7 @@ comparison exact.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -19,10 +20,16 @@ import torch
 from torch import nn
 
 from harts_verl.ops.layout import TreeLayout
-from harts_verl.ops.logprobs import check_temperatures, compact_log_probs, select_temperatures
+from harts_verl.ops.logprobs import (
+    check_temperature_floor,
+    check_temperatures,
+    compact_log_probs,
+    select_temperatures,
+)
 from harts_verl.tree import RolloutForest
 
 LossFn = Callable[[list[torch.Tensor]], torch.Tensor]
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -37,6 +44,8 @@ class StepStats:
     extra: dict[str, Any] = field(default_factory=dict)
     # the partition used: one int64 array of trajectory indices per microbatch
     partition: list[np.ndarray] = field(default_factory=list)
+    # trajectories longer than capacity_tokens (each ran in a microbatch of its own, whole)
+    oversize_trajectories: int = 0
 
     @property
     def compression(self) -> float:
@@ -57,10 +66,15 @@ def _backward(total: torch.Tensor) -> None:
 
 
 def _step_stats(
-    forest: RolloutForest, compact: int, groups: list[np.ndarray], t0: float, t1: float
+    forest: RolloutForest,
+    compact: int,
+    groups: list[np.ndarray],
+    t0: float,
+    t1: float,
+    capacity: int | None,
 ) -> StepStats:
     """The :class:`StepStats` of a call that planned ``groups`` between ``t0`` and ``t1`` and
-    computed until now."""
+    computed until now, with ``capacity`` (None: unbounded) for its oversize count."""
     return StepStats(
         forest.num_semantic_tokens,
         compact,
@@ -68,7 +82,15 @@ def _step_stats(
         t1 - t0,
         time.perf_counter() - t1,
         partition=[np.asarray(g, dtype=np.int64) for g in groups],
+        oversize_trajectories=_oversize_count(forest, capacity),
     )
+
+
+def _oversize_count(forest: RolloutForest, capacity: int | None) -> int:
+    """Trajectories of ``forest`` longer than ``capacity`` tokens (0 without a capacity)."""
+    if capacity is None or forest.num_trajectories == 0:
+        return 0
+    return int((np.asarray(forest.lengths) > capacity).sum())
 
 
 def _checked_partition(microbatches: Any, n: int) -> list[np.ndarray]:
@@ -134,6 +156,21 @@ class _Runner:
             device = next(self.model.parameters()).device
         self.device = torch.device(device)
         self.last_stats = StepStats()
+        self._oversize_warned = False  # the oversize WARNING is logged once per runner
+
+    def _check_trainable(self) -> None:
+        """RuntimeError when :meth:`forward_backward` could not produce a gradient: autograd
+        disabled (``torch.no_grad()`` / ``torch.inference_mode()``) or no parameter of the model
+        requiring one (a silent no-op otherwise)."""
+        if not torch.is_grad_enabled():
+            raise RuntimeError(
+                "forward_backward: gradients are disabled (called under torch.no_grad() or "
+                "torch.inference_mode()); use log_probs for a forward pass"
+            )
+        if not any(p.requires_grad for p in self.model.parameters()):
+            raise RuntimeError(
+                "forward_backward: no parameter of the model requires a gradient (all frozen)"
+            )
 
     # ------------------------------------------------------------ layout
     def build_forest(self, sequences: Sequence[Any]) -> RolloutForest:
@@ -170,12 +207,26 @@ class _Runner:
         return vocab
 
     def plan(self, forest: RolloutForest) -> list[np.ndarray]:
-        """Trajectory index sets, one per microbatch (all trajectories if no capacity)."""
+        """Trajectory index sets, one per microbatch (all trajectories if no capacity). A
+        trajectory longer than ``capacity_tokens`` is never cut: it runs whole in a microbatch
+        of its own (with its identical copies), a WARNING is logged once per runner and
+        :attr:`StepStats.oversize_trajectories` counts them."""
         if self.capacity_tokens is None:
             return [np.arange(forest.num_trajectories, dtype=np.int64)]
         from harts_verl.tree.microbatch import plan_microbatches
 
         plan = plan_microbatches(forest, capacity_tokens=self.capacity_tokens, allow_oversize=True)
+        over = _oversize_count(forest, self.capacity_tokens)
+        if over and not self._oversize_warned:
+            self._oversize_warned = True
+            logger.warning(
+                "%d trajectories are longer than capacity_tokens=%d (the longest: %d tokens): "
+                "each runs whole in a microbatch of its own, above the capacity "
+                "(last_stats.oversize_trajectories counts them per call)",
+                over,
+                self.capacity_tokens,
+                int(np.asarray(forest.lengths).max()),
+            )
         return [mb.trajectories for mb in plan.microbatches if len(mb.trajectories)]
 
     def _sub_forest(self, forest: RolloutForest, idx: np.ndarray) -> RolloutForest:
@@ -223,6 +274,7 @@ class _Runner:
         t0 = time.perf_counter()
         forest = self.build_forest(sequences)
         temperature = check_temperatures(temperature, forest.num_trajectories)  # also when empty
+        check_temperature_floor(temperature, self.model.lm_head.weight.dtype)
         groups = self.plan(forest) if forest.num_trajectories else []
         t1 = time.perf_counter()
         out: list[torch.Tensor | None] = [None] * forest.num_trajectories
@@ -239,7 +291,7 @@ class _Runner:
                     out[i] = lp[j]
                     if with_entropy:
                         ent[i] = en[j]
-        self.last_stats = _step_stats(forest, compact, groups, t0, t1)
+        self.last_stats = _step_stats(forest, compact, groups, t0, t1, self.capacity_tokens)
         if with_entropy:
             return out, ent  # type: ignore[return-value]
         return out  # type: ignore[return-value]
@@ -291,12 +343,15 @@ class _Runner:
 
         Returns ``loss``, ``aux_loss`` (the router auxiliary loss added to the objective; 0 with
         ``include_aux_loss=False``) and ``microbatches``. Raises ValueError for an empty batch
-        or a ``microbatches`` that is not a partition of the trajectories, and TypeError when
-        ``loss_fn`` does not return a one-element tensor.
+        or a ``microbatches`` that is not a partition of the trajectories, TypeError when
+        ``loss_fn`` does not return a one-element tensor, and RuntimeError (before any work)
+        when autograd is disabled or no parameter requires a gradient.
         """
         t0 = time.perf_counter()
+        self._check_trainable()
         forest = self.build_forest(sequences)
         temperature = check_temperatures(temperature, forest.num_trajectories)
+        check_temperature_floor(temperature, self.model.lm_head.weight.dtype)
         if forest.num_trajectories == 0:
             raise ValueError("sequences: no trajectories to train on (an empty batch)")
         if microbatches is None:
@@ -367,9 +422,9 @@ class _Runner:
                     w = sub.num_semantic_tokens / s_total
                     total = total + aux * w
                     aux_total += float(aux.detach()) * w
-                total.backward()
+                _backward(total)
             loss_value = float(loss.detach())
-        self.last_stats = _step_stats(forest, compact, groups, t0, t1)
+        self.last_stats = _step_stats(forest, compact, groups, t0, t1, self.capacity_tokens)
         return {"loss": loss_value, "aux_loss": aux_total, "microbatches": float(len(groups))}
 
 
