@@ -486,3 +486,21 @@ def test_turn_errors_are_short_and_name_the_turn():
     assert len(str(e.value)) < 300
     with pytest.raises(ValueError, match=r"turns\[1\]: empty turn"):
         RolloutForest.from_turns([Turn(0, None, [1]), Turn(1, 0, [])])
+
+
+def test_object_arrays_of_python_ints_are_token_sequences():
+    """A 2-D object array of Python ints (e.g. ``np.array(list_of_int_arrays, dtype=object)``
+    with equal lengths) builds the same forest as the lists; its bad items are still named."""
+    lists = [[1, 2, 3], [1, 2, 4]]
+    obj = np.array([np.array(x) for x in lists], dtype=object)
+    assert obj.shape == (2, 3) and obj.dtype == object
+    a, b = RolloutForest.from_sequences(obj), RolloutForest.from_sequences(lists)
+    assert np.array_equal(a.token_ids, b.token_ids) and np.array_equal(a.parent, b.parent)
+    bad = np.empty((2, 2), dtype=object)
+    bad[0] = [1, 2]
+    bad[1] = [3, True]
+    with pytest.raises(ValueError, match=r"sequences\[1\]: .*bool"):
+        RolloutForest.from_sequences(bad)
+    bad[1] = [3, 2**70]
+    with pytest.raises(ValueError, match=r"sequences\[1\]: token id .* does not fit in int64"):
+        RolloutForest.from_sequences(bad)

@@ -70,6 +70,8 @@ def as_trajectory_array(
     """
     if isinstance(seq, str | bytes | bytearray):
         raise ValueError(f"{field}[{index}]: expected a 1-D sequence of token ids, got a string")
+    if isinstance(seq, np.ndarray) and seq.dtype == object and seq.ndim == 1:
+        seq = seq.tolist()  # e.g. a row of a 2-D object array: judged item by item below
     if holds_bool(seq):
         raise ValueError(f"{field}[{index}]: token ids must be integers, got a bool")
     try:
