@@ -570,3 +570,53 @@ def test_oversize_trajectories_are_counted_and_warned_once(caplog):
     runner.log_probs([[1, 2, 9], [4, 5]])
     assert runner.last_stats.oversize_trajectories == 0
     assert TreeRunner(model).last_stats.oversize_trajectories == 0
+
+
+def test_lora_on_the_lm_head_is_refused_and_elsewhere_exact(no_fla):
+    """A peft LoRA adapter on lm_head would be bypassed by the compact head (which reads the
+    head's weight): TreeRunner refuses it by name. An adapter on the attention projections
+    runs exactly (tree log-probs = HF's forward of the adapted model per trajectory), whether
+    the runner gets the PeftModel or its base model."""
+    peft = pytest.importorskip("peft")
+    from harts_verl.workers.testing import tiny_hf_model
+
+    seqs = [[1, 2, 3, 4, 5], [1, 2, 3, 9, 9, 7], [1, 2]]
+    for targets, refused in ((["lm_head", "q_proj"], True), (["q_proj", "v_proj"], False)):
+        model = tiny_hf_model("llama", seed=0).double().eval()
+        cfg = peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, init_lora_weights=False
+        )
+        wrapped = peft.get_peft_model(model, cfg)
+        hf = wrapped.get_base_model()
+        if refused:
+            for m in (hf, wrapped):
+                with pytest.raises(TypeError, match=r"lm_head: expected a plain torch.nn.Linear"):
+                    TreeRunner(m)
+            continue
+        direct = TreeRunner(wrapped).log_probs(seqs)  # the PeftModel itself: its base model
+        with torch.no_grad():
+            got = TreeRunner(hf, chunk_size=2).log_probs(seqs)
+            for s, lp in zip(seqs, got, strict=True):
+                ids = torch.tensor([s])
+                logits = hf(ids, use_cache=False).logits[0]
+                ref = torch.log_softmax(logits, -1)[:-1].gather(1, ids[0, 1:, None])[:, 0]
+                assert (lp - ref).abs().max().item() <= 1e-10
+            for a, b in zip(direct, got, strict=True):
+                assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5"])
+def test_gated_attention_dropout_in_training_is_refused(no_fla, kind):
+    """Qwen3-Next / Qwen3.5 gated attention drops attention weights per call in training: tree
+    mode refuses it (a shared row would share its mask) and runs it in eval mode."""
+    from harts_verl.workers.testing import tiny_hf_config, tiny_hf_model
+
+    cfg = tiny_hf_config(kind)
+    cfg.attention_dropout = 0.5
+    model = type(tiny_hf_model(kind))(cfg).double().train()
+    seqs = [[1, 2, 3, 4, 5], [1, 2, 3, 7]]
+    with pytest.raises(NotImplementedError, match=r"attention dropout \(0.5\)"):
+        TreeRunner(model).forward_backward(seqs, lambda lps: sum(x.sum() for x in lps))
+    model.eval()
+    with torch.no_grad():
+        TreeRunner(model).log_probs(seqs)

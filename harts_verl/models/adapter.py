@@ -416,12 +416,17 @@ def as_tree_model(model: nn.Module) -> nn.Module:
     """Return a module with the tree interface ``forward(input_ids [C], layout) -> (hidden [C, D],
     aux_loss)`` and an ``lm_head``: the native model as is, HF Qwen3-Next / Qwen3.5 /
     Qwen3.5-MoE / OLMo Hybrid through :class:`HybridTreeModel`, the full-attention, Mamba-2 and
-    short-conv models of :data:`MASKED_TREE_MODEL_TYPES` through :class:`HFCausalTreeModel`. Raises ``TypeError``
-    for any other model."""
+    short-conv models of :data:`MASKED_TREE_MODEL_TYPES` through :class:`HFCausalTreeModel`; a
+    peft ``PeftModel`` as its base model (adapters injected: the same parameters). Raises
+    ``TypeError`` for any other model."""
     from harts_verl.models.hybrid import HybridForCausalLM
 
     if isinstance(model, HybridForCausalLM | HybridTreeModel | HFCausalTreeModel):
         return model
+    if type(model).__module__.startswith("peft.") and callable(
+        getattr(model, "get_base_model", None)
+    ):
+        return as_tree_model(model.get_base_model())
     native = getattr(model, "harts_native_model", None)  # HartsHybridForCausalLM (HF wrapper)
     if isinstance(native, HybridForCausalLM):
         return native
@@ -537,6 +542,7 @@ def _attn_tree_forward(
     layout = _tree_layout(self, harts_layout)
     if layout is None:
         return _original(self)(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
+    _refuse_attention_dropout(self)
     apply_rotary_pos_emb = sys.modules[type(self).__module__].apply_rotary_pos_emb
     c = hidden_states.shape[1]
     q, gate = torch.chunk(self.q_proj(hidden_states).view(1, c, -1, self.head_dim * 2), 2, dim=-1)
@@ -926,12 +932,18 @@ def _attention_input(
     c = _compact_batch(module, hidden_states)
     if past_key_values is not None:
         raise ValueError("past_key_values: tree mode keeps no cache (call with use_cache=False)")
-    if module.training and module.attention_dropout:
-        raise NotImplementedError(
-            f"{type(module).__name__}: attention dropout ({module.attention_dropout}) is not "
-            "supported in tree mode"
-        )
+    _refuse_attention_dropout(module)
     return hidden_states, value, c
+
+
+def _refuse_attention_dropout(module: nn.Module) -> None:
+    """``NotImplementedError`` for a module in training with a non-zero ``attention_dropout``
+    (HF drops attention weights functionally, per call; a shared row would share its mask)."""
+    p = getattr(module, "attention_dropout", 0.0)
+    if module.training and p:
+        raise NotImplementedError(
+            f"{type(module).__name__}: attention dropout ({p}) is not supported in tree mode"
+        )
 
 
 def _rg_lru_tree(module: nn.Module, x: torch.Tensor, layout: TreeLayout) -> torch.Tensor:

@@ -157,6 +157,22 @@ class _Runner:
         self.device = torch.device(device)
         self.last_stats = StepStats()
         self._oversize_warned = False  # the oversize WARNING is logged once per runner
+        self._head()  # a wrapped LM head is refused at construction (and at every call)
+
+    def _head(self) -> nn.Linear:
+        """The model's LM head, which the compact log-prob head computes from its weight and
+        bias; TypeError naming the wrapper when it is not a plain ``nn.Linear`` (a peft LoRA
+        adapter or ``modules_to_save`` copy on ``lm_head``: its weight alone is not what the
+        wrapped module computes)."""
+        head = self.model.lm_head
+        if not isinstance(head, nn.Linear):
+            raise TypeError(
+                f"lm_head: expected a plain torch.nn.Linear, got {type(head).__module__}."
+                f"{type(head).__name__} (a LoRA adapter or wrapper on the LM head): tree mode "
+                "computes log-probs from the head's weight; merge the adapter or leave lm_head "
+                "out of the adapter's target modules"
+            )
+        return head
 
     def _check_trainable(self) -> None:
         """RuntimeError when :meth:`forward_backward` could not produce a gradient: autograd
@@ -197,7 +213,7 @@ class _Runner:
     def _vocab_size(self) -> int:
         """Ids the model can embed and predict: the smaller of the LM head's rows and the input
         embedding's rows (when the model exposes one)."""
-        vocab = int(self.model.lm_head.weight.shape[0])
+        vocab = int(self._head().weight.shape[0])
         emb = getattr(self.model, "embed_tokens", None)
         if emb is None:
             get = getattr(getattr(self.model, "hf", None), "get_input_embeddings", None)
@@ -248,12 +264,12 @@ class _Runner:
             hidden, aux = self.model(layout.token_ids, layout)
         finally:
             self.model.gradient_checkpointing = saved
-        w = self.model.lm_head.weight
+        head = self._head()
         res = compact_log_probs(
             hidden,
-            w,
+            head.weight,
             forest,
-            lm_head_bias=self.model.lm_head.bias,
+            lm_head_bias=head.bias,
             logit_transform=getattr(self.model, "logit_transform", None),
             temperature=temperature,
             with_entropy=with_entropy,
@@ -274,7 +290,7 @@ class _Runner:
         t0 = time.perf_counter()
         forest = self.build_forest(sequences)
         temperature = check_temperatures(temperature, forest.num_trajectories)  # also when empty
-        check_temperature_floor(temperature, self.model.lm_head.weight.dtype)
+        check_temperature_floor(temperature, self._head().weight.dtype)
         groups = self.plan(forest) if forest.num_trajectories else []
         t1 = time.perf_counter()
         out: list[torch.Tensor | None] = [None] * forest.num_trajectories
@@ -351,7 +367,7 @@ class _Runner:
         self._check_trainable()
         forest = self.build_forest(sequences)
         temperature = check_temperatures(temperature, forest.num_trajectories)
-        check_temperature_floor(temperature, self.model.lm_head.weight.dtype)
+        check_temperature_floor(temperature, self._head().weight.dtype)
         if forest.num_trajectories == 0:
             raise ValueError("sequences: no trajectories to train on (an empty batch)")
         if microbatches is None:
