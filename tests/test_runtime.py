@@ -620,3 +620,21 @@ def test_gated_attention_dropout_in_training_is_refused(no_fla, kind):
     model.eval()
     with torch.no_grad():
         TreeRunner(model).log_probs(seqs)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "jamba"])
+def test_lora_on_a_short_conv_is_refused(no_fla, kind):
+    """A peft LoRA adapter on a depthwise conv (whose weight the tree conv reads) is refused by
+    name instead of silently computing the un-adapted conv."""
+    peft = pytest.importorskip("peft")
+    from harts_verl.workers.testing import tiny_hf_model
+
+    model = tiny_hf_model(kind, seed=0).double().eval()
+    groups = next(m for n, m in model.named_modules() if n.endswith("conv1d")).groups
+    cfg = peft.LoraConfig(r=groups, target_modules=["conv1d"], lora_dropout=0.0)
+    wrapped = peft.get_peft_model(model, cfg)
+    with (
+        torch.no_grad(),
+        pytest.raises(TypeError, match=r"conv1d: expected a plain torch.nn.Conv1d"),
+    ):
+        TreeRunner(wrapped).log_probs([[1, 2, 3, 4], [1, 2, 5]])

@@ -515,9 +515,7 @@ def _gdn_tree_forward(
         z = self.in_proj_z(hidden_states)
         b = self.in_proj_b(hidden_states)
         a = self.in_proj_a(hidden_states)
-    mixed = layout.short_conv(
-        mixed, self.conv1d.weight.squeeze(1), self.conv1d.bias, activation="silu"
-    )
+    mixed = layout.short_conv(mixed, *_conv_params(self, "conv1d"), activation="silu")
     q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
     q = q.reshape(c, self.num_k_heads, self.head_k_dim)
     k = k.reshape(c, self.num_k_heads, self.head_k_dim)
@@ -746,7 +744,7 @@ def _olmo_gdn_tree_forward(
     if layout is None:
         return _original(self)(*args, **kwargs)
     hidden_states, c = _uncached_input(self, args, kwargs, "cache_params")
-    convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+    convs = [_checked_conv(self, name) for name in ("q_conv1d", "k_conv1d", "v_conv1d")]
     x = torch.cat([p(hidden_states)[0] for p in (self.q_proj, self.k_proj, self.v_proj)], dim=-1)
     weight = torch.cat([conv.weight.reshape(conv.weight.shape[0], -1) for conv in convs])
     bias = None
@@ -807,7 +805,7 @@ def _mamba2_tree_forward(
         proj = proj * mup[0]
     width = inner + self.conv_dim + n_heads
     gate, xbc, dt = proj[:, proj.shape[-1] - width :].split([inner, self.conv_dim, n_heads], -1)
-    xbc = self.act(layout.short_conv(xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, None))
+    xbc = self.act(layout.short_conv(xbc, *_conv_params(self, "conv1d"), None))
     x, b, cm = torch.split(xbc, [inner, n_groups * d_state, n_groups * d_state], dim=-1)
     dt = F.softplus(dt + self.dt_bias)
     if self.time_step_limit is not None:  # the CUDA kernels' ``dt_limit``
@@ -852,7 +850,7 @@ def _mamba1_tree_forward(
     dtype = hidden_states.dtype
     n, rank = self.ssm_state_size, self.time_step_rank
     x, gate = self.in_proj(hidden_states)[0].chunk(2, dim=-1)
-    x = self.act(layout.short_conv(x, self.conv1d.weight.squeeze(1), self.conv1d.bias, None))
+    x = self.act(layout.short_conv(x, *_conv_params(self, "conv1d"), None))
     dt, b, cm = self.x_proj(x).split([rank, n, n], dim=-1)
     if hasattr(self, "dt_layernorm"):  # Jamba
         dt, b, cm = self.dt_layernorm(dt), self.b_layernorm(b), self.c_layernorm(cm)
@@ -888,7 +886,7 @@ def _short_conv_tree_forward(
         return _original(self)(*args, **kwargs)
     hidden_states, _ = _uncached_input(self, args, kwargs, "past_key_values")
     b, cm, x = self.in_proj(hidden_states)[0].chunk(3, dim=-1)
-    conv = layout.short_conv(b * x, self.conv.weight.squeeze(1), self.conv.bias, None)
+    conv = layout.short_conv(b * x, *_conv_params(self, "conv"), None)
     return self.out_proj((cm * conv)[None])
 
 
@@ -934,6 +932,28 @@ def _attention_input(
         raise ValueError("past_key_values: tree mode keeps no cache (call with use_cache=False)")
     _refuse_attention_dropout(module)
     return hidden_states, value, c
+
+
+def _checked_conv(module: nn.Module, name: str) -> nn.Conv1d:
+    """``module``'s depthwise conv ``name``; TypeError naming it when it is not a plain
+    ``nn.Conv1d`` (e.g. a peft LoRA adapter, whose ``weight`` alone is not what it computes:
+    the tree conv reads the weight)."""
+    conv = getattr(module, name)
+    if not isinstance(conv, nn.Conv1d):
+        raise TypeError(
+            f"{type(module).__name__}.{name}: expected a plain torch.nn.Conv1d, got "
+            f"{type(conv).__module__}.{type(conv).__name__} (a LoRA adapter or wrapper on the "
+            "short convolution): tree mode convolves with its weight; merge the adapter or "
+            "leave the conv out of its target modules"
+        )
+    return conv
+
+
+def _conv_params(module: nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Weight ``[channels, K]`` and bias of ``module``'s depthwise conv ``name``
+    (:func:`_checked_conv`)."""
+    conv = _checked_conv(module, name)
+    return conv.weight.squeeze(1), conv.bias
 
 
 def _refuse_attention_dropout(module: nn.Module) -> None:
@@ -999,7 +1019,7 @@ def _rg_recurrent_tree_forward(
         raise ValueError("use_cache: tree mode keeps no cache (call with use_cache=False)")
     y = self.act_fn(self.linear_y(hidden_states))
     x = self.linear_x(hidden_states)[0]
-    x = layout.short_conv(x, self.conv_1d.weight.squeeze(1), self.conv_1d.bias, None)
+    x = layout.short_conv(x, *_conv_params(self, "conv_1d"), None)
     return self.linear_out(_rg_lru_tree(self.rg_lru, x, layout)[None] * y)
 
 
