@@ -45,20 +45,29 @@ from harts_verl.tree.workloads import WORKLOADS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
+# Generator options each workload gets when ``BenchConfig.workload_overrides`` is None: path caps
+# that keep the trajectory-wise baseline within a 2-core CPU's reach at the default scale (0.05).
+# swe_like: 21 trajectories, ≈86K semantic tokens, ≈5.7×; tau_like (its 4.6–5.0K system prompt
+# needs a cap above 5.4K): 14 trajectories, ≈79K tokens, ≈9.5×; grpo_flat: 24, ≈56K, ≈2.1×.
+BENCH_WORKLOAD_OPTIONS: dict[str, dict[str, Any]] = {
+    "swe_like": {"path_caps": [4096], "prompt_tokens": [1500, 3000]},
+    "tau_like": {"path_caps": [5632], "group_size": [4, 4]},
+    "grpo_flat": {},
+}
+
 
 @dataclass
 class BenchConfig:
     """Benchmark settings. The embedded default is one SWE-like issue with realistic turn lengths
     (group samples, turn forks, context rewrites; paths capped at 4K tokens so that the
     trajectory-wise baseline fits a 2-core CPU): 21 trajectories, ≈86K semantic tokens, ≈5.7×
-    compression."""
+    compression. ``workload_overrides`` None means the workload's entry of
+    :data:`BENCH_WORKLOAD_OPTIONS`; a dict replaces all of them."""
 
     workload: str = "swe_like"
     scale: float = 0.05
     seed: int = 0
-    workload_overrides: dict[str, Any] = field(
-        default_factory=lambda: {"path_caps": [4096], "prompt_tokens": [1500, 3000]}
-    )
+    workload_overrides: dict[str, Any] | None = None
     max_semantic_tokens: int | None = None
     preset: str = "bench"
     # An HF model directory or config.json (random weights, seeded) of any model that runs in
@@ -143,6 +152,14 @@ def _bench_model(
     return model.to(device), mcfg
 
 
+def workload_options(cfg: BenchConfig) -> dict[str, Any]:
+    """The generator options the run uses: ``cfg.workload_overrides``, or the workload's bench
+    defaults when it is None (an unknown workload has none)."""
+    if cfg.workload_overrides is None:
+        return BENCH_WORKLOAD_OPTIONS.get(cfg.workload, {})
+    return cfg.workload_overrides
+
+
 def _check_config(cfg: BenchConfig) -> tuple[torch.device, str | None]:
     """Every setting checked before anything is built (ValueError naming it); the device and
     the file the plot is written to (:func:`plot_path`; None without ``plot``)."""
@@ -166,11 +183,12 @@ def _check_config(cfg: BenchConfig) -> tuple[torch.device, str | None]:
         or scale <= 0
     ):
         raise ValueError(f"scale: expected a finite number > 0, got {scale!r}")
-    if not isinstance(cfg.workload_overrides, dict):
+    if cfg.workload_overrides is not None and not isinstance(cfg.workload_overrides, dict):
         raise ValueError(
-            f"workload_overrides: expected a dict, got {type(cfg.workload_overrides).__name__}"
+            "workload_overrides: expected None or a dict, got "
+            f"{type(cfg.workload_overrides).__name__}"
         )
-    if "vocab_size" in cfg.workload_overrides:
+    if "vocab_size" in workload_options(cfg):
         raise ValueError(
             "workload_overrides: vocab_size is the model's (token ids must fit its vocabulary)"
         )
@@ -224,7 +242,7 @@ def prepare_bench(cfg: BenchConfig) -> PreparedBench:
     vocab_size = getattr(mcfg, "vocab_size", None) or mcfg.get_text_config().vocab_size
     try:
         w = WORKLOADS[cfg.workload](
-            scale=cfg.scale, seed=cfg.seed, vocab_size=vocab_size, **cfg.workload_overrides
+            scale=cfg.scale, seed=cfg.seed, vocab_size=vocab_size, **workload_options(cfg)
         )
     except (ValueError, TypeError) as exc:  # scale and seed are checked: the overrides
         raise ValueError(f"workload_overrides: {exc}") from exc
@@ -400,7 +418,7 @@ def measure_bench(prep: PreparedBench) -> dict[str, Any]:
         "recompute": cfg.recompute,
         "capacity_tokens": cfg.capacity_tokens,
         "chunk_size": cfg.chunk_size,
-        "workload_overrides": dict(cfg.workload_overrides),
+        "workload_overrides": dict(workload_options(cfg)),
         "max_semantic_tokens": cfg.max_semantic_tokens,
         "repeats": cfg.repeats,
         "warmup": cfg.warmup,

@@ -100,12 +100,12 @@ def _inputs(flags: dict[str, str] | None = None) -> Iterator[None]:
 def _add_bench_args(
     p: argparse.ArgumentParser, *, repeats: int, warmup: int, **defaults: object
 ) -> None:
-    from harts_verl.benchmark import DTYPES, BenchConfig
+    from harts_verl.benchmark import BENCH_WORKLOAD_OPTIONS, DTYPES, BenchConfig
     from harts_verl.models import PRESETS
     from harts_verl.tree.workloads import WORKLOADS
 
     d = BenchConfig(**defaults)  # type: ignore[arg-type]
-    p.set_defaults(_overrides_default=dict(d.workload_overrides))
+    p.set_defaults(_overrides_default=d.workload_overrides)
     p.add_argument("--workload", default=d.workload, choices=sorted(WORKLOADS))
     p.add_argument(
         "--scale",
@@ -120,7 +120,7 @@ def _add_bench_args(
         default=None,
         metavar="KEY=VALUE",
         help="generator option (repeatable, value as JSON); any given replace all the "
-        "defaults: " + ",".join(f"{k}={v}" for k, v in d.workload_overrides.items()),
+        "defaults: " + _options_text(d.workload_overrides, BENCH_WORKLOAD_OPTIONS),
     )
     p.add_argument(
         "--max-semantic-tokens",
@@ -167,9 +167,22 @@ def _add_bench_args(
     p.add_argument("--no-progress", action="store_true")
 
 
-def _parse_overrides(items: list[str] | None, default: dict) -> dict:
+def _options_text(given: dict | None, per_workload: dict[str, dict]) -> str:
+    """The default generator options, for ``--help``."""
+
+    def one(d: dict) -> str:
+        return ",".join(f"{k}={v}" for k, v in d.items()) or "none"
+
+    if given is not None:
+        return one(given)
+    return "; ".join(f"{w}: {one(d)}" for w, d in sorted(per_workload.items()))
+
+
+def _parse_overrides(items: list[str] | None, default: dict | None) -> dict | None:
+    """The ``--workload-option`` items as a dict; ``default`` (copied; None: the workload's own
+    bench defaults) when none is given."""
     if items is None:
-        return dict(default)
+        return None if default is None else dict(default)
     out: dict = {}
     for it in items:
         key, sep, val = it.partition("=")

@@ -17,6 +17,7 @@ from harts_verl.benchmark import BenchConfig, run_bench, timing_order
 from harts_verl.cli import main
 from harts_verl.models import kimi_linear
 from harts_verl.models.config import preset
+from harts_verl.tree.workloads import WORKLOADS
 
 SMALL = dict(
     scale=0.004,
@@ -172,7 +173,7 @@ def test_load_causal_lm_reads_the_named_config_file(tmp_path, monkeypatch):
         ("scale", 0, "scale"),
         ("seed", -1, "seed"),
         ("workload", "nope", "workload"),
-        ("workload_overrides", None, "workload_overrides"),
+        ("workload_overrides", [("path_caps", [512])], "workload_overrides"),
         ("chunk_size", 0, "chunk_size"),
         ("max_semantic_tokens", -5, "max_semantic_tokens"),
         ("capacity_tokens", -1, "capacity_tokens"),
@@ -192,6 +193,25 @@ def test_settings_checked_before_running(field, value, msg, monkeypatch):
     with pytest.raises(ValueError, match=msg) as info:
         run_bench(BenchConfig(**{**SMALL, field: value}))
     assert str(info.value).startswith(field + ":")
+
+
+@pytest.mark.parametrize("workload", sorted(WORKLOADS))
+def test_every_workload_runs_on_its_bench_defaults(workload):
+    """``workload_overrides=None`` (the CLI without ``--workload-option``) takes the workload's
+    own bench options, which its generator accepts at the default scale, and the result records
+    them; a dict replaces them all."""
+    import harts_verl.benchmark as bench
+
+    assert set(bench.BENCH_WORKLOAD_OPTIONS) == set(WORKLOADS)
+    cfg = BenchConfig(workload=workload, preset="tiny", max_semantic_tokens=1500, progress=False)
+    prepared = bench.prepare_bench(cfg)
+    assert prepared.forest.num_trajectories >= 1
+    assert bench.workload_options(cfg) == bench.BENCH_WORKLOAD_OPTIONS[workload]
+    caps = bench.BENCH_WORKLOAD_OPTIONS[workload].get("path_caps")
+    if caps:
+        assert max(len(s) for s in prepared.seqs) <= max(caps)
+    given = {"max_forks": 1}
+    assert bench.workload_options(BenchConfig(workload=workload, workload_overrides=given)) == given
 
 
 def test_plot_path_resolved_before_running(tmp_path):
