@@ -179,6 +179,57 @@ def test_two_rank_dp_split_dependent_loss_equals_stock(tmp_path):
             ), name
 
 
+def test_two_rank_dp_loss_with_collectives_on_tree_micro_batches(tmp_path):
+    """``bypass_mode`` with batch-normalized importance weights all-reduces in every loss call.
+    Evaluated on tree micro-batches (``split_dependent_losses: tree``) with one rank padding its
+    count with dummies, the ranks still make the same collectives: the step finishes (it used to
+    hang), every real micro-batch reports its loss, and the gradient is the same on both ranks
+    and close to the stock engine's (the loss is documented to differ by the micro-batching)."""
+    from harts_verl.workers.testing import save_tiny_model
+
+    rng = np.random.default_rng(12)
+    seqs, pls = [], []
+    for _ in range(4):
+        p = rng.integers(0, 64, int(rng.integers(8, 14))).tolist()
+        r0 = rng.integers(0, 64, 5).tolist()
+        for k in range(3):
+            seqs.append(p + r0[: 1 + 2 * k] + rng.integers(0, 64, int(rng.integers(2, 7))).tolist())
+            pls.append(len(p))
+    path = save_tiny_model("qwen2", str(tmp_path / "qwen2"), seed=8)
+    base = {
+        "model_path": path,
+        "sequences": seqs,
+        "prompt_lengths": pls,
+        "parts": [list(range(10)), [10, 11]],  # rank 1: one small tree, then dummies
+        "capacity_tokens": 30,
+        "policy_loss": {
+            "loss_mode": "bypass_mode",
+            "rollout_correction": {
+                "rollout_is": "token",
+                "loss_type": "reinforce",
+                "rollout_is_batch_normalize": True,
+                "bypass_mode": True,
+            },
+        },
+        "harts": {"split_dependent_losses": "tree"},
+    }
+    tree = _launch(2, base, tmp_path, "tree", timeout=180)
+    stock = _launch(2, {**base, "strategy": "fsdp2"}, tmp_path, "stock")
+    c0, c1 = tree[0]["calls"], tree[1]["calls"]
+    train = max(c0)
+    assert c1[train]["dummies"] >= 1 and c0[train]["steps"] == c1[train]["steps"]
+    for r, t in enumerate(tree):
+        assert t["metrics"]["harts/stock_split_loss"] == [0.0]
+        real = c0[train]["steps"] - (c1 if r else c0)[train]["dummies"]
+        assert len(t["metrics"]["loss"]) == real
+        assert all(np.isfinite(t["metrics"]["loss"]))
+    gs = stock[0]["grad_norm"]
+    assert tree[0]["grad_norm"] == tree[1]["grad_norm"]
+    assert 0 < abs(tree[0]["grad_norm"] - gs) <= 0.1 * gs
+    for name, g in tree[0]["grads"].items():
+        torch.testing.assert_close(tree[1]["grads"][name], g, rtol=0, atol=0)
+
+
 def test_ulysses_sp_ranks_share_the_trees(tmp_path):
     """Ulysses SP 2 (one DP group of two ranks): the SP ranks share the tree micro-batches
     (equal counts, each micro-batch on one rank) instead of slicing sequences; both ranks return

@@ -751,6 +751,38 @@ def test_split_dependent_losses_match_stock(verl_cpu, caplog, kind, loss_mode, l
         assert abs(gr - gt) > 1e-3 * abs(gr), (gr, gt)
 
 
+@pytest.mark.parametrize(
+    "loss_mode,loss_agg_mode", [("geo_mean", "token-mean"), ("vanilla", "seq-mean-token-sum-norm")]
+)
+def test_split_dependent_loss_of_an_evaluation_call_matches_stock(
+    verl_cpu, loss_mode, loss_agg_mode
+):
+    """``infer_batch`` with a loss function (an evaluation call, no gradient) evaluates a loss
+    that depends on the micro-batching on veRL's own micro-batches too: the per-micro-batch
+    losses and the log-probs are the stock engine's."""
+    testing, paths = verl_cpu
+    seqs, prompt_lens, spans = _grpo_batch(seed=2)
+    outs = {}
+    for strategy in ("fsdp2", "harts_fsdp2"):
+        cfg = testing.actor_config(
+            strategy=strategy, loss_mode=loss_mode, loss_agg_mode=loss_agg_mode, max_token_len=64
+        )
+        engine = testing.build_engine(paths["qwen2"], cfg)
+        td = testing.make_batch(seqs, prompt_lens, tool_spans=spans, max_token_len=64)
+        with engine.eval_mode():
+            outs[strategy] = engine.infer_batch(td, loss_function=partial(_ppo_loss(), config=cfg))
+    ref, tree = outs["fsdp2"], outs["harts_fsdp2"]
+    assert tree["metrics"]["harts/stock_split_loss"] == [1.0]
+    assert len(ref["loss"]) >= 2  # the budget cuts the batch
+    np.testing.assert_allclose(tree["loss"], ref["loss"], rtol=1e-5, atol=1e-7)
+    for a, b in zip(
+        ref["model_output"]["log_probs"].unbind(),
+        tree["model_output"]["log_probs"].unbind(),
+        strict=True,
+    ):
+        assert float((a[:-1] - b[:-1]).abs().max()) <= 1e-6
+
+
 def test_fixed_micro_batch_size_bounds_capacity(verl_cpu):
     """``use_dynamic_bsz`` false: no tree micro-batch holds more rows than a stock micro-batch
     of ``micro_batch_size_per_gpu`` trajectories could; outputs equal the stock engine's."""

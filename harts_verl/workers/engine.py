@@ -315,6 +315,31 @@ def split_dependent_loss(loss_function: Any) -> str | None:
     return "; ".join(out) or None
 
 
+def loss_collectives(loss_function: Any) -> int:
+    """How many world-wide ``distributed_masked_mean`` calls one call of ``loss_function`` makes:
+    1 for veRL's ``bypass_mode`` with ``rollout_correction.rollout_is_batch_normalize`` (its
+    importance-weight mean), else 0. A dummy micro-batch, which runs no loss, makes as many
+    empty ones (:func:`_empty_distributed_mean`), so that every rank's collectives match."""
+    config = getattr(loss_function, "keywords", {}).get("config")
+    policy_loss = getattr(config, "policy_loss", None)
+    if _config_get(policy_loss, "loss_mode") != "bypass_mode":
+        return 0
+    correction = _config_get(policy_loss, "rollout_correction")
+    normalize = _config_get(correction, "rollout_is_batch_normalize")
+    return int(bool(normalize and _config_get(correction, "rollout_is")))
+
+
+def _empty_distributed_mean(device: Any) -> None:
+    """veRL's ``distributed_masked_mean`` over no elements (adds 0 to the global sum and to the
+    global count); nothing outside a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    from verl.utils.torch_functional import distributed_masked_mean
+
+    zero = torch.zeros(1, dtype=torch.float32, device=device)
+    distributed_masked_mean(zero, zero)
+
+
 def _config_get(config: Any, key: str) -> Any:
     """``config[key]`` of a veRL dataclass config, an omegaconf / dict section, or None."""
     if config is None:
@@ -867,7 +892,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
                 out["metrics"][f"harts/{k}"] = [v]
             return out
         stock_split = False
-        if not forward_only:
+        if loss_function is not None:
             why = split_dependent_loss(loss_function)
             stock_split = why is not None and self._can_split_like_stock()
             if (
@@ -936,7 +961,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         shortest = [int(np.argmin(forest.lengths))]  # what a dummy micro-batch runs
         if stock_split:
             output_lst, indices, stats = self._stock_split_forward_backward(
-                data, loss_function, forest, temperature, mine, return_model_output
+                data, loss_function, forest, temperature, mine, return_model_output, forward_only
             )
             mine = []  # done: every micro-batch ran twice (see the method)
         for k, idx in enumerate(mine):
@@ -956,7 +981,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             ):
                 loss, meta, mb_stats = self._tree_forward_step(
                     micro_batch,
-                    loss_function=None if dummy else loss_function,
+                    loss_function=loss_function,
                     forward_only=forward_only,
                     temperature=select_temperatures(temperature, sel),
                     dummy=dummy,
@@ -994,7 +1019,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         metrics["harts/planning_ms"] = [planning_ms]
         metrics["harts/oversize_microbatches"] = [float(oversize)]
         metrics["harts/fallback"] = [0.0]
-        if not forward_only:
+        if not forward_only or loss_function is not None:
             metrics["harts/stock_split_loss"] = [float(stock_split)]
         if self.harts.audit_every and self._calls % self.harts.audit_every == 0:
             with self._without_ulysses():  # the stock reference runs whole trajectories too
@@ -1010,6 +1035,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         temperature: float | np.ndarray,
         groups: list[np.ndarray | None],
         return_model_output: bool,
+        forward_only: bool = False,
     ) -> tuple[list[dict], list[list[int]], dict[str, int]]:
         """Training step of a loss that depends on the micro-batching, with the stock engine's
         numbers: (1) every tree micro-batch of ``groups`` (None: a dummy) runs without graph
@@ -1019,8 +1045,10 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         respect to every output; (3) every tree micro-batch runs again with graph and
         back-propagates Σ output · gradient. The parameter gradients are the stock ones (the
         loss is a function of the outputs only); the cost is one more forward without graph.
-        Returns the per-micro-batch outputs (``loss``, ``metrics``, ``model_output`` when
-        ``return_model_output``), their trajectory indices and the tree statistics."""
+        ``forward_only``: steps (1) and (2) without gradients (the stock loss values and
+        metrics of an evaluation call). Returns the per-micro-batch outputs (``loss``,
+        ``metrics``, ``model_output`` when ``return_model_output`` or ``forward_only``), their
+        trajectory indices and the tree statistics."""
         from verl.workers.engine.utils import prepare_micro_batches
 
         n = len(data)
@@ -1058,14 +1086,15 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             lengths = torch.tensor([0] + [_kept_len(kept, i) for i in idx], device=device)
             offsets = torch.cumsum(lengths, 0)
             leaves = {
-                key: torch.cat([col[i] for i in idx]).requires_grad_(True)
+                key: torch.cat([col[i] for i in idx]).requires_grad_(not forward_only)
                 for key, col in kept.items()
             }
             model_output = {
                 key: torch.nested.nested_tensor_from_jagged(leaf, offsets)
                 for key, leaf in leaves.items()
             }
-            with self._autocast():
+            grad_ctx = torch.no_grad() if forward_only else nullcontext()
+            with grad_ctx, self._autocast():
                 loss, metrics = loss_function(
                     model_output=model_output,
                     data=micro_batch,
@@ -1081,9 +1110,11 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
                     for i, part in zip(idx, g.split(lengths[1:].tolist())):
                         grads[key][i] = part
             meta = {"loss": float(loss.detach().item()), "metrics": metrics}
-            if return_model_output:
+            if return_model_output or forward_only:  # an evaluation call returns its outputs
                 meta["model_output"] = detach_tree(model_output)
             output_lst.append(meta)
+        if forward_only:
+            return output_lst, batch_idx, stats
 
         scaler = getattr(self, "scaler", None)
         for k, idx in enumerate(groups):  # (3) graph, backward of <outputs, loss gradient>
@@ -1329,6 +1360,10 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         with self._autocast():
             model_output, anchor, stats = self._tree_micro_batch_outputs(micro_batch, temperature)
             if dummy:
+                # A loss that all-reduces in every call makes the same collectives here, with
+                # nothing to add (the ranks' call counts must match).
+                for _ in range(loss_collectives(loss_function)):
+                    _empty_distributed_mean(device)
                 loss = anchor.sum() * 0.0
                 metrics: dict = {}
             elif loss_function is not None:

@@ -973,11 +973,19 @@ def actor_config(
     lr: float = 0.1,
     weight_decay: float = 0.0,
     sp: int = 1,
+    policy_loss: dict[str, Any] | None = None,
 ):
     """An actor config as veRL's worker builds it (``HartsFSDPActorConfig`` for the harts
-    strategy, veRL's ``FSDPActorConfig`` otherwise); ``sp``: Ulysses sequence-parallel size."""
+    strategy, veRL's ``FSDPActorConfig`` otherwise); ``sp``: Ulysses sequence-parallel size;
+    ``policy_loss``: ``PolicyLossConfig`` fields (its ``rollout_correction`` as a dict of
+    ``RolloutCorrectionConfig`` fields), replacing ``loss_mode``."""
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
     from verl.workers.config import FSDPActorConfig, FSDPOptimizerConfig
     from verl.workers.config.actor import PolicyLossConfig
+
+    pl = dict(policy_loss or {"loss_mode": loss_mode})
+    if isinstance(pl.get("rollout_correction"), dict):
+        pl["rollout_correction"] = RolloutCorrectionConfig(**pl["rollout_correction"])
 
     from harts_verl.workers.config import HartsFSDPActorConfig
 
@@ -987,7 +995,7 @@ def actor_config(
         use_dynamic_bsz=True,
         ppo_max_token_len_per_gpu=max_token_len,
         ppo_infer_max_token_len_per_gpu=max_token_len,
-        policy_loss=PolicyLossConfig(loss_mode=loss_mode),
+        policy_loss=PolicyLossConfig(**pl),
         loss_agg_mode=loss_agg_mode,
         entropy_coeff=entropy_coeff,
         use_torch_compile=False,
@@ -1216,6 +1224,8 @@ def dp_worker(
     capacity_tokens: int = 40,
     loss_mode: str = "vanilla",
     max_token_len: int = 4096,
+    policy_loss: dict | None = None,
+    harts: dict | None = None,
 ) -> None:
     """One rank of a gloo data-parallel run of the ``harts_fsdp2`` engine (CPU shim): infer
     log-probs and one train step on the trajectories ``parts[rank // sp]`` of this rank's DP
@@ -1224,7 +1234,8 @@ def dp_worker(
     ``out_path`` (``loss_mode``: the policy loss; ``max_token_len``: the token budget of a
     micro-batch; full gradients, gathered from the FSDP shards; ``metrics``: the train step's
     ``harts/*`` metrics and its per-micro-batch losses; ``metric_values``: the loss function's
-    veRL ``Metric`` entries as ``{key: (aggregation, values)}``)."""
+    veRL ``Metric`` entries as ``{key: (aggregation, values)}``; ``policy_loss``, ``harts``:
+    as :func:`actor_config`'s, ``harts`` added to the chunk size and capacity)."""
     import sys
     from functools import partial
 
@@ -1241,10 +1252,11 @@ def dp_worker(
     pls = [prompt_lengths[i] for i in mine]
     cfg = actor_config(
         strategy=strategy,
-        harts={"chunk_size": 8, "capacity_tokens": capacity_tokens},
+        harts={"chunk_size": 8, "capacity_tokens": capacity_tokens, **(harts or {})},
         sp=sp,
         loss_mode=loss_mode,
         max_token_len=max_token_len,
+        policy_loss=policy_loss,
     )
     engine = build_engine(model_path, cfg)
     mk = partial(
