@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from harts_verl.tree import RolloutForest
-from harts_verl.tree._checks import int_arg
+from harts_verl.tree._checks import finite_float_arg, int_arg
 from harts_verl.tree.naive import build_naive_trie
 from harts_verl.tree.workloads import WORKLOADS
 
@@ -31,8 +31,13 @@ def _best_of(fn, repeats: int) -> tuple[float, object]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--workload", default="swe_like", choices=sorted(WORKLOADS))
-    ap.add_argument("--scale", type=float, default=16.0, help="about scale x 1M semantic tokens")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--scale",
+        type=finite_float_arg(0, inclusive=False),
+        default=16.0,
+        help="workload scale (finite, > 0; about scale x 1M semantic tokens above the tiny range, at least one whole group)",
+    )
+    ap.add_argument("--seed", type=int_arg(0), default=0)
     ap.add_argument("--repeats", type=int_arg(1), default=3, help="best-of runs (>= 1)")
     ap.add_argument("--naive-tokens", type=int_arg(1), default=1_000_000)
     args = ap.parse_args(argv)

@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from harts_verl.tree import RolloutForest, plan_linear_calls
-from harts_verl.tree._checks import int_arg
+from harts_verl.tree._checks import finite_float_arg, int_arg
 from harts_verl.tree.workloads import WORKLOADS
 
 TARGETS = (32_000, 100_000, 320_000, 1_000_000)
@@ -66,8 +66,13 @@ def _microbatches(forest: RolloutForest, target: int, count: int) -> list[np.nda
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--workload", default="swe_like", choices=sorted(WORKLOADS))
-    ap.add_argument("--scale", type=float, default=12.0, help="about scale x 1M semantic tokens")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--scale",
+        type=finite_float_arg(0, inclusive=False),
+        default=12.0,
+        help="workload scale (finite, > 0; about scale x 1M semantic tokens above the tiny range, at least one whole group)",
+    )
+    ap.add_argument("--seed", type=int_arg(0), default=0)
     ap.add_argument("--chunk-size", type=int_arg(1), default=64)
     ap.add_argument("--per-size", type=int_arg(1), default=3, help="microbatches per target size")
     ap.add_argument("--repeats", type=int_arg(1), default=15, help="timed runs (>= 1)")

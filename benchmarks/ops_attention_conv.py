@@ -29,6 +29,7 @@ import torch
 
 from harts_verl.ops.short_conv import conv_window_index, tree_short_conv
 from harts_verl.ops.tree_attention import build_attention_plan, tree_attention
+from harts_verl.tree._checks import int_arg
 from harts_verl.tree.forest import RolloutForest
 
 
@@ -185,16 +186,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--own-tokens", type=int, default=1000, help="mean tokens per sample trunk")
-    p.add_argument("--repeats", type=int, default=1, help="attention timing repeats (min)")
-    p.add_argument("--conv-repeats", type=int, default=2, help="conv timing repeats (min)")
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--conv-channels", type=int, default=1024)
-    p.add_argument("--conv-width", type=int, default=4)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
-    print(json.dumps(run(p.parse_args()), indent=2))
+    p.add_argument("--seed", type=int_arg(0), default=0)
+    p.add_argument(
+        "--own-tokens", type=int_arg(1), default=1000, help="mean tokens per sample trunk"
+    )
+    p.add_argument("--repeats", type=int_arg(1), default=1, help="attention timing repeats (min)")
+    p.add_argument("--conv-repeats", type=int_arg(1), default=2, help="conv timing repeats (min)")
+    p.add_argument("--heads", type=int_arg(1), default=8)
+    p.add_argument("--head-dim", type=int_arg(1), default=64)
+    p.add_argument("--conv-channels", type=int_arg(1), default=1024)
+    p.add_argument("--conv-width", type=int_arg(1), default=4)
+    p.add_argument("--threads", type=int_arg(0), default=0, help="torch threads (0: default)")
+    print(json.dumps(run(p.parse_args()), indent=2, allow_nan=False))
 
 
 if __name__ == "__main__":

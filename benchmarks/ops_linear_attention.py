@@ -20,6 +20,7 @@ import torch
 
 from harts_verl.ops.tree_linear_attention import build_linear_layout, tree_delta_rule
 from harts_verl.tree import RolloutForest
+from harts_verl.tree._checks import int_arg
 from harts_verl.tree.workloads import swe_like
 
 
@@ -59,11 +60,11 @@ def _time(forest: RolloutForest, args: argparse.Namespace) -> tuple[float, dict]
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--kind", choices=["kda", "gdn"], default="kda")
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--chunk-size", type=int, default=64)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--repeats", type=int_arg(1), default=2)
+    ap.add_argument("--chunk-size", type=int_arg(1), default=64)
+    ap.add_argument("--heads", type=int_arg(1), default=4)
+    ap.add_argument("--head-dim", type=int_arg(1), default=64)
+    ap.add_argument("--threads", type=int_arg(1), default=None)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         "time_ratio": round(t_exp / t_tree, 4),
         "threads": torch.get_num_threads(),
     }
-    print(json.dumps(out, indent=2))
+    print(json.dumps(out, indent=2, allow_nan=False))
     return 0
 
 

@@ -31,6 +31,7 @@ from harts_verl.ops.moe import (
     sigmoid_grouped_topk_route,
     softmax_topk_route,
 )
+from harts_verl.tree._checks import finite_float_arg, int_arg
 from harts_verl.tree.forest import RolloutForest
 
 
@@ -109,15 +110,17 @@ def _moe_stats(
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--scale", type=float, default=0.008)
-    ap.add_argument("--seed", type=int, default=2)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--dim", type=int, default=256)
-    ap.add_argument("--rows-per-chunk", type=int, default=4096)
-    ap.add_argument("--experts", type=int, default=64)
-    ap.add_argument("--top-k", type=int, default=6)
-    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--scale", type=finite_float_arg(0, inclusive=False), default=0.008)
+    ap.add_argument("--seed", type=int_arg(0), default=2)
+    ap.add_argument("--vocab", type=int_arg(2), default=32000)
+    ap.add_argument("--dim", type=int_arg(1), default=256)
+    ap.add_argument("--rows-per-chunk", type=int_arg(1), default=4096)
+    ap.add_argument("--experts", type=int_arg(1), default=64)
+    ap.add_argument("--top-k", type=int_arg(1), default=6)
+    ap.add_argument("--repeats", type=int_arg(1), default=1)
     args = ap.parse_args(argv)
+    if args.top_k > args.experts:
+        ap.error(f"--top-k: expected at most --experts ({args.experts}), got {args.top_k}")
 
     seqs, source = _sequences(args.scale, args.seed, args.vocab)
     forest = RolloutForest.from_sequences(seqs)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from harts_verl.tree import RolloutForest, workloads
+from harts_verl.tree._checks import finite_float_arg
 from harts_verl.tree.microbatch import (
     compact_work,
     lcp_interval_tree,
@@ -414,16 +416,23 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - CLI
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="few small instances, about 1 minute")
     ap.add_argument(
-        "--time-limit", type=float, default=None, help="CP-SAT seconds per instance (15; quick 4)"
+        "--time-limit",
+        type=finite_float_arg(0, inclusive=False),
+        default=None,
+        help="CP-SAT seconds per instance (15; quick 4)",
     )
     ap.add_argument(
         "--work-slack",
-        type=float,
+        type=finite_float_arg(0, inclusive=True),
         default=0.02,
         help="also report ours with this work_slack at dp > 1 (0 disables)",
     )
     ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args(argv)
+    if args.out:  # checked before the work, not after it
+        out_dir = os.path.dirname(os.path.abspath(args.out))
+        if os.path.isdir(args.out) or not os.path.isdir(out_dir):
+            ap.error(f"--out: {args.out!r} is a directory or in a missing one")
     time_limit = args.time_limit if args.time_limit is not None else (4.0 if args.quick else 15.0)
     from tqdm import tqdm
 

@@ -127,6 +127,9 @@ def test_model_errors(tmp_path, monkeypatch):
     capped = tiny_hf_config("gemma3_text")  # a negative soft-cap: no usable transform
     capped.final_logit_softcapping = -30.0
     capped.save_pretrained(str(tmp_path / "capped"))
+    llama = tiny_hf_config("llama").to_dict()  # values transformers' own validation rejects
+    (tmp_path / "heads.json").write_text(json.dumps({**llama, "num_attention_heads": 3}))
+    (tmp_path / "typed.json").write_text(json.dumps({**llama, "hidden_size": "abc"}))
     real_load = hf.load_causal_lm
     monkeypatch.setattr(hf, "load_causal_lm", lambda *a, **k: pytest.fail("model built"))
     for spec, msg in [
@@ -138,6 +141,8 @@ def test_model_errors(tmp_path, monkeypatch):
         (tmp_path / "notype.json", "model_type"),
         (tmp_path / "empty", "has no config.json"),
         (tmp_path / "capped" / "config.json", r"config\.final_logit_softcapping: .* -30\.0"),
+        (tmp_path / "heads.json", "config of .*not a multiple of the number of attention heads"),
+        (tmp_path / "typed.json", "config of .*'hidden_size' expected int"),
     ]:
         with pytest.raises(ValueError, match=msg) as info:
             run_bench(BenchConfig(model=str(spec), **SMALL))
@@ -147,6 +152,20 @@ def test_model_errors(tmp_path, monkeypatch):
     tiny_hf_config("qwen2").save_pretrained(str(tmp_path / "noweights"))
     with pytest.raises(ValueError, match=r"^model: .*no file named.*config\.json for random"):
         run_bench(BenchConfig(model=str(tmp_path / "noweights"), **SMALL))
+    # Weights that cannot be read, or do not fit the config: model errors too.
+    from harts_verl.workers.testing import save_tiny_model
+
+    save_tiny_model("llama", str(tmp_path / "corrupt"))
+    (tmp_path / "corrupt" / "model.safetensors").write_bytes(b"junk")
+    save_tiny_model("llama", str(tmp_path / "reshaped"))
+    cfg = json.loads((tmp_path / "reshaped" / "config.json").read_text())
+    cfg["intermediate_size"] *= 2
+    (tmp_path / "reshaped" / "config.json").write_text(json.dumps(cfg))
+    for spec, msg in [("corrupt", "deserializing header"), ("reshaped", "do not fit its config")]:
+        with pytest.raises(
+            ValueError, match=rf"^model: .*{spec}.*cannot load its weights: .*{msg}"
+        ):
+            run_bench(BenchConfig(model=str(tmp_path / spec), **SMALL))
 
 
 def test_load_causal_lm_reads_the_named_config_file(tmp_path, monkeypatch):

@@ -39,6 +39,29 @@ import torch
 
 from harts_verl.tree._checks import finite_float_arg, int_arg, is_int
 
+
+def _library_errors(*names: str) -> tuple[type[BaseException], ...]:
+    """The exception classes ``module:Class`` of ``names`` that can be imported."""
+    import importlib
+
+    out = []
+    for name in names:
+        mod, _, cls = name.partition(":")
+        try:
+            out.append(getattr(importlib.import_module(mod), cls))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(out)
+
+
+# What reading a user's config raises: transformers 5 validates config fields and architecture
+# checks through huggingface_hub's strict dataclasses, whose errors are plain Exceptions.
+_HUB_ERRORS = _library_errors("huggingface_hub.errors:StrictDataclassError")
+_CONFIG_ERRORS = (OSError, ValueError, KeyError, TypeError, *_HUB_ERRORS)
+# What loading its weights raises besides: an unreadable safetensors file, weights whose shapes
+# do not fit the config (transformers' RuntimeError).
+_WEIGHT_ERRORS = (RuntimeError, *_library_errors("safetensors:SafetensorError"))
+
 __all__ = [
     "INPUT_ERRORS",
     "add_arguments",
@@ -336,8 +359,9 @@ def tree_model_config(spec: str) -> Any:
             cfg = checkpoints.harts_config_from_source(raw)
         else:
             cfg = AutoConfig.from_pretrained(spec)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"model: cannot read the config of {spec!r}: {exc}") from exc
+    except _CONFIG_ERRORS as exc:
+        msg = " ".join(str(exc).split())
+        raise ValueError(f"model: cannot read the config of {spec!r}: {msg}") from exc
     model_type = getattr(cfg, "model_type", None)
     if model_type not in TREE_MODEL_TYPES:
         raise ValueError(
@@ -356,8 +380,9 @@ def load_tree_model(
 ) -> torch.nn.Module:
     """:func:`harts_verl.models.hf.load_causal_lm` of ``spec`` after :func:`tree_model_config`
     (an unsupported model is refused before anything is built). Raises ``ValueError`` starting
-    with ``model:`` for a bad spec, a directory without weights, or a config its model class
-    rejects (the class's message is included)."""
+    with ``model:`` for a bad spec, a directory without weights, a config its model class
+    rejects (the class's message is included), or weights that cannot be read or do not fit
+    the config."""
     from harts_verl.models.hf import load_causal_lm
 
     tree_model_config(spec)
@@ -366,9 +391,14 @@ def load_tree_model(
     except OSError as exc:  # e.g. a directory without weights
         hint = " (pass its config.json for random weights)" if os.path.isdir(spec) else ""
         raise ValueError(f"model: {exc}{hint}") from exc
-    except (ValueError, TypeError) as exc:
-        msg = str(exc)
+    except (ValueError, TypeError, *_HUB_ERRORS) as exc:
+        msg = " ".join(str(exc).split())
         raise ValueError(msg if msg.startswith("model:") else f"model: {spec!r}: {msg}") from exc
+    except _WEIGHT_ERRORS as exc:
+        msg = " ".join(str(exc).split())
+        if "ignore_mismatched_sizes" in msg:
+            msg = "its weights do not fit its config (some tensor shapes differ)"
+        raise ValueError(f"model: {spec!r}: cannot load its weights: {msg}") from exc
 
 
 def _flag(exc: BaseException, flag: str, field: str) -> ValueError:
