@@ -381,13 +381,17 @@ def main(argv: list[str] | None = None) -> int:
     one line on stderr and 2, argparse's own errors exit 2 as well."""
     parser = argparse.ArgumentParser(
         prog="harts-verl",
-        description=__doc__.split("\n\n")[0],
+        description=__doc__.split("\n\n")[0].replace("``", ""),
         epilog="Exit status 2 = bad option or input file (one line on stderr; "
         "HARTS_VERL_DEBUG=1 shows its traceback), 1 = internal error (traceback).",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
-        "demo", help="the embedded default job: tree vs expanded training on a SWE-like step"
+        "demo",
+        help="the embedded default job: tree vs expanded training on a SWE-like step",
+        description="Tree vs expanded training (forward + backward) of the native bench model "
+        "on a small SWE-like step (tiny-mode swe_like, ≈10K semantic tokens, ≈5.6×): one "
+        "warm-up and one timed iteration; prints the bench JSON.",
     )
     _add_bench_args(demo, repeats=1, warmup=1, **DEMO_DEFAULTS)
     demo.set_defaults(func=_cmd_bench)

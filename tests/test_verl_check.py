@@ -253,6 +253,7 @@ def test_load_sequences_formats_and_errors(tmp_path):
     """Every dump format a veRL user produces loads to the same trajectories (dense batches
     through their attention mask); malformed dumps raise ValueError naming the file."""
     from tensordict import TensorDict
+    from verl import DataProto
 
     from harts_verl.tree import RolloutForest
     from harts_verl.workers.check import load_sequences, run_check
@@ -268,6 +269,7 @@ def test_load_sequences_formats_and_errors(tmp_path):
         "dict": {"input_ids": nested},
         "dense": {"input_ids": dense, "attention_mask": mask},
         "tensordict": TensorDict({"input_ids": dense, "attention_mask": mask}, batch_size=[3]),
+        "dataproto": DataProto.from_dict({"input_ids": dense, "attention_mask": mask}),
     }
     for name, obj in good.items():
         torch.save(obj, tmp_path / f"{name}.pt")
@@ -281,6 +283,7 @@ def test_load_sequences_formats_and_errors(tmp_path):
         "densenomask": ({"input_ids": dense}, "without attention_mask"),
         "maskshape": ({"input_ids": dense, "attention_mask": mask[:2]}, "does not match"),
     }
+    bad["protonobatch"] = (DataProto(), "no tensor batch")
     for name, (obj, msg) in bad.items():
         torch.save(obj, tmp_path / f"{name}.pt")
         with pytest.raises(ValueError, match=msg) as info:

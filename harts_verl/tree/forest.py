@@ -569,7 +569,9 @@ class RolloutForest:
         try:
             z = np.load(path)
         except (ValueError, EOFError, zipfile.BadZipFile) as exc:  # pickled/text/truncated
-            raise ValueError(f"{path}: not a forest file ({exc})") from exc
+            # numpy reads any file that is not .npy / .npz as a pickle, which it refuses
+            why = "expected an .npz archive" if "allow_pickle" in str(exc) else str(exc)
+            raise ValueError(f"{path}: not a forest file ({why})") from exc
         if not isinstance(z, np.lib.npyio.NpzFile):
             raise ValueError(f"{path}: not a forest file (expected an .npz archive)")
         with z:

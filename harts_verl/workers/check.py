@@ -85,7 +85,8 @@ def load_sequences(path: str) -> list[list[int]]:
     """Trajectories of a batch dump (see module doc): a ``RolloutForest.save`` ``.npz``, or a
     ``torch.save`` file of a list of token-id lists / 1-D integer tensors, a nested (jagged)
     ``input_ids`` tensor, or a mapping (dict, TensorDict) with ``input_ids`` — nested, a list,
-    or dense ``[B, L]`` with ``attention_mask`` (the masked-in tokens of each row). Raises
+    or dense ``[B, L]`` with ``attention_mask`` (the masked-in tokens of each row) — or a veRL
+    ``DataProto`` (its tensor batch, read as such a mapping). Raises
     ``ValueError`` naming the file and what is wrong (no trajectories, non-integer ids, a
     missing key, a dense batch without its mask), when the file does not exist or is a
     directory, and when it is neither a forest file nor readable by ``torch.load`` (a
@@ -114,6 +115,10 @@ def load_sequences(path: str) -> list[list[int]]:
 
 def _sequences_of(obj: Any, path: str) -> list[list[int]]:
     mask = None
+    if hasattr(obj, "batch") and hasattr(obj, "non_tensor_batch"):  # a veRL DataProto
+        if obj.batch is None:
+            raise ValueError(f"{path}: the saved DataProto has no tensor batch")
+        obj = obj.batch
     if hasattr(obj, "keys") and callable(obj.keys):  # dict, TensorDict
         keys = list(obj.keys())
         if "input_ids" not in keys:
