@@ -277,6 +277,10 @@ def test_oversize_raises_or_runs_alone():
     assert len(alone) == 1 and alone[0].trajectories.tolist() == [1]
     assert alone[0].compact_tokens == 7
     assert plan.total_compact_tokens == 7 + naive_work(f, [0, 2])
+    assert plan.strategy in plan.candidates
+    only = plan_microbatches(f, capacity_tokens=2, allow_oversize=True)  # nothing to search
+    check_plan(f, only, 2, 1)
+    assert only.strategy == "none" and only.num_microbatches == 3
 
 
 def test_bad_arguments():

@@ -149,7 +149,8 @@ class MicrobatchPlan:
     ``total_compact_tokens`` = Σ microbatch works; ``slot_critical_work`` = Σ over slots of the
     largest work in the slot; ``replica_work`` (int64 per replica) = Σ of its microbatch works;
     ``natural_partition`` = P0 (tuple of trajectory-index arrays); ``strategy`` = winning
-    candidate; ``candidates`` = name → ``(total, slot_critical, max_replica, microbatches)``.
+    candidate (``"none"`` when no trajectory is within the capacity: an empty forest, or only
+    oversize ones); ``candidates`` = name → ``(total, slot_critical, max_replica, microbatches)``.
     """
 
     microbatches: tuple[Microbatch, ...]
@@ -1445,7 +1446,7 @@ def plan_microbatches(
     n = lv.n
     natural = _natural(lv, cap)
     scores: dict[str, tuple[int, int, int, int]] = {}
-    best_name, best_lab = "", np.zeros(0, np.int64)
+    best_name, best_lab = "none", np.zeros(0, np.int64)  # no trajectory within the capacity
     if n:
         best_name, best_lab = _search(lv, cap, dp, natural, families, opt, int(seed), scores)
     label, k = _canonical(best_lab)
