@@ -140,27 +140,33 @@ def test_two_rank_dp_equals_single_process(tmp_path):
                 assert c1[call]["dummies"] == c0[call]["planned"] - 2  # split once, then pad
 
 
-def test_two_rank_dp_split_dependent_loss_equals_stock(tmp_path):
-    """``geo_mean`` (a mean over each micro-batch) under DP 2, at a token budget of several
-    micro-batches per rank: ``harts_fsdp2`` evaluates the loss on veRL's own micro-batches, so
-    the per-micro-batch losses, the gradients and the grad norm are the stock engine's."""
-    from harts_verl.workers.balance import tree_balanced_partition
+def _four_trees(tmp_path) -> dict:
+    """``dp_worker`` arguments of four GRPO-style trees of 3 samples with shared response
+    prefixes, on a tiny Qwen2: model path, sequences and prompt lengths."""
     from harts_verl.workers.testing import save_tiny_model
 
     rng = np.random.default_rng(12)
     seqs, pls = [], []
-    for _ in range(4):  # four GRPO-style trees of 3 samples with shared response prefixes
+    for _ in range(4):
         p = rng.integers(0, 64, int(rng.integers(8, 14))).tolist()
         r0 = rng.integers(0, 64, 5).tolist()
         for k in range(3):
             seqs.append(p + r0[: 1 + 2 * k] + rng.integers(0, 64, int(rng.integers(2, 7))).tolist())
             pls.append(len(p))
     path = save_tiny_model("qwen2", str(tmp_path / "qwen2"), seed=8)
+    return {"model_path": path, "sequences": seqs, "prompt_lengths": pls}
+
+
+def test_two_rank_dp_split_dependent_loss_equals_stock(tmp_path):
+    """``geo_mean`` (a mean over each micro-batch) under DP 2, at a token budget of several
+    micro-batches per rank: ``harts_fsdp2`` evaluates the loss on veRL's own micro-batches, so
+    the per-micro-batch losses, the gradients and the grad norm are the stock engine's."""
+    from harts_verl.workers.balance import tree_balanced_partition
+
+    base = _four_trees(tmp_path)
     base = {
-        "model_path": path,
-        "sequences": seqs,
-        "prompt_lengths": pls,
-        "parts": tree_balanced_partition(seqs, 2),
+        **base,
+        "parts": tree_balanced_partition(base["sequences"], 2),
         "loss_mode": "geo_mean",
         "max_token_len": 48,
     }
@@ -185,21 +191,9 @@ def test_two_rank_dp_loss_with_collectives_on_tree_micro_batches(tmp_path):
     count with dummies, the ranks still make the same collectives: the step finishes (it used to
     hang), every real micro-batch reports its loss, and the gradient is the same on both ranks
     and close to the stock engine's (the loss is documented to differ by the micro-batching)."""
-    from harts_verl.workers.testing import save_tiny_model
 
-    rng = np.random.default_rng(12)
-    seqs, pls = [], []
-    for _ in range(4):
-        p = rng.integers(0, 64, int(rng.integers(8, 14))).tolist()
-        r0 = rng.integers(0, 64, 5).tolist()
-        for k in range(3):
-            seqs.append(p + r0[: 1 + 2 * k] + rng.integers(0, 64, int(rng.integers(2, 7))).tolist())
-            pls.append(len(p))
-    path = save_tiny_model("qwen2", str(tmp_path / "qwen2"), seed=8)
     base = {
-        "model_path": path,
-        "sequences": seqs,
-        "prompt_lengths": pls,
+        **_four_trees(tmp_path),
         "parts": [list(range(10)), [10, 11]],  # rank 1: one small tree, then dummies
         "capacity_tokens": 30,
         "policy_loss": {
