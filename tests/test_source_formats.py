@@ -179,6 +179,13 @@ def test_unreadable_checkpoints_are_named(tmp_path):
     cfg = preset("kimi_tiny", vocab_size=64)
     _kimi_dir(tmp_path / "m", cfg)
     m = tmp_path / "m"
+    for src, match in (
+        (tmp_path / "missing", r"'.*missing' does not exist"),
+        (tmp_path / "m" / "model.safetensors", "'.*' is a file, expected a model directory"),
+        (tmp_path, "no config.json at"),
+    ):
+        with pytest.raises(ValueError, match=f"^model: {match}"):
+            ck.convert_checkpoint(str(src), str(tmp_path / "o0"))
     (tmp_path / "list").mkdir()
     (tmp_path / "list" / "config.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match="expected a JSON object"):

@@ -318,6 +318,10 @@ def _format(model_type: str) -> SourceFormat:
 def read_config(path: str) -> dict[str, Any]:
     """The ``config.json`` dict of a model directory (or of a config file path)."""
     file = path if path.endswith(".json") else os.path.join(path, "config.json")
+    if not os.path.exists(path):
+        raise ValueError(f"model: {path!r} does not exist")
+    if not path.endswith(".json") and not os.path.isdir(path):
+        raise ValueError(f"model: {path!r} is a file, expected a model directory or a config.json")
     if not os.path.isfile(file):
         raise ValueError(f"model: no config.json at {path!r}")
     with open(file) as f:
