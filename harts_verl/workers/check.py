@@ -54,6 +54,11 @@ def _library_errors(*names: str) -> tuple[type[BaseException], ...]:
     return tuple(out)
 
 
+def _one_line(exc: BaseException) -> str:
+    """``exc``'s message on one line (library messages span several)."""
+    return " ".join(str(exc).split())
+
+
 # What reading a user's config raises: transformers 5 validates config fields and architecture
 # checks through huggingface_hub's strict dataclasses, whose errors are plain Exceptions.
 _HUB_ERRORS = _library_errors("huggingface_hub.errors:StrictDataclassError")
@@ -365,7 +370,7 @@ def tree_model_config(spec: str) -> Any:
         else:
             cfg = AutoConfig.from_pretrained(spec)
     except _CONFIG_ERRORS as exc:
-        msg = " ".join(str(exc).split())
+        msg = _one_line(exc)
         raise ValueError(f"model: cannot read the config of {spec!r}: {msg}") from exc
     model_type = getattr(cfg, "model_type", None)
     if model_type not in TREE_MODEL_TYPES:
@@ -397,10 +402,10 @@ def load_tree_model(
         hint = " (pass its config.json for random weights)" if os.path.isdir(spec) else ""
         raise ValueError(f"model: {exc}{hint}") from exc
     except (ValueError, TypeError, *_HUB_ERRORS) as exc:
-        msg = " ".join(str(exc).split())
+        msg = _one_line(exc)
         raise ValueError(msg if msg.startswith("model:") else f"model: {spec!r}: {msg}") from exc
     except _WEIGHT_ERRORS as exc:
-        msg = " ".join(str(exc).split())
+        msg = _one_line(exc)
         if "ignore_mismatched_sizes" in msg:
             msg = "its weights do not fit its config (some tensor shapes differ)"
         raise ValueError(f"model: {spec!r}: cannot load its weights: {msg}") from exc

@@ -303,16 +303,25 @@ def split_dependent_loss(loss_function: Any) -> str | None:
         )
     elif mode == "geo_mean":
         out.append("policy loss 'geo_mean' averages its sequence losses over each micro-batch")
-    elif mode == "bypass_mode":
-        correction = _config_get(policy_loss, "rollout_correction")
-        if _config_get(correction, "rollout_is_batch_normalize") and _config_get(
-            correction, "rollout_is"
-        ):
-            out.append(
-                "policy loss 'bypass_mode' with rollout_correction.rollout_is_batch_normalize "
-                "rescales the importance weights to mean 1 within each micro-batch"
-            )
+    elif _batch_normalized_is(policy_loss):
+        out.append(
+            "policy loss 'bypass_mode' with rollout_correction.rollout_is_batch_normalize "
+            "rescales the importance weights to mean 1 within each micro-batch"
+        )
     return "; ".join(out) or None
+
+
+def _batch_normalized_is(policy_loss: Any) -> bool:
+    """Whether the policy-loss config is veRL's ``bypass_mode`` with importance weights
+    (``rollout_correction.rollout_is``) that are batch-normalized
+    (``rollout_is_batch_normalize``): a world-wide mean in every loss call."""
+    if _config_get(policy_loss, "loss_mode") != "bypass_mode":
+        return False
+    correction = _config_get(policy_loss, "rollout_correction")
+    return bool(
+        _config_get(correction, "rollout_is_batch_normalize")
+        and _config_get(correction, "rollout_is")
+    )
 
 
 def loss_collectives(loss_function: Any) -> int:
@@ -321,12 +330,7 @@ def loss_collectives(loss_function: Any) -> int:
     importance-weight mean), else 0. A dummy micro-batch, which runs no loss, makes as many
     empty ones (:func:`_empty_distributed_mean`), so that every rank's collectives match."""
     config = getattr(loss_function, "keywords", {}).get("config")
-    policy_loss = getattr(config, "policy_loss", None)
-    if _config_get(policy_loss, "loss_mode") != "bypass_mode":
-        return 0
-    correction = _config_get(policy_loss, "rollout_correction")
-    normalize = _config_get(correction, "rollout_is_batch_normalize")
-    return int(bool(normalize and _config_get(correction, "rollout_is")))
+    return int(_batch_normalized_is(getattr(config, "policy_loss", None)))
 
 
 def _empty_distributed_mean(device: Any) -> None:
