@@ -23,7 +23,9 @@ the setting, not after minutes of measurement. The result is printed as strict J
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import resource
 import statistics
 import sys
@@ -128,16 +130,31 @@ def _logit_cosine(
     return acc / max(n, 1)
 
 
+def _config_model_type(spec: str) -> str:
+    """The ``model_type`` written in the config file of ``spec`` (a model directory or a
+    ``config.json``, already checked by ``load_tree_model``): Kimi-Linear stays ``kimi_linear``
+    where its conversion runs as ``harts_hybrid``."""
+    file = spec if spec.endswith(".json") else os.path.join(spec, "config.json")
+    with open(file, encoding="utf-8") as fh:
+        return str(json.load(fh)["model_type"])
+
+
 def _bench_model(
     cfg: BenchConfig, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.nn.Module, Any]:
-    """The benchmarked model on ``device`` in ``dtype`` and its config: the native preset, or
+) -> tuple[torch.nn.Module, Any, str]:
+    """The benchmarked model on ``device`` in ``dtype``, its config and the model type of the
+    config given (``harts_native`` for a preset): the native preset, or
     the HF model / config of ``cfg.model`` (MoE experts in transformers' eager implementation
-    off CUDA). Raises ``ValueError`` for a model that has no tree mode or no FLOP model."""
+    off CUDA; a multi-modal config gives its language model). Raises ``ValueError`` for a model
+    that has no tree mode or no FLOP model."""
     if cfg.model is None:
         mcfg = preset(cfg.preset)
         torch.manual_seed(cfg.seed)
-        return HybridForCausalLM.from_config(mcfg).to(device=device, dtype=dtype), mcfg
+        return (
+            HybridForCausalLM.from_config(mcfg).to(device=device, dtype=dtype),
+            mcfg,
+            "harts_native",
+        )
     from harts_verl.workers.check import load_tree_model
 
     # The model type is checked (tree mode) before anything is built.
@@ -145,11 +162,12 @@ def _bench_model(
         cfg.model, dtype=dtype, seed=cfg.seed, eager_experts=device.type != "cuda"
     )
     mcfg = model.config
+    given = _config_model_type(cfg.model)
     try:
         model_shape(mcfg)
     except ValueError as exc:  # names the model type without a FLOP model
         raise ValueError(f"model: {cfg.model!r}: {exc}") from exc
-    return model.to(device), mcfg
+    return model.to(device), mcfg, given
 
 
 def workload_options(cfg: BenchConfig) -> dict[str, Any]:
@@ -210,7 +228,7 @@ class PreparedBench:
     device: torch.device
     plot: str | None  # the file the plot is written to (None: no plot)
     model: torch.nn.Module
-    mcfg: Any
+    mcfg: Any  # the config of the model that runs (a multi-modal config's text config)
     seqs: list[np.ndarray]
     forest: RolloutForest
     tree: TreeRunner
@@ -222,6 +240,7 @@ class PreparedBench:
     run_compact_tokens: int = 0  # Σ compact rows of the microbatches (shared rows of split trees
     # count once per microbatch that holds them)
     notes: list[str] = field(default_factory=list)  # settings the run could not honour
+    model_type: str = "harts_native"  # of the config given (``--model``), else the preset's
 
 
 def prepare_bench(cfg: BenchConfig) -> PreparedBench:
@@ -238,7 +257,7 @@ def prepare_bench(cfg: BenchConfig) -> PreparedBench:
     without linear-attention layers."""
     device, plot = _check_config(cfg)
     dtype = DTYPES[cfg.dtype]
-    model, mcfg = _bench_model(cfg, dtype, device)
+    model, mcfg, model_type = _bench_model(cfg, dtype, device)
     vocab_size = getattr(mcfg, "vocab_size", None) or mcfg.get_text_config().vocab_size
     try:
         w = WORKLOADS[cfg.workload](
@@ -254,6 +273,7 @@ def prepare_bench(cfg: BenchConfig) -> PreparedBench:
         capacity_tokens=cfg.capacity_tokens,
         recompute=cfg.recompute,
         device=device,
+        warn_oversize=False,  # the bench prints its own note, once
     )
     tree, expanded = TreeRunner(model, **kw), ExpandedRunner(model, **kw)
 
@@ -304,6 +324,7 @@ def prepare_bench(cfg: BenchConfig) -> PreparedBench:
         oversize_microbatches=int(oversize),
         run_compact_tokens=int(sum(s.num_compact_tokens for s in subs)),
         notes=notes,
+        model_type=model_type,
     )
 
 
@@ -383,7 +404,8 @@ def measure_bench(prep: PreparedBench) -> dict[str, Any]:
         "seed": cfg.seed,
         "preset": None if cfg.model else cfg.preset,
         "model": cfg.model,
-        "model_type": getattr(mcfg, "model_type", "harts_native"),
+        "model_type": prep.model_type,
+        "text_model_type": getattr(mcfg, "model_type", "harts_native"),
         "dtype": cfg.dtype,
         "device": str(device),
         "threads": torch.get_num_threads(),

@@ -79,15 +79,23 @@ def test_native_preset(monkeypatch):
     ]
 
 
-@pytest.mark.parametrize("kind", ["qwen3_5_moe", "deepseek_v3"])
-def test_hf_model_from_config(tmp_path, monkeypatch, kind):
+@pytest.mark.parametrize(
+    ("kind", "model_type", "text_model_type"),
+    [
+        ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5_moe_text"),
+        ("qwen3_5_mm", "qwen3_5", "qwen3_5_text"),  # multi-modal: its language model runs
+        ("deepseek_v3", "deepseek_v3", "deepseek_v3"),
+    ],
+)
+def test_hf_model_from_config(tmp_path, monkeypatch, kind, model_type, text_model_type):
     monkeypatch.setitem(sys.modules, "fla", None)
     path = _config_json(tmp_path, kind)
     res = run_bench(BenchConfig(model=path, **SMALL))
     assert res["model"] == path and res["preset"] is None
-    assert res["model_type"] == ("qwen3_5_moe_text" if kind == "qwen3_5_moe" else kind)
+    assert res["model_type"] == model_type  # the config given
+    assert res["text_model_type"] == text_model_type  # the model that runs
     # Replay exists only with linear attention: DeepSeek-V3 (MLA) has none.
-    assert (res["replay_tokens"] > 0) == (kind == "qwen3_5_moe")
+    assert (res["replay_tokens"] > 0) == kind.startswith("qwen3_5")
     _check_result(res)
 
 
@@ -103,9 +111,9 @@ def test_native_and_kimi_linear_models(tmp_path):
     kimi = tmp_path / "kimi.json"
     d = kimi_linear.kimi_linear_config_from_hybrid(preset("kimi_tiny", vocab_size=64))
     kimi.write_text(json.dumps(d))
-    for spec in (str(native / "config.json"), str(kimi)):
+    for spec, given in ((str(native / "config.json"), "harts_hybrid"), (str(kimi), "kimi_linear")):
         res = run_bench(BenchConfig(model=spec, **SMALL))
-        assert res["model_type"] == "harts_hybrid"
+        assert res["model_type"] == given and res["text_model_type"] == "harts_hybrid"
         _check_result(res)
 
 
@@ -425,15 +433,19 @@ def test_planner_summary_pass_is_null_without_instances():
     assert out["realistic_time_limited_dp1"]["pass"] is None
 
 
-def test_settings_the_run_cannot_honour_are_reported(capsys):
+def test_settings_the_run_cannot_honour_are_reported(capsys, caplog):
     """A token budget below the first trajectory, or a capacity below a trajectory's length,
     runs anyway (whole trajectories) and says so: ``notes`` and ``oversize_microbatches`` in
-    the plan (and the JSON), one stderr line each."""
+    the plan (and the JSON), one stderr line each (the runners' own oversize WARNING is not
+    repeated on top)."""
     from harts_verl.benchmark import BenchConfig, prepare_bench
 
-    prep = prepare_bench(
-        BenchConfig(preset="tiny", scale=0.0005, max_semantic_tokens=10, capacity_tokens=64)
-    )
+    with caplog.at_level("WARNING", logger="harts_verl.runtime.runner"):
+        prep = prepare_bench(
+            BenchConfig(preset="tiny", scale=0.0005, max_semantic_tokens=10, capacity_tokens=64)
+        )
+        prep.tree.plan(prep.forest), prep.expanded.plan(prep.forest)
+    assert not [r for r in caplog.records if "longer than capacity_tokens" in r.getMessage()]
     assert prep.forest.num_trajectories == 1 and prep.forest.num_semantic_tokens > 64
     assert prep.oversize_microbatches == prep.microbatches == 1
     assert len(prep.notes) == 2

@@ -26,6 +26,7 @@ def test_statistics_of_a_known_forest():
     assert st["roots"] == 2
     assert st["depth_histogram"] == {"1": 1, "2": 1, "3": 2}
     assert st["branching_histogram"] == {"2": 2}
+    assert st["summary"]["branch_rows"] == 2 and "forks" not in st["summary"]  # one name each
     forks = st["forks"]
     assert forks["count"] == 4  # child segments at depths 2, 4, 4, 2
     assert forks["inside_chunk"] == 2 and forks["inside_chunk_fraction"] == pytest.approx(0.5)

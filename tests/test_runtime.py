@@ -570,6 +570,12 @@ def test_oversize_trajectories_are_counted_and_warned_once(caplog):
     runner.log_probs([[1, 2, 9], [4, 5]])
     assert runner.last_stats.oversize_trajectories == 0
     assert TreeRunner(model).last_stats.oversize_trajectories == 0
+    caplog.clear()
+    quiet = TreeRunner(model, capacity_tokens=4, warn_oversize=False)
+    with caplog.at_level("WARNING", logger="harts_verl.runtime.runner"):
+        quiet.log_probs(seqs)
+    assert quiet.last_stats.oversize_trajectories == 2  # counted, not logged
+    assert not [r for r in caplog.records if "longer than capacity_tokens" in r.getMessage()]
 
 
 def test_lora_on_the_lm_head_is_refused_and_elsewhere_exact(no_fla):

@@ -140,6 +140,7 @@ class _Runner:
         recompute: bool = False,
         rows_per_chunk: int = 4096,
         device: torch.device | str | None = None,
+        warn_oversize: bool = True,
     ) -> None:
         from harts_verl.models.adapter import as_tree_model
 
@@ -156,7 +157,9 @@ class _Runner:
             device = next(self.model.parameters()).device
         self.device = torch.device(device)
         self.last_stats = StepStats()
-        self._oversize_warned = False  # the oversize WARNING is logged once per runner
+        # The oversize WARNING is logged once per runner (never with ``warn_oversize=False``:
+        # a caller that reports it itself).
+        self._oversize_warned = not warn_oversize
         self._head()  # a wrapped LM head is refused at construction (and at every call)
 
     def _head(self) -> nn.Linear:
@@ -225,8 +228,9 @@ class _Runner:
     def plan(self, forest: RolloutForest) -> list[np.ndarray]:
         """Trajectory index sets, one per microbatch (all trajectories if no capacity). A
         trajectory longer than ``capacity_tokens`` is never cut: it runs whole in a microbatch
-        of its own (with its identical copies), a WARNING is logged once per runner and
-        :attr:`StepStats.oversize_trajectories` counts them."""
+        of its own (with its identical copies), a WARNING is logged once per runner (unless
+        it was built with ``warn_oversize=False``) and :attr:`StepStats.oversize_trajectories`
+        counts them."""
         if self.capacity_tokens is None:
             return [np.arange(forest.num_trajectories, dtype=np.int64)]
         from harts_verl.tree.microbatch import plan_microbatches

@@ -591,7 +591,8 @@ class RolloutForest:
 
     # ------------------------------------------------------------------ reporting
     def summary(self) -> dict[str, Any]:
-        """Sizes and shape statistics as a JSON-ready dict."""
+        """Sizes and shape statistics as a JSON-ready dict (``branch_rows``: rows with
+        two or more children)."""
         seg = self.segments
         return {
             "trajectories": self.num_trajectories,
@@ -601,7 +602,7 @@ class RolloutForest:
             "compression": round(self.compression, 4),
             "segments": len(seg),
             "max_depth": int(self.depth.max(initial=-1)) + 1,
-            "forks": int((self.num_children >= 2).sum()),
+            "branch_rows": int((self.num_children >= 2).sum()),
         }
 
     def equals(self, other: RolloutForest, *, group_ids: bool = True) -> bool:
