@@ -226,6 +226,15 @@ def test_bad_inputs(seqs, match):
         RolloutForest.from_sequences(seqs)
 
 
+def test_unordered_batches_are_refused():
+    """A mapping (it iterates over its keys) or a set (no order) is no batch: TypeError naming
+    its type. An ordered iterable (a generator) is a batch."""
+    for batch in ({"a": [1, 2]}, {(1, 2), (1, 3)}, frozenset({(1, 2)})):
+        with pytest.raises(TypeError, match=rf"sequences: .*got {type(batch).__name__}"):
+            RolloutForest.from_sequences(batch)
+    assert RolloutForest.from_sequences(s for s in ([1, 2], [1, 3])).num_compact_tokens == 3
+
+
 def test_bad_group_ids_and_turns():
     with pytest.raises(ValueError, match="group_ids"):
         RolloutForest.from_sequences([[1], [2]], group_ids=[0])

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 import zipfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -213,7 +214,11 @@ class RolloutForest:
                 )
             sequences = list(sequences)
         elif not isinstance(sequences, Sequence) or isinstance(sequences, str | bytes):
-            if isinstance(sequences, Iterable) and not isinstance(sequences, str | bytes):
+            # A mapping iterates over its keys and a set has no order: neither is a batch.
+            unordered = isinstance(sequences, Mapping | AbstractSet)
+            if isinstance(sequences, Iterable) and not (
+                unordered or isinstance(sequences, str | bytes)
+            ):
                 sequences = list(sequences)
             else:
                 raise TypeError(
