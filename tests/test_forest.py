@@ -212,6 +212,7 @@ def test_edge_cases():
         ([bytearray(b"ab")], r"sequences\[0\]: expected a 1-D sequence of token ids, got a str"),
         # one trajectory passed as the whole batch: its first id is no trajectory
         ([5, 6], r"sequences\[0\]: expected a 1-D .* got the single value 5 .*wrap one"),
+        ([5, 6], r"sequences is a list of trajectories: wrap one trajectory in a list"),
         # Python ints past int64 turn the array into floats/objects: name the value instead.
         ([[1], [-1, 2**63]], r"sequences\[1\]: token id 9223372036854775808 does not fit in int64"),
         ([[2**64]], r"sequences\[0\]: token id 18446744073709551616 does not fit in int64"),
@@ -224,6 +225,17 @@ def test_edge_cases():
 def test_bad_inputs(seqs, match):
     with pytest.raises(ValueError, match=match):
         RolloutForest.from_sequences(seqs)
+
+
+def test_token_tensors_with_a_gradient_are_judged_by_their_values():
+    """A tensor that requires grad is read through ``detach`` (no RuntimeError from numpy):
+    float ids are refused by name like any float ids."""
+    torch = pytest.importorskip("torch")
+    ids = torch.tensor([1.0, 2.0], requires_grad=True)
+    with pytest.raises(ValueError, match=r"sequences\[1\]: token ids must be integers"):
+        RolloutForest.from_sequences([[1, 2], ids])
+    f = RolloutForest.from_sequences([torch.tensor([1, 2, 3]), [1, 2, 4]])
+    assert f.num_compact_tokens == 4
 
 
 def test_unordered_batches_are_refused():

@@ -455,7 +455,12 @@ def test_per_trajectory_temperature_validation() -> None:
         ([1.0, 0.0, 1.0], r"temperature\[1\]"),
         (torch.tensor([1.0, float("nan"), 2.0]), r"temperature\[1\]"),
         (torch.tensor([True, False, True]), "real numbers"),
-        (["a", "b", "c"], "expected numbers"),
+        (["a", "b", "c"], r"temperature\[0\]: expected a number, got 'a'"),
+        # numbers written as strings are not read as numbers (numpy would convert them)
+        (["1", "2", "3"], r"temperature\[0\]: expected a number, got '1'"),
+        ([1.0, b"2", 1.0], r"temperature\[1\]: expected a number, got b'2'"),
+        ([1.0, None, 1.0], r"temperature\[1\]: expected a number, got None"),
+        (np.array(["0.5", "2", "1"]), "expected numbers, got dtype <U3"),
         (np.array(True), "finite positive number"),
         (np.array([-0.5]), "finite positive number"),
         ([True, 1.0, 2.0], "got a bool"),  # numpy would read True as 1.0

@@ -393,6 +393,11 @@ def check_temperatures(temperature: Any, n: int) -> float | np.ndarray:
     else:
         if holds_bool(temperature) or getattr(temperature, "dtype", None) == np.bool_:
             raise ValueError(f"temperature: expected numbers, got a bool in {temperature!r}")
+        for i, t in enumerate(temperature if isinstance(temperature, list | tuple) else ()):
+            if isinstance(t, str | bytes | bytearray) or t is None:
+                raise ValueError(f"temperature[{i}]: expected a number, got {t!r}")
+        if isinstance(temperature, np.ndarray) and temperature.dtype.kind not in "iuf":
+            raise ValueError(f"temperature: expected numbers, got dtype {temperature.dtype}")
         try:
             arr = np.asarray(temperature, dtype=np.float64)
         except (TypeError, ValueError) as exc:

@@ -61,6 +61,10 @@ class Segments:
         return int(self.first_row.shape[0])
 
 
+def _plural(noun: str) -> str:
+    return noun[:-1] + "ies" if noun.endswith("y") else noun + "s"
+
+
 def as_trajectory_array(
     seq: Any, index: int, field: str = "sequences", item: str = "trajectory"
 ) -> np.ndarray:
@@ -73,6 +77,8 @@ def as_trajectory_array(
         raise ValueError(f"{field}[{index}]: expected a 1-D sequence of token ids, got a string")
     if isinstance(seq, np.ndarray) and seq.dtype == object and seq.ndim == 1:
         seq = seq.tolist()  # e.g. a row of a 2-D object array: judged item by item below
+    if callable(getattr(seq, "detach", None)) and callable(getattr(seq, "cpu", None)):
+        seq = seq.detach().cpu()  # a torch tensor (ids never carry gradients), on any device
     if holds_bool(seq):
         raise ValueError(f"{field}[{index}]: token ids must be integers, got a bool")
     try:
@@ -96,7 +102,7 @@ def as_trajectory_array(
     if arr.ndim == 0:
         raise ValueError(
             f"{field}[{index}]: expected a 1-D sequence of token ids, got the single value "
-            f"{seq!r} ({field} is a list of {item}s: wrap one {item} in a list)"
+            f"{seq!r} ({field} is a list of {_plural(item)}: wrap one {item} in a list)"
         )
     if arr.ndim != 1:
         raise ValueError(
