@@ -23,9 +23,7 @@ the setting, not after minutes of measurement. The result is printed as strict J
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import resource
 import statistics
 import sys
@@ -130,15 +128,6 @@ def _logit_cosine(
     return acc / max(n, 1)
 
 
-def _config_model_type(spec: str) -> str:
-    """The ``model_type`` written in the config file of ``spec`` (a model directory or a
-    ``config.json``, already checked by ``load_tree_model``): Kimi-Linear stays ``kimi_linear``
-    where its conversion runs as ``harts_hybrid``."""
-    file = spec if spec.endswith(".json") else os.path.join(spec, "config.json")
-    with open(file, encoding="utf-8") as fh:
-        return str(json.load(fh)["model_type"])
-
-
 def _bench_model(
     cfg: BenchConfig, dtype: torch.dtype, device: torch.device
 ) -> tuple[torch.nn.Module, Any, str]:
@@ -155,6 +144,7 @@ def _bench_model(
             mcfg,
             "harts_native",
         )
+    from harts_verl.models.checkpoints import read_config
     from harts_verl.workers.check import load_tree_model
 
     # The model type is checked (tree mode) before anything is built.
@@ -162,7 +152,9 @@ def _bench_model(
         cfg.model, dtype=dtype, seed=cfg.seed, eager_experts=device.type != "cuda"
     )
     mcfg = model.config
-    given = _config_model_type(cfg.model)
+    # The type written in the config (already checked by load_tree_model): Kimi-Linear stays
+    # kimi_linear where its conversion runs as harts_hybrid.
+    given = str(read_config(cfg.model)["model_type"])
     try:
         model_shape(mcfg)
     except ValueError as exc:  # names the model type without a FLOP model
