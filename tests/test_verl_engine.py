@@ -122,10 +122,14 @@ def _run(
     fused=False,
     lora=0,
     temperature=0.8,
+    ref_log_probs=False,
+    rollout_is_weights=False,
     **optim,
 ):
     """Infer, then one train step; returns (model output, metrics, params before, params after,
-    gradients as the optimizer saw them). ``optim``: ``optimizer``, ``lr``, ``weight_decay``;
+    gradients as the optimizer saw them). ``optim``: ``actor_config`` keywords (``optimizer``,
+    ``lr``, ``weight_decay``, ``kl_loss_type``, ``policy_loss``); ``ref_log_probs`` /
+    ``rollout_is_weights``: ``make_batch``'s per-token fields;
     ``gradient_checkpointing``: veRL's (HF's activation checkpointing, non-reentrant)."""
     seqs, prompt_lens, spans = batch
     cfg = testing.actor_config(
@@ -154,6 +158,8 @@ def _run(
         temperature=temperature,
         use_fused_kernels=fused,
         max_token_len=max_token_len,
+        ref_log_probs=ref_log_probs,
+        rollout_is_weights=rollout_is_weights,
     )
     with engine.eval_mode():
         inf = engine.infer_batch(mk(calculate_entropy=True, use_remove_padding=not padded))
@@ -597,6 +603,43 @@ def test_parity_loss_modes(verl_cpu, kind, loss_mode):
     )
     tree = _run(testing, paths[kind], "harts_fsdp2", data, loss_mode=loss_mode, entropy=0.01)
     _compare(ref, tree)
+
+
+@pytest.mark.parametrize(
+    "kind,kl_loss_type,loss_agg_mode",
+    [("qwen2", "low_var_kl", "token-mean"), ("qwen3_next", "k3+", "seq-mean-token-mean")],
+)
+def test_parity_kl_loss_and_rollout_is_weights(verl_cpu, kind, kl_loss_type, loss_agg_mode):
+    """veRL's KL loss against ``ref_log_prob`` (``use_kl_loss``) and rollout-correction
+    ``rollout_is_weights``, per-token fields the tree micro-batches carry for each trajectory:
+    log-probs, gradient norm, the KL loss and the step equal the stock engine's, also at a
+    token budget that cuts the batch into several micro-batches."""
+    testing, paths = verl_cpu
+    data = _random_batch(seed=10)  # 8 trajectories, 246 tokens (136 compact), tool spans
+    for max_token_len in (4096, 64):
+        run = partial(
+            _run,
+            testing,
+            paths[kind],
+            batch=data,
+            loss_mode="vanilla",
+            loss_agg_mode=loss_agg_mode,
+            entropy=0.01,
+            max_token_len=max_token_len,
+            kl_loss_type=kl_loss_type,
+            ref_log_probs=True,
+            rollout_is_weights=True,
+        )
+        ref = run(strategy="fsdp2", padded=kind in HYBRIDS)
+        tree = run(strategy="harts_fsdp2")
+        _compare(ref, tree)
+        assert (sum(tree[1]["harts/microbatches"]) > 1) == (max_token_len == 64)
+        kl_ref, kl_tree = (out[1]["kl_loss"] for out in (ref, tree))
+        kl_ref, kl_tree = (
+            m.aggregate() if hasattr(m, "aggregate") else m for m in (kl_ref, kl_tree)
+        )
+        assert float(np.max(kl_ref)) > 1e-3  # the reference differs from the policy
+        np.testing.assert_allclose(kl_tree, kl_ref, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3_next"])

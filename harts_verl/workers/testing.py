@@ -974,11 +974,14 @@ def actor_config(
     weight_decay: float = 0.0,
     sp: int = 1,
     policy_loss: dict[str, Any] | None = None,
+    kl_loss_type: str | None = None,
+    kl_loss_coef: float = 0.5,
 ):
     """An actor config as veRL's worker builds it (``HartsFSDPActorConfig`` for the harts
     strategy, veRL's ``FSDPActorConfig`` otherwise); ``sp``: Ulysses sequence-parallel size;
     ``policy_loss``: ``PolicyLossConfig`` fields (its ``rollout_correction`` as a dict of
-    ``RolloutCorrectionConfig`` fields), replacing ``loss_mode``."""
+    ``RolloutCorrectionConfig`` fields), replacing ``loss_mode``; ``kl_loss_type``: veRL's KL
+    loss against the batch's ``ref_log_prob`` (``use_kl_loss``), off when None."""
     from verl.trainer.config.algorithm import RolloutCorrectionConfig
     from verl.workers.config import FSDPActorConfig, FSDPOptimizerConfig
     from verl.workers.config.actor import PolicyLossConfig
@@ -1010,6 +1013,9 @@ def actor_config(
         ),
         use_remove_padding=True,
         ulysses_sequence_parallel_size=sp,
+        use_kl_loss=kl_loss_type is not None,
+        kl_loss_type=kl_loss_type or "low_var_kl",
+        kl_loss_coef=kl_loss_coef,
     )
     if strategy == "harts_fsdp2":
         return HartsFSDPActorConfig(strategy=strategy, harts=harts or {}, **common)
@@ -1117,6 +1123,8 @@ def make_batch(
     trajectory_ids: Sequence[int] | None = None,
     multi_modal_inputs: Sequence[dict[str, Any] | None] | None = None,
     use_fused_kernels: bool = False,
+    ref_log_probs: bool = False,
+    rollout_is_weights: bool = False,
 ) -> TensorDict:
     """A veRL engine batch (no-padding format) for trajectories ``sequences`` whose first
     ``prompt_lengths[i]`` tokens are prompt. ``tool_spans`` = (trajectory, start, end) ranges of
@@ -1129,7 +1137,10 @@ def make_batch(
     ``image_grid_thw``) or an empty dict / None for a text-only one, stored as veRL stores them
     (a ``NonTensorStack`` under ``multi_modal_inputs``); position ids stay the text positions.
     ``temperature``: one for the batch (a non-tensor field), or one per trajectory (a float32
-    ``[N]`` tensor field, veRL's per-sample temperatures)."""
+    ``[N]`` tensor field, veRL's per-sample temperatures). ``ref_log_probs`` /
+    ``rollout_is_weights`` add veRL's ``ref_log_prob`` (the KL loss's reference) and
+    ``rollout_is_weights`` (rollout-correction importance weights) per response token, also
+    deterministic in (seed, trajectory id)."""
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
 
@@ -1162,6 +1173,21 @@ def make_batch(
         torch.as_tensor(g.normal(0, 1.0, r.shape[0]), dtype=torch.float32)
         for r, g in zip(responses, rngs)
     ]
+    extra = {}
+    if ref_log_probs:
+        extra["ref_log_prob"] = nested(
+            [
+                o + torch.as_tensor(g.normal(0, 0.3, o.shape[0]), dtype=o.dtype)
+                for o, g in zip(old, rngs)
+            ]
+        )
+    if rollout_is_weights:
+        extra["rollout_is_weights"] = nested(
+            [
+                torch.as_tensor(g.uniform(0.5, 1.5, r.shape[0]), dtype=torch.float32)
+                for r, g in zip(responses, rngs)
+            ]
+        )
     td = TensorDict(
         {
             "input_ids": nested(ids),
@@ -1175,6 +1201,7 @@ def make_batch(
             "old_log_probs": nested(old),
             "values": nested(values),
             "returns": nested(returns),
+            **extra,
         },
         batch_size=n,
     )
