@@ -15,9 +15,10 @@ describe the whole forest; ``run_compact_tokens`` / ``run_compression`` the work
 does over its microbatches (a tree the capacity cuts repeats its shared prefix in each part),
 which is what ``ideal_flop_ratio`` (and so ``efficiency``) is computed from.
 
-:func:`prepare_bench` checks every setting and builds everything (model, workload, forest, plan)
-before :func:`measure_bench` times anything: a bad setting or input file raises there, naming
-the setting, not after minutes of measurement. The result is printed as strict JSON
+:func:`load_bench_inputs` checks every setting and reads the inputs (model, workload), then
+:func:`prepare_bench` builds the forest, the runners and the plan, before :func:`measure_bench`
+times anything: a bad setting or input file raises first, naming the setting, not after minutes
+of measurement. The result is printed as strict JSON
 (:func:`harts_verl.tree.inspect.json_text`: never NaN or Infinity).
 """
 
@@ -235,9 +236,23 @@ class PreparedBench:
     model_type: str = "harts_native"  # of the config given (``--model``), else the preset's
 
 
-def prepare_bench(cfg: BenchConfig) -> PreparedBench:
-    """Check every setting, then build the model, the workload's forest, the runners and the
-    microbatch plan; nothing is timed.
+@dataclass
+class BenchInputs:
+    """The inputs of a bench run read and checked by :func:`load_bench_inputs`: the device, the
+    plot file, the model (on the device) and its config and type, and the workload's
+    trajectories (the ``max_semantic_tokens`` selection applied)."""
+
+    device: torch.device
+    plot: str | None
+    model: torch.nn.Module
+    mcfg: Any
+    model_type: str
+    seqs: list[np.ndarray]
+
+
+def load_bench_inputs(cfg: BenchConfig) -> BenchInputs:
+    """Check every setting, build the model and generate the workload: the steps whose errors
+    are the user's (settings, model files, generator options).
 
     Raises ``ValueError`` whose message starts with the setting at fault (``dtype:``,
     ``workload:``, ``repeats:``, ``warmup:`` (>= 1), ``seed:``, ``chunk_size:``, ``scale:``,
@@ -245,8 +260,7 @@ def prepare_bench(cfg: BenchConfig) -> PreparedBench:
     it does not know or cannot use), ``plot:`` (:func:`plot_path`), ``device:``, ``preset:``,
     ``model:`` (:func:`harts_verl.workers.check.load_tree_model`: missing or unreadable files,
     a model type without a tree mode, checked before the model is built)) before any model or
-    workload is built for the settings checked up front. ``replay_tokens`` is 0 for a model
-    without linear-attention layers."""
+    workload is built for the settings checked up front."""
     device, plot = _check_config(cfg)
     dtype = DTYPES[cfg.dtype]
     model, mcfg, model_type = _bench_model(cfg, dtype, device)
@@ -258,7 +272,19 @@ def prepare_bench(cfg: BenchConfig) -> PreparedBench:
     except (ValueError, TypeError) as exc:  # scale and seed are checked: the overrides
         raise ValueError(f"workload_overrides: {exc}") from exc
     idx = _select(w.sequences, w.group_ids, cfg.max_semantic_tokens)
-    seqs = [w.sequences[i] for i in idx]
+    return BenchInputs(device, plot, model, mcfg, model_type, [w.sequences[i] for i in idx])
+
+
+def prepare_bench(cfg: BenchConfig, inputs: BenchInputs | None = None) -> PreparedBench:
+    """Build the forest, the runners and the microbatch plan of ``inputs``
+    (:func:`load_bench_inputs` of ``cfg`` when None, so settings are checked first, with its
+    errors); nothing is timed. An error raised after the inputs are read is not the user's
+    (the CLI shows its traceback). ``replay_tokens`` is 0 for a model without linear-attention
+    layers."""
+    if inputs is None:
+        inputs = load_bench_inputs(cfg)
+    device, plot, model, mcfg = inputs.device, inputs.plot, inputs.model, inputs.mcfg
+    model_type, seqs = inputs.model_type, inputs.seqs
     forest = RolloutForest.from_sequences(seqs)
     kw = dict(
         chunk_size=cfg.chunk_size,
@@ -454,7 +480,7 @@ def measure_bench(prep: PreparedBench) -> dict[str, Any]:
 
 def plot_bench(result: dict[str, Any], path: str) -> None:
     """Bar chart of wall times and the speedup vs the ideal ratio, written to ``path`` as it
-    stands (:func:`prepare_bench` resolves a path without suffix to ``.png`` beforehand)."""
+    stands (:func:`load_bench_inputs` resolves a path without suffix to ``.png`` beforehand)."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -21,7 +21,7 @@ import pickle
 import sys
 from collections.abc import Iterator
 
-from harts_verl.tree._checks import finite_float_arg, int_arg
+from harts_verl.tree._checks import check_int, finite_float_arg, int_arg
 
 # `harts-verl demo`: the bench on a smaller SWE-like step (≈10K semantic tokens, ≈5.6×, one
 # timed repeat after one warm-up; measured 1 min 36 s with one thread on a CPU).
@@ -207,7 +207,7 @@ def _print_json(obj: dict) -> None:
 def _cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
-    from harts_verl.benchmark import BenchConfig, measure_bench, prepare_bench
+    from harts_verl.benchmark import BenchConfig, load_bench_inputs, measure_bench, prepare_bench
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -230,8 +230,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             plot=args.plot,
             progress=not args.no_progress,
         )
-        prepared = prepare_bench(cfg)
-    result = measure_bench(prepared)
+        inputs = load_bench_inputs(cfg)
+    result = measure_bench(prepare_bench(cfg, inputs))
     if "plot_error" in result:
         print(f"harts-verl {args.command}: plot failed: {result['plot_error']}", file=sys.stderr)
     _print_json(result)
@@ -239,6 +239,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    from harts_verl.tree import check_plan_arguments
     from harts_verl.tree.inspect import forest_statistics, load_forest, plot_path, plot_statistics
 
     with _inputs(_INSPECT_FLAGS):
@@ -246,16 +247,15 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             raise ValueError("--dp needs --capacity (the planned microbatches it places)")
         if args.work_slack and not args.capacity:
             raise ValueError("--work-slack needs --capacity (it balances the planned slots)")
+        check_int("chunk_size", args.chunk_size, 1)  # argparse has no upper bound
+        plan_args = {"dp_size": args.dp, "seed": args.seed, "work_slack": args.work_slack}
+        if args.capacity:
+            check_plan_arguments(capacity_tokens=args.capacity, **plan_args)
         plot = plot_path(args.plot) if args.plot else None
         forest = load_forest(args.forest)
-        stats = forest_statistics(
-            forest,
-            chunk_size=args.chunk_size,
-            capacity_tokens=args.capacity or None,
-            dp_size=args.dp,
-            seed=args.seed,
-            work_slack=args.work_slack,
-        )
+    stats = forest_statistics(  # past the inputs: an error here is a bug, with its traceback
+        forest, chunk_size=args.chunk_size, capacity_tokens=args.capacity or None, **plan_args
+    )
     if plot:
         try:
             stats["plot"] = plot_statistics(stats, plot, title=str(args.forest))

@@ -342,13 +342,13 @@ def test_cli_capacity_field_is_named_as_the_flag(capsys, monkeypatch):
     def fail(cfg):
         raise ValueError("capacity_tokens: expected an int >= 1, got -5")
 
-    monkeypatch.setattr(bench, "prepare_bench", fail)
+    monkeypatch.setattr(bench, "load_bench_inputs", fail)
     _one_line_error(capsys, ["bench"], "harts-verl bench", "--capacity: expected an int >= 1")
 
 
 def test_cli_debug_and_internal_errors(capsys, monkeypatch):
-    """HARTS_VERL_DEBUG=1 re-raises a user error; an error of the measurement (not an input)
-    is never turned into a one-line message."""
+    """HARTS_VERL_DEBUG=1 re-raises a user error; an error past the inputs (planning or
+    measurement) is never turned into a one-line message."""
     import harts_verl.benchmark as bench
 
     monkeypatch.setenv("HARTS_VERL_DEBUG", "1")
@@ -359,9 +359,17 @@ def test_cli_debug_and_internal_errors(capsys, monkeypatch):
     def internal(prep):
         raise ValueError("an internal bug")
 
-    monkeypatch.setattr(bench, "prepare_bench", lambda cfg: object())
+    monkeypatch.setattr(bench, "load_bench_inputs", lambda cfg: object())
+    monkeypatch.setattr(bench, "prepare_bench", lambda cfg, inputs: object())
     monkeypatch.setattr(bench, "measure_bench", internal)
     with pytest.raises(ValueError, match="an internal bug"):
+        main(["bench"])
+
+    def planning_bug(cfg, inputs):
+        raise ValueError("capacity_tokens: a planner bug")
+
+    monkeypatch.setattr(bench, "prepare_bench", planning_bug)
+    with pytest.raises(ValueError, match="a planner bug"):
         main(["bench"])
 
 
@@ -369,7 +377,8 @@ def test_cli_never_prints_invalid_json(capsys, monkeypatch):
     """A non-finite figure is an error naming it (a bug to surface), not NaN in the output."""
     import harts_verl.benchmark as bench
 
-    monkeypatch.setattr(bench, "prepare_bench", lambda cfg: object())
+    monkeypatch.setattr(bench, "load_bench_inputs", lambda cfg: object())
+    monkeypatch.setattr(bench, "prepare_bench", lambda cfg, inputs: object())
     monkeypatch.setattr(bench, "measure_bench", lambda p: {"speedup": math.nan, "x": [1.0]})
     with pytest.raises(ValueError, match="non-finite values in the result: speedup"):
         main(["bench"])

@@ -185,16 +185,37 @@ def test_cli_inspect_input_errors(tmp_path, capsys, monkeypatch):
     assert list((tmp_path / "plots").iterdir()) == []
 
 
-def test_cli_inspect_capacity_is_named_as_the_flag(tmp_path, capsys, monkeypatch):
+def test_cli_inspect_planner_values_are_named_as_the_flags(tmp_path, capsys, monkeypatch):
+    """Planner settings argparse cannot bound are checked before planning, named as flags."""
+    monkeypatch.delenv("HARTS_VERL_DEBUG", raising=False)
+    path = tmp_path / "f.npz"
+    RolloutForest.from_sequences(SEQS).save(path)
+    big = str(2**64)
+    for argv, msg in [
+        (["--capacity", big], "--capacity: expected an int"),
+        (["--capacity", "4", "--dp", str(2**17)], "--dp: expected an int"),
+        (["--chunk-size", big], "--chunk-size: expected an int"),
+        (["--capacity", "4", "--work-slack", "1.0"], "--work-slack: expected a fraction"),
+    ]:
+        _one_line_error(capsys, ["inspect", str(path), *argv], msg)
+
+
+def test_cli_inspect_internal_errors_keep_their_traceback(tmp_path, capsys, monkeypatch):
+    """An error of the statistics or planning themselves (past reading the inputs) is a bug:
+    raised as it is (exit status 1 with a traceback), never a one-line user error."""
     import harts_verl.tree.inspect as insp
 
+    monkeypatch.delenv("HARTS_VERL_DEBUG", raising=False)
+
     def fail(*a, **k):
-        raise ValueError("capacity_tokens: expected an int >= 1, got -5")
+        raise ValueError("capacity_tokens: a planner bug")
 
     monkeypatch.setattr(insp, "forest_statistics", fail)
     path = tmp_path / "f.npz"
     RolloutForest.from_sequences(SEQS).save(path)
-    _one_line_error(capsys, ["inspect", str(path), "--capacity", "3"], "--capacity: expected")
+    with pytest.raises(ValueError, match="a planner bug"):
+        main(["inspect", str(path), "--capacity", "3"])
+    assert capsys.readouterr().err == ""
 
 
 def test_cli_inspect_keeps_statistics_when_the_plot_fails(tmp_path, capsys, monkeypatch):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import re
 import sys
 from pathlib import Path
 
@@ -13,7 +14,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harts_verl.tree import Microbatch, MicrobatchPlan, RolloutForest, plan_microbatches
+from harts_verl.tree import (
+    Microbatch,
+    MicrobatchPlan,
+    RolloutForest,
+    check_plan_arguments,
+    plan_microbatches,
+)
 from harts_verl.tree.microbatch import (
     MAX_DP_SIZE,
     compact_work,
@@ -295,10 +302,10 @@ def test_bad_arguments():
         plan_microbatches(f, capacity_tokens=5, strategies=["magic"])
     with pytest.raises(TypeError, match="RolloutForest"):
         plan_microbatches([[1, 2]], capacity_tokens=5)  # type: ignore[arg-type]
-    # a DP world past MAX_DP_SIZE would allocate one microbatch list per replica
-    with pytest.raises(ValueError, match=r"dp_size: expected an int <= 1048576"):
+    # a DP world past MAX_DP_SIZE would allocate bins and repair arrays per replica
+    with pytest.raises(ValueError, match=r"dp_size: expected an int <= 65536"):
         plan_microbatches(f, capacity_tokens=5, dp_size=2**40)
-    assert MAX_DP_SIZE == 2**20
+    assert MAX_DP_SIZE == 2**16
     with pytest.raises(ValueError, match="dp_size"):
         place_microbatches(np.array([3, 2]), 0)
     with pytest.raises(ValueError, match="works"):
@@ -567,6 +574,35 @@ def test_bad_option_values_name_the_option(options, match):
     f = RolloutForest.from_sequences([[1, 2], [1, 3], [4]])
     with pytest.raises(ValueError, match=match):
         plan_microbatches(f, capacity_tokens=5, dp_size=2, **options)
+    with pytest.raises(ValueError, match=match):
+        check_plan_arguments(capacity_tokens=5, dp_size=2, **options)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"capacity_tokens": 0},
+        {"capacity_tokens": 2**63},
+        {"capacity_tokens": 4.0},
+        {"capacity_tokens": 5, "dp_size": 0},
+        {"capacity_tokens": 5, "dp_size": MAX_DP_SIZE + 1},
+        {"capacity_tokens": 5, "seed": -1},
+        {"capacity_tokens": 5, "nonsense": 1},
+        {"capacity_tokens": 5, "allow_oversize": "yes"},
+        {"capacity_tokens": 5, "strategies": "magic"},
+    ],
+)
+def test_check_plan_arguments_is_planning_s_check(kwargs):
+    """``check_plan_arguments`` raises what planning raises for the same arguments (type and
+    message), and accepts what planning accepts."""
+    f = RolloutForest.from_sequences([[1, 2], [1, 3], [4]])
+    with pytest.raises((TypeError, ValueError)) as planned:
+        plan_microbatches(f, **kwargs)
+    with pytest.raises(type(planned.value), match=re.escape(str(planned.value))):
+        check_plan_arguments(**kwargs)
+    ok = {"capacity_tokens": 2**63 - 1, "dp_size": 2**12, "seed": 2**70, "work_slack": 0.5}
+    assert check_plan_arguments(**ok) is None
+    plan_microbatches(f, **ok)
 
 
 def test_single_strategy_name_is_one_family():

@@ -11,7 +11,12 @@ from harts_verl.tree.linear_plan import (
     MaterializedState,
     plan_linear_calls,
 )
-from harts_verl.tree.microbatch import Microbatch, MicrobatchPlan, plan_microbatches
+from harts_verl.tree.microbatch import (
+    Microbatch,
+    MicrobatchPlan,
+    check_plan_arguments,
+    plan_microbatches,
+)
 
 __all__ = [
     "InitialState",
@@ -26,6 +31,7 @@ __all__ = [
     "RolloutForest",
     "Segments",
     "Turn",
+    "check_plan_arguments",
     "plan_linear_calls",
     "plan_microbatches",
 ]

@@ -105,8 +105,10 @@ __all__ = [
     "validate_options",
 ]
 
-# The most DP replicas a plan takes (one empty microbatch list is kept per replica).
-MAX_DP_SIZE = 1 << 20
+# The most DP replicas a plan takes: a replica with nothing to run still gets an empty bin,
+# and the slot repair's candidate arrays are [candidates, bins] (measured: 3.6 s, 450 MiB for
+# 300 trajectories at 2**16 replicas; 2**20 needed 17 GiB for 3 trajectories).
+MAX_DP_SIZE = 1 << 16
 _INF = np.int64(1) << 62
 _DENSE_LCP_MAX = 2500  # below this many trajectories, keep the full LCP matrix
 _BAL_GROUPS, _BAL_SOURCES, _BAL_CANDS = 16, 8, 16  # balance search breadth
@@ -1182,7 +1184,10 @@ def _repair(st: _State, dp: int, budget: int, work_limit: int, crit_limit: float
     k = st.k
     cur = _slot_penalty(st.works, dp, crit_limit=crit_limit)[0]
     best = (tuple(cur), st.label.copy(), st.works.copy())
-    tabu = np.full((k, k), -(1 << 30), dtype=np.int64)  # round a bin pair last changed
+    # Bin pairs changed in the last _TABU_TENURE rounds (keys a * k + b, both orders) and the
+    # round each changed: a few entries, whatever k (a dense k x k table would not fit a
+    # large DP world).
+    tabu_keys, tabu_rounds = np.zeros(0, np.int64), np.zeros(0, np.int64)
     stall = 0
     pieces: dict[int, _Pieces] = {}
     margs: dict[int, np.ndarray] = {}  # per bin: its pieces' insertion costs into every bin
@@ -1238,7 +1243,10 @@ def _repair(st: _State, dp: int, budget: int, work_limit: int, crit_limit: float
         trial[rows, a_[sel]] = wa_[sel]
         trial[rows, b_[sel]] = wb_[sel]
         obj = _slot_penalty(trial, dp, crit_limit=crit_limit)
-        allowed = feas & (tabu[a_[sel], b_[sel]] < moves - _TABU_TENURE)
+        recent = tabu_rounds >= moves - _TABU_TENURE
+        tabu_keys, tabu_rounds = tabu_keys[recent], tabu_rounds[recent]
+        pair = a_[sel].astype(np.int64) * k + b_[sel]
+        allowed = feas & ~np.isin(pair, tabu_keys)
         better = allowed & _lex_less(obj, cur)
         # Preference: free improving changes (least objective), then improving ones by gain
         # per extra token; when stuck, the least-worsening allowed change (tabu walk), at most
@@ -1297,7 +1305,8 @@ def _repair(st: _State, dp: int, budget: int, work_limit: int, crit_limit: float
             pieces.pop(x, None)
             margs.pop(x, None)
         stale = [a, b]
-        tabu[a, b] = tabu[b, a] = moves
+        tabu_keys = np.append(tabu_keys, [a * k + b, b * k + a])
+        tabu_rounds = np.append(tabu_rounds, [moves, moves])
         cur = obj[j] if exact_obj is None else exact_obj
         moves += 1
         if tuple(cur) < best[0]:
@@ -1346,11 +1355,15 @@ def _check_forest(forest: Any) -> None:
         raise TypeError(f"forest: expected a RolloutForest, got {type(forest).__name__}")
 
 
-def _check_inputs(forest: Any, capacity_tokens: Any, dp_size: Any, seed: Any) -> None:
-    _check_forest(forest)
+def _check_arguments(
+    capacity_tokens: Any, dp_size: Any, seed: Any, options: dict[str, Any]
+) -> dict[str, Any]:
+    """The options merged with the defaults, after checking every argument (ValueError naming
+    it; TypeError for an unknown option)."""
     _check_int("capacity_tokens", capacity_tokens, 1)
     _check_int("dp_size", dp_size, 1, MAX_DP_SIZE)
     _check_int("seed", seed, 0, None)  # numpy's generators take any non-negative int
+    return _check_options(options)
 
 
 def _check_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -1406,6 +1419,15 @@ def _oversize(forest: RolloutForest, cap: int, allow: bool) -> np.ndarray:
     return big
 
 
+def check_plan_arguments(
+    *, capacity_tokens: int, dp_size: int = 1, seed: int = 0, **options: Any
+) -> None:
+    """Check the arguments of :func:`plan_microbatches` (all but the forest) without planning:
+    the same TypeError / ValueError naming the argument or option that planning would raise
+    for them, so a caller can tell its user's bad settings from planning itself."""
+    _check_arguments(capacity_tokens, dp_size, seed, options)
+
+
 def plan_microbatches(
     forest: RolloutForest,
     *,
@@ -1427,7 +1449,7 @@ def plan_microbatches(
     scales move budgets); ``max_layers_work`` (int >= 0, bound on K·n for the fixed-K contiguous
     DP). An unknown option raises TypeError, an illegal value ValueError naming the option;
     ``capacity_tokens`` must be an int in ``[1, 2**63 - 1]``, ``dp_size`` one in
-    ``[1, MAX_DP_SIZE]`` (2**20) and ``seed`` an int
+    ``[1, MAX_DP_SIZE]`` (2**16) and ``seed`` an int
     ``>= 0`` (ValueError naming it, checked before any planning).
 
     Guarantees: each trajectory is in exactly one microbatch; no microbatch exceeds the
@@ -1435,8 +1457,8 @@ def plan_microbatches(
     number of slots; the plan is a deterministic function of the inputs and ``seed``.
     """
     t0 = time.perf_counter()
-    _check_inputs(forest, capacity_tokens, dp_size, seed)
-    opt = _check_options(options)
+    _check_forest(forest)
+    opt = _check_arguments(capacity_tokens, dp_size, seed, options)
     families = opt["strategies"]
     cap, dp = int(capacity_tokens), int(dp_size)
     big = _oversize(forest, cap, bool(opt["allow_oversize"]))
