@@ -531,6 +531,17 @@ def test_slot_penalty_matches_definition():
     assert mb._slot_penalty(works, 3, crit_limit=12.0)[0, 0] == 3.0  # slot maxima 10 + 5
 
 
+def test_slot_imbalance_checks_its_input():
+    from harts_verl.tree.microbatch import slot_imbalance
+
+    np.testing.assert_allclose(slot_imbalance([[10, 5], [0, 0], [4, 4]]), [0.25, 0.0, 0.0])
+    assert slot_imbalance(np.zeros((0, 3))).shape == (0,)
+    assert slot_imbalance(np.zeros((0, 0))).shape == (0,)  # an empty plan's slot_work
+    for bad in ([1, 2], np.zeros((2, 0)), np.zeros((1, 2, 2)), [[1, -1]], [[1, np.nan]], "x"):
+        with pytest.raises(ValueError, match="slot_work"):
+            slot_imbalance(bad)
+
+
 def test_work_slack_reaches_slot_balance_on_a_realistic_swe_step():
     """A SWE-like step at dp 8 with 66 least-work microbatches (not a multiple of 8): strict
     planning leaves a padding slot (P95 imbalance far above 2 %); work_slack=0.02 aligns K to

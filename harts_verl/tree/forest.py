@@ -209,7 +209,9 @@ class RolloutForest:
         cls, sequences: Sequence[Any], *, group_ids: Sequence[int] | np.ndarray | None = None
     ) -> RolloutForest:
         """Build the forest of ``sequences`` (1-D integer token-id arrays or lists, one per
-        trajectory). Trajectories may be identical, prefixes of others, or one token long;
+        trajectory; a 2-D integer array is read as one trajectory per row, while a 1-D array,
+        even an empty one, is refused as being one sequence, not a batch: the empty batch is
+        ``[]``). Trajectories may be identical, prefixes of others, or one token long;
         different first tokens give several roots. ``group_ids`` (int, one per trajectory,
         default: all 0) is carried along for planners.
         """
@@ -506,8 +508,12 @@ class RolloutForest:
 
     # ------------------------------------------------------------------ derived forests
     def subset(self, trajectory_indices: Sequence[int] | np.ndarray) -> RolloutForest:
-        """The forest of the given trajectories (in the given order); equal to building it from
-        their sequences, without re-sorting (leaf order and LCPs are restricted)."""
+        """The forest of the given trajectories (trajectory ``i`` of the result is
+        ``trajectory_indices[i]``), keeping this forest's layout: leaf order and LCPs are
+        restricted, rows keep this forest's order. For a trie (:meth:`from_sequences`,
+        :meth:`from_turns`) it equals building one from their sequences; a subset of an
+        :meth:`expanded` layout stays expanded (nothing shared), its rows in this forest's
+        order, equal to :meth:`expanded` of their sequences for increasing indices."""
         idx = np.asarray(trajectory_indices)
         if (
             idx.ndim != 1
@@ -576,6 +582,8 @@ class RolloutForest:
         Raises ValueError naming the file and the array when it is not a forest file or its
         arrays are inconsistent (wrong shapes or dtypes, offsets that do not tile the tokens, a
         leaf order that is not a permutation, an LCP longer than what two neighbours share).
+        Any leaf order with consistent LCPs is a forest (an :meth:`expanded` layout's is the
+        trajectory order with LCPs 0), so the file need not be in lexicographic leaf order.
         """
         try:
             z = np.load(path)

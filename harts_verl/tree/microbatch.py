@@ -235,10 +235,21 @@ def _imb(x: np.ndarray) -> float:
 
 
 def slot_imbalance(slot_work: np.ndarray) -> np.ndarray:
-    """``(max − mean) / max`` of each row of ``slot_work`` ([slots, replicas]); 0 where max = 0."""
-    w = np.asarray(slot_work, dtype=np.float64)
-    if w.ndim != 2 or w.shape[0] == 0:
+    """``(max − mean) / max`` of each row of ``slot_work`` ([slots, replicas], finite works
+    >= 0; no slots is fine, no replicas is not); 0 where max = 0. float64, length slots.
+    ValueError naming ``slot_work`` for another shape or a negative / non-finite work."""
+    try:
+        w = np.asarray(slot_work, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError("slot_work: expected a numeric [slots, replicas] array") from None
+    if w.ndim != 2 or (w.shape[0] and w.shape[1] == 0):
+        raise ValueError(
+            f"slot_work: expected a [slots, replicas] array with replicas >= 1, got shape {w.shape}"
+        )
+    if w.shape[0] == 0:
         return np.zeros(0)
+    if not np.isfinite(w).all() or (w < 0).any():
+        raise ValueError("slot_work: expected finite works >= 0")
     mx = w.max(axis=1)
     return np.where(mx > 0, (mx - w.mean(axis=1)) / np.where(mx > 0, mx, 1.0), 0.0)
 
