@@ -280,7 +280,11 @@ def plot_statistics(stats: dict[str, Any], path: str | os.PathLike[str], title: 
         else:
             xs = [int(k) for k in hist]
             ax.bar(xs, list(hist.values()), color="#4C72B0", width=0.8)
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            if len(xs) <= 20:  # one tick per bar (a locator puts fractions around one bar)
+                ax.set_xticks(xs)
+            else:
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # counts
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.set_title(ttl)
@@ -327,6 +331,7 @@ def plot_statistics(stats: dict[str, Any], path: str | os.PathLike[str], title: 
         f"forks vs chunk size {f['chunk_size']}: {100 * f['inside_chunk_fraction']:.1f}% inside"
     )
     ax.set_ylabel("forks (child segments)")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(axis="y", alpha=0.3)
 
     # 5-6: plan
@@ -342,7 +347,8 @@ def plot_statistics(stats: dict[str, Any], path: str | os.PathLike[str], title: 
         ax5.set_xlabel("slot")
         ax5.set_ylabel("compact tokens")
         ax5.set_title(
-            f"{plan['microbatches']} microbatches on {dp} replicas × {slots} slots "
+            f"{plan['microbatches']} microbatch{'es' * (plan['microbatches'] != 1)} on {dp} replica{'s' * (dp != 1)} × "
+            f"{slots} slot{'s' * (slots != 1)} "
             f"(bars = replicas)"
         )
         ax5.legend(loc="lower left", fontsize=8)
@@ -359,7 +365,10 @@ def plot_statistics(stats: dict[str, Any], path: str | os.PathLike[str], title: 
         ax6.legend(loc="upper left", fontsize=8)
         ax6.grid(axis="y", alpha=0.3)
         for ax in (ax5, ax6):
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            if slots <= 20:
+                ax.set_xticks(range(slots))
+            else:
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     else:
         for ax in (ax5, ax6):
             ax.text(
