@@ -1072,3 +1072,28 @@ def test_batch_temperature_validation():
     ):
         with pytest.raises(ValueError, match="temperature"):
             _batch_temperature(batch(bad))
+
+
+def test_bad_token_ids_are_named(verl_cpu):
+    """A token id outside the vocabulary is a ValueError naming the trajectory, the position
+    and the vocabulary size (stock: a bare IndexError from the embedding); float ``input_ids``
+    are a TypeError (never truncated to ids)."""
+    testing, paths = verl_cpu
+    seqs, prompt_lens, spans = _grpo_batch(seed=4)
+    engine = testing.build_engine(paths["qwen2"], testing.actor_config(strategy="harts_fsdp2"))
+    bad = [list(s) for s in seqs]
+    bad[2][30] = VOCAB
+    td = testing.make_batch(bad, prompt_lens, tool_spans=spans, calculate_entropy=True)
+    with engine.eval_mode(), pytest.raises(ValueError) as info:
+        engine.infer_batch(td)
+    assert str(info.value) == (
+        f"sequences[2]: token id {VOCAB} at position 30 is outside the model's vocabulary "
+        f"(size {VOCAB})"
+    )
+    td = testing.make_batch(seqs, prompt_lens, tool_spans=spans, calculate_entropy=True)
+    ids = td["input_ids"]
+    td["input_ids"] = torch.nested.nested_tensor_from_jagged(
+        ids.values().to(torch.float32), ids.offsets()
+    )
+    with engine.eval_mode(), pytest.raises(TypeError, match="input_ids: expected integer"):
+        engine.infer_batch(td)

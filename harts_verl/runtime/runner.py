@@ -201,16 +201,7 @@ class _Runner:
             forest = RolloutForest.from_sequences(sequences)
         else:
             forest = RolloutForest.expanded(sequences)
-        vocab = self._vocab_size()
-        bad_rows = forest.token_ids >= vocab
-        if bad_rows.any():
-            pos = int(np.flatnonzero(bad_rows[forest.semantic_rows])[0])
-            i = int(np.searchsorted(forest.row_offsets, pos, side="right")) - 1
-            tok = int(forest.token_ids[forest.semantic_rows[pos]])
-            raise ValueError(
-                f"sequences[{i}]: token id {tok} at position {pos - int(forest.row_offsets[i])} "
-                f"is outside the model's vocabulary (size {vocab})"
-            )
+        forest.check_vocabulary(self._vocab_size())
         return forest
 
     def _vocab_size(self) -> int:

@@ -456,6 +456,21 @@ class RolloutForest:
         """Token ids of trajectory ``i`` (reconstructed from the rows)."""
         return self.token_ids[self.rows_of(i)]
 
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Raise ValueError naming the first trajectory (in trajectory order), the position and
+        the id of a token id ``>= vocab_size`` (ids are ``>= 0`` by construction); nothing
+        when every id is below it. Vectorized over the compact rows."""
+        bad = self.token_ids >= vocab_size
+        if not bad.any():
+            return
+        pos = int(np.flatnonzero(bad[self.semantic_rows])[0])
+        i = int(np.searchsorted(self.row_offsets, pos, side="right")) - 1
+        tok = int(self.token_ids[self.semantic_rows[pos]])
+        raise ValueError(
+            f"sequences[{i}]: token id {tok} at position {pos - int(self.row_offsets[i])} "
+            f"is outside the model's vocabulary (size {vocab_size})"
+        )
+
     @property
     def sequences(self) -> list[np.ndarray]:
         """All trajectories' token ids, in the original order."""

@@ -135,7 +135,14 @@ def _find_lm_head(module: torch.nn.Module) -> torch.nn.Module | None:
 
 def _sequences(input_ids: torch.Tensor) -> list[np.ndarray]:
     """Per-trajectory token ids (numpy int64) of a nested (jagged) ``[bsz, j1]`` tensor (a
-    dense ``[bsz, L]`` tensor is taken row by row)."""
+    dense ``[bsz, L]`` tensor is taken row by row). TypeError naming ``input_ids`` unless its
+    dtype is an integer one (a float id would be truncated silently)."""
+    if (
+        input_ids.dtype.is_floating_point
+        or input_ids.dtype.is_complex
+        or input_ids.dtype == torch.bool
+    ):
+        raise TypeError(f"input_ids: expected integer token ids, got dtype {input_ids.dtype}")
     if not input_ids.is_nested:
         return [r for r in input_ids.detach().cpu().numpy().astype(np.int64, copy=False)]
     values = input_ids.values().detach().cpu().numpy().astype(np.int64, copy=False)
@@ -632,6 +639,17 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             "modules_to_save on lm_head), so the compact log-prob kernel cannot replace it"
         )
 
+    def _vocab_size(self) -> int | None:
+        """Ids the model can embed (and, with an LM head, predict): the smaller of the input
+        embedding's and the LM head's rows; None when the model exposes neither."""
+        lm = _causal_lm_of(self.module)
+        getter = getattr(lm, "get_input_embeddings", None)
+        emb = getter() if callable(getter) else None
+        sizes = [int(emb.num_embeddings)] if isinstance(emb, torch.nn.Embedding) else []
+        if self._lm_head is not None:
+            sizes.append(int(self._lm_head.out_features))
+        return min(sizes) if sizes else None
+
     def _fused_forward(self, module: torch.nn.Module | None = None) -> bool:
         """Whether veRL's fused-kernel patch replaced the ``forward`` of ``module`` (default: the
         engine's; ``use_fused_kernels`` with a ``fused_kernel_options.impl_backend``)."""
@@ -865,6 +883,9 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         n = len(data)
         temperature = _batch_temperature(data) if self._uses_temperature else 1.0
         forest = forest_of_batch(data) if n else None
+        vocab = self._vocab_size()
+        if forest is not None and vocab is not None:  # a clear error, not the embedding's
+            forest.check_vocabulary(vocab)  # IndexError deep inside (stock's)
         s = forest.num_semantic_tokens if forest is not None else 0
         c = forest.num_compact_tokens if forest is not None else 0
         longest = int(forest.lengths.max()) if forest is not None else 0
