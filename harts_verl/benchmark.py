@@ -36,9 +36,11 @@ import numpy as np
 import torch
 
 from harts_verl.models import HybridForCausalLM, preset
+from harts_verl.ops.layout import check_chunk_size
 from harts_verl.runtime import ExpandedRunner, TreeRunner
 from harts_verl.runtime.flops import ideal_flop_ratio, model_shape
 from harts_verl.tree import RolloutForest
+from harts_verl.tree._checks import INT64_MAX, check_int
 from harts_verl.tree._checks import is_int as _is_int
 from harts_verl.tree.inspect import json_text, plot_path
 from harts_verl.tree.linear_plan import plan_linear_calls
@@ -178,14 +180,16 @@ def _check_config(cfg: BenchConfig) -> tuple[torch.device, str | None]:
         raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {cfg.dtype!r}")
     if cfg.workload not in WORKLOADS:
         raise ValueError(f"workload: expected one of {sorted(WORKLOADS)}, got {cfg.workload!r}")
-    for name, lo in (("repeats", 1), ("warmup", 1), ("seed", 0), ("chunk_size", 1)):
+    check_chunk_size(cfg.chunk_size)
+    check_int("seed", cfg.seed, 0, 2**64 - 1)  # torch.manual_seed's range
+    for name, lo in (("repeats", 1), ("warmup", 1)):
         v = getattr(cfg, name)
         if not _is_int(v) or v < lo:
             raise ValueError(f"{name}: expected an int >= {lo}, got {v!r}")
     for name in ("max_semantic_tokens", "capacity_tokens"):
         v = getattr(cfg, name)
-        if v is not None and (not _is_int(v) or v < 1):
-            raise ValueError(f"{name}: expected None or an int >= 1, got {v!r}")
+        if v is not None and (not _is_int(v) or not 1 <= v <= INT64_MAX):
+            raise ValueError(f"{name}: expected None or an int in [1, 2**63 - 1], got {v!r}")
     scale = cfg.scale
     if (
         isinstance(scale, bool)

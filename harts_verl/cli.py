@@ -157,7 +157,9 @@ def _add_bench_args(
         help="per-layer activation recomputation (both runners)",
     )
     p.add_argument("--device", default=d.device, help="torch device (cpu, cuda, cuda:1, ...)")
-    p.add_argument("--threads", type=int_arg(1), default=None, help="torch intra-op threads (>= 1)")
+    p.add_argument(
+        "--threads", type=int_arg(1, 4096), default=None, help="torch intra-op threads (1..4096)"
+    )
     p.add_argument(
         "--plot",
         default=None,
@@ -336,7 +338,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
             args.src,
             args.dst,
             to=args.to,
-            max_shard_bytes=int(args.max_shard_gib * 2**30),
+            # finite and > 0 (argparse); past 2**33 GiB (int64 bytes) every model is one shard
+            max_shard_bytes=max(int(min(args.max_shard_gib, 2.0**33) * 2**30), 1),
             config_only=args.config_only,
             progress=progress,
         )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -302,6 +303,38 @@ def test_cli_convert(tmp_path, capsys):
         main(["convert", str(tmp_path / "harts"), str(tmp_path / "back"), "--to", "kimi_linear"])
         == 0
     )
+
+
+def test_convert_refuses_stale_weights_and_malformed_configs(tmp_path, capsys, monkeypatch):
+    """A destination left with weight files (an interrupted conversion without config.json) is
+    refused, not mixed with the new shards; malformed config values name the field; a shard
+    size past int64 bytes writes one shard."""
+    from harts_verl.cli import main
+
+    monkeypatch.delenv("HARTS_VERL_DEBUG", raising=False)
+    cfg = kl.hybrid_config_from_kimi_linear(KIMI_CONFIG)
+    src = str(tmp_path / "kimi")
+    _write_kimi_checkpoint(src, KIMI_CONFIG, _native(cfg, seed=2))
+    dst = str(tmp_path / "dst")
+    ck.convert_checkpoint(src, dst, max_shard_bytes=200_000)
+    os.remove(os.path.join(dst, "config.json"))
+    before = sorted(os.listdir(dst))
+    with pytest.raises(ValueError, match=r"dst: .* already holds weight files \(model-00001"):
+        ck.convert_checkpoint(src, dst)
+    assert sorted(os.listdir(dst)) == before
+    with pytest.raises(ValueError, match="max_shard_bytes"):
+        ck.convert_checkpoint(src, str(tmp_path / "d0"), max_shard_bytes=0)
+    for key, value, msg in [
+        ("linear_attn_config", [1], "linear_attn_config: expected an object, got list"),
+        ("num_experts", "abc", "num_experts: expected an integer, got 'abc'"),
+        ("num_hidden_layers", 6.5, "num_hidden_layers: expected an integer, got 6.5"),
+        ("rms_norm_eps", True, "rms_norm_eps: expected a finite number, got True"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(f"kimi_linear config: {msg}")):
+            kl.hybrid_config_from_kimi_linear({**KIMI_CONFIG, key: value})
+    assert kl.hybrid_config_from_kimi_linear({**KIMI_CONFIG, "num_hidden_layers": 6.0}) == cfg
+    assert main(["convert", src, str(tmp_path / "one"), "--max-shard-gib", "1e308"]) == 0
+    assert json.loads(capsys.readouterr().out)["files"] == ["model.safetensors"]
 
 
 def test_load_causal_lm_reads_kimi_linear_config_and_checkpoint(tmp_path):

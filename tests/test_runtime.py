@@ -439,9 +439,12 @@ def test_runner_argument_validation():
 
     forest = RolloutForest.from_sequences(seqs)
     assert TreeLayout(forest, chunk_size=np.int64(4)).chunk_size == 4  # numpy ints as in runner
-    for bad in (True, 0, 4.0):
+    for bad in (True, 0, 4.0, 4097, 2**64):  # past 4096: [chunk, chunk] blocks per head
         with pytest.raises(ValueError, match="chunk_size"):
             TreeLayout(forest, chunk_size=bad)
+        with pytest.raises(ValueError, match="chunk_size"):
+            TreeRunner(model, chunk_size=bad)
+    assert TreeLayout(forest, chunk_size=4096).chunk_size == 4096
 
 
 def test_loss_independent_of_log_probs_gives_zero_gradients():

@@ -381,6 +381,41 @@ def test_check_input_errors(tmp_path, capsys, monkeypatch):
         main(["check", "--model", "nofile.json", "--batch", batch])
 
 
+def test_check_input_errors_name_the_right_flag(tmp_path, capsys, monkeypatch):
+    """Numeric flags past what the audit can run, a malformed mask, a model the tree runner
+    cannot drive and a config its model class fails on: one line naming the flag at fault."""
+    monkeypatch.setitem(sys.modules, "fla", None)
+    monkeypatch.delenv("HARTS_VERL_DEBUG", raising=False)
+    from harts_verl.workers.testing import tiny_hf_config
+
+    tiny_hf_config("qwen2").save_pretrained(str(tmp_path / "m"))
+    model = str(tmp_path / "m" / "config.json")
+    batch = _batch(tmp_path)
+    torch.save(
+        {"input_ids": torch.tensor([[1, 2, 3]]), "attention_mask": [[1, 1, 1]]}, tmp_path / "ml.pt"
+    )
+    torch.save(
+        {"input_ids": torch.tensor([[1, 2, 3]]), "attention_mask": torch.tensor([[0, 2, 1]])},
+        tmp_path / "m2.pt",
+    )
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "layers0.json").write_text(json.dumps({**cfg, "num_hidden_layers": 0}))
+    (tmp_path / "act.json").write_text(json.dumps({**cfg, "hidden_act": "no_such_act"}))
+    big = str(2**64)
+    for argv, msg in [
+        (["--model", model, "--batch", batch, "--chunk-size", big], "--chunk-size: expected"),
+        (["--model", model, "--batch", batch, "--chunk-size", "100000"], "in [1, 4096]"),
+        (["--model", model, "--batch", batch, "--seed", big], "--seed: expected an int <="),
+        (["--model", model, "--batch", str(tmp_path / "ml.pt")], "attention_mask: expected a"),
+        (["--model", model, "--batch", str(tmp_path / "m2.pt")], "only 0 / 1 values"),
+        (["--model", str(tmp_path / "layers0.json"), "--batch", batch], "--model: "),
+        (["--model", str(tmp_path / "act.json"), "--batch", batch], "'no_such_act'"),
+    ]:
+        line = _check_error(capsys, argv, msg)
+        if "json" in argv[1] and argv[1] != model:
+            assert line.startswith("harts-verl check: --model: "), line
+
+
 @pytest.mark.parametrize("tol", ["nan", "inf", "-inf", "-1", "x"])
 def test_check_rejects_bad_tol(tol, capsys):
     from harts_verl.cli import main

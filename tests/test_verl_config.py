@@ -52,6 +52,7 @@ def test_harts_section_validation():
     assert cfg.chunk_size == 32 and cfg.planner == {"work_slack": 0.1}
     for bad, key in [
         ({"chunk_size": 0}, "harts.chunk_size"),
+        ({"chunk_size": 4097}, r"harts.chunk_size: expected an int in \[1, 4096\]"),
         ({"capacity_tokens": -5}, "harts.capacity_tokens"),
         ({"min_compression": -1}, "harts.min_compression"),
         ({"audit_every": 1.5}, "harts.audit_every"),

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 from collections.abc import Callable, Iterator, Mapping
@@ -40,6 +41,8 @@ __all__ = [
     "check_hybrid_architecture",
     "common_hybrid_kwargs",
     "common_source_config",
+    "config_mapping",
+    "config_number",
     "config_value",
     "convert_checkpoint",
     "expected_hybrid_shapes",
@@ -112,6 +115,30 @@ def config_value(d: Mapping[str, Any], *names: str, default: Any = ..., what: st
     return default
 
 
+def config_number(value: Any, field: str, what: str, kind: type = int) -> Any:
+    """``value`` of the config field ``field`` as ``kind`` (``int``: an int or an integral
+    float; ``float``: a finite int or float; never a bool or a string); ``ValueError`` naming
+    ``what`` and ``field`` otherwise (no silent truncation of 6.5 to 6)."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if kind is int and ok and float(value).is_integer():
+        return int(value)
+    if kind is float and ok:
+        return float(value)
+    name = "an integer" if kind is int else "a finite number"
+    raise ValueError(f"{what}: {field}: expected {name}, got {value!r}")
+
+
+def config_mapping(d: Mapping[str, Any], field: str, what: str) -> Mapping[str, Any]:
+    """The sub-dict ``d[field]`` ({} when unset); ``ValueError`` naming ``what`` and ``field``
+    when it is set to something else than a JSON object."""
+    v = d.get(field)
+    if v is None:
+        return {}
+    if not isinstance(v, Mapping):
+        raise ValueError(f"{what}: {field}: expected an object, got {type(v).__name__}")
+    return v
+
+
 def mixers_of_layer_types(layer_types: Any, n: int, what: str) -> list[str]:
     """Native mixers (``kda`` / ``mla``) of transformers' ``layer_types``
     (``linear_attention`` / ``full_attention``) for ``n`` layers."""
@@ -169,26 +196,29 @@ def common_hybrid_kwargs(
     def get(*names: str, default: Any = ...) -> Any:
         return config_value(d, *names, default=default, what=what)
 
+    def num(kind: type, *names: str, default: Any = ...) -> Any:
+        return config_number(get(*names, default=default), names[0], what, kind)
+
     if get("hidden_act", default="silu") != "silu":
         raise ValueError(f"{what}: hidden_act {d['hidden_act']!r}, expected 'silu'")
     if get("attention_bias", default=False):
         raise ValueError(f"{what}: attention_bias=true is not supported")
-    n = int(get("num_hidden_layers"))
-    experts = int(get("num_experts", "num_local_experts", default=0))
+    n = num(int, "num_hidden_layers")
+    experts = num(int, "num_experts", "num_local_experts", default=0)
     kw: dict[str, Any] = dict(
         vocab_size=get("vocab_size"),
         hidden_size=get("hidden_size"),
         intermediate_size=get("intermediate_size"),
         moe_layers=moe_layers_of(d, n, what, first_k_dense),
-        rms_norm_eps=float(get("rms_norm_eps", default=rms_norm_eps)),
+        rms_norm_eps=num(float, "rms_norm_eps", default=rms_norm_eps),
         tie_word_embeddings=bool(get("tie_word_embeddings", default=False)),
-        initializer_range=float(get("initializer_range", default=0.02)),
+        initializer_range=num(float, "initializer_range", default=0.02),
         kda_gate_bias=False,
         num_attention_heads=get("num_attention_heads"),
         q_lora_rank=get("q_lora_rank", default=None) or None,
         kv_lora_rank=get("kv_lora_rank", default=512),
         qk_nope_head_dim=get("qk_nope_head_dim", default=128),
-        qk_rope_head_dim=int(get("qk_rope_head_dim", default=64)),
+        qk_rope_head_dim=num(int, "qk_rope_head_dim", default=64),
         v_head_dim=get("v_head_dim", default=128),
         num_experts=experts,
         router="sigmoid_grouped",
@@ -196,18 +226,18 @@ def common_hybrid_kwargs(
         shared_expert_gate=False,
     )
     if experts:
-        moe_f = int(get("moe_intermediate_size", default=moe_intermediate_size))
+        moe_f = num(int, "moe_intermediate_size", default=moe_intermediate_size)
         grouped = bool(get("use_grouped_topk", default=True))
         kw.update(
             num_experts_per_tok=get("num_experts_per_token", "num_experts_per_tok"),
             moe_intermediate_size=moe_f,
-            shared_expert_intermediate_size=int(
-                get("num_shared_experts", "n_shared_experts", default=0)
+            shared_expert_intermediate_size=num(
+                int, "num_shared_experts", "n_shared_experts", default=0
             )
             * moe_f,
-            n_group=int(get("num_expert_group", "n_group", default=1)) if grouped else 1,
-            topk_group=int(get("topk_group", default=1)) if grouped else 1,
-            routed_scaling_factor=float(get("routed_scaling_factor", default=1.0)),
+            n_group=num(int, "num_expert_group", "n_group", default=1) if grouped else 1,
+            topk_group=num(int, "topk_group", default=1) if grouped else 1,
+            routed_scaling_factor=num(float, "routed_scaling_factor", default=1.0),
             norm_topk_prob=bool(get("moe_renormalize", "norm_topk_prob", default=True)),
         )
     return kw
@@ -864,6 +894,17 @@ def _hybrid_config_of_harts(d: Mapping[str, Any]) -> HybridConfig:
     return HartsHybridConfig(**keep).to_hybrid_config()
 
 
+_WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt")
+
+
+def _weight_files(path: str) -> list[str]:
+    """Sorted names of the weight files (safetensors / PyTorch shards and their indexes) in the
+    directory ``path``; [] when it is not a directory."""
+    if not os.path.isdir(path):
+        return []
+    return sorted(n for n in os.listdir(path) if n.endswith(_WEIGHT_SUFFIXES))
+
+
 def convert_checkpoint(
     src: str,
     dst: str,
@@ -873,7 +914,8 @@ def convert_checkpoint(
     config_only: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Convert the model directory ``src`` into ``dst`` (created; must not hold a model yet): a
+    """Convert the model directory ``src`` into ``dst`` (created; must hold neither a model nor
+    weight files yet, ValueError naming ``dst``): a
     source checkpoint (Kimi-Linear, Ling 3) to ``harts_hybrid`` (``to="harts_hybrid"``), or a
     ``harts_hybrid`` to a source format (``to="kimi_linear"`` / ``"bailing_hybrid"``). Streams
     layer by layer (peak memory about one layer plus one shard), copies the tokenizer and other
@@ -882,10 +924,22 @@ def convert_checkpoint(
     way back restores its tokenizer ids and ``auto_map``. ``config_only`` (to ``harts_hybrid``):
     write the config alone, for veRL's ``model.hf_config_path`` beside the source ``model.path``
     (the weights are converted while loading)."""
+    if (
+        isinstance(max_shard_bytes, bool)
+        or not isinstance(max_shard_bytes, int)
+        or max_shard_bytes < 1
+    ):
+        raise ValueError(f"max_shard_bytes: expected an int >= 1, got {max_shard_bytes!r}")
     if os.path.abspath(src) == os.path.abspath(dst):
         raise ValueError(f"dst: must differ from src ({src!r})")
     if os.path.exists(os.path.join(dst, "config.json")):
         raise ValueError(f"dst: {dst!r} already holds a model (config.json)")
+    stale = _weight_files(dst)
+    if stale:  # readers would mix them with (or prefer them to) the new shards
+        raise ValueError(
+            f"dst: {dst!r} already holds weight files ({', '.join(stale[:3])}"
+            f"{', ...' if len(stale) > 3 else ''}); convert into a new or empty directory"
+        )
     d = read_config(src)
     say = progress or (lambda msg: logger.info("convert: %s", msg))
     summary: dict[str, Any] = {"src": src, "dst": dst, "from": d.get("model_type"), "to": to}

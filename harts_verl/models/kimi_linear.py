@@ -25,6 +25,8 @@ from harts_verl.models.checkpoints import (
     check_hybrid_architecture,
     common_hybrid_kwargs,
     common_source_config,
+    config_mapping,
+    config_number,
     config_value,
     mixers_of_layer_types,
 )
@@ -45,13 +47,21 @@ def _get(d: Mapping[str, Any], *names: str, default: Any = ...) -> Any:
     return config_value(d, *names, default=default, what="kimi_linear config")
 
 
+def _int(value: Any, field: str) -> int:
+    return config_number(value, field, "kimi_linear config")
+
+
+def _lac(d: Mapping[str, Any]) -> Mapping[str, Any]:
+    return config_mapping(d, "linear_attn_config", "kimi_linear config")
+
+
 def _kimi_layer_types(d: Mapping[str, Any], n: int) -> list[str]:
     """``kda`` / ``mla`` per layer: ``layer_types`` (transformers' names), else
     ``linear_attn_config``'s 1-indexed ``kda_layers`` / ``full_attn_layers``, else
     transformers' default (every 4th layer from index 4 is full attention)."""
     if d.get("layer_types") is not None:
         return mixers_of_layer_types(d["layer_types"], n, "kimi_linear config")
-    lac = d.get("linear_attn_config") or {}
+    lac = _lac(d)
     if lac.get("kda_layers") is not None and lac.get("full_attn_layers") is not None:
         types: list[str | None] = [None] * n
         for key, mixer in (("kda_layers", "kda"), ("full_attn_layers", "mla")):
@@ -98,17 +108,18 @@ def hybrid_config_from_kimi_linear(d: Mapping[str, Any], *, chunk_size: int = 64
     act = _get(d, "moe_router_activation_func", default="sigmoid")
     if act != "sigmoid":
         raise ValueError(f"{what}: moe_router_activation_func {act!r}, expected 'sigmoid'")
-    lac = d.get("linear_attn_config") or {}
-    heads = int(lac.get("num_heads", _get(d, "linear_num_heads", default=32)))
-    head_dim = int(lac.get("head_dim", _get(d, "linear_head_dim", default=128)))
+    lac = _lac(d)
+    heads = _int(lac.get("num_heads", _get(d, "linear_num_heads", default=32)), "num_heads")
+    head_dim = _int(lac.get("head_dim", _get(d, "linear_head_dim", default=128)), "head_dim")
     kw.update(
-        layer_types=_kimi_layer_types(d, int(_get(d, "num_hidden_layers"))),
+        layer_types=_kimi_layer_types(d, _int(_get(d, "num_hidden_layers"), "num_hidden_layers")),
         linear_num_heads=heads,
         linear_num_value_heads=heads,
         linear_key_head_dim=head_dim,
         linear_value_head_dim=head_dim,
-        conv_size=int(
-            lac.get("short_conv_kernel_size", _get(d, "linear_conv_kernel_dim", default=4))
+        conv_size=_int(
+            lac.get("short_conv_kernel_size", _get(d, "linear_conv_kernel_dim", default=4)),
+            "short_conv_kernel_size",
         ),
         chunk_size=chunk_size,
         mla_use_nope=True,

@@ -28,6 +28,8 @@ from harts_verl.models.checkpoints import (
     check_hybrid_architecture,
     common_hybrid_kwargs,
     common_source_config,
+    config_mapping,
+    config_number,
     config_value,
     mixers_of_layer_types,
 )
@@ -49,15 +51,21 @@ def _get(d: Mapping[str, Any], *names: str, default: Any = ...) -> Any:
     return config_value(d, *names, default=default, what="bailing_hybrid config")
 
 
+def _num(kind: type, d: Mapping[str, Any], *names: str, default: Any = ...) -> Any:
+    return config_number(_get(d, *names, default=default), names[0], "bailing_hybrid config", kind)
+
+
 def _rope_theta(d: Mapping[str, Any]) -> float:
     """The MLA rope base; ``ValueError`` for rope scaling (only the default rope is expressed)."""
-    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    what = "bailing_hybrid config"
+    params = config_mapping(d, "rope_parameters", what) or config_mapping(d, "rope_scaling", what)
     kind = params.get("rope_type", params.get("type", "default"))
     if kind != "default":
         raise ValueError(
             f"bailing_hybrid config: rope type {kind!r} is not supported (default rope only)"
         )
-    return float(params.get("rope_theta", _get(d, "rope_theta", default=6_000_000.0)))
+    theta = params.get("rope_theta", _get(d, "rope_theta", default=6_000_000.0))
+    return config_number(theta, "rope_theta", what, float)
 
 
 def hybrid_config_from_ling(d: Mapping[str, Any], *, chunk_size: int = 64) -> HybridConfig:
@@ -70,7 +78,7 @@ def hybrid_config_from_ling(d: Mapping[str, Any], *, chunk_size: int = 64) -> Hy
     kw = common_hybrid_kwargs(
         d, what, rms_norm_eps=1e-6, moe_intermediate_size=768, first_k_dense=2
     )
-    n = int(_get(d, "num_hidden_layers"))
+    n = _num(int, d, "num_hidden_layers")
     if d.get("layer_types") is not None:
         layer_types = mixers_of_layer_types(d["layer_types"], n, what)
     else:
@@ -78,9 +86,9 @@ def hybrid_config_from_ling(d: Mapping[str, Any], *, chunk_size: int = 64) -> Hy
         if isinstance(group, bool) or not isinstance(group, int) or group < 1:
             raise ValueError(f"{what}: layer_group_size: expected an int >= 1, got {group!r}")
         layer_types = ["mla" if (i + 1) % group == 0 else "kda" for i in range(n)]
-    heads = int(_get(d, "linear_num_heads", "num_attention_heads"))
+    heads = _num(int, d, "linear_num_heads", "num_attention_heads")
     # transformers' saved config holds the rope dim in head_dim and the KDA head in linear_head_dim
-    head_dim = int(_get(d, "linear_head_dim", "head_dim", default=128))
+    head_dim = _num(int, d, "linear_head_dim", "head_dim", default=128)
     safe = bool(_get(d, "kda_safe_gate", default=True))
     kw.update(
         layer_types=layer_types,
@@ -89,9 +97,9 @@ def hybrid_config_from_ling(d: Mapping[str, Any], *, chunk_size: int = 64) -> Hy
         linear_num_value_heads=heads,
         linear_key_head_dim=head_dim,
         linear_value_head_dim=head_dim,
-        conv_size=int(_get(d, "linear_conv_kernel_dim", "short_conv_kernel_size", default=4)),
+        conv_size=_num(int, d, "linear_conv_kernel_dim", "short_conv_kernel_size", default=4),
         chunk_size=chunk_size,
-        kda_lower_bound=float(_get(d, "kda_lower_bound", default=-5.0)) if safe else None,
+        kda_lower_bound=_num(float, d, "kda_lower_bound", default=-5.0) if safe else None,
         kda_low_rank_gates=False,
         mla_output_gate=True,
         mla_norm_eps=_LATENT_NORM_EPS,

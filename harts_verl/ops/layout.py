@@ -15,6 +15,20 @@ import torch
 from harts_verl.tree import RolloutForest
 from harts_verl.tree._checks import is_int
 
+# The largest linear-attention chunk size: the chunked ops materialize [chunk, chunk] blocks per
+# head whatever the sequence length (4096: 128 MiB per head in float64).
+MAX_CHUNK_SIZE = 4096
+
+
+def check_chunk_size(chunk_size: object, name: str = "chunk_size") -> int:
+    """``chunk_size`` as an int in ``[1, MAX_CHUNK_SIZE]``; ValueError naming ``name``."""
+    if not is_int(chunk_size) or not 1 <= chunk_size <= MAX_CHUNK_SIZE:
+        raise ValueError(
+            f"{name}: expected an int in [1, {MAX_CHUNK_SIZE}] (the linear-attention chunk "
+            f"size), got {chunk_size!r}"
+        )
+    return int(chunk_size)
+
 
 class TreeLayout:
     """Compact layout of one microbatch: ``C`` rows in DFS preorder (invariant 1).
@@ -38,10 +52,8 @@ class TreeLayout:
     ) -> None:
         if not isinstance(forest, RolloutForest):
             raise TypeError(f"forest: expected a RolloutForest, got {type(forest).__name__}")
-        if not is_int(chunk_size) or chunk_size <= 0:
-            raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
         self.forest = forest
-        self.chunk_size = int(chunk_size)
+        self.chunk_size = check_chunk_size(chunk_size)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.linear_backend = linear_backend
         self.attention_backend = attention_backend

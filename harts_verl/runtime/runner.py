@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from harts_verl.ops.layout import TreeLayout
+from harts_verl.ops.layout import TreeLayout, check_chunk_size
 from harts_verl.ops.logprobs import (
     check_temperature_floor,
     check_temperatures,
@@ -145,7 +145,7 @@ class _Runner:
         from harts_verl.models.adapter import as_tree_model
 
         self.model = as_tree_model(model)
-        self.chunk_size = _positive_int("chunk_size", chunk_size)
+        self.chunk_size = check_chunk_size(chunk_size)
         self.capacity_tokens = (
             None
             if capacity_tokens is None

@@ -50,16 +50,18 @@ def check_positive(name: str, value: Any, *, none_ok: bool = False) -> float | N
     return float(value)
 
 
-def int_arg(lo: int) -> Callable[[str], int]:
-    """argparse ``type=``: an int >= ``lo`` (``ArgumentTypeError`` "expected an int >= lo")."""
+def int_arg(lo: int, hi: int | None = None) -> Callable[[str], int]:
+    """argparse ``type=``: an int >= ``lo`` (and <= ``hi`` when given; ``ArgumentTypeError``
+    "expected an int >= lo" / "expected an int in [lo, hi]")."""
+    want = f"an int >= {lo}" if hi is None else f"an int in [{lo}, {hi}]"
 
     def parse(text: str) -> int:
         try:
             v = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an int >= {lo}, got {text!r}") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"expected an int >= {lo}, got {v}")
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
+        if v < lo or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"expected {want}, got {v}")
         return v
 
     parse.__name__ = f"int>={lo}"

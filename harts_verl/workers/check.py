@@ -37,7 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from harts_verl.tree._checks import finite_float_arg, int_arg, is_int
+from harts_verl.ops.layout import check_chunk_size
+from harts_verl.tree._checks import check_int, finite_float_arg, int_arg
 
 
 def _library_errors(*names: str) -> tuple[type[BaseException], ...]:
@@ -136,6 +137,12 @@ def _sequences_of(obj: Any, path: str) -> list[list[int]]:
         if obj.dim() == 1:
             obj = [obj]
         elif obj.dim() == 2 and mask is not None:
+            if not isinstance(mask, torch.Tensor):
+                raise ValueError(
+                    f"{path}: attention_mask: expected a tensor, got {type(mask).__name__}"
+                )
+            if mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
+                raise ValueError(f"{path}: attention_mask: expected only 0 / 1 values")
             if tuple(mask.shape) != tuple(obj.shape):
                 raise ValueError(
                     f"{path}: attention_mask {tuple(mask.shape)} does not match input_ids "
@@ -401,8 +408,10 @@ def load_tree_model(
     except OSError as exc:  # e.g. a directory without weights
         hint = " (pass its config.json for random weights)" if os.path.isdir(spec) else ""
         raise ValueError(f"model: {exc}{hint}") from exc
-    except (ValueError, TypeError, *_HUB_ERRORS) as exc:
+    except (ValueError, TypeError, KeyError, *_HUB_ERRORS) as exc:
         msg = _one_line(exc)
+        if isinstance(exc, KeyError):  # e.g. an unknown hidden_act: the bare key says little
+            msg = f"building the model failed on the unknown key / value {msg} of its config"
         raise ValueError(msg if msg.startswith("model:") else f"model: {spec!r}: {msg}") from exc
     except _WEIGHT_ERRORS as exc:
         msg = _one_line(exc)
@@ -435,9 +444,8 @@ def load_inputs(args: argparse.Namespace) -> tuple[torch.nn.Module, list[list[in
         _check_tol(args.tol)
     except ValueError as exc:
         raise _flag(exc, "--tol", "tol") from exc
-    for flag, value, lo in (("--chunk-size", args.chunk_size, 1), ("--seed", args.seed, 0)):
-        if not is_int(value) or value < lo:
-            raise ValueError(f"{flag}: expected an int >= {lo}, got {value!r}")
+    check_chunk_size(args.chunk_size, "--chunk-size")
+    check_int("--seed", args.seed, 0, 2**64 - 1)  # torch.manual_seed's range
 
     def batch_error(exc: Exception) -> ValueError:
         msg = str(exc)
@@ -460,7 +468,11 @@ def load_inputs(args: argparse.Namespace) -> tuple[torch.nn.Module, list[list[in
     except INPUT_ERRORS as exc:
         raise _flag(exc, "--model", "model") from exc
     try:
-        TreeRunner(model, chunk_size=args.chunk_size).build_forest(seqs)  # ids in vocabulary
+        runner = TreeRunner(model, chunk_size=args.chunk_size)  # a model it can run
+    except INPUT_ERRORS as exc:
+        raise _flag(exc, "--model", "model") from exc
+    try:
+        runner.build_forest(seqs)  # ids in vocabulary
     except INPUT_ERRORS as exc:
         raise batch_error(exc) from exc
     return model, seqs

@@ -28,6 +28,7 @@ from typing import Any
 from verl.base_config import BaseConfig  # loads our plugin (-> engine) if verl was not loaded
 from verl.workers.config import FSDPActorConfig, FSDPCriticConfig
 
+from harts_verl.ops.layout import check_chunk_size
 from harts_verl.workers import STRATEGY
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ class HartsConfig(BaseConfig):
 
         if not isinstance(self.enable, bool):
             raise ValueError(f"harts.enable: expected a bool, got {self.enable!r}")
-        positive_int("chunk_size", self.chunk_size)
+        check_chunk_size(self.chunk_size, "harts.chunk_size")
         if self.capacity_tokens is not None:
             positive_int("capacity_tokens", self.capacity_tokens)
         positive_int("audit_every", self.audit_every, allow_zero=True)
