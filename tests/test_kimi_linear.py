@@ -329,6 +329,7 @@ def test_convert_refuses_stale_weights_and_malformed_configs(tmp_path, capsys, m
         ("num_experts", "abc", "num_experts: expected an integer, got 'abc'"),
         ("num_hidden_layers", 6.5, "num_hidden_layers: expected an integer, got 6.5"),
         ("rms_norm_eps", True, "rms_norm_eps: expected a finite number, got True"),
+        ("rms_norm_eps", 10**400, "rms_norm_eps: expected a finite number"),  # no OverflowError
     ]:
         with pytest.raises(ValueError, match=re.escape(f"kimi_linear config: {msg}")):
             kl.hybrid_config_from_kimi_linear({**KIMI_CONFIG, key: value})

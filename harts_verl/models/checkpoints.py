@@ -119,11 +119,16 @@ def config_number(value: Any, field: str, what: str, kind: type = int) -> Any:
     """``value`` of the config field ``field`` as ``kind`` (``int``: an int or an integral
     float; ``float``: a finite int or float; never a bool or a string); ``ValueError`` naming
     ``what`` and ``field`` otherwise (no silent truncation of 6.5 to 6)."""
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    if kind is int and ok and float(value).is_integer():
-        return int(value)
-    if kind is float and ok:
-        return float(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        if kind is int:
+            return int(value)
+        if abs(value) <= 2**1023:  # a float holds it
+            return float(value)
+    elif isinstance(value, float) and math.isfinite(value):
+        if kind is float:
+            return value
+        if value.is_integer():
+            return int(value)
     name = "an integer" if kind is int else "a finite number"
     raise ValueError(f"{what}: {field}: expected {name}, got {value!r}")
 
