@@ -336,6 +336,16 @@ def test_convert_refuses_stale_weights_and_malformed_configs(tmp_path, capsys, m
     assert kl.hybrid_config_from_kimi_linear({**KIMI_CONFIG, "num_hidden_layers": 6.0}) == cfg
     assert main(["convert", src, str(tmp_path / "one"), "--max-shard-gib", "1e308"]) == 0
     assert json.loads(capsys.readouterr().out)["files"] == ["model.safetensors"]
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({**KIMI_CONFIG, "num_experts": "abc"}))
+    assert main(["convert", str(bad), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"harts-verl convert: {bad}: kimi_linear config: num_experts: expected an "
+        "integer, got 'abc'"
+    ], err
+    assert not (tmp_path / "out").exists()
 
 
 def test_load_causal_lm_reads_kimi_linear_config_and_checkpoint(tmp_path):
