@@ -334,21 +334,15 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         print(f"harts-verl convert: {msg}", file=sys.stderr, flush=True)
 
     with _inputs():  # the checkpoint and config are the user's input
-        try:
-            summary = checkpoints.convert_checkpoint(
-                args.src,
-                args.dst,
-                to=args.to,
-                # finite and > 0 (argparse); past 2**33 GiB (int64 bytes) every model is one shard
-                max_shard_bytes=max(int(min(args.max_shard_gib, 2.0**33) * 2**30), 1),
-                config_only=args.config_only,
-                progress=progress,
-            )
-        except ValueError as exc:  # a message about the source that does not name it: say so
-            msg = str(exc)
-            if msg.startswith(("dst:", "config_only")) or args.src in msg:
-                raise
-            raise ValueError(f"{args.src}: {msg}") from exc
+        summary = checkpoints.convert_checkpoint(
+            args.src,
+            args.dst,
+            to=args.to,
+            # finite and > 0 (argparse); past 2**33 GiB (int64 bytes) every model is one shard
+            max_shard_bytes=max(int(min(args.max_shard_gib, 2.0**33) * 2**30), 1),
+            config_only=args.config_only,
+            progress=progress,
+        )
     _print_json(summary)
     return 0
 

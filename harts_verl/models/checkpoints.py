@@ -20,6 +20,7 @@ layers beyond ``num_hidden_layers`` are dropped and logged); a missing or missha
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -910,6 +911,18 @@ def _weight_files(path: str) -> list[str]:
     return sorted(n for n in os.listdir(path) if n.endswith(_WEIGHT_SUFFIXES))
 
 
+@contextlib.contextmanager
+def _naming_source(src: str) -> Iterator[None]:
+    """Re-raise a ValueError raised inside (about the source model) with ``src`` in front,
+    unless its message already names it."""
+    try:
+        yield
+    except ValueError as exc:
+        if src in str(exc):
+            raise
+        raise ValueError(f"{src}: {exc}") from exc
+
+
 def convert_checkpoint(
     src: str,
     dst: str,
@@ -920,7 +933,7 @@ def convert_checkpoint(
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Convert the model directory ``src`` into ``dst`` (created; must hold neither a model nor
-    weight files yet, ValueError naming ``dst``): a
+    weight files yet, ValueError naming ``dst``; an error about the source names ``src``): a
     source checkpoint (Kimi-Linear, Ling 3) to ``harts_hybrid`` (``to="harts_hybrid"``), or a
     ``harts_hybrid`` to a source format (``to="kimi_linear"`` / ``"bailing_hybrid"``). Streams
     layer by layer (peak memory about one layer plus one shard), copies the tokenizer and other
@@ -945,31 +958,33 @@ def convert_checkpoint(
             f"dst: {dst!r} already holds weight files ({', '.join(stale[:3])}"
             f"{', ...' if len(stale) > 3 else ''}); convert into a new or empty directory"
         )
-    d = read_config(src)
+    if config_only and to != HARTS_MODEL_TYPE:
+        raise ValueError(f"config_only (--config-only): only with to={HARTS_MODEL_TYPE!r}")
+    target = None if to == HARTS_MODEL_TYPE else _format(to)
     say = progress or (lambda msg: logger.info("convert: %s", msg))
-    summary: dict[str, Any] = {"src": src, "dst": dst, "from": d.get("model_type"), "to": to}
-    if to == HARTS_MODEL_TYPE:
-        fmt = format_of_config(d)
-        if fmt is None:
-            raise ValueError(
-                f"model_type: converting to {HARTS_MODEL_TYPE} needs one of {list(_formats())}, "
-                f"got {d.get('model_type')!r}"
-            )
-        cfg = fmt.hybrid_config(d)
-        out_cfg = _harts_config_dict(d)
-    else:
-        fmt = _format(to)
-        if config_only:
-            raise ValueError(f"config_only (--config-only): only with to={HARTS_MODEL_TYPE!r}")
-        if d.get("model_type") != HARTS_MODEL_TYPE:
-            raise ValueError(
-                f"model_type: converting to {to} needs a {HARTS_MODEL_TYPE!r} model, got "
-                f"{d.get('model_type')!r}"
-            )
-        cfg = _hybrid_config_of_harts(d)
-        base = d.get(SOURCE_CONFIG_KEY)
-        out_cfg = fmt.source_config(cfg, base if format_of_config(base) is fmt else None)
-        out_cfg.update({k: d[k] for k in TOKEN_KEYS if d.get(k) is not None})
+    with _naming_source(src):
+        d = read_config(src)
+        summary: dict[str, Any] = {"src": src, "dst": dst, "from": d.get("model_type"), "to": to}
+        if target is None:
+            fmt = format_of_config(d)
+            if fmt is None:
+                raise ValueError(
+                    f"model_type: converting to {HARTS_MODEL_TYPE} needs one of "
+                    f"{list(_formats())}, got {d.get('model_type')!r}"
+                )
+            cfg = fmt.hybrid_config(d)
+            out_cfg = _harts_config_dict(d)
+        else:
+            fmt = target
+            if d.get("model_type") != HARTS_MODEL_TYPE:
+                raise ValueError(
+                    f"model_type: converting to {to} needs a {HARTS_MODEL_TYPE!r} model, got "
+                    f"{d.get('model_type')!r}"
+                )
+            cfg = _hybrid_config_of_harts(d)
+            base = d.get(SOURCE_CONFIG_KEY)
+            out_cfg = fmt.source_config(cfg, base if format_of_config(base) is fmt else None)
+            out_cfg.update({k: d[k] for k in TOKEN_KEYS if d.get(k) is not None})
     if os.path.exists(dst) and not os.path.isdir(dst):
         raise ValueError(f"dst: {dst!r} exists and is not a directory")
     created = not os.path.exists(dst)
@@ -980,15 +995,16 @@ def convert_checkpoint(
         writer = _ShardWriter(dst, max_shard_bytes)
         tensors = 0
         try:
-            src_t = CheckpointTensors(path=src)
-            if to == HARTS_MODEL_TYPE:
-                for piece in _iter_to_hybrid(src_t, fmt, cfg, say):
-                    writer.add({"model." + k: v for k, v in piece.items()})
-                    tensors += len(piece)
-            else:
-                for piece in _iter_from_hybrid(src_t, fmt, cfg, say):
-                    writer.add(piece)
-                    tensors += len(piece)
+            with _naming_source(src):
+                src_t = CheckpointTensors(path=src)
+                if target is None:
+                    for piece in _iter_to_hybrid(src_t, fmt, cfg, say):
+                        writer.add({"model." + k: v for k, v in piece.items()})
+                        tensors += len(piece)
+                else:
+                    for piece in _iter_from_hybrid(src_t, fmt, cfg, say):
+                        writer.add(piece)
+                        tensors += len(piece)
             files, nbytes = writer.close(), writer.total
         except BaseException:
             writer.abort()  # no hidden partial shards in dst
