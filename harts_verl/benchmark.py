@@ -40,7 +40,7 @@ from harts_verl.ops.layout import check_chunk_size
 from harts_verl.runtime import ExpandedRunner, TreeRunner
 from harts_verl.runtime.flops import ideal_flop_ratio, model_shape
 from harts_verl.tree import RolloutForest
-from harts_verl.tree._checks import INT64_MAX, check_int
+from harts_verl.tree._checks import INT64_MAX, SEED_MAX, check_int
 from harts_verl.tree._checks import is_int as _is_int
 from harts_verl.tree.inspect import json_text, plot_path
 from harts_verl.tree.linear_plan import plan_linear_calls
@@ -181,7 +181,7 @@ def _check_config(cfg: BenchConfig) -> tuple[torch.device, str | None]:
     if cfg.workload not in WORKLOADS:
         raise ValueError(f"workload: expected one of {sorted(WORKLOADS)}, got {cfg.workload!r}")
     check_chunk_size(cfg.chunk_size)
-    check_int("seed", cfg.seed, 0, 2**64 - 1)  # torch.manual_seed's range
+    check_int("seed", cfg.seed, 0, SEED_MAX)
     for name, lo in (("repeats", 1), ("warmup", 1)):
         v = getattr(cfg, name)
         if not _is_int(v) or v < lo:

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 INT64_MAX = int(np.iinfo(np.int64).max)
+SEED_MAX = 2**64 - 1  # the largest seed torch.manual_seed takes
 
 
 def is_int(value: Any) -> bool:

@@ -274,16 +274,21 @@ def plot_statistics(stats: dict[str, Any], path: str | os.PathLike[str], title: 
         fontsize=13,
     )
 
+    def integer_xticks(ax: Any, xs: list[int]) -> None:
+        """One tick per bar for few bars (a locator puts fractions around one bar), else
+        integer ticks."""
+        if len(xs) <= 20:
+            ax.set_xticks(xs)
+        else:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
     def bars(ax: Any, hist: dict[str, int], xlabel: str, ylabel: str, ttl: str) -> None:
         if not hist:
             ax.text(0.5, 0.5, "none", ha="center", va="center", transform=ax.transAxes)
         else:
             xs = [int(k) for k in hist]
             ax.bar(xs, list(hist.values()), color="#4C72B0", width=0.8)
-            if len(xs) <= 20:  # one tick per bar (a locator puts fractions around one bar)
-                ax.set_xticks(xs)
-            else:
-                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            integer_xticks(ax, xs)
             ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # counts
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
@@ -365,10 +370,7 @@ def plot_statistics(stats: dict[str, Any], path: str | os.PathLike[str], title: 
         ax6.legend(loc="upper left", fontsize=8)
         ax6.grid(axis="y", alpha=0.3)
         for ax in (ax5, ax6):
-            if slots <= 20:
-                ax.set_xticks(range(slots))
-            else:
-                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            integer_xticks(ax, list(range(slots)))
     else:
         for ax in (ax5, ax6):
             ax.text(

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from harts_verl.ops.layout import check_chunk_size
-from harts_verl.tree._checks import check_int, finite_float_arg, int_arg
+from harts_verl.tree._checks import SEED_MAX, check_int, finite_float_arg, int_arg
 
 
 def _library_errors(*names: str) -> tuple[type[BaseException], ...]:
@@ -445,7 +445,7 @@ def load_inputs(args: argparse.Namespace) -> tuple[torch.nn.Module, list[list[in
     except ValueError as exc:
         raise _flag(exc, "--tol", "tol") from exc
     check_chunk_size(args.chunk_size, "--chunk-size")
-    check_int("--seed", args.seed, 0, 2**64 - 1)  # torch.manual_seed's range
+    check_int("--seed", args.seed, 0, SEED_MAX)
 
     def batch_error(exc: Exception) -> ValueError:
         msg = str(exc)
