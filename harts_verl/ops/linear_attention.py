@@ -542,30 +542,66 @@ def chunk_delta_rule_varlen(
             k_to_end_t = _decay_rows(kc, to_end).transpose(-1, -2).contiguous()
 
         # ---- inter-chunk recurrence: sequential over chunk index, batched over members ----
-        state = p.h0
+        # Members in descending chunk count (stable), so the members active at step c are a
+        # prefix of that order; every per-chunk tensor is gathered once into step-major order
+        # and split per step, and the state is split as members finish. Forward and backward
+        # then move O(total) chunk data (per-step gathers / index_copy would cost
+        # O(max_chunks * total) in the backward, which zero-fills a full-size gradient per step).
+        order_host = sorted(range(N), key=lambda n: -n_chunks[n])
+        sorted_nc = [n_chunks[n] for n in order_host]
+        counts: list[int] = []  # members active at each step
+        active_n = N
+        for c in range(max_chunks):
+            while active_n > 0 and sorted_nc[active_n - 1] <= c:
+                active_n -= 1
+            counts.append(active_n)
+        order = torch.tensor(order_host, dtype=torch.int64, device=device)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(N, dtype=torch.int64, device=device)
+        sorted_offsets = chunk_offsets[order]
+        perm = (
+            torch.cat([sorted_offsets[:n] + c for c, n in enumerate(counts)])
+            if total > 0
+            else torch.zeros(0, dtype=torch.int64, device=device)
+        )  # step-major position -> chunk index
+
+        def per_step(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return torch.split(x.index_select(0, perm), counts)
+
+        q_steps, decay_steps = per_step(q_decayed), per_step(end_decay)
+        if diagonal:
+            local_steps, write_steps = per_step(local_o), per_step(end_write)
+        else:
+            u_steps, attn_steps, k_end_steps = (
+                per_step(u_part),
+                per_step(attn),
+                per_step(k_to_end_t),
+            )
+            w_steps = per_step(w_part) if w_part is not None else None
+        first = counts[0] if counts else 0
+        S, idle = p.h0.index_select(0, order).split([first, N - first])
+        finished = [idle]  # sorted positions [first, N): members without chunks keep h0
         o_parts: list[torch.Tensor] = []
-        row_parts: list[torch.Tensor] = []
         start_states: list[torch.Tensor] = []
         for c in range(max_chunks):
-            active = torch.nonzero(nch > c).squeeze(1)
-            rows = chunk_offsets[active] + c
-            S = state.index_select(0, active)  # [n_active, HV, K, V]
-            row_parts.append(rows)
             if output_chunk_states:
                 start_states.append(S)
             if diagonal:
-                o_parts.append(torch.matmul(q_decayed[rows], S) + local_o[rows])
-                state = state.index_copy(0, active, end_decay[rows] * S + end_write[rows])
-                continue
-            delta = u_part[rows] if w_part is None else u_part[rows] - torch.matmul(w_part[rows], S)
-            o_parts.append(torch.matmul(q_decayed[rows], S) + torch.matmul(attn[rows], delta))
-            S_next = end_decay[rows] * S + torch.matmul(k_to_end_t[rows], delta)
-            state = state.index_copy(0, active, S_next)
+                o_parts.append(torch.matmul(q_steps[c], S) + local_steps[c])
+                S_next = decay_steps[c] * S + write_steps[c]
+            else:
+                delta = u_steps[c] if w_steps is None else u_steps[c] - torch.matmul(w_steps[c], S)
+                o_parts.append(torch.matmul(q_steps[c], S) + torch.matmul(attn_steps[c], delta))
+                S_next = decay_steps[c] * S + torch.matmul(k_end_steps[c], delta)
+            n_next = counts[c + 1] if c + 1 < max_chunks else 0
+            S, done = S_next.split([n_next, counts[c] - n_next])
+            finished.append(done)  # sorted positions [n_next, counts[c])
+        state = torch.cat(finished[::-1]).index_select(0, inverse)  # [N, HV, K, V]
 
         # ---- back to the packed token layout ----
         out_dtype = v.dtype
         if total > 0:
-            all_rows = torch.cat(row_parts)
+            all_rows = perm
             o_chunks = torch.zeros((total, HV, C, V), dtype=p.dtype, device=device)
             o_chunks = o_chunks.index_copy(0, all_rows, torch.cat(o_parts))
             o = o_chunks.transpose(1, 2).reshape(total * C, HV, V)[valid.reshape(-1)]
