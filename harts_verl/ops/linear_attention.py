@@ -556,8 +556,7 @@ def chunk_delta_rule_varlen(
                 active_n -= 1
             counts.append(active_n)
         order = torch.tensor(order_host, dtype=torch.int64, device=device)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(N, dtype=torch.int64, device=device)
+        inverse = torch.argsort(order)
         sorted_offsets = chunk_offsets[order]
         perm = (
             torch.cat([sorted_offsets[:n] + c for c, n in enumerate(counts)])
@@ -601,9 +600,8 @@ def chunk_delta_rule_varlen(
         # ---- back to the packed token layout ----
         out_dtype = v.dtype
         if total > 0:
-            all_rows = perm
             o_chunks = torch.zeros((total, HV, C, V), dtype=p.dtype, device=device)
-            o_chunks = o_chunks.index_copy(0, all_rows, torch.cat(o_parts))
+            o_chunks = o_chunks.index_copy(0, perm, torch.cat(o_parts))
             o = o_chunks.transpose(1, 2).reshape(total * C, HV, V)[valid.reshape(-1)]
         else:
             o = p.v.new_zeros((0, HV, V))
@@ -611,7 +609,7 @@ def chunk_delta_rule_varlen(
         if output_chunk_states:
             cs = torch.zeros((total, HV, K, V), dtype=p.dtype, device=device)
             if total > 0:
-                cs = cs.index_copy(0, all_rows, torch.cat(start_states))
+                cs = cs.index_copy(0, perm, torch.cat(start_states))
             chunk_states = ChunkStates(states=cs, chunk_offsets=chunk_offsets)
         return DeltaRuleOutput(o=o.to(out_dtype), final_state=state, chunk_states=chunk_states)
 
