@@ -80,10 +80,30 @@ def _load_weights(path: Path) -> dict:
     return out
 
 
-def _run_recipe(work: Path, steps: int, *overrides: str) -> str:
-    """``recipes/local_cpu/run.sh steps overrides…`` in its own session (killed afterwards);
-    fails the test on a timeout or a non-zero exit. Returns the console output."""
-    env = dict(os.environ, HARTS_LOCAL_DIR=str(work), PY=sys.executable)
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> Path:
+    """``prepare.py``'s output (SFT warm-started model, train/val parquet), written once and
+    shared by this module's runs (``HARTS_LOCAL_INPUTS``), as ``make demo`` does."""
+    path = tmp_path_factory.mktemp("local_cpu_inputs")
+    proc = subprocess.run(
+        [sys.executable, str(RUN.parent / "prepare.py"), str(path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    assert (path / "model").is_dir() and (path / "train.parquet").is_file(), proc.stdout
+    return path
+
+
+def _run_recipe(work: Path, inputs: Path, steps: int, *overrides: str) -> str:
+    """``recipes/local_cpu/run.sh steps overrides…`` on the prepared ``inputs`` in its own
+    session (killed afterwards); fails the test on a timeout or a non-zero exit. Returns the
+    console output."""
+    env = dict(
+        os.environ, HARTS_LOCAL_DIR=str(work), HARTS_LOCAL_INPUTS=str(inputs), PY=sys.executable
+    )
     env.pop("RAY_ADDRESS", None)  # always a fresh local cluster of our own
     proc = subprocess.Popen(
         ["bash", str(RUN), str(steps), *overrides],
@@ -108,10 +128,11 @@ def _run_recipe(work: Path, steps: int, *overrides: str) -> str:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="uses /proc to clean up the Ray cluster")
-def test_local_cpu_recipe_two_steps(tmp_path):
+def test_local_cpu_recipe_two_steps(tmp_path, inputs):
     work = tmp_path / "w"
     out = _run_recipe(
         work,
+        inputs,
         2,
         "trainer.save_freq=2",
         "actor_rollout_ref.actor.checkpoint.save_contents=[model,hf_model]",
@@ -129,7 +150,7 @@ def test_local_cpu_recipe_two_steps(tmp_path):
         assert metrics["actor/harts/fallback"] == 0.0, metrics  # the tree path ran
         assert "harts/dp_compression" in metrics
         assert math.isfinite(metrics["critic/score/mean"])
-    before = _load_weights(work / "model")
+    before = _load_weights(inputs / "model")
     after = _load_weights(work / "ckpt" / "global_step_2" / "actor" / "huggingface")
     assert before and set(before) == set(after)
     changed = [k for k in before if not bool((before[k] == after[k].to(before[k].dtype)).all())]
@@ -137,16 +158,17 @@ def test_local_cpu_recipe_two_steps(tmp_path):
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="uses /proc to clean up the Ray cluster")
-def test_local_cpu_recipe_ppo_with_tree_critic(tmp_path):
+def test_local_cpu_recipe_ppo_with_tree_critic(tmp_path, inputs):
     """PPO with GAE: the critic (a token classifier on the same backbone) also runs
     ``harts_fsdp2`` (values and its update in tree mode)."""
     work = tmp_path / "w"
     out = _run_recipe(
         work,
+        inputs,
         1,
         "algorithm.adv_estimator=gae",
         "critic.strategy=harts_fsdp2",
-        f"critic.model.path={work / 'model'}",
+        f"critic.model.path={inputs / 'model'}",
         "+critic.model.override_config={attn_implementation: sdpa}",
         "critic.fsdp.model_dtype=fp32",
         "critic.optim.lr=1e-3",
