@@ -315,14 +315,87 @@ def _causal_scores(
     return _causal_scores_per_channel(q, k, G, with_kk)
 
 
+# Elements of one [rows, s, s, K] temporary of the diagonal-block scores (8 MiB in float32):
+# blocks of chunk rows keep the pairwise decays cache-sized instead of [total, HV, P, s, s, K].
+_PAIRWISE_BLOCK_ELEMENTS = 1 << 21
+
+
+def _pairwise_decay(G: torch.Tensor, future: torch.Tensor) -> torch.Tensor:
+    """``D[..., i, j, c] = exp(G[..., i, c] - G[..., j, c])`` for ``j <= i``, 0 for ``j > i``
+    (``future``: ``[s, s]`` bool, True where ``j > i``). G: ``[..., s, K]``."""
+    diff = G[..., :, None, :] - G[..., None, :, :]
+    return diff.masked_fill_(future[:, :, None], float("-inf")).exp_()
+
+
+class _DiagonalScores(torch.autograd.Function):
+    """Per-channel decayed scores inside ``s``-row blocks, written-out backward.
+
+    ``forward(k, G, *a) -> [..., s, s, R]`` with ``out[..., i, j, r] =
+    sum_c a_r[..., i, c] k[..., j, c] exp(G[..., i, c] - G[..., j, c])`` for ``j <= i``, 0
+    above the diagonal; k, G and each of the ``R`` operands ``a_r``: ``[..., s, K]``.
+
+    The ``[..., s, s, K]`` pairwise decays are never kept: forward and backward rebuild them in
+    blocks of rows of at most ``_PAIRWISE_BLOCK_ELEMENTS`` elements, so memory is that of the
+    inputs and outputs. Each row's numbers come from the same op sequence on ``[s, K]`` /
+    ``[s, s, K]`` shapes whatever the block (the batch-independence the kernel guarantees).
+    Backward, with ``P_ijc = D_ijc k_jc`` and ``dO_ijr`` the output gradient:
+    ``da_r[i] = sum_j dO_ijr P_ij``; ``dk[j] = sum_i D_ij sum_r dO_ijr a_r[i]`` (+ ``da_r`` of
+    an operand that is ``k`` itself, added by autograd); ``dG[i] = sum_r a_r[i] da_r[i] -
+    k[i] (dk[i] from the first term)``.
+    """
+
+    @staticmethod
+    def forward(ctx, k: torch.Tensor, G: torch.Tensor, *a: torch.Tensor) -> torch.Tensor:
+        lead, (s, K) = k.shape[:-2], k.shape[-2:]
+        kf, Gf = k.reshape(-1, s, K), G.reshape(-1, s, K)
+        af = torch.stack([x.reshape(-1, s, K) for x in a], dim=-1)  # [B, s(i), K, R]
+        future = torch.ones(s, s, dtype=torch.bool, device=k.device).triu(1)
+        out = k.new_empty((kf.shape[0], s, s, len(a)))
+        step = max(1, _PAIRWISE_BLOCK_ELEMENTS // (s * s * K))
+        for b in range(0, kf.shape[0], step):
+            rows = slice(b, b + step)
+            p = _pairwise_decay(Gf[rows], future).mul_(kf[rows, None, :, :])  # [b, i, j, c]
+            torch.matmul(p, af[rows], out=out[rows])  # [b, i, j, R]
+        ctx.save_for_backward(k, G, *a)
+        return out.reshape(*lead, s, s, len(a))
+
+    @staticmethod
+    def backward(ctx, d_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        k, G, *a = ctx.saved_tensors
+        s, K = k.shape[-2:]
+        R = len(a)
+        kf, Gf = k.reshape(-1, s, K), G.reshape(-1, s, K)
+        af = torch.stack([x.reshape(-1, s, K) for x in a], dim=-2)  # [B, s(i), R, K]
+        d_o = d_out.reshape(-1, s, s, R).transpose(-1, -2)  # [B, i, R, j]
+        future = torch.ones(s, s, dtype=torch.bool, device=k.device).triu(1)
+        d_a = torch.empty_like(af)  # [B, i, R, K]
+        d_k = torch.empty_like(kf)
+        step = max(1, _PAIRWISE_BLOCK_ELEMENTS // (s * s * K))
+        for b in range(0, kf.shape[0], step):
+            rows = slice(b, b + step)
+            decay = _pairwise_decay(Gf[rows], future)  # [b, i, j, c]
+            torch.matmul(d_o[rows], decay * kf[rows, None, :, :], out=d_a[rows])
+            # sum_r dO_ijr a_r[i, c], then times D_ijc and summed over i
+            y = torch.matmul(d_o[rows].transpose(-1, -2), af[rows])  # [b, i, j, c]
+            torch.sum(y.mul_(decay), dim=-3, out=d_k[rows])
+        d_g = (af * d_a).sum(-2) - kf * d_k
+        shape = k.shape
+        return (
+            d_k.reshape(shape),
+            d_g.reshape(shape),
+            *(d_a[..., r, :].reshape(shape) for r in range(R)),
+        )
+
+
 def _causal_scores_per_channel(
     q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, with_kk: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-channel (KDA) case of :func:`_causal_scores`, in sub-blocks of ``s`` rows.
 
-    Diagonal ``[s, s]`` blocks use pairwise differences ``exp(G_i - G_j)`` (``[s, s, K]`` per
-    block). A block below the diagonal (rows in sub-block p, columns j < p*s) factorises through
-    the reference row ``r = p*s - 1`` with ``j <= r < i``:
+    Diagonal ``[s, s]`` blocks use pairwise differences ``exp(G_i - G_j)`` (rebuilt in
+    cache-sized blocks by :class:`_DiagonalScores`, never stored). A block below the diagonal
+    (rows in sub-block p, columns j < p*s) factorises through the reference row
+    ``r = p*s - 1`` with ``j <= r < i``:
     ``exp(G_i - G_j) = exp(G_i - G_r) * exp(G_r - G_j)``, both factors ``<= 1``, so it is one
     matmul. ``s = _SUB_BLOCK`` when it divides C, else ``s = C`` (pairwise only).
     """
@@ -331,13 +404,9 @@ def _causal_scores_per_channel(
     P = C // s
     qb, kb, Gb = (x.reshape(*lead, P, s, K) for x in (q, k, G))
 
-    idx = torch.arange(s, device=q.device)
-    future = idx[:, None] < idx[None, :]
-    diff = Gb[..., :, None, :] - Gb[..., None, :, :]  # [..., P, s, s, K]
-    decay = diff.masked_fill(future[:, :, None], float("-inf")).exp()
-    k_j = kb[..., None, :, :]
-    qk_diag = (qb[..., :, None, :] * k_j * decay).sum(-1)  # [..., P, s, s]
-    kk_diag = (kb[..., :, None, :] * k_j * decay).sum(-1) if with_kk else None
+    diag = _DiagonalScores.apply(kb, Gb, qb, kb) if with_kk else _DiagonalScores.apply(kb, Gb, qb)
+    qk_diag = diag[..., 0]  # [..., P, s, s]
+    kk_diag = diag[..., 1] if with_kk else None
     if P == 1:
         kk_full = kk_diag.reshape(*lead, C, C) if kk_diag is not None else None
         return qk_diag.reshape(*lead, C, C), kk_full
