@@ -462,7 +462,7 @@ def _diagonal_scan(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 # The largest state (K * V entries per head) that runs as a scan of the state itself: it
 # materialises K * V entries per token where the score path keeps [C, C] (or, per channel,
-# ~K * (16 + C / 16)) per chunk row.
+# ~K * C / 16 plus bounded temporaries) per chunk row.
 _SCAN_MAX_STATE = 16
 
 
@@ -527,8 +527,9 @@ def chunk_delta_rule_varlen(
           initial state; a member ending inside a chunk gives bitwise the outputs of the same
           rows of a longer run (padding rows have ``q = k = v = beta = g = 0``).
         - Differentiable w.r.t. q, k, v, g, beta and initial_state.
-        - Memory of the KDA path is ``O(T * HV * K * (16 + C / 16))`` for the in-chunk decays
-          (pairwise inside 16-row sub-blocks, factorised through a reference row below them).
+        - Memory of the KDA path is ``O(T * HV * K * C / 16)`` for the in-chunk decays kept for
+          the backward (factorised through a reference row below the 16-row sub-blocks); the
+          pairwise decays inside the sub-blocks are rebuilt in bounded blocks, never stored.
     """
     if not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
