@@ -41,6 +41,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 __all__ = [
     "ChunkStates",
@@ -335,9 +336,13 @@ class _DiagonalScores(torch.autograd.Function):
     above the diagonal; k, G and each of the ``R`` operands ``a_r``: ``[..., s, K]``.
 
     The ``[..., s, s, K]`` pairwise decays are never kept: forward and backward rebuild them in
-    blocks of rows of at most ``_PAIRWISE_BLOCK_ELEMENTS`` elements, so memory is that of the
-    inputs and outputs. Each row's numbers come from the same op sequence on ``[s, K]`` /
-    ``[s, s, K]`` shapes whatever the block (the batch-independence the kernel guarantees).
+    blocks of rows (``[rows, s, s, K]`` temporaries of at most ``_PAIRWISE_BLOCK_ELEMENTS``
+    elements, one row when a row alone is larger; backward holds three at a time), so the
+    memory kept is that of the inputs and outputs. Each row goes through the same elementwise
+    ops and batched matmuls of ``[s, K]``-sized matrices whatever block it is in: like the rest
+    of the kernel, batch invariance rests on a batched matmul giving each matrix the same
+    result whatever the batch (batches of one matrix excepted: ``s >= 2`` here, the caller
+    handles ``s == 1``). First-order gradients only (``once_differentiable``).
     Backward, with ``P_ijc = D_ijc k_jc`` and ``dO_ijr`` the output gradient:
     ``da_r[i] = sum_j dO_ijr P_ij``; ``dk[j] = sum_i D_ij sum_r dO_ijr a_r[i]`` (+ ``da_r`` of
     an operand that is ``k`` itself, added by autograd); ``dG[i] = sum_r a_r[i] da_r[i] -
@@ -347,12 +352,13 @@ class _DiagonalScores(torch.autograd.Function):
     @staticmethod
     def forward(ctx, k: torch.Tensor, G: torch.Tensor, *a: torch.Tensor) -> torch.Tensor:
         lead, (s, K) = k.shape[:-2], k.shape[-2:]
-        kf, Gf = k.reshape(-1, s, K), G.reshape(-1, s, K)
-        af = torch.stack([x.reshape(-1, s, K) for x in a], dim=-1)  # [B, s(i), K, R]
+        B = lead.numel()
+        kf, Gf = k.reshape(B, s, K), G.reshape(B, s, K)
+        af = torch.stack([x.reshape(B, s, K) for x in a], dim=-1)  # [B, s(i), K, R]
         future = torch.ones(s, s, dtype=torch.bool, device=k.device).triu(1)
-        out = k.new_empty((kf.shape[0], s, s, len(a)))
-        step = max(1, _PAIRWISE_BLOCK_ELEMENTS // (s * s * K))
-        for b in range(0, kf.shape[0], step):
+        out = k.new_zeros((B, s, s, len(a)))
+        step = max(1, _PAIRWISE_BLOCK_ELEMENTS // max(1, s * s * K))
+        for b in range(0, B if K else 0, step):
             rows = slice(b, b + step)
             p = _pairwise_decay(Gf[rows], future).mul_(kf[rows, None, :, :])  # [b, i, j, c]
             torch.matmul(p, af[rows], out=out[rows])  # [b, i, j, R]
@@ -360,18 +366,24 @@ class _DiagonalScores(torch.autograd.Function):
         return out.reshape(*lead, s, s, len(a))
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, d_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        with torch.autocast(d_out.device.type, enabled=False):  # the inputs' dtype, always
+            return _DiagonalScores._backward(ctx, d_out)
+
+    @staticmethod
+    def _backward(ctx, d_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         k, G, *a = ctx.saved_tensors
-        s, K = k.shape[-2:]
-        R = len(a)
-        kf, Gf = k.reshape(-1, s, K), G.reshape(-1, s, K)
-        af = torch.stack([x.reshape(-1, s, K) for x in a], dim=-2)  # [B, s(i), R, K]
-        d_o = d_out.reshape(-1, s, s, R).transpose(-1, -2)  # [B, i, R, j]
+        lead, (s, K) = k.shape[:-2], k.shape[-2:]
+        B, R = lead.numel(), len(a)
+        kf, Gf = k.reshape(B, s, K), G.reshape(B, s, K)
+        af = torch.stack([x.reshape(B, s, K) for x in a], dim=-2)  # [B, s(i), R, K]
+        d_o = d_out.to(k.dtype).reshape(B, s, s, R).transpose(-1, -2)  # [B, i, R, j]
         future = torch.ones(s, s, dtype=torch.bool, device=k.device).triu(1)
-        d_a = torch.empty_like(af)  # [B, i, R, K]
-        d_k = torch.empty_like(kf)
-        step = max(1, _PAIRWISE_BLOCK_ELEMENTS // (s * s * K))
-        for b in range(0, kf.shape[0], step):
+        d_a = torch.zeros_like(af)  # [B, i, R, K]
+        d_k = torch.zeros_like(kf)
+        step = max(1, _PAIRWISE_BLOCK_ELEMENTS // max(1, s * s * K))
+        for b in range(0, B if K else 0, step):
             rows = slice(b, b + step)
             decay = _pairwise_decay(Gf[rows], future)  # [b, i, j, c]
             torch.matmul(d_o[rows], decay * kf[rows, None, :, :], out=d_a[rows])
@@ -404,7 +416,11 @@ def _causal_scores_per_channel(
     P = C // s
     qb, kb, Gb = (x.reshape(*lead, P, s, K) for x in (q, k, G))
 
-    diag = _DiagonalScores.apply(kb, Gb, qb, kb) if with_kk else _DiagonalScores.apply(kb, Gb, qb)
+    operands = (qb, kb) if with_kk else (qb,)
+    if s == 1:  # chunks of one row: the decay is 1 (and no matmul batch of one matrix)
+        diag = torch.stack([(x * kb).sum(-1) for x in operands], dim=-1)[..., None, :]
+    else:
+        diag = _DiagonalScores.apply(kb, Gb, *operands)
     qk_diag = diag[..., 0]  # [..., P, s, s]
     kk_diag = diag[..., 1] if with_kk else None
     if P == 1:
@@ -526,7 +542,12 @@ def chunk_delta_rule_varlen(
           split at a chunk boundary with the first part's final state as the second part's
           initial state; a member ending inside a chunk gives bitwise the outputs of the same
           rows of a longer run (padding rows have ``q = k = v = beta = g = 0``).
-        - Differentiable w.r.t. q, k, v, g, beta and initial_state.
+          This rests on the BLAS giving each matrix of a batched matmul the same result
+          whatever the batch, which the tests check for their shapes; it does not hold for
+          every shape (seen on this machine's MKL: chunk 24 with K = 9, and batches of one
+          ``[1, K] @ [K, 1]`` product at K = 512), where results agree to rounding only.
+        - Differentiable w.r.t. q, k, v, g, beta and initial_state (first order: the KDA
+          path's diagonal-block scores have a written-out, once-differentiable backward).
         - Memory of the KDA path is ``O(T * HV * K * C / 16)`` for the in-chunk decays kept for
           the backward (factorised through a reference row below the 16-row sub-blocks); the
           pairwise decays inside the sub-blocks are rebuilt in bounded blocks, never stored.
