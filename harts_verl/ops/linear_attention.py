@@ -356,7 +356,8 @@ class _DiagonalScores(torch.autograd.Function):
         kf, Gf = k.reshape(B, s, K), G.reshape(B, s, K)
         af = torch.stack([x.reshape(B, s, K) for x in a], dim=-1)  # [B, s(i), K, R]
         future = torch.ones(s, s, dtype=torch.bool, device=k.device).triu(1)
-        out = k.new_zeros((B, s, s, len(a)))
+        # every entry is written by the blocks, except when there is nothing to write (K = 0)
+        out = (k.new_empty if K else k.new_zeros)((B, s, s, len(a)))
         step = max(1, _PAIRWISE_BLOCK_ELEMENTS // max(1, s * s * K))
         for b in range(0, B if K else 0, step):
             rows = slice(b, b + step)
@@ -380,8 +381,9 @@ class _DiagonalScores(torch.autograd.Function):
         af = torch.stack([x.reshape(B, s, K) for x in a], dim=-2)  # [B, s(i), R, K]
         d_o = d_out.to(k.dtype).reshape(B, s, s, R).transpose(-1, -2)  # [B, i, R, j]
         future = torch.ones(s, s, dtype=torch.bool, device=k.device).triu(1)
-        d_a = torch.zeros_like(af)  # [B, i, R, K]
-        d_k = torch.zeros_like(kf)
+        alloc = torch.empty_like if K else torch.zeros_like  # as in forward
+        d_a = alloc(af)  # [B, i, R, K]
+        d_k = alloc(kf)
         step = max(1, _PAIRWISE_BLOCK_ELEMENTS // max(1, s * s * K))
         for b in range(0, B if K else 0, step):
             rows = slice(b, b + step)
