@@ -321,11 +321,21 @@ def _causal_scores(
 _PAIRWISE_BLOCK_ELEMENTS = 1 << 21
 
 
-def _pairwise_decay(G: torch.Tensor, future: torch.Tensor) -> torch.Tensor:
-    """``D[..., i, j, c] = exp(G[..., i, c] - G[..., j, c])`` for ``j <= i``, 0 for ``j > i``
-    (``future``: ``[s, s]`` bool, True where ``j > i``). G: ``[..., s, K]``."""
+def _pairwise_decay(G: torch.Tensor) -> torch.Tensor:
+    """``D[..., i, j, c] = exp(G[..., i, c] - G[..., j, c])`` for ``j <= i``, 0 for ``j > i``.
+    G: ``[..., s, K]``."""
+    s = G.shape[-2]
+    future = torch.ones(s, s, dtype=torch.bool, device=G.device).triu(1)
     diff = G[..., :, None, :] - G[..., None, :, :]
     return diff.masked_fill_(future[:, :, None], float("-inf")).exp_()
+
+
+def _row_blocks(B: int, s: int, K: int) -> list[slice]:
+    """Consecutive slices of ``B`` rows whose ``[rows, s, s, K]`` temporaries have at most
+    ``_PAIRWISE_BLOCK_ELEMENTS`` elements (one row when a row alone is larger); none for
+    ``K == 0``."""
+    step = max(1, _PAIRWISE_BLOCK_ELEMENTS // max(1, s * s * K))
+    return [slice(b, b + step) for b in range(0, B if K else 0, step)]
 
 
 class _DiagonalScores(torch.autograd.Function):
@@ -355,13 +365,10 @@ class _DiagonalScores(torch.autograd.Function):
         B = lead.numel()
         kf, Gf = k.reshape(B, s, K), G.reshape(B, s, K)
         af = torch.stack([x.reshape(B, s, K) for x in a], dim=-1)  # [B, s(i), K, R]
-        future = torch.ones(s, s, dtype=torch.bool, device=k.device).triu(1)
         # every entry is written by the blocks, except when there is nothing to write (K = 0)
         out = (k.new_empty if K else k.new_zeros)((B, s, s, len(a)))
-        step = max(1, _PAIRWISE_BLOCK_ELEMENTS // max(1, s * s * K))
-        for b in range(0, B if K else 0, step):
-            rows = slice(b, b + step)
-            p = _pairwise_decay(Gf[rows], future).mul_(kf[rows, None, :, :])  # [b, i, j, c]
+        for rows in _row_blocks(B, s, K):
+            p = _pairwise_decay(Gf[rows]).mul_(kf[rows, None, :, :])  # [b, i, j, c]
             torch.matmul(p, af[rows], out=out[rows])  # [b, i, j, R]
         ctx.save_for_backward(k, G, *a)
         return out.reshape(*lead, s, s, len(a))
@@ -380,14 +387,11 @@ class _DiagonalScores(torch.autograd.Function):
         kf, Gf = k.reshape(B, s, K), G.reshape(B, s, K)
         af = torch.stack([x.reshape(B, s, K) for x in a], dim=-2)  # [B, s(i), R, K]
         d_o = d_out.to(k.dtype).reshape(B, s, s, R).transpose(-1, -2)  # [B, i, R, j]
-        future = torch.ones(s, s, dtype=torch.bool, device=k.device).triu(1)
         alloc = torch.empty_like if K else torch.zeros_like  # as in forward
         d_a = alloc(af)  # [B, i, R, K]
         d_k = alloc(kf)
-        step = max(1, _PAIRWISE_BLOCK_ELEMENTS // max(1, s * s * K))
-        for b in range(0, B if K else 0, step):
-            rows = slice(b, b + step)
-            decay = _pairwise_decay(Gf[rows], future)  # [b, i, j, c]
+        for rows in _row_blocks(B, s, K):
+            decay = _pairwise_decay(Gf[rows])  # [b, i, j, c]
             torch.matmul(d_o[rows], decay * kf[rows, None, :, :], out=d_a[rows])
             # sum_r dO_ijr a_r[i, c], then times D_ijc and summed over i
             y = torch.matmul(d_o[rows].transpose(-1, -2), af[rows])  # [b, i, j, c]
