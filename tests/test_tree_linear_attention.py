@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from harts_verl.ops.linear_attention import chunk_delta_rule_varlen, recurrent_delta_rule_ref
@@ -44,6 +44,7 @@ def _inputs(c: int, kda: bool, dtype: torch.dtype, seed: int):
 
 @settings(max_examples=30, deadline=None)
 @given(forests(), st.sampled_from([16, 32, 64]), st.booleans(), st.booleans())
+@example(seqs=[[0], [0]], chunk=16, kda=True, delta_rule=False)  # gate gradient 0 in exact math
 def test_tree_equals_trajectory_wise_float64(seqs, chunk, kda, delta_rule):
     """Tree == trajectory-wise == token-by-token (outputs and gradients through the state
     handoffs), for the delta rule and for gated linear attention (``delta_rule=False``)."""
@@ -65,8 +66,10 @@ def test_tree_equals_trajectory_wise_float64(seqs, chunk, kda, delta_rule):
     w = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     gt = torch.autograd.grad((o.index_select(0, idx) * w).sum(), xs)
     ge = torch.autograd.grad((ref * w).sum(), xs)
+    # Relative to each input's largest gradient, with a floor: a gradient that is zero in exact
+    # arithmetic (the gate's at a lone first token) holds rounding residue (~1e-17) on both sides.
     for a, b in zip(gt, ge):
-        scale = max(b.abs().max().item(), 1e-300)
+        scale = max(b.abs().max().item(), 1e-6)
         assert (a - b).abs().max().item() <= 1e-9 * scale
 
 
