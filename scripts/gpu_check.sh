@@ -8,12 +8,16 @@
 #
 # Steps on the device: install carried wheels (no registry is reachable there), record the
 # environment and which backends `auto` picks, run tests/gpu (fast backends required), run
-# `harts-verl bench --device cuda --dtype bfloat16` at a compute-bound size, write JSON to $OUT:
-#   env.json  gpu_tests.txt  gpu_report.json  bench.json  bench.log  summary.json
-# Exit status: 0 only if the tests pass, the bench ran, and efficiency >= $MIN_EFFICIENCY.
+# `harts-verl bench --device cuda --dtype bfloat16` at compute-bound sizes (swe_like at each of
+# $BENCH_SCALES, smallest first, each while time is left), write JSON to $OUT:
+#   env.json  gpu_tests.txt  gpu_report.json  bench_<scale>.json/.log  bench.json  summary.json
+# bench.json is the largest size that completed: the gate is taken there (the most compute-bound
+# size measured); summary.json lists every size.
+# Exit status: 0 only if the tests pass, a bench ran, and its efficiency >= $MIN_EFFICIENCY.
 #
 # Knobs (environment): OUT, WHEELS_DIR (.whl), PYTHON (python3), TOTAL_BUDGET_S (470),
-# TESTS_TIMEOUT_S (200), BENCH_SCALE (0.02), BENCH_CAPACITY (65536), BENCH_REPEATS (3),
+# TESTS_TIMEOUT_S (200), BENCH_SCALES ("0.02 0.05"; BENCH_SCALE=x: that size alone),
+# BENCH_MIN_S_LARGER (150: seconds a larger size needs left), BENCH_CAPACITY (65536), BENCH_REPEATS (3),
 # BENCH_PRESET (gpu_check: injected below unless the package defines it), BENCH_PRESET_JSON,
 # BENCH_DEVICE (cuda; cpu only to smoke-test the script),
 # MIN_EFFICIENCY (0.90), HARTS_REQUIRE_FAST (1), FLA_VERSION (0.6.0).
@@ -36,7 +40,8 @@ WHEELS_DIR=${WHEELS_DIR:-.whl}
 PYTHON=${PYTHON:-python3}
 TOTAL_BUDGET_S=${TOTAL_BUDGET_S:-470}
 TESTS_TIMEOUT_S=${TESTS_TIMEOUT_S:-200}
-BENCH_SCALE=${BENCH_SCALE:-0.02}
+BENCH_SCALES=${BENCH_SCALES:-${BENCH_SCALE:-0.02 0.05}}
+BENCH_MIN_S_LARGER=${BENCH_MIN_S_LARGER:-150}
 BENCH_CAPACITY=${BENCH_CAPACITY:-65536}
 BENCH_REPEATS=${BENCH_REPEATS:-3}
 BENCH_PRESET=${BENCH_PRESET:-gpu_check}
@@ -102,17 +107,26 @@ run "HARTS_GPU_REPORT='$OUT/gpu_report.json' timeout $TESTS_TIMEOUT_S $PYTHON -m
 TESTS_RC=$?  # pipefail: pytest's status (124 on timeout)
 set -e
 
-# 4. Bench at a compute-bound size, within what is left of the budget.
-BENCH_TIMEOUT=$(left)
-[ "$DRY" = 1 ] && BENCH_TIMEOUT=240
-if [ "$BENCH_TIMEOUT" -lt 60 ]; then
-  echo "gpu_check.sh: only ${BENCH_TIMEOUT}s left, skipping the bench" >&2
-  BENCH_RC=124
-else
+# 4. Bench at compute-bound sizes, smallest first, each within what is left of the budget
+#    (a larger size only with BENCH_MIN_S_LARGER seconds left; 20 s kept for the summary).
+BENCH_DONE=""   # scales that completed (bench rc 0), in order
+BENCH_RCS=""    # scale:rc of each size tried
+FIRST=1
+for SCALE in $BENCH_SCALES; do
+  NEED=60
+  [ "$FIRST" = 1 ] || NEED=$BENCH_MIN_S_LARGER
+  BENCH_TIMEOUT=$(( $(left) - 20 ))
+  [ "$DRY" = 1 ] && BENCH_TIMEOUT=240
+  if [ "$BENCH_TIMEOUT" -lt "$NEED" ]; then
+    echo "gpu_check.sh: only ${BENCH_TIMEOUT}s left, skipping the bench at scale $SCALE" >&2
+    BENCH_RCS="$BENCH_RCS $SCALE:skipped"
+    FIRST=0
+    continue
+  fi
   set +e
   # `harts-verl bench` is `python -m harts_verl.cli bench`; the preset is injected when the
   # package does not define it (a larger model than the CPU `bench` preset).
-  run "BENCH_PRESET_JSON='$BENCH_PRESET_JSON' timeout $BENCH_TIMEOUT $PYTHON - bench --device $BENCH_DEVICE --dtype bfloat16 --preset $BENCH_PRESET --scale $BENCH_SCALE --capacity $BENCH_CAPACITY --repeats $BENCH_REPEATS --warmup 1 --no-progress > '$OUT/bench.json' 2> '$OUT/bench.log' <<'PY'
+  run "BENCH_PRESET_JSON='$BENCH_PRESET_JSON' timeout $BENCH_TIMEOUT $PYTHON - bench --device $BENCH_DEVICE --dtype bfloat16 --preset $BENCH_PRESET --scale $SCALE --capacity $BENCH_CAPACITY --repeats $BENCH_REPEATS --warmup 1 --no-progress > '$OUT/bench_$SCALE.json' 2> '$OUT/bench_$SCALE.log' <<'PY'
 import json, os, sys
 from harts_verl.models.config import PRESETS
 name = sys.argv[sys.argv.index('--preset') + 1]
@@ -121,23 +135,45 @@ if name not in PRESETS:
 from harts_verl.cli import main
 sys.exit(main(sys.argv[1:]))
 PY"
-  BENCH_RC=$?
+  RC=$?
   set -e
-fi
+  BENCH_RCS="$BENCH_RCS $SCALE:$RC"
+  if [ "$RC" = 0 ]; then
+    BENCH_DONE="$BENCH_DONE $SCALE"
+    run "cp '$OUT/bench_$SCALE.json' '$OUT/bench.json'; cp '$OUT/bench_$SCALE.log' '$OUT/bench.log'"
+  fi
+  FIRST=0
+done
+BENCH_RC=1
+[ -n "$BENCH_DONE" ] && BENCH_RC=0
 
-# 5. Summary (efficiency gate).
+# 5. Summary (efficiency gate at the largest size that completed; every size listed).
 set +e
-run "$PYTHON - '$OUT' $TESTS_RC $BENCH_RC $MIN_EFFICIENCY > '$OUT/summary.json' <<'PY'
+run "$PYTHON - '$OUT' $TESTS_RC $BENCH_RC $MIN_EFFICIENCY '$BENCH_RCS' > '$OUT/summary.json' <<'PY'
 import json, sys
 out, tests_rc, bench_rc, min_eff = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
-s = {'tests_rc': tests_rc, 'bench_rc': bench_rc, 'min_efficiency': min_eff}
-try:
-    b = json.load(open(f'{out}/bench.json'))
-    s.update({k: b.get(k) for k in ('efficiency', 'speedup', 'ideal_flop_ratio', 'compression',
-              'semantic_tokens', 'compact_tokens', 'expanded_seconds_median',
-              'tree_seconds_median', 'max_abs_dlogp', 'mean_logit_cos', 'peak_memory_mib')})
-except Exception as exc:
-    s['bench_error'] = repr(exc)
+keys = ('efficiency', 'speedup', 'efficiency_best', 'ideal_flop_ratio', 'compression',
+        'run_compression', 'semantic_tokens', 'compact_tokens', 'microbatches',
+        'expanded_seconds_median', 'tree_seconds_median', 'max_abs_dlogp', 'mean_logit_cos',
+        'peak_memory_mib')
+s = {'tests_rc': tests_rc, 'bench_rc': bench_rc, 'min_efficiency': min_eff, 'benches': []}
+for item in sys.argv[5].split():
+    scale, rc = item.rsplit(':', 1)
+    entry = {'scale': float(scale), 'rc': rc}
+    if rc == '0':
+        try:
+            b = json.load(open(f'{out}/bench_{scale}.json'))
+            entry.update({k: b.get(k) for k in keys})
+        except Exception as exc:
+            entry['bench_error'] = repr(exc)
+    s['benches'].append(entry)
+done = [e for e in s['benches'] if e['rc'] == '0' and e.get('efficiency') is not None]
+if done:  # the gate: the largest size measured
+    gate = max(done, key=lambda e: e['scale'])
+    s['gate_scale'] = gate['scale']
+    s.update({k: gate.get(k) for k in keys})
+else:
+    s['bench_error'] = 'no bench size completed (see bench_<scale>.log)'
 s['ok'] = tests_rc == 0 and bench_rc == 0 and (s.get('efficiency') or 0) >= min_eff
 print(json.dumps(s, indent=2))
 sys.exit(0 if s['ok'] else 1)
