@@ -1,0 +1,185 @@
+"""Whole models over random rollout forests (hypothesis, bounded): tree execution equals
+trajectory-wise execution for forests the fixed cases do not spell out — forks anywhere, several
+roots, duplicates, prefixes, one-token trajectories — at random chunk sizes, capacities
+(micro-batches, down to one token), with and without recomputation, separable or not.
+
+- native hybrids (``tiny``, ``kimi_tiny``, ``ling_tiny``; float64): tree vs ``ExpandedRunner``,
+  log-probs and entropies ≤ 1e-10, loss ≤ 1e-10, every gradient ≤ 1e-9 relative;
+- every tiny HF kind (float64 with the family's float32 islands lifted): tree vs HF's own
+  per-trajectory forward / backward, log-probs and entropies ≤ 1e-9, gradients ≤ 1e-9 relative.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _strategies import shared_sequences
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from harts_verl.models import HybridForCausalLM, preset
+from harts_verl.runtime import ExpandedRunner, TreeRunner
+
+_NATIVE: dict[str, torch.nn.Module] = {}
+_HF: dict[str, torch.nn.Module] = {}
+
+
+def _native(name: str) -> torch.nn.Module:
+    if name not in _NATIVE:
+        torch.manual_seed(3)
+        # tiny without MoE so that micro-batching leaves the (per-micro-batch) aux loss alone
+        extra = {"moe_layers": []} if name == "tiny" else {}
+        cfg = preset(name, vocab_size=16, chunk_size=4, **extra)
+        _NATIVE[name] = HybridForCausalLM.from_config(cfg).double()
+    return _NATIVE[name]
+
+
+def _loss_fn(n: int):
+    w = torch.linspace(-1.0, 1.0, n, dtype=torch.float64)
+
+    def loss(lps: list[torch.Tensor | None]) -> torch.Tensor:
+        terms = [
+            (lp * w[i]).sum() + 0.1 * (lp**2).sum() for i, lp in enumerate(lps) if lp is not None
+        ]
+        return sum(terms) / 10.0
+
+    return loss
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_grads_close(got: dict, ref: dict) -> None:
+    assert got.keys() == ref.keys() and ref
+    for name, g in ref.items():
+        scale = g.abs().max().item()
+        err = (got[name] - g).abs().max().item()
+        # floor: a gradient that is 0 in exact math holds rounding residue on both sides
+        assert err <= 1e-9 * max(scale, 1e-6), f"{name}: {err} vs scale {scale}"
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seqs=shared_sequences(max_new=10, max_ext=12),
+    name=st.sampled_from(["tiny", "kimi_tiny", "ling_tiny"]),
+    chunk=st.integers(1, 9),
+    capacity=st.one_of(st.none(), st.integers(1, 60)),
+    recompute=st.booleans(),
+    separable=st.booleans(),
+)
+def test_native_tree_equals_expanded_float64(seqs, name, chunk, capacity, recompute, separable):
+    model = _native(name)
+    if name != "tiny":
+        capacity = None  # their MoE aux loss is per micro-batch: one micro-batch each
+    kw = dict(chunk_size=chunk, capacity_tokens=capacity, recompute=recompute)
+    tree, exp = TreeRunner(model, **kw), ExpandedRunner(model, **kw)
+    lt, et = tree.log_probs(seqs, temperature=0.7, with_entropy=True)
+    le, ee = exp.log_probs(seqs, temperature=0.7, with_entropy=True)
+    assert len(lt) == len(seqs)
+    for i, s in enumerate(seqs):
+        assert lt[i].shape == et[i].shape == (len(s) - 1,)
+        torch.testing.assert_close(lt[i], le[i], rtol=0, atol=1e-10)
+        torch.testing.assert_close(et[i], ee[i], rtol=0, atol=1e-10)
+    assert tree.last_stats.compact_tokens <= exp.last_stats.compact_tokens
+    if all(len(s) == 1 for s in seqs):
+        return  # nothing to train
+    loss, out, grads = _loss_fn(len(seqs)), [], []
+    for runner in (tree, exp):
+        model.zero_grad(set_to_none=True)
+        out.append(runner.forward_backward(seqs, loss, separable=separable)["loss"])
+        grads.append(_grads(model))
+    assert abs(out[0] - out[1]) <= 1e-10 * max(1.0, abs(out[1]))
+    _assert_grads_close(grads[0], grads[1])
+
+
+def _hf_lift(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The float32 islands of ``kind``'s family computed in float64 (``_hf_float64``)."""
+    import sys
+
+    from _hf_float64 import (
+        lift_float32_islands,
+        lift_full_attention_islands,
+        lift_recurrent_hybrid_islands,
+    )
+
+    from harts_verl.models.adapter import FULL_ATTENTION_MODEL_TYPES, HYBRID_MODEL_TYPES
+    from harts_verl.workers.testing import tiny_hf_config
+
+    monkeypatch.setitem(sys.modules, "fla", None)
+    model_type = tiny_hf_config(kind).model_type
+    if model_type in FULL_ATTENTION_MODEL_TYPES:
+        lift_full_attention_islands(monkeypatch)
+    elif model_type in HYBRID_MODEL_TYPES:
+        lift_float32_islands(monkeypatch)
+    else:
+        lift_recurrent_hybrid_islands(monkeypatch)
+
+
+def _hf(kind: str) -> torch.nn.Module:
+    """A float64 tiny model of ``kind``, weights N(0, 0.2²) (norm weights 1 ± 0.2), state-space
+    decays and time steps in their own ranges, MiniMax's decay tables in float64."""
+    if kind not in _HF:
+        from _hf_float64 import lift_lightning_decay_tables, spread_weights
+
+        from harts_verl.workers.testing import tiny_hf_model
+
+        model = spread_weights(tiny_hf_model(kind, seed=2).double().eval(), 2)
+        lift_lightning_decay_tables(model)
+        gen = torch.Generator().manual_seed(102)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("A_log"):
+                    p.copy_(torch.rand(p.shape, generator=gen, dtype=p.dtype) * 2.0 - 1.0)
+                elif name.endswith("dt_bias"):
+                    p.copy_(torch.rand(p.shape, generator=gen, dtype=p.dtype) * 2.0 - 1.5)
+        _HF[kind] = model
+    return _HF[kind]
+
+
+def _tiny_kinds() -> tuple[str, ...]:
+    pytest.importorskip("transformers")
+    from harts_verl.workers.testing import TINY_KINDS
+
+    return TINY_KINDS
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    data=st.data(),
+    seqs=shared_sequences(max_new=5, max_ext=8),
+    chunk=st.sampled_from([1, 3, 16, 64]),
+    capacity=st.one_of(st.none(), st.integers(1, 40)),
+    recompute=st.booleans(),
+    separable=st.booleans(),
+)
+def test_hf_tree_equals_hf_per_trajectory_float64(
+    data, seqs, chunk, capacity, recompute, separable
+):
+    kind = data.draw(st.sampled_from(_tiny_kinds()), label="kind")
+    model = _hf(kind)
+    loss = _loss_fn(len(seqs))
+    with pytest.MonkeyPatch.context() as mp:
+        _hf_lift(kind, mp)
+        runner = TreeRunner(model, chunk_size=chunk, capacity_tokens=capacity, recompute=recompute)
+        with torch.no_grad():
+            lps, ents = runner.log_probs(seqs, with_entropy=True)
+        model.zero_grad(set_to_none=True)
+        ref_lps = []
+        for s, lp, ent in zip(seqs, lps, ents, strict=True):
+            ids = torch.tensor([s])
+            logp = torch.log_softmax(model(ids, use_cache=False).logits[0].double(), -1)[:-1]
+            ref_lps.append(logp.gather(1, ids[0, 1:, None])[:, 0])
+            torch.testing.assert_close(lp, ref_lps[-1].detach(), rtol=0, atol=1e-9)
+            torch.testing.assert_close(
+                ent, -(logp.exp() * logp).sum(-1).detach(), rtol=0, atol=1e-9
+            )
+        if all(len(s) == 1 for s in seqs):
+            return  # nothing to train
+        ref_loss = loss(ref_lps)
+        ref_loss.backward()
+        ref = _grads(model)
+        model.zero_grad(set_to_none=True)
+        out = runner.forward_backward(seqs, loss, separable=separable)
+        assert abs(out["loss"] - ref_loss.item()) <= 1e-10 * max(1.0, abs(ref_loss.item()))
+        _assert_grads_close(_grads(model), ref)
