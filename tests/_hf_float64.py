@@ -474,6 +474,23 @@ def spread_weights(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return model
 
 
+def spread_state_space_params(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Redraw the state-space parameters of ``model`` in their own ranges (after
+    :func:`spread_weights`): ``A_log`` in [-1, 1) so that decays ``exp(-dt · A)`` span well below
+    1, ``dt_bias`` in [-1.5, 0.5) (softplus⁻¹ of about 0.1..1), ``D`` around 1; in place,
+    returns ``model``."""
+    gen = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.rand(p.shape, generator=gen, dtype=p.dtype) * 2.0 - 1.0)
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.rand(p.shape, generator=gen, dtype=p.dtype) * 2.0 - 1.5)
+            elif name.endswith(".D"):
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    return model
+
+
 def hf_log_probs(model: torch.nn.Module, seqs: list[list[int]]) -> list[torch.Tensor]:
     """HF's own per-trajectory forward of ``model`` (``model(input_ids=ids[None])``, no cache):
     ``log p(x[t+1] | x[≤t])`` of each trajectory, in the logits' dtype (the oracle the tree

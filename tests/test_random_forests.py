@@ -117,23 +117,21 @@ def _hf_lift(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _hf(kind: str) -> torch.nn.Module:
-    """A float64 tiny model of ``kind``, weights N(0, 0.2²) (norm weights 1 ± 0.2), state-space
-    decays and time steps in their own ranges, MiniMax's decay tables in float64."""
+    """A float64 tiny model of ``kind``: weights N(0, 0.2²) (norm weights 1 ± 0.2), state-space
+    parameters in their own ranges (``spread_state_space_params``), MiniMax's decay tables in
+    float64."""
     if kind not in _HF:
-        from _hf_float64 import lift_lightning_decay_tables, spread_weights
+        from _hf_float64 import (
+            lift_lightning_decay_tables,
+            spread_state_space_params,
+            spread_weights,
+        )
 
         from harts_verl.workers.testing import tiny_hf_model
 
         model = spread_weights(tiny_hf_model(kind, seed=2).double().eval(), 2)
         lift_lightning_decay_tables(model)
-        gen = torch.Generator().manual_seed(102)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("A_log"):
-                    p.copy_(torch.rand(p.shape, generator=gen, dtype=p.dtype) * 2.0 - 1.0)
-                elif name.endswith("dt_bias"):
-                    p.copy_(torch.rand(p.shape, generator=gen, dtype=p.dtype) * 2.0 - 1.5)
-        _HF[kind] = model
+        _HF[kind] = spread_state_space_params(model, 2)
     return _HF[kind]
 
 

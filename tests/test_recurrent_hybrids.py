@@ -36,6 +36,7 @@ from _hf_float64 import (
     assert_router_aux_loss_equals_hf_padded,
     hf_log_probs,
     lift_lightning_decay_tables,
+    spread_state_space_params,
     spread_weights,
 )
 
@@ -79,16 +80,7 @@ def _model(kind: str, seed: int = 3) -> torch.nn.Module:
     MiniMax's lightning decay tables in float64."""
     model = spread_weights(tiny_hf_model(kind, seed=seed).double().eval(), seed)
     lift_lightning_decay_tables(model)
-    gen = torch.Generator().manual_seed(seed + 100)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.rand(p.shape, generator=gen, dtype=p.dtype) * 2.0 - 1.0)
-            elif name.endswith("dt_bias"):
-                p.copy_(torch.rand(p.shape, generator=gen, dtype=p.dtype) * 2.0 - 1.5)
-            elif name.endswith(".D"):
-                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
-    return model
+    return spread_state_space_params(model, seed)
 
 
 def _sequences(seed: int) -> list[list[int]]:
