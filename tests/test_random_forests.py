@@ -14,11 +14,12 @@ from __future__ import annotations
 import pytest
 import torch
 from _strategies import shared_sequences
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from harts_verl.models import HybridForCausalLM, preset
 from harts_verl.runtime import ExpandedRunner, TreeRunner
+from harts_verl.workers.testing import TINY_KINDS
 
 _NATIVE: dict[str, torch.nn.Module] = {}
 _HF: dict[str, torch.nn.Module] = {}
@@ -55,8 +56,9 @@ def _assert_grads_close(got: dict, ref: dict) -> None:
     for name, g in ref.items():
         scale = g.abs().max().item()
         err = (got[name] - g).abs().max().item()
-        # floor: a gradient that is 0 in exact math holds rounding residue on both sides
-        assert err <= 1e-9 * max(scale, 1e-6), f"{name}: {err} vs scale {scale}"
+        # absolute floor: a gradient that is 0 in exact math (e.g. keys seen only by a query
+        # that attends to itself alone) holds rounding residue on both sides
+        assert err <= max(1e-9 * scale, 1e-12), f"{name}: {err} vs scale {scale}"
 
 
 @settings(max_examples=25, deadline=None)
@@ -135,26 +137,19 @@ def _hf(kind: str) -> torch.nn.Module:
     return _HF[kind]
 
 
-def _tiny_kinds() -> tuple[str, ...]:
-    pytest.importorskip("transformers")
-    from harts_verl.workers.testing import TINY_KINDS
-
-    return TINY_KINDS
-
-
 @settings(max_examples=40, deadline=None)
+@example(seqs=[[10, 0]], kind="qwen3_5", chunk=1, capacity=None, recompute=False, separable=False)
 @given(
-    data=st.data(),
     seqs=shared_sequences(max_new=5, max_ext=8),
     chunk=st.sampled_from([1, 3, 16, 64]),
     capacity=st.one_of(st.none(), st.integers(1, 40)),
     recompute=st.booleans(),
     separable=st.booleans(),
+    kind=st.sampled_from(TINY_KINDS),
 )
 def test_hf_tree_equals_hf_per_trajectory_float64(
-    data, seqs, chunk, capacity, recompute, separable
+    seqs, chunk, capacity, recompute, separable, kind
 ):
-    kind = data.draw(st.sampled_from(_tiny_kinds()), label="kind")
     model = _hf(kind)
     loss = _loss_fn(len(seqs))
     with pytest.MonkeyPatch.context() as mp:
