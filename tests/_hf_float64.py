@@ -607,11 +607,13 @@ def lift_recurrent_hybrid_islands(monkeypatch) -> None:
             monkeypatch.setattr(m, "rms_forward", _weightless_rms)
 
 
-def trajectory_loss(lps: list[torch.Tensor]) -> torch.Tensor:
+def trajectory_loss(lps: list[torch.Tensor | None]) -> torch.Tensor:
     """A loss that weighs each trajectory's log-probs differently (linear and quadratic terms),
-    so a gradient reaching the wrong trajectory's rows shows."""
+    so a gradient reaching the wrong trajectory's rows shows; ``None`` entries (trajectories of
+    another micro-batch, in a separable loss's calls) are left out."""
     w = torch.linspace(-1.0, 1.0, len(lps), dtype=torch.float64)
-    return sum((lp * w[i]).sum() + 0.1 * (lp**2).sum() for i, lp in enumerate(lps)) / 10.0
+    terms = [(lp * w[i]).sum() + 0.1 * (lp**2).sum() for i, lp in enumerate(lps) if lp is not None]
+    return sum(terms) / 10.0
 
 
 def assert_log_probs_equal_hf(

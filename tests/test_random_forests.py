@@ -11,15 +11,27 @@ roots, duplicates, prefixes, one-token trajectories — at random chunk sizes, c
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
+from _hf_float64 import (
+    lift_float32_islands,
+    lift_full_attention_islands,
+    lift_lightning_decay_tables,
+    lift_recurrent_hybrid_islands,
+    spread_state_space_params,
+    spread_weights,
+    trajectory_loss,
+)
 from _strategies import shared_sequences
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from harts_verl.models import HybridForCausalLM, preset
+from harts_verl.models.adapter import FULL_ATTENTION_MODEL_TYPES, HYBRID_MODEL_TYPES
 from harts_verl.runtime import ExpandedRunner, TreeRunner
-from harts_verl.workers.testing import TINY_KINDS
+from harts_verl.workers.testing import TINY_KINDS, tiny_hf_config, tiny_hf_model
 
 _NATIVE: dict[str, torch.nn.Module] = {}
 _HF: dict[str, torch.nn.Module] = {}
@@ -33,18 +45,6 @@ def _native(name: str) -> torch.nn.Module:
         cfg = preset(name, vocab_size=16, chunk_size=4, **extra)
         _NATIVE[name] = HybridForCausalLM.from_config(cfg).double()
     return _NATIVE[name]
-
-
-def _loss_fn(n: int):
-    w = torch.linspace(-1.0, 1.0, n, dtype=torch.float64)
-
-    def loss(lps: list[torch.Tensor | None]) -> torch.Tensor:
-        terms = [
-            (lp * w[i]).sum() + 0.1 * (lp**2).sum() for i, lp in enumerate(lps) if lp is not None
-        ]
-        return sum(terms) / 10.0
-
-    return loss
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -86,10 +86,10 @@ def test_native_tree_equals_expanded_float64(seqs, name, chunk, capacity, recomp
     assert tree.last_stats.compact_tokens <= exp.last_stats.compact_tokens
     if all(len(s) == 1 for s in seqs):
         return  # nothing to train
-    loss, out, grads = _loss_fn(len(seqs)), [], []
+    out, grads = [], []
     for runner in (tree, exp):
         model.zero_grad(set_to_none=True)
-        out.append(runner.forward_backward(seqs, loss, separable=separable)["loss"])
+        out.append(runner.forward_backward(seqs, trajectory_loss, separable=separable)["loss"])
         grads.append(_grads(model))
     assert abs(out[0] - out[1]) <= 1e-10 * max(1.0, abs(out[1]))
     _assert_grads_close(grads[0], grads[1])
@@ -97,17 +97,6 @@ def test_native_tree_equals_expanded_float64(seqs, name, chunk, capacity, recomp
 
 def _hf_lift(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The float32 islands of ``kind``'s family computed in float64 (``_hf_float64``)."""
-    import sys
-
-    from _hf_float64 import (
-        lift_float32_islands,
-        lift_full_attention_islands,
-        lift_recurrent_hybrid_islands,
-    )
-
-    from harts_verl.models.adapter import FULL_ATTENTION_MODEL_TYPES, HYBRID_MODEL_TYPES
-    from harts_verl.workers.testing import tiny_hf_config
-
     monkeypatch.setitem(sys.modules, "fla", None)
     model_type = tiny_hf_config(kind).model_type
     if model_type in FULL_ATTENTION_MODEL_TYPES:
@@ -123,14 +112,6 @@ def _hf(kind: str) -> torch.nn.Module:
     parameters in their own ranges (``spread_state_space_params``), MiniMax's decay tables in
     float64."""
     if kind not in _HF:
-        from _hf_float64 import (
-            lift_lightning_decay_tables,
-            spread_state_space_params,
-            spread_weights,
-        )
-
-        from harts_verl.workers.testing import tiny_hf_model
-
         model = spread_weights(tiny_hf_model(kind, seed=2).double().eval(), 2)
         lift_lightning_decay_tables(model)
         _HF[kind] = spread_state_space_params(model, 2)
@@ -151,7 +132,6 @@ def test_hf_tree_equals_hf_per_trajectory_float64(
     seqs, chunk, capacity, recompute, separable, kind
 ):
     model = _hf(kind)
-    loss = _loss_fn(len(seqs))
     with pytest.MonkeyPatch.context() as mp:
         _hf_lift(kind, mp)
         runner = TreeRunner(model, chunk_size=chunk, capacity_tokens=capacity, recompute=recompute)
@@ -169,10 +149,10 @@ def test_hf_tree_equals_hf_per_trajectory_float64(
             )
         if all(len(s) == 1 for s in seqs):
             return  # nothing to train
-        ref_loss = loss(ref_lps)
+        ref_loss = trajectory_loss(ref_lps)
         ref_loss.backward()
         ref = _grads(model)
         model.zero_grad(set_to_none=True)
-        out = runner.forward_backward(seqs, loss, separable=separable)
+        out = runner.forward_backward(seqs, trajectory_loss, separable=separable)
         assert abs(out["loss"] - ref_loss.item()) <= 1e-10 * max(1.0, abs(ref_loss.item()))
         _assert_grads_close(_grads(model), ref)
