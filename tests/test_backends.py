@@ -181,6 +181,7 @@ def test_env_override_is_explicit(monkeypatch):
     monkeypatch.delenv(backends.ATTENTION_ENV)
     report = backends.backend_report("cpu")
     assert report["linear_auto"] == "reference" and "fla" in report["packages"]
+    assert report["fla_scalar_gate"]["route"] == "native"
 
 
 # ------------------------------------------------------------------------------ plan split
@@ -411,6 +412,147 @@ def test_layout_with_fla_standin_equals_reference_bitwise(kda):
     o_ref = ref_layout.linear_attention(*inputs, use_qk_l2norm=True)
     o_fla = fla_layout.linear_attention(*inputs, use_qk_l2norm=True)
     assert torch.equal(o_ref, o_fla)
+
+
+# ------------------------------------------------------------------------------ scalar gates
+def _fake_gla(kind: str):
+    """A stand-in with fla 0.6's ``chunk_gla`` / ``chunk_simple_gla`` conventions (g as a
+    keyword, no beta), computing with the reference kernel."""
+
+    def fn(
+        q, k, v, *, g, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None
+    ):
+        assert q.dim() == 4 and q.shape[0] == 1 and k.shape == q.shape and v.dim() == 4
+        assert q.shape[2] == v.shape[2], "GLA takes q/k repeated to the value heads"
+        assert g.dim() == (4 if kind == "gla" else 3) and g.dtype == torch.float32
+        assert g.is_contiguous()
+        _CALLS.append({"kind": kind})
+        res = chunk_delta_rule_varlen(
+            q[0],
+            k[0],
+            v[0],
+            g[0],
+            torch.ones(v.shape[1:3], dtype=g.dtype),
+            cu_seqlens=cu_seqlens,
+            initial_state=initial_state,
+            scale=scale,
+            delta_rule=False,
+        )
+        return res.o.unsqueeze(0).to(q.dtype), (res.final_state if output_final_state else None)
+
+    return fn
+
+
+def _fake_hopper(monkeypatch, capability=(9, 0), triton_version="3.6.0") -> None:
+    """Make ``scalar_gate_route`` see a CUDA device of ``capability`` and a Triton of
+    ``triton_version`` (None: Triton not importable)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    fake = None if triton_version is None else types.SimpleNamespace(__version__=triton_version)
+    monkeypatch.setitem(sys.modules, "triton", fake)
+
+
+@pytest.mark.parametrize(
+    "capability,version,route",
+    [
+        ((9, 0), "3.6.0", "channels"),
+        ((9, 0), "3.4.0", "channels"),
+        ((9, 0), "3.7.0+gitabc", "channels"),
+        ((9, 0), "3.7.1", "native"),
+        ((9, 0), "3.10.0", "native"),
+        ((9, 0), "3.3.1", "native"),
+        ((8, 0), "3.6.0", "native"),
+        ((10, 0), "3.6.0", "native"),
+        ((9, 0), None, "native"),
+    ],
+)
+def test_scalar_gate_route_follows_flas_hopper_guard(monkeypatch, capability, version, route):
+    """Scalar-gate calls go through the per-channel kernels exactly where fla 0.6 refuses its
+    scalar-gate backward: Hopper (sm_90) with Triton in [3.4.0, 3.7.1)."""
+    from harts_verl.ops.backends.fla_linear import SCALAR_GATE_ENV, scalar_gate_route
+
+    monkeypatch.delenv(SCALAR_GATE_ENV, raising=False)
+    _fake_hopper(monkeypatch, capability, version)
+    got, why = scalar_gate_route("cuda")
+    assert got == route, why
+    if route == "channels":
+        assert "#640" in why and version in why
+    assert scalar_gate_route("cpu")[0] == "native"
+
+
+def test_scalar_gate_route_overrides_and_errors(monkeypatch):
+    from harts_verl.ops.backends.fla_linear import SCALAR_GATE_ENV, scalar_gate_route
+
+    _fake_hopper(monkeypatch)
+    monkeypatch.setenv(SCALAR_GATE_ENV, "native")
+    assert scalar_gate_route("cuda") == ("native", f"${SCALAR_GATE_ENV}=native")
+    assert scalar_gate_route("cuda", "channels")[0] == "channels"  # explicit beats the env
+    monkeypatch.setenv(SCALAR_GATE_ENV, "fast")
+    with pytest.raises(ValueError, match=r"\$HARTS_FLA_SCALAR_GATE: unknown 'fast'"):
+        scalar_gate_route("cuda")
+    with pytest.raises(ValueError, match="scalar_gate: unknown 'x'"):
+        scalar_gate_route("cuda", "x")
+    with pytest.raises(ValueError, match="scalar_gate: unknown"):
+        FlaLinearKernel(_fake_chunk_kda, _fake_chunk_gdn, scalar_gate="x")
+
+
+@pytest.mark.parametrize("delta_rule", [True, False], ids=["gdn", "ssd"])
+def test_scalar_gates_through_channel_kernels(delta_rule):
+    """``scalar_gate="channels"``: GatedDeltaNet runs on ``chunk_kda`` and SSD on ``chunk_gla``
+    with the gate broadcast over key channels (contiguous), same results as the reference and
+    the gate's gradient summed back over the channels; never the scalar-gate kernels."""
+
+    def refuse(*_a, **_k):
+        raise AssertionError("a scalar-gate kernel was called")
+
+    kern = FlaLinearKernel(
+        _fake_chunk_kda,
+        refuse,
+        chunk_gla=_fake_gla("gla"),
+        chunk_simple_gla=refuse,
+        scalar_gate="channels",
+    )
+    _CALLS.clear()
+    lens = [23, 1, 41]
+    q, k, v, g, beta = _linear_inputs(sum(lens), False, seed=4)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]))
+    h0 = 0.1 * torch.randn(3, v.shape[1], q.shape[2], v.shape[2])
+    kw = {"cu_seqlens": cu, "chunk_size": 32, "use_qk_l2norm": True, "delta_rule": delta_rule}
+    res = {}
+    for name, fn in (("fla", kern), ("ref", chunk_delta_rule_varlen)):
+        xs = [x.clone().requires_grad_(True) for x in (q, k, v, g, beta, h0)]
+        out = fn(*xs[:5], initial_state=xs[5], **kw)
+        (out.o.sum() + (out.final_state**2).sum()).backward()
+        res[name] = [out.o, out.final_state, *(x.grad for x in xs)]
+    assert [c["kind"] for c in _CALLS] == ["kda" if delta_rule else "gla"]
+    for a, b in zip(res["fla"], res["ref"]):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    if delta_rule:  # KDA's chunk sizes: GDN's 16 is refused, naming the route
+        with pytest.raises(ValueError, match="GDN runs as KDA here"):
+            kern(q, k, v, g, beta, cu_seqlens=cu, chunk_size=16)
+
+
+def test_scalar_gate_auto_route_on_fake_hopper(monkeypatch, caplog):
+    """``auto`` resolves per device and is cached: scalar gates on the CPU reach
+    ``chunk_gated_delta_rule``; on a (faked) Hopper with Triton 3.6 the route is the per-channel
+    kernels, with one INFO naming the reason."""
+    from harts_verl.ops.backends.fla_linear import SCALAR_GATE_ENV
+
+    monkeypatch.delenv(SCALAR_GATE_ENV, raising=False)
+    kern = _fake_kernel()
+    q, k, v, g, beta = _linear_inputs(30, False, seed=6)
+    _CALLS.clear()
+    kern(q, k, v, g, beta, cu_seqlens=None)
+    assert _CALLS[-1]["kind"] == "gdn"
+    _fake_hopper(monkeypatch)
+    with caplog.at_level(logging.INFO, logger="harts_verl.ops.backends.fla_linear"):
+        assert kern._scalar_route(torch.device("cuda")) == "channels"
+        assert kern._scalar_route(torch.device("cuda")) == "channels"
+    logs = [r.getMessage() for r in caplog.records if "chunk_kda / chunk_gla" in r.getMessage()]
+    assert len(logs) == 1 and "#640" in logs[0]
+    assert kern._routes == {"cpu": "native", "cuda": "channels"}
+    assert backends.backend_report("cuda")["fla_scalar_gate"]["route"] == "channels"
 
 
 # ------------------------------------------------------------------------------ varlen attention

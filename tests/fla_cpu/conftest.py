@@ -53,3 +53,11 @@ def fla_kernel():
     """fla's ``chunk_kda`` / ``chunk_gated_delta_rule`` behind our kernel signature (explicit:
     float64 raises, no fallback)."""
     return FlaLinearKernel(*_KERNELS, float64_fallback=False)
+
+
+@pytest.fixture(scope="session")
+def fla_channels_kernel():
+    """The same kernels with scalar gates routed through ``chunk_kda`` / ``chunk_gla`` (the
+    route taken on Hopper with Triton in [3.4.0, 3.7.1), where fla refuses its scalar-gate
+    backward)."""
+    return FlaLinearKernel(*_KERNELS, float64_fallback=False, scalar_gate="channels")

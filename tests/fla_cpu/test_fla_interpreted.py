@@ -131,6 +131,51 @@ def test_fla_simple_gla_one_entry_heads(fla_kernel):
     _assert_fla_matches_reference(fla_kernel, lens, inputs, scale=1.0, delta_rule=False)
 
 
+@pytest.mark.parametrize(
+    "chunk,l2,beta_in_kernel",
+    [(64, True, True), (32, False, False)],
+    ids=["gdn-c64-l2-sigmoid", "gdn-c32"],
+)
+def test_gdn_through_kda_matches_reference(fla_channels_kernel, chunk, l2, beta_in_kernel):
+    """GatedDeltaNet (scalar gate) through fla's ``chunk_kda`` with the gate broadcast over the
+    key channels (the Hopper route): outputs, final states and every gradient, ``dg`` summed
+    back over the channels, vs the reference's scalar-gate path."""
+    lens = [37, 1, 64, 70]
+    q, k, v, g, beta_logits = _inputs(sum(lens), False, seed=chunk + 1)
+    if not l2:
+        q, k = (torch.nn.functional.normalize(x, dim=-1) for x in (q, k))
+    beta = beta_logits if beta_in_kernel else torch.sigmoid(beta_logits)
+    _assert_fla_matches_reference(
+        fla_channels_kernel,
+        lens,
+        (q, k, v, g, beta),
+        chunk_size=chunk,
+        use_qk_l2norm=l2,
+        use_beta_sigmoid=beta_in_kernel,
+    )
+
+
+# fla's GLA kernel rescales masked rows (past a sequence's end) by exp2 of the chunk's gate sum,
+# which overflows there for strong decays (those rows are never stored); numpy warns about it.
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_ssd_and_one_entry_heads_through_gla(fla_channels_kernel):
+    """Mamba-2's SSD (scalar gate, grouped heads) and RecurrentGemma's one-entry RG-LRU heads
+    (keys and values zero-padded) through ``chunk_gla`` with the gate broadcast over the key
+    channels (the Hopper route) vs the reference."""
+    lens = [37, 1, 70]
+    q, k, v, g, beta_logits = _inputs(sum(lens), False, seed=12)
+    inputs = (q, k, v, g, torch.sigmoid(beta_logits))
+    _assert_fla_matches_reference(fla_channels_kernel, lens, inputs, scale=0.3, delta_rule=False)
+    t = sum(lens)
+    gen = torch.Generator().manual_seed(13)
+    ones = torch.ones(t, 3, 1)
+    v = torch.randn(t, 3, 1, generator=gen)
+    g = -8.0 * torch.rand(t, 3, generator=gen) * torch.tensor([0.05, 0.7, 2.0])
+    inputs = (ones, ones.clone(), v, g, torch.ones(t, 3))
+    _assert_fla_matches_reference(fla_channels_kernel, lens, inputs, scale=1.0, delta_rule=False)
+
+
 def test_fla_refuses_chunk_states_and_float64(fla_kernel):
     q, k, v, g, beta = _inputs(8, False)
     cu = torch.tensor([0, 8])

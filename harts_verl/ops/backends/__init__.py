@@ -8,6 +8,9 @@ Linear attention (KDA / GatedDeltaNet), :func:`linear_kernel`:
   (:class:`~harts_verl.ops.backends.fla_linear.FlaLinearKernel`). It returns only final states
   in float32, so its kernels report ``final_states_only = True`` and layouts split members at kept
   boundaries (:func:`~harts_verl.ops.backends.plan_split.split_members_at_saved_boundaries`).
+  Scalar gates (GatedDeltaNet, Mamba-2) run on fla's per-channel kernels where fla refuses its
+  scalar-gate backward (Hopper with Triton in [3.4.0, 3.7.1);
+  :func:`~harts_verl.ops.backends.fla_linear.scalar_gate_route`).
 
 Tree attention, :func:`attention_kernel`:
 
@@ -48,7 +51,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from harts_verl.ops.backends.fla_linear import FlaLinearKernel, load_fla_ops
+from harts_verl.ops.backends.fla_linear import FlaLinearKernel, load_fla_ops, scalar_gate_route
 from harts_verl.ops.backends.plan_split import split_members_at_saved_boundaries
 from harts_verl.ops.backends.varlen_attention import (
     FLASH_DTYPES,
@@ -77,6 +80,7 @@ __all__ = [
     "backend_report",
     "build_varlen_attention_plan",
     "linear_kernel",
+    "scalar_gate_route",
     "sdpa_varlen_reference",
     "split_members_at_saved_boundaries",
     "tree_attention_varlen",
@@ -455,4 +459,6 @@ def backend_report(device: torch.device | str | None = None) -> dict[str, Any]:
         except ImportError as exc:
             avail[name] = str(exc)
     out["packages"] = avail
+    route, why = scalar_gate_route(device)
+    out["fla_scalar_gate"] = {"route": route, "why": why}
     return out

@@ -28,6 +28,16 @@ outputs, and are cut off again; key heads narrower than :data:`MIN_GLA_KEY_DIM` 
 RG-LRU: one state entry per channel) likewise, with zero q / k entries (``scale`` defaults to the
 true key width).
 
+Scalar gates on Hopper: fla 0.6 refuses, in the backward, the scalar-gate chunk kernels
+(``chunk_gated_delta_rule``, ``chunk_simple_gla``: their shared ``chunk_bwd_dqkwg``) on Hopper GPUs
+with Triton in [3.4.0, 3.7.1) — a Triton miscompile gives wrong ``dk`` / ``dg`` there (fla issue
+#640) — with a RuntimeError. :func:`scalar_gate_route` then sends scalar-gate calls to the
+per-channel kernels, which are unaffected: a scalar decay is a per-channel decay equal in every
+key channel, so GatedDeltaNet runs as KDA (``chunk_kda``, chunk 32 / 64) and SSD as GLA
+(``chunk_gla``) with ``g`` broadcast to ``[T, HV, K]`` (its gradient sums back over ``K``).
+``HARTS_FLA_SCALAR_GATE=native|channels`` overrides the choice (``native``: e.g. Triton patched,
+or fla's TileLang backend installed).
+
 fla exposes no exact per-chunk states (its ``h`` is stored in the input dtype and is internal), so
 ``output_chunk_states=True`` is refused: plans run with this kernel are first rewritten by
 :func:`~harts_verl.ops.backends.plan_split.split_members_at_saved_boundaries`
@@ -37,6 +47,7 @@ fla exposes no exact per-chunk states (its ``h`` is stored in the input dtype an
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -44,7 +55,14 @@ import torch
 
 from harts_verl.ops.linear_attention import DeltaRuleOutput, chunk_delta_rule_varlen, l2norm
 
-__all__ = ["FlaLinearKernel", "load_fla_gla_ops", "load_fla_ops"]
+__all__ = [
+    "SCALAR_GATE_ENV",
+    "SCALAR_GATE_MODES",
+    "FlaLinearKernel",
+    "load_fla_gla_ops",
+    "load_fla_ops",
+    "scalar_gate_route",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +74,79 @@ MIN_GLA_VALUE_DIM = 16
 # The narrowest key head passed to them (``chunk_gla`` sizes its key tile from K, and ``tl.dot``
 # needs 16): RecurrentGemma's RG-LRU has one-entry heads.
 MIN_GLA_KEY_DIM = 16
+SCALAR_GATE_MODES = ("auto", "native", "channels")
+SCALAR_GATE_ENV = "HARTS_FLA_SCALAR_GATE"
+# Triton versions whose Hopper code for fla's gated ``chunk_bwd_dqkwg`` is wrong (fla #640): fla
+# 0.6 raises in the backward of its scalar-gate kernels there.
+_BLOCKED_TRITON = ((3, 4, 0), (3, 7, 1))
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    """``"3.6.0+git1234"`` → ``(3, 6, 0)``: the leading numeric release parts."""
+    parts = []
+    for piece in version.split("+")[0].split("."):
+        digits = ""
+        for ch in piece:
+            if not ch.isdigit():
+                break
+            digits += ch
+        if not digits:
+            break
+        parts.append(int(digits))
+        if digits != piece:
+            break
+    return tuple(parts)
+
+
+def _scalar_gate_blocked(device: torch.device) -> str | None:
+    """Why fla's scalar-gate backward cannot run on ``device`` (None when it can)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 9:
+        return None
+    try:
+        import triton
+    except ImportError:
+        return None
+    version = _version_tuple(str(getattr(triton, "__version__", "")))
+    low, high = _BLOCKED_TRITON
+    if not version or not (low <= version < high):
+        return None
+    return (
+        f"Hopper (sm_{major}{minor}) with Triton {triton.__version__}: fla refuses its "
+        "scalar-gate backward there (fla issue #640)"
+    )
+
+
+def scalar_gate_route(
+    device: torch.device | str | None, mode: str | None = None
+) -> tuple[str, str]:
+    """``(route, why)`` for scalar-gate calls (GatedDeltaNet, Mamba-2 SSD) on ``device``:
+    ``"native"`` (fla's ``chunk_gated_delta_rule`` / ``chunk_simple_gla``) or ``"channels"``
+    (``chunk_kda`` / ``chunk_gla`` with the gate broadcast over key channels).
+
+    ``mode``: ``"auto"`` (default; ``$HARTS_FLA_SCALAR_GATE`` when set) picks ``"channels"``
+    exactly where fla would refuse the scalar-gate backward (Hopper, Triton in [3.4.0, 3.7.1));
+    ``"native"`` / ``"channels"`` force a route.
+
+    Raises:
+      ValueError: an unknown mode (naming ``$HARTS_FLA_SCALAR_GATE`` when it came from there).
+    """
+    source = "scalar_gate"
+    if mode is None or mode == "auto":
+        env = os.environ.get(SCALAR_GATE_ENV, "").strip()
+        if env and env != "auto":
+            mode, source = env, f"${SCALAR_GATE_ENV}"
+        else:
+            mode = "auto"
+    if mode not in SCALAR_GATE_MODES:
+        raise ValueError(f"{source}: unknown {mode!r}, expected one of {SCALAR_GATE_MODES}")
+    if mode != "auto":
+        return mode, f"{source}={mode}"
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    why = _scalar_gate_blocked(dev)
+    return ("channels", why) if why else ("native", "fla's scalar-gate kernels run here")
 
 
 def _import_fla(*paths: str) -> tuple[Callable[..., Any], ...]:
@@ -108,6 +199,8 @@ class FlaLinearKernel:
         raises on float64.
       chunk_gla, chunk_simple_gla: fla's gated linear attention kernels for
         ``delta_rule=False`` (imported on first use when not given).
+      scalar_gate: ``"auto"``, ``"native"`` or ``"channels"``: how scalar-gate calls run (see
+        :func:`scalar_gate_route`; resolved per device on first use).
 
     Attributes:
       name: ``"fla"``.
@@ -125,7 +218,14 @@ class FlaLinearKernel:
         float64_fallback: bool = False,
         chunk_gla: Callable[..., Any] | None = None,
         chunk_simple_gla: Callable[..., Any] | None = None,
+        scalar_gate: str = "auto",
     ) -> None:
+        if scalar_gate not in SCALAR_GATE_MODES:
+            raise ValueError(
+                f"scalar_gate: unknown {scalar_gate!r}, expected one of {SCALAR_GATE_MODES}"
+            )
+        self.scalar_gate = scalar_gate
+        self._routes: dict[str, str] = {}
         self._chunk_kda = chunk_kda
         self._chunk_gdn = chunk_gdn
         self._chunk_gla = chunk_gla
@@ -134,7 +234,27 @@ class FlaLinearKernel:
         self.float64_fallback = float64_fallback
 
     def __repr__(self) -> str:
-        return f"FlaLinearKernel(float64_fallback={self.float64_fallback})"
+        return (
+            f"FlaLinearKernel(float64_fallback={self.float64_fallback}, "
+            f"scalar_gate={self.scalar_gate!r})"
+        )
+
+    def _scalar_route(self, device: torch.device) -> str:
+        """The route of scalar-gate calls on ``device`` (cached per device; one INFO log when
+        they go through the per-channel kernels)."""
+        key = str(device)
+        route = self._routes.get(key)
+        if route is None:
+            route, why = scalar_gate_route(device, self.scalar_gate)
+            self._routes[key] = route
+            if route == "channels":
+                logger.info(
+                    "linear backend 'fla' on %s: scalar gates run through chunk_kda / chunk_gla "
+                    "with the gate broadcast over key channels (%s)",
+                    key,
+                    why,
+                )
+        return route
 
     def __call__(
         self,
@@ -201,10 +321,16 @@ class FlaLinearKernel:
             raise ValueError(f"g must be [T, HV, K] or [T, HV], got {tuple(g.shape)}")
         if beta.shape != (t, hv):
             raise ValueError(f"beta must be [T, HV] = {(t, hv)}, got {tuple(beta.shape)}")
-        allowed = KDA_CHUNK_SIZES if kda else GDN_CHUNK_SIZES
+        # Scalar gates through the per-channel kernels where fla refuses its scalar-gate ones.
+        channels = not kda and self._scalar_route(q.device) == "channels"
+        allowed = KDA_CHUNK_SIZES if kda or channels else GDN_CHUNK_SIZES
         if delta_rule and chunk_size not in allowed:
             kind = "KDA" if kda else "GDN"
-            raise ValueError(f"linear backend 'fla': {kind} chunk_size must be in {allowed}")
+            via = " (GDN runs as KDA here: see scalar_gate_route)" if channels else ""
+            raise ValueError(
+                f"linear backend 'fla': {kind} chunk_size must be in {allowed}{via}, "
+                f"got {chunk_size}"
+            )
         if kdim > MAX_KEY_DIM:
             raise ValueError(f"linear backend 'fla': key head dim {kdim} > {MAX_KEY_DIM}")
         if cu_seqlens is None:
@@ -221,6 +347,9 @@ class FlaLinearKernel:
                     f"got {tuple(initial_state.shape)}"
                 )
             h0 = initial_state.to(torch.float32)
+        if channels:  # a scalar decay is a per-channel decay equal in every key channel
+            g = g.unsqueeze(-1).expand(t, hv, kdim)
+            kda = True
         if not delta_rule:
             return self._gla(q, k, v, g, beta, cu, h0, scale, use_qk_l2norm, use_beta_sigmoid)
         kwargs: dict[str, Any] = {
@@ -239,7 +368,7 @@ class FlaLinearKernel:
             q.unsqueeze(0),
             k.unsqueeze(0),
             v.unsqueeze(0),
-            g.to(torch.float32).unsqueeze(0),
+            g.to(torch.float32).contiguous().unsqueeze(0),
             beta.unsqueeze(0),
             **kwargs,
         )
@@ -289,7 +418,7 @@ class FlaLinearKernel:
         if scale is None:  # the default of the true key width, not the padded one
             scale = kdim**-0.5
         written = v * b.to(v.dtype)[..., None]
-        g = g.to(torch.float32)
+        g = g.to(torch.float32).contiguous()
         pad = max(0, MIN_GLA_VALUE_DIM - vdim)
         if pad:  # zero value columns: zero states and outputs there
             written = torch.nn.functional.pad(written, (0, pad))
