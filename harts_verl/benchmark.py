@@ -131,7 +131,7 @@ def _logit_cosine(
     return acc / max(n, 1)
 
 
-def _bench_model(
+def bench_model(
     cfg: BenchConfig, dtype: torch.dtype, device: torch.device
 ) -> tuple[torch.nn.Module, Any, str]:
     """The benchmarked model on ``device`` in ``dtype``, its config and the model type of the
@@ -267,7 +267,7 @@ def load_bench_inputs(cfg: BenchConfig) -> BenchInputs:
     workload is built for the settings checked up front."""
     device, plot = _check_config(cfg)
     dtype = DTYPES[cfg.dtype]
-    model, mcfg, model_type = _bench_model(cfg, dtype, device)
+    model, mcfg, model_type = bench_model(cfg, dtype, device)
     vocab_size = getattr(mcfg, "vocab_size", None) or mcfg.get_text_config().vocab_size
     try:
         w = WORKLOADS[cfg.workload](

@@ -1,4 +1,4 @@
-"""Command line: ``harts-verl demo | bench | inspect | check | convert``.
+"""Command line: ``harts-verl demo | bench | inspect | check | convert | precompile``.
 
 Exit status: 0 on success; 2 for a user error — a bad option value or input file, reported as
 one line ``harts-verl <command>: <message>`` on stderr that names the option (``--capacity``,
@@ -379,6 +379,95 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_convert)
 
 
+_PRECOMPILE_FLAGS = {
+    "chunk_size": "--chunk-size",
+    "preset": "--preset",
+    "model": "--model",
+    "dtype": "--dtype",
+    "seed": "--seed",
+    "target": "--target",
+    "autotune": "--autotune",
+}
+
+
+def _cmd_precompile(args: argparse.Namespace) -> int:
+    from harts_verl.benchmark import BenchConfig
+    from harts_verl.precompile import precompile_model, target_device
+
+    def progress(msg: str) -> None:
+        if not args.no_progress:
+            print(f"harts-verl precompile: {msg}", file=sys.stderr, flush=True)
+
+    with _inputs(_PRECOMPILE_FLAGS):
+        cfg = BenchConfig(
+            preset=args.preset,
+            model=args.model,
+            dtype=args.dtype,
+            chunk_size=args.chunk_size,
+            recompute=args.recompute,
+            seed=args.seed,
+        )
+        device = target_device(args.target)
+    _print_json(
+        precompile_model(
+            cfg, device=device, autotune=args.autotune, jobs=args.jobs, progress=progress
+        )
+    )
+    return 0
+
+
+def _add_precompile(sub: argparse._SubParsersAction) -> None:
+    from harts_verl.benchmark import DTYPES, BenchConfig
+    from harts_verl.models import PRESETS
+    from harts_verl.ops.backends.triton_cache import AUTOTUNE_MODES
+    from harts_verl.precompile import TARGETS
+
+    d = BenchConfig()
+    p = sub.add_parser(
+        "precompile",
+        help="compile a model's fla (Triton) kernels for a GPU ahead of time (JSON)",
+        description="Run the model's tree and trajectory-wise forward + backward once on a "
+        "small forest, on the CPU, with fla's kernels behind a stand-in CUDA driver, and "
+        "compile every kernel specialization they reach for the target GPU, in parallel, into "
+        "Triton's cache (TRITON_CACHE_DIR): the first GPU step then loads them instead of "
+        "compiling each autotune config in turn. Needs fla and triton; run it before the job, "
+        "with the same Triton and cache directory.",
+    )
+    p.add_argument("--preset", default=d.preset, choices=sorted(PRESETS), help="model preset")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="HF model dir or config.json of a model with a tree mode; replaces --preset",
+    )
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(set(DTYPES) - {"float64"}))
+    p.add_argument("--chunk-size", type=int_arg(1), default=d.chunk_size)
+    p.add_argument(
+        "--recompute",
+        action=argparse.BooleanOptionalAction,
+        default=d.recompute,
+        help="per-layer activation recomputation (as the job runs it)",
+    )
+    p.add_argument("--seed", type=int_arg(0), default=d.seed)
+    p.add_argument(
+        "--target",
+        default="current",
+        choices=TARGETS,
+        help="the GPU to compile for: the visible CUDA device, or an H100 (sm_90) stand-in",
+    )
+    p.add_argument(
+        "--autotune",
+        default="all",
+        choices=AUTOTUNE_MODES,
+        help="every autotune config (the job autotunes) or only the first (a job run with "
+        "HARTS_TRITON_AUTOTUNE=first)",
+    )
+    p.add_argument(
+        "--jobs", type=int_arg(1, 4096), default=None, help="compile threads (default: all cores)"
+    )
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_cmd_precompile)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``harts-verl`` with ``argv``; the exit status (see the module doc): a user error is
     one line on stderr and 2, argparse's own errors exit 2 as well."""
@@ -404,6 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_inspect(sub)
     _add_check(sub)
     _add_convert(sub)
+    _add_precompile(sub)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))

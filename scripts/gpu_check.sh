@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared GPU check for a lent H200 (see docs/gpu.md). Finishes in <= 8 minutes.
+# One prepared GPU check for a lent H100 / H200 (see docs/gpu.md). Finishes in <= 8 minutes.
 #
 #   bash scripts/gpu_check.sh               # on the device machine, from the repo root
 #   bash scripts/gpu_check.sh --dry-run     # print what it would do (any machine)
@@ -7,20 +7,26 @@
 #                                              # download fla wheels for Python 3.12 into .whl/
 #
 # Steps on the device: install carried wheels (no registry is reachable there), record the
-# environment and which backends `auto` picks, run tests/gpu (fast backends required), run
-# `harts-verl bench --device cuda --dtype bfloat16` at compute-bound sizes (swe_like at each of
-# $BENCH_SCALES, smallest first, each while time is left), write JSON to $OUT:
-#   env.json  gpu_tests.txt  gpu_report.json  bench_<scale>.json/.log  bench.json  summary.json
+# environment and which backends `auto` picks, compile fla's Triton kernels ahead of time on all
+# cores (the GPU tests' kernels, first autotune config; the bench model's, every config: the
+# first call of a kernel family otherwise compiles each config in turn, minutes per family),
+# run tests/gpu (fast backends required), run `harts-verl bench --device cuda --dtype bfloat16`
+# at compute-bound sizes (swe_like at each of $BENCH_SCALES, smallest first, each while time is
+# left). At most 8 files come back from $OUT, so it writes 7:
+#   env.json  gpu_tests.txt  gpu_report.json  bench.json  bench.log  precompile.log  summary.json
 # bench.json is the largest size that completed: the gate is taken there (the most compute-bound
-# size measured); summary.json lists every size.
+# size measured). summary.json holds everything else: the precompile summaries, every size's
+# bench JSON and Triton compile counts, the test outcome, the gate.
 # Exit status: 0 only if the tests pass, a bench ran, and its efficiency >= $MIN_EFFICIENCY.
 #
 # Knobs (environment): OUT, WHEELS_DIR (.whl), PYTHON (python3), TOTAL_BUDGET_S (470),
-# TESTS_TIMEOUT_S (200), BENCH_SCALES ("0.02 0.05"; BENCH_SCALE=x: that size alone),
+# TESTS_TIMEOUT_S (200), PRECOMPILE (1; 0 skips it), PRECOMPILE_TIMEOUT_S (150 per step),
+# TRITON_CACHE_DIR (/tmp/harts_triton_cache), BENCH_AUTOTUNE (all | first),
+# BENCH_SCALES ("0.02 0.05"; BENCH_SCALE=x: that size alone),
 # BENCH_MIN_S_LARGER (150: seconds a larger size needs left), BENCH_CAPACITY (65536), BENCH_REPEATS (3),
 # BENCH_PRESET (gpu_check: injected below unless the package defines it), BENCH_PRESET_JSON,
-# BENCH_DEVICE (cuda; cpu only to smoke-test the script),
-# MIN_EFFICIENCY (0.90), HARTS_REQUIRE_FAST (1), FLA_VERSION (0.6.0).
+# BENCH_DEVICE (cuda; cpu only to smoke-test the script), PRECOMPILE_TARGET (current; h100 to
+# smoke-test on a CPU), MIN_EFFICIENCY (0.90), HARTS_REQUIRE_FAST (1), FLA_VERSION (0.6.0).
 set -euo pipefail
 
 DRY=0
@@ -29,7 +35,7 @@ for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY=1 ;;
     --fetch-wheels) FETCH=1 ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $arg" >&2; exit 2 ;;
   esac
 done
@@ -40,6 +46,10 @@ WHEELS_DIR=${WHEELS_DIR:-.whl}
 PYTHON=${PYTHON:-python3}
 TOTAL_BUDGET_S=${TOTAL_BUDGET_S:-470}
 TESTS_TIMEOUT_S=${TESTS_TIMEOUT_S:-200}
+PRECOMPILE=${PRECOMPILE:-1}
+PRECOMPILE_TIMEOUT_S=${PRECOMPILE_TIMEOUT_S:-150}
+PRECOMPILE_TARGET=${PRECOMPILE_TARGET:-current}
+BENCH_AUTOTUNE=${BENCH_AUTOTUNE:-all}
 BENCH_SCALES=${BENCH_SCALES:-${BENCH_SCALE:-0.02 0.05}}
 BENCH_MIN_S_LARGER=${BENCH_MIN_S_LARGER:-150}
 BENCH_CAPACITY=${BENCH_CAPACITY:-65536}
@@ -49,8 +59,11 @@ BENCH_DEVICE=${BENCH_DEVICE:-cuda}  # cpu only to smoke-test this script
 MIN_EFFICIENCY=${MIN_EFFICIENCY:-0.90}
 FLA_VERSION=${FLA_VERSION:-0.6.0}
 export HARTS_REQUIRE_FAST=${HARTS_REQUIRE_FAST:-1}
+# One Triton cache for the precompile, the tests and every bench process.
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/harts_triton_cache}
 # A compute-bound model (hidden 1024, 6 layers KDA/MLA/GDN, MoE); head dims fit fla and flash.
 BENCH_PRESET_JSON=${BENCH_PRESET_JSON:-'{"vocab_size": 16384, "hidden_size": 1024, "intermediate_size": 2816, "layer_types": ["kda", "kda", "mla", "gdn", "kda", "mla"], "moe_layers": [1, 3, 5], "linear_num_heads": 8, "linear_num_value_heads": 8, "linear_key_head_dim": 128, "linear_value_head_dim": 128, "num_attention_heads": 8, "kv_lora_rank": 256, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "num_key_value_heads": 2, "head_dim": 128, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 1024, "shared_expert_intermediate_size": 1024}'}
+export BENCH_PRESET_JSON
 
 run() {  # run (or print) one command line
   if [ "$DRY" = 1 ]; then
@@ -73,6 +86,7 @@ fi
 START=$SECONDS
 left() { echo $(( TOTAL_BUDGET_S - (SECONDS - START) )); }
 
+WORK=$(mktemp -d)  # per-size JSONs and compile logs: embedded in summary.json, not in $OUT
 run "mkdir -p '$OUT'"
 
 # 1. Carried wheels -> /tmp/site (no network on the device machine).
@@ -87,11 +101,13 @@ export PYTHONUNBUFFERED=1
 
 # 2. Environment and backend selection.
 run "timeout 60 $PYTHON - > '$OUT/env.json' <<'PY'
-import json, platform, importlib.metadata as md
+import json, os, platform, importlib.metadata as md
 import torch
 from harts_verl.ops.backends import backend_report
 info = {'python': platform.python_version(), 'torch': torch.__version__,
-        'cuda': torch.version.cuda, 'gpu': torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+        'cuda': torch.version.cuda, 'gpu': torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        'capability': list(torch.cuda.get_device_capability(0)) if torch.cuda.is_available() else None,
+        'cpus': os.cpu_count(), 'triton_cache_dir': os.environ.get('TRITON_CACHE_DIR')}
 for pkg in ('triton', 'fla-core', 'flash-linear-attention', 'flash-attn'):
     try:
         info[pkg] = md.version(pkg)
@@ -101,17 +117,40 @@ info['backends'] = backend_report('cuda' if torch.cuda.is_available() else 'cpu'
 print(json.dumps(info, indent=2))
 PY"
 
-# 3. GPU tests (fast backends required), with a report of measured errors.
+# 3. Ahead-of-time compile of fla's kernels on all cores (each step bounded; a failed or timed-out
+#    step only costs the runs their own compiles).
+PRE_TESTS_RC=skipped
+PRE_BENCH_RC=skipped
+if [ "$PRECOMPILE" = 1 ]; then
+  set +e
+  run "timeout $PRECOMPILE_TIMEOUT_S $PYTHON tests/gpu/precompile_cases.py --target $PRECOMPILE_TARGET --autotune first > '$WORK/precompile_tests.json' 2> '$OUT/precompile.log'"
+  PRE_TESTS_RC=$?
+  run "timeout $PRECOMPILE_TIMEOUT_S $PYTHON - precompile --preset $BENCH_PRESET --dtype bfloat16 --target $PRECOMPILE_TARGET --autotune $BENCH_AUTOTUNE > '$WORK/precompile_bench.json' 2>> '$OUT/precompile.log' <<'PY'
+import json, os, sys
+from harts_verl.models.config import PRESETS
+name = sys.argv[sys.argv.index('--preset') + 1]
+if name not in PRESETS:
+    PRESETS[name] = json.loads(os.environ['BENCH_PRESET_JSON'])
+from harts_verl.cli import main
+sys.exit(main(sys.argv[1:]))
+PY"
+  PRE_BENCH_RC=$?
+  set -e
+fi
+
+# 4. GPU tests (fast backends required; first autotune config), with a report of measured errors
+#    and of the Triton compiles the session still made.
 set +e
-run "HARTS_GPU_REPORT='$OUT/gpu_report.json' timeout $TESTS_TIMEOUT_S $PYTHON -m pytest tests/gpu -rs 2>&1 | tee '$OUT/gpu_tests.txt'"
+run "HARTS_TRITON_AUTOTUNE=first HARTS_GPU_REPORT='$OUT/gpu_report.json' timeout $TESTS_TIMEOUT_S $PYTHON -m pytest tests/gpu -rs 2>&1 | tee '$OUT/gpu_tests.txt'"
 TESTS_RC=$?  # pipefail: pytest's status (124 on timeout)
 set -e
 
-# 4. Bench at compute-bound sizes, smallest first, each within what is left of the budget
+# 5. Bench at compute-bound sizes, smallest first, each within what is left of the budget
 #    (a larger size only with BENCH_MIN_S_LARGER seconds left; 20 s kept for the summary).
 BENCH_DONE=""   # scales that completed (bench rc 0), in order
 BENCH_RCS=""    # scale:rc of each size tried
 FIRST=1
+run ": > '$OUT/bench.log'"
 for SCALE in $BENCH_SCALES; do
   NEED=60
   [ "$FIRST" = 1 ] || NEED=$BENCH_MIN_S_LARGER
@@ -125,13 +164,24 @@ for SCALE in $BENCH_SCALES; do
   fi
   set +e
   # `harts-verl bench` is `python -m harts_verl.cli bench`; the preset is injected when the
-  # package does not define it (a larger model than the CPU `bench` preset).
-  run "BENCH_PRESET_JSON='$BENCH_PRESET_JSON' timeout $BENCH_TIMEOUT $PYTHON - bench --device $BENCH_DEVICE --dtype bfloat16 --preset $BENCH_PRESET --scale $SCALE --capacity $BENCH_CAPACITY --repeats $BENCH_REPEATS --warmup 1 --no-progress > '$OUT/bench_$SCALE.json' 2> '$OUT/bench_$SCALE.log' <<'PY'
-import json, os, sys
+  # package does not define it (a larger model than the CPU `bench` preset). Triton's compiles
+  # during the run are counted into $WORK/compiles_<scale>.json.
+  run "echo '== bench --scale $SCALE' >> '$OUT/bench.log'; HARTS_COMPILE_LOG='$WORK/compiles_$SCALE.json' HARTS_TRITON_AUTOTUNE=$BENCH_AUTOTUNE timeout $BENCH_TIMEOUT $PYTHON - bench --device $BENCH_DEVICE --dtype bfloat16 --preset $BENCH_PRESET --scale $SCALE --capacity $BENCH_CAPACITY --repeats $BENCH_REPEATS --warmup 1 --no-progress > '$WORK/bench_$SCALE.json' 2>> '$OUT/bench.log' <<'PY'
+import atexit, json, os, sys
 from harts_verl.models.config import PRESETS
 name = sys.argv[sys.argv.index('--preset') + 1]
 if name not in PRESETS:
     PRESETS[name] = json.loads(os.environ['BENCH_PRESET_JSON'])
+try:
+    from harts_verl.ops.backends.triton_cache import CompileLog, limit_autotune
+    limit_autotune(os.environ.get('HARTS_TRITON_AUTOTUNE', 'all'))
+    log = CompileLog().install()
+    def dump():
+        with open(os.environ['HARTS_COMPILE_LOG'], 'w') as f:
+            json.dump(log.summary(), f)
+    atexit.register(dump)
+except (ImportError, RuntimeError) as exc:
+    print(f'gpu_check.sh: no Triton compile log ({exc})', file=sys.stderr)
 from harts_verl.cli import main
 sys.exit(main(sys.argv[1:]))
 PY"
@@ -140,32 +190,49 @@ PY"
   BENCH_RCS="$BENCH_RCS $SCALE:$RC"
   if [ "$RC" = 0 ]; then
     BENCH_DONE="$BENCH_DONE $SCALE"
-    run "cp '$OUT/bench_$SCALE.json' '$OUT/bench.json'; cp '$OUT/bench_$SCALE.log' '$OUT/bench.log'"
+    run "cp '$WORK/bench_$SCALE.json' '$OUT/bench.json'"
   fi
   FIRST=0
 done
 BENCH_RC=1
 [ -n "$BENCH_DONE" ] && BENCH_RC=0
 
-# 5. Summary (efficiency gate at the largest size that completed; every size listed).
+# 6. Summary (efficiency gate at the largest size that completed; every size listed).
 set +e
-run "$PYTHON - '$OUT' $TESTS_RC $BENCH_RC $MIN_EFFICIENCY '$BENCH_RCS' > '$OUT/summary.json' <<'PY'
+run "$PYTHON - '$OUT' '$WORK' $TESTS_RC $BENCH_RC $MIN_EFFICIENCY '$BENCH_RCS' '$PRE_TESTS_RC' '$PRE_BENCH_RC' > '$OUT/summary.json' <<'PY'
 import json, sys
-out, tests_rc, bench_rc, min_eff = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+out, work, tests_rc, bench_rc, min_eff = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+pre_rcs = {'tests': sys.argv[7], 'bench': sys.argv[8]}
 keys = ('efficiency', 'speedup', 'efficiency_best', 'ideal_flop_ratio', 'compression',
         'run_compression', 'semantic_tokens', 'compact_tokens', 'microbatches',
         'expanded_seconds_median', 'tree_seconds_median', 'max_abs_dlogp', 'mean_logit_cos',
         'peak_memory_mib')
+
+def load(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except Exception as exc:
+        return {'error': repr(exc)}
+
 s = {'tests_rc': tests_rc, 'bench_rc': bench_rc, 'min_efficiency': min_eff, 'benches': []}
-for item in sys.argv[5].split():
+s['env'] = load(f'{out}/env.json')
+s['precompile'] = {k: ({'rc': rc} if rc == 'skipped' else {'rc': int(rc), **load(f'{work}/precompile_{k}.json')})
+                   for k, rc in pre_rcs.items()}
+report = load(f'{out}/gpu_report.json')
+s['tests_triton'] = report.get('triton') if isinstance(report, dict) else None
+for item in sys.argv[6].split():
     scale, rc = item.rsplit(':', 1)
     entry = {'scale': float(scale), 'rc': rc}
+    if rc != 'skipped':
+        entry['triton'] = load(f'{work}/compiles_{scale}.json')
     if rc == '0':
-        try:
-            b = json.load(open(f'{out}/bench_{scale}.json'))
+        b = load(f'{work}/bench_{scale}.json')
+        if 'error' in b:
+            entry['bench_error'] = b['error']
+        else:
             entry.update({k: b.get(k) for k in keys})
-        except Exception as exc:
-            entry['bench_error'] = repr(exc)
+            entry['bench'] = b
     s['benches'].append(entry)
 done = [e for e in s['benches'] if e['rc'] == '0' and e.get('efficiency') is not None]
 if done:  # the gate: the largest size measured
@@ -173,12 +240,13 @@ if done:  # the gate: the largest size measured
     s['gate_scale'] = gate['scale']
     s.update({k: gate.get(k) for k in keys})
 else:
-    s['bench_error'] = 'no bench size completed (see bench_<scale>.log)'
+    s['bench_error'] = 'no bench size completed (see bench.log)'
 s['ok'] = tests_rc == 0 and bench_rc == 0 and (s.get('efficiency') or 0) >= min_eff
 print(json.dumps(s, indent=2))
 sys.exit(0 if s['ok'] else 1)
 PY"
 RC=$?
 set -e
+rm -rf "$WORK"
 echo "gpu_check.sh: done in $((SECONDS - START))s (exit $RC), results in $OUT" >&2
 exit $RC

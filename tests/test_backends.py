@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import re
 import subprocess
 import sys
 import types
@@ -831,6 +832,24 @@ def test_gpu_check_script_syntax_and_dry_run(tmp_path):
     assert "0.02:0 0.05:0" in out and "summary.json" in out
     assert "timeout" in out
     assert not (tmp_path / "out" / "bench.json").exists()
+    # fla's kernels compiled ahead (tests: first config, bench model: every config), before
+    # the tests, which run the first autotune config
+    assert out.index("tests/gpu/precompile_cases.py --target current --autotune first") < out.index(
+        "pytest tests/gpu"
+    )
+    assert out.index("precompile --preset gpu_check --dtype bfloat16") < out.index("pytest tests")
+    assert "HARTS_TRITON_AUTOTUNE=first HARTS_GPU_REPORT=" in out
+    # at most 8 files come back from $OUT: the script writes 7 there
+    written = set(re.findall(re.escape(str(tmp_path / "out")) + r"/([\w.-]+)", out))
+    assert written == {
+        "env.json",
+        "precompile.log",
+        "gpu_report.json",
+        "gpu_tests.txt",
+        "bench.log",
+        "bench.json",
+        "summary.json",
+    }, written
 
 
 def test_gpu_tests_have_no_init_and_skip_without_cuda():

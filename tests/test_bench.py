@@ -216,7 +216,7 @@ def test_settings_checked_before_running(field, value, msg, monkeypatch):
     """A bad setting is a ValueError naming it, raised before any model or workload is built."""
     import harts_verl.benchmark as bench
 
-    monkeypatch.setattr(bench, "_bench_model", lambda *a: pytest.fail("built before checking"))
+    monkeypatch.setattr(bench, "bench_model", lambda *a: pytest.fail("built before checking"))
     with pytest.raises(ValueError, match=msg) as info:
         run_bench(BenchConfig(**{**SMALL, field: value}))
     assert str(info.value).startswith(field + ":")

@@ -141,6 +141,8 @@ class _Runner:
         rows_per_chunk: int = 4096,
         device: torch.device | str | None = None,
         warn_oversize: bool = True,
+        linear_backend: Any = "auto",
+        attention_backend: Any = "auto",
     ) -> None:
         from harts_verl.models.adapter import as_tree_model
 
@@ -157,6 +159,10 @@ class _Runner:
             device = next(self.model.parameters()).device
         self.device = torch.device(device)
         self.last_stats = StepStats()
+        # Kernel backends of every layout this runner builds (a name or a kernel object; see
+        # harts_verl.ops.backends): "auto" picks by device.
+        self.linear_backend = linear_backend
+        self.attention_backend = attention_backend
         # The oversize WARNING is logged once per runner (never with ``warn_oversize=False``:
         # a caller that reports it itself).
         self._oversize_warned = not warn_oversize
@@ -240,6 +246,15 @@ class _Runner:
             )
         return [mb.trajectories for mb in plan.microbatches if len(mb.trajectories)]
 
+    def _layout(self, forest: RolloutForest) -> TreeLayout:
+        return TreeLayout(
+            forest,
+            chunk_size=self.chunk_size,
+            device=self.device,
+            linear_backend=self.linear_backend,
+            attention_backend=self.attention_backend,
+        )
+
     def _sub_forest(self, forest: RolloutForest, idx: np.ndarray) -> RolloutForest:
         if idx.shape[0] == forest.num_trajectories and np.array_equal(idx, np.arange(idx.shape[0])):
             return forest
@@ -250,7 +265,7 @@ class _Runner:
     def _forward_mb(
         self, forest: RolloutForest, temperature: float | np.ndarray, with_entropy: bool
     ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, torch.Tensor]:
-        layout = TreeLayout(forest, chunk_size=self.chunk_size, device=self.device)
+        layout = self._layout(forest)
         # The runner's ``recompute`` for this forward; the model's own setting is restored after
         # it (checkpointed layers keep what they need for their recomputation in backward).
         saved = getattr(self.model, "gradient_checkpointing", False)
@@ -314,7 +329,7 @@ class _Runner:
         with torch.no_grad():
             for idx in self.plan(forest) if forest.num_trajectories else []:
                 sub = self._sub_forest(forest, idx)
-                layout = TreeLayout(sub, chunk_size=self.chunk_size, device=self.device)
+                layout = self._layout(sub)
                 hidden, _ = self.model(layout.token_ids, layout)
                 for j, i in enumerate(idx.tolist()):
                     out[i] = hidden.index_select(

@@ -2,6 +2,11 @@
 
 Set ``HARTS_GPU_REPORT=/path/file.json`` to have the session write the numbers the tests measured
 (error ratios, cosines, which comparisons were bitwise) for ``scripts/gpu_check.sh``.
+
+fla's Triton kernels run their first autotune config (``HARTS_TRITON_AUTOTUNE``, default
+``first``: these are correctness tests, and autotuning every config of every kernel family would
+compile and time hundreds of configs); the report's ``triton`` entry counts the compiles the
+session still made (``tests/gpu/precompile_cases.py`` compiles the cases' kernels ahead).
 """
 
 from __future__ import annotations
@@ -14,6 +19,21 @@ import pytest
 import torch
 
 _REPORT: dict[str, Any] = {}
+_COMPILES: list[Any] = []
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not torch.cuda.is_available():
+        return
+    mode = os.environ.get("HARTS_TRITON_AUTOTUNE", "first")
+    try:
+        from harts_verl.ops.backends.triton_cache import CompileLog, limit_autotune
+
+        limit_autotune(mode)
+        _COMPILES.append(CompileLog().install())
+        _REPORT["triton"] = {"autotune": mode}
+    except (ImportError, RuntimeError) as exc:  # no triton, or one the hooks do not know
+        _REPORT["triton"] = {"unavailable": f"{type(exc).__name__}: {exc}"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -32,6 +52,8 @@ def report() -> dict[str, Any]:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _COMPILES:
+        _REPORT["triton"].update(_COMPILES[0].summary())
     path = os.environ.get("HARTS_GPU_REPORT")
     if path and _REPORT:
         with open(path, "w") as f:

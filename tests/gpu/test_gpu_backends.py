@@ -14,7 +14,17 @@ import os
 import numpy as np
 import pytest
 import torch
-from _delta_rule_cases import delta_rule_inputs, err_ratio, per_trajectory
+from _delta_rule_cases import err_ratio, per_trajectory
+from _gpu_cases import (
+    LINEAR_IDS,
+    LINEAR_KINDS,
+    dtype_id,
+    gpu_forest,
+    kernel_case,
+    linear_inputs,
+    model_case,
+    model_loss,
+)
 
 from harts_verl.ops import backends
 from harts_verl.ops.layout import TreeLayout
@@ -45,40 +55,6 @@ def mean_cos(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.nn.functional.cosine_similarity(a, b, dim=-1).mean())
 
 
-def _forest(seed: int = 0, chunk: int = 64, scale: int = 1) -> RolloutForest:
-    """Main path with forks at/around chunk boundaries (mid-member kept states), nested forks,
-    a prefix trajectory and a second root; unique tokens per branch."""
-    rng = np.random.default_rng(seed)
-    nxt = iter(range(10_000, 10_000_000))
-
-    def fresh(n: int) -> list[int]:
-        return [next(nxt) for _ in range(n)]
-
-    main = fresh(scale * 7 * chunk + 5)
-    seqs = [main]
-    for f in (chunk - 1, 2 * chunk, 2 * chunk + 3, 3 * chunk + 7, 5 * chunk, 5 * chunk + 1):
-        seqs.append(main[: f * scale] + fresh(int(rng.integers(1, 3 * chunk))))
-    nested = seqs[3]
-    seqs.append(nested[: len(nested) - 2] + fresh(2 * chunk))
-    seqs.append(fresh(2 * chunk + 1))
-    seqs.append(main[: 4 * chunk])
-    return RolloutForest.from_sequences(seqs)
-
-
-def _linear_inputs(t: int, kda: bool, dtype: torch.dtype, device, seed: int = 0):
-    """Model-like inputs (2 key heads, 4 value heads of 64): q/k raw (l2-normalised in the
-    kernel), gates from the model's gate functions, beta post-sigmoid (float32, as the mixers
-    produce it); q/k/v in ``dtype``."""
-    q, k, v, g, beta_logits = delta_rule_inputs(t, kda, h=2, hv=4, d=64, seed=seed)
-    return (
-        q.to(device, dtype),
-        k.to(device, dtype),
-        v.to(device, dtype),
-        g.to(device),
-        torch.sigmoid(beta_logits).to(device),
-    )
-
-
 # ------------------------------------------------------------------------------ selection
 def test_auto_selects_fast_backends_on_cuda(cuda, report):
     rep = backends.backend_report(cuda)
@@ -86,16 +62,14 @@ def test_auto_selects_fast_backends_on_cuda(cuda, report):
     if REQUIRE_FAST:
         assert rep["linear_auto"] == "fla", rep
         assert rep["attention_auto"] in ("flash_attn", "torch_varlen"), rep
-    layout = TreeLayout(_forest(), device=cuda)
+    layout = TreeLayout(gpu_forest(), device=cuda)
     assert layout.linear_kernel.name == rep["linear_auto"]
     assert layout.attention_kernel.name == rep["attention_auto"]
 
 
 # ------------------------------------------------------------------------------ fla vs reference
-# (kda, delta_rule): KDA, GatedDeltaNet, and Mamba-2's SSD (gated linear attention, scalar decay:
-# fla's chunk_simple_gla).
-_LINEAR_KINDS = [(True, True), (False, True), (False, False)]
-_LINEAR_IDS = ["kda", "gdn", "ssd"]
+# Kernel cases (tests/_gpu_cases.py): KDA, GatedDeltaNet, Mamba-2's SSD (fla's chunk_simple_gla;
+# on Hopper with Triton < 3.7.1, GDN and SSD run as chunk_kda / chunk_gla: see scalar_gate_route).
 
 
 def _assert_fla_matches_reference(kern, inputs, h0, cu, dtype, report, key, **kw) -> None:
@@ -128,27 +102,14 @@ def _assert_fla_matches_reference(kern, inputs, h0, cu, dtype, report, key, **kw
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize(("kda", "delta_rule"), _LINEAR_KINDS, ids=_LINEAR_IDS)
-def test_fla_vs_reference(cuda, report, kda, delta_rule, dtype):
+@pytest.mark.parametrize("kind", LINEAR_IDS)
+def test_fla_vs_reference(cuda, report, kind, dtype):
+    """KDA, GatedDeltaNet and SSD (2 key heads, 4 value heads of 64, in-kernel q/k norm, chunk
+    64, varlen with a one-token sequence, initial states) vs the torch reference."""
     kern = _need("linear", "fla", cuda)
-    lens = [100, 64, 1, 200, 37]
-    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), device=cuda)
-    inputs = _linear_inputs(sum(lens), kda, dtype, cuda, seed=1)
-    h0 = 0.1 * torch.randn(len(lens), 4, 64, 64, device=cuda)
-    kind = _LINEAR_IDS[_LINEAR_KINDS.index((kda, delta_rule))]
-    key = f"fla_vs_ref_{kind}_{str(dtype).split('.')[-1]}"
-    _assert_fla_matches_reference(
-        kern,
-        inputs,
-        h0,
-        cu,
-        dtype,
-        report,
-        key,
-        use_qk_l2norm=True,
-        chunk_size=64,
-        delta_rule=delta_rule,
-    )
+    inputs, h0, cu, kw = kernel_case(kind, dtype, cuda)
+    key = f"fla_vs_ref_{kind}_{dtype_id(dtype)}"
+    _assert_fla_matches_reference(kern, inputs, h0, cu, dtype, report, key, **kw)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -157,56 +118,21 @@ def test_fla_gla_one_channel_value_heads(cuda, report, dtype):
     state entries) shared by 64 value heads of one channel each (zero-padded to fla's value
     tile), a per-channel decay, write scale dt; vs the torch reference."""
     kern = _need("linear", "fla", cuda)
-    lens = [100, 1, 200, 37]
-    t = sum(lens)
-    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), device=cuda)
-    gen = torch.Generator().manual_seed(3)
-    q, k = (torch.randn(t, 1, 16, generator=gen).to(cuda, dtype) for _ in range(2))
-    v = torch.randn(t, 64, 1, generator=gen).to(cuda, dtype)
-    dt = torch.nn.functional.softplus(torch.randn(t, 64, generator=gen) - 2.0).to(cuda)
-    a = torch.arange(1, 17, dtype=torch.float32).to(cuda)  # S4D-real A = -(1 .. N)
-    h0 = 0.1 * torch.randn(len(lens), 64, 16, 1, generator=gen).to(cuda)
-    key = f"fla_vs_ref_mamba1_{str(dtype).split('.')[-1]}"
-    _assert_fla_matches_reference(
-        kern,
-        (q, k, v, -dt[..., None] * a, dt),
-        h0,
-        cu,
-        dtype,
-        report,
-        key,
-        scale=1.0,
-        delta_rule=False,
-    )
+    inputs, h0, cu, kw = kernel_case("mamba1", dtype, cuda)
+    key = f"fla_vs_ref_mamba1_{dtype_id(dtype)}"
+    _assert_fla_matches_reference(kern, inputs, h0, cu, dtype, report, key, **kw)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_fla_simple_gla_one_entry_heads(cuda, report, dtype):
-    """RecurrentGemma's RG-LRU through fla's ``chunk_simple_gla``: 64 heads of one channel with
-    a one-entry state (q = k = 1; keys and values zero-padded to fla's tiles), a scalar decay per
-    head and token, write scale 1; vs the torch reference."""
+    """RecurrentGemma's RG-LRU through fla's ``chunk_simple_gla`` (``chunk_gla`` with the gate
+    broadcast where the scalar-gate kernels are refused): 64 heads of one channel with a one-entry
+    state (q = k = 1; keys and values zero-padded to fla's tiles), a scalar decay per head and
+    token, write scale 1; vs the torch reference."""
     kern = _need("linear", "fla", cuda)
-    lens = [100, 1, 200, 37]
-    t = sum(lens)
-    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), device=cuda)
-    gen = torch.Generator().manual_seed(4)
-    ones = torch.ones(t, 64, 1).to(cuda, dtype)
-    v = torch.randn(t, 64, 1, generator=gen).to(cuda, dtype)
-    g = (-8.0 * torch.rand(t, 64, generator=gen) * torch.rand(64, generator=gen)).to(cuda)
-    h0 = 0.1 * torch.randn(len(lens), 64, 1, 1, generator=gen).to(cuda)
-    beta = torch.ones(t, 64, device=cuda)
-    key = f"fla_vs_ref_rglru_{str(dtype).split('.')[-1]}"
-    _assert_fla_matches_reference(
-        kern,
-        (ones, ones.clone(), v, g, beta),
-        h0,
-        cu,
-        dtype,
-        report,
-        key,
-        scale=1.0,
-        delta_rule=False,
-    )
+    inputs, h0, cu, kw = kernel_case("rglru", dtype, cuda)
+    key = f"fla_vs_ref_rglru_{dtype_id(dtype)}"
+    _assert_fla_matches_reference(kern, inputs, h0, cu, dtype, report, key, **kw)
 
 
 # ------------------------------------------------------------------------------ attention
@@ -257,7 +183,7 @@ def _assert_varlen_close(errs: dict) -> None:
 )
 def test_varlen_attention_vs_sdpa(cuda, report, name, hq, hkv, dqk, dv):
     kern = _varlen_kernel(name, cuda)
-    forest = _forest(2)
+    forest = gpu_forest(2)
     c = forest.num_compact_tokens
     gen = torch.Generator(device="cpu").manual_seed(3)
     base = [torch.randn(c, h, d, generator=gen) for h, d in ((hq, dqk), (hkv, dqk), (hkv, dv))]
@@ -272,7 +198,7 @@ def test_varlen_attention_sliding_window(cuda, report, name, window):
     """Sliding windows through the varlen kernel (``window_size=(w - 1, 0)``, bottom-right)
     vs the bucketed SDPA band in float32; GQA 8/2, head dim 64, bf16."""
     kern = _varlen_kernel(name, cuda)
-    forest = _forest(3)
+    forest = gpu_forest(3)
     c = forest.num_compact_tokens
     gen = torch.Generator(device="cpu").manual_seed(4)
     base = [torch.randn(c, h, 64, generator=gen) for h in (8, 2, 2)]
@@ -290,7 +216,7 @@ def test_varlen_attention_softcap(cuda, report, name, window):
     the varlen kernel where it takes ``softcap`` (flash-attn >= 2.6), else the bucketed
     explicit-score path the backend routes it to, vs the float32 bucketed path; bf16."""
     kern = _varlen_kernel(name, cuda)
-    forest = _forest(4)
+    forest = gpu_forest(4)
     c = forest.num_compact_tokens
     gen = torch.Generator(device="cpu").manual_seed(5)
     base = [torch.randn(c, h, 64, generator=gen) for h in (8, 2, 2)]
@@ -313,16 +239,16 @@ def _compare(report, key, tree_sem: torch.Tensor, exp_sem: torch.Tensor) -> None
     assert bitwise or cos >= COS_MIN, report[key]
 
 
-@pytest.mark.parametrize(("kda", "delta_rule"), _LINEAR_KINDS, ids=_LINEAR_IDS)
+@pytest.mark.parametrize(("kda", "delta_rule"), LINEAR_KINDS, ids=LINEAR_IDS)
 def test_tree_vs_trajectories_linear(cuda, report, kda, delta_rule):
     _need("linear", "fla", cuda)
-    forest = _forest(4)
+    forest = gpu_forest(4)
     seqs = forest.sequences
     expanded = RolloutForest.expanded(seqs)
     tree_l = TreeLayout(forest, device=cuda, linear_backend="fla")
     exp_l = TreeLayout(expanded, device=cuda, linear_backend="fla")
     assert len(tree_l.linear_plan.rounds) > 1
-    x = _linear_inputs(forest.num_compact_tokens, kda, torch.bfloat16, cuda, seed=7)
+    x = linear_inputs(forest.num_compact_tokens, kda, torch.bfloat16, cuda, seed=7)
     sem_rows = torch.as_tensor(
         np.concatenate([forest.rows_of(i) for i in range(forest.num_trajectories)]), device=cuda
     )
@@ -331,7 +257,7 @@ def test_tree_vs_trajectories_linear(cuda, report, kda, delta_rule):
     o_exp = exp_l.linear_attention(*xe, use_qk_l2norm=True, delta_rule=delta_rule)
     _compare(
         report,
-        f"tree_vs_traj_linear_{_LINEAR_IDS[_LINEAR_KINDS.index((kda, delta_rule))]}",
+        f"tree_vs_traj_linear_{LINEAR_IDS[LINEAR_KINDS.index((kda, delta_rule))]}",
         per_trajectory(forest, o_tree),
         per_trajectory(expanded, o_exp),
     )
@@ -341,7 +267,7 @@ def test_tree_vs_trajectories_attention(cuda, report):
     kern = backends.attention_kernel("auto", cuda)
     if kern.name == "sdpa" and REQUIRE_FAST:
         pytest.fail("no varlen flash kernel on CUDA")
-    forest = _forest(5)
+    forest = gpu_forest(5)
     expanded = RolloutForest.expanded(forest.sequences)
     gen = torch.Generator(device="cpu").manual_seed(4)
     c = forest.num_compact_tokens
@@ -365,28 +291,10 @@ def test_tree_vs_trajectories_attention(cuda, report):
 def test_model_tree_vs_expanded_bf16(cuda, report, name):
     """The native hybrid model (KDA, MLA, GDN, GQA, MoE; Kimi-Linear's and Ling 3's
     architectures) with the auto backends: tree vs trajectory-wise log-probs and logits in bf16,
-    plus one backward each."""
-    from harts_verl.models import HybridForCausalLM, preset
+    plus one backward each (linear-attention head shapes as in the kernel cases)."""
     from harts_verl.runtime import ExpandedRunner, TreeRunner
 
-    torch.manual_seed(0)
-    # Linear-attention head shapes as in the kernel tests above (reuses their compiled kernels).
-    cfg = preset(
-        name,
-        linear_num_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=64,
-        linear_value_head_dim=64,
-    )
-    model = HybridForCausalLM.from_config(cfg).to(cuda, torch.bfloat16)
-    rng = np.random.default_rng(0)
-    base = rng.integers(0, cfg.vocab_size, 300).tolist()
-    seqs = [
-        base,
-        base[:130] + rng.integers(0, cfg.vocab_size, 90).tolist(),
-        base[:64] + rng.integers(0, cfg.vocab_size, 150).tolist(),
-        [*base[:200], 3, 4, 5],
-    ]
+    model, seqs = model_case(name, cuda)
     tree, exp = TreeRunner(model, device=cuda), ExpandedRunner(model, device=cuda)
     lp_t, lp_e = tree.log_probs(seqs), exp.log_probs(seqs)
     dlogp = max(float((a.double() - b.double()).abs().max()) for a, b in zip(lp_t, lp_e))
@@ -395,12 +303,8 @@ def test_model_tree_vs_expanded_bf16(cuda, report, name):
     cos = float(np.mean([mean_cos(a.double() @ w.T, b.double() @ w.T) for a, b in zip(h_t, h_e)]))
     key = "model_tree_vs_expanded_bf16" + ("" if name == "tiny" else f"_{name}")
     report[key] = {"max_abs_dlogp": dlogp, "mean_logit_cos": cos}
-
-    def loss(lps):
-        return torch.stack([lp.float().sum() for lp in lps]).sum() / 1000
-
-    tree.forward_backward(seqs, loss, separable=True)
-    exp.forward_backward(seqs, loss, separable=True)
+    tree.forward_backward(seqs, model_loss, separable=True)
+    exp.forward_backward(seqs, model_loss, separable=True)
     assert cos >= COS_MIN, report[key]
 
 
@@ -411,7 +315,7 @@ def test_attention_sinks_bf16(cuda, report, window):
     reference: outputs and gradients (q, k, v, sinks) within the bf16 tolerances above."""
     from harts_verl.ops.tree_attention import tree_attention_dense_ref
 
-    forest = _forest(6)
+    forest = gpu_forest(6)
     c = forest.num_compact_tokens
     gen = torch.Generator(device="cpu").manual_seed(8)
     base = [torch.randn(c, h, 64, generator=gen) for h in (8, 2, 2)]

@@ -61,6 +61,7 @@ __all__ = [
     "FlaLinearKernel",
     "load_fla_gla_ops",
     "load_fla_ops",
+    "scalar_gate_guard",
     "scalar_gate_route",
 ]
 
@@ -98,25 +99,32 @@ def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-def _scalar_gate_blocked(device: torch.device) -> str | None:
-    """Why fla's scalar-gate backward cannot run on ``device`` (None when it can)."""
-    if device.type != "cuda" or not torch.cuda.is_available():
+def scalar_gate_guard(capability: tuple[int, int], triton_version: str | None) -> str | None:
+    """Why fla 0.6 refuses its scalar-gate backward on a GPU of compute ``capability`` with
+    Triton ``triton_version`` (None: Triton missing), or None where it runs: Hopper (9.x) with
+    Triton in [3.4.0, 3.7.1) (fla issue #640)."""
+    if capability[0] != 9 or not triton_version:
         return None
-    major, minor = torch.cuda.get_device_capability(device)
-    if major != 9:
+    version = _version_tuple(triton_version)
+    low, high = _BLOCKED_TRITON
+    if not version or not (low <= version < high):
+        return None
+    return (
+        f"Hopper (sm_{capability[0]}{capability[1]}) with Triton {triton_version}: fla refuses "
+        "its scalar-gate backward there (fla issue #640)"
+    )
+
+
+def _scalar_gate_blocked(device: torch.device) -> str | None:
+    """:func:`scalar_gate_guard` for ``device`` (None off CUDA)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
         return None
     try:
         import triton
     except ImportError:
         return None
-    version = _version_tuple(str(getattr(triton, "__version__", "")))
-    low, high = _BLOCKED_TRITON
-    if not version or not (low <= version < high):
-        return None
-    return (
-        f"Hopper (sm_{major}{minor}) with Triton {triton.__version__}: fla refuses its "
-        "scalar-gate backward there (fla issue #640)"
-    )
+    capability = tuple(torch.cuda.get_device_capability(device))
+    return scalar_gate_guard(capability, str(getattr(triton, "__version__", "")))  # type: ignore[arg-type]
 
 
 def scalar_gate_route(
