@@ -344,9 +344,10 @@ def compile_ahead(
     the workload runs (they are restored afterwards; the stand-in driver stays active).
 
     Returns ``{"target", "autotune", "kernels", "specializations", "compiled", "cached",
-    "failed", "errors", "threads", "workload_seconds", "compile_seconds",
+    "failed", "errors", "too_large", "threads", "workload_seconds", "compile_seconds",
     "compile_cpu_seconds"}`` (``cached``: found in the cache already; ``kernels``: distinct
-    Triton functions).
+    Triton functions; ``too_large``: specializations past the target's shared memory, which
+    cannot launch there).
 
     Raises:
       ValueError: an unknown ``autotune``.
@@ -431,17 +432,24 @@ def compile_ahead(
     log = CompileLog()
     errors: list[str] = []
     failed = 0
+    too_large: list[str] = []  # past the target's shared memory: they cannot launch there
+    max_shared = int(device.properties.get("max_shared_mem", 232448))
 
     def compile_one(job: tuple[Any, Any, Any, Any]) -> None:
         nonlocal failed
         fn, src, target, options = job
         try:
-            fn.compile(src, target=target, options=options.__dict__)
+            kernel = fn.compile(src, target=target, options=options.__dict__)
         except Exception as exc:  # the autotuner skips configs that do not compile
             with log._lock:
                 failed += 1
                 if len(errors) < 10:
                     errors.append(f"{fn._fn_name}: {type(exc).__name__}: {str(exc)[:200]}")
+            return
+        shared = int(getattr(kernel.metadata, "shared", 0) or 0)
+        if shared > max_shared:
+            with log._lock:
+                too_large.append(f"{fn._fn_name} ({shared} bytes of shared memory)")
 
     if compile:
         if progress:
@@ -458,6 +466,8 @@ def compile_ahead(
         "cached": summary["cache_hits"],
         "failed": failed,
         "errors": errors,
+        # The autotuner skips these (``autotune="all"``); with ``"first"`` they would fail.
+        "too_large": sorted(too_large),
         "threads": threads,
         "workload_seconds": round(t1 - t0, 3),
         "compile_seconds": round(time.perf_counter() - t1, 3),
