@@ -67,24 +67,39 @@ def _assert_fla_matches_reference(fla_kernel, lens, inputs, **kw) -> None:
 
 
 @pytest.mark.parametrize(
-    "kda,chunk,l2,beta_in_kernel",
+    "kda,chunk,l2,beta_in_kernel,route",
     [
-        (True, 64, True, False),
-        (True, 32, False, True),
-        (False, 64, True, True),
-        (False, 32, False, False),
-        (False, 16, True, False),
+        (True, 64, True, False, "native"),
+        (True, 32, False, True, "native"),
+        (False, 64, True, True, "native"),
+        (False, 32, False, False, "native"),
+        (False, 16, True, False, "native"),
+        (False, 64, True, True, "channels"),
+        (False, 32, False, False, "channels"),
     ],
-    ids=["kda-c64-l2", "kda-c32-sigmoid", "gdn-c64-l2-sigmoid", "gdn-c32", "gdn-c16-l2"],
+    ids=[
+        "kda-c64-l2",
+        "kda-c32-sigmoid",
+        "gdn-c64-l2-sigmoid",
+        "gdn-c32",
+        "gdn-c16-l2",
+        "gdn-as-kda-c64-l2-sigmoid",
+        "gdn-as-kda-c32",
+    ],
 )
-def test_fla_matches_reference(fla_kernel, kda, chunk, l2, beta_in_kernel):
+def test_fla_matches_reference(
+    fla_kernel, fla_channels_kernel, kda, chunk, l2, beta_in_kernel, route
+):
+    """Each argument mapping vs the reference; ``channels``: GatedDeltaNet (scalar gate) through
+    fla's ``chunk_kda`` with the gate broadcast over the key channels (the Hopper route), ``dg``
+    summed back over the channels."""
     lens = [37, 1, 64, 70]
-    q, k, v, g, beta_logits = _inputs(sum(lens), kda, seed=chunk)
+    q, k, v, g, beta_logits = _inputs(sum(lens), kda, seed=chunk + (route == "channels"))
     if not l2:  # the kernel then expects normalised q/k, as models without in-kernel norm give
         q, k = (torch.nn.functional.normalize(x, dim=-1) for x in (q, k))
     beta = beta_logits if beta_in_kernel else torch.sigmoid(beta_logits)
     _assert_fla_matches_reference(
-        fla_kernel,
+        fla_channels_kernel if route == "channels" else fla_kernel,
         lens,
         (q, k, v, g, beta),
         chunk_size=chunk,
@@ -129,30 +144,6 @@ def test_fla_simple_gla_one_entry_heads(fla_kernel):
     g = -8.0 * torch.rand(t, 5, generator=gen) * torch.tensor([0.05, 0.3, 0.7, 1.0, 2.0])
     inputs = (ones, ones.clone(), v, g, torch.ones(t, 5))
     _assert_fla_matches_reference(fla_kernel, lens, inputs, scale=1.0, delta_rule=False)
-
-
-@pytest.mark.parametrize(
-    "chunk,l2,beta_in_kernel",
-    [(64, True, True), (32, False, False)],
-    ids=["gdn-c64-l2-sigmoid", "gdn-c32"],
-)
-def test_gdn_through_kda_matches_reference(fla_channels_kernel, chunk, l2, beta_in_kernel):
-    """GatedDeltaNet (scalar gate) through fla's ``chunk_kda`` with the gate broadcast over the
-    key channels (the Hopper route): outputs, final states and every gradient, ``dg`` summed
-    back over the channels, vs the reference's scalar-gate path."""
-    lens = [37, 1, 64, 70]
-    q, k, v, g, beta_logits = _inputs(sum(lens), False, seed=chunk + 1)
-    if not l2:
-        q, k = (torch.nn.functional.normalize(x, dim=-1) for x in (q, k))
-    beta = beta_logits if beta_in_kernel else torch.sigmoid(beta_logits)
-    _assert_fla_matches_reference(
-        fla_channels_kernel,
-        lens,
-        (q, k, v, g, beta),
-        chunk_size=chunk,
-        use_qk_l2norm=l2,
-        use_beta_sigmoid=beta_in_kernel,
-    )
 
 
 # fla's GLA kernel rescales masked rows (past a sequence's end) by exp2 of the chunk's gate sum,
