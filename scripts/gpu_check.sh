@@ -172,9 +172,8 @@ from harts_verl.models.config import PRESETS
 name = sys.argv[sys.argv.index('--preset') + 1]
 if name not in PRESETS:
     PRESETS[name] = json.loads(os.environ['BENCH_PRESET_JSON'])
-try:
-    from harts_verl.ops.backends.triton_cache import CompileLog, limit_autotune
-    limit_autotune(os.environ.get('HARTS_TRITON_AUTOTUNE', 'all'))
+try:  # HARTS_TRITON_AUTOTUNE itself is applied by the backends when fla loads
+    from harts_verl.ops.backends.triton_cache import CompileLog
     log = CompileLog().install()
     def dump():
         with open(os.environ['HARTS_COMPILE_LOG'], 'w') as f:

@@ -185,6 +185,35 @@ def test_env_override_is_explicit(monkeypatch):
     assert report["fla_scalar_gate"]["route"] == "native"
 
 
+def test_autotune_env_applies_when_fla_loads(monkeypatch, caplog):
+    """``HARTS_TRITON_AUTOTUNE`` reaches ``limit_autotune`` when fla's kernels load (auto on CUDA
+    and the explicit name); an unknown value names the variable; a Triton the hook refuses is
+    one WARNING, not an error."""
+    from harts_verl.ops.backends import triton_cache
+
+    calls = []
+    monkeypatch.setattr(triton_cache, "limit_autotune", calls.append)
+    monkeypatch.setattr(backends, "load_fla_ops", lambda: (_fake_chunk_kda, _fake_chunk_gdn))
+    monkeypatch.delenv(triton_cache.AUTOTUNE_ENV, raising=False)
+    assert linear_kernel("auto", "cuda").name == "fla" and calls == []
+    monkeypatch.setenv(triton_cache.AUTOTUNE_ENV, "first")
+    linear_kernel("auto", "cuda")
+    linear_kernel("fla", "cuda")
+    assert calls == ["first", "first"]
+    monkeypatch.setenv(triton_cache.AUTOTUNE_ENV, "fastest")
+    with pytest.raises(ValueError, match=r"\$HARTS_TRITON_AUTOTUNE: unknown 'fastest'"):
+        linear_kernel("auto", "cuda")
+
+    def refuse(mode):
+        raise RuntimeError("triton 3.9: the compile helpers hook Triton internals of 3.6 only")
+
+    monkeypatch.setattr(triton_cache, "limit_autotune", refuse)
+    monkeypatch.setenv(triton_cache.AUTOTUNE_ENV, "first")
+    with caplog.at_level(logging.WARNING):
+        assert linear_kernel("auto", "cuda").name == "fla"
+    assert any("not applied" in r.getMessage() for r in caplog.records)
+
+
 # ------------------------------------------------------------------------------ plan split
 @pytest.mark.parametrize("chunk", [8, 16, 32])
 @pytest.mark.parametrize("seed", [0, 1, 2])

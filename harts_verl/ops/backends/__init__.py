@@ -36,6 +36,8 @@ Selection rules:
   the bucketed reference path.
 - Environment override, read only when the requested name is ``"auto"``:
   ``HARTS_LINEAR_BACKEND`` / ``HARTS_ATTENTION_BACKEND`` (a backend name, treated as explicit).
+  ``HARTS_TRITON_AUTOTUNE=first`` (read when fla's kernels load): every autotuned Triton kernel
+  runs its first config, untimed (:mod:`~harts_verl.ops.backends.triton_cache`).
 - An explicit name never falls back: an unavailable backend raises
   :class:`BackendUnavailableError` naming it and carrying the import error; an unsupported dtype,
   attention sinks or soft-capping raise at call time.
@@ -201,6 +203,23 @@ def _requested(backend: str, env: str, allowed: tuple[str, ...], kind: str) -> t
     return name, explicit
 
 
+def _apply_autotune_env() -> None:
+    """``$HARTS_TRITON_AUTOTUNE`` (``first`` | ``all``), applied when fla's kernels are loaded:
+    :func:`~harts_verl.ops.backends.triton_cache.limit_autotune`. An unknown value is a
+    ValueError naming the variable; a Triton the hook does not know, one WARNING."""
+    from harts_verl.ops.backends.triton_cache import AUTOTUNE_ENV, AUTOTUNE_MODES, limit_autotune
+
+    mode = os.environ.get(AUTOTUNE_ENV, "").strip()
+    if not mode:
+        return
+    if mode not in AUTOTUNE_MODES:
+        raise ValueError(f"${AUTOTUNE_ENV}: unknown {mode!r}, expected one of {AUTOTUNE_MODES}")
+    try:
+        limit_autotune(mode)
+    except (ImportError, RuntimeError) as exc:
+        _log_once("autotune", f"${AUTOTUNE_ENV}={mode} not applied: {exc}")
+
+
 def linear_kernel(backend: Any = "auto", device: torch.device | str | None = None) -> LinearKernel:
     """The linear-attention kernel for ``backend`` on ``device`` (see the module docstring).
 
@@ -234,6 +253,7 @@ def linear_kernel(backend: Any = "auto", device: torch.device | str | None = Non
             kda, gdn = load_fla_ops()
         except ImportError as exc:
             raise BackendUnavailableError(f"linear backend 'fla' is unavailable: {exc}") from exc
+        _apply_autotune_env()
         return FlaLinearKernel(kda, gdn, float64_fallback=False)
     assert not explicit
     if dev != "cuda":
@@ -246,6 +266,7 @@ def linear_kernel(backend: Any = "auto", device: torch.device | str | None = Non
         )
         return ReferenceLinearKernel()
     _log_once("linear", "linear backend auto: using fla on CUDA", logging.INFO)
+    _apply_autotune_env()
     return FlaLinearKernel(kda, gdn, float64_fallback=True)
 
 
