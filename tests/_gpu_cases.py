@@ -101,6 +101,30 @@ def kernel_case(
     return inputs, h0, _cu(lens, device), {"scale": 1.0, "delta_rule": False}
 
 
+def sweep_case(device: Any) -> tuple[tuple, torch.Tensor, Any, dict]:
+    """KDA at the GPU check's bench model's linear-attention heads (8 key and value heads of
+    128), bf16, chunk 64, in-kernel q/k norm, varlen with a one-token sequence, initial states:
+    the calls whose every autotune config ``tests/gpu/autotune_sweep.py`` checks."""
+    lens = [100, 64, 1, 200, 37]
+    q, k, v, g, beta_logits = delta_rule_inputs(sum(lens), True, h=8, hv=8, d=128, seed=5)
+    inputs = (
+        *(x.to(device, torch.bfloat16) for x in (q, k, v)),
+        g.to(device),
+        torch.sigmoid(beta_logits).to(device),
+    )
+    h0 = 0.1 * torch.randn(len(lens), 8, 128, 128, generator=torch.Generator().manual_seed(6))
+    kw = {"use_qk_l2norm": True, "chunk_size": 64}
+    return inputs, h0.to(device), _cu(lens, device), kw
+
+
+def sweep_workload(kernel: Any, device: Any) -> None:
+    """One forward + backward of :func:`sweep_case` (its ahead-of-time compile, every config)."""
+    inputs, h0, cu, kw = sweep_case(device)
+    xs = [x.clone().requires_grad_(True) for x in (*inputs, h0)]
+    out = kernel(*xs[:5], cu_seqlens=cu, initial_state=xs[5], **kw)
+    (out.o.float().sum() + out.final_state.sum()).backward()
+
+
 def model_case(name: str, device: Any) -> tuple[torch.nn.Module, list[list[int]]]:
     """The native hybrid preset ``name`` (KDA, MLA, GDN, GQA, MoE) in bf16 on ``device``, with
     the kernel cases' linear-attention head shapes, and four trajectories sharing prefixes."""

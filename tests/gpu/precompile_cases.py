@@ -4,8 +4,9 @@
 the tests' fla calls (``tests/_gpu_cases.py``: the same shapes, dtypes and options) run once on
 the CPU against a stand-in CUDA driver, and every kernel specialization they reach is compiled
 for the visible GPU (``--target current``) or an sm_90 stand-in (``--target h100``, any machine)
-with ``--autotune first`` (what the GPU tests run) or ``all``. Prints the JSON summary of
-:func:`harts_verl.ops.backends.triton_cache.compile_ahead`. Not a test module (no ``test_``
+with ``--autotune first`` (what the GPU tests run) or ``all``; then every autotune config of the
+KDA calls ``tests/gpu/autotune_sweep.py`` runs. Prints ``{"cases": ..., "sweep": ...}``, the JSON
+summaries of :func:`harts_verl.ops.backends.triton_cache.compile_ahead`. Not a test module (no ``test_``
 prefix); needs fla and triton.
 """
 
@@ -32,15 +33,25 @@ def main(argv: list[str] | None = None) -> int:
     from harts_verl.precompile import fla_kernel_for, target_device
 
     device = target_device(args.target)
+    cpu = torch.device("cpu")
 
     def workload() -> None:
         from _gpu_cases import fla_workload
 
-        fla_workload(fla_kernel_for(device), torch.device("cpu"))
+        fla_workload(fla_kernel_for(device), cpu)
 
-    out = compile_ahead(workload, device=device, autotune=args.autotune, threads=args.jobs)
+    def sweep() -> None:
+        from _gpu_cases import sweep_workload
+
+        sweep_workload(fla_kernel_for(device), cpu)
+
+    out = {
+        "cases": compile_ahead(workload, device=device, autotune=args.autotune, threads=args.jobs),
+        # autotune_sweep.py runs every config of the KDA kernels at the bench model's heads
+        "sweep": compile_ahead(sweep, device=device, autotune="all", threads=args.jobs),
+    }
     print(json.dumps(out, indent=2))
-    return 0 if not out["failed"] else 1
+    return 0 if not (out["cases"]["failed"] or out["sweep"]["failed"]) else 1
 
 
 if __name__ == "__main__":

@@ -9,7 +9,11 @@ a failure instead of a skip (``scripts/gpu_check.sh`` sets it).
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -340,3 +344,20 @@ def test_attention_sinks_bf16(cuda, report, window):
     report[f"attn_sinks_window_{window}"] = errs
     assert errs["o"] <= 8e-3, errs
     assert all(errs[g] <= 2e-2 for g in ("dq", "dk", "dv", "dsinks")), errs
+
+
+def test_every_autotune_config_of_kda_matches_reference(cuda, report):
+    """fla's KDA forward + backward at the bench model's heads under every admissible autotune
+    config of every Triton kernel it reaches, one kernel at a time, vs the float32 reference
+    (``tests/gpu/autotune_sweep.py``, in a process of its own: a config that faults would
+    poison this one's CUDA context)."""
+    _need("linear", "fla", cuda)
+    script = Path(__file__).with_name("autotune_sweep.py")
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100)
+    assert res.stdout.strip(), res.stderr[-3000:]
+    got = json.loads(res.stdout[res.stdout.index("{") :])
+    report["autotune_sweep"] = got
+    assert got["runs"] > 0, got
+    assert not got["baseline_bad"], got["baseline"]
+    assert not got["bad"], got["bad"][:10]
+    assert res.returncode == 0, res.stderr[-3000:]
