@@ -305,3 +305,43 @@ def test_model_fla_vs_reference_kernel(fla_kernel):
         assert float((a - b).abs().max()) <= 1e-4
     worst = max(err_ratio(g_fla[n], g_ref[n]) for n in g_fla)
     assert worst <= 1e-4, worst
+
+
+# ------------------------------------------------------------------------------ autotune sweep
+def test_autotune_sweep_forces_each_config(fla_kernel):
+    """``tests/gpu/autotune_sweep.py``'s sweep on the interpreter (one cheap kernel of KDA's
+    forward + backward): every config of the kernel is run once, each run uses the config it
+    forced (a different one each time), the others stay at their first, and the results match
+    the reference."""
+    import importlib.util
+    from pathlib import Path
+
+    from harts_verl.ops.backends.triton_cache import limit_autotune
+
+    path = Path(__file__).resolve().parents[1] / "gpu" / "autotune_sweep.py"
+    spec = importlib.util.spec_from_file_location("autotune_sweep", path)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    lens = [37, 1, 30]
+    q, k, v, g, beta_logits = _inputs(sum(lens), True, seed=21)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]))
+    h0 = 0.1 * torch.randn(len(lens), 2, 16, 16, generator=torch.Generator().manual_seed(22))
+    name = "chunk_local_cumsum_vector_kernel"
+    limit_autotune("first")
+    try:
+        out = sweep.run_sweep(
+            fla_kernel,
+            (q, k, v, g, torch.sigmoid(beta_logits)),
+            h0,
+            cu,
+            {"use_qk_l2norm": True, "chunk_size": 32},
+            kernels=(name,),
+        )
+    finally:
+        limit_autotune("all")
+    entry = out["kernels"][name]
+    assert entry["configs"] >= 2 and entry["ran"] + entry["skipped"] == entry["configs"], out
+    assert entry["ran"] >= 2 and len(set(out["forced"][name])) == entry["ran"], out
+    assert list(out["kernels"]) == [name]
+    assert not out["bad"] and not out["baseline_bad"], out
+    assert max(entry["worst"].values()) <= 1e-5, entry

@@ -32,21 +32,20 @@ class _Pruned(Exception):
     """The forced config is not admissible for these shapes (the kernel's own pruning)."""
 
 
-def main() -> int:
+def run_sweep(kern, inputs, h0, cu, kw: dict, *, kernels: tuple[str, ...] | None = None) -> dict:
+    """The sweep of ``kern`` (a linear kernel) on ``inputs`` (q, k, v, g, beta), initial states
+    ``h0`` and ``cu`` (see the module doc); ``kernels``: only the autotuned kernels of these
+    names (all when None). Needs :func:`~harts_verl.ops.backends.triton_cache.limit_autotune`
+    ``("first")`` active. Returns the JSON-ready result (``forced``: per kernel, the configs the
+    forced runs actually used)."""
     import torch
     from _delta_rule_cases import err_ratio
-    from _gpu_cases import sweep_case
     from triton.runtime.autotuner import Autotuner
 
-    from harts_verl.ops.backends import linear_kernel
-    from harts_verl.ops.backends.triton_cache import limit_autotune
     from harts_verl.ops.linear_attention import chunk_delta_rule_varlen
 
-    limit_autotune("first")
-    cuda = torch.device("cuda")
-    kern = linear_kernel("fla", cuda)
-    inputs, h0, cu, kw = sweep_case(cuda)
-    gen = torch.Generator(device=cuda).manual_seed(0)
+    device = cu.device
+    gen = torch.Generator(device=device).manual_seed(0)
 
     def run(fn, xs_in):
         xs = [x.detach().clone().requires_grad_(True) for x in xs_in]
@@ -55,8 +54,8 @@ def main() -> int:
         return [out.o.float(), out.final_state.float(), *(x.grad.float() for x in xs)]
 
     o_shape = (inputs[0].shape[0], inputs[2].shape[1], inputs[2].shape[2])
-    do = torch.randn(o_shape, device=cuda, generator=gen)
-    dht = torch.randn(h0.shape, device=cuda, generator=gen)
+    do = torch.randn(o_shape, device=device, generator=gen)
+    dht = torch.randn(h0.shape, device=device, generator=gen)
     ref = run(chunk_delta_rule_varlen, [x.float() for x in (*inputs, h0)])
 
     def errors(got) -> dict[str, float]:
@@ -84,13 +83,16 @@ def main() -> int:
             return [forced["config"]]
         return pruned
 
-    out: dict = {"baseline": baseline, "kernels": {}, "bad": [], "runs": 0}
+    out: dict = {"baseline": baseline, "kernels": {}, "bad": [], "runs": 0, "forced": {}}
     Autotuner.prune_configs = forcing_prune
     try:
         for tuner in tuners.values():
             name = tuner.base_fn.__name__
+            if kernels is not None and name not in kernels:
+                continue
             entry = {"configs": len(tuner.configs), "ran": 0, "skipped": 0, "worst": {}}
             out["kernels"][name] = entry
+            used = out["forced"].setdefault(name, [])
             if len(tuner.configs) < 2:
                 continue
             for config in tuner.configs:
@@ -109,6 +111,7 @@ def main() -> int:
                         )
                     entry["skipped"] += 1
                     continue
+                used.append(str(tuner.best_config))
                 entry["ran"] += 1
                 out["runs"] += 1
                 for n, e in errs.items():
@@ -121,12 +124,25 @@ def main() -> int:
     finally:
         Autotuner.prune_configs = orig_prune
         forced.clear()
-    base_bad = [
+    out["baseline_bad"] = [
         n for n, e in baseline.items() if e > (TOL_FWD if n in ("o", "final_state") else TOL_BWD)
     ]
-    out["baseline_bad"] = base_bad
+    return out
+
+
+def main() -> int:
+    import torch
+    from _gpu_cases import sweep_case
+
+    from harts_verl.ops.backends import linear_kernel
+    from harts_verl.ops.backends.triton_cache import limit_autotune
+
+    limit_autotune("first")
+    cuda = torch.device("cuda")
+    inputs, h0, cu, kw = sweep_case(cuda)
+    out = run_sweep(linear_kernel("fla", cuda), inputs, h0, cu, kw)
     print(json.dumps(out, indent=2, default=str))
-    return 1 if out["bad"] or base_bad else 0
+    return 1 if out["bad"] or out["baseline_bad"] else 0
 
 
 if __name__ == "__main__":
