@@ -44,6 +44,9 @@ res = {}
 def workload():
     from harts_verl.ops.backends.fla_linear import FlaLinearKernel, load_fla_ops
 
+    from fla.utils import check_shared_mem  # CPU tensors (index None) read as the GPU's (0)
+
+    res["shared"] = [check_shared_mem("hopper", None), check_shared_mem("hopper", 0)]
     auto = fla_kernel_for(DeviceInfo.hopper())
     res["route"] = auto.scalar_gate
     for name, kern in (("native", FlaLinearKernel(*load_fla_ops(), scalar_gate="native")),
@@ -68,6 +71,7 @@ def test_hopper_guard_and_the_scalar_gate_route(tmp_path):
     assert "Triton >= 3.4.0 and < 3.7.1 on Hopper" in got["native"], got
     assert got["auto"] == "ok", got
     assert got["specializations"] > 0 and got["kernels"] > 0, got
+    assert got["shared"] == [True, True], got  # fla's tile choices: the H100's, not the CPU's
 
 
 def test_precompile_fills_the_cache_and_hits_it(tmp_path):

@@ -307,6 +307,34 @@ def _stand_in_driver(device: DeviceInfo) -> Any:
     return Driver()
 
 
+class _DeviceZeroList(list):
+    """A per-device list read at index None as at index 0."""
+
+    def __getitem__(self, i: Any) -> Any:
+        return super().__getitem__(0 if i is None else i)
+
+
+def _fla_cpu_tensors_as_device_zero() -> None:
+    """fla sizes some tiles from ``check_shared_mem(arch, tensor.device.index)``; the workload's
+    CPU tensors have index None (read as no shared memory there, while the GPU's tensors have
+    index 0): make index None read device 0's, so the tiles, and so the compiled
+    specializations, are the GPU's. No-op without fla."""
+    try:
+        import fla.utils.hardware as hw
+    except ImportError:
+        return
+    original = hw.get_all_max_shared_mem
+    if getattr(original, "_harts_device_zero", False):
+        return
+
+    def get_all_max_shared_mem() -> list:
+        return _DeviceZeroList(original())
+
+    get_all_max_shared_mem._harts_device_zero = True  # type: ignore[attr-defined]
+    hw.get_all_max_shared_mem = get_all_max_shared_mem
+    hw.check_shared_mem.cache_clear()
+
+
 @contextlib.contextmanager
 def _patched(obj: Any, **attrs: Any) -> Iterator[None]:
     old = {k: getattr(obj, k) for k in attrs}
@@ -423,6 +451,7 @@ def compile_ahead(
         stack.enter_context(_patched(jit.JITFunction, _do_compile=collect))
         if autotune == "all":
             stack.enter_context(_patched(Autotuner, check_disk_cache=no_disk_cache))
+        _fla_cpu_tensors_as_device_zero()
         if progress:
             progress("running the workload against a stand-in CUDA driver")
         workload()
