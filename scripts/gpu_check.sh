@@ -19,7 +19,8 @@
 # bench JSON and Triton compile counts, the test outcome, the gate.
 # Exit status: 0 only if the tests pass, a bench ran, and its efficiency >= $MIN_EFFICIENCY.
 #
-# Knobs (environment): OUT, WHEELS_DIR (.whl), PYTHON (python3), TOTAL_BUDGET_S (470),
+# Knobs (environment): OUT, WHEELS_DIR (.whl), PYTHON (python3), TOTAL_BUDGET_S (470: every
+# step's timeout is cut to what is left of it, keeping time for the steps after it),
 # TESTS_TIMEOUT_S (200), PRECOMPILE (1; 0 skips it), PRECOMPILE_TIMEOUT_S (150 per step),
 # TRITON_CACHE_DIR (/tmp/harts_triton_cache), BENCH_AUTOTUNE (all | first),
 # BENCH_SCALES ("0.02 0.05"; BENCH_SCALE=x: that size alone),
@@ -35,7 +36,7 @@ for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY=1 ;;
     --fetch-wheels) FETCH=1 ;;
-    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $arg" >&2; exit 2 ;;
   esac
 done
@@ -85,13 +86,29 @@ fi
 
 START=$SECONDS
 left() { echo $(( TOTAL_BUDGET_S - (SECONDS - START) )); }
+# A step's timeout: its default, or what is left of the budget after `reserve` seconds kept for
+# the steps after it (at least 1), so the whole script stays within TOTAL_BUDGET_S.
+cap() {
+  local want=$1 l
+  l=$(( $(left) - $2 ))
+  [ "$l" -lt "$want" ] && want=$l
+  [ "$want" -lt 1 ] && want=1
+  echo "$want"
+}
+STEPS=""  # name:rc:seconds of each step, for the summary
+step_done() { STEPS="$STEPS $1:$2:$(( SECONDS - $3 ))"; }
 
 WORK=$(mktemp -d)  # per-size JSONs and compile logs: embedded in summary.json, not in $OUT
 run "mkdir -p '$OUT'"
 
-# 1. Carried wheels -> /tmp/site (no network on the device machine).
+# 1. Carried wheels -> /tmp/site (no network on the device machine). A failing step is recorded
+#    and the script goes on (the tests then say what is missing); the summary is always written.
 if [ "$DRY" = 1 ] || compgen -G "$WHEELS_DIR/*.whl" > /dev/null; then
-  run "timeout 90 $PYTHON -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $WHEELS_DIR/*.whl"
+  T0=$SECONDS
+  set +e
+  run "timeout $(cap 90 380) $PYTHON -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $WHEELS_DIR/*.whl"
+  step_done wheels $? "$T0"
+  set -e
   export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 else
   echo "gpu_check.sh: no wheels in $WHEELS_DIR; fast backends only if already installed" >&2
@@ -100,7 +117,9 @@ fi
 export PYTHONUNBUFFERED=1
 
 # 2. Environment and backend selection.
-run "timeout 60 $PYTHON - > '$OUT/env.json' <<'PY'
+T0=$SECONDS
+set +e
+run "timeout $(cap 60 360) $PYTHON - > '$OUT/env.json' <<'PY'
 import json, os, platform, importlib.metadata as md
 import torch
 from harts_verl.ops.backends import backend_report
@@ -116,6 +135,8 @@ for pkg in ('triton', 'fla-core', 'flash-linear-attention', 'flash-attn'):
 info['backends'] = backend_report('cuda' if torch.cuda.is_available() else 'cpu')
 print(json.dumps(info, indent=2))
 PY"
+step_done env $? "$T0"
+set -e
 
 # 3. Ahead-of-time compile of fla's kernels on all cores (each step bounded; a failed or timed-out
 #    step only costs the runs their own compiles).
@@ -123,9 +144,12 @@ PRE_TESTS_RC=skipped
 PRE_BENCH_RC=skipped
 if [ "$PRECOMPILE" = 1 ]; then
   set +e
-  run "timeout $PRECOMPILE_TIMEOUT_S $PYTHON tests/gpu/precompile_cases.py --target $PRECOMPILE_TARGET --autotune first > '$WORK/precompile_tests.json' 2> '$OUT/precompile.log'"
+  T0=$SECONDS
+  run "timeout $(cap "$PRECOMPILE_TIMEOUT_S" 250) $PYTHON tests/gpu/precompile_cases.py --target $PRECOMPILE_TARGET --autotune first > '$WORK/precompile_tests.json' 2> '$OUT/precompile.log'"
   PRE_TESTS_RC=$?
-  run "timeout $PRECOMPILE_TIMEOUT_S $PYTHON - precompile --preset $BENCH_PRESET --dtype bfloat16 --target $PRECOMPILE_TARGET --autotune $BENCH_AUTOTUNE > '$WORK/precompile_bench.json' 2>> '$OUT/precompile.log' <<'PY'
+  step_done precompile_tests "$PRE_TESTS_RC" "$T0"
+  T0=$SECONDS
+  run "timeout $(cap "$PRECOMPILE_TIMEOUT_S" 250) $PYTHON - precompile --preset $BENCH_PRESET --dtype bfloat16 --target $PRECOMPILE_TARGET --autotune $BENCH_AUTOTUNE > '$WORK/precompile_bench.json' 2>> '$OUT/precompile.log' <<'PY'
 import json, os, sys
 from harts_verl.models.config import PRESETS
 name = sys.argv[sys.argv.index('--preset') + 1]
@@ -135,14 +159,17 @@ from harts_verl.cli import main
 sys.exit(main(sys.argv[1:]))
 PY"
   PRE_BENCH_RC=$?
+  step_done precompile_bench "$PRE_BENCH_RC" "$T0"
   set -e
 fi
 
 # 4. GPU tests (fast backends required; first autotune config), with a report of measured errors
 #    and of the Triton compiles the session still made.
 set +e
-run "HARTS_TRITON_AUTOTUNE=first HARTS_GPU_REPORT='$OUT/gpu_report.json' timeout $TESTS_TIMEOUT_S $PYTHON -m pytest tests/gpu -rs 2>&1 | tee '$OUT/gpu_tests.txt'"
+T0=$SECONDS
+run "HARTS_TRITON_AUTOTUNE=first HARTS_GPU_REPORT='$OUT/gpu_report.json' timeout $(cap "$TESTS_TIMEOUT_S" 100) $PYTHON -m pytest tests/gpu -rs 2>&1 | tee '$OUT/gpu_tests.txt'"
 TESTS_RC=$?  # pipefail: pytest's status (124 on timeout)
+step_done tests "$TESTS_RC" "$T0"
 set -e
 
 # 5. Bench at compute-bound sizes, smallest first, each within what is left of the budget
@@ -163,6 +190,7 @@ for SCALE in $BENCH_SCALES; do
     continue
   fi
   set +e
+  T0=$SECONDS
   # `harts-verl bench` is `python -m harts_verl.cli bench`; the preset is injected when the
   # package does not define it (a larger model than the CPU `bench` preset). Triton's compiles
   # during the run are counted into $WORK/compiles_<scale>.json.
@@ -185,6 +213,7 @@ from harts_verl.cli import main
 sys.exit(main(sys.argv[1:]))
 PY"
   RC=$?
+  step_done "bench_$SCALE" "$RC" "$T0"
   set -e
   BENCH_RCS="$BENCH_RCS $SCALE:$RC"
   if [ "$RC" = 0 ]; then
@@ -198,10 +227,11 @@ BENCH_RC=1
 
 # 6. Summary (efficiency gate at the largest size that completed; every size listed).
 set +e
-run "$PYTHON - '$OUT' '$WORK' $TESTS_RC $BENCH_RC $MIN_EFFICIENCY '$BENCH_RCS' '$PRE_TESTS_RC' '$PRE_BENCH_RC' > '$OUT/summary.json' <<'PY'
+run "$PYTHON - '$OUT' '$WORK' $TESTS_RC $BENCH_RC $MIN_EFFICIENCY '$BENCH_RCS' '$PRE_TESTS_RC' '$PRE_BENCH_RC' '$STEPS' > '$OUT/summary.json' <<'PY'
 import json, sys
 out, work, tests_rc, bench_rc, min_eff = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
 pre_rcs = {'tests': sys.argv[7], 'bench': sys.argv[8]}
+steps = [dict(zip(('step', 'rc', 'seconds'), item.rsplit(':', 2))) for item in sys.argv[9].split()]
 keys = ('efficiency', 'speedup', 'efficiency_best', 'ideal_flop_ratio', 'compression',
         'run_compression', 'semantic_tokens', 'compact_tokens', 'microbatches',
         'expanded_seconds_median', 'tree_seconds_median', 'max_abs_dlogp', 'mean_logit_cos',
@@ -214,7 +244,8 @@ def load(path):
     except Exception as exc:
         return {'error': repr(exc)}
 
-s = {'tests_rc': tests_rc, 'bench_rc': bench_rc, 'min_efficiency': min_eff, 'benches': []}
+s = {'tests_rc': tests_rc, 'bench_rc': bench_rc, 'min_efficiency': min_eff, 'benches': [],
+     'steps': steps}
 s['env'] = load(f'{out}/env.json')
 s['precompile'] = {k: ({'rc': rc} if rc == 'skipped' else {'rc': int(rc), **load(f'{work}/precompile_{k}.json')})
                    for k, rc in pre_rcs.items()}

@@ -9,7 +9,8 @@ a gradient into the final state) once per admissible config of each autotuned ke
 states and every gradient with the float32 torch reference on the same bf16 inputs.
 
 Prints JSON: ``{"kernels": {name: {"configs", "ran", "skipped", "worst": {tensor: ratio}}},
-"baseline": {tensor: ratio}, "bad": [...], "runs"}``; exit status 1 when a config is bad (an
+"baseline": {tensor: ratio}, "bad": [...], "runs", "unrun"}`` (``unrun``: configs left when
+``--budget-s`` ran out, e.g. with a cold compile cache); exit status 1 when a config is bad (an
 error ratio above ``max(tolerance, 4 × the first config's)``; tolerances 8e-3 forward, 2e-2
 gradients). Runs in a process of its own (``tests/gpu/test_gpu_backends.py`` spawns it): an
 illegal memory access would poison the CUDA context. The GPU check compiles these configs ahead
@@ -32,13 +33,32 @@ class _Pruned(Exception):
     """The forced config is not admissible for these shapes (the kernel's own pruning)."""
 
 
-def run_sweep(kern, inputs, h0, cu, kw: dict, *, kernels: tuple[str, ...] | None = None) -> dict:
+def run_sweep(
+    kern,
+    inputs,
+    h0,
+    cu,
+    kw: dict,
+    *,
+    kernels: tuple[str, ...] | None = None,
+    budget_s: float | None = None,
+) -> dict:
     """The sweep of ``kern`` (a linear kernel) on ``inputs`` (q, k, v, g, beta), initial states
     ``h0`` and ``cu`` (see the module doc); ``kernels``: only the autotuned kernels of these
-    names (all when None). Needs :func:`~harts_verl.ops.backends.triton_cache.limit_autotune`
-    ``("first")`` active. Returns the JSON-ready result (``forced``: per kernel, the configs the
-    forced runs actually used)."""
+    names (all when None); ``budget_s``: stop starting configs after that many seconds (the
+    configs left are counted in ``unrun``). Needs
+    :func:`~harts_verl.ops.backends.triton_cache.limit_autotune` ``("first")`` active. Returns the
+    JSON-ready result (``forced``: per kernel, the configs the forced runs actually used)."""
+    import time
+
     import torch
+    from triton.compiler.errors import CompileTimeAssertionFailure
+    from triton.runtime.errors import OutOfResources, PTXASError
+
+    # What the autotuner itself skips (a config past the GPU's resources, or one that does not
+    # compile for these shapes).
+    skipped_errors = (OutOfResources, PTXASError, CompileTimeAssertionFailure)
+    t0 = time.perf_counter()
     from _delta_rule_cases import err_ratio
     from triton.runtime.autotuner import Autotuner
 
@@ -83,7 +103,14 @@ def run_sweep(kern, inputs, h0, cu, kw: dict, *, kernels: tuple[str, ...] | None
             return [forced["config"]]
         return pruned
 
-    out: dict = {"baseline": baseline, "kernels": {}, "bad": [], "runs": 0, "forced": {}}
+    out: dict = {
+        "baseline": baseline,
+        "kernels": {},
+        "bad": [],
+        "runs": 0,
+        "unrun": 0,
+        "forced": {},
+    }
     Autotuner.prune_configs = forcing_prune
     try:
         for tuner in tuners.values():
@@ -96,19 +123,19 @@ def run_sweep(kern, inputs, h0, cu, kw: dict, *, kernels: tuple[str, ...] | None
             if len(tuner.configs) < 2:
                 continue
             for config in tuner.configs:
+                if budget_s is not None and time.perf_counter() - t0 > budget_s:
+                    out["unrun"] += 1
+                    continue
                 forced.update(tuner=tuner, config=config)
                 for t in tuners.values():
                     t.cache.clear()
                 try:
                     errs = errors(run(kern, (*inputs, h0)))
-                except _Pruned:
+                except (_Pruned, *skipped_errors):
                     entry["skipped"] += 1
                     continue
-                except Exception as exc:  # e.g. OutOfResources: the autotuner skips it too
-                    if "OutOfResources" not in type(exc).__name__:
-                        out["bad"].append(
-                            {"kernel": name, "config": str(config), "error": repr(exc)}
-                        )
+                except Exception as exc:  # a config that faults: bad
+                    out["bad"].append({"kernel": name, "config": str(config), "error": repr(exc)})
                     entry["skipped"] += 1
                     continue
                 used.append(str(tuner.best_config))
@@ -130,17 +157,23 @@ def run_sweep(kern, inputs, h0, cu, kw: dict, *, kernels: tuple[str, ...] | None
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
     import torch
     from _gpu_cases import sweep_case
 
     from harts_verl.ops.backends import linear_kernel
     from harts_verl.ops.backends.triton_cache import limit_autotune
 
-    limit_autotune("first")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--budget-s", type=float, default=None, help="stop starting configs after")
+    args = p.parse_args(argv)
     cuda = torch.device("cuda")
+    kern = linear_kernel("fla", cuda)
+    limit_autotune("first")  # after the kernel loads: it applies $HARTS_TRITON_AUTOTUNE
     inputs, h0, cu, kw = sweep_case(cuda)
-    out = run_sweep(linear_kernel("fla", cuda), inputs, h0, cu, kw)
+    out = run_sweep(kern, inputs, h0, cu, kw, budget_s=args.budget_s)
     print(json.dumps(out, indent=2, default=str))
     return 1 if out["bad"] or out["baseline_bad"] else 0
 

@@ -32,7 +32,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         limit_autotune(mode)
         _COMPILES.append(CompileLog().install())
         _REPORT["triton"] = {"autotune": mode}
-    except (ImportError, RuntimeError) as exc:  # no triton, or one the hooks do not know
+    except (ImportError, RuntimeError, ValueError) as exc:  # no triton, an unknown one or mode
         _REPORT["triton"] = {"unavailable": f"{type(exc).__name__}: {exc}"}
 
 
