@@ -37,6 +37,7 @@ from harts_verl.ops.backends.fla_linear import (
 )
 from harts_verl.ops.backends.triton_cache import DeviceInfo, check_triton, compile_ahead
 from harts_verl.runtime import ExpandedRunner, TreeRunner
+from harts_verl.tree import RolloutForest
 
 __all__ = ["TARGETS", "fla_kernel_for", "precompile_model", "target_device", "warmup_sequences"]
 
@@ -74,7 +75,7 @@ def target_device(name: str) -> DeviceInfo:
 
     Raises:
       ValueError: an unknown target, ``"current"`` without a CUDA device, triton or fla
-        missing, a triton the compile hooks do not know, fla already imported.
+        missing, a triton the compile hooks do not know.
     """
     if name not in TARGETS:
         raise ValueError(f"target: unknown {name!r}, expected one of {TARGETS}")
@@ -84,11 +85,6 @@ def target_device(name: str) -> DeviceInfo:
         raise ValueError(f"precompile needs triton 3.6 and fla (the [gpu] extra): {exc}") from exc
     if importlib.util.find_spec("fla") is None:
         raise ValueError("precompile needs fla-core / flash-linear-attention (the [gpu] extra)")
-    if sys.modules.get("fla") is not None:
-        raise ValueError(
-            "precompile: fla is already imported in this process (it reads the GPU at import); "
-            "run it in a process of its own"
-        )
     if name == "h100":
         return DeviceInfo.hopper()
     if not torch.cuda.is_available():
@@ -133,14 +129,14 @@ def precompile_model(
 
     Raises:
       ValueError: an unknown autotune mode, float64, a bad ``cfg`` (as the bench names it).
-      RuntimeError: fla already imported, an unsupported triton.
+      RuntimeError: fla already imported, an unsupported triton (from
+        :func:`~harts_verl.ops.backends.triton_cache.compile_ahead`).
     """
     if sys.modules.get("fla") is not None:
         raise RuntimeError(
             "precompile: fla is already imported in this process (it reads the GPU at import); "
             "run it in a process of its own"
         )
-    check_triton()
     dtype = DTYPES.get(cfg.dtype)
     if dtype is None:
         raise ValueError(f"dtype: unknown {cfg.dtype!r}, expected one of {sorted(DTYPES)}")
@@ -152,8 +148,7 @@ def precompile_model(
         kernel = fla_kernel_for(device)
         stats["scalar_gate"] = kernel.scalar_gate
         model, _mcfg, _ = bench_model(cfg, dtype, torch.device("cpu"))
-        vocab = int(model.lm_head.weight.shape[0]) if hasattr(model, "lm_head") else 2
-        seqs = warmup_sequences(cfg.chunk_size, vocab, cfg.seed)
+        seqs = warmup_sequences(cfg.chunk_size, int(model.lm_head.weight.shape[0]), cfg.seed)
         kw: dict[str, Any] = dict(
             chunk_size=cfg.chunk_size,
             recompute=cfg.recompute,
@@ -170,7 +165,7 @@ def precompile_model(
             if progress:
                 progress(f"{runner_cls.__name__}: forward + backward on the warm-up forest")
             runner.forward_backward(seqs, loss, separable=True)
-        forest = TreeRunner(model, **kw).build_forest(seqs)
+        forest = RolloutForest.from_sequences(seqs)
         stats["compact_tokens"] = int(forest.num_compact_tokens)
         stats["semantic_tokens"] = int(forest.num_semantic_tokens)
 

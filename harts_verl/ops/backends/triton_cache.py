@@ -51,6 +51,16 @@ AUTOTUNE_ENV = "HARTS_TRITON_AUTOTUNE"
 _SUPPORTED_TRITON = ((3, 6),)
 _state: dict[str, Any] = {"mode": "all", "originals": None}
 _lock = threading.Lock()
+# An H100 SXM as Triton's get_device_properties reports it; the values a DeviceInfo lacks.
+_HOPPER_PROPERTIES = {
+    "max_shared_mem": 232448,
+    "multiprocessor_count": 132,
+    "max_num_regs": 65536,
+    "warpSize": 32,
+    "sm_clock_rate": 1980000,
+    "mem_clock_rate": 2619000,
+    "mem_bus_width": 5120,
+}
 
 
 def check_triton() -> Any:
@@ -62,8 +72,9 @@ def check_triton() -> Any:
     """
     import triton
 
-    version = tuple(int(p) for p in triton.__version__.split("+")[0].split(".")[:2])
-    if version not in _SUPPORTED_TRITON:
+    from harts_verl.ops.backends.fla_linear import _version_tuple
+
+    if _version_tuple(triton.__version__)[:2] not in _SUPPORTED_TRITON:
         raise RuntimeError(
             f"triton {triton.__version__}: the compile helpers hook Triton internals of "
             f"{' / '.join('.'.join(map(str, v)) for v in _SUPPORTED_TRITON)} only"
@@ -105,11 +116,6 @@ def limit_autotune(mode: str) -> None:
             Autotuner._bench = _bench
             Autotuner.check_disk_cache = check_disk_cache
         _state["mode"] = mode
-
-
-def autotune_mode() -> str:
-    """The mode :func:`limit_autotune` last set (``"all"`` before any call)."""
-    return str(_state["mode"])
 
 
 # ------------------------------------------------------------------------------ compile log
@@ -201,18 +207,12 @@ class DeviceInfo:
     def hopper(cls) -> DeviceInfo:
         """An H100 SXM (sm_90, 132 SMs, 227 KiB of shared memory per block)."""
         return cls(
-            name="NVIDIA H100 80GB HBM3",
-            capability=(9, 0),
-            properties={
-                "max_shared_mem": 232448,
-                "multiprocessor_count": 132,
-                "max_num_regs": 65536,
-                "warpSize": 32,
-                "sm_clock_rate": 1980000,
-                "mem_clock_rate": 2619000,
-                "mem_bus_width": 5120,
-            },
+            name="NVIDIA H100 80GB HBM3", capability=(9, 0), properties=dict(_HOPPER_PROPERTIES)
         )
+
+    def all_properties(self) -> dict[str, int]:
+        """``properties``, with an H100's values for the ones it lacks."""
+        return {**_HOPPER_PROPERTIES, **self.properties}
 
     @classmethod
     def current(cls) -> DeviceInfo:
@@ -246,7 +246,7 @@ def _stand_in_driver(device: DeviceInfo) -> Any:
     from triton.backends.nvidia.driver import ty_to_cpp
 
     major, minor = device.capability
-    props = {"max_shared_mem": 232448, "multiprocessor_count": 132, **device.properties}
+    props = device.all_properties()
 
     class Utils:
         def load_binary(self, name: str, kernel: Any, shared: int, dev: int) -> tuple:
@@ -418,12 +418,13 @@ def compile_ahead(
         return False
 
     cap = device.capability
+    props = device.all_properties()
     fake_props = types.SimpleNamespace(
         name=device.name,
         major=cap[0],
         minor=cap[1],
-        multi_processor_count=device.properties.get("multiprocessor_count", 132),
-        shared_memory_per_block_optin=device.properties.get("max_shared_mem", 232448),
+        multi_processor_count=props["multiprocessor_count"],
+        shared_memory_per_block_optin=props["max_shared_mem"],
         shared_memory_per_block=49152,
         total_memory=80 << 30,
         warp_size=32,
@@ -462,7 +463,7 @@ def compile_ahead(
     errors: list[str] = []
     failed = 0
     too_large: list[str] = []  # past the target's shared memory: they cannot launch there
-    max_shared = int(device.properties.get("max_shared_mem", 232448))
+    max_shared = props["max_shared_mem"]
 
     def compile_one(job: tuple[Any, Any, Any, Any]) -> None:
         nonlocal failed
