@@ -25,7 +25,7 @@
 # TRITON_CACHE_DIR (/tmp/harts_triton_cache), BENCH_AUTOTUNE (all | first),
 # BENCH_SCALES ("0.02 0.05"; BENCH_SCALE=x: that size alone),
 # BENCH_MIN_S_LARGER (150: seconds a larger size needs left), BENCH_CAPACITY (65536), BENCH_REPEATS (3),
-# BENCH_PRESET (gpu_check: injected below unless the package defines it), BENCH_PRESET_JSON,
+# BENCH_PRESET (gpu_check: from BENCH_PRESET_JSON unless the package defines it; scripts/harts_cli.py),
 # BENCH_DEVICE (cuda; cpu only to smoke-test the script), PRECOMPILE_TARGET (current; h100 to
 # smoke-test on a CPU), MIN_EFFICIENCY (0.90), HARTS_REQUIRE_FAST (1), FLA_VERSION (0.6.0).
 set -euo pipefail
@@ -149,15 +149,7 @@ if [ "$PRECOMPILE" = 1 ]; then
   PRE_TESTS_RC=$?
   step_done precompile_tests "$PRE_TESTS_RC" "$T0"
   T0=$SECONDS
-  run "timeout $(cap "$PRECOMPILE_TIMEOUT_S" 250) $PYTHON - precompile --preset $BENCH_PRESET --dtype bfloat16 --target $PRECOMPILE_TARGET --autotune $BENCH_AUTOTUNE > '$WORK/precompile_bench.json' 2>> '$OUT/precompile.log' <<'PY'
-import json, os, sys
-from harts_verl.models.config import PRESETS
-name = sys.argv[sys.argv.index('--preset') + 1]
-if name not in PRESETS:
-    PRESETS[name] = json.loads(os.environ['BENCH_PRESET_JSON'])
-from harts_verl.cli import main
-sys.exit(main(sys.argv[1:]))
-PY"
+  run "timeout $(cap "$PRECOMPILE_TIMEOUT_S" 250) $PYTHON scripts/harts_cli.py precompile --preset $BENCH_PRESET --dtype bfloat16 --target $PRECOMPILE_TARGET --autotune $BENCH_AUTOTUNE > '$WORK/precompile_bench.json' 2>> '$OUT/precompile.log'"
   PRE_BENCH_RC=$?
   step_done precompile_bench "$PRE_BENCH_RC" "$T0"
   set -e
@@ -191,27 +183,10 @@ for SCALE in $BENCH_SCALES; do
   fi
   set +e
   T0=$SECONDS
-  # `harts-verl bench` is `python -m harts_verl.cli bench`; the preset is injected when the
-  # package does not define it (a larger model than the CPU `bench` preset). Triton's compiles
-  # during the run are counted into $WORK/compiles_<scale>.json.
-  run "echo '== bench --scale $SCALE' >> '$OUT/bench.log'; HARTS_COMPILE_LOG='$WORK/compiles_$SCALE.json' HARTS_TRITON_AUTOTUNE=$BENCH_AUTOTUNE timeout $BENCH_TIMEOUT $PYTHON - bench --device $BENCH_DEVICE --dtype bfloat16 --preset $BENCH_PRESET --scale $SCALE --capacity $BENCH_CAPACITY --repeats $BENCH_REPEATS --warmup 1 --no-progress > '$WORK/bench_$SCALE.json' 2>> '$OUT/bench.log' <<'PY'
-import atexit, json, os, sys
-from harts_verl.models.config import PRESETS
-name = sys.argv[sys.argv.index('--preset') + 1]
-if name not in PRESETS:
-    PRESETS[name] = json.loads(os.environ['BENCH_PRESET_JSON'])
-try:  # HARTS_TRITON_AUTOTUNE itself is applied by the backends when fla loads
-    from harts_verl.ops.backends.triton_cache import CompileLog
-    log = CompileLog().install()
-    def dump():
-        with open(os.environ['HARTS_COMPILE_LOG'], 'w') as f:
-            json.dump(log.summary(), f)
-    atexit.register(dump)
-except (ImportError, RuntimeError) as exc:
-    print(f'gpu_check.sh: no Triton compile log ({exc})', file=sys.stderr)
-from harts_verl.cli import main
-sys.exit(main(sys.argv[1:]))
-PY"
+  # scripts/harts_cli.py is `python -m harts_verl.cli`, with the preset injected when the
+  # package does not define it (a larger model than the CPU `bench` preset) and Triton's compiles
+  # during the run counted into $WORK/compiles_<scale>.json.
+  run "echo '== bench --scale $SCALE' >> '$OUT/bench.log'; HARTS_COMPILE_LOG='$WORK/compiles_$SCALE.json' HARTS_TRITON_AUTOTUNE=$BENCH_AUTOTUNE timeout $BENCH_TIMEOUT $PYTHON scripts/harts_cli.py bench --device $BENCH_DEVICE --dtype bfloat16 --preset $BENCH_PRESET --scale $SCALE --capacity $BENCH_CAPACITY --repeats $BENCH_REPEATS --warmup 1 --no-progress > '$WORK/bench_$SCALE.json' 2>> '$OUT/bench.log'"
   RC=$?
   step_done "bench_$SCALE" "$RC" "$T0"
   set -e
