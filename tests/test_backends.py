@@ -510,6 +510,24 @@ def test_scalar_gate_route_follows_flas_hopper_guard(monkeypatch, capability, ve
     assert scalar_gate_route("cpu")[0] == "native"
 
 
+@pytest.mark.parametrize(
+    "version,expected",
+    [
+        ("3.6.0", (3, 6, 0)),
+        ("3.7.0+gitabc", (3, 7, 0)),
+        ("2.13.0+cpu", (2, 13, 0)),
+        ("2.14.0a0+git1", (2, 14, 0)),
+        ("2.15.0.dev20261201", (2, 15, 0)),
+        ("3.10", (3, 10)),
+        ("rc1", ()),
+    ],
+)
+def test_release_tuple(version, expected):
+    from harts_verl.ops._version import release_tuple
+
+    assert release_tuple(version) == expected
+
+
 def test_scalar_gate_route_overrides_and_errors(monkeypatch):
     from harts_verl.ops.backends.fla_linear import SCALAR_GATE_ENV, scalar_gate_route
 

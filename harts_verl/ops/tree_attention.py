@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from harts_verl.ops._index import concat_ranges, segment_ancestors, to_index
+from harts_verl.ops._version import release_tuple
 from harts_verl.tree._checks import check_positive, is_int
 
 __all__ = [
@@ -65,8 +66,7 @@ __all__ = [
     "tree_attention_dense_ref",
 ]
 
-_TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-_HAS_ENABLE_GQA = _TORCH_VERSION >= (2, 5)
+_HAS_ENABLE_GQA = release_tuple(torch.__version__)[:2] >= (2, 5)
 _DEFAULT_MAX_BUCKET_ELEMENTS = 1 << 26
 
 

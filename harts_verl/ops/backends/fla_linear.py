@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 
+from harts_verl.ops._version import release_tuple
 from harts_verl.ops.linear_attention import DeltaRuleOutput, chunk_delta_rule_varlen, l2norm
 
 __all__ = [
@@ -82,30 +83,13 @@ SCALAR_GATE_ENV = "HARTS_FLA_SCALAR_GATE"
 _BLOCKED_TRITON = ((3, 4, 0), (3, 7, 1))
 
 
-def _version_tuple(version: str) -> tuple[int, ...]:
-    """``"3.6.0+git1234"`` → ``(3, 6, 0)``: the leading numeric release parts."""
-    parts = []
-    for piece in version.split("+")[0].split("."):
-        digits = ""
-        for ch in piece:
-            if not ch.isdigit():
-                break
-            digits += ch
-        if not digits:
-            break
-        parts.append(int(digits))
-        if digits != piece:
-            break
-    return tuple(parts)
-
-
 def scalar_gate_guard(capability: tuple[int, int], triton_version: str | None) -> str | None:
     """Why fla 0.6 refuses its scalar-gate backward on a GPU of compute ``capability`` with
     Triton ``triton_version`` (None: Triton missing), or None where it runs: Hopper (9.x) with
     Triton in [3.4.0, 3.7.1) (fla issue #640)."""
     if capability[0] != 9 or not triton_version:
         return None
-    version = _version_tuple(triton_version)
+    version = release_tuple(triton_version)
     low, high = _BLOCKED_TRITON
     if not version or not (low <= version < high):
         return None

@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from harts_verl.ops._version import release_tuple
+
 __all__ = [
     "AUTOTUNE_ENV",
     "AUTOTUNE_MODES",
@@ -72,9 +74,7 @@ def check_triton() -> Any:
     """
     import triton
 
-    from harts_verl.ops.backends.fla_linear import _version_tuple
-
-    if _version_tuple(triton.__version__)[:2] not in _SUPPORTED_TRITON:
+    if release_tuple(triton.__version__)[:2] not in _SUPPORTED_TRITON:
         raise RuntimeError(
             f"triton {triton.__version__}: the compile helpers hook Triton internals of "
             f"{' / '.join('.'.join(map(str, v)) for v in _SUPPORTED_TRITON)} only"
