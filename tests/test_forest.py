@@ -374,6 +374,18 @@ def test_expanded_layout(seqs):
         assert e.parent[r[0]] == -1 and np.all(e.parent[r[1:]] == r[:-1])
 
 
+def test_expanded_subset_stays_expanded_and_repeats_share():
+    """A subset of an expanded layout shares nothing between distinct trajectories, identical
+    ones included; a repeated index is one trajectory twice and shares all its rows."""
+    seqs = [[1, 2, 3], [1, 2, 3], [1, 2, 4], [4, 5]]
+    e = RolloutForest.expanded(seqs)
+    assert e.subset([0, 1, 3]).equals(RolloutForest.expanded([seqs[0], seqs[1], seqs[3]]))
+    assert e.subset([0, 1, 2]).num_compact_tokens == 9
+    rep = e.subset([3, 3, 0])
+    assert rep.num_compact_tokens == 2 + 3 and rep.num_semantic_tokens == 7
+    np.testing.assert_array_equal(rep.rows_of(0), rep.rows_of(1))
+
+
 def test_empty_forests_have_no_sequences():
     """An empty forest (no trajectories) lists no trajectories, however it was built."""
     empty = RolloutForest.from_sequences([])

@@ -208,6 +208,11 @@ def test_overrides():
     assert max(int(s.max()) for s in w.sequences) < 1000
     assert max(len(s) for s in w.sequences) <= 2048
     assert w.params["path_caps"] == (2048,)
+    # A tiny-mode prompt override is literal and the derived (not overridden) caps fit it.
+    w = swe_like(scale=0.001, seed=0, prompt_tokens=(300, 600))
+    assert w.params["prompt_tokens"] == (300, 600)
+    assert min(w.params["path_caps"]) > 600 + w.params["system_tokens"][1]
+    assert max(len(s) for s in w.sequences) <= max(w.params["path_caps"])
 
 
 def test_small_vocab_keeps_turn_structure():

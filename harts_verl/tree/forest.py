@@ -528,7 +528,10 @@ class RolloutForest:
         restricted, rows keep this forest's order. For a trie (:meth:`from_sequences`,
         :meth:`from_turns`) it equals building one from their sequences; a subset of an
         :meth:`expanded` layout stays expanded (nothing shared), its rows in this forest's
-        order, equal to :meth:`expanded` of their sequences for increasing indices."""
+        order, equal to :meth:`expanded` of their sequences for strictly increasing indices.
+        A repeated index is the same trajectory twice: in every layout its two copies share all
+        their rows (a forest does not record whether it was built expanded, and an expanded
+        layout without common prefixes is also a trie)."""
         idx = np.asarray(trajectory_indices)
         if (
             idx.ndim != 1

@@ -62,7 +62,8 @@ Guarantees:
   and kept turns by ``sqrt(f)`` (each with a small minimum), keeping the tree shape (group
   samples, forks, rewrites, occasional prefix trajectories); ``swe_like(scale=0.001)`` has a few
   hundred to a few thousand tokens. Compression is lower there (small fork budgets).
-  Overrides are always taken literally.
+  Overrides are always taken literally; path caps not overridden are derived from the final
+  prompt lengths (overrides included).
 * Bad arguments (``scale <= 0``, negative ``seed``, unknown or ill-typed override) raise
   ValueError naming the parameter.
 """
@@ -332,7 +333,8 @@ def _head_tokens(p: dict[str, Any]) -> int:
 
 
 def _shrink(p: dict[str, Any], f: float) -> dict[str, Any]:
-    """Tiny mode: turn lengths × f, prompts and caps × f^1.5, counts × sqrt(f) (with minimums)."""
+    """Tiny mode: turn lengths × f, prompts × f^1.5, counts × sqrt(f) (with minimums); path caps
+    are set by :func:`_shrink_caps` once overrides are known."""
     q = dict(p)
 
     def sh(v: Any, lo: int, g: float) -> Any:
@@ -343,9 +345,14 @@ def _shrink(p: dict[str, Any], f: float) -> dict[str, Any]:
     for keys, g in ((_TINY_TURN, f), (_TINY_PATH, f**1.5), (_TINY_COUNT, math.sqrt(f))):
         for key, lo in keys.items():
             q[key] = sh(p[key], lo, g)
-    head = _head_tokens(q)
-    q["path_caps"] = tuple(max(head + 8, round(c * f**1.5)) for c in p["path_caps"])
     return q
+
+
+def _shrink_caps(caps: tuple[int, ...], p: dict[str, Any], f: float) -> tuple[int, ...]:
+    """Tiny-mode path caps: ``caps`` × f^1.5, each above the longest head (prompt and first
+    turns) of the final parameters ``p``, overrides included."""
+    head = _head_tokens(p)
+    return tuple(max(head + 8, round(c * f**1.5)) for c in caps)
 
 
 def _resolve(
@@ -366,6 +373,8 @@ def _resolve(
     p = _shrink(defaults, factor) if factor < 1.0 else dict(defaults)
     for k, v in overrides.items():
         p[k] = tuple(v) if isinstance(v, list) else v
+    if factor < 1.0 and "path_caps" not in overrides:
+        p["path_caps"] = _shrink_caps(defaults["path_caps"], p, factor)
     _check_params(p)
     p.update(scale=scale, seed=int(seed), length_factor=factor)
     return p
