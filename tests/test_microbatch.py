@@ -667,6 +667,37 @@ def test_oversize_plans_cover_every_trajectory_once(forest, cap, dp, slack):
             assert mb.compact_tokens == first.shape[0]
 
 
+@settings(max_examples=25, deadline=None)
+@given(forests(max_traj=10), st.integers(2, 8), st.sampled_from([2, 3, 4]))
+def test_oversize_plans_score_the_whole_plan(forest, cap, dp):
+    """The oversize microbatches are part of every candidate's score: the chosen candidate's
+    score is the final plan's, and a slack plan is never worse in slot-critical work than the
+    strict one (its K aligned with the oversize microbatches counted)."""
+    kw = dict(capacity_tokens=cap, dp_size=dp, allow_oversize=True)
+    strict = plan_microbatches(forest, **kw)
+    slack = plan_microbatches(forest, work_slack=0.2, **kw)
+    for plan in (strict, slack):
+        if plan.strategy != "none":
+            total, crit, max_rep, _ = plan.candidates[plan.strategy]
+            assert (total, crit) == (plan.total_compact_tokens, plan.slot_critical_work)
+            assert max_rep == int(plan.replica_work.max())
+    assert slack.slot_critical_work <= strict.slot_critical_work
+    assert slack.total_compact_tokens <= strict.total_compact_tokens * 1.2 + 1e-9
+
+
+def test_slack_with_oversize_chain_regression():
+    """A chain of 1..50 tokens at capacity 30, dp 3: aligning K without the 20 oversize
+    microbatches used to give a slack plan worse than the strict one (846 / 291 / 8 slots vs
+    840 / 287 / 7)."""
+    f = RolloutForest.from_sequences([[1] * k for k in range(1, 51)])
+    kw = dict(capacity_tokens=30, dp_size=3, allow_oversize=True)
+    strict = plan_microbatches(f, **kw)
+    slack = plan_microbatches(f, work_slack=0.2, **kw)
+    check_plan(f, slack, 30, 3)
+    assert slack.slot_critical_work <= strict.slot_critical_work
+    assert slack.num_slots <= strict.num_slots
+
+
 def test_oversize_copies_share_one_microbatch():
     """Identical copies of an oversize trajectory run together: they cost one copy."""
     long_a, long_b = list(range(100, 110)), list(range(200, 208))

@@ -48,6 +48,9 @@ work (LPT).
 
 **Choice.** Candidates are compared lexicographically by (total compact work, slot-critical work,
 max replica work, number of microbatches); ties keep the earlier candidate. With
+``allow_oversize``, the oversize microbatches (fixed: one per distinct oversize sequence) are
+part of every score, of the balance and repair objectives and of K's alignment to ``dp_size``,
+so each candidate is scored as the whole plan it becomes. With
 ``work_slack=ε > 0`` (default 0) the first key is relaxed: any plan within ``(1 + ε)`` of the
 least total work whose slot-critical work is no worse than the strict choice's is compared on
 the excess of its slot imbalances over ``_REPAIR_TAU`` (1.5 %) first. Balance moves may then
@@ -896,14 +899,31 @@ def _eliminate(st: _State, tries: int = 6, min_bins: int = 1) -> bool:
     return False
 
 
+_NO_FIXED = np.zeros(0, np.int64)
+
+
+def _with_fixed(works: np.ndarray, fixed: np.ndarray) -> np.ndarray:
+    """``fixed`` (the works of the oversize microbatches, which no move changes) before the
+    bins' ``works`` along the last axis; a 2-D ``works`` gets them in every row."""
+    if fixed.size == 0:
+        return works
+    w = np.asarray(works)
+    if w.ndim == 1:
+        return np.concatenate([fixed.astype(w.dtype), w])
+    return np.concatenate([np.broadcast_to(fixed.astype(w.dtype), (w.shape[0], fixed.size)), w], 1)
+
+
 def _crit(works: np.ndarray, dp: int) -> int:
     return int(np.sort(works)[::-1][::dp].sum())
 
 
-def _score_works(works: np.ndarray, dp: int) -> tuple[int, int, int, int]:
-    """(total, slot-critical, max replica, microbatches) of non-empty bins with these works."""
+def _score_works(
+    works: np.ndarray, dp: int, fixed: np.ndarray = _NO_FIXED
+) -> tuple[int, int, int, int]:
+    """(total, slot-critical, max replica, microbatches) of the non-empty bins with these works
+    and the ``fixed`` (oversize) microbatches after them, as :func:`_build_plan` places them."""
     w = np.asarray(works, dtype=np.int64)
-    w = w[w > 0]
+    w = np.concatenate([w[w > 0], fixed])
     if w.size == 0:
         return 0, 0, 0, 0
     _, replica, _ = place_microbatches(w, dp)
@@ -911,9 +931,10 @@ def _score_works(works: np.ndarray, dp: int) -> tuple[int, int, int, int]:
     return int(w.sum()), _crit(w, dp), int(rep.max()), int(w.size)
 
 
-def _slot_objective(works: np.ndarray, dp: int) -> tuple[int, float]:
-    """(slot-critical work, Σ over slots of Σ (slot max − work)²) for sorted grouping."""
-    w = np.sort(works)[::-1]
+def _slot_objective(works: np.ndarray, dp: int, fixed: np.ndarray = _NO_FIXED) -> tuple[int, float]:
+    """(slot-critical work, Σ over slots of Σ (slot max − work)²) for sorted grouping of the
+    bins and the ``fixed`` microbatches."""
+    w = np.sort(_with_fixed(works, fixed))[::-1]
     pad = (-w.shape[0]) % dp
     if pad:
         w = np.concatenate([w, np.zeros(pad, w.dtype)])
@@ -922,28 +943,33 @@ def _slot_objective(works: np.ndarray, dp: int) -> tuple[int, float]:
     return int(mx.sum()), float(((mx[:, None] - g).astype(np.float64) ** 2).sum())
 
 
-def _balance(st: _State, dp: int, budget: int, work_limit: int) -> int:
-    """Piece moves, keeping total work <= ``work_limit``, that lower the slot objective
-    (slot-critical work, then the squared idle inside slots, which lets the search cross
-    plateaus of equal maxima). Empty bins are offered so K can grow to a multiple of ``dp``.
+def _balance(
+    st: _State, dp: int, budget: int, work_limit: int, fixed: np.ndarray = _NO_FIXED
+) -> int:
+    """Piece moves, keeping the bins' total work <= ``work_limit``, that lower the slot
+    objective (slot-critical work, then the squared idle inside slots, which lets the search
+    cross plateaus of equal maxima) of the bins and the ``fixed`` (oversize) microbatches.
+    Empty bins are offered so K plus the fixed ones can grow to a multiple of ``dp``.
     Sources: bins above their slot's mean, worst slots first; each source's candidates are
     screened by the larger of the two resulting works, then by the work they add. Best move
     first; stops when none improves or after ``budget`` moves. Returns the moves made."""
     cap = st.cap
+    nf = int(fixed.size)
     live = int((st.works > 0).sum())
-    want = -(-live // dp) * dp
+    want = -(-(live + nf) // dp) * dp - nf
     if want > live:
         st.add_bins(want - live)
-    cur = _slot_objective(st.works, dp)
+    cur = _slot_objective(st.works, dp, fixed)
     moves = 0
     k = st.k
-    pad = (-k) % dp
+    pad = (-(k + nf)) % dp
     while moves < budget:
         w = st.works
+        wx = _with_fixed(w, fixed)
         total = int(w.sum())
-        order = np.lexsort((np.arange(k), -w))
+        order = np.lexsort((np.arange(k + nf), -wx))
         groups = np.concatenate([order, np.full(pad, -1)]).reshape(-1, dp)
-        gw = np.where(groups >= 0, w[np.maximum(groups, 0)], 0)
+        gw = np.where(groups >= 0, wx[np.maximum(groups, 0)], 0)
         idle = (gw[:, :1] - gw).sum(axis=1)
         cands: list[tuple[tuple[int, float], int, tuple[int, int, int, int, int]]] = []
         pieces: dict[int, _Pieces] = {}
@@ -951,7 +977,7 @@ def _balance(st: _State, dp: int, budget: int, work_limit: int) -> int:
             if idle[s] == 0:
                 break
             mean = gw[s].mean()
-            for a in [int(a) for a in groups[s] if a >= 0 and w[a] > mean][:_BAL_SOURCES]:
+            for a in [int(a) - nf for a in groups[s] if a >= nf and wx[a] > mean][:_BAL_SOURCES]:
                 if a in pieces:
                     continue
                 pa = pieces[a] = st.pieces(a)
@@ -969,7 +995,7 @@ def _balance(st: _State, dp: int, budget: int, work_limit: int) -> int:
                     trial = w.copy()
                     trial[a] = after_a[t]
                     trial[b] = new[t, b]
-                    obj = _slot_objective(trial, dp)
+                    obj = _slot_objective(trial, dp, fixed)
                     if obj < cur:
                         cands.append((obj, len(cands), (a, b, t, int(after_a[t]), int(new[t, b]))))
         if not cands:
@@ -989,12 +1015,17 @@ _TABU_TENURE, _TABU_STALL = 8, 20  # repair: rounds a bin pair stays tabu; non-i
 
 
 def _slot_penalty(
-    works: np.ndarray, dp: int, tau: float = _REPAIR_TAU, crit_limit: float = np.inf
+    works: np.ndarray,
+    dp: int,
+    tau: float = _REPAIR_TAU,
+    crit_limit: float = np.inf,
+    fixed: np.ndarray = _NO_FIXED,
 ) -> np.ndarray:
-    """[C, 3] for works [C, k] under sorted grouping: (excess of the slot-critical work over
-    ``crit_limit`` (0 if none), Σ over slots of max(imbalance − tau, 0)², Σ over slots of
-    imbalance²), compared lexicographically. Empty bins count as empty microbatches."""
-    w = np.atleast_2d(np.asarray(works, dtype=np.float64))
+    """[C, 3] for works [C, k] (and the ``fixed`` microbatches in every row) under sorted
+    grouping: (excess of the slot-critical work over ``crit_limit`` (0 if none), Σ over slots
+    of max(imbalance − tau, 0)², Σ over slots of imbalance²), compared lexicographically.
+    Empty bins count as empty microbatches."""
+    w = _with_fixed(np.atleast_2d(np.asarray(works, dtype=np.float64)), fixed)
     c, k = w.shape
     s = -np.sort(-w, axis=1)
     pad = (-k) % dp
@@ -1077,10 +1108,14 @@ def _sorted_slots(works: np.ndarray, dp: int) -> tuple[np.ndarray, np.ndarray]:
     return slot, ids
 
 
-def _slot_of_bins(works: np.ndarray, dp: int) -> tuple[np.ndarray, np.ndarray]:
-    """Slot of each bin under sorted grouping, and each slot's imbalance."""
-    slot, ids = _sorted_slots(works, dp)
-    return slot, slot_imbalance(np.where(ids >= 0, works[np.maximum(ids, 0)], 0))
+def _slot_of_bins(
+    works: np.ndarray, dp: int, fixed: np.ndarray = _NO_FIXED
+) -> tuple[np.ndarray, np.ndarray]:
+    """Slot of each bin under sorted grouping (of the bins and the ``fixed`` microbatches, which
+    come first), and each slot's imbalance."""
+    wx = _with_fixed(works, fixed)
+    slot, ids = _sorted_slots(wx, dp)
+    return slot[fixed.size :], slot_imbalance(np.where(ids >= 0, wx[np.maximum(ids, 0)], 0))
 
 
 def _move_candidates(
@@ -1178,22 +1213,31 @@ def _swap_exact(
     return ma, mb, lv.set_work(ma), lv.set_work(mb)
 
 
-def _repair(st: _State, dp: int, budget: int, work_limit: int, crit_limit: float = np.inf) -> int:
+def _repair(
+    st: _State,
+    dp: int,
+    budget: int,
+    work_limit: int,
+    crit_limit: float = np.inf,
+    fixed: np.ndarray = _NO_FIXED,
+) -> int:
     """Slot-imbalance repair: piece moves (any bin to any bin, empty bins offered so K reaches
     a multiple of ``dp``) and piece swaps between two bins (one of them in a slot above
     ``_REPAIR_TAU``), keeping total work <= ``work_limit``, that lower :func:`_slot_penalty`
     lexicographically (the excess of each slot's imbalance over ``_REPAIR_TAU``, then
-    Σ imbalance²) under sorted grouping. Each round screens the candidates by the drop of
+    Σ imbalance²) under sorted grouping, the ``fixed`` (oversize) microbatches included (they
+    never move; ``work_limit`` bounds the bins' work). Each round screens the candidates by the drop of
     Σ (work − mean)² (free ones first, then per token of extra work), evaluates the exact slot
     objective of the best ``_REPAIR_CANDS`` (swap works made exact first) and makes the best
     free improving change, else the improving one with the largest gain per extra token.
     Returns the changes made."""
+    nf = int(fixed.size)
     live = int((st.works > 0).sum())
-    want = -(-live // dp) * dp
+    want = -(-(live + nf) // dp) * dp - nf
     if want > st.k:
         st.add_bins(want - st.k)
     k = st.k
-    cur = _slot_penalty(st.works, dp, crit_limit=crit_limit)[0]
+    cur = _slot_penalty(st.works, dp, crit_limit=crit_limit, fixed=fixed)[0]
     best = (tuple(cur), st.label.copy(), st.works.copy())
     # Bin pairs changed in the last _TABU_TENURE rounds (keys a * k + b, both orders) and the
     # round each changed: a few entries, whatever k (a dense k x k table would not fit a
@@ -1217,11 +1261,13 @@ def _repair(st: _State, dp: int, budget: int, work_limit: int, crit_limit: float
             elif stale:
                 margs[a][:, stale] = st.marginals(pieces[a], a, np.asarray(stale))
         stale = []
-        slot, imb = _slot_of_bins(w, dp)
+        wx = _with_fixed(w, fixed)
+        slot, imb = _slot_of_bins(w, dp, fixed)
+        slotx = _slot_of_bins(wx, dp)[0]
         # Bins that must change: in a slot above _REPAIR_TAU, its largest or at most its mean.
         smax = np.zeros(imb.size)
-        np.maximum.at(smax, slot, w)
-        smean = np.bincount(slot, weights=w, minlength=imb.size) / dp
+        np.maximum.at(smax, slotx, wx)
+        smean = np.bincount(slotx, weights=wx, minlength=imb.size) / dp
         hot = (imb[slot] > _REPAIR_TAU) & ((w >= smax[slot]) | (w <= smean[slot]))
         ma, mt, mb_, mwa, mwb, md = _move_candidates(st, pieces, margs, work_limit)
         sa, st_, sb, su, swa, swb, sd = _swap_candidates(st, pieces, margs, work_limit, hot)
@@ -1236,7 +1282,7 @@ def _repair(st: _State, dp: int, budget: int, work_limit: int, crit_limit: float
             break
         drop = (w[a_] - mean) ** 2 + (w[b_] - mean) ** 2 - (wa_ - mean) ** 2 - (wb_ - mean) ** 2
         screen = np.where(d_ <= 0, drop + 1e30, drop / np.maximum(d_, 1))
-        fc, f0, f1 = _fixed_slot_drop(w, dp, a_, b_, wa_, wb_)
+        fc, f0, f1 = _fixed_slot_drop(wx, dp, a_ + nf, b_ + nf, wa_, wb_)
         fs = fc if cur[0] > 0 else (f0 if cur[1] > 0 else f1)
         fscreen = np.where(d_ <= 0, fs + 1e30, fs / np.maximum(d_, 1))
         half = _REPAIR_CANDS // 2
@@ -1253,7 +1299,7 @@ def _repair(st: _State, dp: int, budget: int, work_limit: int, crit_limit: float
         trial = np.repeat(w[None, :], sel.size, axis=0)
         trial[rows, a_[sel]] = wa_[sel]
         trial[rows, b_[sel]] = wb_[sel]
-        obj = _slot_penalty(trial, dp, crit_limit=crit_limit)
+        obj = _slot_penalty(trial, dp, crit_limit=crit_limit, fixed=fixed)
         recent = tabu_rounds >= moves - _TABU_TENURE
         tabu_keys, tabu_rounds = tabu_keys[recent], tabu_rounds[recent]
         pair = a_[sel].astype(np.int64) * k + b_[sel]
@@ -1291,7 +1337,7 @@ def _repair(st: _State, dp: int, budget: int, work_limit: int, crit_limit: float
                             continue
                         tw = w.copy()
                         tw[a_[i]], tw[b_[i]] = ewa, ewb
-                        eo = _slot_penalty(tw, dp, crit_limit=crit_limit)[0]
+                        eo = _slot_penalty(tw, dp, crit_limit=crit_limit, fixed=fixed)[0]
                         if not mode and not _lex_less(eo[None, :], cur)[0]:
                             continue
                         wa_[i], wb_[i], exact_obj = ewa, ewb, eo
@@ -1478,15 +1524,22 @@ def plan_microbatches(
     lv = _Leaves.of(forest, keep)
     n = lv.n
     natural = _natural(lv, cap)
+    # The oversize microbatches are fixed; the search scores every plan with them.
+    fixed = np.asarray([forest.lengths[g[0]] for g in _oversize_groups(forest, big)], np.int64)
     scores: dict[str, tuple[int, int, int, int]] = {}
     best_name, best_lab = "none", np.zeros(0, np.int64)  # no trajectory within the capacity
     if n:
-        best_name, best_lab = _search(lv, cap, dp, natural, families, opt, int(seed), scores)
+        best_name, best_lab = _search(lv, cap, dp, natural, families, opt, int(seed), scores, fixed)
     label, k = _canonical(best_lab)
     return _build_plan(forest, lv, label, k, big, cap, dp, natural, t0, best_name, scores)
 
 
 _ALIGN_STEP, _ALIGN_STEPS, _ALIGN_STARTS = 0.001, 3, 1
+
+
+def _aligned(k: int, nf: int, dp: int) -> int:
+    """The least K >= ``k`` with ``K + nf`` a multiple of ``dp`` (``nf`` fixed microbatches)."""
+    return -(-(k + nf) // dp) * dp - nf
 
 
 def _aligned_starts(
@@ -1499,8 +1552,8 @@ def _aligned_starts(
     budget: int,
     lower: int,
 ) -> list[tuple[str, np.ndarray]]:
-    """Starts for the imbalance repair with exactly ``k_target`` (a multiple of ``dp``)
-    microbatches: tree packings at a reduced capacity (smaller capacities give more, more even
+    """Starts for the imbalance repair with exactly ``k_target`` microbatches (``k_target`` plus
+    the oversize ones a multiple of ``dp``): tree packings at a reduced capacity (smaller capacities give more, more even
     microbatches). The largest capacity ``c`` whose first-fit packing has >= ``k_target``
     microbatches is found by bisection; packings (first and best fit) at ``c·(1 − j·δ)``,
     j < _ALIGN_STEPS, are improved by the local search at their capacity and kept when they
@@ -1551,8 +1604,12 @@ def _search(
     opt: dict[str, Any],
     seed: int,
     scores: dict[str, tuple[int, int, int, int]],
+    fixed: np.ndarray = _NO_FIXED,
 ) -> tuple[str, np.ndarray]:
+    """The chosen candidate (name, labels) of the fitting trajectories ``lv``; every score
+    counts the ``fixed`` (oversize) microbatches too, so ``scores`` are the whole plan's."""
     n = lv.n
+    nf, fsum = int(fixed.size), int(fixed.sum())
     effort = float(opt["effort"])
     slack = float(opt["work_slack"])
     lower = lower_bound_work(lv, cap)
@@ -1567,12 +1624,12 @@ def _search(
         if key in seen:
             return
         seen.add(key)
-        sc = _score_works(lv.works(lab, k), dp)
+        sc = _score_works(lv.works(lab, k), dp, fixed)
         scores[name] = sc
         pool.append((sc, name, lab))
 
     def at_lower_bound() -> bool:  # no candidate can have less total work
-        return bool(pool) and min(t[0][0] for t in pool) <= lower
+        return bool(pool) and min(t[0][0] for t in pool) <= lower + fsum
 
     free: list[tuple[int, int]] = []
     if "natural" in families:
@@ -1585,9 +1642,10 @@ def _search(
         add("tree-ffd", _tree_pack(lv, cap, False, limit))
         add("tree-bfd", _tree_pack(lv, cap, True, limit))
     if "contiguous" in families and dp > 1 and (slack > 0 or not at_lower_bound()):
-        # K aligned to dp_size (the fewest parts and the free optimum's K, rounded up).
+        # K aligned to dp_size, with the oversize microbatches (the fewest parts and the free
+        # optimum's K, rounded up).
         kmin = _min_parts(lv, cap)
-        ks = {-(-kmin // dp) * dp, -(-max(len(free), 1) // dp) * dp} - {len(free)}
+        ks = {_aligned(kmin, nf, dp), _aligned(max(len(free), 1), nf, dp)} - {len(free)}
         ks = {k for k in ks if k * n <= opt["max_layers_work"]}
         for k, parts in sorted(_contiguous_k(lv, cap, sorted(ks)).items()):
             add(f"contiguous-k{k}", _ranges_to_labels(parts, n))
@@ -1596,7 +1654,7 @@ def _search(
         add("greedy-reverse", _greedy_leaf(lv, cap, reverse=True))
     pool.sort(key=lambda t: t[0])
 
-    if opt["improve"] and pool[0][0][0] > lower:
+    if opt["improve"] and pool[0][0][0] > lower + fsum:
         # The best start, and the best start of another family.
         picked = [pool[0]]
         fam0 = pool[0][1].split("-")[0]
@@ -1609,7 +1667,7 @@ def _search(
             add(name + "+ls", st.label)
         pool.sort(key=lambda t: t[0])
         restarts = int(opt["restarts"])
-        if restarts > 0 and pool[0][0][0] > lower:
+        if restarts > 0 and pool[0][0][0] > lower + fsum:
             rng = np.random.default_rng(seed)
             _, name, lab = pool[0]
             for r in range(restarts):
@@ -1628,27 +1686,27 @@ def _search(
         rep_budget = int(max(20, n // 4) * effort)
         for i, (sc, name, lab) in enumerate([c for c in pool if c[0][0] == min_total][:2]):
             st = _State(lv, lab, int(lab.max()) + 1, cap)
-            _balance(st, dp, bal_budget, sc[0])
+            _balance(st, dp, bal_budget, sc[0] - fsum, fixed)
             add(name + "+bal", st.label)
             if slack > 0 and i == 0:
-                _balance(st, dp, bal_budget, limit)
+                _balance(st, dp, bal_budget, limit - fsum, fixed)
                 add(name + "+bal+slack", st.label)
         if slack > 0:
             # Imbalance repair within the work bound, from the least-work plan (K grown to a
             # multiple of dp_size) and from tree packings at reduced capacities whose K is one.
             # Aligned starts first; stop at the first repaired plan with every slot at or
             # below _REPAIR_GOAL.
-            k_target = -(-(int(pool[0][2].max()) + 1) // dp) * dp
+            k_target = _aligned(int(pool[0][2].max()) + 1, nf, dp)
             starts = _aligned_starts(
-                lv, cap, dp, k_target, limit, int(2000 * effort), budget, lower
+                lv, cap, dp, k_target, limit - fsum, int(2000 * effort), budget, lower
             )
             starts.append((pool[0][1], pool[0][2]))
             crit = min(pool, key=lambda t: t[0])[0][1]  # the strict choice's slot-critical work
             for name, lab in starts:
                 rep = _State(lv, lab, int(lab.max()) + 1, cap)
-                _repair(rep, dp, rep_budget, limit, crit)
+                _repair(rep, dp, rep_budget, limit - fsum, crit, fixed)
                 add(name + "+repair", rep.label)
-                if _slot_of_bins(rep.works, dp)[1].max(initial=0.0) <= _REPAIR_GOAL:
+                if _slot_of_bins(rep.works, dp, fixed)[1].max(initial=0.0) <= _REPAIR_GOAL:
                     break
 
     strict_best = min(pool, key=lambda t: t[0])
@@ -1660,7 +1718,7 @@ def _search(
             # least excess slot imbalance (over _REPAIR_TAU) first, then the strict keys.
             worse = sc[0] > limit or sc[1] > strict_best[0][1]
             works = lv.works(t[2], int(t[2].max()) + 1)
-            pen = float(_slot_penalty(works, dp)[0, 1]) if dp > 1 else 0.0
+            pen = float(_slot_penalty(works, dp, fixed=fixed)[0, 1]) if dp > 1 else 0.0
             return (worse, pen, sc[1], sc[2], sc[0], sc[3])
         return sc
 
