@@ -68,11 +68,11 @@ def check_plan(forest: RolloutForest, plan: MicrobatchPlan, cap: int, dp: int) -
         assert mb.trajectories.dtype == np.int64
         seen[mb.trajectories] += 1
         assert mb.compact_tokens == naive_work(forest, mb.trajectories)
-        if mb.compact_tokens > cap:  # allowed only for copies of one oversize trajectory
-            first = forest.tokens_of(int(mb.trajectories[0]))
-            assert mb.compact_tokens == first.shape[0]
-            for i in mb.trajectories[1:]:
-                assert np.array_equal(forest.tokens_of(int(i)), first)
+        if mb.compact_tokens > cap:  # only an oversize path with its copies and prefixes
+            toks = [forest.tokens_of(int(i)) for i in mb.trajectories]
+            longest = max(toks, key=len)
+            assert mb.compact_tokens == longest.shape[0]
+            assert all(np.array_equal(longest[: t.shape[0]], t) for t in toks)
         # trajectories listed in leaf order
         pos = np.empty(n, dtype=np.int64)
         pos[forest.leaf_order] = np.arange(n)
@@ -280,14 +280,15 @@ def test_oversize_raises_or_runs_alone():
         plan_microbatches(f, capacity_tokens=5)
     plan = plan_microbatches(f, capacity_tokens=5, allow_oversize=True, dp_size=2)
     check_plan(f, plan, 5, 2)
+    # Trajectory 0 is a prefix of the oversize trajectory 1: it rides along for free.
     alone = [mb for mb in plan.microbatches if 1 in mb.trajectories.tolist()]
-    assert len(alone) == 1 and alone[0].trajectories.tolist() == [1]
+    assert len(alone) == 1 and alone[0].trajectories.tolist() == [0, 1]
     assert alone[0].compact_tokens == 7
-    assert plan.total_compact_tokens == 7 + naive_work(f, [0, 2])
+    assert plan.total_compact_tokens == 7 + naive_work(f, [2])
     assert plan.strategy in plan.candidates
     only = plan_microbatches(f, capacity_tokens=2, allow_oversize=True)  # nothing to search
     check_plan(f, only, 2, 1)
-    assert only.strategy == "none" and only.num_microbatches == 3
+    assert only.strategy == "none" and only.num_microbatches == 2
 
 
 def test_bad_arguments():
@@ -660,11 +661,20 @@ def test_oversize_plans_cover_every_trajectory_once(forest, cap, dp, slack):
     )
     check_plan(forest, plan, cap, dp)
     seqs = forest.sequences
+    held = np.zeros(forest.num_trajectories, bool)
     for mb in plan.microbatches:
-        if mb.compact_tokens > cap:  # only copies of one oversize trajectory
-            first = seqs[int(mb.trajectories[0])]
-            assert all(np.array_equal(seqs[int(i)], first) for i in mb.trajectories)
-            assert mb.compact_tokens == first.shape[0]
+        if mb.compact_tokens > cap:  # an oversize path with its copies and prefixes
+            longest = max((seqs[int(i)] for i in mb.trajectories), key=len)
+            assert mb.compact_tokens == longest.shape[0]
+            for i in mb.trajectories:
+                s = seqs[int(i)]
+                assert np.array_equal(longest[: s.shape[0]], s)
+            held[mb.trajectories] = True
+    # No trajectory outside them is a prefix of a held oversize one (it would ride for free).
+    big = [seqs[i] for i in np.flatnonzero(held) if seqs[i].shape[0] > cap]
+    for i in np.flatnonzero(~held):
+        s = seqs[i]
+        assert not any(b.shape[0] >= s.shape[0] and np.array_equal(b[: s.shape[0]], s) for b in big)
 
 
 @settings(max_examples=25, deadline=None)
@@ -708,6 +718,25 @@ def test_oversize_copies_share_one_microbatch():
     groups = sorted(mb.trajectories.tolist() for mb in plan.microbatches if mb.compact_tokens > 5)
     assert groups == [[0, 3, 5], [2, 6]]
     assert plan.total_compact_tokens == 10 + 8 + naive_work(f, [1, 4])
+
+
+def test_oversize_paths_hold_their_prefixes():
+    """A trajectory that is a prefix of an oversize one (oversize itself or not) adds no row to
+    its microbatch and runs there: [1..20] with [1..5] at capacity 10 is one microbatch of 20
+    rows (was 25 in two), and a chain of oversize prefixes is one microbatch."""
+    f = RolloutForest.from_sequences([list(range(1, 21)), list(range(1, 6)), [7, 8]])
+    plan = plan_microbatches(f, capacity_tokens=10, allow_oversize=True)
+    check_plan(f, plan, 10, 1)
+    got = sorted((mb.trajectories.tolist(), mb.compact_tokens) for mb in plan.microbatches)
+    assert got == [([1, 0], 20), ([2], 2)]  # members in leaf order
+    chain = RolloutForest.from_sequences([[1] * k for k in (30, 12, 20, 3, 30)])
+    plan = plan_microbatches(chain, capacity_tokens=10, dp_size=2, allow_oversize=True)
+    check_plan(chain, plan, 10, 2)
+    assert plan.total_compact_tokens == 30 and plan.num_slots == 1
+    assert sorted(plan.microbatches[0].trajectories.tolist()) == [0, 1, 2, 3, 4]
+    # In an expanded layout nothing is shared, so nothing rides along.
+    e = RolloutForest.expanded([list(range(1, 21)), list(range(1, 6))])
+    assert plan_microbatches(e, capacity_tokens=10, allow_oversize=True).total_compact_tokens == 25
 
 
 def test_work_slack_with_one_token_trajectories_and_capacity_one():

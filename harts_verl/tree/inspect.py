@@ -162,8 +162,8 @@ def forest_statistics(
     **plan_options: Any,
 ) -> dict[str, Any]:
     """Statistics of ``forest`` as a JSON-ready dict; with ``capacity_tokens`` also the planned
-    microbatches (:func:`plan_microbatches`; an oversize trajectory and its copies get a
-    microbatch of their own).
+    microbatches (:func:`plan_microbatches`; an oversize trajectory, its copies and its
+    prefixes get a microbatch of their own).
 
     Keys: ``summary`` (sizes, compression), ``trajectory_length`` (quantiles),
     ``depth_histogram`` (segments per trajectory path), ``branching_histogram`` (children per
@@ -176,10 +176,10 @@ def forest_statistics(
 
     Guarantees: ``forks.replay_tokens`` equals ``plan_linear_calls(forest,
     chunk_size=chunk_size).replay_tokens``; ``plan.lower_bound_compact_tokens`` is at most the
-    total work of any plan that runs each oversize sequence in a microbatch of its own, as the
-    planner does (hence at most ``plan.total_compact_tokens``): the
-    :func:`lower_bound_work` of the trajectories that fit plus one copy's length for each
-    distinct oversize sequence (its copies share one microbatch, as the planner runs them).
+    total work of any plan that runs each oversize sequence in a microbatch of its own, with its
+    copies and its prefixes, as the planner does (hence at most ``plan.total_compact_tokens``):
+    the :func:`lower_bound_work` of the other trajectories that fit plus one copy's length for
+    each distinct oversize sequence.
 
     Raises TypeError naming ``forest`` when it is not a :class:`RolloutForest`, ValueError
     naming ``chunk_size`` unless it is an int (Python or numpy) in ``[1, 2**63 - 1]``, and the
@@ -229,14 +229,17 @@ def forest_statistics(
         sw = plan.slot_work
         imb = plan.slot_imbalance()
         keep = forest.lengths <= capacity_tokens
-        # Copies of one oversize sequence share a microbatch: count each distinct one once.
-        big = _oversize_groups(forest, np.flatnonzero(~keep))
+        # Copies of one oversize sequence share a microbatch, with the prefixes it holds for
+        # free: count each distinct one once, and bound the rest.
+        big, big_works, absorbed = _oversize_groups(forest, np.flatnonzero(~keep), keep)
+        rest = keep.copy()
+        rest[absorbed] = False
         out["plan"] = {
             **plan.summary(),
             "lower_bound_compact_tokens": lower_bound_work(
-                forest.subset(np.flatnonzero(keep)), capacity_tokens
+                forest.subset(np.flatnonzero(rest)), capacity_tokens
             )
-            + sum(int(forest.lengths[g[0]]) for g in big),
+            + int(big_works.sum()),
             "oversize_trajectories": int((~keep).sum()),
             "oversize_microbatches": len(big),
             "expansion_vs_forest": plan.total_compact_tokens / max(forest.num_compact_tokens, 1),

@@ -147,8 +147,9 @@ class MicrobatchPlan:
     """A microbatch / DP-replica / slot plan.
 
     Guarantees: every trajectory is in exactly one microbatch; every microbatch has at most
-    ``capacity_tokens`` compact rows (except one holding only copies of one oversize trajectory,
-    with ``allow_oversize=True``); every replica has exactly ``num_slots`` microbatches (padding ones
+    ``capacity_tokens`` compact rows (except, with ``allow_oversize=True``, one holding the
+    copies of one oversize trajectory and the trajectories that are its prefixes, which add no
+    row; its work is that trajectory's length); every replica has exactly ``num_slots`` microbatches (padding ones
     are empty), one per slot; ``microbatches`` is ordered by (slot, replica).
 
     ``total_compact_tokens`` = Σ microbatch works; ``slot_critical_work`` = Σ over slots of the
@@ -1497,7 +1498,9 @@ def plan_microbatches(
 
     Options: ``allow_oversize`` (default False: a trajectory longer than ``capacity_tokens``
     raises ValueError naming it; True: it runs in its own microbatch, together with its
-    identical copies, which cost nothing more); ``strategies``
+    identical copies and the trajectories that are its prefixes — oversize or not — which cost
+    nothing more);
+    ``strategies``
     (subset of ``natural``, ``contiguous``, ``tree``, ``greedy``, or one such name; default
     all); ``improve``
     (local search, default True); ``balance`` (balance moves, default True); ``work_slack``
@@ -1510,8 +1513,8 @@ def plan_microbatches(
     ``>= 0`` (ValueError naming it, checked before any planning).
 
     Guarantees: each trajectory is in exactly one microbatch; no microbatch exceeds the
-    capacity (except the copies of one oversize trajectory, when allowed); every replica gets the same
-    number of slots; the plan is a deterministic function of the inputs and ``seed``.
+    capacity (except the copies of one oversize path with its prefixes, when allowed);
+    every replica gets the same number of slots; the plan is a deterministic function of the inputs and ``seed``.
     """
     t0 = time.perf_counter()
     _check_forest(forest)
@@ -1521,17 +1524,21 @@ def plan_microbatches(
     big = _oversize(forest, cap, bool(opt["allow_oversize"]))
     keep = np.ones(forest.num_trajectories, dtype=bool)
     keep[big] = False
+    # The oversize microbatches (with the prefixes they hold for free) are fixed; the search
+    # scores every plan with them.
+    big_groups, fixed, absorbed = _oversize_groups(forest, big, keep)
+    keep[absorbed] = False
     lv = _Leaves.of(forest, keep)
     n = lv.n
     natural = _natural(lv, cap)
-    # The oversize microbatches are fixed; the search scores every plan with them.
-    fixed = np.asarray([forest.lengths[g[0]] for g in _oversize_groups(forest, big)], np.int64)
     scores: dict[str, tuple[int, int, int, int]] = {}
     best_name, best_lab = "none", np.zeros(0, np.int64)  # no trajectory within the capacity
     if n:
         best_name, best_lab = _search(lv, cap, dp, natural, families, opt, int(seed), scores, fixed)
     label, k = _canonical(best_lab)
-    return _build_plan(forest, lv, label, k, big, cap, dp, natural, t0, best_name, scores)
+    return _build_plan(
+        forest, lv, label, k, (big, big_groups, fixed), cap, dp, natural, t0, best_name, scores
+    )
 
 
 _ALIGN_STEP, _ALIGN_STEPS, _ALIGN_STARTS = 0.001, 3, 1
@@ -1843,7 +1850,7 @@ def _build_plan(
     lv: _Leaves,
     label: np.ndarray,
     k: int,
-    big: np.ndarray,
+    oversize: tuple[np.ndarray, list[np.ndarray], np.ndarray],
     cap: int,
     dp: int,
     natural: list[tuple[int, int]],
@@ -1851,12 +1858,13 @@ def _build_plan(
     strategy: str,
     scores: dict[str, tuple[int, int, int, int]],
 ) -> MicrobatchPlan:
+    """The plan of the fitting trajectories' labels and the ``oversize`` microbatches
+    ``(oversize trajectories, groups, works)`` of :func:`_oversize_groups`."""
+    big, big_groups, big_works = oversize
     order = np.argsort(label, kind="stable")
     counts = np.bincount(label, minlength=k) if k else np.zeros(0, np.int64)
     groups = [lv.traj[g] for g in np.split(order, np.cumsum(counts)[:-1])] if k else []
-    big_groups = _oversize_groups(forest, big)
     groups += big_groups
-    big_works = [int(forest.lengths[g[0]]) for g in big_groups]
     works = np.concatenate([lv.works(label, k), big_works]).astype(np.int64)
     slot, replica, num_slots = place_microbatches(works, dp)
     table = {
@@ -1886,17 +1894,54 @@ def _build_plan(
     )
 
 
-def _oversize_groups(forest: RolloutForest, big: np.ndarray) -> list[np.ndarray]:
-    """The oversize trajectories ``big`` grouped by token sequence (ascending first index): the
-    copies of one sequence share a microbatch, whose work is one copy's length."""
+def _oversize_groups(
+    forest: RolloutForest, big: np.ndarray, fitting: np.ndarray | None = None
+) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """The microbatches of the oversize trajectories ``big``: ``(groups, works, absorbed)``.
+
+    One group per *maximal* oversize path (one that is no prefix of another oversize path, in
+    this layout): its copies and every oversize trajectory that is a prefix of it share its
+    rows — the first such path in row order when there are several. Its work is the path's
+    length; groups are ordered by their first oversize trajectory index. With ``fitting`` (a
+    bool mask of trajectories within the capacity), each fitting trajectory whose rows all lie
+    on a maximal oversize path joins that group the same way — it adds no row there;
+    ``absorbed`` lists them (int64, ascending). Members of a group are in leaf order."""
+    empty = np.zeros(0, np.int64)
     if big.size == 0:
-        return []
-    # A trajectory's last row determines its whole sequence (its path from the root).
-    last = forest.semantic_rows[forest.row_offsets[1:] - 1][big]
-    _, inverse = np.unique(last, return_inverse=True)
-    order = np.argsort(inverse, kind="stable")
-    parts = np.split(order, np.cumsum(np.bincount(inverse))[:-1])
-    return sorted((big[p].astype(np.int64) for p in parts), key=lambda g: int(g[0]))
+        return [], empty, empty
+    # A trajectory's last row determines its whole path from the root; row k is an
+    # ancestor-or-self of row q iff k <= q < k + subtree_size[k] (preorder).
+    last_all = forest.semantic_rows[forest.row_offsets[1:] - 1]
+    size = forest.subtree_size
+    rows = np.unique(last_all[big])  # ascending
+    paths = rows[np.append(rows[1:] >= rows[:-1] + size[rows[:-1]], True)]  # maximal ones
+
+    def onto(traj: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(mask, path index): the first maximal path through each trajectory's last row."""
+        r = last_all[traj]
+        j = np.searchsorted(paths, r, side="left")
+        ok = j < paths.size
+        ok[ok] = paths[j[ok]] < r[ok] + size[r[ok]]
+        return ok, j
+
+    member = big.astype(np.int64)
+    group = onto(member)[1]  # every oversize trajectory lies on a maximal path
+    absorbed = empty
+    if fitting is not None:
+        cand = np.flatnonzero(fitting).astype(np.int64)
+        ok, j = onto(cand)
+        absorbed = cand[ok]
+        member = np.concatenate([member, absorbed])
+        group = np.concatenate([group, j[ok]])
+    pos = np.empty(forest.num_trajectories, np.int64)
+    pos[forest.leaf_order] = np.arange(forest.num_trajectories)
+    order = np.lexsort((pos[member], group))
+    parts = np.split(member[order], np.cumsum(np.bincount(group, minlength=paths.size))[:-1])
+    first = np.full(paths.size, forest.num_trajectories, np.int64)
+    np.minimum.at(first, group[: big.size], big)
+    rank = np.argsort(first, kind="stable")
+    works = (forest.depth[paths] + 1).astype(np.int64)
+    return [parts[g] for g in rank], works[rank], absorbed
 
 
 def _natural_full(
