@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 import torch
 
+from harts_verl.tree import RolloutForest
+
 pytest.importorskip("verl")
 
 
@@ -127,6 +129,13 @@ def test_two_rank_dp_equals_single_process(tmp_path):
     for tag, split in (("dp", parts), ("uneven", uneven)):
         ranks = _launch(2, {**base, "parts": split}, tmp_path, tag)
         _check_against_single(ranks, single, len(seqs))
+        # harts/compression is the realized one: Σ S / Σ of each rank's own compact rows.
+        rows = sum(
+            RolloutForest.from_sequences([seqs[i] for i in p]).num_compact_tokens for p in split
+        )
+        realized = sum(map(len, seqs)) / rows
+        for r in ranks:
+            assert r["metrics"]["harts/compression"] == pytest.approx([realized], rel=1e-12)
         c0, c1 = ranks[0]["calls"], ranks[1]["calls"]
         assert sorted(c0) == sorted(c1) == [1, 2]  # infer_batch, train_batch
         for call in c0:  # every engine call: the same number of micro-batches on both ranks

@@ -54,8 +54,9 @@ class HartsConfig(BaseConfig):
       capacity_tokens: compact rows per micro-batch; None = the batch's
         ``max_token_len_per_gpu`` (train: ``ppo_max_token_len_per_gpu``), or with
         ``use_dynamic_bsz`` false ``micro_batch_size_per_gpu`` × the batch's longest trajectory.
-      min_compression: when the global batch's compression S/C is below this, the batch runs
-        the stock path (metric ``harts/fallback`` = 1).
+      min_compression: when the batch's realized compression over all DP ranks, Σ S / Σ C
+        (each rank's C the compact rows of its own part, as they would run), is below this,
+        the batch runs the stock path (metric ``harts/fallback`` = 1).
       audit_every: every N engine calls, recompute the log-probs of a sample of trajectories
         with the stock (expanded) path and log ``harts/audit`` (max abs log-prob difference; 0 = never).
       audit_trajectories: how many trajectories the audit samples.

@@ -45,8 +45,9 @@ support, dropout in training, a batch that carries multi-modal inputs
 multi-modal model run in tree mode), under Ulysses SP a trajectory longer than one rank's token
 budget, fused kernels (or a logit-transforming forward) on a model without HF's ``model`` /
 ``lm_head`` parts, top-k
-distillation, training with router jitter, dynamic RoPE beyond its original context, or global
-compression below ``harts.min_compression``. The decision is taken jointly by all DP ranks;
+distillation, training with router jitter, dynamic RoPE beyond its original context, or a
+realized compression (Σ over DP ranks of S / Σ of each rank's own C: a tree that veRL's
+balancing split across ranks pays its shared rows on each) below ``harts.min_compression``. The decision is taken jointly by all DP ranks;
 each reason is logged at WARNING the first time it occurs.
 Every micro-batch of a fallback batch runs veRL's own ``forward_step``.
 """
