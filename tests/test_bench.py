@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import math
 import sys
 from pathlib import Path
@@ -138,6 +139,10 @@ def test_model_errors(tmp_path, monkeypatch):
     llama = tiny_hf_config("llama").to_dict()  # values transformers' own validation rejects
     (tmp_path / "heads.json").write_text(json.dumps({**llama, "num_attention_heads": 3}))
     (tmp_path / "typed.json").write_text(json.dumps({**llama, "hidden_size": "abc"}))
+    qwen3 = tiny_hf_config("qwen3").to_dict()  # sizes transformers accepts but cannot run
+    (tmp_path / "heads0.json").write_text(json.dumps({**qwen3, "num_attention_heads": 0}))
+    kv3 = {**qwen3, "num_attention_heads": 2, "num_key_value_heads": 3}
+    (tmp_path / "kv3.json").write_text(json.dumps(kv3))
     real_load = hf.load_causal_lm
     monkeypatch.setattr(hf, "load_causal_lm", lambda *a, **k: pytest.fail("model built"))
     for spec, msg in [
@@ -151,6 +156,8 @@ def test_model_errors(tmp_path, monkeypatch):
         (tmp_path / "capped" / "config.json", r"config\.final_logit_softcapping: .* -30\.0"),
         (tmp_path / "heads.json", "config of .*not a multiple of the number of attention heads"),
         (tmp_path / "typed.json", "config of .*'hidden_size' expected int"),
+        (tmp_path / "heads0.json", "num_attention_heads must be >= 1, got 0"),
+        (tmp_path / "kv3.json", "num_attention_heads 2 is not a multiple of num_key_value_heads 3"),
     ]:
         with pytest.raises(ValueError, match=msg) as info:
             run_bench(BenchConfig(model=str(spec), **SMALL))
@@ -169,11 +176,23 @@ def test_model_errors(tmp_path, monkeypatch):
     cfg = json.loads((tmp_path / "reshaped" / "config.json").read_text())
     cfg["intermediate_size"] *= 2
     (tmp_path / "reshaped" / "config.json").write_text(json.dumps(cfg))
-    for spec, msg in [("corrupt", "deserializing header"), ("reshaped", "do not fit its config")]:
-        with pytest.raises(
-            ValueError, match=rf"^model: .*{spec}.*cannot load its weights: .*{msg}"
-        ):
-            run_bench(BenchConfig(model=str(tmp_path / spec), **SMALL))
+    records: list[logging.LogRecord] = []
+    seen = logging.Handler()
+    seen.emit = records.append
+    logging.getLogger("transformers").addHandler(seen)
+    try:
+        for spec, msg in [
+            ("corrupt", "deserializing header"),
+            ("reshaped", "do not fit its config"),
+        ]:
+            with pytest.raises(
+                ValueError, match=rf"^model: .*{spec}.*cannot load its weights: .*{msg}"
+            ):
+                run_bench(BenchConfig(model=str(tmp_path / spec), **SMALL))
+    finally:
+        logging.getLogger("transformers").removeHandler(seen)
+    # The failed load's report table is not printed before the one-line error.
+    assert not any("LOAD REPORT" in r.getMessage() for r in records)
 
 
 def test_load_causal_lm_reads_the_named_config_file(tmp_path, monkeypatch):

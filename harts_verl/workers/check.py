@@ -27,11 +27,14 @@ traceback). Errors of the audit itself are not input errors and keep their trace
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import math
 import os
 import pickle
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -389,7 +392,31 @@ def tree_model_config(spec: str) -> Any:
         config_logit_transform(cfg)
     except ValueError as exc:
         raise ValueError(f"model: {spec!r}: {exc}") from exc
+    _check_sizes(cfg, spec)
     return cfg
+
+
+_POSITIVE_SIZES = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads")
+
+
+def _check_sizes(cfg: Any, spec: str) -> None:
+    """ValueError naming ``spec`` and the field when a size of the (text) config is an int
+    below 1, or its query heads are not a multiple of its key/value heads (every GQA model
+    shares each key/value head among a whole number of query heads)."""
+    for sub in (cfg, getattr(cfg, "text_config", None)):
+        if sub is None:
+            continue
+        for name in _POSITIVE_SIZES:
+            v = getattr(sub, name, None)
+            if isinstance(v, int) and not isinstance(v, bool) and v < 1:
+                raise ValueError(f"model: {spec!r}: {name} must be >= 1, got {v}")
+        heads = getattr(sub, "num_attention_heads", None)
+        kv = getattr(sub, "num_key_value_heads", None)
+        if isinstance(heads, int) and isinstance(kv, int) and heads % kv:
+            raise ValueError(
+                f"model: {spec!r}: num_attention_heads {heads} is not a multiple of "
+                f"num_key_value_heads {kv}"
+            )
 
 
 def load_tree_model(
@@ -404,12 +431,15 @@ def load_tree_model(
 
     tree_model_config(spec)
     try:
-        return load_causal_lm(spec, dtype=dtype, seed=seed, eager_experts=eager_experts)
+        with _held_transformers_warnings():
+            return load_causal_lm(spec, dtype=dtype, seed=seed, eager_experts=eager_experts)
     except OSError as exc:  # e.g. a directory without weights
         hint = " (pass its config.json for random weights)" if os.path.isdir(spec) else ""
         raise ValueError(f"model: {exc}{hint}") from exc
-    except (ValueError, TypeError, KeyError, *_HUB_ERRORS) as exc:
+    except (ValueError, TypeError, KeyError, ArithmeticError, *_HUB_ERRORS) as exc:
         msg = _one_line(exc)
+        if isinstance(exc, ArithmeticError):  # e.g. a size of 0 the class divides by
+            msg = f"building the model from its config failed ({type(exc).__name__}: {msg})"
         if isinstance(exc, KeyError):  # e.g. an unknown hidden_act: the bare key says little
             msg = f"building the model failed on the unknown key / value {msg} of its config"
         raise ValueError(msg if msg.startswith("model:") else f"model: {spec!r}: {msg}") from exc
@@ -418,6 +448,27 @@ def load_tree_model(
         if "ignore_mismatched_sizes" in msg:
             msg = "its weights do not fit its config (some tensor shapes differ)"
         raise ValueError(f"model: {spec!r}: cannot load its weights: {msg}") from exc
+
+
+@contextlib.contextmanager
+def _held_transformers_warnings() -> Iterator[None]:
+    """transformers' log records (its weight-loading report among them) are held while the
+    block runs and passed on to its own handlers only when the block succeeds: a load that
+    fails says so in the one line of the error it raises, not after a multi-line table."""
+    root = logging.getLogger("transformers")
+    held: list[logging.LogRecord] = []
+
+    class _Hold(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            held.append(record)
+
+    handlers, root.handlers = root.handlers, [_Hold()]
+    try:
+        yield
+    finally:
+        root.handlers = handlers
+    for record in held:  # only reached on success
+        root.handle(record)
 
 
 def _flag(exc: BaseException, flag: str, field: str) -> ValueError:
