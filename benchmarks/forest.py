@@ -16,7 +16,7 @@ import numpy as np
 from harts_verl.tree import RolloutForest
 from harts_verl.tree._checks import finite_float_arg, int_arg
 from harts_verl.tree.naive import build_naive_trie
-from harts_verl.tree.workloads import WORKLOADS
+from harts_verl.tree.workloads import MAX_SCALE, WORKLOADS
 
 
 def _best_of(fn, repeats: int) -> tuple[float, object]:
@@ -33,9 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workload", default="swe_like", choices=sorted(WORKLOADS))
     ap.add_argument(
         "--scale",
-        type=finite_float_arg(0, inclusive=False),
+        type=finite_float_arg(0, inclusive=False, hi=MAX_SCALE),
         default=16.0,
-        help="workload scale (finite, > 0; about scale x 1M semantic tokens above the tiny range, at least one whole group)",
+        help="workload scale in (0, 256]: at least scale x 1M semantic tokens above the tiny range, in whole groups",
     )
     ap.add_argument("--seed", type=int_arg(0), default=0)
     ap.add_argument("--repeats", type=int_arg(1), default=3, help="best-of runs (>= 1)")

@@ -24,7 +24,7 @@ import numpy as np
 
 from harts_verl.tree import RolloutForest, plan_linear_calls
 from harts_verl.tree._checks import finite_float_arg, int_arg
-from harts_verl.tree.workloads import WORKLOADS
+from harts_verl.tree.workloads import MAX_SCALE, WORKLOADS
 
 TARGETS = (32_000, 100_000, 320_000, 1_000_000)
 
@@ -68,9 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workload", default="swe_like", choices=sorted(WORKLOADS))
     ap.add_argument(
         "--scale",
-        type=finite_float_arg(0, inclusive=False),
+        type=finite_float_arg(0, inclusive=False, hi=MAX_SCALE),
         default=12.0,
-        help="workload scale (finite, > 0; about scale x 1M semantic tokens above the tiny range, at least one whole group)",
+        help="workload scale in (0, 256]: at least scale x 1M semantic tokens above the tiny range, in whole groups",
     )
     ap.add_argument("--seed", type=int_arg(0), default=0)
     ap.add_argument("--chunk-size", type=int_arg(1), default=64)

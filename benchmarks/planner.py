@@ -423,9 +423,9 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - CLI
     )
     ap.add_argument(
         "--work-slack",
-        type=finite_float_arg(0, inclusive=True),
+        type=finite_float_arg(0, inclusive=True, hi=1, hi_inclusive=False),
         default=0.02,
-        help="also report ours with this work_slack at dp > 1 (0 disables)",
+        help="also report ours with this work_slack in [0, 1) at dp > 1 (0 disables)",
     )
     ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args(argv)

@@ -44,7 +44,7 @@ from harts_verl.tree._checks import INT64_MAX, SEED_MAX, check_int
 from harts_verl.tree._checks import is_int as _is_int
 from harts_verl.tree.inspect import json_text, plot_path
 from harts_verl.tree.linear_plan import plan_linear_calls
-from harts_verl.tree.workloads import WORKLOADS
+from harts_verl.tree.workloads import MAX_SCALE, WORKLOADS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -196,8 +196,9 @@ def _check_config(cfg: BenchConfig) -> tuple[torch.device, str | None]:
         or not isinstance(scale, int | float)
         or not math.isfinite(scale)
         or scale <= 0
+        or scale > MAX_SCALE
     ):
-        raise ValueError(f"scale: expected a finite number > 0, got {scale!r}")
+        raise ValueError(f"scale: expected a finite number in (0, {MAX_SCALE}], got {scale!r}")
     if cfg.workload_overrides is not None and not isinstance(cfg.workload_overrides, dict):
         raise ValueError(
             "workload_overrides: expected None or a dict, got "

@@ -102,16 +102,17 @@ def _add_bench_args(
 ) -> None:
     from harts_verl.benchmark import BENCH_WORKLOAD_OPTIONS, DTYPES, BenchConfig
     from harts_verl.models import PRESETS
-    from harts_verl.tree.workloads import WORKLOADS
+    from harts_verl.tree.workloads import MAX_SCALE, WORKLOADS
 
     d = BenchConfig(**defaults)  # type: ignore[arg-type]
     p.set_defaults(_overrides_default=d.workload_overrides)
     p.add_argument("--workload", default=d.workload, choices=sorted(WORKLOADS))
     p.add_argument(
         "--scale",
-        type=finite_float_arg(0, inclusive=False),
+        type=finite_float_arg(0, inclusive=False, hi=MAX_SCALE),
         default=d.scale,
-        help="workload scale (≈ scale × 1M tokens; finite, > 0)",
+        help="workload scale: at least scale × 1M semantic tokens in whole groups (one group, "
+        "a few M tokens, below that size; tiny shrunken groups below 0.05); in (0, 256]",
     )
     p.add_argument("--seed", type=int_arg(0), default=d.seed)
     p.add_argument(
@@ -300,7 +301,7 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int_arg(0), default=0)
     p.add_argument(
         "--work-slack",
-        type=finite_float_arg(0, inclusive=True),
+        type=finite_float_arg(0, inclusive=True, hi=1, hi_inclusive=False),
         default=0.0,
         help="planner work_slack in [0, 1): extra compact tokens allowed for slot balance",
     )

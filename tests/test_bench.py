@@ -217,6 +217,7 @@ def test_load_causal_lm_reads_the_named_config_file(tmp_path, monkeypatch):
         ("warmup", 0, "warmup"),
         ("scale", float("nan"), "scale"),
         ("scale", 0, "scale"),
+        ("scale", 1e30, "scale"),
         ("seed", -1, "seed"),
         ("workload", "nope", "workload"),
         ("workload_overrides", [("path_caps", [512])], "workload_overrides"),
@@ -304,8 +305,9 @@ def test_cli_argument_errors(tmp_path, capsys, monkeypatch):
         (["bench", "--max-semantic-tokens", "-1"], "argument --max-semantic-tokens"),
         (["bench", "--chunk-size", "0"], "argument --chunk-size"),
         (["bench", "--seed", "-1"], "argument --seed"),
-        (["bench", "--scale", "nan"], "argument --scale: expected a finite number > 0"),
+        (["bench", "--scale", "nan"], "argument --scale: expected a finite number in (0, 256]"),
         (["bench", "--scale", "inf"], "argument --scale"),
+        (["bench", "--scale", "1e5"], "argument --scale: expected a finite number in (0, 256]"),
         (["bench", "--dtype", "float16"], "argument --dtype: invalid choice: 'float16'"),
         (["bench", "--workload", "nope"], "argument --workload: invalid choice: 'nope'"),
         (["bench", "--preset", "nope"], "argument --preset: invalid choice"),
@@ -314,6 +316,10 @@ def test_cli_argument_errors(tmp_path, capsys, monkeypatch):
         (["inspect", "f.npz", "--capacity", "-5"], "argument --capacity"),
         (["inspect", "f.npz", "--work-slack", "-1"], "argument --work-slack: expected a finite"),
         (["inspect", "f.npz", "--work-slack", "nan"], "argument --work-slack"),
+        (
+            ["inspect", "f.npz", "--work-slack", "1.0"],
+            "--work-slack: expected a finite number in [0, 1)",
+        ),
     ]:
         with pytest.raises(SystemExit) as info:
             main(argv)

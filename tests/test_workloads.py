@@ -231,6 +231,7 @@ def test_small_vocab_keeps_turn_structure():
         ({"scale": -1.0}, "scale"),
         ({"scale": float("nan")}, "scale"),
         ({"scale": float("inf")}, "scale"),
+        ({"scale": 257}, "scale"),
         ({"scale": "1"}, "scale"),
         ({"scale": True}, "scale"),
         ({"seed": -1}, "seed"),

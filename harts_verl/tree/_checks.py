@@ -69,20 +69,28 @@ def int_arg(lo: int, hi: int | None = None) -> Callable[[str], int]:
     return parse
 
 
-def finite_float_arg(lo: float, *, inclusive: bool) -> Callable[[str], float]:
-    """argparse ``type=``: a finite float ``>= lo`` (``inclusive``) or ``> lo``."""
-    op = ">=" if inclusive else ">"
+def finite_float_arg(
+    lo: float, *, inclusive: bool, hi: float | None = None, hi_inclusive: bool = True
+) -> Callable[[str], float]:
+    """argparse ``type=``: a finite float ``>= lo`` (``inclusive``) or ``> lo``, and with ``hi``
+    also ``<= hi`` (``hi_inclusive``) or ``< hi``."""
+    want = f"{'>=' if inclusive else '>'} {lo}"
+    if hi is not None:
+        want = f"in {'[' if inclusive else '('}{lo}, {hi}{']' if hi_inclusive else ')'}"
 
     def parse(text: str) -> float:
         try:
             v = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"expected a finite number {op} {lo}, got {text!r}"
+                f"expected a finite number {want}, got {text!r}"
             ) from None
-        if not math.isfinite(v) or (v < lo if inclusive else v <= lo):
-            raise argparse.ArgumentTypeError(f"expected a finite number {op} {lo}, got {text!r}")
+        bad = not math.isfinite(v) or (v < lo if inclusive else v <= lo)
+        if hi is not None:
+            bad = bad or (v > hi if hi_inclusive else v >= hi)
+        if bad:
+            raise argparse.ArgumentTypeError(f"expected a finite number {want}, got {text!r}")
         return v
 
-    parse.__name__ = f"float{op}{lo}"
+    parse.__name__ = f"float {want}"
     return parse

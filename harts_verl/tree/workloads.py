@@ -64,8 +64,8 @@ Guarantees:
   hundred to a few thousand tokens. Compression is lower there (small fork budgets).
   Overrides are always taken literally; path caps not overridden are derived from the final
   prompt lengths (overrides included).
-* Bad arguments (``scale <= 0``, negative ``seed``, unknown or ill-typed override) raise
-  ValueError naming the parameter.
+* Bad arguments (``scale <= 0`` or above ``MAX_SCALE`` = 256, negative ``seed``, unknown or
+  ill-typed override) raise ValueError naming the parameter.
 """
 
 from __future__ import annotations
@@ -80,10 +80,21 @@ import numpy as np
 from harts_verl.tree._checks import is_int as _is_int
 from harts_verl.tree.forest import RolloutForest, Turn
 
-__all__ = ["TOKENS_PER_SCALE", "WORKLOADS", "Workload", "grpo_flat", "swe_like", "tau_like"]
+__all__ = [
+    "MAX_SCALE",
+    "TOKENS_PER_SCALE",
+    "WORKLOADS",
+    "Workload",
+    "grpo_flat",
+    "swe_like",
+    "tau_like",
+]
 
 TOKENS_PER_SCALE = 1_000_000
 TINY_SCALE = 0.05
+# The largest scale: ≈ 256M semantic tokens (2 GiB of int64 token ids, a minute to generate),
+# far beyond one training step; larger values are refused up front, not left to run out of memory.
+MAX_SCALE = 256
 
 # Turn kinds.
 _SYSTEM, _PROMPT, _ASSISTANT, _OBSERVATION, _USER, _PLACEHOLDER = range(6)
@@ -361,6 +372,11 @@ def _resolve(
     """Validate arguments and return the parameters of one run."""
     if not _is_real(scale) or not math.isfinite(float(scale)) or scale <= 0:
         raise ValueError(f"scale: expected a finite number > 0, got {scale!r}")
+    if scale > MAX_SCALE:
+        raise ValueError(
+            f"scale: at most {MAX_SCALE} (≈ {MAX_SCALE}M semantic tokens, several GiB of token "
+            f"ids), got {scale!r}"
+        )
     scale = float(scale)
     if not _is_int(seed) or seed < 0:
         raise ValueError(f"seed: expected a non-negative int, got {seed!r}")
