@@ -91,7 +91,11 @@ def _logprob_run(
 
 
 def _moe_stats(
-    logits: torch.Tensor, weights: np.ndarray | None, style: str, top_k: int
+    logits: torch.Tensor,
+    weights: np.ndarray | None,
+    style: str,
+    top_k: int,
+    groups: tuple[int, int] = (8, 4),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     x = logits.detach().requires_grad_(True)
     e = x.shape[1]
@@ -99,7 +103,11 @@ def _moe_stats(
         r = softmax_topk_route(x, top_k)
     else:
         r = sigmoid_grouped_topk_route(
-            x, top_k=top_k, correction_bias=torch.zeros(e), n_group=8, topk_group=4
+            x,
+            top_k=top_k,
+            correction_bias=torch.zeros(e),
+            n_group=groups[0],
+            topk_group=groups[1],
         )
     load = expert_load(r.experts, e, weights=weights)
     loss = load_balancing_loss(r.probs, r.experts, e, top_k, weights=weights)
@@ -117,10 +125,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--rows-per-chunk", type=int_arg(1), default=4096)
     ap.add_argument("--experts", type=int_arg(1), default=64)
     ap.add_argument("--top-k", type=int_arg(1), default=6)
+    ap.add_argument(
+        "--n-group",
+        type=int_arg(1),
+        default=None,
+        help="expert groups of the sigmoid grouped router (a divisor of --experts; default 8 "
+        "where it divides, else 1)",
+    )
+    ap.add_argument(
+        "--topk-group",
+        type=int_arg(1),
+        default=None,
+        help="groups each token picks from (at most --n-group; default min(4, --n-group))",
+    )
     ap.add_argument("--repeats", type=int_arg(1), default=1)
     args = ap.parse_args(argv)
     if args.top_k > args.experts:
         ap.error(f"--top-k: expected at most --experts ({args.experts}), got {args.top_k}")
+    n_group = args.n_group or (8 if args.experts % 8 == 0 else 1)
+    if args.experts % n_group:
+        ap.error(f"--n-group: expected a divisor of --experts ({args.experts}), got {n_group}")
+    topk_group = args.topk_group or min(4, n_group)
+    if topk_group > n_group:
+        ap.error(f"--topk-group: expected at most --n-group ({n_group}), got {topk_group}")
+    if args.top_k > topk_group * (args.experts // n_group):
+        ap.error(
+            f"--top-k: the grouped router picks from {topk_group} of {n_group} groups of "
+            f"{args.experts // n_group} experts: at most {topk_group * (args.experts // n_group)}, "
+            f"got {args.top_k}"
+        )
 
     seqs, source = _sequences(args.scale, args.seed, args.vocab)
     forest = RolloutForest.from_sequences(seqs)
@@ -149,10 +182,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     moe_repeats = max(3, args.repeats)  # cheap: take the best of a few runs (first one warms up)
     for style in ("softmax", "sigmoid_grouped"):
         tt, (load_t, loss_t) = _timed(
-            lambda st=style: _moe_stats(logits, forest.multiplicity, st, args.top_k), moe_repeats
+            lambda st=style: _moe_stats(
+                logits, forest.multiplicity, st, args.top_k, (n_group, topk_group)
+            ),
+            moe_repeats,
         )
         te, (load_e, loss_e) = _timed(
-            lambda st=style: _moe_stats(logits[sem], None, st, args.top_k), moe_repeats
+            lambda st=style: _moe_stats(logits[sem], None, st, args.top_k, (n_group, topk_group)),
+            moe_repeats,
         )
         moe[style] = {
             "tree_s": round(tt, 4),
@@ -186,6 +223,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "moe_stats": {
             "experts": args.experts,
             "top_k": args.top_k,
+            "n_group": n_group,
+            "topk_group": topk_group,
             "rows": c,
             "semantic_positions": s,
             "work_ratio": round(s / c, 3),

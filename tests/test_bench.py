@@ -436,6 +436,27 @@ def test_benchmark_scripts_need_positive_repeats(name, capsys):
         assert "argument --repeats: expected an int >= 1" in capsys.readouterr().err
 
 
+def test_moe_benchmark_router_groups_fit_the_experts(capsys):
+    """ops_moe_logprobs: grouped-router settings that cannot route are argparse errors naming
+    the flag (were a ValueError from the router after the forest was built); the defaults fit
+    any expert count."""
+    mod = _load_benchmark("ops_moe_logprobs")
+    for argv, msg in [
+        (["--experts", "8"], "--top-k: the grouped router picks from 4 of 8 groups"),
+        (["--experts", "12", "--top-k", "2", "--n-group", "5"], "--n-group: expected a divisor"),
+        (["--experts", "8", "--top-k", "2", "--topk-group", "9"], "--topk-group: expected at most"),
+        (["--experts", "4"], "--top-k: expected at most --experts (4), got 6"),
+    ]:
+        with pytest.raises(SystemExit) as info:
+            mod.main(argv)
+        assert info.value.code == 2, argv
+        assert msg in capsys.readouterr().err, argv
+    small = ["--scale", "0.0002", "--vocab", "300", "--dim", "16", "--rows-per-chunk", "64"]
+    out = mod.main([*small, "--experts", "12", "--top-k", "2"])  # 12: not a multiple of 8
+    capsys.readouterr()
+    assert (out["moe_stats"]["n_group"], out["moe_stats"]["topk_group"]) == (1, 1)
+
+
 def test_planner_summary_pass_is_null_without_instances():
     """A check that saw no instance neither passes nor fails (``pass: null``)."""
     planner = _load_benchmark("planner")
