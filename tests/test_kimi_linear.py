@@ -268,6 +268,9 @@ def test_convert_checkpoint_both_ways(tmp_path):
     harts = str(tmp_path / "harts")
     summary = ck.convert_checkpoint(src, harts, max_shard_bytes=200_000)
     assert summary["layers"] == 6 and len(summary["files"]) > 1  # sharded, with an index
+    # every file written, and only those
+    assert sorted(summary["files"]) == sorted(os.listdir(harts))
+    assert summary["files"][0] == "config.json"
     assert os.path.isfile(os.path.join(harts, "model.safetensors.index.json"))
     assert os.path.isfile(os.path.join(harts, "tokenizer_config.json"))
     loaded = HartsHybridForCausalLM.from_pretrained(harts, dtype=torch.float64)
@@ -335,7 +338,8 @@ def test_convert_refuses_stale_weights_and_malformed_configs(tmp_path, capsys, m
             kl.hybrid_config_from_kimi_linear({**KIMI_CONFIG, key: value})
     assert kl.hybrid_config_from_kimi_linear({**KIMI_CONFIG, "num_hidden_layers": 6.0}) == cfg
     assert main(["convert", src, str(tmp_path / "one"), "--max-shard-gib", "1e308"]) == 0
-    assert json.loads(capsys.readouterr().out)["files"] == ["model.safetensors"]
+    written = ["config.json", "model.safetensors", "tokenizer_config.json"]
+    assert json.loads(capsys.readouterr().out)["files"] == written
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "config.json").write_text(json.dumps({**KIMI_CONFIG, "num_experts": "abc"}))

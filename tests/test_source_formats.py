@@ -184,7 +184,7 @@ def test_unreadable_checkpoints_are_named(tmp_path):
         (tmp_path / "m" / "model.safetensors", "'.*' is a file, expected a model directory"),
         (tmp_path, "no config.json at"),
     ):
-        with pytest.raises(ValueError, match=f"^model: {match}"):
+        with pytest.raises(ValueError, match=f"^src: {match}"):  # the source is named src
             ck.convert_checkpoint(str(src), str(tmp_path / "o0"))
     (tmp_path / "list").mkdir()
     (tmp_path / "list" / "config.json").write_text("[1, 2]")

@@ -870,12 +870,15 @@ class _ShardWriter:
             wm = {key: names[k] for k, keys in enumerate(self._files) for key in keys}
             with open(os.path.join(self.path, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {"total_size": self.total}, "weight_map": wm}, f, indent=2)
+            return [*names, "model.safetensors.index.json"]
         return names
 
 
-def _copy_side_files(src: str, dst: str) -> None:
-    """Tokenizer, generation config and other files of ``src`` (not weights, not config.json)."""
-    for name in os.listdir(src):
+def _copy_side_files(src: str, dst: str) -> list[str]:
+    """Tokenizer, generation config and other files of ``src`` (not weights, not config.json)
+    copied to ``dst``; returns their names, sorted."""
+    copied = []
+    for name in sorted(os.listdir(src)):
         full = os.path.join(src, name)
         if (
             not os.path.isfile(full)
@@ -885,6 +888,8 @@ def _copy_side_files(src: str, dst: str) -> None:
         ):
             continue
         shutil.copy2(full, os.path.join(dst, name))
+        copied.append(name)
+    return copied
 
 
 def _harts_config_dict(source: Mapping[str, Any]) -> dict[str, Any]:
@@ -918,7 +923,10 @@ def _naming_source(src: str) -> Iterator[None]:
     try:
         yield
     except ValueError as exc:
-        if src in str(exc):
+        msg = str(exc)
+        if msg.startswith("model: "):  # read_config's field: here the source is ``src``
+            raise ValueError("src: " + msg[len("model: ") :]) from exc
+        if src in msg:
             raise
         raise ValueError(f"{src}: {exc}") from exc
 
@@ -937,7 +945,8 @@ def convert_checkpoint(
     source checkpoint (Kimi-Linear, Ling 3) to ``harts_hybrid`` (``to="harts_hybrid"``), or a
     ``harts_hybrid`` to a source format (``to="kimi_linear"`` / ``"bailing_hybrid"``). Streams
     layer by layer (peak memory about one layer plus one shard), copies the tokenizer and other
-    side files, and returns a summary (model types, layers, tensors, bytes, files). A
+    side files, and returns a summary (model types, layers, tensors, bytes, and ``files``: every
+    file written to ``dst``, config.json first). A
     ``harts_hybrid`` written here keeps the source config under ``harts_source_config``, so the
     way back restores its tokenizer ids and ``auto_map``. ``config_only`` (to ``harts_hybrid``):
     write the config alone, for veRL's ``model.hf_config_path`` beside the source ``model.path``
@@ -1011,7 +1020,7 @@ def convert_checkpoint(
             if created and not os.listdir(dst):
                 os.rmdir(dst)
             raise
-        _copy_side_files(src, dst)
+        files = ["config.json", *files, *_copy_side_files(src, dst)]
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(out_cfg, f, indent=2)
     say(f"wrote {tensors} tensors ({nbytes / 2**20:.1f} MiB) and config.json to {dst}")
