@@ -165,12 +165,20 @@ def main(argv: list[str] | None = None) -> int:
         "full_forest": full.summary(),
         "sizes": sizes,
         "scaling": scaling,
-        "max_rounds": max((r["rounds"] for r in all_rows), default=0),
+        # null when nothing was measured (no microbatch of any target size)
+        "max_rounds": max((r["rounds"] for r in all_rows), default=None),
         "mean_replay_fraction": round(statistics.mean(r["replay_fraction"] for r in all_rows), 6)
         if all_rows
-        else 0.0,
+        else None,
     }
     print(json.dumps(result, indent=2, allow_nan=False))
+    if not all_rows:
+        print(
+            f"linear_plan.py: nothing measured: the forest has {full.num_compact_tokens} compact "
+            f"tokens, fewer than the smallest target ({min(TARGETS)}); raise --scale",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
