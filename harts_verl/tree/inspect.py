@@ -176,10 +176,10 @@ def forest_statistics(
 
     Guarantees: ``forks.replay_tokens`` equals ``plan_linear_calls(forest,
     chunk_size=chunk_size).replay_tokens``; ``plan.lower_bound_compact_tokens`` is at most the
-    total work of any plan that runs each oversize sequence in a microbatch of its own, with its
-    copies and its prefixes, as the planner does (hence at most ``plan.total_compact_tokens``):
-    the :func:`lower_bound_work` of the other trajectories that fit plus one copy's length for
-    each distinct oversize sequence.
+    total work of any plan that runs each maximal oversize path (in a trie: each distinct
+    oversize sequence) in a microbatch of its own, with the trajectories that share all their
+    rows with it, as the planner does (hence at most ``plan.total_compact_tokens``): the
+    :func:`lower_bound_work` of the other trajectories that fit plus each such path's length.
 
     Raises TypeError naming ``forest`` when it is not a :class:`RolloutForest`, ValueError
     naming ``chunk_size`` unless it is an int (Python or numpy) in ``[1, 2**63 - 1]``, and the

@@ -48,11 +48,12 @@ work (LPT).
 
 **Choice.** Candidates are compared lexicographically by (total compact work, slot-critical work,
 max replica work, number of microbatches); ties keep the earlier candidate. With
-``allow_oversize``, the oversize microbatches (fixed: one per distinct oversize sequence) are
-part of every score, of the balance and repair objectives and of K's alignment to ``dp_size``,
-so each candidate is scored as the whole plan it becomes. With
-``work_slack=ε > 0`` (default 0) the first key is relaxed: any plan within ``(1 + ε)`` of the
-least total work whose slot-critical work is no worse than the strict choice's is compared on
+``allow_oversize``, the oversize microbatches (fixed: one per maximal oversize path of the
+layout — in a trie, per distinct oversize sequence — holding its copies and the trajectories
+that share all their rows with it) are part of every score, of the balance and repair objectives
+and of K's alignment to ``dp_size``, so each candidate is scored as the whole plan it becomes.
+With ``work_slack=ε > 0`` (default 0) the first key is relaxed: any plan within ``(1 + ε)`` of
+the least total work (of the whole plan, oversize microbatches included) whose slot-critical work is no worse than the strict choice's is compared on
 the excess of its slot imbalances over ``_REPAIR_TAU`` (1.5 %) first. Balance moves may then
 spend work up to that bound, and an imbalance *repair* (:func:`_repair`) runs with K = the next
 multiple of ``dp_size``: first from an *aligned start* (:func:`_aligned_starts`: the tree packer
@@ -155,8 +156,8 @@ class MicrobatchPlan:
     ``total_compact_tokens`` = Σ microbatch works; ``slot_critical_work`` = Σ over slots of the
     largest work in the slot; ``replica_work`` (int64 per replica) = Σ of its microbatch works;
     ``natural_partition`` = P0 (tuple of trajectory-index arrays); ``strategy`` = winning
-    candidate (``"none"`` when no trajectory is within the capacity: an empty forest, or only
-    oversize ones); ``candidates`` = name → ``(total, slot_critical, max_replica, microbatches)``.
+    candidate (``"none"`` when no trajectory is left to plan: an empty forest, or only oversize
+    ones and trajectories that ride in their microbatches); ``candidates`` = name → ``(total, slot_critical, max_replica, microbatches)``.
     """
 
     microbatches: tuple[Microbatch, ...]
@@ -1497,9 +1498,9 @@ def plan_microbatches(
     """Plan microbatches, DP replicas and slots for ``forest`` (see the module docstring).
 
     Options: ``allow_oversize`` (default False: a trajectory longer than ``capacity_tokens``
-    raises ValueError naming it; True: it runs in its own microbatch, together with its
-    identical copies and the trajectories that are its prefixes — oversize or not — which cost
-    nothing more);
+    raises ValueError naming it; True: it runs in its own microbatch, together with the
+    trajectories whose rows all lie on its path — in a trie its identical copies and its
+    prefixes, oversize or not — which cost nothing more);
     ``strategies``
     (subset of ``natural``, ``contiguous``, ``tree``, ``greedy``, or one such name; default
     all); ``improve``
@@ -1532,7 +1533,7 @@ def plan_microbatches(
     n = lv.n
     natural = _natural(lv, cap)
     scores: dict[str, tuple[int, int, int, int]] = {}
-    best_name, best_lab = "none", np.zeros(0, np.int64)  # no trajectory within the capacity
+    best_name, best_lab = "none", np.zeros(0, np.int64)  # nothing left to plan
     if n:
         best_name, best_lab = _search(lv, cap, dp, natural, families, opt, int(seed), scores, fixed)
     label, k = _canonical(best_lab)
