@@ -70,6 +70,20 @@ def test_registered_in_verl():
     assert get_rollout_class("harts_hf", "async").__name__ == "HFServerAdapter"
 
 
+def test_server_names_differ_by_role():
+    """A reward or teacher replica's server never takes the policy server's name (the one the
+    hybrid worker's adapter looks up), as veRL names its own servers."""
+    from harts_verl.workers.rollout.cpu_server import _replica_cls, _server_name
+
+    replica = _replica_cls()
+    names = set()
+    for reward, teacher in ((False, False), (True, False), (False, True)):
+        r = object.__new__(replica)
+        r.replica_rank, r.is_reward_model, r.is_teacher_model = 0, reward, teacher
+        names.add(_server_name(0, r._role()))
+    assert len(names) == 3 and _server_name(0) in names
+
+
 def test_eos_from_saved_tokenizer(tmp_path):
     """A model config without eos and a model_config without a tokenizer (as the replica
     passes it): the server stops at the eos of the tokenizer saved with the model."""

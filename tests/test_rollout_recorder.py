@@ -58,6 +58,21 @@ def _run_loop(make, client, fn):
 
 
 # ---------------------------------------------------------------------- recorder only
+def test_recording_client_copies_and_forwards():
+    """A copy shares the wrapped client and the recorder; a bare instance (as copy / unpickling
+    build it) raises AttributeError, not RecursionError."""
+    import copy
+
+    inner = _ScriptClient()
+    client = RecordingServerClient(inner)
+    dup = copy.copy(client)
+    assert dup._inner is inner and dup.recorder is client.recorder
+    assert dup.calls is inner.calls  # other attributes are forwarded
+    bare = object.__new__(RecordingServerClient)
+    with pytest.raises(AttributeError):
+        _ = bare.recorder
+
+
 def test_recorder_chain_equals_token_prefix_forest():
     client = RecordingServerClient(_ScriptClient())
     rng = np.random.default_rng(0)

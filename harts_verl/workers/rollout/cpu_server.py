@@ -378,8 +378,11 @@ class HFGenerationServer:
         """No-op."""
 
 
-def _server_name(replica_rank: int) -> str:
-    return f"{NAME}_server_{replica_rank}"
+def _server_name(replica_rank: int, role: str = "") -> str:
+    """The server actor's name: the policy's (``role`` "", which the hybrid worker's adapter looks
+    up) or a ``"reward"`` / ``"teacher"`` replica's, as veRL names its own servers, so replicas of
+    different roles never share a name."""
+    return f"{NAME}_server_{role + '_' if role else ''}{replica_rank}"
 
 
 @functools.cache
@@ -393,7 +396,7 @@ def _replica_cls() -> type:
         async def launch_servers(self) -> None:
             server_cls = ray.remote(HFGenerationServer)
             server = server_cls.options(
-                name=_server_name(self.replica_rank) + self.name_suffix,
+                name=_server_name(self.replica_rank, self._role()) + self.name_suffix,
                 num_cpus=0,
                 max_concurrency=self.max_concurrency,
             ).remote(
@@ -403,6 +406,11 @@ def _replica_cls() -> type:
             self._server_handle = server
             host, port = await server.get_server_address.remote()
             self._server_address = f"{host}:{port}"
+
+        def _role(self) -> str:
+            if self.is_reward_model:
+                return "reward"
+            return "teacher" if self.is_teacher_model else ""
 
         def rollout_worker_use_gpu(self) -> bool:
             return False

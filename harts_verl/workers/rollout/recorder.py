@@ -279,6 +279,8 @@ class RecordingServerClient:
         return out
 
     def __getattr__(self, name: str) -> Any:
+        if name == "_inner":  # not set yet (copy / unpickling build the object bare)
+            raise AttributeError(name)
         return getattr(self._inner, name)
 
 
