@@ -47,11 +47,13 @@ def _tree_batch(seed: int):
     return seqs, plens, spans
 
 
-def _run(testing, path, strategy, *, padded, harts=None):
+def _run(testing, path, strategy, *, padded, harts=None, loss_agg_mode="token-mean"):
     from verl.workers.utils.losses import value_loss
 
     seqs, plens, spans = _tree_batch(3)
-    cfg = testing.critic_config(strategy=strategy, harts=harts, max_token_len=48)
+    cfg = testing.critic_config(
+        strategy=strategy, harts=harts, max_token_len=48, loss_agg_mode=loss_agg_mode
+    )
     engine = testing.build_engine(
         path, cfg, use_remove_padding=not padded, model_type="value_model"
     )
@@ -99,6 +101,20 @@ def test_critic_parity_with_stock_value_engine(critics, kind):
         assert float((p1_t[n] - p1_r[n]).abs().max()) <= 1e-6, n
         moved = max(moved, float((p1_r[n] - p0_r[n]).abs().max()))
     assert moved > 1e-6  # the step did something
+
+
+def test_critic_split_dependent_loss_with_positional_config(critics):
+    """``partial(value_loss, cfg)`` (config by position) with a loss that depends on the
+    micro-batching (seq-mean-token-sum-norm without loss_scale_factor) runs on veRL's own
+    micro-batches, as with the config by keyword: the stock engine's gradient and loss."""
+    testing, paths = critics
+    mode = "seq-mean-token-sum-norm"
+    ref = _run(testing, paths["qwen2"], "fsdp2", padded=False, loss_agg_mode=mode)[1]
+    tree = _run(testing, paths["qwen2"], "harts_fsdp2", padded=False, loss_agg_mode=mode)[1]
+    assert tree["harts/stock_split_loss"] == [1.0]
+    assert abs(ref["grad_norm"] - tree["grad_norm"]) <= 1e-6 * abs(ref["grad_norm"])
+    got, want = (m["critic/vf_loss"].aggregate() for m in (tree, ref))
+    assert abs(got - want) <= 1e-6 * max(1.0, abs(want)), (got, want)
 
 
 def test_critic_engine_refuses_nothing_silently(critics):

@@ -718,6 +718,10 @@ def test_split_dependent_losses_are_named(verl_cpu, caplog):
     assert split_dependent_loss(lambda **kw: None) is None
     norm = testing.actor_config(loss_agg_mode="seq-mean-token-sum-norm")
     assert "loss_scale_factor" in split_dependent_loss(loss(norm))
+    # the config bound by position (``partial(value_loss, cfg)``) is found too
+    assert "loss_scale_factor" in split_dependent_loss(partial(_ppo_loss(), norm))
+    assert split_dependent_loss(partial(_ppo_loss(), testing.actor_config())) is None
+    assert split_dependent_loss(partial(print, norm)) is None  # no signature to bind
     for mode in ("kl_cov", "clip_cov", "geo_mean"):
         assert mode in split_dependent_loss(loss(testing.actor_config(loss_mode=mode)))
     # bypass_mode: only the per-micro-batch normalization of the IS weights depends on the cut

@@ -54,6 +54,7 @@ Every micro-batch of a fallback batch runs veRL's own ``forward_step``.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 import types
@@ -282,6 +283,22 @@ def _has_multi_modal(data: TensorDict) -> bool:
     )
 
 
+def _loss_config(loss_function: Any) -> Any:
+    """The ``config`` argument bound in the loss ``loss_function`` (a ``functools.partial`` of
+    veRL's ``ppo_loss`` / ``value_loss``, by keyword or by position), or None."""
+    keywords = getattr(loss_function, "keywords", None) or {}
+    if "config" in keywords:
+        return keywords["config"]
+    func, args = getattr(loss_function, "func", None), getattr(loss_function, "args", ())
+    if func is None or not args:
+        return None
+    try:
+        bound = inspect.signature(func).bind_partial(*args)
+    except (TypeError, ValueError):  # no signature, or arguments it does not take
+        return None
+    return bound.arguments.get("config")
+
+
 def split_dependent_loss(loss_function: Any) -> str | None:
     """Why the loss ``loss_function`` (veRL's ``partial(ppo_loss, config=…)``, or the critic's
     ``value_loss``) depends on
@@ -290,7 +307,7 @@ def split_dependent_loss(loss_function: Any) -> str | None:
     Such losses give different numbers under any other micro-batching, the stock engine's own
     dynamic batching included; tree micro-batches are formed by compact work, so they differ
     from stock fsdp2 there (see docs/verl.md)."""
-    config = getattr(loss_function, "keywords", {}).get("config")
+    config = _loss_config(loss_function)
     if config is None:
         return None
     out = []
@@ -337,7 +354,7 @@ def loss_collectives(loss_function: Any) -> int:
     1 for veRL's ``bypass_mode`` with ``rollout_correction.rollout_is_batch_normalize`` (its
     importance-weight mean), else 0. A dummy micro-batch, which runs no loss, makes as many
     empty ones (:func:`_empty_distributed_mean`), so that every rank's collectives match."""
-    config = getattr(loss_function, "keywords", {}).get("config")
+    config = _loss_config(loss_function)
     return int(_batch_normalized_is(getattr(config, "policy_loss", None)))
 
 
