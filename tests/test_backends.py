@@ -110,6 +110,43 @@ def test_fast_packages_absent_in_cpu_runs():
         load_flash_attn_varlen()
 
 
+@pytest.mark.parametrize(
+    "version,ok",
+    [("2.0.9", False), ("1.0.9", False), ("", False), ("2.1.0", True), ("2.8.3+cu12", True)],
+)
+def test_flash_attn_before_2_1_is_refused(monkeypatch, version, ok):
+    """flash-attn < 2.1 aligns its causal mask top-left (segments with ancestor keys need
+    bottom-right): refused by the loader, so an explicit choice fails by name and ``auto`` moves
+    on, never a silently wrong attention."""
+    from harts_verl.ops.backends.varlen_attention import load_flash_attn_varlen
+
+    def flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p=0.0,
+        softmax_scale=None,
+        causal=False,
+    ):
+        raise AssertionError("not called")
+
+    fake = types.ModuleType("flash_attn")
+    fake.flash_attn_varlen_func = flash_attn_varlen_func
+    if version:
+        fake.__version__ = version
+    monkeypatch.setitem(sys.modules, "flash_attn", fake)
+    if ok:
+        fn = load_flash_attn_varlen()
+        assert not fn.supports_window and not fn.supports_softcap
+    else:
+        with pytest.raises(ImportError, match=r"before 2\.1 its causal mask is aligned top-left"):
+            load_flash_attn_varlen()
+
+
 def test_auto_on_cpu_is_reference_without_log(caplog):
     caplog.set_level(logging.DEBUG, logger=backends.__name__)
     assert isinstance(linear_kernel("auto", "cpu"), ReferenceLinearKernel)

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from harts_verl.ops._index import concat_ranges, segment_ancestors, to_index
+from harts_verl.ops._version import release_tuple
 from harts_verl.ops.tree_attention import (
     _check_qkv,
     _check_softcap,
@@ -315,19 +316,32 @@ sdpa_varlen_reference.supports_window = True  # type: ignore[attr-defined]
 sdpa_varlen_reference.supports_softcap = True  # type: ignore[attr-defined]
 
 
+_FLASH_ATTN_MIN = (2, 1)  # causal=True aligned bottom-right from 2.1 on
+
+
 def load_flash_attn_varlen() -> Callable[..., torch.Tensor]:
     """``flash_attn.flash_attn_varlen_func`` (already the :data:`VarlenFn` contract).
 
     Raises:
-      ImportError: flash-attn is not installed or fails to import (message says why).
+      ImportError: flash-attn is not installed, fails to import, or is older than 2.1 (whose
+        ``causal=True`` aligns the mask top-left, not bottom-right as tree segments need; its
+        release number is read from ``flash_attn.__version__``); the message says which.
     """
     try:
+        import flash_attn
         from flash_attn import flash_attn_varlen_func
     except Exception as exc:
         raise ImportError(
             f"flash-attn unavailable: cannot import flash_attn.flash_attn_varlen_func "
             f"({type(exc).__name__}: {exc}); install flash-attn >= 2.1 built for this torch/CUDA"
         ) from exc
+    version = str(getattr(flash_attn, "__version__", ""))
+    if release_tuple(version)[:2] < _FLASH_ATTN_MIN:
+        raise ImportError(
+            f"flash-attn {version or '(no __version__)'} unavailable: before 2.1 its causal mask "
+            "is aligned top-left, not bottom-right as segments with ancestor keys need; install "
+            "flash-attn >= 2.1"
+        )
     params = inspect.signature(flash_attn_varlen_func).parameters
 
     def fn(*args: Any, **kwargs: Any) -> torch.Tensor:
