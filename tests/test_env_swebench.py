@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import os
 import time
 from pathlib import Path
 
@@ -81,6 +82,94 @@ def test_local_sandbox_exec_timeout_paths_diff_clone(box):
     finally:
         other.close()
     assert "__pycache__" not in box.diff()
+
+
+def test_local_sandbox_symlinks_cannot_lead_outside(box, tmp_path):
+    """A link inside the repository that points outside it is refused by every file access,
+    like the outside path itself; links that stay inside work."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("TOPSECRET\n")
+    box.exec(
+        f"ln -s {outside} out && ln -s {outside / 'secret.txt'} s.txt && ln -s tinycalc in", 30
+    )
+    for path in ("out/secret.txt", "s.txt", "out/new.txt", "out"):
+        with pytest.raises(ValueError, match="leads outside the repository root"):
+            box.read_file(path) if path != "out/new.txt" else box.write_file(path, "x")
+        with pytest.raises(ValueError, match="leads outside"):
+            box.exists(path)
+    with pytest.raises(ValueError, match="leads outside"):
+        box.write_file("s.txt", "overwritten\n")
+    assert sorted(p.name for p in outside.iterdir()) == ["secret.txt"]
+    assert (outside / "secret.txt").read_text() == "TOPSECRET\n"
+    assert "def mean" in box.read_file("in/stats.py")
+
+
+def test_local_sandbox_output_is_capped_while_read_and_escapees_are_not_awaited(box):
+    """Endless output keeps at most MAX_READ_CHARS in memory and says how much was cut (of the
+    whole output); a background process that left the process group and holds the output open
+    is not waited for past the timeout."""
+    from harts_verl.workers.envs.sandbox import MAX_READ_CHARS
+
+    n = 3 * MAX_READ_CHARS
+    res = box.exec(f"head -c {n} /dev/zero | tr '\\0' a; echo; echo END", 60)
+    assert res.exit_code == 0 and not res.timed_out
+    assert len(res.output) == MAX_READ_CHARS and res.omitted == n + 5 - MAX_READ_CHARS
+    assert res.output.endswith("a\nEND\n") and res.output.startswith("a")
+    shown = format_exec_result(res, 1000, 60)
+    assert f"of {n + 5} characters omitted" in shown and shown.endswith("[exit code: 0]")
+    t = time.monotonic()
+    res = box.exec("setsid sleep 30 & echo bg", 1.0)
+    assert res.timed_out and "bg" in res.output
+    assert time.monotonic() - t < 10
+
+
+def test_local_sandbox_diff_carries_binary_files(box, inst):
+    """A binary file the agent leaves behind does not make the patch unappliable."""
+    box.write_file("tinycalc/stats.py", box.read_file("tinycalc/stats.py").replace(OLD, FIX))
+    box.exec("printf '\\x00\\x01\\x02binary' > data.bin", 30)
+    patch = box.diff()
+    assert "GIT binary patch" in patch
+    with LocalSandbox(swe.fixture_repo(inst.fixture)) as fresh:
+        fresh.write_file("p.diff", patch)
+        res = fresh.exec("git apply p.diff && rm p.diff && git status --short", 30)
+        assert res.exit_code == 0, res.output
+        assert "data.bin" in res.output and "stats.py" in res.output
+
+
+def test_docker_sandbox_paths_are_quoted_and_checked(tmp_path, monkeypatch):
+    """File paths reach the container's shell quoted (no expansion, no command substitution)
+    and checked there for symbolic links; a command that exits 124 early is not a timeout."""
+    from harts_verl.workers.envs.sandbox import DockerSandbox
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "docker").write_text(
+        "#!/bin/bash\ncmd=$1; shift\ncase $cmd in\n  run) echo fakeid; exit 0;;\n"
+        '  exec) [ "$1" = -i ] && shift; [ "$1" = -w ] && { wd=$2; shift 2; }; shift; '
+        'cd "$wd" && exec "$@";;\n  *) exit 0;;\nesac\n'
+    )
+    (fake / "docker").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
+    work = tmp_path / "testbed"
+    (work / ".git" / "info").mkdir(parents=True)
+    (tmp_path / "outside").mkdir()
+    (work / "out").symlink_to(tmp_path / "outside")
+    box = DockerSandbox("img", workdir=str(work))
+    for name in ("dollar$HOME.txt", "sub$(touch INJECTED).txt", 'q"uote.txt'):
+        box.write_file(name, "x\n")
+        assert box.read_file(name) == "x\n" and box.exists(name)
+    assert sorted(p.name for p in work.iterdir() if p.suffix == ".txt") == sorted(
+        ["dollar$HOME.txt", "sub$(touch INJECTED).txt", 'q"uote.txt']
+    )
+    assert not (work / "INJECTED").exists()
+    with pytest.raises(ValueError, match="leads outside the repository root"):
+        box.write_file("out/pwn.txt", "x\n")
+    assert list((tmp_path / "outside").iterdir()) == []
+    with pytest.raises(FileNotFoundError):
+        box.read_file("missing.txt")
+    res = box.exec("echo hi; exit 124", 30)
+    assert res.exit_code == 124 and not res.timed_out
 
 
 # ---------------------------------------------------------------------- records, rows, reward

@@ -13,11 +13,15 @@ Every command result says whether it timed out, and :func:`truncate_output` says
 
 from __future__ import annotations
 
+import codecs
 import os
+import shlex
 import shutil
 import signal
 import subprocess
 import tempfile
+import threading
+import time
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -43,37 +47,46 @@ _GIT_ID = [
 ]
 
 
+# Characters of a command's output kept while it is read (head and tail halves; the middle is
+# counted, not stored): a command that prints without end cannot fill the worker's memory.
+MAX_READ_CHARS = 1 << 20
+
+
 @dataclass(frozen=True)
 class ExecResult:
     """Outcome of one command: combined stdout+stderr text, exit code (``None`` when it timed
-    out), and whether it timed out."""
+    out), and whether it timed out. ``omitted``: characters dropped from the middle of the
+    output while it was read (``output`` is then its first and last halves, joined)."""
 
     output: str
     exit_code: int | None
     timed_out: bool = False
+    omitted: int = 0
 
 
-def truncate_output(text: str, max_chars: int) -> str:
-    """``text`` if it has at most ``max_chars`` characters, else its head and tail around a
-    line that says how many characters were omitted (the result then has about ``max_chars``
-    characters plus that notice)."""
+def truncate_output(text: str, max_chars: int, omitted: int = 0) -> str:
+    """``text`` if it has at most ``max_chars`` characters and nothing was ``omitted`` from its
+    middle already, else its head and tail around a line that says how many characters of the
+    whole output (``len(text) + omitted``) were omitted (the result then has about
+    ``max_chars`` characters plus that notice)."""
     if max_chars <= 0:
         raise ValueError(f"max_chars: expected > 0, got {max_chars}")
-    if len(text) <= max_chars:
+    if len(text) <= max_chars and not omitted:
         return text
-    head = max_chars // 2
-    tail = max_chars - head
-    omitted = len(text) - head - tail
+    keep = min(max_chars, len(text))
+    head = keep // 2
+    tail = keep - head
+    cut = len(text) - head - tail + omitted
     return (
-        f"{text[:head]}\n[... output truncated: {omitted} of {len(text)} characters omitted"
-        f" ...]\n{text[len(text) - tail :]}"
+        f"{text[:head]}\n[... output truncated: {cut} of {len(text) + omitted} characters "
+        f"omitted ...]\n{text[len(text) - tail :]}"
     )
 
 
 def format_exec_result(result: ExecResult, max_chars: int, timeout: float) -> str:
     """The text an agent sees for a command: (truncated) output, then a status line with the
     exit code, or a line saying the command timed out after ``timeout`` seconds."""
-    body = truncate_output(result.output, max_chars)
+    body = truncate_output(result.output, max_chars, result.omitted)
     if result.timed_out:
         status = f"[command timed out after {timeout:g} s; it was killed; output so far is above]"
     else:
@@ -123,14 +136,40 @@ class Sandbox(ABC):
         self.close()
 
 
+def _inside(root: str, full: str) -> bool:
+    return full == root or full.startswith(root.rstrip("/") + "/")
+
+
 def _check_rel(root: str, path: str, field: str = "path") -> str:
     """``path`` resolved inside ``root``; ``ValueError`` naming ``field`` if it escapes."""
     if not isinstance(path, str) or not path.strip():
         raise ValueError(f"{field}: expected a non-empty path string, got {path!r}")
     full = os.path.normpath(path if os.path.isabs(path) else os.path.join(root, path))
-    if full != root and not full.startswith(root.rstrip("/") + "/"):
+    if not _inside(root, full):
         raise ValueError(f"{field}: {path!r} is outside the repository root {root}")
     return full
+
+
+def _check_real(root: str, path: str, field: str = "path") -> str:
+    """:func:`_check_rel` on the local file system, symbolic links followed: a link inside
+    ``root`` that points outside it is refused like the outside path itself."""
+    full = _check_rel(root, path, field)
+    if not _inside(os.path.realpath(root), os.path.realpath(full)):
+        raise ValueError(
+            f"{field}: {path!r} leads outside the repository root {root} (through a symbolic link)"
+        )
+    return full
+
+
+def _inside_script(root: str, full: str) -> str:
+    """A bash line that exits 3 with a message unless ``full``, symbolic links followed
+    (``realpath -m``), lies inside ``root``: the container's own check of :func:`_check_real`."""
+    r, f = shlex.quote(root.rstrip("/") or "/"), shlex.quote(full)
+    return (
+        f'p=$(realpath -m -- {f}) && r=$(realpath -m -- {r}) && case "$p" in "$r"|"$r"/*) ;; '
+        f'*) echo "leads outside the repository root (through a symbolic link)" >&2; exit 3;; '
+        "esac"
+    )
 
 
 def _run(
@@ -140,7 +179,10 @@ def _run(
     stdin: str | None = None,
     env: dict[str, str] | None = None,
 ) -> ExecResult:
-    """Run ``args`` in a new session; on timeout kill the whole process group."""
+    """Run ``args`` in a new session, reading its combined output (at most
+    :data:`MAX_READ_CHARS` kept, the rest counted in ``omitted``) until it ends and closes it;
+    after ``timeout`` seconds the whole process group is killed, and a process that left the
+    group and still holds the output open is no longer waited for (timed out)."""
     proc = subprocess.Popen(
         args,
         cwd=cwd,
@@ -149,19 +191,68 @@ def _run(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,
-        text=True,
-        errors="replace",
     )
+    half = MAX_READ_CHARS // 2
+    head: list[str] = []
+    tail: list[str] = []
+    state = {"head": 0, "tail": 0, "omitted": 0}
+    lock = threading.Lock()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        fd = proc.stdout.fileno()
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        while True:
+            data = os.read(fd, 1 << 16)  # what is there now: nothing waits for a full buffer
+            chunk = decoder.decode(data, final=not data)
+            with lock:
+                room = half - state["head"]
+                if room > 0:
+                    head.append(chunk[:room])
+                    state["head"] += len(head[-1])
+                    chunk = chunk[room:]
+                if chunk:
+                    tail.append(chunk)
+                    state["tail"] += len(chunk)
+                    while state["tail"] - len(tail[0]) >= half:  # drop whole old pieces
+                        state["tail"] -= len(tail[0])
+                        state["omitted"] += len(tail.pop(0))
+            if not data:
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout
+    if stdin is not None:
+        try:
+            assert proc.stdin is not None
+            proc.stdin.write(stdin.encode("utf-8"))
+            proc.stdin.close()
+        except (BrokenPipeError, OSError):
+            pass
+    timed_out = False
     try:
-        out, _ = proc.communicate(stdin, timeout=timeout)
-        return ExecResult(out, proc.returncode, False)
+        proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
+        reader.join(max(deadline - time.monotonic(), 0.0))
+        timed_out = reader.is_alive()  # a background process still holds the output open
     except subprocess.TimeoutExpired:
+        timed_out = True
+    if timed_out:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):
             pass
-        out, _ = proc.communicate()
-        return ExecResult(out or "", None, True)
+        proc.wait()
+        reader.join(2.0)  # a process outside the group may keep the pipe: not waited for
+    with lock:
+        text = "".join(head) + "".join(tail)
+        over = max(state["tail"] - half, 0)  # trim the tail to its half, counting the cut
+        if over:
+            text = "".join(head) + "".join(tail)[over:]
+        omitted = state["omitted"] + over
+    if timed_out:
+        return ExecResult(text, None, True, omitted)
+    return ExecResult(text, proc.returncode, False, omitted)
 
 
 class LocalSandbox(Sandbox):
@@ -200,22 +291,22 @@ class LocalSandbox(Sandbox):
         return _run(["bash", "-c", command], self.root, timeout, env=env)
 
     def read_file(self, path: str) -> str:
-        full = _check_rel(self.root, path)
+        full = _check_real(self.root, path)
         with open(full, encoding="utf-8", errors="replace") as f:
             return f.read()
 
     def write_file(self, path: str, text: str) -> None:
-        full = _check_rel(self.root, path)
+        full = _check_real(self.root, path)
         os.makedirs(os.path.dirname(full), exist_ok=True)
         with open(full, "w", encoding="utf-8") as f:
             f.write(text)
 
     def exists(self, path: str) -> bool:
-        return os.path.exists(_check_rel(self.root, path))
+        return os.path.exists(_check_real(self.root, path))
 
     def diff(self) -> str:
         self._git("add", "-A")
-        return self._git("diff", "--cached", "--no-color", "--no-ext-diff", "HEAD")
+        return self._git("diff", "--cached", "--binary", "--no-color", "--no-ext-diff", "HEAD")
 
     def clone(self) -> LocalSandbox:
         other = LocalSandbox(self.root, _copy=False)
@@ -278,32 +369,49 @@ class DockerSandbox(Sandbox):
     def exec(self, command: str, timeout: float) -> ExecResult:
         if not isinstance(command, str) or not command.strip():
             raise ValueError(f"command: expected a non-empty string, got {command!r}")
-        # `timeout` inside the container kills the command; the outer limit guards docker itself
+        # `timeout` inside the container kills the command; the outer limit guards docker itself.
+        # Its kill exits 137 (124 without -s KILL): a timeout only if the time was used up, not
+        # a command that exits 124 or is killed (137, e.g. out of memory) early by itself.
+        start = time.monotonic()
         res = self._exec(
             ["timeout", "-s", "KILL", f"{timeout:g}", "bash", "-c", command], timeout + 30
         )
-        if res.exit_code in (124, 137) or res.timed_out:
-            return ExecResult(res.output, None, True)
+        used_up = time.monotonic() - start >= timeout
+        if res.timed_out or (res.exit_code in (124, 137, -9) and used_up):
+            return ExecResult(res.output, None, True, res.omitted)
         return res
 
+    def _checked(self, path: str, then: str) -> str:
+        """A bash script: the container's symlink check of ``path``, then ``then`` (with the
+        quoted full path as ``$f``)."""
+        full = _check_rel(self.root, path)
+        return f"{_inside_script(self.root, full)} && f={shlex.quote(full)} && {then}"
+
     def read_file(self, path: str) -> str:
-        res = self._exec(["cat", "--", _check_rel(self.root, path)], 60)
+        res = self._exec(["bash", "-c", self._checked(path, 'cat -- "$f"')], 60)
+        if res.exit_code == 3:
+            raise ValueError(f"path: {path!r} {res.output.strip()}")
         if res.exit_code != 0:
             raise FileNotFoundError(path)
         return res.output
 
     def write_file(self, path: str, text: str) -> None:
-        full = _check_rel(self.root, path)
-        script = f'mkdir -p "$(dirname "{full}")" && cat > "{full}"'
+        script = self._checked(path, 'mkdir -p -- "$(dirname -- "$f")" && cat > "$f"')
         res = self._exec(["bash", "-c", script], 60, stdin=text)
+        if res.exit_code == 3:
+            raise ValueError(f"path: {path!r} {res.output.strip()}")
         if res.exit_code != 0:
             raise OSError(f"writing {path} failed: {res.output}")
 
     def exists(self, path: str) -> bool:
-        return self._exec(["test", "-e", _check_rel(self.root, path)], 60).exit_code == 0
+        res = self._exec(["bash", "-c", self._checked(path, 'test -e "$f"')], 60)
+        if res.exit_code == 3:
+            raise ValueError(f"path: {path!r} {res.output.strip()}")
+        return res.exit_code == 0
 
     def diff(self) -> str:
-        res = self._exec(["bash", "-c", "git add -A && git diff --cached --no-color HEAD"], 120)
+        script = "git add -A && git diff --cached --binary --no-color HEAD"
+        res = self._exec(["bash", "-c", script], 120)
         if res.exit_code != 0:
             raise RuntimeError(f"git diff failed in {self.name}: {res.output}")
         return res.output
