@@ -76,6 +76,15 @@ def test_reference_actions_score_one_wrong_actions_zero(dom):
     assert tau.compute_score("tau_bench", "", "cancel_pending", info)["score"] == 1.0
     with pytest.raises(ValueError, match="tau_task_id"):
         tau.compute_score("tau_bench", "", "", {"tau_domain": dom.name})
+    # Required outputs count only where the agent said them: "delivered" in a tool answer of
+    # the decoded response is not the agent's word (harts_tau_agent records tau_agent_text).
+    said = {"tau_domain": dom.name, "tau_task_id": "refuse_delivered", "tau_actions": reads}
+    response = '{"status": "delivered"} Sorry, I cannot help with that.'
+    assert tau.compute_score("tau_bench", response, "", said)["outputs_found"] == 1.0
+    quiet = {**said, "tau_agent_text": "Sorry, I cannot help with that."}
+    assert tau.compute_score("tau_bench", response, "", quiet)["outputs_found"] == 0.0
+    told = {**said, "tau_agent_text": "It was delivered already, so I cannot cancel it."}
+    assert tau.compute_score("tau_bench", response, "", told)["score"] == 1.0
 
 
 def test_refused_calls_name_the_argument_and_change_nothing(dom):
@@ -239,7 +248,7 @@ def test_tau_agent_loop_user_turns_and_forks(dom):
     from verl.tools.tool_registry import initialize_tools_from_config
 
     from harts_verl.workers.envs import testing
-    from harts_verl.workers.envs.tau_agent import HartsTauAgentLoop
+    from harts_verl.workers.envs.tau_agent import AGENT_TEXT_KEY, HartsTauAgentLoop
     from harts_verl.workers.rollout.agent_loop import ForkSpec
 
     (entry,) = yaml.safe_load((RECIPE / "agent_loops.yaml").read_text())
@@ -290,6 +299,10 @@ def test_tau_agent_loop_user_turns_and_forks(dom):
             ids_before = len(tok.encode(text[:start], add_special_tokens=False))
             assert out.response_mask[ids_before] == 0
         assert text.endswith("Your order is cancelled.<|eos|>")
+        said = out.extra_fields[AGENT_TEXT_KEY]  # the model's own tokens only
+        assert said.endswith("Your order is cancelled.") and "Sure, what is your email?" in said
+        assert not any(reply in said for reply in task.user_script[1:])
+        assert '"order_id"' in said  # its tool calls are its own words too
         assert out.num_turns > 6
         info = {**row["extra_info"], **out.extra_fields}
         scores.append(

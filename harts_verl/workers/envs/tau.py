@@ -397,14 +397,19 @@ def compute_score(
     **kwargs: Any,
 ) -> dict[str, float]:
     """veRL reward function: :func:`score` of the trajectory's ``tau_actions`` (recorded by the
-    tools in ``extra_fields``) for the row's ``tau_domain`` / ``tau_task_id``; the decoded
-    response ``solution_str`` is the text searched for required outputs."""
+    tools in ``extra_fields``) for the row's ``tau_domain`` / ``tau_task_id``. Required outputs
+    are searched in what the agent itself wrote: ``tau_agent_text``, which ``harts_tau_agent``
+    records (its model-generated tokens, decoded; tool answers and user turns, which veRL's
+    decoded ``solution_str`` also holds, are left out); ``solution_str`` only for a trajectory
+    without it."""
     info = extra_info or {}
     for key in ("tau_domain", "tau_task_id"):
         if not info.get(key):
             raise ValueError(f"extra_info.{key}: missing (build rows with tau.dataset_rows)")
     actions = info.get("tau_actions") or []
-    return score(get_domain(info["tau_domain"]), info["tau_task_id"], list(actions), solution_str)
+    text = info.get("tau_agent_text")
+    text = solution_str if text is None else str(text)
+    return score(get_domain(info["tau_domain"]), info["tau_task_id"], list(actions), text)
 
 
 # ---------------------------------------------------------------------- users

@@ -31,9 +31,18 @@ from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 from harts_verl.workers.envs.tau import TauTask, get_domain, make_user, state_after
 from harts_verl.workers.rollout.agent_loop import ForkSpec, HartsToolAgentLoop, TrajectoryTool
 
-__all__ = ["ACTIONS_KEY", "TAU_AGENT_NAME", "HartsTauAgentLoop", "TauTool", "tool_config"]
+__all__ = [
+    "ACTIONS_KEY",
+    "AGENT_TEXT_KEY",
+    "TAU_AGENT_NAME",
+    "HartsTauAgentLoop",
+    "TauTool",
+    "agent_text",
+    "tool_config",
+]
 
 ACTIONS_KEY = "tau_actions"
+AGENT_TEXT_KEY = "tau_agent_text"  # what the model wrote (its response-mask-1 tokens, decoded)
 TAU_AGENT_NAME = "harts_tau_agent"
 
 
@@ -103,6 +112,21 @@ class TauTool(TrajectoryTool):
         return ToolResponse(text=text), 0.0, {}
 
 
+def agent_text(tokenizer: Any, response_ids: list[int], response_mask: list[int]) -> str:
+    """The text the model itself wrote in a response: each run of ``response_mask`` 1 tokens
+    decoded on its own (tool answers and user turns, mask 0, left out), runs joined by a line
+    break so words of different turns never merge."""
+    runs: list[list[int]] = []
+    prev = 0
+    for tok, m in zip(response_ids, response_mask, strict=True):
+        if m:
+            if not prev:
+                runs.append([])
+            runs[-1].append(int(tok))
+        prev = m
+    return "\n".join(tokenizer.decode(r, skip_special_tokens=True) for r in runs)
+
+
 def tool_config(domain: str) -> dict[str, Any]:
     """A veRL tool config (``tool_config_path`` yaml content) with every tool of ``domain``."""
     d = get_domain(domain)
@@ -153,7 +177,12 @@ class HartsTauAgentLoop(HartsToolAgentLoop):
                     f"user: the simulator gave no opening message for {self.task.task_id}"
                 )
             kwargs["raw_prompt"] = [*raw, {"role": "user", "content": opening}]
-        return await super().run_tree(sampling_params, fork=fork, priority=priority, **kwargs)
+        outputs = await super().run_tree(sampling_params, fork=fork, priority=priority, **kwargs)
+        for out in outputs:  # the reward searches what the agent said, not tool or user text
+            out.extra_fields[AGENT_TEXT_KEY] = agent_text(
+                self.tokenizer, out.response_ids, out.response_mask
+            )
+        return outputs
 
     async def _handle_generating_state(
         self,
