@@ -245,8 +245,30 @@ def test_reward_gold_one_none_wrong_breaking_zero(inst):
     assert r["score"] == 0.0 and r["fail_to_pass_passed"] == 1 and r["pass_to_pass_passed"] == 1
     assert score(fix)["score"] == 1.0
     assert score("not a patch\n")["patch_applied"] is False
+    # As in the SWE-bench harness, the files test_patch touches are reset before it applies:
+    # a fix that also edits (or creates) those test files still counts.
+    touched = swe._patch_paths(inst.test_patch)
+    assert touched and all(p.startswith("tests/") for p in touched)
+    with LocalSandbox(swe.fixture_repo("tinycalc")) as b:
+        _patch(b, FIX)
+        for path in touched:
+            old = b.read_file(path) if b.exists(path) else ""
+            b.write_file(path, old + "\n# the agent's own note\n")
+        fix_and_tests = b.diff()
+    assert score(fix_and_tests)["score"] == 1.0
     with pytest.raises(ValueError, match="swe_instance"):
         swe.compute_score("x", "", "", {"swe_patch": fix})
+
+
+def test_patch_paths():
+    patch = (
+        "diff --git a/x.py b/x.py\n--- a/x.py\n+++ b/x.py\n"
+        "diff --git a/dir with space/y.py b/dir with space/y.py\n"
+        "diff --git a/old.py b/new.py\nrename from old.py\n"
+        "diff --git a/x.py b/x.py\n"
+    )
+    assert swe._patch_paths(patch) == ["x.py", "dir with space/y.py", "old.py", "new.py"]
+    assert swe._patch_paths("") == []
 
 
 # ---------------------------------------------------------------------- veRL tools

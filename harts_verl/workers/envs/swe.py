@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import sys
 import uuid
 from dataclasses import dataclass, field
@@ -211,10 +212,29 @@ def _report(inst: SweInstance, status: dict[str, str], applied: bool, note: str 
     }
 
 
+def _patch_paths(patch: str) -> list[str]:
+    """The files a ``git diff`` patch touches (both sides of each ``diff --git`` header; paths
+    with spaces only where the header is unambiguous), in order, without repeats."""
+    out: list[str] = []
+    for line in patch.splitlines():
+        if not line.startswith("diff --git a/"):
+            continue
+        body = line[len("diff --git a/") :]
+        half = len(body) // 2  # "X b/X": both halves equal unless the file is renamed
+        if body[half : half + 3] == " b/" and body[:half] == body[half + 3 :]:
+            names = [body[:half]]
+        else:
+            names = body.split(" b/", 1)
+        out.extend(n for n in names if n and n not in out)
+    return out
+
+
 def grade_local(inst: SweInstance, patch: str, timeout: float = 120.0) -> dict[str, Any]:
-    """Grade ``patch`` on a bundled fixture: copy the repository, ``git apply`` the patch and
-    the task's ``test_patch``, run the FAIL_TO_PASS + PASS_TO_PASS tests with this Python's
-    pytest. ``score`` is 1.0 iff the patch applies and every listed test passes."""
+    """Grade ``patch`` on a bundled fixture: copy the repository, ``git apply`` the patch,
+    reset the files the task's ``test_patch`` touches to the starting tree (as the SWE-bench
+    harness does: the model's edits of those test files do not count), ``git apply`` the
+    ``test_patch``, run the FAIL_TO_PASS + PASS_TO_PASS tests with this Python's pytest.
+    ``score`` is 1.0 iff the patch applies and every listed test passes."""
     if inst.fixture is None:
         raise ValueError(f"fixture: instance {inst.instance_id} is not a bundled fixture")
     if not isinstance(patch, str):
@@ -223,6 +243,14 @@ def grade_local(inst: SweInstance, patch: str, timeout: float = 120.0) -> dict[s
         for name, text in (("model patch", patch), ("test_patch", inst.test_patch)):
             if not text.strip():
                 continue
+            if name == "test_patch":
+                for path in _patch_paths(text):  # back to the starting tree, or gone if new
+                    q = shlex.quote(path)
+                    box.exec(
+                        f"if git cat-file -e HEAD:{q} 2>/dev/null; then git checkout -q HEAD -- "
+                        f"{q}; else rm -rf -- {q}; fi",
+                        30,
+                    )
             box.write_file(".harts_patch.diff", text if text.endswith("\n") else text + "\n")
             res = box.exec("git apply --whitespace=nowarn .harts_patch.diff", 60)
             if res.exit_code != 0:
