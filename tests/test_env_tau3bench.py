@@ -320,3 +320,46 @@ def test_tau_agent_loop_user_turns_and_forks(dom):
             )
 
         asyncio.run(bad())
+
+
+def test_tau_agent_loop_answers_unparsable_tool_calls_from_the_tool_side(dom):
+    """A tool call the parser cannot read gets an error message as a tool turn (mask 0), not a
+    user reply: the user's script is not consumed by it."""
+    pytest.importorskip("verl")
+    from verl.tools.tool_registry import initialize_tools_from_config
+
+    from harts_verl.workers.envs import testing
+    from harts_verl.workers.envs.tau_agent import HartsTauAgentLoop
+
+    tok = testing.byte_tokenizer()
+    row = next(
+        r for r in tau.dataset_rows(dom) if r["extra_info"]["tau_task_id"] == "cancel_pending"
+    )
+    tools = initialize_tools_from_config(str(RECIPE / "tools_retail_mini.yaml"))
+
+    def script(rid: str, turn: int, text: str) -> str:
+        if "could not be parsed" not in text:
+            return '<tool_call>{"name": "find_user_id_by_email", "arguments": {bad</tool_call>'
+        if text.count("<|user|>") == 1:
+            return "Sure, what is your email?"
+        return "Thank you, goodbye."
+
+    async def main():
+        loop = testing.make_loop(
+            HartsTauAgentLoop, testing.ScriptedServer(tok, script), tools, max_turns=6
+        )
+        return await loop.run_tree(
+            {},
+            raw_prompt=row["prompt"],
+            tools_kwargs=row["extra_info"]["tools_kwargs"],
+            extra_info=row["extra_info"],
+            interaction_kwargs=row["extra_info"]["interaction_kwargs"],
+        )
+
+    (out,) = asyncio.run(main())
+    text = tok.decode(out.response_ids)
+    task = dom.task("cancel_pending")
+    err = text.index("the tool call could not be parsed")
+    assert out.response_mask[len(tok.encode(text[:err], add_special_tokens=False))] == 0
+    # the user's next scripted line answers the agent's real message, after the error
+    assert text.index(task.user_script[1]) > text.index("Sure, what is your email?") > err

@@ -8,8 +8,11 @@ the user to answer such a turn, so :class:`HartsTauAgentLoop` (a subclass of
 ``run_tree`` forks as usual) adds one step: when the model writes to the user (no tool call,
 no length/turn limit hit), the user simulator's reply is appended as a ``user`` message
 (tokens with response mask 0, like tool answers) and generation continues; the simulator
-stopping (``None``) ends the trajectory. The simulator reads the conversation only, so forked
-branches need no extra state.
+stopping (``None``) ends the trajectory. A turn with a tool call the parser could not read
+(e.g. invalid JSON) is not a message to the user: a tool turn says the call could not be parsed
+and generation continues. The simulator reads the conversation only, so forked branches need no
+extra state. Each output's ``extra_fields["tau_agent_text"]`` is what the model wrote (its
+response-mask-1 tokens, decoded per turn), which the reward searches for required outputs.
 
 Tool state is the action log ``extra_fields["tau_actions"]`` (successful calls in order);
 see :mod:`harts_verl.workers.envs.tau`.
@@ -199,11 +202,29 @@ class HartsTauAgentLoop(HartsToolAgentLoop):
         spoke = len(agent_data.messages) == n_messages + 1 and not agent_data.tool_calls
         if state != AgentState.TERMINATED or not spoke or self.task is None:
             return state
+        start = getattr(self.tool_parser, "tool_call_start_token", None)
+        if start and start in self.tokenizer.decode(agent_data.response_ids):
+            # A tool call the parser could not read (e.g. invalid JSON): the model hears so
+            # from the tool side, not a user reply to a message it never meant for the user.
+            error = (
+                f"error: the tool call could not be parsed; write {start}"
+                '{"name": <tool name>, "arguments": {<JSON object>}}'
+                f"{getattr(self.tool_parser, 'tool_call_end_token', '')} with valid JSON"
+            )
+            return await self._append_turn(agent_data, {"role": "tool", "content": error})
         reply = await asyncio.to_thread(self.user.reply, self.task, list(agent_data.messages))
         if not reply:
             return AgentState.TERMINATED
+        state = await self._append_turn(agent_data, {"role": "user", "content": reply})
+        if state == AgentState.GENERATING:
+            agent_data.user_turns += 1  # veRL's generating step enforces max_user_turns
+        return state
+
+    async def _append_turn(self, agent_data: AgentData, message: dict[str, Any]) -> AgentState:
+        """``message`` (a user or tool turn) appended to the conversation and its tokens to
+        the context with response mask 0; TERMINATED when the response length is reached."""
         previous = list(agent_data.messages)
-        agent_data.messages.append({"role": "user", "content": reply})
+        agent_data.messages.append(message)
         schemas = getattr(agent_data, "_active_tool_schemas", self.tool_schemas)
         merged, mask, logprobs = await self.ct_merge_context_msg(
             previous,
@@ -219,5 +240,4 @@ class HartsTauAgentLoop(HartsToolAgentLoop):
         agent_data.response_mask = mask
         if agent_data.response_logprobs:
             agent_data.response_logprobs = logprobs or []
-        agent_data.user_turns += 1  # veRL's generating step enforces max_user_turns
         return AgentState.GENERATING
