@@ -122,6 +122,12 @@ def test_local_sandbox_output_is_capped_while_read_and_escapees_are_not_awaited(
     res = box.exec("setsid sleep 30 & echo bg", 1.0)
     assert res.timed_out and "bg" in res.output
     assert time.monotonic() - t < 10
+    # input a command never reads (more than a pipe holds) does not hold the call either
+    from harts_verl.workers.envs.sandbox import _run
+
+    t = time.monotonic()
+    assert _run(["sleep", "30"], None, 1.0, stdin="x" * 200_000).timed_out
+    assert time.monotonic() - t < 10
 
 
 def test_local_sandbox_diff_carries_binary_files(box, inst):

@@ -14,6 +14,7 @@ Every command result says whether it timed out, and :func:`truncate_output` says
 from __future__ import annotations
 
 import codecs
+import contextlib
 import os
 import shlex
 import shutil
@@ -183,6 +184,7 @@ def _run(
     :data:`MAX_READ_CHARS` kept, the rest counted in ``omitted``) until it ends and closes it;
     after ``timeout`` seconds the whole process group is killed, and a process that left the
     group and still holds the output open is no longer waited for (timed out)."""
+    data_in = stdin.encode("utf-8", errors="surrogateescape") if stdin is not None else b""
     proc = subprocess.Popen(
         args,
         cwd=cwd,
@@ -192,7 +194,7 @@ def _run(
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    half = MAX_READ_CHARS // 2
+    half = max(MAX_READ_CHARS // 2, 1)
     head: list[str] = []
     tail: list[str] = []
     state = {"head": 0, "tail": 0, "omitted": 0}
@@ -220,30 +222,38 @@ def _run(
             if not data:
                 return
 
+    def write() -> None:  # its own thread: a command that never reads cannot block the caller
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write(data_in)
+        except OSError:  # BrokenPipeError included: the command exited without reading it all
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
+
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     deadline = time.monotonic() + timeout
     if stdin is not None:
-        try:
-            assert proc.stdin is not None
-            proc.stdin.write(stdin.encode("utf-8"))
-            proc.stdin.close()
-        except (BrokenPipeError, OSError):
-            pass
+        threading.Thread(target=write, daemon=True).start()
     timed_out = False
     try:
-        proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
-        reader.join(max(deadline - time.monotonic(), 0.0))
-        timed_out = reader.is_alive()  # a background process still holds the output open
-    except subprocess.TimeoutExpired:
-        timed_out = True
-    if timed_out:
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        proc.wait()
-        reader.join(2.0)  # a process outside the group may keep the pipe: not waited for
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
+            reader.join(max(deadline - time.monotonic(), 0.0))
+            timed_out = reader.is_alive()  # a background process still holds the output open
+        except subprocess.TimeoutExpired:
+            timed_out = True
+    finally:  # also on any exception here: never leave the command running
+        if timed_out or proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            reader.join(2.0)  # a process outside the group may keep the pipe: not waited for
+        if not reader.is_alive():
+            with contextlib.suppress(OSError):
+                proc.stdout.close()  # type: ignore[union-attr]
     with lock:
         text = "".join(head) + "".join(tail)
         over = max(state["tail"] - half, 0)  # trim the tail to its half, counting the cut
