@@ -480,6 +480,13 @@ class RolloutForest:
         return np.split(flat, self.row_offsets[1:-1])
 
     @property
+    def leaf_position(self) -> np.ndarray:
+        """int64 ``[N]``: each trajectory's position in :attr:`leaf_order` (its inverse)."""
+        pos = np.empty(self.num_trajectories, dtype=np.int64)
+        pos[self.leaf_order] = np.arange(self.num_trajectories, dtype=np.int64)
+        return pos
+
+    @property
     def segments(self) -> Segments:
         """Maximal single-child chains; a new segment starts at a root or at a child of a row
         with != 1 children. Each segment is a contiguous preorder row range."""
@@ -552,8 +559,7 @@ class RolloutForest:
         ]
         # Order of the subset: leaf positions of the chosen trajectories; identical trajectories
         # (one class) are ordered by their new index, as a stable sort would.
-        pos = np.empty(n, dtype=np.int64)
-        pos[self.leaf_order] = np.arange(n, dtype=np.int64)
+        pos = self.leaf_position
         lens_leaf = self.lengths[self.leaf_order]
         identical = (self.adjacent_lcp == lens_leaf[1:]) & (self.adjacent_lcp == lens_leaf[:-1])
         leaf_class = np.concatenate([[0], np.cumsum(~identical)]) if n else np.zeros(0, np.int64)

@@ -915,6 +915,11 @@ def _with_fixed(works: np.ndarray, fixed: np.ndarray) -> np.ndarray:
     return np.concatenate([np.broadcast_to(fixed.astype(w.dtype), (w.shape[0], fixed.size)), w], 1)
 
 
+def _aligned(k: int, nf: int, dp: int) -> int:
+    """The least K >= ``k`` with ``K + nf`` a multiple of ``dp`` (``nf`` fixed microbatches)."""
+    return -(-(k + nf) // dp) * dp - nf
+
+
 def _crit(works: np.ndarray, dp: int) -> int:
     return int(np.sort(works)[::-1][::dp].sum())
 
@@ -958,7 +963,7 @@ def _balance(
     cap = st.cap
     nf = int(fixed.size)
     live = int((st.works > 0).sum())
-    want = -(-(live + nf) // dp) * dp - nf
+    want = _aligned(live, nf, dp)
     if want > live:
         st.add_bins(want - live)
     cur = _slot_objective(st.works, dp, fixed)
@@ -1235,7 +1240,7 @@ def _repair(
     Returns the changes made."""
     nf = int(fixed.size)
     live = int((st.works > 0).sum())
-    want = -(-(live + nf) // dp) * dp - nf
+    want = _aligned(live, nf, dp)
     if want > st.k:
         st.add_bins(want - st.k)
     k = st.k
@@ -1264,8 +1269,8 @@ def _repair(
                 margs[a][:, stale] = st.marginals(pieces[a], a, np.asarray(stale))
         stale = []
         wx = _with_fixed(w, fixed)
-        slot, imb = _slot_of_bins(w, dp, fixed)
-        slotx = _slot_of_bins(wx, dp)[0]
+        slotx, imb = _slot_of_bins(wx, dp)  # the fixed microbatches first
+        slot = slotx[nf:]
         # Bins that must change: in a slot above _REPAIR_TAU, its largest or at most its mean.
         smax = np.zeros(imb.size)
         np.maximum.at(smax, slotx, wx)
@@ -1543,11 +1548,6 @@ def plan_microbatches(
 
 
 _ALIGN_STEP, _ALIGN_STEPS, _ALIGN_STARTS = 0.001, 3, 1
-
-
-def _aligned(k: int, nf: int, dp: int) -> int:
-    """The least K >= ``k`` with ``K + nf`` a multiple of ``dp`` (``nf`` fixed microbatches)."""
-    return -(-(k + nf) // dp) * dp - nf
 
 
 def _aligned_starts(
@@ -1910,19 +1910,18 @@ def _oversize_groups(
     empty = np.zeros(0, np.int64)
     if big.size == 0:
         return [], empty, empty
-    # A trajectory's last row determines its whole path from the root; row k is an
-    # ancestor-or-self of row q iff k <= q < k + subtree_size[k] (preorder).
+    # A trajectory's last row determines its whole path from the root. In preorder, a row's
+    # descendants follow it directly: a path is maximal unless the next one passes through it.
     last_all = forest.semantic_rows[forest.row_offsets[1:] - 1]
-    size = forest.subtree_size
     rows = np.unique(last_all[big])  # ascending
-    paths = rows[np.append(rows[1:] >= rows[:-1] + size[rows[:-1]], True)]  # maximal ones
+    paths = rows[np.append(~forest.is_ancestor_or_self(rows[:-1], rows[1:]), True)]
 
     def onto(traj: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(mask, path index): the first maximal path through each trajectory's last row."""
         r = last_all[traj]
         j = np.searchsorted(paths, r, side="left")
         ok = j < paths.size
-        ok[ok] = paths[j[ok]] < r[ok] + size[r[ok]]
+        ok[ok] = forest.is_ancestor_or_self(r[ok], paths[j[ok]])
         return ok, j
 
     member = big.astype(np.int64)
@@ -1934,9 +1933,7 @@ def _oversize_groups(
         absorbed = cand[ok]
         member = np.concatenate([member, absorbed])
         group = np.concatenate([group, j[ok]])
-    pos = np.empty(forest.num_trajectories, np.int64)
-    pos[forest.leaf_order] = np.arange(forest.num_trajectories)
-    order = np.lexsort((pos[member], group))
+    order = np.lexsort((forest.leaf_position[member], group))
     parts = np.split(member[order], np.cumsum(np.bincount(group, minlength=paths.size))[:-1])
     first = np.full(paths.size, forest.num_trajectories, np.int64)
     np.minimum.at(first, group[: big.size], big)
@@ -1973,9 +1970,7 @@ def compact_work(forest: RolloutForest, trajectories: Sequence[int] | np.ndarray
         return 0
     if int(idx.min()) < 0 or int(idx.max()) >= n:
         raise ValueError(f"trajectories: index out of range for {n} trajectories")
-    pos = np.empty(n, dtype=np.int64)
-    pos[forest.leaf_order] = np.arange(n)
-    return _Leaves.of(forest).set_work(np.unique(pos[idx.astype(np.int64)]))
+    return _Leaves.of(forest).set_work(np.unique(forest.leaf_position[idx.astype(np.int64)]))
 
 
 def natural_partition(forest: RolloutForest, capacity_tokens: int) -> list[np.ndarray]:
