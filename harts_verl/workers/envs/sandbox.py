@@ -255,10 +255,8 @@ def _run(
             with contextlib.suppress(OSError):
                 proc.stdout.close()  # type: ignore[union-attr]
     with lock:
-        text = "".join(head) + "".join(tail)
         over = max(state["tail"] - half, 0)  # trim the tail to its half, counting the cut
-        if over:
-            text = "".join(head) + "".join(tail)[over:]
+        text = "".join(head) + "".join(tail)[over:]
         omitted = state["omitted"] + over
     if timed_out:
         return ExecResult(text, None, True, omitted)
@@ -391,33 +389,29 @@ class DockerSandbox(Sandbox):
             return ExecResult(res.output, None, True, res.omitted)
         return res
 
-    def _checked(self, path: str, then: str) -> str:
-        """A bash script: the container's symlink check of ``path``, then ``then`` (with the
-        quoted full path as ``$f``)."""
+    def _on_path(self, path: str, then: str, stdin: str | None = None) -> ExecResult:
+        """Run the bash line ``then`` on ``path`` (its quoted full path as ``$f``) after the
+        container's symlink check of it, which raises ``ValueError`` naming the path."""
         full = _check_rel(self.root, path)
-        return f"{_inside_script(self.root, full)} && f={shlex.quote(full)} && {then}"
-
-    def read_file(self, path: str) -> str:
-        res = self._exec(["bash", "-c", self._checked(path, 'cat -- "$f"')], 60)
+        script = f"{_inside_script(self.root, full)} && f={shlex.quote(full)} && {then}"
+        res = self._exec(["bash", "-c", script], 60, stdin=stdin)
         if res.exit_code == 3:
             raise ValueError(f"path: {path!r} {res.output.strip()}")
+        return res
+
+    def read_file(self, path: str) -> str:
+        res = self._on_path(path, 'cat -- "$f"')
         if res.exit_code != 0:
             raise FileNotFoundError(path)
         return res.output
 
     def write_file(self, path: str, text: str) -> None:
-        script = self._checked(path, 'mkdir -p -- "$(dirname -- "$f")" && cat > "$f"')
-        res = self._exec(["bash", "-c", script], 60, stdin=text)
-        if res.exit_code == 3:
-            raise ValueError(f"path: {path!r} {res.output.strip()}")
+        res = self._on_path(path, 'mkdir -p -- "$(dirname -- "$f")" && cat > "$f"', stdin=text)
         if res.exit_code != 0:
             raise OSError(f"writing {path} failed: {res.output}")
 
     def exists(self, path: str) -> bool:
-        res = self._exec(["bash", "-c", self._checked(path, 'test -e "$f"')], 60)
-        if res.exit_code == 3:
-            raise ValueError(f"path: {path!r} {res.output.strip()}")
-        return res.exit_code == 0
+        return self._on_path(path, 'test -e "$f"').exit_code == 0
 
     def diff(self) -> str:
         script = "git add -A && git diff --cached --binary --no-color HEAD"

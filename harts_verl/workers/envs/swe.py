@@ -243,14 +243,14 @@ def grade_local(inst: SweInstance, patch: str, timeout: float = 120.0) -> dict[s
         for name, text in (("model patch", patch), ("test_patch", inst.test_patch)):
             if not text.strip():
                 continue
-            if name == "test_patch":
-                for path in _patch_paths(text):  # back to the starting tree, or gone if new
-                    q = shlex.quote(path)
-                    box.exec(
-                        f"if git cat-file -e HEAD:{q} 2>/dev/null; then git checkout -q HEAD -- "
-                        f"{q}; else rm -rf -- {q}; fi",
-                        30,
-                    )
+            paths = _patch_paths(text) if name == "test_patch" else []
+            if paths:  # back to the starting tree, or gone if new
+                box.exec(
+                    f"for p in {' '.join(map(shlex.quote, paths))}; do if git cat-file -e "
+                    'HEAD:"$p" 2>/dev/null; then git checkout -q HEAD -- "$p"; '
+                    'else rm -rf -- "$p"; fi; done',
+                    30,
+                )
             box.write_file(".harts_patch.diff", text if text.endswith("\n") else text + "\n")
             res = box.exec("git apply --whitespace=nowarn .harts_patch.diff", 60)
             if res.exit_code != 0:

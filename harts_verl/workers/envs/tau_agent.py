@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, ClassVar
 
+import numpy as np
 from verl.experimental.agent_loop.agent_loop import AgentLoopOutput, register
 from verl.experimental.agent_loop.tool_agent_loop import AgentData, AgentState
 from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
@@ -119,15 +120,17 @@ def agent_text(tokenizer: Any, response_ids: list[int], response_mask: list[int]
     """The text the model itself wrote in a response: each run of ``response_mask`` 1 tokens
     decoded on its own (tool answers and user turns, mask 0, left out), runs joined by a line
     break so words of different turns never merge."""
-    runs: list[list[int]] = []
-    prev = 0
-    for tok, m in zip(response_ids, response_mask, strict=True):
-        if m:
-            if not prev:
-                runs.append([])
-            runs[-1].append(int(tok))
-        prev = m
-    return "\n".join(tokenizer.decode(r, skip_special_tokens=True) for r in runs)
+    ids, mask = np.asarray(response_ids, np.int64), np.asarray(response_mask) != 0
+    if ids.shape != mask.shape:
+        raise ValueError(
+            f"response_mask: expected {ids.shape[0]} entries (one per response id), "
+            f"got {mask.shape[0]}"
+        )
+    edges = np.flatnonzero(np.diff(np.concatenate([[False], mask, [False]]).astype(np.int8)))
+    return "\n".join(
+        tokenizer.decode(ids[a:b].tolist(), skip_special_tokens=True)
+        for a, b in zip(edges[::2], edges[1::2], strict=True)
+    )
 
 
 def tool_config(domain: str) -> dict[str, Any]:
