@@ -95,7 +95,7 @@ def _moe_stats(
     weights: np.ndarray | None,
     style: str,
     top_k: int,
-    groups: tuple[int, int] = (8, 4),
+    groups: tuple[int, int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     x = logits.detach().requires_grad_(True)
     e = x.shape[1]

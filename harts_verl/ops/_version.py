@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 __all__ = ["release_tuple"]
 
 
@@ -14,14 +16,10 @@ def release_tuple(version: str) -> tuple[int, ...]:
     """
     parts = []
     for piece in version.split("+")[0].split("."):
-        digits = ""
-        for ch in piece:
-            if not ch.isdigit():
-                break
-            digits += ch
-        if not digits:
+        digits = re.match(r"\d+", piece)
+        if digits is None:
             break
-        parts.append(int(digits))
-        if digits != piece:
+        parts.append(int(digits.group()))
+        if digits.end() != len(piece):
             break
     return tuple(parts)
