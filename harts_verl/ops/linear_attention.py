@@ -302,7 +302,7 @@ def _causal_scores(
     q, k: ``[..., C, K]``; G: ``[..., C, K]`` (per-channel decay) or ``[..., C]`` (scalar decay),
     the within-chunk cumulative log decay. ``exp`` is only ever taken of ``G_a - G_b`` with
     ``b <= a`` (masked to -inf before ``exp`` elsewhere), i.e. of non-positive numbers for
-    non-positive gates: no overflow, no ``exp(G) * exp(-G)`` products.
+    finite non-positive gates: no overflow, no ``exp(G) * exp(-G)`` products.
     """
     C = q.shape[-2]
     idx = torch.arange(C, device=q.device)
@@ -519,7 +519,8 @@ def chunk_delta_rule_varlen(
         q, k: ``[T, H, K]``, same float dtype as ``v``.
         v: ``[T, HV, V]``; ``HV`` a multiple of ``H`` (value head h uses q/k head
             ``h // (HV // H)``).
-        g: log decay (``<= 0``), ``[T, HV, K]`` for KDA (per channel) or ``[T, HV]`` for GDN.
+        g: finite log decay (``<= 0``), ``[T, HV, K]`` for KDA (per channel) or ``[T, HV]`` for
+            GDN. A hard reset (``-inf``) is not supported: use a large negative finite value.
         beta: ``[T, HV]``; already in (0, 1) unless ``use_beta_sigmoid``.
         cu_seqlens: integer ``[N + 1]``, ``0 = cu[0] <= ... <= cu[N] = T``; member ``n`` is tokens
             ``[cu[n], cu[n+1])`` and is independent of the others. None means one member.
@@ -552,6 +553,14 @@ def chunk_delta_rule_varlen(
           whatever the batch, which the tests check for their shapes; it does not hold for
           every shape (seen on this machine's MKL: chunk 24 with K = 9, and batches of one
           ``[1, K] @ [K, 1]`` product at K = 512), where results agree to rounding only.
+        - Finite inputs only: nothing is checked (a check would synchronise a GPU), and a NaN
+          or infinity anywhere in a chunk (a ``-inf`` gate included) makes that chunk's
+          outputs non-finite, its earlier rows too.
+        - Accuracy: the decays are differences of within-chunk cumulative sums, so their
+          rounding grows with the decay a chunk accumulates (about ``|G| * 6e-8`` relative in
+          float32). With KDA's lower-bounded gates (``>= -5`` a token) errors stay within a
+          few 1e-6 relative at ``C = 64``; for much stronger decays use a smaller
+          ``chunk_size``.
         - Differentiable w.r.t. q, k, v, g, beta and initial_state (first order: the KDA
           path's diagonal-block scores have a written-out, once-differentiable backward).
         - Memory of the KDA path is ``O(T * HV * K * C / 16)`` for the in-chunk decays kept for

@@ -113,8 +113,9 @@ def tree_delta_rule(
     ``[C, HV, K]`` (KDA) or ``[C, HV]`` (GDN), beta ``[C, HV]`` → o ``[C, HV, V]``.
 
     Equal to running every trajectory alone through :func:`chunk_delta_rule_varlen` with the
-    same ``chunk_size``, for every row; differentiable w.r.t. all inputs, including through the
-    boundary-state handoffs.
+    same ``chunk_size``, for every row, for finite inputs (a non-finite value spoils the
+    kernel chunk it lies in, which can hold rows that other trajectories share); differentiable
+    w.r.t. all inputs, including through the boundary-state handoffs.
 
     ``kernel``: a callable with the signature of :func:`chunk_delta_rule_varlen` (default: it),
     e.g. from :func:`harts_verl.ops.backends.linear_kernel`. A kernel without chunk-start states
