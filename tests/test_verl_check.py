@@ -270,6 +270,9 @@ def test_load_sequences_formats_and_errors(tmp_path):
         "dense": {"input_ids": dense, "attention_mask": mask},
         "tensordict": TensorDict({"input_ids": dense, "attention_mask": mask}, batch_size=[3]),
         "dataproto": DataProto.from_dict({"input_ids": dense, "attention_mask": mask}),
+        # padded rows as lists with their mask: the mask applies (padding is not a token)
+        "listmask": {"input_ids": dense.tolist(), "attention_mask": mask},
+        "tensorrowsmask": {"input_ids": list(dense), "attention_mask": mask},
     }
     for name, obj in good.items():
         torch.save(obj, tmp_path / f"{name}.pt")
@@ -282,6 +285,10 @@ def test_load_sequences_formats_and_errors(tmp_path):
         "nokey": ({"sequences": seqs}, "no 'input_ids'"),
         "densenomask": ({"input_ids": dense}, "without attention_mask"),
         "maskshape": ({"input_ids": dense, "attention_mask": mask[:2]}, "does not match"),
+        "raggedmask": ({"input_ids": seqs, "attention_mask": mask}, "of different widths"),
+        "dense3d": ({"input_ids": dense[None], "attention_mask": mask[None]}, "got a 3-D"),
+        "scalar": ({"input_ids": torch.tensor(5)}, "got a 0-D"),
+        "ragged": ([[1, 2], [3, [4]]], "trajectory 1: expected a flat sequence"),
     }
     bad["protonobatch"] = (DataProto(), "no tensor batch")
     for name, (obj, msg) in bad.items():
@@ -383,7 +390,8 @@ def test_check_input_errors(tmp_path, capsys, monkeypatch):
 
 def test_check_input_errors_name_the_right_flag(tmp_path, capsys, monkeypatch):
     """Numeric flags past what the audit can run, a malformed mask, a model the tree runner
-    cannot drive and a config its model class fails on: one line naming the flag at fault."""
+    cannot drive, a config its model class fails on and a batch longer than a dynamic RoPE's
+    exact range: one line naming the flag at fault."""
     monkeypatch.setitem(sys.modules, "fla", None)
     monkeypatch.delenv("HARTS_VERL_DEBUG", raising=False)
     from harts_verl.workers.testing import tiny_hf_config
@@ -401,6 +409,10 @@ def test_check_input_errors_name_the_right_flag(tmp_path, capsys, monkeypatch):
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
     (tmp_path / "layers0.json").write_text(json.dumps({**cfg, "num_hidden_layers": 0}))
     (tmp_path / "act.json").write_text(json.dumps({**cfg, "hidden_act": "no_such_act"}))
+    # dynamic NTK RoPE: tree mode is exact below the original context only (the batch: 29 tokens)
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    dynamic = {**cfg, "rope_parameters": rope, "max_position_embeddings": 16}
+    (tmp_path / "dynamic.json").write_text(json.dumps(dynamic))
     big = str(2**64)
     for argv, msg in [
         (["--model", model, "--batch", batch, "--chunk-size", big], "--chunk-size: expected"),
@@ -414,6 +426,12 @@ def test_check_input_errors_name_the_right_flag(tmp_path, capsys, monkeypatch):
         line = _check_error(capsys, argv, msg)
         if "json" in argv[1] and argv[1] != model:
             assert line.startswith("harts-verl check: --model: "), line
+    line = _check_error(
+        capsys,
+        ["--model", str(tmp_path / "dynamic.json"), "--batch", batch],
+        "exact only up to 15 tokens per trajectory; this batch has a trajectory of 29 tokens",
+    )
+    assert line.startswith("harts-verl check: --batch: ")
 
 
 @pytest.mark.parametrize("tol", ["nan", "inf", "-inf", "-1", "x"])

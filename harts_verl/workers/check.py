@@ -94,7 +94,8 @@ def load_sequences(path: str) -> list[list[int]]:
     """Trajectories of a batch dump (see module doc): a ``RolloutForest.save`` ``.npz``, or a
     ``torch.save`` file of a list of token-id lists / 1-D integer tensors, a nested (jagged)
     ``input_ids`` tensor, or a mapping (dict, TensorDict) with ``input_ids`` — nested, a list,
-    or dense ``[B, L]`` with ``attention_mask`` (the masked-in tokens of each row) — or a veRL
+    or dense ``[B, L]`` with ``attention_mask`` (the masked-in tokens of each row; a list of
+    rows with ``attention_mask`` is read as that dense batch) — or a veRL
     ``DataProto`` (its tensor batch, read as such a mapping). Raises
     ``ValueError`` naming the file and what is wrong (no trajectories, non-integer ids, a
     missing key, a dense batch without its mask), when the file does not exist or is a
@@ -134,12 +135,34 @@ def _sequences_of(obj: Any, path: str) -> list[list[int]]:
             raise ValueError(f"{path}: no 'input_ids' in the saved mapping (keys: {keys})")
         mask = obj["attention_mask"] if "attention_mask" in keys else None
         obj = obj["input_ids"]
+        if mask is not None and isinstance(obj, list | tuple):  # rows of one padded width
+            rows = [r.tolist() if hasattr(r, "tolist") else r for r in obj]
+            if not all(isinstance(r, list | tuple) for r in rows):
+                raise ValueError(f"{path}: input_ids: expected rows of token ids")
+            widths = sorted({len(r) for r in rows})
+            if len(widths) > 1:
+                raise ValueError(
+                    f"{path}: attention_mask given with input_ids rows of different widths "
+                    f"({widths}): expected a padded [B, L] batch"
+                )
+            try:
+                obj = torch.tensor(rows) if rows else torch.zeros(0, 0, dtype=torch.int64)
+            except (TypeError, ValueError, RuntimeError):
+                raise ValueError(
+                    f"{path}: input_ids: expected rows of integer token ids (ragged nesting or "
+                    "non-numbers found)"
+                ) from None
     if isinstance(obj, torch.Tensor) and obj.is_nested:
         obj = list(obj.unbind())
     elif isinstance(obj, torch.Tensor):
+        if obj.dim() not in (1, 2):
+            raise ValueError(
+                f"{path}: input_ids: expected a 1-D trajectory or a 2-D [B, L] batch, got a "
+                f"{obj.dim()}-D {tuple(obj.shape)} tensor"
+            )
         if obj.dim() == 1:
             obj = [obj]
-        elif obj.dim() == 2 and mask is not None:
+        elif mask is not None:
             if not isinstance(mask, torch.Tensor):
                 raise ValueError(
                     f"{path}: attention_mask: expected a tensor, got {type(mask).__name__}"
@@ -161,7 +184,13 @@ def _sequences_of(obj: Any, path: str) -> list[list[int]]:
         raise ValueError(f"{path}: expected trajectories as a list, got {type(obj).__name__}")
     seqs = []
     for i, t in enumerate(obj):
-        a = t.numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
+        try:
+            a = t.numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
+        except ValueError:  # numpy's ragged nesting error
+            raise ValueError(
+                f"{path}: trajectory {i}: expected a flat sequence of integer token ids, got "
+                "ragged nesting"
+            ) from None
         if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
             raise ValueError(
                 f"{path}: trajectory {i}: expected a 1-D sequence of integer token ids, got "
@@ -484,8 +513,9 @@ def load_inputs(args: argparse.Namespace) -> tuple[torch.nn.Module, list[list[in
     ``--dtype``, ``--tol``, ``--chunk-size`` and ``--seed`` values, the model's config
     (:func:`tree_model_config`) and the batch file (:func:`load_sequences`) before any weights
     are loaded (:func:`load_tree_model`), then the batch's token ids against the model's
-    vocabulary. Raises ``ValueError`` whose message starts with the flag at
+    vocabulary and its trajectory lengths against a length-dependent RoPE's exact range. Raises ``ValueError`` whose message starts with the flag at
     fault (``--model: ...``, ``--batch: ...``), so it is one command-line line as it stands."""
+    from harts_verl.models.adapter import check_rope_lengths
     from harts_verl.runtime import TreeRunner
     from harts_verl.tree import RolloutForest
 
@@ -524,7 +554,9 @@ def load_inputs(args: argparse.Namespace) -> tuple[torch.nn.Module, list[list[in
         raise _flag(exc, "--model", "model") from exc
     try:
         runner.build_forest(seqs)  # ids in vocabulary
-    except INPUT_ERRORS as exc:
+        # dynamic / longrope scaling: tree mode is exact only below the original context
+        check_rope_lengths(model, max(len(t) for t in seqs))
+    except (*INPUT_ERRORS, NotImplementedError) as exc:
         raise batch_error(exc) from exc
     return model, seqs
 
