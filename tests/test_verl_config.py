@@ -132,7 +132,7 @@ def test_importing_config_first_registers_the_engine():
     assert "could not register" not in out.stderr
 
 
-def test_strategy_alone_enables_harts_through_main_ppo():
+def test_strategy_alone_enables_harts_through_main_ppo(caplog):
     """``harts_verl.main_ppo``: ``strategy=harts_fsdp2`` is the one flag; ``harts.*`` options
     need no ``_target_`` override; other strategies and explicit classes are left alone."""
     from hydra import compose, initialize_config_module
@@ -158,6 +158,17 @@ def test_strategy_alone_enables_harts_through_main_ppo():
     stock = composed("actor_rollout_ref.actor.strategy=fsdp2")
     assert not apply_harts_actor_config(stock)
     assert stock.actor_rollout_ref.actor._target_ == "verl.workers.config.FSDPActorConfig"
+    # harts options with another strategy: accepted, and a WARNING says they are not used
+    mixed = composed(
+        "actor_rollout_ref.actor.strategy=fsdp2", "+actor_rollout_ref.actor.harts.chunk_size=16"
+    )
+    assert apply_harts_actor_config(mixed)
+    with caplog.at_level("WARNING", logger="harts_verl.workers.config"):
+        actor = omega_conf_to_dataclass(mixed.actor_rollout_ref.actor)
+    assert actor.strategy == "fsdp2"
+    assert "harts: settings (harts.chunk_size) are not used; set strategy=harts_fsdp2" in (
+        caplog.text
+    )
     custom = composed(
         "actor_rollout_ref.actor.strategy=harts_fsdp2", "actor_rollout_ref.actor._target_=my.Cls"
     )
@@ -165,7 +176,7 @@ def test_strategy_alone_enables_harts_through_main_ppo():
     assert custom.actor_rollout_ref.actor._target_ == "my.Cls"
 
 
-def test_critic_strategy_selects_the_harts_critic_config(tmp_path):
+def test_critic_strategy_selects_the_harts_critic_config(tmp_path, caplog):
     """``critic.strategy=harts_fsdp2``: ``HartsFSDPCriticConfig`` with its ``harts:`` section on
     the engine config; a stock critic strategy is left alone."""
     from hydra import compose, initialize_config_module
@@ -193,6 +204,15 @@ def test_critic_strategy_selects_the_harts_critic_config(tmp_path):
     stock = composed("critic.strategy=fsdp2")
     assert not apply_harts_critic_config(stock)
     assert stock.critic._target_ == "verl.workers.config.FSDPCriticConfig"
+    # harts options on a stock critic: accepted, and a WARNING says they are not used
+    mixed = composed("critic.strategy=fsdp2", "+critic.harts.chunk_size=16")
+    assert apply_harts_critic_config(mixed)
+    with caplog.at_level("WARNING", logger="harts_verl.workers.config"):
+        critic = omega_conf_to_dataclass(mixed.critic)
+    assert critic.strategy == "fsdp2" and critic.engine.strategy == "fsdp2"
+    assert "strategy is 'fsdp2', so its harts: settings (harts.chunk_size) are not used" in (
+        caplog.text
+    )
     with pytest.raises(Exception, match=r"harts\.chunk: unknown key"):  # hydra wraps it
         bad = composed("critic.strategy=harts_fsdp2", "+critic.harts.chunk=16")
         apply_harts_critic_config(bad)

@@ -62,13 +62,18 @@ def apply_harts_actor_config(config: Any) -> bool:
     """With ``actor.strategy=harts_fsdp2`` and veRL's default actor config class, select
     :class:`~harts_verl.workers.config.HartsFSDPActorConfig` (``actor._target_``) so that the
     ``harts:`` options (``+actor_rollout_ref.actor.harts.*``) are accepted and validated: the
-    strategy is then the one flag that enables HARTS. An explicitly chosen other class is left
-    alone. Returns whether the config was changed."""
+    strategy is then the one flag that enables HARTS. So also with another strategy whose
+    section has ``harts:`` options: the class then says in a WARNING that they are not used
+    (veRL's class would fail on the unknown key without naming the strategy). An explicitly
+    chosen other class is left alone. Returns whether the config was changed."""
     from omegaconf import open_dict
 
-    if not is_harts_config(config):
+    try:
+        actor = config.actor_rollout_ref.actor
+    except AttributeError:
         return False
-    actor = config.actor_rollout_ref.actor
+    if not is_harts_config(config) and "harts" not in actor:
+        return False
     if actor.get("_target_") != _VERL_FSDP_ACTOR:
         return False
     with open_dict(actor):
@@ -79,12 +84,13 @@ def apply_harts_actor_config(config: Any) -> bool:
 def apply_harts_critic_config(config: Any) -> bool:
     """With ``critic.strategy=harts_fsdp2`` and veRL's default critic config class, select
     :class:`~harts_verl.workers.config.HartsFSDPCriticConfig` (``critic._target_``), so that
-    ``+critic.harts.*`` options are accepted and validated. Returns whether the config was
-    changed."""
+    ``+critic.harts.*`` options are accepted and validated; so also with another strategy and
+    ``harts:`` options (a WARNING that they are not used, as for the actor). Returns whether
+    the config was changed."""
     from omegaconf import open_dict
 
     critic = config.get("critic") if hasattr(config, "get") else None
-    if critic is None or critic.get("strategy") != STRATEGY:
+    if critic is None or (critic.get("strategy") != STRATEGY and "harts" not in critic):
         return False
     if critic.get("_target_") != _VERL_FSDP_CRITIC:
         return False
