@@ -129,10 +129,13 @@ def test_two_rank_dp_equals_single_process(tmp_path):
     for tag, split in (("dp", parts), ("uneven", uneven)):
         ranks = _launch(2, {**base, "parts": split}, tmp_path, tag)
         _check_against_single(ranks, single, len(seqs))
-        # harts/compression is the realized one: Σ S / Σ of each rank's own compact rows.
-        rows = sum(
-            RolloutForest.from_sequences([seqs[i] for i in p]).num_compact_tokens for p in split
-        )
+        # harts/compression is the realized one: Σ S / Σ of the compact rows each rank's
+        # micro-batches run (at least each rank's own tree rows: a split tree pays its shared
+        # rows in each micro-batch)
+        for r, p in zip(ranks, split):
+            own = RolloutForest.from_sequences([seqs[i] for i in p]).num_compact_tokens
+            assert r["metrics"]["harts/compact_tokens"][0] >= own
+        rows = sum(r["metrics"]["harts/compact_tokens"][0] for r in ranks)
         realized = sum(map(len, seqs)) / rows
         for r in ranks:
             assert r["metrics"]["harts/compression"] == pytest.approx([realized], rel=1e-12)
@@ -166,27 +169,36 @@ def _four_trees(tmp_path) -> dict:
     return {"model_path": path, "sequences": seqs, "prompt_lengths": pls}
 
 
-def test_two_rank_dp_split_dependent_loss_equals_stock(tmp_path):
-    """``geo_mean`` (a mean over each micro-batch) under DP 2, at a token budget of several
-    micro-batches per rank: ``harts_fsdp2`` evaluates the loss on veRL's own micro-batches, so
-    the per-micro-batch losses, the gradients and the grad norm are the stock engine's."""
+@pytest.mark.parametrize("loss_mode", ["geo_mean", "vanilla"])
+def test_two_rank_dp_losses_and_metrics_equal_stock(tmp_path, loss_mode):
+    """Under DP 2, at a token budget of several micro-batches per rank: ``geo_mean`` (a mean
+    over each micro-batch) runs on veRL's own micro-batches, and ``vanilla`` runs on the tree
+    micro-batches with its metrics evaluated again on veRL's (``harts.stock_metrics``). Either
+    way the per-micro-batch losses, every metric (``actor/pg_clipfrac``, ``actor/ppo_kl``, …,
+    one value per veRL micro-batch), the gradients and the grad norm are the stock engine's."""
     from harts_verl.workers.balance import tree_balanced_partition
 
     base = _four_trees(tmp_path)
     base = {
         **base,
         "parts": tree_balanced_partition(base["sequences"], 2),
-        "loss_mode": "geo_mean",
+        "loss_mode": loss_mode,
         "max_token_len": 48,
     }
     stock = _launch(2, {**base, "strategy": "fsdp2"}, tmp_path, "stock")
     tree = _launch(2, base, tmp_path, "tree")
     for s, t in zip(stock, tree):
         assert t["indices"] == s["indices"]
-        assert t["metrics"]["harts/stock_split_loss"] == [1.0]
+        assert t["metrics"]["harts/stock_split_loss"] == [float(loss_mode == "geo_mean")]
         assert t["metrics"]["harts/fallback"] == [0.0]
         assert len(s["metrics"]["loss"]) >= 2  # the budget cuts each rank's batch
         np.testing.assert_allclose(t["metrics"]["loss"], s["metrics"]["loss"], rtol=1e-5, atol=1e-7)
+        assert set(t["metric_values"]) == set(s["metric_values"])
+        for key, (aggregation, values) in s["metric_values"].items():
+            assert t["metric_values"][key][0] == aggregation, key
+            np.testing.assert_allclose(
+                t["metric_values"][key][1], values, rtol=1e-5, atol=1e-7, err_msg=key
+            )
         assert abs(t["grad_norm"] - s["grad_norm"]) <= 1e-6 * s["grad_norm"]
         for name, g in s["grads"].items():
             assert float((t["grads"][name] - g).abs().max()) <= 1e-6 * max(
@@ -251,6 +263,9 @@ def test_ulysses_sp_ranks_share_the_trees(tmp_path):
             pls.append(len(p))
     path = save_tiny_model("qwen2", str(tmp_path / "qwen2"), seed=6)
     base = {"model_path": path, "sequences": seqs, "prompt_lengths": pls, "capacity_tokens": 30}
+    # the tree micro-batches' losses and metrics in both runs (under SP there is no replay on
+    # veRL's own micro-batches)
+    base["harts"] = {"stock_metrics": False}
     everything = [list(range(len(seqs)))]
     single = _launch(1, {**base, "parts": everything}, tmp_path, "single")[0]
     ranks = _launch(2, {**base, "parts": everything, "sp": 2}, tmp_path, "sp")

@@ -17,6 +17,7 @@ from functools import partial
 import numpy as np
 import pytest
 import torch
+from _verl_cpu import assert_stock_metrics
 
 pytest.importorskip("verl")
 
@@ -200,6 +201,7 @@ def _compare(ref, tree, *, tol=1e-6):
             assert float(b[-1]) == 0.0  # no next token at the last position
     gr, gt = met_r["grad_norm"], met_t["grad_norm"]
     assert abs(gr - gt) <= tol * abs(gr), (gr, gt)
+    assert_stock_metrics(met_r, met_t, tol=tol)
     assert met_t["harts/fallback"] == [0.0]
     for n in p0_r:
         torch.testing.assert_close(p0_t[n], p0_r[n], rtol=0, atol=0)
@@ -411,6 +413,53 @@ def test_trajectories_over_the_token_budget_run_whole_and_are_named(verl_cpu, ca
     for a, b in zip(small.unbind(), fits.unbind(), strict=True):
         assert a.shape == b.shape
         assert float((a - b).abs().max()) <= 1e-6
+
+
+def test_compression_counts_the_rows_the_micro_batches_run(verl_cpu):
+    """``harts/compression`` and the ``min_compression`` gate count the compact rows that the
+    micro-batches run: a tree that the token budget splits pays its shared rows in each part
+    (at 4 rows every trajectory is over the budget: little is shared, and the gate sees it)."""
+    from harts_verl.tree import RolloutForest
+
+    testing, paths = verl_cpu
+    seqs, prompt_lens, spans = _grpo_batch(seed=2)
+    tree_rows = RolloutForest.from_sequences(seqs).num_compact_tokens
+    semantic = sum(map(len, seqs))
+    assert semantic / tree_rows > 1.5
+
+    def infer(**harts):
+        engine = testing.build_engine(paths["qwen2"], testing.actor_config(harts=harts))
+        with engine.eval_mode():
+            out = engine.infer_batch(testing.make_batch(seqs, prompt_lens, tool_spans=spans))
+        return out["metrics"]
+
+    whole = infer(capacity_tokens=4096)
+    assert whole["harts/compact_tokens"] == [float(tree_rows)]
+    assert whole["harts/compression"] == pytest.approx([semantic / tree_rows], rel=1e-12)
+    split = infer(capacity_tokens=40)
+    assert split["harts/fallback"] == [0.0]
+    run = split["harts/compact_tokens"][0]
+    assert tree_rows < run <= semantic
+    assert split["harts/compression"] == pytest.approx([semantic / run], rel=1e-12)
+    # every trajectory over the budget: whole, alone or with its own prefixes and copies
+    alone = infer(capacity_tokens=4)["harts/compact_tokens"][0]
+    assert semantic / alone < 1.5
+    gated = infer(capacity_tokens=4, min_compression=1.5)
+    assert gated["harts/fallback"] == [1.0]
+    assert gated["harts/compression"] == pytest.approx([semantic / alone], rel=1e-12)
+    assert infer(capacity_tokens=4096, min_compression=1.5)["harts/fallback"] == [0.0]
+
+
+def test_a_zero_token_budget_is_named(verl_cpu):
+    from verl.utils import tensordict_utils as tu
+
+    testing, paths = verl_cpu
+    seqs, prompt_lens, spans = _grpo_batch(seed=2)
+    engine = testing.build_engine(paths["qwen2"], testing.actor_config())
+    batch = testing.make_batch(seqs, prompt_lens, tool_spans=spans)
+    tu.assign_non_tensor(batch, max_token_len_per_gpu=0)
+    with engine.eval_mode(), pytest.raises(ValueError, match="max_token_len_per_gpu: expected"):
+        engine.infer_batch(batch)
 
 
 def test_fused_kernels_with_a_logit_transform_warn(verl_cpu, caplog, monkeypatch):

@@ -55,8 +55,9 @@ class HartsConfig(BaseConfig):
         ``max_token_len_per_gpu`` (train: ``ppo_max_token_len_per_gpu``), or with
         ``use_dynamic_bsz`` false ``micro_batch_size_per_gpu`` × the batch's longest trajectory.
       min_compression: when the batch's realized compression over all DP ranks, Σ S / Σ C
-        (each rank's C the compact rows of its own part, as they would run), is below this,
-        the batch runs the stock path (metric ``harts/fallback`` = 1).
+        (each rank's C the compact rows its planned micro-batches run: a tree split into
+        several pays its shared rows in each), is below this, the batch runs the stock path
+        (metric ``harts/fallback`` = 1).
       audit_every: every N engine calls, recompute the log-probs of a sample of trajectories
         with the stock (expanded) path and log ``harts/audit`` (max abs log-prob difference; 0 = never).
       audit_trajectories: how many trajectories the audit samples.
@@ -67,6 +68,12 @@ class HartsConfig(BaseConfig):
         ``geo_mean`` / ``clip_cov`` / ``kl_cov`` policy losses) is evaluated: ``stock`` (on
         veRL's own micro-batches, the stock engine's numbers; the tree micro-batches run one
         more forward without graph) or ``tree`` (on the tree micro-batches; a WARNING).
+      stock_metrics: for every other loss, evaluate it once more, without autograd, on
+        veRL's own micro-batches over the outputs the tree micro-batches computed, and report
+        those losses and metrics: metrics that veRL averages per micro-batch
+        (``actor/pg_clipfrac``, ``rollout_corr/*``, ``critic/vf_clipfrac``, …) are then the
+        stock engine's (no extra forward; not under Ulysses SP). False reports the tree
+        micro-batches' means.
     """
 
     enable: bool = True
@@ -78,6 +85,7 @@ class HartsConfig(BaseConfig):
     rows_per_chunk: int = 4096
     planner: dict[str, Any] = field(default_factory=dict)
     split_dependent_losses: str = "stock"
+    stock_metrics: bool = True
 
     def __post_init__(self) -> None:
         def positive_int(name: str, value: Any, *, allow_zero: bool = False) -> None:
@@ -97,6 +105,8 @@ class HartsConfig(BaseConfig):
         mc = self.min_compression
         if isinstance(mc, bool) or not isinstance(mc, int | float) or not mc >= 0:
             raise ValueError(f"harts.min_compression: expected a number >= 0, got {mc!r}")
+        if not isinstance(self.stock_metrics, bool):
+            raise ValueError(f"harts.stock_metrics: expected a bool, got {self.stock_metrics!r}")
         if self.split_dependent_losses not in ("stock", "tree"):
             raise ValueError(
                 "harts.split_dependent_losses: expected 'stock' or 'tree', got "

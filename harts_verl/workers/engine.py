@@ -46,8 +46,9 @@ multi-modal model run in tree mode), under Ulysses SP a trajectory longer than o
 budget, fused kernels (or a logit-transforming forward) on a model without HF's ``model`` /
 ``lm_head`` parts, top-k
 distillation, training with router jitter, dynamic RoPE beyond its original context, or a
-realized compression (Σ over DP ranks of S / Σ of each rank's own C: a tree that veRL's
-balancing split across ranks pays its shared rows on each) below ``harts.min_compression``. The decision is taken jointly by all DP ranks;
+realized compression (Σ over DP ranks of S / Σ of the compact rows each rank's micro-batches
+run: a tree that veRL's balancing split across ranks, or that the token budget splits into
+several micro-batches, pays its shared rows in each part) below ``harts.min_compression``. The decision is taken jointly by all DP ranks;
 each reason is logged at WARNING the first time it occurs.
 Every micro-batch of a fallback batch runs veRL's own ``forward_step``.
 """
@@ -150,6 +151,20 @@ def _sequences(input_ids: torch.Tensor) -> list[np.ndarray]:
     values = input_ids.values().detach().cpu().numpy().astype(np.int64, copy=False)
     offsets = input_ids.offsets().detach().cpu().numpy()
     return [values[offsets[i] : offsets[i + 1]] for i in range(offsets.shape[0] - 1)]
+
+
+def _keep_outputs(
+    kept: dict[str, list[torch.Tensor | None]],
+    outputs: dict[str, torch.Tensor],
+    sel: list[int],
+    n: int,
+) -> None:
+    """Store each of ``outputs``' per-trajectory tensors (nested, in ``sel`` order), detached,
+    at its trajectory's index of ``kept[key]`` (a list of ``n``)."""
+    for key, nested in outputs.items():
+        column = kept.setdefault(key, [None] * n)
+        for i, t in zip(sel, nested.unbind()):
+            column[i] = t.detach()
 
 
 def _kept_len(columns: dict[str, list[torch.Tensor | None]], i: int) -> int:
@@ -738,8 +753,9 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         micro-batches (``use_dynamic_bsz`` false), the most tokens a stock micro-batch of this
         batch can hold on one rank (``micro_batch_size_per_gpu`` × the longest trajectory,
         ``longest`` tokens, over the Ulysses SP size), so memory stays within the stock
-        engine's; else ``max_token_len_per_gpu``. Under Ulysses SP this is one rank's budget:
-        a tree micro-batch runs whole on one SP rank."""
+        engine's; else ``max_token_len_per_gpu`` (16384 when the batch and the engine config
+        give none; ValueError naming it unless a positive int). Under Ulysses SP this is one
+        rank's budget: a tree micro-batch runs whole on one SP rank."""
         if self.harts.capacity_tokens is not None:
             return int(self.harts.capacity_tokens)
         if not tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
@@ -750,7 +766,20 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         cap = tu.get_non_tensor_data(data=data, key="max_token_len_per_gpu", default=None)
         if cap is None:
             cap = getattr(self.engine_config, "max_token_len_per_gpu", None)
-        return int(cap) if cap else 16384
+        if cap is None:
+            return 16384
+        if (
+            isinstance(cap, bool)
+            or not isinstance(cap, int | float | np.integer | np.floating)
+            or not float(cap) >= 1
+            or not float(cap).is_integer()
+        ):
+            raise ValueError(
+                f"max_token_len_per_gpu: expected a positive token budget, got {cap!r} (set "
+                "ppo_max_token_len_per_gpu / log_prob_max_token_len_per_gpu, or "
+                "harts.capacity_tokens)"
+            )
+        return int(cap)
 
     def _plan(
         self, forest: RolloutForest, capacity: int
@@ -908,6 +937,13 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         c = forest.num_compact_tokens if forest is not None else 0
         longest = int(forest.lengths.max()) if forest is not None else 0
         reasons = self._local_fallback_reasons(data, longest, forward_only)
+        planned = None
+        if forest is not None and not reasons:
+            # The compact rows the micro-batches will run: a tree that the token budget splits
+            # pays its shared rows in each part (an over-size trajectory runs alone).
+            capacity = self._capacity(data, longest)
+            planned = (capacity, *self._plan(forest, capacity))
+            c = sum(w for w, _ in planned[1])
         # All ranks take the same path (FSDP collectives must stay aligned).
         s_all, c_all = self._dp_all_reduce([s, c])
         ok_min = self._dp_all_reduce([0.0 if reasons else 1.0], op=dist.ReduceOp.MIN)[0]
@@ -934,9 +970,12 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             for k, v in {"fallback": 1.0, "compression": compression}.items():
                 out["metrics"][f"harts/{k}"] = [v]
             return out
-        stock_split = False
+        stock_split = stock_metrics = False
         if loss_function is not None:
             why = split_dependent_loss(loss_function)
+            # Metrics as the stock engine reports them (a loss that does not depend on the
+            # micro-batching runs again, without autograd, on veRL's own micro-batches).
+            stock_metrics = why is None and self.harts.stock_metrics and self._sp_size() == 1
             stock_split = why is not None and self._can_split_like_stock()
             if (
                 why is not None
@@ -954,7 +993,15 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
                     else "Ulysses sequence parallelism",
                 )
         return self._tree_forward_backward_batch(
-            data, loss_function, forward_only, forest, temperature, compression, stock_split
+            data,
+            loss_function,
+            forward_only,
+            forest,
+            temperature,
+            s_all,
+            planned,
+            stock_split=stock_split,
+            stock_metrics=stock_metrics,
         )
 
     def _can_split_like_stock(self) -> bool:
@@ -969,9 +1016,20 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         forward_only: bool,
         forest: RolloutForest,
         temperature: float | np.ndarray,
-        compression: float,
+        semantic_all: float,
+        planned: tuple[int, list[tuple[int, np.ndarray]], float],
+        *,
         stock_split: bool = False,
+        stock_metrics: bool = False,
     ):
+        """One batch in tree mode: ``planned`` = ``(capacity, micro-batches, planning ms)`` of
+        :meth:`_plan`; ``semantic_all`` the semantic tokens over the DP ranks (the metric
+        ``harts/compression`` is it over the compact rows run on the DP ranks, count
+        equalization's splits included). ``stock_split``: the loss runs on veRL's own micro-batches
+        (:meth:`_stock_split_forward_backward`). ``stock_metrics``: the loss runs on the tree
+        micro-batches for the gradient, then again without autograd on veRL's own
+        micro-batches over the kept outputs, whose losses and metrics are reported (the
+        stock engine's values)."""
         tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
         return_model_output = tu.get_non_tensor_data(
             data=data, key="return_model_output", default=False
@@ -982,8 +1040,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item())
         tu.assign_non_tensor(data, dp_size=self.get_data_parallel_size())
 
-        capacity = self._capacity(data, int(forest.lengths.max()) if len(data) else 1)
-        groups, planning_ms = self._plan(forest, capacity)
+        capacity, groups, planning_ms = planned
         oversize = self._note_oversize(forest, groups, capacity)
         target = int(self._dp_all_reduce([len(groups)], op=dist.ReduceOp.MAX)[0])
         sp = self._sp_size()
@@ -1002,6 +1059,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         indices: list[list[int]] = []
         stats = {"compact_tokens": 0, "replay_tokens": 0, "rounds": 0}
         shortest = [int(np.argmin(forest.lengths))]  # what a dummy micro-batch runs
+        kept: dict[str, list[torch.Tensor | None]] = {}
         if stock_split:
             output_lst, indices, stats = self._stock_split_forward_backward(
                 data, loss_function, forest, temperature, mine, return_model_output, forward_only
@@ -1037,10 +1095,12 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
                         scaler.scale(loss_bw).backward()
                     else:
                         loss_bw.backward()
-                    if not return_model_output:
-                        meta.pop("model_output", None)
             if dummy:
                 continue
+            if stock_metrics:
+                _keep_outputs(kept, meta["model_output"], sel, len(data))
+            if not forward_only and not return_model_output:
+                meta.pop("model_output", None)
             for key in stats:
                 stats[key] += mb_stats[key]
             output_lst.append(meta)
@@ -1050,10 +1110,19 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             out, stats = self._sp_merge(output_lst, indices, stats, forest)
         else:
             out = self._postprocess(output_lst, indices)
+        if stock_metrics:
+            replayed, _, _ = self._stock_cut_losses(
+                data, loss_function, kept, with_grad=False, with_outputs=False
+            )
+            out["loss"] = [o["loss"] for o in replayed]
+            out["metrics"] = {}
+            for o in replayed:
+                append_to_dict(out["metrics"], o["metrics"])
         metrics = out["metrics"]
         if not forward_only:
             self._pad_dp_metrics(metrics)
-        metrics["harts/compression"] = [compression]
+        run = self._dp_all_reduce([float(stats["compact_tokens"])])[0]
+        metrics["harts/compression"] = [semantic_all / run if run else 1.0]
         metrics["harts/compact_tokens"] = [float(stats["compact_tokens"])]
         metrics["harts/replay_tokens"] = [float(stats["replay_tokens"])]
         metrics["harts/rounds"] = [float(stats["rounds"])]
@@ -1092,8 +1161,6 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         metrics of an evaluation call). Returns the per-micro-batch outputs (``loss``,
         ``metrics``, ``model_output`` when ``return_model_output`` or ``forward_only``), their
         trajectory indices and the tree statistics."""
-        from verl.workers.engine.utils import prepare_micro_batches
-
         n = len(data)
         device = get_device_id()
         shortest = [int(np.argmin(forest.lengths))]
@@ -1110,52 +1177,15 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
                 continue
             for key in stats:
                 stats[key] += mb_stats[key]
-            for key, nested in outputs.items():
-                column = kept.setdefault(key, [None] * n)
-                for i, t in zip(sel, nested.unbind()):
-                    column[i] = t.detach()
+            _keep_outputs(kept, outputs, sel, n)
 
-        micro_batches, batch_idx = prepare_micro_batches(
-            data=data, dp_group=self.get_data_parallel_group(), same_micro_num_in_dp=True
+        output_lst, batch_idx, grads = self._stock_cut_losses(  # (2) the loss, stock-cut
+            data,
+            loss_function,
+            kept,
+            with_grad=not forward_only,
+            with_outputs=return_model_output or forward_only,
         )
-        if batch_idx is None:  # fixed-size micro-batches: consecutive chunks
-            ends = np.cumsum([len(mb) for mb in micro_batches])
-            batch_idx = [list(range(e - len(mb), e)) for mb, e in zip(micro_batches, ends)]
-        batch_idx = [[int(i) for i in b] for b in batch_idx]
-        grads: dict[str, list[torch.Tensor | None]] = {key: [None] * n for key in kept}
-        output_lst: list[dict] = []
-        for micro_batch, idx in zip(micro_batches, batch_idx):  # (2) the loss, stock-cut
-            micro_batch = micro_batch.to(device)
-            lengths = torch.tensor([0] + [_kept_len(kept, i) for i in idx], device=device)
-            offsets = torch.cumsum(lengths, 0)
-            leaves = {
-                key: torch.cat([col[i] for i in idx]).requires_grad_(not forward_only)
-                for key, col in kept.items()
-            }
-            model_output = {
-                key: torch.nested.nested_tensor_from_jagged(leaf, offsets)
-                for key, leaf in leaves.items()
-            }
-            grad_ctx = torch.no_grad() if forward_only else nullcontext()
-            with grad_ctx, self._autocast():
-                loss, metrics = loss_function(
-                    model_output=model_output,
-                    data=micro_batch,
-                    dp_group=self.get_data_parallel_group(),
-                )
-            loss = _checked_scalar_loss(loss)
-            if loss.requires_grad:
-                keys = list(leaves)
-                got = torch.autograd.grad(loss, [leaves[k] for k in keys], allow_unused=True)
-                for key, g in zip(keys, got):
-                    if g is None:
-                        continue
-                    for i, part in zip(idx, g.split(lengths[1:].tolist())):
-                        grads[key][i] = part
-            meta = {"loss": float(loss.detach().item()), "metrics": metrics}
-            if return_model_output or forward_only:  # an evaluation call returns its outputs
-                meta["model_output"] = detach_tree(model_output)
-            output_lst.append(meta)
         if forward_only:
             return output_lst, batch_idx, stats
 
@@ -1187,6 +1217,69 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
                 else:
                     total.backward()
         return output_lst, batch_idx, stats
+
+    def _stock_cut_losses(
+        self,
+        data: TensorDict,
+        loss_function,
+        kept: dict[str, list[torch.Tensor | None]],
+        *,
+        with_grad: bool,
+        with_outputs: bool,
+    ) -> tuple[list[dict], list[list[int]], dict[str, list[torch.Tensor | None]]]:
+        """``loss_function`` on veRL's own micro-batches of ``data`` (``prepare_micro_batches``,
+        cut as the stock engine cuts them, equal counts on the DP ranks) over ``kept`` (per
+        model-output key, every trajectory's detached output in batch order): each
+        micro-batch's ``loss`` and ``metrics`` (and ``model_output`` with ``with_outputs``),
+        the micro-batches' trajectory indices, and with ``with_grad`` the loss gradient with
+        respect to every kept output (None where the loss does not use it; without
+        ``with_grad`` the loss runs without autograd and every gradient is None)."""
+        from verl.workers.engine.utils import prepare_micro_batches
+
+        n = len(data)
+        device = get_device_id()
+        micro_batches, batch_idx = prepare_micro_batches(
+            data=data, dp_group=self.get_data_parallel_group(), same_micro_num_in_dp=True
+        )
+        if batch_idx is None:  # fixed-size micro-batches: consecutive chunks
+            ends = np.cumsum([len(mb) for mb in micro_batches])
+            batch_idx = [list(range(e - len(mb), e)) for mb, e in zip(micro_batches, ends)]
+        batch_idx = [[int(i) for i in b] for b in batch_idx]
+        grads: dict[str, list[torch.Tensor | None]] = {key: [None] * n for key in kept}
+        output_lst: list[dict] = []
+        for micro_batch, idx in zip(micro_batches, batch_idx):
+            micro_batch = micro_batch.to(device)
+            lengths = torch.tensor([0] + [_kept_len(kept, i) for i in idx], device=device)
+            offsets = torch.cumsum(lengths, 0)
+            leaves = {
+                key: torch.cat([col[i] for i in idx]).requires_grad_(with_grad)
+                for key, col in kept.items()
+            }
+            model_output = {
+                key: torch.nested.nested_tensor_from_jagged(leaf, offsets)
+                for key, leaf in leaves.items()
+            }
+            grad_ctx = nullcontext() if with_grad else torch.no_grad()
+            with grad_ctx, self._autocast():
+                loss, metrics = loss_function(
+                    model_output=model_output,
+                    data=micro_batch,
+                    dp_group=self.get_data_parallel_group(),
+                )
+            loss = _checked_scalar_loss(loss)
+            if loss.requires_grad:
+                keys = list(leaves)
+                got = torch.autograd.grad(loss, [leaves[k] for k in keys], allow_unused=True)
+                for key, g in zip(keys, got):
+                    if g is None:
+                        continue
+                    for i, part in zip(idx, g.split(lengths[1:].tolist())):
+                        grads[key][i] = part
+            meta = {"loss": float(loss.detach().item()), "metrics": metrics}
+            if with_outputs:
+                meta["model_output"] = detach_tree(model_output)
+            output_lst.append(meta)
+        return output_lst, batch_idx, grads
 
     def _sp_merge(
         self,
