@@ -150,6 +150,13 @@ def test_two_rank_dp_equals_single_process(tmp_path):
                 assert c0[call]["planned"] >= 3 and c1[call]["planned"] == 1
                 assert c0[call]["dummies"] == 0
                 assert c1[call]["dummies"] == c0[call]["planned"] - 2  # split once, then pad
+            # the min_compression gate counts the rows of that split too: just above the
+            # realized compression, both ranks fall back, and the gate saw that very ratio
+            gate = {"min_compression": realized * (1 + 1e-9)}
+            gated = _launch(2, {**base, "parts": split, "harts": gate}, tmp_path, "gated")
+            for r in gated:
+                assert r["metrics"]["harts/fallback"] == [1.0]
+                assert r["metrics"]["harts/compression"] == pytest.approx([realized], rel=1e-12)
 
 
 def _four_trees(tmp_path) -> dict:
@@ -204,6 +211,31 @@ def test_two_rank_dp_losses_and_metrics_equal_stock(tmp_path, loss_mode):
             assert float((t["grads"][name] - g).abs().max()) <= 1e-6 * max(
                 float(g.abs().max()), 1e-3
             ), name
+
+
+def test_two_rank_dp_agree_when_verl_cannot_cut(tmp_path):
+    """Only rank 0 holds a trajectory over veRL's token budget, which veRL's micro-batching
+    refuses (the tree engine runs it whole). The ranks agree to evaluate the loss and its
+    metrics on the tree micro-batches (``harts/stock_metrics`` = 0 on both; a refusal on one
+    rank alone used to stop that rank while its peer waited), and the step equals the
+    single-process one."""
+    base = _four_trees(tmp_path)
+    seqs = base["sequences"]
+    seqs[2] = seqs[2] + [1, 2, 3, 4, 5, 6]  # tree 0 holds the longest trajectory
+    trees = [list(range(3 * t, 3 * t + 3)) for t in range(4)]
+    longest = [max(len(seqs[i]) for i in tree) for tree in trees]
+    first = int(np.argmax(longest))
+    assert first == 0 and sorted(longest)[-2] < longest[first]
+    rest = [t for k, t in enumerate(trees) if k != first]
+    parts = [trees[first] + rest[0], rest[1] + rest[2]]
+    base = {**base, "max_token_len": longest[first] - 1}
+    single = _launch(1, {**base, "parts": [list(range(len(seqs)))]}, tmp_path, "single")[0]
+    ranks = _launch(2, {**base, "parts": parts}, tmp_path, "refused")
+    _check_against_single(ranks, single, len(seqs))
+    for r in (*ranks, single):
+        assert r["metrics"]["harts/stock_metrics"] == [0.0]
+        assert r["metrics"]["harts/fallback"] == [0.0]
+        assert r["metrics"]["harts/oversize_microbatches"] == [0.0]  # capacity 40 rows
 
 
 def test_two_rank_dp_loss_with_collectives_on_tree_micro_batches(tmp_path):

@@ -415,6 +415,53 @@ def test_trajectories_over_the_token_budget_run_whole_and_are_named(verl_cpu, ca
         assert float((a - b).abs().max()) <= 1e-6
 
 
+@pytest.mark.parametrize("loss_mode", ["vanilla", "geo_mean"])
+@pytest.mark.parametrize("refusal", ["budget", "fixed_size"])
+def test_batches_verl_cannot_cut_train_on_tree_micro_batches(verl_cpu, caplog, loss_mode, refusal):
+    """veRL's own micro-batching refuses a trajectory over the token budget, and with
+    fixed-size micro-batches a batch size the size does not divide; the tree engine runs such
+    a batch whole. The loss (a split-dependent one too) and its metrics are then evaluated on
+    the tree micro-batches (``harts/stock_metrics`` = 0, one WARNING naming the reason), with
+    the gradient of a budget that fits (``harts/stock_metrics`` = 1 there)."""
+    from verl.utils import tensordict_utils as tu
+
+    testing, paths = verl_cpu
+    seqs, prompt_lens, spans = _multiturn_batch(seed=12)
+    longest = max(map(len, seqs))
+
+    def train(refused: bool):
+        cfg = testing.actor_config(loss_mode=loss_mode, harts={"capacity_tokens": 4096})
+        engine = testing.build_engine(paths["qwen2"], cfg)
+        batch = testing.make_batch(seqs, prompt_lens, tool_spans=spans, max_token_len=4096)
+        if refused and refusal == "budget":
+            tu.assign_non_tensor(batch, max_token_len_per_gpu=longest - 1)
+        elif refusal == "fixed_size":
+            size = 2 if len(seqs) % 2 else 3  # one that does not divide the batch
+            size = size if refused else 1
+            tu.assign_non_tensor(batch, use_dynamic_bsz=False, micro_batch_size_per_gpu=size)
+        with engine.train_mode():
+            out = engine.train_batch(batch, loss_function=partial(_ppo_loss(), config=cfg))
+        return out["metrics"]
+
+    assert len(seqs) % 2 or len(seqs) % 3
+    with caplog.at_level("WARNING"):
+        refused = train(True)
+    assert refused["harts/stock_metrics"] == [0.0]
+    assert refused["harts/stock_split_loss"] == [0.0]
+    assert refused["harts/fallback"] == [0.0]
+    reason = "max_token_len_per_gpu" if refusal == "budget" else "micro_batch_size_per_gpu"
+    assert any(
+        "veRL's own micro-batching refuses this batch" in r.getMessage()
+        and reason in r.getMessage()
+        for r in caplog.records
+    )
+    fits = train(False)
+    assert fits["harts/stock_metrics"] == [1.0]
+    assert fits["harts/stock_split_loss"] == [float(loss_mode == "geo_mean")]
+    if loss_mode == "vanilla":  # the gradient does not depend on the micro-batching
+        assert abs(refused["grad_norm"] - fits["grad_norm"]) <= 1e-6 * fits["grad_norm"]
+
+
 def test_compression_counts_the_rows_the_micro_batches_run(verl_cpu):
     """``harts/compression`` and the ``min_compression`` gate count the compact rows that the
     micro-batches run: a tree that the token budget splits pays its shared rows in each part

@@ -61,6 +61,7 @@ import time
 import types
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -537,6 +538,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         self._stock_batch = False  # inside a fallback batch: forward_step is veRL's
         self._fallback_logged: set[str] = set()  # fallback reasons already logged
         self._oversize_warned = False  # a micro-batch over the token budget was named
+        self._no_cut_reason = ""  # why veRL's own micro-batching refused the last batch
 
     # ------------------------------------------------------------------ model build
     # which model output the audit compares, and whether positions are shifted by one
@@ -939,17 +941,29 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         reasons = self._local_fallback_reasons(data, longest, forward_only)
         planned = None
         if forest is not None and not reasons:
-            # The compact rows the micro-batches will run: a tree that the token budget splits
-            # pays its shared rows in each part (an over-size trajectory runs alone).
             capacity = self._capacity(data, longest)
             planned = (capacity, *self._plan(forest, capacity))
-            c = sum(w for w, _ in planned[1])
-        # All ranks take the same path (FSDP collectives must stay aligned).
-        s_all, c_all = self._dp_all_reduce([s, c])
-        ok_min = self._dp_all_reduce([0.0 if reasons else 1.0], op=dist.ReduceOp.MIN)[0]
-        compression = s_all / c_all if c_all else 1.0
+        self._no_cut_reason = ""  # a peer's refusal leaves it empty here
+        cut_ok = loss_function is not None and self._stock_cut_possible(data)
+        # All ranks take the same path (FSDP collectives must stay aligned): tree mode on all,
+        # veRL's own cut on all, and the largest micro-batch count.
+        ok_min, cut_min, neg_count = self._dp_all_reduce(
+            [0.0 if reasons else 1.0, float(cut_ok), -float(len(planned[1]) if planned else 0)],
+            op=dist.ReduceOp.MIN,
+        )
         if ok_min < 1 and not reasons:
             reasons["peer"] = "another data-parallel rank's batch cannot run in tree mode"
+        equalized = None
+        if not reasons:
+            # The compact rows the micro-batches will run: a tree that the token budget or the
+            # DP count equalization splits pays its shared rows in each part (an over-size
+            # trajectory runs alone).
+            sp = self._sp_size()
+            target = -(-int(-neg_count) // sp) * sp  # Ulysses SP: the SP ranks share them
+            equalized = self._equalize(forest, planned[1], target)
+            c = sum(w for w, g in equalized if g is not None)
+        s_all, c_all = self._dp_all_reduce([s, c])
+        compression = s_all / c_all if c_all else 1.0
         if compression < self.harts.min_compression:
             reasons["compression"] = (
                 f"compression {compression:.3f} < harts.min_compression "
@@ -999,9 +1013,10 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             forest,
             temperature,
             s_all,
-            planned,
+            (*planned, equalized),
             stock_split=stock_split,
             stock_metrics=stock_metrics,
+            stock_cut=cut_min >= 1,
         )
 
     def _can_split_like_stock(self) -> bool:
@@ -1017,19 +1032,22 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         forest: RolloutForest,
         temperature: float | np.ndarray,
         semantic_all: float,
-        planned: tuple[int, list[tuple[int, np.ndarray]], float],
+        planned: tuple[int, list[tuple[int, np.ndarray]], float, list],
         *,
         stock_split: bool = False,
         stock_metrics: bool = False,
+        stock_cut: bool = False,
     ):
         """One batch in tree mode: ``planned`` = ``(capacity, micro-batches, planning ms)`` of
-        :meth:`_plan`; ``semantic_all`` the semantic tokens over the DP ranks (the metric
-        ``harts/compression`` is it over the compact rows run on the DP ranks, count
-        equalization's splits included). ``stock_split``: the loss runs on veRL's own micro-batches
+        :meth:`_plan` and the micro-batches of :meth:`_equalize`; ``semantic_all`` the semantic
+        tokens over the DP ranks (the metric ``harts/compression`` is it over the compact rows
+        run on the DP ranks). ``stock_split``: the loss runs on veRL's own micro-batches
         (:meth:`_stock_split_forward_backward`). ``stock_metrics``: the loss runs on the tree
         micro-batches for the gradient, then again without autograd on veRL's own
         micro-batches over the kept outputs, whose losses and metrics are reported (the
-        stock engine's values)."""
+        stock engine's values). Both need ``stock_cut`` (all DP ranks passed
+        :meth:`_stock_cut_possible`) and veRL's cut itself (:meth:`_stock_cut`); without them
+        the loss runs on the tree micro-batches and says so (metric ``harts/stock_metrics``)."""
         tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
         return_model_output = tu.get_non_tensor_data(
             data=data, key="return_model_output", default=False
@@ -1040,12 +1058,15 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item())
         tu.assign_non_tensor(data, dp_size=self.get_data_parallel_size())
 
-        capacity, groups, planning_ms = planned
+        capacity, groups, planning_ms, equalized = planned
         oversize = self._note_oversize(forest, groups, capacity)
-        target = int(self._dp_all_reduce([len(groups)], op=dist.ReduceOp.MAX)[0])
+        cut = None
+        if stock_split or stock_metrics:
+            cut = self._stock_cut(data) if stock_cut else None
+            if cut is None:
+                self._log_no_stock_cut(stock_split, self._no_cut_reason)
+                stock_split = stock_metrics = False
         sp = self._sp_size()
-        target = -(-target // sp) * sp  # Ulysses SP: the SP ranks share the micro-batches
-        equalized = self._equalize(forest, groups, target)
         groups_eq = [g for _, g in equalized]
         mine = groups_eq
         if sp > 1:
@@ -1062,7 +1083,14 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         kept: dict[str, list[torch.Tensor | None]] = {}
         if stock_split:
             output_lst, indices, stats = self._stock_split_forward_backward(
-                data, loss_function, forest, temperature, mine, return_model_output, forward_only
+                data,
+                loss_function,
+                forest,
+                temperature,
+                mine,
+                return_model_output,
+                forward_only,
+                cut,
             )
             mine = []  # done: every micro-batch ran twice (see the method)
         for k, idx in enumerate(mine):
@@ -1111,8 +1139,8 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         else:
             out = self._postprocess(output_lst, indices)
         if stock_metrics:
-            replayed, _, _ = self._stock_cut_losses(
-                data, loss_function, kept, with_grad=False, with_outputs=False
+            replayed, _ = self._stock_cut_losses(
+                cut, loss_function, kept, with_grad=False, with_outputs=False
             )
             out["loss"] = [o["loss"] for o in replayed]
             out["metrics"] = {}
@@ -1133,6 +1161,8 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         metrics["harts/fallback"] = [0.0]
         if not forward_only or loss_function is not None:
             metrics["harts/stock_split_loss"] = [float(stock_split)]
+        if loss_function is not None:
+            metrics["harts/stock_metrics"] = [float(stock_split or stock_metrics)]
         if self.harts.audit_every and self._calls % self.harts.audit_every == 0:
             with self._without_ulysses():  # the stock reference runs whole trajectories too
                 audit = self._audit(data, out.get("model_output", {}), temperature)
@@ -1147,7 +1177,8 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         temperature: float | np.ndarray,
         groups: list[np.ndarray | None],
         return_model_output: bool,
-        forward_only: bool = False,
+        forward_only: bool,
+        cut: tuple[list[TensorDict], list[list[int]]],
     ) -> tuple[list[dict], list[list[int]], dict[str, int]]:
         """Training step of a loss that depends on the micro-batching, with the stock engine's
         numbers: (1) every tree micro-batch of ``groups`` (None: a dummy) runs without graph
@@ -1158,9 +1189,10 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         back-propagates Σ output · gradient. The parameter gradients are the stock ones (the
         loss is a function of the outputs only); the cost is one more forward without graph.
         ``forward_only``: steps (1) and (2) without gradients (the stock loss values and
-        metrics of an evaluation call). Returns the per-micro-batch outputs (``loss``,
-        ``metrics``, ``model_output`` when ``return_model_output`` or ``forward_only``), their
-        trajectory indices and the tree statistics."""
+        metrics of an evaluation call). ``cut``: veRL's micro-batches (:meth:`_stock_cut`).
+        Returns the per-micro-batch outputs (``loss``, ``metrics``, ``model_output`` when
+        ``return_model_output`` or ``forward_only``), their trajectory indices and the tree
+        statistics."""
         n = len(data)
         device = get_device_id()
         shortest = [int(np.argmin(forest.lengths))]
@@ -1179,15 +1211,15 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
                 stats[key] += mb_stats[key]
             _keep_outputs(kept, outputs, sel, n)
 
-        output_lst, batch_idx, grads = self._stock_cut_losses(  # (2) the loss, stock-cut
-            data,
+        output_lst, grads = self._stock_cut_losses(  # (2) the loss, stock-cut
+            cut,
             loss_function,
             kept,
             with_grad=not forward_only,
             with_outputs=return_model_output or forward_only,
         )
         if forward_only:
-            return output_lst, batch_idx, stats
+            return output_lst, cut[1], stats
 
         scaler = getattr(self, "scaler", None)
         for k, idx in enumerate(groups):  # (3) graph, backward of <outputs, loss gradient>
@@ -1216,35 +1248,102 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
                     scaler.scale(total).backward()
                 else:
                     total.backward()
-        return output_lst, batch_idx, stats
+        return output_lst, cut[1], stats
+
+    def _stock_cut_possible(self, data: TensorDict) -> bool:
+        """Whether veRL's ``prepare_micro_batches`` passes its rank-local checks on ``data``
+        (its checks agreed over the DP ranks raise alike on every rank: :meth:`_stock_cut`
+        catches those): with dynamic batching a token budget of at least the longest
+        trajectory (the padded width of a dense batch) and a batch size divisible by
+        ``force_group_size``; with fixed-size micro-batches a batch size divisible by
+        ``force_group_size`` × ``micro_batch_size_per_gpu``. Otherwise
+        ``self._no_cut_reason`` says why."""
+        self._no_cut_reason = ""
+        get = partial(tu.get_non_tensor_data, data=data)
+        n, group = len(data), int(get(key="force_group_size", default=1) or 1)
+        if get(key="use_dynamic_bsz", default=True):
+            budget = get(key="max_token_len_per_gpu", default=None)
+            ids = data["input_ids"]
+            if ids.is_nested:
+                width = int(ids.offsets().diff().max()) if n else 0
+            else:
+                width = int(data["attention_mask"].shape[-1])
+            if budget is None:
+                self._no_cut_reason = "the batch has no max_token_len_per_gpu"
+            elif width > budget * self._sp_size():
+                self._no_cut_reason = (
+                    f"max_token_len_per_gpu {budget} < the longest trajectory ({width} tokens)"
+                )
+            elif n % group:
+                self._no_cut_reason = (
+                    f"{n} trajectories do not divide into force_group_size {group}"
+                )
+            return not self._no_cut_reason
+        mbs = get(key="micro_batch_size_per_gpu", default=None)
+        if not mbs or n % (group * int(mbs)):
+            self._no_cut_reason = (
+                f"{n} trajectories do not divide into micro_batch_size_per_gpu {mbs}"
+                + (f" × force_group_size {group}" if group > 1 else "")
+            )
+            return False
+        return True
+
+    def _stock_cut(self, data: TensorDict) -> tuple[list[TensorDict], list[list[int]]] | None:
+        """veRL's own micro-batches of ``data`` and their trajectory indices, cut as the stock
+        engine cuts them (``prepare_micro_batches``, equal counts on the DP ranks; call it on
+        every DP rank, after :meth:`_stock_cut_possible` held on all). None where veRL refuses
+        the cut with a ValueError, which its DP-agreed checks raise on every rank alike
+        (``self._no_cut_reason`` then holds it)."""
+        from verl.workers.engine.utils import prepare_micro_batches
+
+        try:
+            micro_batches, batch_idx = prepare_micro_batches(
+                data=data, dp_group=self.get_data_parallel_group(), same_micro_num_in_dp=True
+            )
+        except ValueError as exc:
+            self._no_cut_reason = str(exc)
+            return None
+        if batch_idx is None:  # fixed-size micro-batches: consecutive chunks
+            ends = np.cumsum([len(mb) for mb in micro_batches])
+            batch_idx = [list(range(e - len(mb), e)) for mb, e in zip(micro_batches, ends)]
+        return list(micro_batches), [[int(i) for i in b] for b in batch_idx]
+
+    def _log_no_stock_cut(self, stock_split: bool, reason: str) -> None:
+        """WARNING, once per kind, that veRL's micro-batching refuses this batch (``reason``),
+        so the loss (``stock_split``: a loss that depends on the micro-batching) and its
+        metrics are evaluated on the tree micro-batches."""
+        key = "no_stock_cut_split" if stock_split else "no_stock_cut"
+        if key in self._fallback_logged:
+            return
+        self._fallback_logged.add(key)
+        logger.warning(
+            "harts_fsdp2: veRL's own micro-batching refuses this batch (%s; the stock engine "
+            "would stop here), so %s on the tree micro-batches (harts/stock_metrics = 0; "
+            "logged once)",
+            reason or "refused on another data-parallel rank",
+            "the loss, which depends on the micro-batching, and its metrics are evaluated"
+            if stock_split
+            else "its metrics are taken",
+        )
 
     def _stock_cut_losses(
         self,
-        data: TensorDict,
+        cut: tuple[list[TensorDict], list[list[int]]],
         loss_function,
         kept: dict[str, list[torch.Tensor | None]],
         *,
         with_grad: bool,
         with_outputs: bool,
-    ) -> tuple[list[dict], list[list[int]], dict[str, list[torch.Tensor | None]]]:
-        """``loss_function`` on veRL's own micro-batches of ``data`` (``prepare_micro_batches``,
-        cut as the stock engine cuts them, equal counts on the DP ranks) over ``kept`` (per
-        model-output key, every trajectory's detached output in batch order): each
-        micro-batch's ``loss`` and ``metrics`` (and ``model_output`` with ``with_outputs``),
-        the micro-batches' trajectory indices, and with ``with_grad`` the loss gradient with
-        respect to every kept output (None where the loss does not use it; without
-        ``with_grad`` the loss runs without autograd and every gradient is None)."""
-        from verl.workers.engine.utils import prepare_micro_batches
-
-        n = len(data)
+    ) -> tuple[list[dict], dict[str, list[torch.Tensor | None]]]:
+        """``loss_function`` on veRL's own micro-batches ``cut`` (:meth:`_stock_cut`) over
+        ``kept`` (per model-output key, every trajectory's detached output in batch order):
+        each micro-batch's ``loss`` and ``metrics`` (and ``model_output`` with
+        ``with_outputs``), and with ``with_grad`` the loss gradient with respect to every kept
+        output (None where the loss does not use it; without ``with_grad`` the loss runs
+        without autograd and every gradient is None)."""
+        micro_batches, batch_idx = cut
+        n = len(next(iter(kept.values()))) if kept else 0
         device = get_device_id()
-        micro_batches, batch_idx = prepare_micro_batches(
-            data=data, dp_group=self.get_data_parallel_group(), same_micro_num_in_dp=True
-        )
-        if batch_idx is None:  # fixed-size micro-batches: consecutive chunks
-            ends = np.cumsum([len(mb) for mb in micro_batches])
-            batch_idx = [list(range(e - len(mb), e)) for mb, e in zip(micro_batches, ends)]
-        batch_idx = [[int(i) for i in b] for b in batch_idx]
         grads: dict[str, list[torch.Tensor | None]] = {key: [None] * n for key in kept}
         output_lst: list[dict] = []
         for micro_batch, idx in zip(micro_batches, batch_idx):
@@ -1279,7 +1378,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             if with_outputs:
                 meta["model_output"] = detach_tree(model_output)
             output_lst.append(meta)
-        return output_lst, batch_idx, grads
+        return output_lst, grads
 
     def _sp_merge(
         self,
