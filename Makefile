@@ -59,12 +59,13 @@ $(FLA_STAMP): pyproject.toml Makefile
 
 # pytest exit code 5 = no tests collected: that is a failure for us, say so. The main suite's
 # tiny shapes keep about one core busy; fla's interpreted kernels (one thread) run beside it,
-# their output follows the main suite's, and either one failing fails the target.
+# their output follows the main suite's, and either one failing fails the target. The main
+# suite lists its 15 slowest tests (the suite's time is kept under ~15 minutes on 2 cores).
 test: venv lint oracles $(FLA_STAMP)
 	@log=$$(mktemp); \
 	$(MAKE) --no-print-directory test-fla-cpu >"$$log" 2>&1 & fla=$$!; \
 	HARTS_ORACLE_TRANSFORMERS=$(abspath $(ORACLE_DIR)) HARTS_REQUIRE_ORACLES=1 \
-	$(PY) -m pytest tests --ignore=tests/fla_cpu; rc=$$?; \
+	$(PY) -m pytest tests --ignore=tests/fla_cpu --durations=15; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; rc=1; fi; \
 	wait $$fla; frc=$$?; \
 	echo "== tests/fla_cpu (make test-fla-cpu, ran beside the main suite): exit $$frc"; \
