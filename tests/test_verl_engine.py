@@ -497,6 +497,26 @@ def test_compression_counts_the_rows_the_micro_batches_run(verl_cpu):
     assert infer(capacity_tokens=4096, min_compression=1.5)["harts/fallback"] == [0.0]
 
 
+def test_the_compression_gate_yields_where_the_stock_path_cannot_run(verl_cpu, caplog):
+    """Below ``min_compression`` a batch takes the stock path, unless veRL's micro-batching
+    refuses it (here a trajectory over the token budget): the stock path would stop there, so
+    it runs in tree mode, with one WARNING."""
+    from verl.utils import tensordict_utils as tu
+
+    testing, paths = verl_cpu
+    seqs, prompt_lens, spans = _grpo_batch(seed=2)
+    engine = testing.build_engine(
+        paths["qwen2"], testing.actor_config(harts={"min_compression": 100.0})
+    )
+    batch = testing.make_batch(seqs, prompt_lens, tool_spans=spans)
+    tu.assign_non_tensor(batch, max_token_len_per_gpu=max(map(len, seqs)) - 1)
+    with engine.eval_mode(), caplog.at_level("WARNING"):
+        out = engine.infer_batch(batch)
+    assert out["metrics"]["harts/fallback"] == [0.0]
+    assert out["model_output"]["log_probs"].size(0) == len(seqs)
+    assert any("but the stock path cannot run this batch" in r.getMessage() for r in caplog.records)
+
+
 def test_a_zero_token_budget_is_named(verl_cpu):
     from verl.utils import tensordict_utils as tu
 

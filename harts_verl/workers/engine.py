@@ -944,7 +944,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             capacity = self._capacity(data, longest)
             planned = (capacity, *self._plan(forest, capacity))
         self._no_cut_reason = ""  # a peer's refusal leaves it empty here
-        cut_ok = loss_function is not None and self._stock_cut_possible(data)
+        cut_ok = self._stock_cut_possible(data)
         # All ranks take the same path (FSDP collectives must stay aligned): tree mode on all,
         # veRL's own cut on all, and the largest micro-batch count.
         ok_min, cut_min, neg_count = self._dp_all_reduce(
@@ -965,10 +965,21 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         s_all, c_all = self._dp_all_reduce([s, c])
         compression = s_all / c_all if c_all else 1.0
         if compression < self.harts.min_compression:
-            reasons["compression"] = (
-                f"compression {compression:.3f} < harts.min_compression "
-                f"{self.harts.min_compression:.3f}"
-            )
+            if cut_min >= 1:
+                reasons["compression"] = (
+                    f"compression {compression:.3f} < harts.min_compression "
+                    f"{self.harts.min_compression:.3f}"
+                )
+            elif "compression_waived" not in self._fallback_logged:
+                # the stock path would stop at veRL's refusal: tree mode runs the batch
+                self._fallback_logged.add("compression_waived")
+                logger.warning(
+                    "harts_fsdp2: compression %.3f < harts.min_compression %.3f, but the stock "
+                    "path cannot run this batch (%s): it runs in tree mode (logged once)",
+                    compression,
+                    self.harts.min_compression,
+                    self._no_cut_reason or "veRL's micro-batching refuses it on another rank",
+                )
         if reasons:
             self._log_fallback(reasons)
             # veRL's batch loop calls ``self.forward_step``: make it the stock one.
@@ -1016,7 +1027,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             (*planned, equalized),
             stock_split=stock_split,
             stock_metrics=stock_metrics,
-            stock_cut=cut_min >= 1,
+            stock_cut=cut_min >= 1 and loss_function is not None,
         )
 
     def _can_split_like_stock(self) -> bool:
