@@ -48,7 +48,9 @@ budget, fused kernels (or a logit-transforming forward) on a model without HF's 
 distillation, training with router jitter, dynamic RoPE beyond its original context, or a
 realized compression (Σ over DP ranks of S / Σ of the compact rows each rank's micro-batches
 run: a tree that veRL's balancing split across ranks, or that the token budget splits into
-several micro-batches, pays its shared rows in each part) below ``harts.min_compression``. The decision is taken jointly by all DP ranks;
+several micro-batches, pays its shared rows in each part) below ``harts.min_compression``
+(unless veRL's micro-batching refuses the batch: the stock path would stop there). The
+decision is taken jointly by all DP ranks;
 each reason is logged at WARNING the first time it occurs.
 Every micro-batch of a fallback batch runs veRL's own ``forward_step``.
 """
