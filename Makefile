@@ -61,9 +61,13 @@ $(FLA_STAMP): pyproject.toml Makefile
 # tiny shapes keep about one core busy; fla's interpreted kernels (one thread) run beside it,
 # their output follows the main suite's, and either one failing fails the target. The main
 # suite lists its 15 slowest tests (the suite's time is kept under ~15 minutes on 2 cores).
+# Its torch ops use the cores fla's single thread leaves (TEST_THREADS, 1 on 2 cores): two
+# threads beside a busy core made a bench test 28x slower (157 s instead of 5.6 s).
+TEST_THREADS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n > 2 ? n - 1 : 1 )))
 test: venv lint oracles $(FLA_STAMP)
 	@log=$$(mktemp); \
 	$(MAKE) --no-print-directory test-fla-cpu >"$$log" 2>&1 & fla=$$!; \
+	OMP_NUM_THREADS=$(TEST_THREADS) \
 	HARTS_ORACLE_TRANSFORMERS=$(abspath $(ORACLE_DIR)) HARTS_REQUIRE_ORACLES=1 \
 	$(PY) -m pytest tests --ignore=tests/fla_cpu --durations=15; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; rc=1; fi; \
