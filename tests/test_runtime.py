@@ -331,6 +331,40 @@ def test_separable_microbatched_loss_equals_single_pass():
     _assert_grads_close(grads[1], grads[0])
 
 
+@pytest.mark.parametrize("runner_cls", [TreeRunner, ExpandedRunner])
+def test_loss_that_edits_its_list_gets_the_same_gradients_microbatched(runner_cls):
+    """A loss_fn may rewrite or reorder the list it is given: with several microbatches (the
+    two-phase gradient) every trajectory's gradient still reaches its own log-probs, as with
+    one microbatch (it was halved for ``lps[i] = 2 * lps[i]`` and sent to the wrong trajectory
+    after ``lps.reverse()``)."""
+    torch.manual_seed(11)
+    model = HybridForCausalLM.from_config(
+        preset("tiny", vocab_size=64, chunk_size=16, moe_layers=[])
+    ).double()
+    seqs = _forest_sequences(12, 64)
+    w = torch.linspace(-1.0, 2.0, len(seqs), dtype=torch.float64)
+
+    def rewrite(lps):
+        for i in range(len(lps)):
+            lps[i] = 2.0 * lps[i]
+        return sum((lp * w[i]).sum() for i, lp in enumerate(lps))
+
+    def reorder(lps):
+        lps.reverse()
+        return sum((lp * w[len(lps) - 1 - i]).sum() ** 2 for i, lp in enumerate(lps)) / 1e3
+
+    for loss in (rewrite, reorder):
+        grads, values = [], []
+        for cap in (None, 120):
+            model.zero_grad(set_to_none=True)
+            r = runner_cls(model, chunk_size=16, capacity_tokens=cap)
+            values.append(r.forward_backward(seqs, loss)["loss"])
+            assert (r.last_stats.microbatches > 1) == (cap is not None)
+            grads.append(_grads(model))
+        assert abs(values[1] - values[0]) <= 1e-10 * max(1.0, abs(values[0]))
+        _assert_grads_close(grads[1], grads[0])
+
+
 def _tiny_float64(seed: int, **overrides) -> torch.nn.Module:
     torch.manual_seed(seed)
     cfg = preset("tiny", vocab_size=32, chunk_size=4, **overrides)

@@ -427,10 +427,13 @@ class _Runner:
                     )
                     for j, i in enumerate(idx.tolist()):
                         detached[i] = lp[j].detach().requires_grad_(True)
-            loss = _checked_loss(loss_fn(detached))  # type: ignore[arg-type]
+            # loss_fn gets a copy: a loss that rewrites or reorders its list must not change
+            # which leaf each trajectory's gradient is taken from.
+            leaves = tuple(detached)
+            loss = _checked_loss(loss_fn(list(leaves)))  # type: ignore[arg-type]
             # A loss that does not depend on the log-probs has no gradient to push back.
             grads = (
-                torch.autograd.grad(loss, detached, allow_unused=True)
+                torch.autograd.grad(loss, leaves, allow_unused=True)
                 if loss.requires_grad
                 else (None,) * n
             )
