@@ -50,6 +50,9 @@ def test_harts_section_validation():
 
     cfg = HartsConfig.from_any({"chunk_size": 32, "planner": {"work_slack": 0.1}})
     assert cfg.chunk_size == 32 and cfg.planner == {"work_slack": 0.1}
+    assert HartsConfig.from_any({"planner": {"max_search_cells": 10}}).planner == {
+        "max_search_cells": 10
+    }
     for bad, key in [
         ({"chunk_size": 0}, "harts.chunk_size"),
         ({"chunk_size": 4097}, r"harts.chunk_size: expected an int in \[1, 4096\]"),
@@ -64,6 +67,7 @@ def test_harts_section_validation():
         ({"planner": {"strategies": 5}}, "harts.planner.strategies"),
         ({"planner": {"strategies": ["tree", "bogus"]}}, "harts.planner.strategies"),
         ({"planner": {"restarts": -1}}, "harts.planner.restarts"),
+        ({"planner": {"max_search_cells": -1}}, "harts.planner.max_search_cells"),
         ({"planner": {"improve": "yes"}}, "harts.planner.improve"),
         ({"planner": {"seed": 1.9}}, "harts.planner.seed"),
         ({"planner": {"seed": None}}, "harts.planner.seed"),

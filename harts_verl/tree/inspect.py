@@ -32,7 +32,12 @@ import numpy as np
 from harts_verl.tree._checks import check_int
 from harts_verl.tree.forest import RolloutForest
 from harts_verl.tree.linear_plan import plan_linear_calls
-from harts_verl.tree.microbatch import _oversize_groups, lower_bound_work, plan_microbatches
+from harts_verl.tree.microbatch import (
+    _oversize_groups,
+    lower_bound_work,
+    partition_works,
+    plan_microbatches,
+)
 
 __all__ = [
     "forest_statistics",
@@ -247,7 +252,7 @@ def forest_statistics(
             "slot_imbalance": [round(float(x), 6) for x in imb],
             "replica_work": plan.replica_work.tolist(),
             "natural_partition_compact_tokens": int(
-                sum(forest.subset(p).num_compact_tokens for p in plan.natural_partition)
+                partition_works(forest, plan.natural_partition).sum()
             ),
         }
     return out

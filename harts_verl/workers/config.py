@@ -41,7 +41,16 @@ __all__ = [
     "harts_config_of",
 ]
 
-_PLANNER_KEYS = {"strategies", "improve", "balance", "work_slack", "restarts", "effort", "seed"}
+_PLANNER_KEYS = {
+    "strategies",
+    "improve",
+    "balance",
+    "work_slack",
+    "restarts",
+    "effort",
+    "seed",
+    "max_search_cells",
+}
 
 
 @dataclass
@@ -63,7 +72,7 @@ class HartsConfig(BaseConfig):
       audit_trajectories: how many trajectories the audit samples.
       rows_per_chunk: rows per chunk of the compact log-prob/entropy kernel (memory bound).
       planner: options passed to ``plan_microbatches`` (``strategies``, ``improve``,
-        ``balance``, ``work_slack``, ``restarts``, ``effort``, ``seed``).
+        ``balance``, ``work_slack``, ``restarts``, ``effort``, ``seed``, ``max_search_cells``).
       split_dependent_losses: where a loss that depends on the micro-batching (e.g. the
         ``geo_mean`` / ``clip_cov`` / ``kl_cov`` policy losses) is evaluated: ``stock`` (on
         veRL's own micro-batches, the stock engine's numbers; the tree micro-batches run one
