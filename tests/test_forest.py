@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -483,6 +485,29 @@ def test_load_rejects_other_files(tmp_path):
         RolloutForest.load(tmp_path / "t.txt")
 
 
+def test_load_names_a_corrupted_member(tmp_path):
+    """A flipped byte inside a compressed array (its CRC or its deflate stream fails when the
+    member is read, after np.load opened the archive) is a ValueError naming the file, not a
+    zlib.error / BadZipFile."""
+    import zipfile
+
+    f = RolloutForest.from_sequences([[1, 2, 3], [1, 2], [4], [1, 2, 3]])
+    good = tmp_path / "f.npz"
+    f.save(good)
+    raw = good.read_bytes()
+    with zipfile.ZipFile(good) as zf:
+        info = zf.getinfo("flat_tokens.npy")
+    start = info.header_offset + 30 + int.from_bytes(raw[info.header_offset + 26 :][:2], "little")
+    start += int.from_bytes(raw[info.header_offset + 28 :][:2], "little")
+    for k in range(0, info.compress_size, 5):
+        bad = bytearray(raw)
+        bad[start + k] ^= 0xFF
+        path = tmp_path / f"bad{k}.npz"
+        path.write_bytes(bytes(bad))
+        with pytest.raises(ValueError, match=rf"{re.escape(str(path))}: corrupted forest file"):
+            RolloutForest.load(path)
+
+
 def test_unconvertible_token_tensor_names_the_trajectory():
     torch = pytest.importorskip("torch")
     with pytest.raises(ValueError, match=r"sequences\[1\]"):
@@ -537,3 +562,14 @@ def test_object_arrays_of_python_ints_are_token_sequences():
     bad[1] = [3, 2**70]
     with pytest.raises(ValueError, match=r"sequences\[1\]: token id .* does not fit in int64"):
         RolloutForest.from_sequences(bad)
+
+
+def test_check_vocabulary_names_the_trajectory_and_checks_its_argument():
+    f = RolloutForest.from_sequences([[1, 2], [1, 7, 3]])
+    f.check_vocabulary(8)
+    f.check_vocabulary(np.int64(8))
+    with pytest.raises(ValueError, match=r"sequences\[1\]: token id 7 at position 1 .*size 7"):
+        f.check_vocabulary(7)
+    for bad in (None, 3.5, True, 0, "8"):
+        with pytest.raises(ValueError, match="vocab_size: expected an int >= 1"):
+            f.check_vocabulary(bad)

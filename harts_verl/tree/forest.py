@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import zipfile
+import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from harts_verl.tree._checks import INT64_MAX, holds_bool, is_int
+from harts_verl.tree._checks import INT64_MAX, check_int, holds_bool, is_int
 from harts_verl.tree._rangemin import RangeMin
 
 __all__ = ["RolloutForest", "Segments", "Turn", "as_trajectory_array"]
@@ -459,7 +460,9 @@ class RolloutForest:
     def check_vocabulary(self, vocab_size: int) -> None:
         """Raise ValueError naming the first trajectory (in trajectory order), the position and
         the id of a token id ``>= vocab_size`` (ids are ``>= 0`` by construction); nothing
-        when every id is below it. Vectorized over the compact rows."""
+        when every id is below it. Vectorized over the compact rows. ``vocab_size`` must be an
+        int >= 1 (ValueError naming it)."""
+        vocab_size = check_int("vocab_size", vocab_size, 1)
         bad = self.token_ids >= vocab_size
         if not bad.any():
             return
@@ -617,19 +620,25 @@ class RolloutForest:
             raise ValueError(f"{path}: not a forest file ({why})") from exc
         if not isinstance(z, np.lib.npyio.NpzFile):
             raise ValueError(f"{path}: not a forest file (expected an .npz archive)")
-        with z:
-            version = _file_format_version(path, z)
-            if version != _FORMAT_VERSION:
-                raise ValueError(f"{path}: unsupported forest format version {version}")
-            missing = [k for k in _FILE_ARRAYS if k not in z]
-            if missing:
-                raise ValueError(
-                    f"{path}: not a complete forest file, missing array {missing[0]!r}"
-                )
-            try:
-                arrays = [z[k] for k in _FILE_ARRAYS]
-            except ValueError as exc:  # object arrays
-                raise ValueError(f"{path}: not a forest file ({exc})") from exc
+        # np.load reads only the zip directory; a damaged member fails when it is decompressed.
+        try:
+            with z:
+                version = _file_format_version(path, z)
+                if version != _FORMAT_VERSION:
+                    raise ValueError(f"{path}: unsupported forest format version {version}")
+                missing = [k for k in _FILE_ARRAYS if k not in z]
+                if missing:
+                    raise ValueError(
+                        f"{path}: not a complete forest file, missing array {missing[0]!r}"
+                    )
+                try:
+                    arrays = [z[k] for k in _FILE_ARRAYS]
+                except ValueError as exc:  # object arrays
+                    raise ValueError(f"{path}: not a forest file ({exc})") from exc
+        except (EOFError, zipfile.BadZipFile, zlib.error) as exc:
+            raise ValueError(
+                f"{path}: corrupted forest file ({type(exc).__name__}: {exc})"
+            ) from exc
         return cls(*_checked_file_arrays(path, *arrays))
 
     # ------------------------------------------------------------------ reporting
