@@ -787,6 +787,73 @@ def test_bounded_search_skips_its_phases_and_stays_a_valid_plan(forest, extra, d
     assert lower_bound_work(forest, cap) <= plan.total_compact_tokens <= int(nat * (1 + slack))
     full = plan_microbatches(forest, capacity_tokens=cap, dp_size=dp, work_slack=slack)
     assert full.skipped_phases == ()
+    # every phase the full search ran is named (the candidates before it are the same)
+    ran = {
+        "greedy": any(name.startswith("greedy") for name in full.candidates),
+        "improve": any("+ls" in name for name in full.candidates),
+        "balance": dp > 1,
+        "repair": dp > 1 and slack > 0,
+    }
+    assert {phase for phase, did in ran.items() if did} <= set(plan.skipped_phases)
+
+
+def test_greedy_alone_above_the_bound_plans_the_natural_partition():
+    f = RolloutForest.from_sequences([[1, 2, 3], [1, 2, 4], [5, 6], [5, 7, 8], [9]])
+    plan = plan_microbatches(f, capacity_tokens=5, strategies="greedy", max_search_cells=0)
+    check_plan(f, plan, 5, 1)
+    assert plan.strategy == "natural" and "greedy" in plan.skipped_phases
+    ok = plan_microbatches(f, capacity_tokens=5, strategies="greedy")
+    assert ok.strategy.startswith("greedy") and ok.skipped_phases == ()
+
+
+def _grouped_forest(rng: np.random.Generator) -> RolloutForest:
+    """20-120 trajectories: a few shared prompts with random continuations."""
+    prompts = [list(rng.integers(0, 50, rng.integers(5, 40))) for _ in range(rng.integers(1, 6))]
+    return RolloutForest.from_sequences(
+        [
+            prompts[rng.integers(len(prompts))] + list(rng.integers(0, 50, rng.integers(1, 40)))
+            for _ in range(int(rng.integers(20, 120)))
+        ]
+    )
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_no_search_state_exceeds_max_search_cells(seed, monkeypatch):
+    """Every local-search state the planner builds or grows (restart kicks, balance and repair
+    padding, aligned starts) stays within ``max_search_cells`` n·K cells, at bounds spread
+    between n and the unbounded search's peak (the kicks and the slack balance's second
+    padding once went past it)."""
+    from harts_verl.tree import microbatch as mb
+
+    peak = [0]
+    init, add_bins = mb._State.__init__, mb._State.add_bins
+
+    def tracked_init(self, lv, label, k, cap):
+        init(self, lv, label, k, cap)
+        peak[0] = max(peak[0], lv.n * self.k)
+
+    def tracked_add(self, extra_bins):
+        add_bins(self, extra_bins)
+        peak[0] = max(peak[0], self.lv.n * self.k)
+
+    monkeypatch.setattr(mb._State, "__init__", tracked_init)
+    monkeypatch.setattr(mb._State, "add_bins", tracked_add)
+    rng = np.random.default_rng(seed)
+    for _ in range(4):
+        forest = _grouped_forest(rng)
+        cap = int(forest.lengths.max()) + int(rng.integers(0, 150))
+        opts = {
+            "dp_size": int(rng.choice([2, 4, 8])),
+            "work_slack": float(rng.choice([0.0, 0.05])),
+            "restarts": int(rng.choice([0, 3])),
+        }
+        peak[0] = 0
+        plan_microbatches(forest, capacity_tokens=cap, max_search_cells=10**12, **opts)
+        for bound in np.linspace(forest.num_trajectories, peak[0], 6).astype(int).tolist():
+            peak[0] = 0
+            plan = plan_microbatches(forest, capacity_tokens=cap, max_search_cells=bound, **opts)
+            assert peak[0] <= bound, (bound, peak[0], plan.skipped_phases)
+            check_plan(forest, plan, cap, opts["dp_size"])
 
 
 def test_many_short_trajectories_plan_without_the_n_by_k_state():

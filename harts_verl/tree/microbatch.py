@@ -36,9 +36,12 @@ are dissolved, piece by piece (splitting a piece at its lowest valley when it fi
 when that lowers total work. Deltas are exact (nearest members in leaf order, LCPs from a dense
 matrix up to 2,500 trajectories, a sparse table above). ``restarts > 0`` adds seeded
 perturb-and-improve rounds. The local search (and the balance and repair below) keeps two
-nearest-member tables of ``n × K`` int64, and the greedy family costs ``n·K`` too: a phase
-whose ``n·K`` exceeds the ``max_search_cells`` option (default 4M cells) is skipped and named
-in the plan's ``skipped_phases`` (measured: 10,000 trajectories of 35–60 tokens at capacity
+nearest-member tables of ``n × K`` int64 per state (an elimination try copies the state), and
+the greedy family costs ``n·K`` too: a phase whose ``n·K`` could exceed the
+``max_search_cells`` option (default 4M cells; K counted with the bins a phase may add: the
+kicked bins of a restart, the padding of K to a multiple of ``dp_size``) is skipped and named
+in the plan's ``skipped_phases``; when that leaves no candidate (``strategies="greedy"``), the
+natural partition is the plan (measured: 10,000 trajectories of 35–60 tokens at capacity
 300, K = 638: 0.09 s instead of 6 s for the same plan; 100,000: 2.8 s, where the tables needed
 9.5 GB).
 
@@ -132,7 +135,7 @@ _DEFAULT_OPTIONS: dict[str, Any] = {
     "restarts": 0,
     "effort": 1.0,  # scales the local-search move budgets
     "max_layers_work": 4_000_000,  # bound on K·n (memory) for the fixed-K contiguous DP
-    # bound on K·n for the greedy pass and the local-search state (two int64 [n, K] tables)
+    # bound on K·n for the greedy pass and the local-search states (two int64 [n, K] tables)
     "max_search_cells": 4_000_000,
 }
 _FAMILIES = ("natural", "contiguous", "tree", "greedy")
@@ -166,7 +169,7 @@ class MicrobatchPlan:
     ``natural_partition`` = P0 (tuple of trajectory-index arrays); ``strategy`` = winning
     candidate (``"none"`` when no trajectory is left to plan: an empty forest, or only oversize
     ones and trajectories that ride in their microbatches); ``candidates`` = name → ``(total, slot_critical, max_replica, microbatches)``;
-    ``skipped_phases`` = the search phases left out because their ``[n, K]`` state would exceed
+    ``skipped_phases`` = the search phases left out because their ``[n, K]`` state could exceed
     the ``max_search_cells`` option (``greedy``, ``improve``, ``restarts``, ``balance``,
     ``repair``; empty when the search ran whole).
     """
@@ -1528,9 +1531,9 @@ def plan_microbatches(
     perturb-and-improve rounds, default 0 — only they use ``seed``); ``effort`` (number >= 0,
     scales move budgets); ``max_layers_work`` (int >= 0, bound on K·n for the fixed-K contiguous
     DP); ``max_search_cells`` (int >= 0, default 4,000,000: bound on K·n for the greedy family
-    and for the local search, balance and repair, whose state holds two int64 ``[n, K]``
-    tables; a phase that would exceed it is skipped and named in the plan's
-    ``skipped_phases``). An unknown option raises TypeError, an illegal value ValueError naming the option;
+    and for the local search, restarts, balance and repair, whose state holds two int64
+    ``[n, K]`` tables; a phase whose K could exceed it is skipped and named in the plan's
+    ``skipped_phases``, see the module docstring). An unknown option raises TypeError, an illegal value ValueError naming the option;
     ``capacity_tokens`` must be an int in ``[1, 2**63 - 1]``, ``dp_size`` one in
     ``[1, MAX_DP_SIZE]`` (2**16) and ``seed`` an int
     ``>= 0`` (ValueError naming it, checked before any planning).
@@ -1580,6 +1583,7 @@ def _aligned_starts(
     node_limit: int,
     budget: int,
     lower: int,
+    max_cells: int | None = None,
 ) -> list[tuple[str, np.ndarray]]:
     """Starts for the imbalance repair with exactly ``k_target`` microbatches (``k_target`` plus
     the oversize ones a multiple of ``dp``): tree packings at a reduced capacity (smaller capacities give more, more even
@@ -1610,6 +1614,8 @@ def _aligned_starts(
     for c in sorted(caps, reverse=True):
         for best_fit in (False, True):
             st0 = _tree_pack(lv, c, best_fit, node_limit)
+            if max_cells is not None and (int(st0.max()) + 1) * lv.n > max_cells:
+                continue  # its local-search state would exceed the bound
             st = _State(lv, st0, int(st0.max()) + 1, c)
             _improve(st, budget, -(-lower // c))
             lab, k = _canonical(st.label)
@@ -1638,7 +1644,7 @@ def _search(
 ) -> tuple[str, np.ndarray]:
     """The chosen candidate (name, labels) of the fitting trajectories ``lv``; every score
     counts the ``fixed`` (oversize) microbatches too, so ``scores`` are the whole plan's. A
-    phase whose ``[n, K]`` state would exceed ``max_search_cells`` is skipped and its name
+    phase whose ``[n, K]`` state could exceed ``max_search_cells`` is skipped and its name
     appended to ``skipped``."""
     n = lv.n
     skipped = [] if skipped is None else skipped
@@ -1696,6 +1702,8 @@ def _search(
     ):
         add("greedy-leaf", _greedy_leaf(lv, cap, reverse=False))
         add("greedy-reverse", _greedy_leaf(lv, cap, reverse=True))
+    if not pool:  # every allowed family was skipped (greedy alone, above the bound)
+        add("natural", _ranges_to_labels(natural, n))
     pool.sort(key=lambda t: t[0])
 
     if opt["improve"] and pool[0][0][0] > lower + fsum:
@@ -1716,7 +1724,7 @@ def _search(
         if (
             restarts > 0
             and pool[0][0][0] > lower + fsum
-            and fits("restarts", int(pool[0][2].max()) + 1)
+            and fits("restarts", _kicked_bins(pool[0][2]))
         ):
             rng = np.random.default_rng(seed)
             _, name, lab = pool[0]
@@ -1735,7 +1743,9 @@ def _search(
         bal_budget = int(max(20, n) * effort)
         rep_budget = int(max(20, n // 4) * effort)
         for i, (sc, name, lab) in enumerate([c for c in pool if c[0][0] == min_total][:2]):
-            if not fits("balance", _aligned(int(lab.max()) + 1, nf, dp)):
+            # _balance pads K to a multiple of dp; the slack call may pad once more.
+            grown = _aligned(int(lab.max()) + 1, nf, dp) + (dp - 1 if slack > 0 and i == 0 else 0)
+            if not fits("balance", grown):
                 continue
             st = _State(lv, lab, int(lab.max()) + 1, cap)
             _balance(st, dp, bal_budget, sc[0] - fsum, fixed)
@@ -1750,7 +1760,15 @@ def _search(
             # below _REPAIR_GOAL.
             k_target = _aligned(int(pool[0][2].max()) + 1, nf, dp)
             starts = _aligned_starts(
-                lv, cap, dp, k_target, limit - fsum, int(2000 * effort), budget, lower
+                lv,
+                cap,
+                dp,
+                k_target,
+                limit - fsum,
+                int(2000 * effort),
+                budget,
+                lower,
+                opt["max_search_cells"],
             )
             starts.append((pool[0][1], pool[0][2]))
             crit = min(pool, key=lambda t: t[0])[0][1]  # the strict choice's slot-critical work
@@ -1776,6 +1794,13 @@ def _search(
 
     best = min(pool, key=rank)
     return best[1], best[2]
+
+
+def _kicked_bins(label: np.ndarray) -> int:
+    """The most bins :func:`_kick` can leave from ``label`` (canonical, bins 0..K-1): its two
+    largest bins split into single trajectories."""
+    counts = np.sort(np.bincount(label))
+    return int(counts.size - min(counts.size, 2) + counts[-2:].sum())
 
 
 def _kick(st: _State, rng: np.random.Generator) -> None:
