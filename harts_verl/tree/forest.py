@@ -25,6 +25,16 @@ from harts_verl.tree._rangemin import RangeMin
 __all__ = ["RolloutForest", "Segments", "Turn", "as_trajectory_array"]
 
 _FORMAT_VERSION = 1
+# What reading a member of an opened .npz raises when the file is damaged: a bad CRC or deflate
+# stream, a local header claiming encryption, an unknown method or flag, an offset past the end.
+_DAMAGED_MEMBER = (
+    EOFError,
+    OSError,
+    RuntimeError,
+    NotImplementedError,
+    zipfile.BadZipFile,
+    zlib.error,
+)
 
 
 @dataclass(frozen=True)
@@ -614,7 +624,8 @@ class RolloutForest:
         """
         try:
             z = np.load(path)
-        except (ValueError, EOFError, zipfile.BadZipFile) as exc:  # pickled/text/truncated
+        except (ValueError, EOFError, zipfile.BadZipFile, NotImplementedError) as exc:
+            # pickled/text/truncated; a damaged zip header claims an unknown zip version
             # numpy reads any file that is not .npy / .npz as a pickle, which it refuses
             why = "expected an .npz archive" if "allow_pickle" in str(exc) else str(exc)
             raise ValueError(f"{path}: not a forest file ({why})") from exc
@@ -635,7 +646,7 @@ class RolloutForest:
                     arrays = [z[k] for k in _FILE_ARRAYS]
                 except ValueError as exc:  # object arrays
                     raise ValueError(f"{path}: not a forest file ({exc})") from exc
-        except (EOFError, zipfile.BadZipFile, zlib.error) as exc:
+        except _DAMAGED_MEMBER as exc:
             raise ValueError(
                 f"{path}: corrupted forest file ({type(exc).__name__}: {exc})"
             ) from exc
