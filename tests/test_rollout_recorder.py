@@ -304,6 +304,26 @@ def test_metadata_count_must_match_sequences():
         forest_from_metadata([[1, 2], [1, 3]], [tree_metadata([["a", None, 0, 2]])])
 
 
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        ([1.7, 2.9], r"sequences\[1\]: .*integer"),  # was silently read as [1, 2]
+        ([True, 5], r"sequences\[1\]: token ids must be integers, got a bool"),
+        ([np.uint64(2**63 + 5), 3], r"sequences\[1\]: token id 9223372036854775813"),
+        ([-1, 3], r"sequences\[1\]: .*negative"),
+        ([2**70, 3], r"sequences\[1\]: token id 1180591620717411303424 does not fit"),
+    ],
+)
+def test_metadata_forest_checks_token_ids_like_from_sequences(bad, match):
+    """Token ids are read as RolloutForest.from_sequences reads them: a float, a bool or an id
+    outside int64 is a ValueError naming the sequence (not truncated, not wrapped)."""
+    meta = [tree_metadata([["a", None, 0, 2]])] * 2
+    with pytest.raises(ValueError, match=match):
+        RolloutForest.from_sequences([[1, 2], bad])
+    with pytest.raises(ValueError, match=match):
+        forest_from_metadata([[1, 2], bad], meta)
+
+
 def test_tree_metadata_reserved_keys():
     with pytest.raises(ValueError, match="reserved"):
         tree_metadata([["a", None, 0, 2]], turns=[])

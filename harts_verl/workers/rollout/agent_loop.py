@@ -7,8 +7,11 @@
 * :meth:`HartsToolAgentLoop.run_tree` runs a shared prefix once and forks continuations at turn
   boundaries (:class:`ForkSpec`): the agent state is copied after the tool responses of turn t
   are merged (just before the (t+1)-th ``generate``; t = 0 is "after the prompt"), and every
-  branch continues as its own request (own request id, own tool calls, own reward). Prefix turns
-  are recorded once and shared by the branches' metadata. A tree has exactly ``budget`` leaves
+  branch continues as its own request (own request id, own tool calls, own reward). Turns
+  generated before the fork are recorded once and shared by the branches' metadata; the tokens
+  a branch's first ``generate`` adds (the prompt at t = 0, the merged tool responses) are in its
+  own first turn, so the metadata shares them only by value — the forest, built from the tokens,
+  computes them once either way. A tree has exactly ``budget`` leaves
   (branches that end early hand their share back to their fork point); each leaf carries its
   fork path and GRPO fork group (:func:`fork_groups`) in ``extra_fields``.
 

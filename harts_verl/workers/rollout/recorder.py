@@ -39,7 +39,7 @@ import numpy as np
 
 from harts_verl.tree import RolloutForest
 from harts_verl.tree._checks import is_int as _is_index
-from harts_verl.tree.forest import Turn
+from harts_verl.tree.forest import Turn, as_trajectory_array
 
 __all__ = [
     "TREE_KEY",
@@ -354,9 +354,11 @@ def forest_from_metadata(
     start: int, end: int]``), inconsistent with the tokens (a shared turn id spelling different
     tokens, spans not chaining over the trajectory), or ambiguous — the caller then detects
     prefixes from the tokens. The reason names the trajectory and, for a bad span, its index.
-    Raises ``ValueError`` only when ``metadata`` does not have one value per sequence.
+    Raises ``ValueError`` when ``metadata`` does not have one value per sequence, and naming
+    ``sequences[i]`` when its token ids are not a non-empty flat list of integers >= 0 that
+    fit in int64 (as :meth:`RolloutForest.from_sequences`: no float, bool or wrapped id).
     """
-    seqs = [np.asarray(s, dtype=np.int64).reshape(-1) for s in sequences]
+    seqs = [as_trajectory_array(s, i) for i, s in enumerate(sequences)]
     metadata = list(metadata)
     if len(metadata) != len(seqs):
         raise ValueError(
