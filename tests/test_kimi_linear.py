@@ -439,3 +439,67 @@ def test_bench_and_check_read_kimi_linear(tmp_path):
     bad.write_text(json.dumps(dict(KIMI_CONFIG, hidden_act="gelu")))
     with pytest.raises(ValueError, match=r"model: cannot read the config.*hidden_act"):
         check.tree_model_config(str(bad))
+
+
+def test_config_round_trip_keeps_the_sources_moe_spelling():
+    """HF -> harts_hybrid -> HF keeps ``first_k_dense_replace`` / ``moe_layer_freq`` (readers of
+    those fields, not of ``mlp_layer_types``, must see the same MoE layers: 1 / 2 came back as
+    2 / 1, i.e. layers [2, 3, 4, 5] for [2, 4]) and ungrouped routing as spelled."""
+    d = dict(KIMI_CONFIG, first_k_dense_replace=1, moe_layer_freq=2)
+    back = kl.kimi_linear_config_from_hybrid(kl.hybrid_config_from_kimi_linear(d), d)
+    assert (back["first_k_dense_replace"], back["moe_layer_freq"]) == (1, 2)
+    assert back["mlp_layer_types"] == ["dense", "dense", "sparse", "dense", "sparse", "dense"]
+    assert ck.moe_layers_of({**back, "mlp_layer_types": None}, 6, "x") == [2, 4]
+    flat = dict(KIMI_CONFIG, use_grouped_topk=False)
+    back = kl.kimi_linear_config_from_hybrid(kl.hybrid_config_from_kimi_linear(flat), flat)
+    assert (back["use_grouped_topk"], back["num_expert_group"], back["topk_group"]) == (
+        False,
+        2,
+        1,
+    )
+    # a changed MoE layout is written anew
+    cfg = kl.hybrid_config_from_kimi_linear(d)
+    moved = HybridConfig(**{**cfg.to_dict(), "moe_layers": [3, 5]})
+    back = kl.kimi_linear_config_from_hybrid(moved, d)
+    assert ck.moe_layers_of(back, 6, "x") == [3, 5] and back["first_k_dense_replace"] == 3
+
+
+def test_omitted_moe_keys_take_transformers_defaults():
+    """A config without routed_scaling_factor / shared experts / groups reads them as
+    transformers' KimiLinearConfig does (2.446, 1 shared expert, 1 group): the scaling factor
+    was 1.0, 2.49 away in the logits, silently."""
+    d = {
+        k: v
+        for k, v in KIMI_CONFIG.items()
+        if k
+        not in ("routed_scaling_factor", "num_shared_experts", "num_expert_group", "topk_group")
+    }
+    cfg = kl.hybrid_config_from_kimi_linear(d)
+    assert cfg.routed_scaling_factor == 2.446
+    assert cfg.shared_expert_intermediate_size == cfg.moe_intermediate_size
+    assert (cfg.n_group, cfg.topk_group) == (1, 1)
+    routed = dict(KIMI_CONFIG, n_routed_experts=4)
+    del routed["num_experts"]
+    assert kl.hybrid_config_from_kimi_linear(routed).num_experts == 4
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(quantization_config={"quant_method": "fp8"}), r"quantization_config \('fp8'\)"),
+        (dict(first_k_dense_replace=1.5), "first_k_dense_replace: expected an integer"),
+        (dict(first_k_dense_replace="1"), "first_k_dense_replace: expected an integer"),
+        (dict(moe_layer_freq=1.9), "moe_layer_freq: expected an integer"),
+        (dict(moe_layer_freq=True), "moe_layer_freq: expected an integer"),
+        (
+            dict(
+                layer_types=None,
+                linear_attn_config=dict(KIMI_CONFIG["linear_attn_config"], kda_layers=5),
+            ),
+            "linear_attn_config.kda_layers: expected a list",
+        ),
+    ],
+)
+def test_config_values_are_checked_and_named(change, match):
+    with pytest.raises(ValueError, match=match):
+        kl.hybrid_config_from_kimi_linear(dict(KIMI_CONFIG, **change))

@@ -178,3 +178,27 @@ def test_verl_engine_trains_a_ling_checkpoint_in_place(oracle, tmp_path):
     ``assert_verl_engine_matches``)."""
     out, ref = oracle
     assert_verl_engine_matches(out, _sequences(), [40, 40, 40, 20], ref, tmp_path)
+
+
+def test_config_round_trip_keeps_unused_fields_and_drops_mtp():
+    """Without the safe gate the source's kda_lower_bound comes back (was -5.0 for -3.0); the
+    MTP layers the import drops are not advertised by the exported config (was still 1)."""
+    d = dict(LING_CONFIG, kda_safe_gate=False, kda_lower_bound=-3.0, num_nextn_predict_layers=1)
+    back = ling.ling_config_from_hybrid(ling.hybrid_config_from_ling(d), d)
+    assert back["kda_safe_gate"] is False and back["kda_lower_bound"] == -3.0
+    assert back["num_nextn_predict_layers"] == 0
+    assert "quantization_config" not in ling.ling_config_from_hybrid(
+        ling.hybrid_config_from_ling(LING_CONFIG), dict(LING_CONFIG, quantization_config={})
+    )
+
+
+def test_omitted_moe_keys_take_transformers_defaults():
+    """As transformers' BailingHybridConfig: routed_scaling_factor 2.5, one shared expert, 8
+    groups with 4 kept (the converter's own 1.0 / 0 / 1 / 1 changed the logits silently)."""
+    omit = ("routed_scaling_factor", "num_shared_experts", "num_expert_group", "topk_group")
+    d = {k: v for k, v in LING_CONFIG.items() if k not in omit}
+    d["num_experts"] = 8
+    cfg = ling.hybrid_config_from_ling(d)
+    assert cfg.routed_scaling_factor == 2.5
+    assert cfg.shared_expert_intermediate_size == cfg.moe_intermediate_size
+    assert (cfg.n_group, cfg.topk_group) == (8, 4)

@@ -175,8 +175,14 @@ def moe_layers_of(d: Mapping[str, Any], n: int, what: str, first_k_dense: int = 
                 f"layers, got {mt!r}"
             )
         return [i for i, t in enumerate(mt) if t == "sparse"]
-    k = int(d.get("first_k_dense_replace", first_k_dense))
-    freq = int(d.get("moe_layer_freq", 1))
+    k = config_number(
+        config_value(d, "first_k_dense_replace", default=first_k_dense, what=what),
+        "first_k_dense_replace",
+        what,
+    )
+    freq = config_number(
+        config_value(d, "moe_layer_freq", default=1, what=what), "moe_layer_freq", what
+    )
     if freq < 1:
         raise ValueError(f"{what}: moe_layer_freq must be >= 1, got {freq}")
     return [i for i in range(n) if i >= k and i % freq == 0]
@@ -192,12 +198,17 @@ def common_hybrid_kwargs(
     rms_norm_eps: float,
     moe_intermediate_size: int,
     first_k_dense: int,
+    routed_scaling_factor: float,
+    num_shared_experts: int,
+    n_group: int,
+    topk_group: int,
 ) -> dict[str, Any]:
     """:class:`HybridConfig` keyword arguments that Kimi-Linear and Ling 3 configs share: sizes,
     norms, MLA dimensions, DeepSeek-style MoE (sigmoid grouped routing with the correction
     bias, ungated shared experts, no aux loss: balancing is the bias's), KDA without an output
-    gate bias. The keyword arguments are the format's transformers defaults. ``ValueError``
-    naming ``what`` for an activation other than silu or attention biases."""
+    gate bias. The keyword arguments are the format's transformers defaults, used for the keys
+    a config leaves out. ``ValueError`` naming ``what`` for an activation other than silu,
+    attention biases or a ``quantization_config`` (the native model trains plain weights)."""
 
     def get(*names: str, default: Any = ...) -> Any:
         return config_value(d, *names, default=default, what=what)
@@ -209,8 +220,15 @@ def common_hybrid_kwargs(
         raise ValueError(f"{what}: hidden_act {d['hidden_act']!r}, expected 'silu'")
     if get("attention_bias", default=False):
         raise ValueError(f"{what}: attention_bias=true is not supported")
+    quant = d.get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method", "?") if isinstance(quant, Mapping) else quant
+        raise ValueError(
+            f"{what}: quantization_config ({method!r}): quantized checkpoints are not supported; "
+            "convert a dequantized (bf16 / fp32) checkpoint"
+        )
     n = num(int, "num_hidden_layers")
-    experts = num(int, "num_experts", "num_local_experts", default=0)
+    experts = num(int, "num_experts", "num_local_experts", "n_routed_experts", default=0)
     kw: dict[str, Any] = dict(
         vocab_size=get("vocab_size"),
         hidden_size=get("hidden_size"),
@@ -238,12 +256,14 @@ def common_hybrid_kwargs(
             num_experts_per_tok=get("num_experts_per_token", "num_experts_per_tok"),
             moe_intermediate_size=moe_f,
             shared_expert_intermediate_size=num(
-                int, "num_shared_experts", "n_shared_experts", default=0
+                int, "num_shared_experts", "n_shared_experts", default=num_shared_experts
             )
             * moe_f,
-            n_group=num(int, "num_expert_group", "n_group", default=1) if grouped else 1,
-            topk_group=num(int, "topk_group", default=1) if grouped else 1,
-            routed_scaling_factor=num(float, "routed_scaling_factor", default=1.0),
+            n_group=num(int, "num_expert_group", "n_group", default=n_group) if grouped else 1,
+            topk_group=num(int, "topk_group", default=topk_group) if grouped else 1,
+            routed_scaling_factor=num(
+                float, "routed_scaling_factor", default=routed_scaling_factor
+            ),
             norm_topk_prob=bool(get("moe_renormalize", "norm_topk_prob", default=True)),
         )
     return kw
@@ -313,6 +333,21 @@ def common_source_config(
         qk_rope_head_dim=cfg.qk_rope_head_dim,
         v_head_dim=cfg.v_head_dim,
     )
+    # Multi-token-prediction layers are dropped on import (no place in the native model).
+    for key in ("num_nextn_predict_layers", "num_mtp_layers"):
+        if out.get(key):
+            out[key] = 0
+    out.pop("quantization_config", None)  # the weights written are plain
+    if base and moe:
+        # The source's own spelling of the MoE layers, when it still names the same layers.
+        try:
+            same = moe_layers_of({**base, "mlp_layer_types": None}, n, "base") == moe
+        except ValueError:
+            same = False
+        if same:
+            for key in ("first_k_dense_replace", "moe_layer_freq"):
+                if key in base:
+                    out[key] = base[key]
     if not moe:
         out["num_experts"] = None
         return out
@@ -328,6 +363,13 @@ def common_source_config(
         num_expert_group=cfg.n_group,
         topk_group=cfg.topk_group,
     )
+    if base and base.get("use_grouped_topk") is False and cfg.n_group == cfg.topk_group == 1:
+        # ungrouped routing as the source spelled it (its group sizes unused)
+        for key in ("use_grouped_topk", "num_expert_group", "n_group", "topk_group"):
+            if key in base:
+                out[key] = base[key]
+            elif key != "use_grouped_topk":
+                out.pop(key, None)
     return out
 
 

@@ -65,6 +65,11 @@ def _kimi_layer_types(d: Mapping[str, Any], n: int) -> list[str]:
     if lac.get("kda_layers") is not None and lac.get("full_attn_layers") is not None:
         types: list[str | None] = [None] * n
         for key, mixer in (("kda_layers", "kda"), ("full_attn_layers", "mla")):
+            if not isinstance(lac[key], list | tuple):
+                raise ValueError(
+                    f"kimi_linear config: linear_attn_config.{key}: expected a list of "
+                    f"1-indexed layers, got {lac[key]!r}"
+                )
             for one_based in lac[key]:
                 if not isinstance(one_based, int) or not 1 <= one_based <= n:
                     raise ValueError(
@@ -98,7 +103,15 @@ def hybrid_config_from_kimi_linear(d: Mapping[str, Any], *, chunk_size: int = 64
         )
     what = "kimi_linear config"
     kw = common_hybrid_kwargs(
-        d, what, rms_norm_eps=1e-5, moe_intermediate_size=1024, first_k_dense=1
+        d,
+        what,
+        rms_norm_eps=1e-5,
+        moe_intermediate_size=1024,
+        first_k_dense=1,
+        routed_scaling_factor=2.446,
+        num_shared_experts=1,
+        n_group=1,
+        topk_group=1,
     )
     if d.get("mla_use_nope") is False and kw["qk_rope_head_dim"]:
         raise ValueError(

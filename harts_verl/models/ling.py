@@ -76,7 +76,15 @@ def hybrid_config_from_ling(d: Mapping[str, Any], *, chunk_size: int = 64) -> Hy
         raise ValueError(f"model_type: expected {LING_MODEL_TYPE!r}, got {d.get('model_type')!r}")
     what = "bailing_hybrid config"
     kw = common_hybrid_kwargs(
-        d, what, rms_norm_eps=1e-6, moe_intermediate_size=768, first_k_dense=2
+        d,
+        what,
+        rms_norm_eps=1e-6,
+        moe_intermediate_size=768,
+        first_k_dense=2,
+        routed_scaling_factor=2.5,
+        num_shared_experts=1,
+        n_group=8,
+        topk_group=4,
     )
     n = _num(int, d, "num_hidden_layers")
     if d.get("layer_types") is not None:
@@ -137,7 +145,10 @@ def ling_config_from_hybrid(
         linear_conv_kernel_dim=cfg.conv_size,
         short_conv_kernel_size=cfg.conv_size,
         kda_safe_gate=cfg.kda_lower_bound is not None,
-        kda_lower_bound=cfg.kda_lower_bound if cfg.kda_lower_bound is not None else -5.0,
+        # unused without the safe gate: the source's value, else transformers' default
+        kda_lower_bound=cfg.kda_lower_bound
+        if cfg.kda_lower_bound is not None
+        else (base or {}).get("kda_lower_bound", -5.0),
     )
     return out
 
