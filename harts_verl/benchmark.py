@@ -6,7 +6,9 @@ pays one-time costs, which a timed run must not carry), in alternating order (ex
 even iterations, tree first in odd ones, so neither always runs in the other's wake), and the
 median forward+backward(+grad) wall time of each gives ``speedup``. ``ideal_flop_ratio`` is the
 analytic FLOP ratio for this model and forest (see :mod:`harts_verl.runtime.flops`),
-``efficiency = speedup / ideal_flop_ratio``.
+``efficiency = speedup / ideal_flop_ratio``; ``null`` (with a note on stderr) for a model whose
+sliding window is shorter than the longest trajectory, which the FLOP model does not count
+(``sliding_window`` reports the window).
 Fidelity: ``max_abs_dlogp`` between tree and expanded log-probs in the run dtype, and
 ``mean_logit_cos`` (mean over semantic positions of the full-vocabulary logit cosine).
 ``replay_tokens`` counts the chunked linear-attention replay of the tree layout (0 for a model
@@ -38,7 +40,7 @@ import torch
 from harts_verl.models import HybridForCausalLM, preset
 from harts_verl.ops.layout import check_chunk_size
 from harts_verl.runtime import ExpandedRunner, TreeRunner
-from harts_verl.runtime.flops import ideal_flop_ratio, model_shape
+from harts_verl.runtime.flops import attention_window, ideal_flop_ratio, model_shape
 from harts_verl.tree import RolloutForest
 from harts_verl.tree._checks import INT64_MAX, SEED_MAX, check_int
 from harts_verl.tree._checks import is_int as _is_int
@@ -234,6 +236,7 @@ class PreparedBench:
     microbatches: int
     replay_tokens: int
     ideal_flop_ratio: float
+    windowed: bool = False  # a sliding window shorter than a trajectory: no efficiency
     oversize_microbatches: int = 0  # compact work above capacity_tokens (a lone trajectory)
     run_compact_tokens: int = 0  # Σ compact rows of the microbatches (shared rows of split trees
     # count once per microbatch that holds them)
@@ -315,6 +318,14 @@ def prepare_bench(cfg: BenchConfig, inputs: BenchInputs | None = None) -> Prepar
             f"{oversize} microbatches exceed capacity_tokens {cap} (a single trajectory "
             "longer than the capacity runs alone)"
         )
+    window = attention_window(mcfg)
+    longest = int(forest.lengths.max()) if forest.num_trajectories else 0
+    if window is not None and longest > window:
+        notes.append(
+            f"efficiency: null: the model's sliding window ({window} tokens) is shorter than the "
+            f"longest trajectory ({longest}); the FLOP model counts full causal pairs, so "
+            "ideal_flop_ratio is no yardstick here (speedup is measured as usual)"
+        )
     for note in notes:
         print(f"harts-verl bench: note: {note}", file=sys.stderr)
     shape = model_shape(mcfg)
@@ -344,6 +355,7 @@ def prepare_bench(cfg: BenchConfig, inputs: BenchInputs | None = None) -> Prepar
         microbatches=len(groups),
         replay_tokens=int(sum(replays)),
         ideal_flop_ratio=ideal,
+        windowed=window is not None and longest > window,
         oversize_microbatches=int(oversize),
         run_compact_tokens=int(sum(s.num_compact_tokens for s in subs)),
         notes=notes,
@@ -408,14 +420,11 @@ def measure_bench(prep: PreparedBench) -> dict[str, Any]:
 
     lp_tree = tree.log_probs(seqs)
     lp_exp = expanded.log_probs(seqs)
-    max_dlogp = max(
-        (
-            float((a.double() - b.double()).abs().max())
-            for a, b in zip(lp_tree, lp_exp)
-            if a.numel()
-        ),
-        default=0.0,
-    )
+    diffs = [
+        float((a.double() - b.double()).abs().max()) for a, b in zip(lp_tree, lp_exp) if a.numel()
+    ]
+    # NaN anywhere is NaN here (Python's max drops a NaN that is not first); json_text refuses it
+    max_dlogp = float(np.max(diffs)) if diffs else 0.0
     # the output head: HF models (harts_hybrid's wrapper included) name it themselves
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head = head if head is not None else model.lm_head
@@ -454,10 +463,13 @@ def measure_bench(prep: PreparedBench) -> dict[str, Any]:
         "expanded_seconds": [round(t, 4) for t in times["expanded"]],
         "tree_seconds": [round(t, 4) for t in times["tree"]],
         "speedup": round(speedup, 4),
-        "efficiency": round(speedup / ideal, 4),
+        "efficiency": None if prep.windowed else round(speedup / ideal, 4),
         # Best-of times are less sensitive to other jobs on a shared machine than the median.
         "speedup_best": round(min(times["expanded"]) / min(times["tree"]), 4),
-        "efficiency_best": round(min(times["expanded"]) / min(times["tree"]) / ideal, 4),
+        "efficiency_best": None
+        if prep.windowed
+        else round(min(times["expanded"]) / min(times["tree"]) / ideal, 4),
+        "sliding_window": attention_window(mcfg),
         "max_abs_dlogp": max_dlogp,
         "mean_logit_cos": cos,
         "recompute": cfg.recompute,
@@ -508,7 +520,8 @@ def plot_bench(result: dict[str, Any], path: str) -> None:
         [result["speedup"], result["ideal_flop_ratio"]],
         color=["#2a7", "#bbb"],
     )
-    ax.set_title(f"efficiency {result['efficiency']:.3f}")
+    eff = result["efficiency"]
+    ax.set_title("efficiency n/a (sliding window)" if eff is None else f"efficiency {eff:.3f}")
     fig.tight_layout()
     try:
         fig.savefig(path, dpi=120)

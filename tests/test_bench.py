@@ -100,6 +100,37 @@ def test_hf_model_from_config(tmp_path, monkeypatch, kind, model_type, text_mode
     _check_result(res)
 
 
+def test_sliding_window_shorter_than_a_trajectory_reports_no_efficiency(tmp_path, capsys):
+    """The FLOP model counts full causal pairs: a window shorter than the longest trajectory
+    (Mistral, window 16) gives ``efficiency`` null and a note (a CPU run reported 1.63, since the
+    masked baseline computes the full square), never a figure the GPU gate could pass on; a
+    window no trajectory reaches changes nothing."""
+    from harts_verl.workers.testing import tiny_hf_config
+
+    for window, windowed in ((16, True), (1 << 20, False)):
+        cfg = tiny_hf_config("mistral")
+        cfg.sliding_window = window
+        cfg.save_pretrained(str(tmp_path / str(window)))
+        res = run_bench(BenchConfig(model=str(tmp_path / str(window) / "config.json"), **SMALL))
+        assert res["sliding_window"] == window
+        assert (res["efficiency"] is None) == (res["efficiency_best"] is None) == windowed
+        assert ("sliding window (16 tokens)" in capsys.readouterr().err) == windowed
+        assert res["speedup"] > 0 and res["max_abs_dlogp"] <= 1e-4
+        json.dumps(res)
+
+
+def test_attention_window_of_configs():
+    from harts_verl.runtime.flops import attention_window
+    from harts_verl.workers.testing import tiny_hf_config
+
+    qwen2 = tiny_hf_config("qwen2")
+    qwen2.sliding_window, qwen2.use_sliding_window = 8, False  # Qwen2's default: off
+    assert attention_window(qwen2) is None
+    qwen2.use_sliding_window = True
+    assert attention_window(qwen2) == 8
+    assert attention_window(preset("tiny")) is None  # native models have no window
+
+
 def test_native_and_kimi_linear_models(tmp_path):
     """A saved ``harts_hybrid`` config and a Kimi-Linear ``config.json`` (converted to it) run
     the whole bench, its fidelity figures (through the wrapper's output head) included."""
