@@ -11,6 +11,9 @@ sliding window is shorter than the longest trajectory, which the FLOP model does
 (``sliding_window`` reports the window).
 Fidelity: ``max_abs_dlogp`` between tree and expanded log-probs in the run dtype, and
 ``mean_logit_cos`` (mean over semantic positions of the full-vocabulary logit cosine).
+``kernel_calls``: per runner, the linear- and softmax-attention kernel calls of the timed
+iterations by route (``linear/fla``, ``attention/flash_attn``, ``attention/sdpa (float32)``, ...:
+:mod:`harts_verl.ops.backends.routes`), so a result says which kernels it measured.
 ``replay_tokens`` counts the chunked linear-attention replay of the tree layout (0 for a model
 without linear-attention layers, which replays nothing). ``compact_tokens`` / ``compression``
 describe the whole forest; ``run_compact_tokens`` / ``run_compression`` the work the tree runner
@@ -31,6 +34,7 @@ import resource
 import statistics
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +42,7 @@ import numpy as np
 import torch
 
 from harts_verl.models import HybridForCausalLM, preset
+from harts_verl.ops.backends import kernel_routes
 from harts_verl.ops.layout import check_chunk_size
 from harts_verl.runtime import ExpandedRunner, TreeRunner
 from harts_verl.runtime.flops import attention_window, ideal_flop_ratio, model_shape
@@ -385,6 +390,7 @@ def measure_bench(prep: PreparedBench) -> dict[str, Any]:
     tree, expanded, mcfg, ideal = prep.tree, prep.expanded, prep.mcfg, prep.ideal_flop_ratio
     loss_fn = _grpo_like_loss([len(s) for s in seqs], cfg.seed)
     times: dict[str, list[float]] = {"expanded": [], "tree": []}
+    calls: dict[str, Counter[str]] = {"expanded": Counter(), "tree": Counter()}
     peak: dict[str, float] = {}
     total_iters = cfg.warmup + cfg.repeats
     bar = None
@@ -399,6 +405,7 @@ def measure_bench(prep: PreparedBench) -> dict[str, Any]:
         for name in timing_order(it):
             runner = runners[name]
             model.zero_grad(set_to_none=True)
+            kernel_routes(reset=True)
             if device.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
@@ -410,6 +417,7 @@ def measure_bench(prep: PreparedBench) -> dict[str, Any]:
             dt = time.perf_counter() - t0
             if it >= cfg.warmup:
                 times[name].append(dt)
+                calls[name].update(kernel_routes(reset=True))
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix({name: f"{dt:.2f}s"})
@@ -471,6 +479,8 @@ def measure_bench(prep: PreparedBench) -> dict[str, Any]:
         else round(min(times["expanded"]) / min(times["tree"]) / ideal, 4),
         "sliding_window": attention_window(mcfg),
         "max_abs_dlogp": max_dlogp,
+        # the kernels the timed iterations ran, per runner (harts_verl.ops.backends.routes)
+        "kernel_calls": {name: dict(sorted(c.items())) for name, c in calls.items()},
         "mean_logit_cos": cos,
         "recompute": cfg.recompute,
         "capacity_tokens": cfg.capacity_tokens,

@@ -210,7 +210,7 @@ steps = [dict(zip(('step', 'rc', 'seconds'), item.rsplit(':', 2))) for item in s
 keys = ('efficiency', 'speedup', 'efficiency_best', 'ideal_flop_ratio', 'compression',
         'run_compression', 'semantic_tokens', 'compact_tokens', 'microbatches',
         'expanded_seconds_median', 'tree_seconds_median', 'max_abs_dlogp', 'mean_logit_cos',
-        'peak_memory_mib')
+        'peak_memory_mib', 'kernel_calls')
 
 def load(path):
     try:

@@ -29,6 +29,7 @@ from harts_verl.ops.backends import (
     VarlenAttentionKernel,
     attention_kernel,
     build_varlen_attention_plan,
+    kernel_routes,
     linear_kernel,
     sdpa_varlen_reference,
     split_members_at_saved_boundaries,
@@ -443,7 +444,9 @@ def test_fla_wrapper_maps_arguments(kda, chunk):
     assert _CALLS[-1]["kind"] == ("kda" if kda else "gdn")
     assert _CALLS[-1]["chunk_size"] == (None if chunk == 64 else chunk)
     # Raw beta logits with the in-kernel sigmoid, explicit scale, no cu_seqlens.
+    kernel_routes(reset=True)
     got = kern(q, k, v, g, beta, cu_seqlens=None, scale=0.3, use_beta_sigmoid=True)
+    assert kernel_routes(reset=True) == {"linear/fla": 1}
     ref = chunk_delta_rule_varlen(
         q, k, v, g, beta, cu_seqlens=None, scale=0.3, use_beta_sigmoid=True
     )
@@ -704,12 +707,15 @@ def test_varlen_kernel_dtype_rules():
     with pytest.raises(TypeError, match="float16/bfloat16"):
         strict(q, k, v, plan)
     auto_like = VarlenAttentionKernel("flash_like", sdpa_varlen_reference, sdpa_fallback=True)
+    kernel_routes(reset=True)
     o = auto_like(q, k, v, plan)
+    assert kernel_routes(reset=True) == {"attention/sdpa (float32)": 1}  # what ran is counted
     assert "sdpa" in plan.cache
     assert torch.equal(o, tree_attention(q, k, v, build_attention_plan(forest)))
     # bf16 runs the varlen kernel (the SDPA double here).
     qb, kb, vb = (x.bfloat16() for x in (q, k, v))
     ob = auto_like(qb, kb, vb, plan)
+    assert kernel_routes(reset=True) == {"attention/flash_like": 1}
     torch.testing.assert_close(
         ob.float(),
         tree_attention(qb, kb, vb, build_attention_plan(forest)).float(),

@@ -72,6 +72,9 @@ def test_native_preset(monkeypatch):
     assert res["preset"] == "tiny" and res["model"] is None
     assert res["replay_tokens"] > 0  # the tiny preset has linear-attention layers
     _check_result(res)
+    # the timed iterations' kernels (CPU: the references), one forward+backward per runner
+    for name in ("tree", "expanded"):
+        assert set(res["kernel_calls"][name]) == {"linear/reference", "attention/sdpa"}
     assert order == ["expanded", "tree", "tree", "expanded"]  # warm-up, then the timed one
     assert [timing_order(i) for i in range(3)] == [
         ("expanded", "tree"),

@@ -55,6 +55,7 @@ import torch
 
 from harts_verl.ops.backends.fla_linear import FlaLinearKernel, load_fla_ops, scalar_gate_route
 from harts_verl.ops.backends.plan_split import split_members_at_saved_boundaries
+from harts_verl.ops.backends.routes import count_route, kernel_routes
 from harts_verl.ops.backends.varlen_attention import (
     FLASH_DTYPES,
     VarlenAttentionPlan,
@@ -81,6 +82,7 @@ __all__ = [
     "attention_kernel",
     "backend_report",
     "build_varlen_attention_plan",
+    "kernel_routes",
     "linear_kernel",
     "scalar_gate_route",
     "sdpa_varlen_reference",
@@ -180,6 +182,7 @@ class ReferenceLinearKernel:
         return "ReferenceLinearKernel()"
 
     def __call__(self, *args: Any, **kwargs: Any) -> DeltaRuleOutput:
+        count_route("linear/reference")
         return chunk_delta_rule_varlen(*args, **kwargs)
 
 
@@ -299,6 +302,7 @@ class SdpaAttentionKernel:
     ) -> torch.Tensor:
         from harts_verl.ops.tree_attention import tree_attention
 
+        count_route("attention/sdpa")
         return tree_attention(
             q, k, v, plan, scale=scale, gate=gate, window=window, sinks=sinks, softcap=softcap
         )
@@ -372,6 +376,12 @@ class VarlenAttentionKernel:
             cache = plan.cache
             if "sdpa" not in cache:
                 cache["sdpa"] = build_attention_plan(plan.forest, device=plan.device)
+            why = (
+                ("sinks" if sinks is not None else "softcap" if no_softcap else "window")
+                if special or no_window
+                else str(q.dtype).removeprefix("torch.")
+            )
+            count_route(f"attention/sdpa ({why})")
             return tree_attention(
                 q,
                 k,
@@ -383,6 +393,7 @@ class VarlenAttentionKernel:
                 sinks=sinks,
                 softcap=softcap,
             )
+        count_route(f"attention/{self.name}")
         return tree_attention_varlen(
             q,
             k,

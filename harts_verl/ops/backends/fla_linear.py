@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from harts_verl.ops._version import release_tuple
+from harts_verl.ops.backends.routes import count_route
 from harts_verl.ops.linear_attention import DeltaRuleOutput, chunk_delta_rule_varlen, l2norm
 
 __all__ = [
@@ -286,6 +287,7 @@ class FlaLinearKernel:
                 "with final_states_only=True so kept states are member final states"
             )
         if reference or (not delta_rule and not self._has_gla_kernels()):
+            count_route(f"linear/reference ({'float64' if reference else 'no gla kernel'})")
             return chunk_delta_rule_varlen(
                 q,
                 k,
@@ -325,6 +327,7 @@ class FlaLinearKernel:
             )
         if kdim > MAX_KEY_DIM:
             raise ValueError(f"linear backend 'fla': key head dim {kdim} > {MAX_KEY_DIM}")
+        count_route("linear/fla")
         if cu_seqlens is None:
             n = 1
             cu = None
