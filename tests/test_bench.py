@@ -104,34 +104,35 @@ def test_hf_model_from_config(tmp_path, monkeypatch, kind, model_type, text_mode
 
 
 def test_sliding_window_shorter_than_a_trajectory_reports_no_efficiency(tmp_path, capsys):
-    """The FLOP model counts full causal pairs: a window shorter than the longest trajectory
-    (Mistral, window 16) gives ``efficiency`` null and a note (a CPU run reported 1.63, since the
-    masked baseline computes the full square), never a figure the GPU gate could pass on; a
-    window no trajectory reaches changes nothing."""
+    """The FLOP model counts full causal pairs: when a sliding window shorter than a trajectory
+    cuts attention calls (Mistral, window 16) ``efficiency`` is null with a note (a CPU run
+    reported 1.63, since the masked baseline computes the full square), never a figure the GPU
+    gate could pass on; a window no trajectory reaches, or one the config names but no layer
+    applies (Qwen2 with every layer full_attention), changes nothing."""
     from harts_verl.workers.testing import tiny_hf_config
 
-    for window, windowed in ((16, True), (1 << 20, False)):
-        cfg = tiny_hf_config("mistral")
-        cfg.sliding_window = window
-        cfg.save_pretrained(str(tmp_path / str(window)))
-        res = run_bench(BenchConfig(model=str(tmp_path / str(window) / "config.json"), **SMALL))
-        assert res["sliding_window"] == window
+    def run(kind: str, name: str, **attrs) -> dict:
+        cfg = tiny_hf_config(kind)
+        for key, value in attrs.items():
+            setattr(cfg, key, value)
+        cfg.save_pretrained(str(tmp_path / name))
+        return run_bench(BenchConfig(model=str(tmp_path / name / "config.json"), **SMALL))
+
+    cases = [
+        (run("mistral", "w16", sliding_window=16), True),
+        (run("mistral", "wbig", sliding_window=1 << 20), False),
+    ]
+    full = ["full_attention"] * tiny_hf_config("qwen2").num_hidden_layers
+    qwen2 = run("qwen2", "qfull", use_sliding_window=True, sliding_window=16, layer_types=full)
+    cases.append((qwen2, False))
+    for res, windowed in cases:
+        assert res["sliding_window_active"] is windowed
         assert (res["efficiency"] is None) == (res["efficiency_best"] is None) == windowed
-        assert ("sliding window (16 tokens)" in capsys.readouterr().err) == windowed
+        assert windowed == any("window" in r for c in res["kernel_calls"].values() for r in c)
         assert res["speedup"] > 0 and res["max_abs_dlogp"] <= 1e-4
         json.dumps(res)
-
-
-def test_attention_window_of_configs():
-    from harts_verl.runtime.flops import attention_window
-    from harts_verl.workers.testing import tiny_hf_config
-
-    qwen2 = tiny_hf_config("qwen2")
-    qwen2.sliding_window, qwen2.use_sliding_window = 8, False  # Qwen2's default: off
-    assert attention_window(qwen2) is None
-    qwen2.use_sliding_window = True
-    assert attention_window(qwen2) == 8
-    assert attention_window(preset("tiny")) is None  # native models have no window
+    err = capsys.readouterr().err
+    assert err.count("efficiency: null: a sliding window") == 1
 
 
 def test_native_and_kimi_linear_models(tmp_path):

@@ -452,9 +452,10 @@ def test_config_round_trip_keeps_the_sources_moe_spelling():
     assert ck.moe_layers_of({**back, "mlp_layer_types": None}, 6, "x") == [2, 4]
     flat = dict(KIMI_CONFIG, use_grouped_topk=False)
     back = kl.kimi_linear_config_from_hybrid(kl.hybrid_config_from_kimi_linear(flat), flat)
+    # transformers reads the group sizes only, Moonshot's code and vLLM the flag: both ungrouped
     assert (back["use_grouped_topk"], back["num_expert_group"], back["topk_group"]) == (
         False,
-        2,
+        1,
         1,
     )
     # a changed MoE layout is written anew
@@ -464,20 +465,55 @@ def test_config_round_trip_keeps_the_sources_moe_spelling():
     assert ck.moe_layers_of(back, 6, "x") == [3, 5] and back["first_k_dense_replace"] == 3
 
 
-def test_omitted_moe_keys_take_transformers_defaults():
-    """A config without routed_scaling_factor / shared experts / groups reads them as
-    transformers' KimiLinearConfig does (2.446, 1 shared expert, 1 group): the scaling factor
-    was 1.0, 2.49 away in the logits, silently."""
-    d = {
-        k: v
-        for k, v in KIMI_CONFIG.items()
-        if k
-        not in ("routed_scaling_factor", "num_shared_experts", "num_expert_group", "topk_group")
-    }
+@pytest.mark.parametrize(
+    ("moe", "n", "spelled"),
+    [([2, 4], 6, (2, 2)), ([0, 2, 4], 6, (0, 2)), ([9], 11, (9, 3)), ([1, 2, 3], 4, (1, 1))],
+)
+def test_export_spells_moe_layers_for_readers_of_first_k_dense_replace(moe, n, spelled, caplog):
+    """Without a source config (a native model) the exported first_k_dense_replace /
+    moe_layer_freq name exactly the MoE layers ([2, 4] was written 2 / 1: [2, 3, 4, 5]); a
+    layout no such pair names is written in mlp_layer_types with a WARNING."""
+    base = kl.hybrid_config_from_kimi_linear(KIMI_CONFIG).to_dict()
+    mixers = ["kda"] * (n - 1) + ["mla"]
+    cfg = HybridConfig(**{**base, "layer_types": mixers, "moe_layers": moe})
+    back = kl.kimi_linear_config_from_hybrid(cfg)
+    assert (back["first_k_dense_replace"], back["moe_layer_freq"]) == spelled
+    assert ck.moe_layers_of({**back, "mlp_layer_types": None}, n, "x") == moe
+    if n >= 6:
+        odd = HybridConfig(**{**base, "layer_types": mixers, "moe_layers": [3, 5]})
+        with caplog.at_level("WARNING"):
+            back = kl.kimi_linear_config_from_hybrid(odd)
+        assert ck.moe_layers_of(back, n, "x") == [3, 5]
+        assert "no first_k_dense_replace / moe_layer_freq pattern" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "key", ["rms_norm_eps", "routed_scaling_factor", "num_shared_experts", "first_k_dense_replace"]
+)
+def test_keys_whose_defaults_disagree_must_be_set(key):
+    """transformers (2.446, 1 shared expert, first MoE layer 1, eps 1e-5) and Moonshot's
+    configuration_kimi.py, which vLLM copies (1.0, 0, 0, 1e-6), default these differently: a
+    config without one is refused by name (the old 1.0 default was 2.49 away from transformers
+    in the logits, a transformers default would be as far from the rollout server)."""
+    d = {k: v for k, v in KIMI_CONFIG.items() if k != key}
+    with pytest.raises(ValueError, match=rf"{key} is missing, and its default differs"):
+        kl.hybrid_config_from_kimi_linear(d)
+    if key == "num_shared_experts":  # transformers' name counts
+        assert kl.hybrid_config_from_kimi_linear(dict(d, n_shared_experts=1)) == (
+            kl.hybrid_config_from_kimi_linear(KIMI_CONFIG)
+        )
+    if key == "first_k_dense_replace":  # not needed where mlp_layer_types names the layers
+        mlp = ["dense"] + ["sparse"] * 5
+        cfg = kl.hybrid_config_from_kimi_linear(dict(d, mlp_layer_types=mlp))
+        assert cfg.moe_layers == [1, 2, 3, 4, 5]
+    if key != "rms_norm_eps":  # MoE keys are not needed without experts
+        kl.hybrid_config_from_kimi_linear(dict(d, num_experts=None))
+
+
+def test_omitted_group_keys_and_routed_expert_names():
+    d = {k: v for k, v in KIMI_CONFIG.items() if k not in ("num_expert_group", "topk_group")}
     cfg = kl.hybrid_config_from_kimi_linear(d)
-    assert cfg.routed_scaling_factor == 2.446
-    assert cfg.shared_expert_intermediate_size == cfg.moe_intermediate_size
-    assert (cfg.n_group, cfg.topk_group) == (1, 1)
+    assert (cfg.n_group, cfg.topk_group) == (1, 1)  # both readers' default
     routed = dict(KIMI_CONFIG, n_routed_experts=4)
     del routed["num_experts"]
     assert kl.hybrid_config_from_kimi_linear(routed).num_experts == 4

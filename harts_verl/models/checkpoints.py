@@ -323,7 +323,7 @@ def common_source_config(
             "linear_attention" if t == "kda" else "full_attention" for t in cfg.layer_types
         ],
         mlp_layer_types=["sparse" if i in moe else "dense" for i in range(n)],
-        first_k_dense_replace=moe[0] if moe else n,
+        first_k_dense_replace=n,
         moe_layer_freq=1,
         num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_attention_heads,
@@ -338,16 +338,8 @@ def common_source_config(
         if out.get(key):
             out[key] = 0
     out.pop("quantization_config", None)  # the weights written are plain
-    if base and moe:
-        # The source's own spelling of the MoE layers, when it still names the same layers.
-        try:
-            same = moe_layers_of({**base, "mlp_layer_types": None}, n, "base") == moe
-        except ValueError:
-            same = False
-        if same:
-            for key in ("first_k_dense_replace", "moe_layer_freq"):
-                if key in base:
-                    out[key] = base[key]
+    if moe:
+        out.update(_moe_layer_spelling(moe, n, base))
     if not moe:
         out["num_experts"] = None
         return out
@@ -364,13 +356,65 @@ def common_source_config(
         topk_group=cfg.topk_group,
     )
     if base and base.get("use_grouped_topk") is False and cfg.n_group == cfg.topk_group == 1:
-        # ungrouped routing as the source spelled it (its group sizes unused)
-        for key in ("use_grouped_topk", "num_expert_group", "n_group", "topk_group"):
-            if key in base:
-                out[key] = base[key]
-            elif key != "use_grouped_topk":
-                out.pop(key, None)
+        # ungrouped as the source said it, with 1 / 1 groups: transformers reads only the group
+        # sizes, Moonshot's code and vLLM the flag; both route ungrouped
+        out["use_grouped_topk"] = False
+    # the same values under the aliases the source may also spell (transformers' names)
+    for key, aliases in _MOE_ALIASES.items():
+        for alias in aliases:
+            if alias in out:
+                out[alias] = out[key]
     return out
+
+
+_MOE_ALIASES = {
+    "num_experts": ("num_local_experts", "n_routed_experts"),
+    "num_experts_per_token": ("num_experts_per_tok",),
+    "num_shared_experts": ("n_shared_experts",),
+    "moe_renormalize": ("norm_topk_prob",),
+    "num_expert_group": ("n_group",),
+}
+
+
+def _moe_layer_spelling(moe: list[int], n: int, base: Mapping[str, Any] | None) -> dict[str, int]:
+    """``first_k_dense_replace`` / ``moe_layer_freq`` naming exactly the MoE layers ``moe``
+    (sorted, non-empty) of ``n`` layers, for readers of those fields (Moonshot's code, vLLM)
+    rather than of ``mlp_layer_types``: the source's own values when they still name them,
+    else the first layer and the smallest frequency that do; when no pair does, the first MoE
+    layer with frequency 1 and a WARNING (only ``mlp_layer_types`` names the layout then)."""
+
+    def names(k: Any, freq: Any) -> bool:
+        try:
+            return (
+                moe_layers_of(
+                    {"num_experts": 1, "first_k_dense_replace": k, "moe_layer_freq": freq},
+                    n,
+                    "base",
+                )
+                == moe
+            )
+        except ValueError:
+            return False
+
+    k0 = (base or {}).get("first_k_dense_replace")
+    freq0 = (base or {}).get("moe_layer_freq")
+    k0 = moe[0] if k0 is None else k0
+    freq0 = 1 if freq0 is None else freq0
+    if base and names(k0, freq0):
+        return {"first_k_dense_replace": k0, "moe_layer_freq": freq0}
+    for freq in range(1, n + 1):
+        if names(moe[0], freq):
+            return {"first_k_dense_replace": moe[0], "moe_layer_freq": freq}
+    logger.warning(
+        "MoE layers %s are no first_k_dense_replace / moe_layer_freq pattern: the exported "
+        "config names them in mlp_layer_types only (first_k_dense_replace=%d, moe_layer_freq=1 "
+        "reads as layers %d..%d)",
+        moe,
+        moe[0],
+        moe[0],
+        n - 1,
+    )
+    return {"first_k_dense_replace": moe[0], "moe_layer_freq": 1}
 
 
 def _formats() -> dict[str, SourceFormat]:

@@ -92,6 +92,34 @@ def _kimi_layer_types(d: Mapping[str, Any], n: int) -> list[str]:
     return ["mla" if i and i % 4 == 0 else "kda" for i in range(n)]
 
 
+# Keys whose default transformers' KimiLinearConfig and Moonshot's configuration_kimi.py (which
+# vLLM and SGLang copy) disagree on: (key and aliases, transformers', Moonshot's, MoE-only).
+_DISPUTED = (
+    (("rms_norm_eps",), 1e-5, 1e-6, False),
+    (("routed_scaling_factor",), 2.446, 1.0, True),
+    (("num_shared_experts", "n_shared_experts"), 1, 0, True),
+    (("first_k_dense_replace",), 1, 0, True),
+)
+
+
+def _check_disputed_defaults(d: Mapping[str, Any], what: str) -> None:
+    """ValueError naming the first key a config leaves out whose default transformers and
+    Moonshot's code (the rollout servers' reading) disagree on: the trainer would silently
+    compute another model than the server (``first_k_dense_replace`` is not needed with
+    ``mlp_layer_types``; the MoE keys not without experts)."""
+    experts = any(d.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    for keys, hf, moonshot, moe_only in _DISPUTED:
+        if moe_only and not experts:
+            continue
+        if keys[0] == "first_k_dense_replace" and d.get("mlp_layer_types") is not None:
+            continue
+        if all(d.get(k) is None for k in keys):
+            raise ValueError(
+                f"{what}: {keys[0]} is missing, and its default differs between transformers "
+                f"({hf}) and Moonshot's configuration_kimi.py / vLLM ({moonshot}); set it"
+            )
+
+
 def hybrid_config_from_kimi_linear(d: Mapping[str, Any], *, chunk_size: int = 64) -> HybridConfig:
     """The :class:`HybridConfig` of a Kimi-Linear ``config.json`` dict (Moonshot's keys or
     transformers' ``KimiLinearConfig`` keys). Raises ``ValueError`` naming the key for a
@@ -102,6 +130,7 @@ def hybrid_config_from_kimi_linear(d: Mapping[str, Any], *, chunk_size: int = 64
             f"model_type: expected {KIMI_LINEAR_MODEL_TYPE!r}, got {d.get('model_type')!r}"
         )
     what = "kimi_linear config"
+    _check_disputed_defaults(d, what)
     kw = common_hybrid_kwargs(
         d,
         what,

@@ -33,7 +33,6 @@ from harts_verl.tree import RolloutForest
 
 __all__ = [
     "ModelShape",
-    "attention_window",
     "conv_hybrid_shape",
     "forward_flops",
     "full_attention_shape",
@@ -593,21 +592,6 @@ def model_shape(cfg: Any) -> ModelShape:
         "qwen3_5, qwen3_5_moe, "
         "olmo_hybrid)"
     )
-
-
-def attention_window(cfg: Any) -> int | None:
-    """The sliding window of ``cfg``'s softmax-attention layers as its config sets it
-    (``sliding_window``, RecurrentGemma's ``attention_window_size``; None where the config turns
-    it off with ``use_sliding_window: false``, as Qwen2 / Qwen3 do by default), else None. The
-    FLOP model counts full causal pairs for every layer, so a window shorter than a trajectory
-    makes ``ideal_flop_ratio`` the wrong yardstick."""
-    get_text = getattr(cfg, "get_text_config", None)
-    text = get_text() if callable(get_text) else cfg
-    if getattr(text, "use_sliding_window", True) is False:
-        return None
-    windows = [getattr(text, k, None) for k in ("sliding_window", "attention_window_size")]
-    windows = [int(w) for w in windows if isinstance(w, int) and not isinstance(w, bool) and w > 0]
-    return min(windows) if windows else None
 
 
 def forward_flops(

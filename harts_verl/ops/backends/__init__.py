@@ -302,7 +302,7 @@ class SdpaAttentionKernel:
     ) -> torch.Tensor:
         from harts_verl.ops.tree_attention import tree_attention
 
-        count_route("attention/sdpa")
+        count_route("attention/sdpa (window)" if window is not None else "attention/sdpa")
         return tree_attention(
             q, k, v, plan, scale=scale, gate=gate, window=window, sinks=sinks, softcap=softcap
         )
@@ -376,12 +376,17 @@ class VarlenAttentionKernel:
             cache = plan.cache
             if "sdpa" not in cache:
                 cache["sdpa"] = build_attention_plan(plan.forest, device=plan.device)
-            why = (
-                ("sinks" if sinks is not None else "softcap" if no_softcap else "window")
-                if special or no_window
-                else str(q.dtype).removeprefix("torch.")
-            )
-            count_route(f"attention/sdpa ({why})")
+            why = [
+                name
+                for name, hit in (
+                    ("sinks", sinks is not None),
+                    ("softcap", no_softcap),
+                    (str(q.dtype).removeprefix("torch."), unsupported_dtype),
+                    ("window", window is not None),
+                )
+                if hit
+            ]
+            count_route(f"attention/sdpa ({', '.join(why)})")
             return tree_attention(
                 q,
                 k,
@@ -393,7 +398,7 @@ class VarlenAttentionKernel:
                 sinks=sinks,
                 softcap=softcap,
             )
-        count_route(f"attention/{self.name}")
+        count_route(f"attention/{self.name}" + (" (window)" if window is not None else ""))
         return tree_attention_varlen(
             q,
             k,
