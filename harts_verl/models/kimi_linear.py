@@ -92,6 +92,16 @@ def _kimi_layer_types(d: Mapping[str, Any], n: int) -> list[str]:
     return ["mla" if i and i % 4 == 0 else "kda" for i in range(n)]
 
 
+# transformers' KimiLinearConfig defaults of the keys common_hybrid_kwargs reads.
+_TRANSFORMERS_DEFAULTS: dict[str, Any] = {
+    "rms_norm_eps": 1e-5,
+    "moe_intermediate_size": 1024,
+    "first_k_dense": 1,
+    "routed_scaling_factor": 2.446,
+    "num_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+}
 # Keys whose default transformers' KimiLinearConfig and Moonshot's configuration_kimi.py (which
 # vLLM and SGLang copy) disagree on: (key and aliases, transformers', Moonshot's, MoE-only).
 _DISPUTED = (
@@ -131,17 +141,7 @@ def hybrid_config_from_kimi_linear(d: Mapping[str, Any], *, chunk_size: int = 64
         )
     what = "kimi_linear config"
     _check_disputed_defaults(d, what)
-    kw = common_hybrid_kwargs(
-        d,
-        what,
-        rms_norm_eps=1e-5,
-        moe_intermediate_size=1024,
-        first_k_dense=1,
-        routed_scaling_factor=2.446,
-        num_shared_experts=1,
-        n_group=1,
-        topk_group=1,
-    )
+    kw = common_hybrid_kwargs(d, what, **_TRANSFORMERS_DEFAULTS)
     if d.get("mla_use_nope") is False and kw["qk_rope_head_dim"]:
         raise ValueError(
             f"{what}: mla_use_nope=false (RoPE MLA) is not supported; released Kimi-Linear "

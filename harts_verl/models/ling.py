@@ -68,6 +68,18 @@ def _rope_theta(d: Mapping[str, Any]) -> float:
     return config_number(theta, "rope_theta", what, float)
 
 
+# transformers' BailingHybridConfig defaults of the keys common_hybrid_kwargs reads.
+_TRANSFORMERS_DEFAULTS: dict[str, Any] = {
+    "rms_norm_eps": 1e-6,
+    "moe_intermediate_size": 768,
+    "first_k_dense": 2,
+    "routed_scaling_factor": 2.5,
+    "num_shared_experts": 1,
+    "n_group": 8,
+    "topk_group": 4,
+}
+
+
 def hybrid_config_from_ling(d: Mapping[str, Any], *, chunk_size: int = 64) -> HybridConfig:
     """The :class:`HybridConfig` of a Ling 3 ``config.json`` dict. Raises ``ValueError`` naming
     the key for what the native model does not express (rope scaling, activations other than
@@ -75,17 +87,7 @@ def hybrid_config_from_ling(d: Mapping[str, Any], *, chunk_size: int = 64) -> Hy
     if d.get("model_type") != LING_MODEL_TYPE:
         raise ValueError(f"model_type: expected {LING_MODEL_TYPE!r}, got {d.get('model_type')!r}")
     what = "bailing_hybrid config"
-    kw = common_hybrid_kwargs(
-        d,
-        what,
-        rms_norm_eps=1e-6,
-        moe_intermediate_size=768,
-        first_k_dense=2,
-        routed_scaling_factor=2.5,
-        num_shared_experts=1,
-        n_group=8,
-        topk_group=4,
-    )
+    kw = common_hybrid_kwargs(d, what, **_TRANSFORMERS_DEFAULTS)
     n = _num(int, d, "num_hidden_layers")
     if d.get("layer_types") is not None:
         layer_types = mixers_of_layer_types(d["layer_types"], n, what)
