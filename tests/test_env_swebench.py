@@ -14,6 +14,8 @@ import asyncio
 import copy
 import json
 import os
+import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -158,7 +160,10 @@ def test_docker_sandbox_paths_are_quoted_and_checked(tmp_path, monkeypatch):
     (fake / "docker").chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
     work = tmp_path / "testbed"
-    (work / ".git" / "info").mkdir(parents=True)
+    work.mkdir()
+    git = ["git", "-C", str(work), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "start"], check=True)
     (tmp_path / "outside").mkdir()
     (work / "out").symlink_to(tmp_path / "outside")
     box = DockerSandbox("img", workdir=str(work))
@@ -264,6 +269,93 @@ def test_reward_gold_one_none_wrong_breaking_zero(inst):
     assert score(fix_and_tests)["score"] == 1.0
     with pytest.raises(ValueError, match="swe_instance"):
         swe.compute_score("x", "", "", {"swe_patch": fix})
+
+
+_FAKE_PASS = {
+    # a module named pytest at the repository root, taken by `python -m pytest` before the real one
+    "pytest.py": "import sys\nfor a in sys.argv[1:]:\n    print('PASSED', a)\n",
+    # a conftest hook that turns every failure into a pass
+    "conftest.py": (
+        "import pytest\n\n@pytest.hookimpl(hookwrapper=True)\n"
+        "def pytest_runtest_makereport(item, call):\n    out = yield\n"
+        "    rep = out.get_result()\n    rep.outcome = 'passed'\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("trick", ["pytest.py", "conftest.py", "forged_lines"])
+def test_grader_is_not_fooled_by_harness_tricks(inst, trick):
+    """A patch that leaves the bug and fakes the test outcome scores 0: a pytest.py module or a
+    conftest.py it adds are graded as in the starting tree (gone), and results are read from
+    pytest's JUnit XML outside the repository, not from printed PASSED lines (an atexit hook
+    printing them after the summary scored 1.0)."""
+    with LocalSandbox(swe.fixture_repo("tinycalc")) as b:
+        if trick == "forged_lines":
+            init = b.read_file("tinycalc/__init__.py")
+            ids = " ".join(repr(t) for t in inst.fail_to_pass)
+            b.write_file(
+                "tinycalc/__init__.py",
+                init + f"\nimport atexit\natexit.register(lambda: [print('PASSED', t) "
+                f"for t in [{ids.replace(' ', ', ')}]])\n",
+            )
+        else:
+            b.write_file(trick, _FAKE_PASS[trick])
+        patch = b.diff()
+    r = swe.grade_local(inst, patch)
+    assert r["score"] == 0.0 and r["patch_applied"] and r["fail_to_pass_passed"] == 0
+    assert r["pass_to_pass_passed"] == len(inst.pass_to_pass)  # the real tests ran
+    assert swe.grade_local(inst, inst.record["patch"])["score"] == 1.0
+
+
+def test_parse_junit_report_ids_and_outcomes():
+    xml = (
+        '<testsuites><testsuite><testcase classname="tests.test_a" name="test_ok" '
+        'file="tests/test_a.py"/><testcase classname="tests.test_a.TestC" name="test_m[1]" '
+        'file="tests/test_a.py"><failure message="x"/></testcase><testcase '
+        'classname="tests.test_b" name="test_s"><skipped/></testcase></testsuite></testsuites>'
+    )
+    assert swe.parse_junit_report(xml) == {
+        "tests/test_a.py::test_ok": "PASSED",
+        "tests/test_a.py::TestC::test_m[1]": "FAILED",
+        "tests/test_b.py::test_s": "SKIPPED",
+    }
+    assert swe.parse_junit_report("PASSED tests/test_a.py::test_ok") == {}
+
+
+def test_diff_is_against_the_start_even_after_commits(box, inst):
+    """An agent that commits (or resets) its work still hands in every change: the diff is
+    taken against the tree the sandbox started from (after `git commit` it was empty)."""
+    fix = _patch(box, FIX)
+    assert fix
+    box.exec("git -c user.name=a -c user.email=a@a commit -qam 'my fix'", 30)
+    assert box.diff() == fix
+    clone = box.clone()
+    try:
+        assert clone.diff() == fix
+    finally:
+        clone.close()
+    assert swe.grade_local(inst, box.diff())["score"] == 1.0
+
+
+def test_close_kills_background_processes_and_files_keep_line_endings(inst):
+    b = LocalSandbox(swe.fixture_repo(inst.fixture))
+    res = b.exec("sleep 300 >/dev/null 2>&1 & echo $!", 30)
+    pid = int(res.output.split()[-1])
+    os.kill(pid, 0)  # running
+    b.write_file("crlf.txt", "alpha\r\nbeta\r\n")
+    assert b.read_file("crlf.txt") == "alpha\r\nbeta\r\n"
+    with open(os.path.join(b.root, "crlf.txt"), "rb") as f:
+        assert f.read() == b"alpha\r\nbeta\r\n"
+    b.close()
+    for _ in range(50):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        raise AssertionError("close() left a background process running")
 
 
 def test_patch_paths():
@@ -433,3 +525,13 @@ def test_fixture_task_through_harts_tool_agent_with_forks(inst):
         info = {**row["extra_info"], **out.extra_fields}
         scores.append(swe.compute_score(row["data_source"], text, inst.instance_id, info)["score"])
     assert sorted(scores) == [0.0, 1.0]
+
+
+def test_editor_view_of_a_folder_named_like_an_option(box):
+    """``view`` of a folder whose name starts with "-" lists it (``find -delete ...`` wiped the
+    repository, .git included)."""
+    _, edit, _ = _tools()
+    box.write_file("-delete/notes.txt", "x\n")
+    listing = edit.run(box, {"command": "view", "path": "-delete"})
+    assert "notes.txt" in listing
+    assert box.exists("tinycalc/stats.py") and "notes.txt" in box.diff()

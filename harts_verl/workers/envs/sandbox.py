@@ -38,6 +38,12 @@ __all__ = [
 
 # build/cache files never belong to a patch (kept out of the tree via .git/info/exclude)
 _EXCLUDE = "__pycache__/\n*.pyc\n.pytest_cache/\n"
+# The starting tree's commit, recorded at creation (clones keep it): diffs are taken against it,
+# so an agent that commits, resets or checks out its work still hands in every change.
+_START_REF = "refs/harts/start"
+_MARK_START = (
+    f"git rev-parse -q --verify {_START_REF} >/dev/null || git update-ref {_START_REF} HEAD"
+)
 _GIT_ID = [
     "-c",
     "user.name=harts",
@@ -173,17 +179,30 @@ def _inside_script(root: str, full: str) -> str:
     )
 
 
+def _group_alive(pgid: int) -> bool:
+    """Whether process group ``pgid`` still has a member (signal 0 probes without sending)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member we may not signal: not ours to kill either
+        return False
+    return True
+
+
 def _run(
     args: list[str],
     cwd: str | None,
     timeout: float,
     stdin: str | None = None,
     env: dict[str, str] | None = None,
+    groups: list[int] | None = None,
 ) -> ExecResult:
     """Run ``args`` in a new session, reading its combined output (at most
     :data:`MAX_READ_CHARS` kept, the rest counted in ``omitted``) until it ends and closes it;
     after ``timeout`` seconds the whole process group is killed, and a process that left the
-    group and still holds the output open is no longer waited for (timed out)."""
+    group and still holds the output open is no longer waited for (timed out). ``groups``
+    collects the process group id, for the caller to kill what the command left running."""
     data_in = stdin.encode("utf-8", errors="surrogateescape") if stdin is not None else b""
     proc = subprocess.Popen(
         args,
@@ -194,6 +213,8 @@ def _run(
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
+    if groups is not None:
+        groups.append(proc.pid)
     half = max(MAX_READ_CHARS // 2, 1)
     head: list[str] = []
     tail: list[str] = []
@@ -275,6 +296,7 @@ class LocalSandbox(Sandbox):
             raise ValueError(f"source: {source!r} is not a directory")
         self.root = tempfile.mkdtemp(prefix="harts_sandbox_")
         self._closed = False
+        self._groups: list[int] = []  # process groups of exec'd commands, killed on close
         if _copy:
             shutil.copytree(source, self.root, dirs_exist_ok=True)
             if not os.path.isdir(os.path.join(self.root, ".git")):
@@ -283,6 +305,9 @@ class LocalSandbox(Sandbox):
                     f.write(_EXCLUDE)
                 self._git("add", "-A")
                 self._git(*_GIT_ID, "commit", "-q", "--allow-empty", "-m", "sandbox start")
+            res = _run(["bash", "-c", _MARK_START], self.root, 60)
+            if res.exit_code != 0:
+                raise RuntimeError(f"git update-ref failed in {self.root}: {res.output}")
 
     def _git(self, *args: str) -> str:
         res = _run(["git", *args], self.root, 60)
@@ -296,17 +321,20 @@ class LocalSandbox(Sandbox):
         if timeout <= 0:
             raise ValueError(f"timeout: expected > 0, got {timeout}")
         env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", GIT_PAGER="cat", PAGER="cat")
-        return _run(["bash", "-c", command], self.root, timeout, env=env)
+        res = _run(["bash", "-c", command], self.root, timeout, env=env, groups=self._groups)
+        # keep only groups with a live member: an ended group's id may be reused by others
+        self._groups = [g for g in self._groups if _group_alive(g)]
+        return res
 
     def read_file(self, path: str) -> str:
         full = _check_real(self.root, path)
-        with open(full, encoding="utf-8", errors="replace") as f:
-            return f.read()
+        with open(full, encoding="utf-8", errors="replace", newline="") as f:
+            return f.read()  # line endings as stored (CRLF stays CRLF)
 
     def write_file(self, path: str, text: str) -> None:
         full = _check_real(self.root, path)
         os.makedirs(os.path.dirname(full), exist_ok=True)
-        with open(full, "w", encoding="utf-8") as f:
+        with open(full, "w", encoding="utf-8", newline="") as f:
             f.write(text)
 
     def exists(self, path: str) -> bool:
@@ -314,7 +342,7 @@ class LocalSandbox(Sandbox):
 
     def diff(self) -> str:
         self._git("add", "-A")
-        return self._git("diff", "--cached", "--binary", "--no-color", "--no-ext-diff", "HEAD")
+        return self._git("diff", "--cached", "--binary", "--no-color", "--no-ext-diff", _START_REF)
 
     def clone(self) -> LocalSandbox:
         other = LocalSandbox(self.root, _copy=False)
@@ -322,8 +350,13 @@ class LocalSandbox(Sandbox):
         return other
 
     def close(self) -> None:
+        """Kill what the sandbox's commands left running (background processes: their process
+        groups), then remove its folder."""
         if not self._closed:
             self._closed = True
+            for pgid in self._groups:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pgid, signal.SIGKILL)
             shutil.rmtree(self.root, ignore_errors=True)
 
 
@@ -353,6 +386,9 @@ class DockerSandbox(Sandbox):
         if res.exit_code != 0:
             raise RuntimeError(f"docker run {image} failed: {res.output.strip()}")
         self._exec(["bash", "-c", f"printf '{_EXCLUDE}' >> .git/info/exclude"], 60)
+        res = self._exec(["bash", "-c", _MARK_START], 60)
+        if res.exit_code != 0:
+            raise RuntimeError(f"git update-ref failed in {self.name}: {res.output.strip()}")
 
     @classmethod
     def from_swebench(
@@ -414,7 +450,7 @@ class DockerSandbox(Sandbox):
         return self._on_path(path, 'test -e "$f"').exit_code == 0
 
     def diff(self) -> str:
-        script = "git add -A && git diff --cached --binary --no-color HEAD"
+        script = f"git add -A && git diff --cached --binary --no-color {_START_REF}"
         res = self._exec(["bash", "-c", script], 120)
         if res.exit_code != 0:
             raise RuntimeError(f"git diff failed in {self.name}: {res.output}")

@@ -23,6 +23,7 @@ import os
 import re
 import shlex
 import sys
+import tempfile
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,7 @@ __all__ = [
     "fixture_repo",
     "grade_local",
     "grade_swebench",
+    "parse_junit_report",
     "parse_pytest_report",
 ]
 
@@ -198,6 +200,50 @@ def parse_pytest_report(log: str) -> dict[str, str]:
     return status
 
 
+def parse_junit_report(xml_text: str) -> dict[str, str]:
+    """Test id (``path/to/test_x.py::name``, as SWE-bench lists them) → ``PASSED`` / ``FAILED`` /
+    ``ERROR`` / ``SKIPPED`` from a pytest ``--junitxml`` file (a testcase with a failure or error
+    child is not passed, whatever else is printed); {} for text that is no XML."""
+    import xml.etree.ElementTree as ET
+
+    try:
+        root = ET.fromstring(xml_text)
+    except ET.ParseError:
+        return {}
+    status: dict[str, str] = {}
+    for case in root.iter("testcase"):
+        path = (case.get("file") or "").replace(os.sep, "/")
+        classname, name = case.get("classname") or "", case.get("name") or ""
+        if not path:  # no file attribute: the module is the class name's dotted prefix
+            path = classname.replace(".", "/") + ".py"
+        module = path[:-3].replace("/", ".") if path.endswith(".py") else path
+        inner = classname[len(module) + 1 :] if classname.startswith(module + ".") else ""
+        test_id = "::".join([path, *inner.split(".")] if inner else [path]) + f"::{name}"
+        kinds = {child.tag for child in case}
+        state = "PASSED"
+        for tag, word in (("skipped", "SKIPPED"), ("error", "ERROR"), ("failure", "FAILED")):
+            if tag in kinds:
+                state = word
+        status[test_id] = state
+    return status
+
+
+# Files through which a patch could change how pytest runs or reports rather than what the code
+# does: graded as in the starting tree (reset, or removed when new), like the test files.
+_TEST_HARNESS_FILES = frozenset(
+    {
+        "conftest.py",
+        "pytest.py",
+        "pytest.ini",
+        "tox.ini",
+        "setup.cfg",
+        "pyproject.toml",
+        "sitecustomize.py",
+        "usercustomize.py",
+    }
+)
+
+
 def _report(inst: SweInstance, status: dict[str, str], applied: bool, note: str = "") -> dict:
     f2p = sum(status.get(t) == "PASSED" for t in inst.fail_to_pass)
     p2p = sum(status.get(t) == "PASSED" for t in inst.pass_to_pass)
@@ -232,9 +278,14 @@ def _patch_paths(patch: str) -> list[str]:
 def grade_local(inst: SweInstance, patch: str, timeout: float = 120.0) -> dict[str, Any]:
     """Grade ``patch`` on a bundled fixture: copy the repository, ``git apply`` the patch,
     reset the files the task's ``test_patch`` touches to the starting tree (as the SWE-bench
-    harness does: the model's edits of those test files do not count), ``git apply`` the
-    ``test_patch``, run the FAIL_TO_PASS + PASS_TO_PASS tests with this Python's pytest.
-    ``score`` is 1.0 iff the patch applies and every listed test passes."""
+    harness does: the model's edits of those test files do not count), and the test-harness
+    files the patch touches (``conftest.py``, ``pytest.ini``, ``tox.ini``, ``setup.cfg``,
+    ``pyproject.toml``, a ``pytest.py`` / ``sitecustomize.py`` module), ``git apply`` the
+    ``test_patch``, run the FAIL_TO_PASS + PASS_TO_PASS tests with this Python's installed
+    pytest (``python -P``: a module in the repository cannot stand in for it) and read the
+    outcome from its JUnit XML, written outside the repository (printed lines cannot forge it).
+    ``score`` is 1.0 iff the patch applies and every listed test passes. Not a security
+    boundary: the code under test runs in the pytest process."""
     if inst.fixture is None:
         raise ValueError(f"fixture: instance {inst.instance_id} is not a bundled fixture")
     if not isinstance(patch, str):
@@ -244,6 +295,12 @@ def grade_local(inst: SweInstance, patch: str, timeout: float = 120.0) -> dict[s
             if not text.strip():
                 continue
             paths = _patch_paths(text) if name == "test_patch" else []
+            if name == "test_patch":  # also the harness files the model's patch touched
+                paths += [
+                    p
+                    for p in _patch_paths(patch)
+                    if os.path.basename(p) in _TEST_HARNESS_FILES and p not in paths
+                ]
             if paths:  # back to the starting tree, or gone if new
                 box.exec(
                     f"for p in {' '.join(map(shlex.quote, paths))}; do if git cat-file -e "
@@ -256,12 +313,23 @@ def grade_local(inst: SweInstance, patch: str, timeout: float = 120.0) -> dict[s
             if res.exit_code != 0:
                 return _report(inst, {}, False, f"{name} does not apply: {res.output[-500:]}")
         box.exec("rm -f .harts_patch.diff", 30)
-        tests = " ".join(f"'{t}'" for t in (*inst.fail_to_pass, *inst.pass_to_pass))
-        cmd = f"'{sys.executable}' -m pytest -rA -q -p no:cacheprovider {tests}"
-        res = box.exec(cmd, timeout)
-        if res.timed_out:
-            return _report(inst, {}, True, f"tests timed out after {timeout:g} s")
-        return _report(inst, parse_pytest_report(res.output), True)
+        tests = " ".join(shlex.quote(t) for t in (*inst.fail_to_pass, *inst.pass_to_pass))
+        with tempfile.TemporaryDirectory(prefix="harts_grade_") as out:
+            xml = os.path.join(out, f"{uuid.uuid4().hex}.xml")
+            cmd = (
+                f"{shlex.quote(sys.executable)} -P -m pytest -rA -q -p no:cacheprovider "
+                f"-o pythonpath=. -o junit_family=xunit1 --junitxml={shlex.quote(xml)} {tests}"
+            )
+            res = box.exec(cmd, timeout)
+            if res.timed_out:
+                return _report(inst, {}, True, f"tests timed out after {timeout:g} s")
+            try:
+                with open(xml, encoding="utf-8") as f:
+                    report = parse_junit_report(f.read())
+            except OSError:
+                report = {}
+        note = "" if report else f"no test report: {res.output[-500:]}"
+        return _report(inst, report, True, note)
 
 
 def grade_swebench(

@@ -296,11 +296,13 @@ class EditTool(_SweTool):
         if command == "view":
             if not box.exists(path):
                 raise ValueError(f"path: {path!r} does not exist")
-            res = box.exec(f"test -d {shlex.quote(path)}", self.cfg.timeout)
+            # "./" first: a name starting with "-" must not read as an option of test / find
+            # (a folder "-delete" made `find -delete ...` wipe the repository)
+            arg = shlex.quote(path if path.startswith("/") else "./" + path)
+            res = box.exec(f"test -d {arg}", self.cfg.timeout)
             if res.exit_code == 0:
                 listing = box.exec(
-                    f"find {shlex.quote(path)} -maxdepth 2 -not -path '*/.git*' | sort",
-                    self.cfg.timeout,
+                    f"find {arg} -maxdepth 2 -not -path '*/.git*' | sort", self.cfg.timeout
                 )
                 return truncate_output(listing.output, limit)
             lines = box.read_file(path).splitlines()

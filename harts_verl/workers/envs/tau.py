@@ -249,9 +249,13 @@ class FixtureDomain(TauDomain):
 # ---------------------------------------------------------------------- tau2 package
 class Tau2Domain(TauDomain):
     """A domain of the ``tau2`` package (sierra-research/tau2-bench): environment, tools and
-    tasks from its registry. The reward here is the database check only (τ²'s action-replay
-    DB hash); τ²'s natural-language assertions and communicate checks need an LLM judge and
-    are not computed."""
+    tasks from its registry. The reward is τ²'s action-replay database check plus its
+    ``communicate_info`` items as required outputs (each searched case-insensitively, as a
+    substring, in the agent's own text: no LLM judge); τ²'s natural-language assertions need
+    an LLM judge and are not computed. Reference actions a *user* performs (``requestor:
+    "user"``, the telecom domain) are replayed into the reference database, but neither the
+    agent nor this package's user simulators can call user tools, so such tasks cannot reach
+    the reference state."""
 
     def __init__(self, domain: str) -> None:
         try:
