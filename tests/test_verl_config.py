@@ -178,6 +178,13 @@ def test_strategy_alone_enables_harts_through_main_ppo(caplog):
     )
     assert not apply_harts_actor_config(custom)
     assert custom.actor_rollout_ref.actor._target_ == "my.Cls"
+    # Megatron's config class: veRL would build its Megatron engine and HARTS would be off
+    with initialize_config_module("verl.trainer.config", version_base=None):
+        mega = compose(
+            "ppo_megatron_trainer", overrides=["actor_rollout_ref.actor.strategy=harts_fsdp2"]
+        )
+    with pytest.raises(ValueError, match=r"actor\.strategy=harts_fsdp2 needs veRL's FSDP engine"):
+        apply_harts_actor_config(mega)
 
 
 def test_critic_strategy_selects_the_harts_critic_config(tmp_path, caplog):

@@ -58,6 +58,26 @@ _VERL_FSDP_CRITIC = "verl.workers.config.FSDPCriticConfig"
 _HARTS_CRITIC = "harts_verl.workers.config.HartsFSDPCriticConfig"
 
 
+def _check_fsdp_class(target: Any, fsdp: str, section: str) -> None:
+    """ValueError naming ``section`` when ``strategy=harts_fsdp2`` sits in a config whose class
+    (``_target_``) is not veRL's FSDP one (or a subclass): with Megatron's class veRL builds its
+    Megatron engine by the engine config's own strategy, and HARTS would silently be off."""
+    if target is None or target == fsdp:
+        return
+    from hydra.utils import get_class
+
+    try:
+        ok = issubclass(get_class(str(target)), get_class(fsdp))
+    except Exception:  # an unimportable class: veRL names it itself
+        return
+    if not ok:
+        raise ValueError(
+            f"{section}.strategy={STRATEGY} needs veRL's FSDP engine (model_engine=dp, the "
+            f"ppo_trainer config), but the section's config class is {target} (e.g. Megatron's): "
+            "HARTS would not run; use the FSDP trainer config or another strategy"
+        )
+
+
 def apply_harts_actor_config(config: Any) -> bool:
     """With ``actor.strategy=harts_fsdp2`` and veRL's default actor config class, select
     :class:`~harts_verl.workers.config.HartsFSDPActorConfig` (``actor._target_``) so that the
@@ -74,6 +94,8 @@ def apply_harts_actor_config(config: Any) -> bool:
         return False
     if not is_harts_config(config) and "harts" not in actor:
         return False
+    if is_harts_config(config):
+        _check_fsdp_class(actor.get("_target_"), _VERL_FSDP_ACTOR, "actor_rollout_ref.actor")
     if actor.get("_target_") != _VERL_FSDP_ACTOR:
         return False
     with open_dict(actor):
@@ -92,6 +114,8 @@ def apply_harts_critic_config(config: Any) -> bool:
     critic = config.get("critic") if hasattr(config, "get") else None
     if critic is None or (critic.get("strategy") != STRATEGY and "harts" not in critic):
         return False
+    if critic.get("strategy") == STRATEGY:
+        _check_fsdp_class(critic.get("_target_"), _VERL_FSDP_CRITIC, "critic")
     if critic.get("_target_") != _VERL_FSDP_CRITIC:
         return False
     with open_dict(critic):
