@@ -307,19 +307,34 @@ def test_grader_is_not_fooled_by_harness_tricks(inst, trick):
     assert swe.grade_local(inst, inst.record["patch"])["score"] == 1.0
 
 
-def test_parse_junit_report_ids_and_outcomes():
+def test_parse_junit_report_matches_listed_ids_by_their_collected_address():
+    """Listed ids match the (classname, name) pytest writes for them, also for a test method
+    inherited from a class in another file (its ``file`` attribute names that file) and for
+    parameter ids with spaces, "::" or brackets; tests that did not run are absent."""
     xml = (
         '<testsuites><testsuite><testcase classname="tests.test_a" name="test_ok" '
         'file="tests/test_a.py"/><testcase classname="tests.test_a.TestC" name="test_m[1]" '
         'file="tests/test_a.py"><failure message="x"/></testcase><testcase '
-        'classname="tests.test_b" name="test_s"><skipped/></testcase></testsuite></testsuites>'
+        'classname="tests.test_b" name="test_s"><skipped/></testcase><testcase '
+        'classname="tests.test_a.TestK" name="test_inherited" file="tests/base.py"/>'
+        '<testcase classname="tests.test_a" name="test_p[a b::c]"/></testsuite></testsuites>'
     )
-    assert swe.parse_junit_report(xml) == {
+    ids = [
+        "tests/test_a.py::test_ok",
+        "tests/test_a.py::TestC::test_m[1]",
+        "tests/test_b.py::test_s",
+        "tests/test_a.py::TestK::test_inherited",
+        "tests/test_a.py::test_p[a b::c]",
+        "tests/test_a.py::test_never_ran",
+    ]
+    assert swe.parse_junit_report(xml, ids) == {
         "tests/test_a.py::test_ok": "PASSED",
         "tests/test_a.py::TestC::test_m[1]": "FAILED",
         "tests/test_b.py::test_s": "SKIPPED",
+        "tests/test_a.py::TestK::test_inherited": "PASSED",
+        "tests/test_a.py::test_p[a b::c]": "PASSED",
     }
-    assert swe.parse_junit_report("PASSED tests/test_a.py::test_ok") == {}
+    assert swe.parse_junit_report("PASSED tests/test_a.py::test_ok", ids) == {}
 
 
 def test_diff_is_against_the_start_even_after_commits(box, inst):

@@ -25,6 +25,7 @@ import shlex
 import sys
 import tempfile
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -200,32 +201,37 @@ def parse_pytest_report(log: str) -> dict[str, str]:
     return status
 
 
-def parse_junit_report(xml_text: str) -> dict[str, str]:
-    """Test id (``path/to/test_x.py::name``, as SWE-bench lists them) → ``PASSED`` / ``FAILED`` /
-    ``ERROR`` / ``SKIPPED`` from a pytest ``--junitxml`` file (a testcase with a failure or error
-    child is not passed, whatever else is printed); {} for text that is no XML."""
+def _junit_address(test_id: str) -> tuple[str, str]:
+    """The (classname, name) pytest's JUnit XML writes for the test id ``test_id``
+    (``tests/test_x.py::TestC::test_m[p]`` → ``("tests.test_x.TestC", "test_m[p]")``): its
+    address as collected, also for a test defined in another file (an inherited method)."""
+    path, bracket, params = test_id.partition("[")
+    names = path.split("::")
+    names[0] = re.sub(r"\.py$", "", names[0].replace("/", "."))
+    names[-1] += bracket + params
+    return ".".join(names[:-1]), names[-1]
+
+
+def parse_junit_report(xml_text: str, test_ids: Sequence[str]) -> dict[str, str]:
+    """Status of each of ``test_ids`` (as SWE-bench lists them) that ran, from a pytest
+    ``--junitxml`` file: ``PASSED``, or ``FAILED`` / ``ERROR`` / ``SKIPPED`` for a testcase with
+    such a child (whatever else is printed); a test that did not run is absent ({} for text that
+    is no XML)."""
     import xml.etree.ElementTree as ET
 
     try:
         root = ET.fromstring(xml_text)
     except ET.ParseError:
         return {}
-    status: dict[str, str] = {}
+    ran: dict[tuple[str, str], str] = {}
     for case in root.iter("testcase"):
-        path = (case.get("file") or "").replace(os.sep, "/")
-        classname, name = case.get("classname") or "", case.get("name") or ""
-        if not path:  # no file attribute: the module is the class name's dotted prefix
-            path = classname.replace(".", "/") + ".py"
-        module = path[:-3].replace("/", ".") if path.endswith(".py") else path
-        inner = classname[len(module) + 1 :] if classname.startswith(module + ".") else ""
-        test_id = "::".join([path, *inner.split(".")] if inner else [path]) + f"::{name}"
         kinds = {child.tag for child in case}
         state = "PASSED"
         for tag, word in (("skipped", "SKIPPED"), ("error", "ERROR"), ("failure", "FAILED")):
             if tag in kinds:
                 state = word
-        status[test_id] = state
-    return status
+        ran[(case.get("classname") or "", case.get("name") or "")] = state
+    return {t: ran[a] for t in test_ids if (a := _junit_address(t)) in ran}
 
 
 # Files through which a patch could change how pytest runs or reports rather than what the code
@@ -282,7 +288,7 @@ def grade_local(inst: SweInstance, patch: str, timeout: float = 120.0) -> dict[s
     files the patch touches (``conftest.py``, ``pytest.ini``, ``tox.ini``, ``setup.cfg``,
     ``pyproject.toml``, a ``pytest.py`` / ``sitecustomize.py`` module), ``git apply`` the
     ``test_patch``, run the FAIL_TO_PASS + PASS_TO_PASS tests with this Python's installed
-    pytest (``python -P``: a module in the repository cannot stand in for it) and read the
+    pytest (imported before the repository joins ``sys.path``) and read the
     outcome from its JUnit XML, written outside the repository (printed lines cannot forge it).
     ``score`` is 1.0 iff the patch applies and every listed test passes. Not a security
     boundary: the code under test runs in the pytest process."""
@@ -292,10 +298,9 @@ def grade_local(inst: SweInstance, patch: str, timeout: float = 120.0) -> dict[s
         raise TypeError(f"patch: expected a str, got {type(patch).__name__}")
     with LocalSandbox(fixture_repo(inst.fixture)) as box:
         for name, text in (("model patch", patch), ("test_patch", inst.test_patch)):
-            if not text.strip():
-                continue
-            paths = _patch_paths(text) if name == "test_patch" else []
-            if name == "test_patch":  # also the harness files the model's patch touched
+            paths = []
+            if name == "test_patch":  # its files, and the harness files the model's patch touched
+                paths = _patch_paths(text) if text.strip() else []
                 paths += [
                     p
                     for p in _patch_paths(patch)
@@ -308,24 +313,29 @@ def grade_local(inst: SweInstance, patch: str, timeout: float = 120.0) -> dict[s
                     'else rm -rf -- "$p"; fi; done',
                     30,
                 )
+            if not text.strip():
+                continue
             box.write_file(".harts_patch.diff", text if text.endswith("\n") else text + "\n")
             res = box.exec("git apply --whitespace=nowarn .harts_patch.diff", 60)
             if res.exit_code != 0:
                 return _report(inst, {}, False, f"{name} does not apply: {res.output[-500:]}")
         box.exec("rm -f .harts_patch.diff", 30)
-        tests = " ".join(shlex.quote(t) for t in (*inst.fail_to_pass, *inst.pass_to_pass))
+        test_ids = (*inst.fail_to_pass, *inst.pass_to_pass)
         with tempfile.TemporaryDirectory(prefix="harts_grade_") as out:
             xml = os.path.join(out, f"{uuid.uuid4().hex}.xml")
-            cmd = (
-                f"{shlex.quote(sys.executable)} -P -m pytest -rA -q -p no:cacheprovider "
-                f"-o pythonpath=. -o junit_family=xunit1 --junitxml={shlex.quote(xml)} {tests}"
+            args = ["-rA", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *test_ids]
+            # The installed pytest is imported before the repository joins sys.path (as
+            # `python -m pytest` puts it first), so a pytest.py there cannot stand in for it.
+            run = "import os, sys, pytest; sys.path.insert(0, os.getcwd()); " + (
+                "sys.exit(pytest.main(sys.argv[1:]))"
             )
+            cmd = " ".join(map(shlex.quote, [sys.executable, "-P", "-c", run, *args]))
             res = box.exec(cmd, timeout)
             if res.timed_out:
                 return _report(inst, {}, True, f"tests timed out after {timeout:g} s")
             try:
                 with open(xml, encoding="utf-8") as f:
-                    report = parse_junit_report(f.read())
+                    report = parse_junit_report(f.read(), test_ids)
             except OSError:
                 report = {}
         note = "" if report else f"no test report: {res.output[-500:]}"
