@@ -2030,8 +2030,8 @@ def compact_work(forest: RolloutForest, trajectories: Sequence[int] | np.ndarray
     """Compact rows of the trie of the given trajectories (any order; a repeated index counts
     once)."""
     _check_forest(forest)
-    _indices("trajectories", trajectories, forest.num_trajectories)
-    return int(partition_works(forest, [trajectories])[0])
+    idx = _indices("trajectories", trajectories, forest.num_trajectories)
+    return int(_partition_works(forest, [idx])[0])
 
 
 def _indices(name: str, part: Sequence[int] | np.ndarray, n: int) -> np.ndarray:
@@ -2054,7 +2054,11 @@ def partition_works(
     ValueError naming ``parts[i]`` for an index array that is not 1-D integer or out of range."""
     _check_forest(forest)
     n = forest.num_trajectories
-    arrays = [_indices(f"parts[{i}]", part, n) for i, part in enumerate(parts)]
+    return _partition_works(forest, [_indices(f"parts[{i}]", p, n) for i, p in enumerate(parts)])
+
+
+def _partition_works(forest: RolloutForest, arrays: list[np.ndarray]) -> np.ndarray:
+    """:func:`partition_works` of checked int64 index arrays."""
     k = len(arrays)
     sizes = np.array([a.size for a in arrays], dtype=np.int64)
     if not k or not sizes.sum():
