@@ -945,7 +945,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         if forest is not None and not reasons:
             capacity = self._capacity(data, longest)
             planned = (capacity, *self._plan(forest, capacity))
-        self._no_cut_reason = ""  # a peer's refusal leaves it empty here
+        # (it resets _no_cut_reason: a peer's refusal leaves it empty here)
         cut_ok = self._stock_cut_possible(data)
         # All ranks take the same path (FSDP collectives must stay aligned): tree mode on all,
         # veRL's own cut on all, and the largest micro-batch count.
