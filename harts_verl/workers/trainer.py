@@ -78,6 +78,25 @@ def _check_fsdp_class(target: Any, fsdp: str, section: str) -> None:
         )
 
 
+def _select_harts_class(section: Any, verl_cls: str, harts_cls: str, name: str) -> bool:
+    """Set ``section._target_`` from veRL's FSDP config class ``verl_cls`` to ``harts_cls``
+    when the section's strategy is ``harts_fsdp2`` or it has ``harts:`` options (after
+    :func:`_check_fsdp_class` for the strategy); any other class is left alone. Returns
+    whether the section was changed."""
+    from omegaconf import open_dict
+
+    harts_strategy = section.get("strategy") == STRATEGY
+    if not harts_strategy and "harts" not in section:
+        return False
+    if harts_strategy:
+        _check_fsdp_class(section.get("_target_"), verl_cls, name)
+    if section.get("_target_") != verl_cls:
+        return False
+    with open_dict(section):
+        section["_target_"] = harts_cls
+    return True
+
+
 def apply_harts_actor_config(config: Any) -> bool:
     """With ``actor.strategy=harts_fsdp2`` and veRL's default actor config class, select
     :class:`~harts_verl.workers.config.HartsFSDPActorConfig` (``actor._target_``) so that the
@@ -86,21 +105,11 @@ def apply_harts_actor_config(config: Any) -> bool:
     section has ``harts:`` options: the class then says in a WARNING that they are not used
     (veRL's class would fail on the unknown key without naming the strategy). An explicitly
     chosen other class is left alone. Returns whether the config was changed."""
-    from omegaconf import open_dict
-
     try:
         actor = config.actor_rollout_ref.actor
     except AttributeError:
         return False
-    if not is_harts_config(config) and "harts" not in actor:
-        return False
-    if is_harts_config(config):
-        _check_fsdp_class(actor.get("_target_"), _VERL_FSDP_ACTOR, "actor_rollout_ref.actor")
-    if actor.get("_target_") != _VERL_FSDP_ACTOR:
-        return False
-    with open_dict(actor):
-        actor["_target_"] = _HARTS_ACTOR
-    return True
+    return _select_harts_class(actor, _VERL_FSDP_ACTOR, _HARTS_ACTOR, "actor_rollout_ref.actor")
 
 
 def apply_harts_critic_config(config: Any) -> bool:
@@ -109,18 +118,10 @@ def apply_harts_critic_config(config: Any) -> bool:
     ``+critic.harts.*`` options are accepted and validated; so also with another strategy and
     ``harts:`` options (a WARNING that they are not used, as for the actor). Returns whether
     the config was changed."""
-    from omegaconf import open_dict
-
     critic = config.get("critic") if hasattr(config, "get") else None
-    if critic is None or (critic.get("strategy") != STRATEGY and "harts" not in critic):
+    if critic is None:
         return False
-    if critic.get("strategy") == STRATEGY:
-        _check_fsdp_class(critic.get("_target_"), _VERL_FSDP_CRITIC, "critic")
-    if critic.get("_target_") != _VERL_FSDP_CRITIC:
-        return False
-    with open_dict(critic):
-        critic["_target_"] = _HARTS_CRITIC
-    return True
+    return _select_harts_class(critic, _VERL_FSDP_CRITIC, _HARTS_CRITIC, "critic")
 
 
 def harts_balance_batch(
