@@ -103,12 +103,13 @@ _TRANSFORMERS_DEFAULTS: dict[str, Any] = {
     "topk_group": 1,
 }
 # Keys whose default transformers' KimiLinearConfig and Moonshot's configuration_kimi.py (which
-# vLLM and SGLang copy) disagree on: (key and aliases, transformers', Moonshot's, MoE-only).
+# vLLM and SGLang copy) disagree on: (key and aliases, its _TRANSFORMERS_DEFAULTS name,
+# Moonshot's default, MoE-only).
 _DISPUTED = (
-    (("rms_norm_eps",), 1e-5, 1e-6, False),
-    (("routed_scaling_factor",), 2.446, 1.0, True),
-    (("num_shared_experts", "n_shared_experts"), 1, 0, True),
-    (("first_k_dense_replace",), 1, 0, True),
+    (("rms_norm_eps",), "rms_norm_eps", 1e-6, False),
+    (("routed_scaling_factor",), "routed_scaling_factor", 1.0, True),
+    (("num_shared_experts", "n_shared_experts"), "num_shared_experts", 0, True),
+    (("first_k_dense_replace",), "first_k_dense", 0, True),
 )
 
 
@@ -118,7 +119,7 @@ def _check_disputed_defaults(d: Mapping[str, Any], what: str) -> None:
     compute another model than the server (``first_k_dense_replace`` is not needed with
     ``mlp_layer_types``; the MoE keys not without experts)."""
     experts = any(d.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
-    for keys, hf, moonshot, moe_only in _DISPUTED:
+    for keys, default, moonshot, moe_only in _DISPUTED:
         if moe_only and not experts:
             continue
         if keys[0] == "first_k_dense_replace" and d.get("mlp_layer_types") is not None:
@@ -126,7 +127,8 @@ def _check_disputed_defaults(d: Mapping[str, Any], what: str) -> None:
         if all(d.get(k) is None for k in keys):
             raise ValueError(
                 f"{what}: {keys[0]} is missing, and its default differs between transformers "
-                f"({hf}) and Moonshot's configuration_kimi.py / vLLM ({moonshot}); set it"
+                f"({_TRANSFORMERS_DEFAULTS[default]}) and Moonshot's configuration_kimi.py / vLLM "
+                f"({moonshot}); set it"
             )
 
 
