@@ -160,7 +160,9 @@ def test_local_cpu_recipe_two_steps(tmp_path, inputs):
 @pytest.mark.skipif(sys.platform != "linux", reason="uses /proc to clean up the Ray cluster")
 def test_local_cpu_recipe_ppo_with_tree_critic(tmp_path, inputs):
     """PPO with GAE: the critic (a token classifier on the same backbone) also runs
-    ``harts_fsdp2`` (values and its update in tree mode)."""
+    ``harts_fsdp2`` (values and its update in tree mode); with a KL loss, the reference policy
+    runs the tree engine with the actor's ``harts:`` values (``harts_verl.main_ppo``), on the
+    CPU too (veRL shards it with a CPU offload policy)."""
     work = tmp_path / "w"
     out = _run_recipe(
         work,
@@ -173,6 +175,8 @@ def test_local_cpu_recipe_ppo_with_tree_critic(tmp_path, inputs):
         "critic.fsdp.model_dtype=fp32",
         "critic.optim.lr=1e-3",
         "+critic.harts={chunk_size: 8}",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.kl_loss_coef=0.01",
     )
     steps = _summary_module().parse_lines(out.splitlines())
     assert sorted(steps) == [1], out[-6000:]
@@ -181,6 +185,9 @@ def test_local_cpu_recipe_ppo_with_tree_critic(tmp_path, inputs):
         assert math.isfinite(m[key]), (key, m)
     assert m["critic/harts/fallback"] == 0.0 and m["actor/harts/fallback"] == 0.0, m
     assert m["critic/harts/compression"] > 2.0, m  # the shared agent prompt, computed once
+    # one mini-batch, the first step: the actor is the reference, so the KL is its log-prob
+    # difference (a stock reference on the CPU, HF's packed GatedDeltaNet fallback, gives ~6e-5)
+    assert abs(m["actor/kl_loss"]) < 1e-6, m
 
 
 def test_calculator_answers_only_in_vocabulary_numbers():

@@ -187,6 +187,87 @@ def test_strategy_alone_enables_harts_through_main_ppo(caplog):
         apply_harts_actor_config(mega)
 
 
+def _ref_dataclass(cfg):
+    """The reference policy's config dataclass, built as veRL's ``ActorRolloutRefWorker``
+    builds it (its ``log_prob_*`` keys renamed first)."""
+    from omegaconf import open_dict
+    from verl.utils.config import omega_conf_to_dataclass
+
+    ref = cfg.actor_rollout_ref.ref
+    with open_dict(ref):
+        ref.ppo_mini_batch_size = cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+        ref.ppo_micro_batch_size = ref.pop("log_prob_micro_batch_size", None)
+        ref.ppo_micro_batch_size_per_gpu = ref.pop("log_prob_micro_batch_size_per_gpu", None)
+        ref.use_dynamic_bsz = ref.pop("log_prob_use_dynamic_bsz", False)
+        ref.ppo_max_token_len_per_gpu = ref.pop("log_prob_max_token_len_per_gpu", None)
+    return omega_conf_to_dataclass(ref)
+
+
+def test_reference_policy_takes_the_actor_harts_section(caplog):
+    """``harts_verl.main_ppo``: a reference policy on the tree engine runs with the actor's
+    ``harts:`` values (its own ``+actor_rollout_ref.ref.harts.*`` keys win, the planner's options
+    merged key by key); a stock reference (``ref.strategy=fsdp2``) is left alone."""
+    from hydra import compose, initialize_config_module
+
+    from harts_verl.workers.config import HartsConfig, HartsFSDPActorConfig
+    from harts_verl.workers.trainer import apply_harts_actor_config, apply_harts_ref_config
+
+    def composed(*overrides: str):
+        batch = ["actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.rollout.n=4"]
+        batch += ["actor_rollout_ref.actor.use_dynamic_bsz=true"]
+        batch += ["actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true"]
+        with initialize_config_module("verl.trainer.config", version_base=None):
+            cfg = compose("ppo_trainer", overrides=[*overrides, *batch])
+        apply_harts_actor_config(cfg)
+        return cfg
+
+    actor_opts = [
+        "actor_rollout_ref.actor.strategy=harts_fsdp2",
+        "+actor_rollout_ref.actor.harts.chunk_size=16",
+        "+actor_rollout_ref.actor.harts.min_compression=1.5",
+        "+actor_rollout_ref.actor.harts.planner.restarts=3",
+        "+actor_rollout_ref.actor.harts.planner.seed=7",
+    ]
+    cfg = composed(*actor_opts)
+    assert apply_harts_ref_config(cfg)
+    assert not apply_harts_ref_config(cfg)  # idempotent
+    ref = _ref_dataclass(cfg)
+    assert isinstance(ref, HartsFSDPActorConfig) and ref.engine.strategy == "harts_fsdp2"
+    assert ref.engine.harts == ref.harts
+    assert (ref.harts.chunk_size, ref.harts.min_compression) == (16, 1.5)
+    assert ref.harts.planner == {"restarts": 3, "seed": 7}
+    # the reference's own keys win; the planner's options merge key by key
+    own = [
+        "+actor_rollout_ref.ref.harts.min_compression=2.0",
+        "+actor_rollout_ref.ref.harts.planner.seed=1",
+    ]
+    cfg = composed(*actor_opts, *own)
+    assert apply_harts_ref_config(cfg)
+    ref = _ref_dataclass(cfg)
+    assert (ref.harts.chunk_size, ref.harts.min_compression) == (16, 2.0)
+    assert ref.harts.planner == {"restarts": 3, "seed": 1}
+    # the actor's harts.enable=false makes the reference stock too
+    cfg = composed(*actor_opts, "+actor_rollout_ref.actor.harts.enable=false")
+    assert apply_harts_ref_config(cfg) and _ref_dataclass(cfg).harts.enable is False
+    # the strategy alone: the class, default values
+    cfg = composed("actor_rollout_ref.actor.strategy=harts_fsdp2")
+    assert apply_harts_ref_config(cfg)
+    assert _ref_dataclass(cfg).harts == HartsConfig()
+    # a stock reference: untouched, the actor's options are not copied
+    cfg = composed(*actor_opts, "actor_rollout_ref.ref.strategy=fsdp2")
+    assert not apply_harts_ref_config(cfg)
+    assert cfg.actor_rollout_ref.ref._target_ == "verl.workers.config.FSDPActorConfig"
+    assert "harts" not in cfg.actor_rollout_ref.ref
+    # a bad key in the reference's own section is named
+    cfg = composed(*actor_opts, "+actor_rollout_ref.ref.harts.chunk=3")
+    apply_harts_ref_config(cfg)
+    with pytest.raises(Exception, match=r"harts\.chunk: unknown key"):
+        _ref_dataclass(cfg)
+    # an explicitly chosen other class is left alone
+    cfg = composed(*actor_opts, "actor_rollout_ref.ref._target_=my.Cls")
+    assert not apply_harts_ref_config(cfg) and "harts" not in cfg.actor_rollout_ref.ref
+
+
 def test_critic_strategy_selects_the_harts_critic_config(tmp_path, caplog):
     """``critic.strategy=harts_fsdp2``: ``HartsFSDPCriticConfig`` with its ``harts:`` section on
     the engine config; a stock critic strategy is left alone."""

@@ -8,7 +8,9 @@ makes a process run veRL's engine path on CPU:
   ``current_device() -> "cpu"`` so every ``.to(get_device_id())`` stays on CPU);
 * registers veRL's stock ``FSDPEngineWithLMHead`` (and the critic's ``FSDPEngineWithValueHead``)
   for ``fsdp``/``fsdp2`` on device ``cpu`` (the parity references of our tests; FSDP2 works on
-  CPU with gloo, FSDP1 does not), and loads value models without flash attention.
+  CPU with gloo, FSDP1 does not), and loads value models without flash attention;
+* builds the FSDP2 CPU offload policy that veRL gives every forward-only engine (the reference
+  policy) without pinned memory, which needs an accelerator.
 
 Call it **before** anything imports ``verl.workers.engine`` (a few veRL modules read the device
 name at import time). It is idempotent. The ``harts_fsdp2`` engine itself registers for ``cpu``
@@ -180,6 +182,7 @@ def install_cpu_platform() -> None:
             setattr(torch.cpu, name, fn)
     _patch_process_group_backend()
     _patch_value_model_loader()
+    _patch_offload_policy()
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.engine.fsdp.transformer_impl import (
         FSDPEngineWithLMHead,
@@ -218,3 +221,23 @@ def _patch_value_model_loader() -> None:
 
     load_valuehead_model._harts_cpu = True  # type: ignore[attr-defined]
     verl_model.load_valuehead_model = load_valuehead_model
+
+
+def _patch_offload_policy() -> None:
+    """veRL's FSDP engine shards a forward-only model (the reference policy) with
+    ``CPUOffloadPolicy(pin_memory=True)``, and pinning host memory needs an accelerator
+    (``RuntimeError: Cannot access accelerator device``): on the CPU the policy is built
+    unpinned (the parameters live in host memory anyway)."""
+    from verl.workers.engine.fsdp import transformer_impl
+
+    base = transformer_impl.CPUOffloadPolicy
+    if base is None or getattr(base, "_harts_cpu", False):
+        return
+
+    class CPUOffloadPolicy(base):  # type: ignore[misc, valid-type]
+        _harts_cpu = True
+
+        def __init__(self, pin_memory: bool = True) -> None:
+            super().__init__(pin_memory=False)
+
+    transformer_impl.CPUOffloadPolicy = CPUOffloadPolicy

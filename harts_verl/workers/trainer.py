@@ -6,7 +6,9 @@ changes, all active only when ``actor_rollout_ref.actor.strategy=harts_fsdp2``:
 * the actor config class becomes ``HartsFSDPActorConfig`` (:func:`apply_harts_actor_config`),
   so the strategy is the one flag that enables HARTS and ``+actor_rollout_ref.actor.harts.*``
   options are accepted; likewise ``HartsFSDPCriticConfig`` for ``critic.strategy=harts_fsdp2``
-  (:func:`apply_harts_critic_config`, the critic's value-head engine in tree mode);
+  (:func:`apply_harts_critic_config`, the critic's value-head engine in tree mode), and a
+  reference policy that runs the tree engine gets the actor's ``harts:`` values, overridable by
+  ``+actor_rollout_ref.ref.harts.*`` (:func:`apply_harts_ref_config`);
 * ``_balance_batch`` reorders the batch with :func:`~harts_verl.workers.balance.
   tree_balanced_partition` (trees stay on one DP rank and in one actor mini-batch, compact
   work balanced per mini-batch and per rank; veRL's dispatcher then hands each rank one
@@ -35,6 +37,7 @@ from harts_verl.workers.config import STRATEGY
 __all__ = [
     "apply_harts_actor_config",
     "apply_harts_critic_config",
+    "apply_harts_ref_config",
     "harts_balance_batch",
     "is_harts_config",
     "main",
@@ -122,6 +125,51 @@ def apply_harts_critic_config(config: Any) -> bool:
     if critic is None:
         return False
     return _select_harts_class(critic, _VERL_FSDP_CRITIC, _HARTS_CRITIC, "critic")
+
+
+def apply_harts_ref_config(config: Any) -> bool:
+    """With ``actor_rollout_ref.ref.strategy=harts_fsdp2`` (veRL's default: the actor's
+    strategy) and veRL's default config class, select
+    :class:`~harts_verl.workers.config.HartsFSDPActorConfig` for the reference policy and give
+    it the actor's ``harts:`` section, with ``+actor_rollout_ref.ref.harts.*`` keys taking
+    precedence (the planner's options merged key by key): the reference's log-probs then run
+    with the settings the actor's own log-probs run with (``enable``, ``chunk_size``,
+    ``min_compression``, ``capacity_tokens``, ...). ``harts:`` options on a reference with
+    another strategy select the class too (a WARNING says they are not used); an explicitly
+    chosen other class is left alone, as are its options. Returns whether the config was
+    changed."""
+    from omegaconf import OmegaConf, open_dict
+
+    try:
+        rollout_ref = config.actor_rollout_ref
+        ref = rollout_ref.get("ref")
+    except AttributeError:
+        return False
+    if ref is None:
+        return False
+    changed = _select_harts_class(ref, _VERL_FSDP_ACTOR, _HARTS_ACTOR, "actor_rollout_ref.ref")
+    if ref.get("strategy") != STRATEGY or ref.get("_target_") != _HARTS_ACTOR:
+        return changed
+    actor = rollout_ref.get("actor")
+    inherited = actor.get("harts") if actor is not None else None
+    if inherited is None:
+        return changed
+
+    def plain(node: Any) -> Any:
+        if node is None:
+            return {}
+        return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+
+    own = plain(ref.get("harts"))
+    if not isinstance(plain(inherited), dict) or not isinstance(own, dict):
+        return changed  # not a mapping: HartsConfig names the section when it is built
+    merged = OmegaConf.merge(plain(inherited), own)
+    merged = OmegaConf.to_container(merged, resolve=True)
+    if own == merged:
+        return changed
+    with open_dict(ref):
+        ref["harts"] = merged
+    return True
 
 
 def harts_balance_batch(
@@ -290,6 +338,7 @@ def main() -> None:
     def _main(config) -> None:
         apply_harts_actor_config(config)
         apply_harts_critic_config(config)
+        apply_harts_ref_config(config)
         auto_set_device(config)
         validate_config(
             config=config,
