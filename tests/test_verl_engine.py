@@ -590,6 +590,44 @@ def test_parity_with_lora(verl_cpu, monkeypatch, kind):
         _compare(ref, fused)
 
 
+def test_lora_reference_in_actor_runs_without_adapters(verl_cpu):
+    """With LoRA, veRL computes the reference log-probs on the actor with its adapters disabled
+    (``no_lora_adapter`` -> ``engine.disable_adapter()``): tree mode honours that context and
+    matches the stock engine with and without adapters, once the adapters have moved."""
+    testing, paths = verl_cpu
+    seqs, prompt_lens, spans = _multiturn_batch(seed=5)
+    out: dict[str, dict[bool, torch.Tensor]] = {}
+    for strategy, padded in (("fsdp2", True), ("harts_fsdp2", False)):
+        harts = {"chunk_size": 8, "capacity_tokens": 48} if strategy == "harts_fsdp2" else None
+        cfg = testing.actor_config(strategy=strategy, harts=harts)
+        torch.manual_seed(1234)  # LoRA's A matrices: the same for both engines
+        engine = testing.build_engine(
+            paths["qwen3_next"], cfg, use_remove_padding=not padded, lora_rank=4
+        )
+        gen = torch.Generator().manual_seed(7)
+        with torch.no_grad():  # trained adapters: B away from its zero start
+            for name, p in engine.module.named_parameters():
+                if "lora_B" in name:
+                    local = p.to_local() if hasattr(p, "to_local") else p
+                    local.copy_(0.5 * torch.randn(local.shape, generator=gen))
+        out[strategy] = {}
+        for no_adapter in (False, True):
+            td = testing.make_batch(
+                seqs, prompt_lens, tool_spans=spans, use_remove_padding=not padded
+            )
+            with engine.eval_mode():
+                ctx = engine.disable_adapter() if no_adapter else nullcontext()
+                with ctx:
+                    out[strategy][no_adapter] = engine.infer_batch(td)["model_output"]["log_probs"]
+
+    def max_diff(a, b):  # the last position has no next token
+        return max(float((x[:-1] - y[:-1]).abs().max()) for x, y in zip(a.unbind(), b.unbind()))
+
+    for no_adapter in (False, True):
+        assert max_diff(out["fsdp2"][no_adapter], out["harts_fsdp2"][no_adapter]) <= 1e-5
+    assert max_diff(out["harts_fsdp2"][False], out["harts_fsdp2"][True]) > 1e-2
+
+
 def test_wrapped_lm_head_falls_back(verl_cpu):
     """A LoRA adapter or peft's modules_to_save copy wrapping the LM head would bypass the
     compact log-prob kernel: such a batch takes the stock path, with the reason named."""
