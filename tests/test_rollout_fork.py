@@ -343,6 +343,40 @@ def test_no_fork_is_one_trajectory(env, seq_ids):
     assert len(outs) == 1 and outs[0].extra_fields[FORK_GROUP_KEY] == ""
 
 
+@pytest.mark.parametrize(
+    ("spec", "depth", "ids"),
+    [
+        (
+            ForkSpec(turns=(0, 1), branching=2, budget=4),
+            {},
+            {"det-0/0", "det-0/1"} | {f"det-0/{i}/{i}.{j}" for i in (0, 1) for j in (0, 1)},
+        ),
+        # the prefix ends before the first fork point: the others start from the prompt
+        (
+            ForkSpec(turns=(1,), budget=3),
+            {"det-0": 0},
+            {"det-0", "det-0/prompt/1", "det-0/prompt/2"},
+        ),
+    ],
+)
+def test_full_determinism_forked_rollout_is_reproducible(env, spec, depth, ids):
+    """``rollout.full_determinism``: veRL names the root request ``det-{priority}``; the fork
+    branches' ids derive from it and their fork paths (not random), so a server that seeds a
+    request by its id samples the same tree twice, and the branches still differ."""
+    calc = calc_loop_env(n=4, prompt_length=64, response_length=96, max_turns=6)
+    calc["cfg"].actor_rollout_ref.rollout.full_determinism = True
+    env = {**env, "make": calc["make"], "cfg": calc["cfg"]}
+    runs = []
+    for _ in range(2):
+        client = env["Client"](depth=depth, default=2 if spec.turns == (0, 1) else 0)
+        outs = _tree(env, client, spec)
+        _check_tree(outs, spec.budget)
+        runs.append(([o.prompt_ids + o.response_ids for o in outs], sorted(client.calls)))
+    assert runs[0] == runs[1]
+    assert {c[0] for c in runs[0][1]} == ids
+    assert len({tuple(s) for s in runs[0][0]}) == spec.budget
+
+
 # ---------------------------------------------------------------------- fork worker + GRPO
 def _reward(response_ids):
     """Scripted reward from the branch's own tokens."""

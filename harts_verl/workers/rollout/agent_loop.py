@@ -491,7 +491,7 @@ class HartsToolAgentLoop(ToolAgentLoop):
         def spawn(total: int) -> None:
             nonlocal index
             for share in _shares(total, total if last else min(fork.branching, total)):
-                child_id = uuid4().hex
+                child_id = self._branch_request_id(point.request_id, (*path, index))
                 self.recorder.fork(point.request_id, child_id)
                 child = _copy_agent_data(
                     point,
@@ -519,6 +519,16 @@ class HartsToolAgentLoop(ToolAgentLoop):
                 task.cancel()
         return [leaf for i in sorted(leaves) for leaf in leaves[i]]
 
+    def _branch_request_id(self, parent: str, path: Path | None) -> str:
+        """The request id of a fork branch (``path``) or of the prompt snapshot (None): a fresh
+        random id, or under ``rollout.full_determinism`` (where veRL names the root request
+        ``det-{priority}``) one derived from the parent's id and the branch's fork path, so a
+        forked rollout samples the same tokens again on a server that seeds each request by its
+        id (``harts_hf``), and its branches still have ids of their own."""
+        if not self.rollout_config.full_determinism:
+            return uuid4().hex
+        return f"{parent}/{'prompt' if path is None else path_str(path)}"
+
     async def run_tree(
         self,
         sampling_params: dict[str, Any],
@@ -540,7 +550,13 @@ class HartsToolAgentLoop(ToolAgentLoop):
             leaves = await self._fork(agent_data, state, sampling_params, fork, 0, budget, ())
             return self._outputs(leaves, fork)
         prompt_state = (
-            _copy_agent_data(agent_data, uuid4().hex, "the prompt snapshot") if budget > 1 else None
+            _copy_agent_data(
+                agent_data,
+                self._branch_request_id(agent_data.request_id, None),
+                "the prompt snapshot",
+            )
+            if budget > 1
+            else None
         )
         leaves = await self._grow(
             agent_data, AgentState.PENDING, sampling_params, fork, 0, budget, ()
