@@ -362,19 +362,52 @@ def test_no_fork_is_one_trajectory(env, seq_ids):
 def test_full_determinism_forked_rollout_is_reproducible(env, spec, depth, ids):
     """``rollout.full_determinism``: veRL names the root request ``det-{priority}``; the fork
     branches' ids derive from it and their fork paths (not random), so a server that seeds a
-    request by its id samples the same tree twice, and the branches still differ."""
+    request by its id samples the same tree twice, and the branches still differ. Each branch
+    also gets a seed of its own (veRL's vLLM server seeds every request alike there), the same
+    in every run; a caller's seed is kept."""
     calc = calc_loop_env(n=4, prompt_length=64, response_length=96, max_turns=6)
     calc["cfg"].actor_rollout_ref.rollout.full_determinism = True
     env = {**env, "make": calc["make"], "cfg": calc["cfg"]}
     runs = []
     for _ in range(2):
         client = env["Client"](depth=depth, default=2 if spec.turns == (0, 1) else 0)
+        seeds: dict[str, set] = {}
+        generate = client.generate
+
+        async def recording(request_id, *, sampling_params, _gen=generate, _seeds=seeds, **kw):
+            _seeds.setdefault(request_id, set()).add(sampling_params.get("seed"))
+            return await _gen(request_id, sampling_params=sampling_params, **kw)
+
+        client.generate = recording
         outs = _tree(env, client, spec)
         _check_tree(outs, spec.budget)
-        runs.append(([o.prompt_ids + o.response_ids for o in outs], sorted(client.calls)))
+        runs.append(([o.prompt_ids + o.response_ids for o in outs], sorted(client.calls), seeds))
     assert runs[0] == runs[1]
     assert {c[0] for c in runs[0][1]} == ids
     assert len({tuple(s) for s in runs[0][0]}) == spec.budget
+    seeds = runs[0][2]
+    assert seeds.get("det-0", {None}) == {None}  # the root: the server's own seed
+    branch = {rid: s for rid, s in seeds.items() if rid != "det-0"}
+    assert all(len(s) == 1 and None not in s for s in branch.values())
+    assert len({next(iter(s)) for s in branch.values()}) == len(branch)
+    # a caller's seed wins
+    client = env["Client"](depth=depth, default=2 if spec.turns == (0, 1) else 0)
+    seen = []
+    generate = client.generate
+
+    async def recording2(request_id, *, sampling_params, **kw):
+        seen.append(sampling_params.get("seed"))
+        return await generate(request_id, sampling_params=sampling_params, **kw)
+
+    client.generate = recording2
+
+    async def main():
+        loop = env["make"](client)
+        params = {"temperature": 1.0, "seed": 5}
+        return await loop.run_tree(params, fork=spec, raw_prompt=env["raw_prompt"])
+
+    asyncio.new_event_loop().run_until_complete(main())
+    assert set(seen) == {5}
 
 
 # ---------------------------------------------------------------------- fork worker + GRPO

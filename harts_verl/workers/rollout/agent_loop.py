@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import difflib
+import hashlib
 import logging
 from collections import Counter
 from collections.abc import Sequence
@@ -377,6 +378,7 @@ class HartsToolAgentLoop(ToolAgentLoop):
     ) -> AgentState:
         """Run the state machine until it terminates or, when ``stop_at_turn`` is given, until
         it is about to generate after ``stop_at_turn`` completed assistant turns."""
+        sampling_params = self._request_sampling_params(sampling_params, agent_data)
         while state != AgentState.TERMINATED:
             if (
                 stop_at_turn is not None
@@ -499,6 +501,7 @@ class HartsToolAgentLoop(ToolAgentLoop):
                     f"fork branch {path_str((*path, index))!r} (turn boundary "
                     f"{point.assistant_turns} of request {point.request_id})",
                 )
+                child._harts_branch = True  # type: ignore[attr-defined]  # its own seed
                 task = asyncio.ensure_future(
                     self._grow(child, state, sampling_params, fork, level, share, (*path, index))
                 )
@@ -528,6 +531,25 @@ class HartsToolAgentLoop(ToolAgentLoop):
         if not self.rollout_config.full_determinism:
             return uuid4().hex
         return f"{parent}/{'prompt' if path is None else path_str(path)}"
+
+    def _request_sampling_params(
+        self, params: dict[str, Any], agent_data: AgentData
+    ) -> dict[str, Any]:
+        """The sampling parameters of ``agent_data``'s requests: the caller's ``params``, and
+        for a fork branch under ``rollout.full_determinism`` without a caller's ``seed`` a seed
+        of the branch's own, from ``rollout.seed`` and its request id. veRL's vLLM server seeds
+        every request alike there (``rollout.seed`` + replica rank), so the branches of a fork
+        point would repeat each other; with their own seeds they differ and still repeat from
+        run to run. The root request keeps the server's seed, as ``ToolAgentLoop`` has it."""
+        if (
+            not getattr(agent_data, "_harts_branch", False)
+            or not self.rollout_config.full_determinism
+            or "seed" in params
+        ):
+            return params
+        base = getattr(self.rollout_config, "seed", None) or 0
+        digest = hashlib.sha256(f"{base}/{agent_data.request_id}".encode()).digest()
+        return {**params, "seed": int.from_bytes(digest[:4], "big") & 0x7FFFFFFF}
 
     async def run_tree(
         self,
