@@ -362,11 +362,12 @@ def test_no_fork_is_one_trajectory(env, seq_ids):
 def test_full_determinism_forked_rollout_is_reproducible(env, spec, depth, ids):
     """``rollout.full_determinism``: veRL names the root request ``det-{priority}``; the fork
     branches' ids derive from it and their fork paths (not random), so a server that seeds a
-    request by its id samples the same tree twice, and the branches still differ. Each branch
-    also gets a seed of its own (veRL's vLLM server seeds every request alike there), the same
-    in every run; a caller's seed is kept."""
+    request by its id samples the same tree twice, and the branches still differ. On vLLM each
+    branch also gets a seed of its own (veRL's vLLM server seeds every request alike there),
+    the same in every run; a caller's seed is kept."""
     calc = calc_loop_env(n=4, prompt_length=64, response_length=96, max_turns=6)
     calc["cfg"].actor_rollout_ref.rollout.full_determinism = True
+    calc["cfg"].actor_rollout_ref.rollout.name = "vllm"
     env = {**env, "make": calc["make"], "cfg": calc["cfg"]}
     runs = []
     for _ in range(2):
@@ -408,6 +409,12 @@ def test_full_determinism_forked_rollout_is_reproducible(env, spec, depth, ids):
 
     asyncio.new_event_loop().run_until_complete(main())
     assert set(seen) == {5}
+    # another server (harts_hf seeds a request by its id): no seeds added
+    calc["cfg"].actor_rollout_ref.rollout.name = "harts_hf"
+    seen.clear()
+    client.calls.clear()
+    _tree(env, client, spec)
+    assert set(seen) == {None} and {c[0] for c in client.calls} == ids
 
 
 # ---------------------------------------------------------------------- fork worker + GRPO

@@ -536,14 +536,17 @@ class HartsToolAgentLoop(ToolAgentLoop):
         self, params: dict[str, Any], agent_data: AgentData
     ) -> dict[str, Any]:
         """The sampling parameters of ``agent_data``'s requests: the caller's ``params``, and
-        for a fork branch under ``rollout.full_determinism`` without a caller's ``seed`` a seed
-        of the branch's own, from ``rollout.seed`` and its request id. veRL's vLLM server seeds
-        every request alike there (``rollout.seed`` + replica rank), so the branches of a fork
-        point would repeat each other; with their own seeds they differ and still repeat from
-        run to run. The root request keeps the server's seed, as ``ToolAgentLoop`` has it."""
+        for a fork branch on vLLM (``rollout.name``) under ``rollout.full_determinism`` without
+        a caller's ``seed`` a seed of the branch's own, from ``rollout.seed`` and its request id.
+        veRL's vLLM server seeds every request alike there (``rollout.seed`` + replica rank),
+        whatever its id, so the branches of a fork point would repeat each other; with their
+        own seeds they differ and still repeat from run to run. The root request keeps the
+        server's seed, as ``ToolAgentLoop`` has it; other servers get ``params`` as they are
+        (``harts_hf`` seeds a request by its id; SGLang takes no ``seed`` key)."""
         if (
             not getattr(agent_data, "_harts_branch", False)
             or not self.rollout_config.full_determinism
+            or getattr(self.rollout_config, "name", None) != "vllm"
             or "seed" in params
         ):
             return params
