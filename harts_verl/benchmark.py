@@ -334,7 +334,7 @@ def prepare_bench(cfg: BenchConfig, inputs: BenchInputs | None = None) -> Prepar
     ]
     flops = {"expanded_flops": 0.0, "tree_flops": 0.0}
     for s, r_tokens in zip(subs, replays):
-        r = ideal_flop_ratio(shape, s, r_tokens)
+        r = ideal_flop_ratio(shape, s, r_tokens, cfg.chunk_size)
         flops["expanded_flops"] += r["expanded_flops"]
         flops["tree_flops"] += r["tree_flops"]
     ideal = flops["expanded_flops"] / flops["tree_flops"] if flops["tree_flops"] else 1.0

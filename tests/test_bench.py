@@ -561,3 +561,34 @@ def test_run_compact_tokens_count_each_microbatch_s_rows():
     assert prep.run_compact_tokens > prep.forest.num_compact_tokens
     whole = ideal_flop_ratio(model_shape(prep.mcfg), prep.forest, 0)["ideal_flop_ratio"]
     assert prep.ideal_flop_ratio < whole
+
+
+@pytest.mark.parametrize("chunk", [8, 256])
+def test_ideal_flop_ratio_counts_linear_attention_at_the_run_chunk_size(chunk):
+    """The chunkwise linear attention costs HV·(2B(K+V) + 6KV) per processed token at the run's
+    chunk size B (``--chunk-size``), in the expanded and the tree count alike; recounted here
+    from the model config, the forest, the plan and its replay."""
+    from harts_verl.benchmark import prepare_bench
+    from harts_verl.runtime.flops import model_shape
+    from harts_verl.tree.linear_plan import plan_linear_calls
+
+    prep = prepare_bench(BenchConfig(preset="tiny", scale=0.0005, chunk_size=chunk))
+    cfg = prep.mcfg
+    k, v, hv = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_num_value_heads
+    n_linear = sum(t in ("kda", "gdn") for t in cfg.layer_types)
+    assert n_linear > 0
+    lin = n_linear * hv * (2.0 * chunk * (k + v) + 6.0 * k * v)
+    shape = model_shape(cfg)
+    assert shape.linear_cost(chunk) == pytest.approx(lin, rel=1e-12)
+    groups = prep.tree.plan(prep.forest)
+    f_exp = f_tree = 0.0
+    for g in groups:
+        sub = prep.forest.subset(g)
+        lengths = sub.lengths.astype(float)
+        s, c = lengths.sum(), float(sub.num_compact_tokens)
+        replay = plan_linear_calls(sub, chunk_size=chunk).replay_tokens
+        f_exp += shape.dense_per_token * s + lin * s
+        f_exp += shape.attention_per_pair * float((lengths * (lengths + 1) / 2).sum())
+        f_tree += shape.dense_per_token * c + lin * (c + replay)
+        f_tree += shape.attention_per_pair * float((sub.depth + 1).sum())
+    assert prep.ideal_flop_ratio == pytest.approx(f_exp / f_tree, rel=1e-9)

@@ -8,8 +8,8 @@ ratio of forward counts is the ratio of forward+backward. Terms:
 * softmax attention: per (query, key) pair 2·H·(Dqk + Dv) — pairs are Σ_i L_i(L_i+1)/2 expanded
   and Σ_rows (depth + 1) in the tree;
 * chunkwise linear attention: per processed token HV·(2B(K+V) + 6KV) (intra-chunk matrices and
-  state reads/updates at chunk size B) — processed tokens are S expanded and C + replay in the
-  tree;
+  state reads/updates at the run's chunk size B) — processed tokens are S expanded and C + replay
+  in the tree;
 * short convolutions: 2·W·channels per token.
 """
 
@@ -53,11 +53,31 @@ __all__ = [
 
 @dataclass(frozen=True)
 class ModelShape:
-    """Per-token and per-pair FLOP coefficients of a model (forward)."""
+    """Per-token and per-pair FLOP coefficients of a model (forward). A token that a
+    chunkwise linear-attention kernel processes at chunk size B costs
+    ``linear_per_token + B * linear_per_chunk_token`` (:meth:`linear_cost`)."""
 
     dense_per_token: float  # row-wise matmuls incl. LM head
     attention_per_pair: float  # summed over softmax-attention layers
-    linear_per_token: float  # summed over linear-attention layers (chunk math)
+    linear_per_token: float  # summed over linear-attention layers: state reads and updates
+    linear_per_chunk_token: float = 0.0  # the same layers' intra-chunk matrices, per unit of B
+
+    def linear_cost(self, chunk_size: int) -> float:
+        """Linear-attention FLOPs per processed token at ``chunk_size`` (summed over layers)."""
+        return self.linear_per_token + chunk_size * self.linear_per_chunk_token
+
+
+def _chunk_terms(heads: int, k: int, v: int, state: float) -> np.ndarray:
+    """``[fixed, per unit of B]`` FLOPs per processed token of one chunkwise linear-attention
+    layer with ``heads`` value heads: inside the chunk q·k and p·v (2·B·(K+V)), and ``state``·K·V
+    of state reads and updates (6 with the delta rule, 4 without)."""
+    return np.array([heads * state * k * v, heads * 2.0 * (k + v)])
+
+
+def _shape(dense: float, attn: float, lin: Any) -> ModelShape:
+    """A :class:`ModelShape` from ``lin``: 0 or the summed :func:`_chunk_terms`."""
+    fixed, per_chunk = (float(x) for x in np.broadcast_to(np.asarray(lin, dtype=float), (2,)))
+    return ModelShape(float(dense), float(attn), fixed, per_chunk)
 
 
 def native_model_shape(cfg: Any) -> ModelShape:
@@ -80,8 +100,7 @@ def native_model_shape(cfg: Any) -> ModelShape:
             else:  # z (output gate), a, b
                 proj += d * hv * v + 2 * d * hv
             dense += 2.0 * proj + 2.0 * cfg.conv_size * (2 * h * k + hv * v)
-            b = cfg.chunk_size
-            lin += hv * (2.0 * b * (k + v) + 6.0 * k * v)
+            lin = lin + _chunk_terms(hv, k, v, 6.0)
         elif t == "mla":
             dense_i, attn_i = _mla_attention_layer(cfg)
             gate = 2.0 * d * cfg.num_attention_heads if cfg.mla_output_gate else 0.0
@@ -100,19 +119,19 @@ def native_model_shape(cfg: Any) -> ModelShape:
                 dense += 2.0 * (3 * d * cfg.shared_expert_intermediate_size + gate)
         else:
             dense += 2.0 * 3 * d * cfg.intermediate_size
-    return ModelShape(dense, attn, lin)
+    return _shape(dense, attn, lin)
 
 
-def _hf_gdn_layer(cfg: Any) -> tuple[float, float]:
-    """(row-wise FLOPs per token, chunkwise-kernel FLOPs per processed token) of one HF
-    GatedDeltaNet layer: q/k/v, z (output gate), a, b and output projections, depthwise q/k/v
-    convolutions, the chunk-64 delta rule."""
+def _hf_gdn_layer(cfg: Any) -> tuple[float, np.ndarray]:
+    """(row-wise FLOPs per token, chunkwise-kernel :func:`_chunk_terms` per processed token)
+    of one HF GatedDeltaNet layer: q/k/v, z (output gate), a, b and output projections,
+    depthwise q/k/v convolutions, the chunkwise delta rule."""
     d = cfg.hidden_size
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     k, v = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     proj = d * (2 * hk * k + 2 * hv * v) + d * 2 * hv + hv * v * d
     dense = 2.0 * proj + 2.0 * cfg.linear_conv_kernel_dim * (2 * hk * k + hv * v)
-    return dense, hv * (2.0 * 64 * (k + v) + 6.0 * k * v)
+    return dense, _chunk_terms(hv, k, v, 6.0)
 
 
 def _hf_attention_layer(cfg: Any, *, output_gate: bool) -> tuple[float, float]:
@@ -127,10 +146,11 @@ def _hf_attention_layer(cfg: Any, *, output_gate: bool) -> tuple[float, float]:
     return 2.0 * (d * q_out + 2 * d * hkv * hd + hq * hd * d), 2.0 * hq * 2 * hd
 
 
-def _gla_chunk_flops(heads: int, k: int, v: int) -> float:
-    """Chunk-64 gated linear attention without the delta rule, per processed token: per value
-    head q·k and p·v inside the chunk (2·64·(K+V)), state read and update (4·K·V)."""
-    return heads * (2.0 * 64 * (k + v) + 4.0 * k * v)
+def _gla_chunk_flops(heads: int, k: int, v: int) -> np.ndarray:
+    """Chunkwise gated linear attention without the delta rule, per processed token
+    (:func:`_chunk_terms`): per value head q·k and p·v inside the chunk (2·B·(K+V)), state read
+    and update (4·K·V)."""
+    return _chunk_terms(heads, k, v, 4.0)
 
 
 def _mla_attention_layer(cfg: Any) -> tuple[float, float]:
@@ -264,7 +284,7 @@ def gated_hybrid_shape(cfg: Any) -> ModelShape:
             dense_i, attn_i = _hf_attention_layer(cfg, output_gate=True)
             dense, attn = dense + dense_i, attn + attn_i
         dense += _ffn_layer(cfg, i)
-    return ModelShape(dense, attn, lin)
+    return _shape(dense, attn, lin)
 
 
 qwen3_next_shape = gated_hybrid_shape  # the name this module used first
@@ -286,7 +306,7 @@ def olmo_hybrid_shape(cfg: Any) -> ModelShape:
             dense_i, attn_i = _hf_attention_layer(cfg, output_gate=False)
             dense, attn = dense + dense_i, attn + attn_i
         dense += 2.0 * 3 * d * cfg.intermediate_size
-    return ModelShape(dense, attn, lin)
+    return _shape(dense, attn, lin)
 
 
 def full_attention_shape(cfg: Any) -> ModelShape:
@@ -306,10 +326,10 @@ def full_attention_shape(cfg: Any) -> ModelShape:
     return ModelShape(dense, attn, 0.0)
 
 
-def _mamba2_mixer(cfg: Any) -> tuple[float, float]:
-    """(row-wise FLOPs per token, SSD-kernel FLOPs per processed token) of one HF Mamba-2 mixer
+def _mamba2_mixer(cfg: Any) -> tuple[float, np.ndarray]:
+    """(row-wise FLOPs per token, SSD-kernel FLOPs per processed token, :func:`_chunk_terms`) of one HF Mamba-2 mixer
     (Granite 4.0-H / Bamba ``mamba_*`` fields, Nemotron-H's ``mamba_num_heads`` …):
-    ``in_proj`` (gate, x, B, C, dt), the depthwise conv over x|B|C, ``out_proj``; the chunk-64
+    ``in_proj`` (gate, x, B, C, dt), the depthwise conv over x|B|C, ``out_proj``; the chunkwise
     gated linear attention (per head: q·k and p·x inside the chunk, state read and update)."""
     d = cfg.hidden_size
     if cfg.model_type == "nemotron_h":
@@ -362,7 +382,7 @@ def mamba2_hybrid_shape(cfg: Any) -> ModelShape:
         dense_a, attn_a = _hf_attention_layer(cfg, output_gate=False)
         n = cfg.num_hidden_layers
         mlp = 2.0 * 3 * d * cfg.intermediate_size
-        return ModelShape(dense + n * (dense_m + dense_a + mlp), n * attn_a, n * lin_m)
+        return _shape(dense + n * (dense_m + dense_a + mlp), n * attn_a, n * lin_m)
     for t in cfg.layers_block_type:
         if t in ("mamba", "hybrid"):
             dense_i, lin_i = _mamba2_mixer(cfg)
@@ -391,7 +411,7 @@ def mamba2_hybrid_shape(cfg: Any) -> ModelShape:
                 dense += 2.0 * (d * cfg.num_local_experts + experts)
         elif cfg.model_type == "bamba":
             dense += 2.0 * 3 * d * cfg.intermediate_size
-    return ModelShape(dense, attn, lin)
+    return _shape(dense, attn, lin)
 
 
 def _lfm2_mlp_width(cfg: Any) -> int:
@@ -435,7 +455,7 @@ def conv_hybrid_shape(cfg: Any) -> ModelShape:
 def lightning_hybrid_shape(cfg: Any) -> ModelShape:
     """Coefficients of a transformers lightning-attention hybrid (``minimax``: MiniMax-Text-01 /
     MiniMax-M1) from ``config.layer_types``: lightning layers (q|k|v, output-gate and output
-    projections; the chunk-64 linear attention without the delta rule: per head q·k and p·v
+    projections; the chunkwise linear attention without the delta rule: per head q·k and p·v
     inside the chunk, state read and update) and GQA attention; a router and top-k gated experts
     ``intermediate_size`` wide in every layer; the LM head."""
     d = cfg.hidden_size
@@ -445,7 +465,7 @@ def lightning_hybrid_shape(cfg: Any) -> ModelShape:
     for t in cfg.layer_types:
         if t == "linear_attention":
             dense += 2.0 * (d * 3 * h * hd + d * h * hd + h * hd * d)
-            lin += _gla_chunk_flops(h, hd, hd)
+            lin = lin + _gla_chunk_flops(h, hd, hd)
         elif t == "full_attention":
             dense_i, attn_i = _hf_attention_layer(cfg, output_gate=False)
             dense, attn = dense + dense_i, attn + attn_i
@@ -453,14 +473,14 @@ def lightning_hybrid_shape(cfg: Any) -> ModelShape:
             raise ValueError(f"model_shape: unknown {cfg.model_type} layer type {t!r}")
         experts = 3 * d * cfg.intermediate_size * cfg.num_experts_per_tok
         dense += 2.0 * (d * cfg.num_local_experts + experts)
-    return ModelShape(dense, attn, lin)
+    return _shape(dense, attn, lin)
 
 
-def _mamba1_mixer(cfg: Any) -> tuple[float, float]:
-    """(row-wise FLOPs per token, selective-scan FLOPs per processed token) of one HF Mamba-1
+def _mamba1_mixer(cfg: Any) -> tuple[float, np.ndarray]:
+    """(row-wise FLOPs per token, selective-scan FLOPs per processed token, :func:`_chunk_terms`) of one HF Mamba-1
     mixer (Jamba's ``mamba_*`` fields; Mamba / Falcon-Mamba's ``expand``, ``state_size`` …):
     ``in_proj`` (x, gate), the depthwise conv of x, ``x_proj`` (dt, B, C), ``dt_proj``,
-    ``out_proj``; the scan as chunk-64 linear attention with one value head per channel and the
+    ``out_proj``; the scan as chunkwise linear attention with one value head per channel and the
     state entries as keys (per channel q·k and p·x inside the chunk, state read and update)."""
     d = cfg.hidden_size
     if cfg.model_type == "jamba":
@@ -480,13 +500,13 @@ def ssm_shape(cfg: Any) -> ModelShape:
     mixer = _mamba2_mixer if cfg.model_type == "mamba2" else _mamba1_mixer
     dense, lin = mixer(cfg)
     n = cfg.num_hidden_layers
-    return ModelShape(2.0 * cfg.hidden_size * cfg.vocab_size + n * dense, 0.0, n * lin)
+    return _shape(2.0 * cfg.hidden_size * cfg.vocab_size + n * dense, 0.0, n * lin)
 
 
 def mamba1_hybrid_shape(cfg: Any) -> ModelShape:
     """Coefficients of a transformers Mamba-1 hybrid (``jamba``) from
     ``config.layers_block_type``: Mamba-1 mixers (``in_proj`` to x and gate, the depthwise conv
-    of x, ``x_proj`` to dt / B / C, ``dt_proj``, ``out_proj``; the selective scan as chunk-64
+    of x, ``x_proj`` to dt / B / C, ``dt_proj``, ``out_proj``; the selective scan as chunkwise
     linear attention, one value head per channel with the state entries as keys: per channel
     q·k and p·x inside the chunk, state read and update) and GQA attention; in the layers of
     ``config.layers_num_experts`` > 1 a router and top-k gated experts ``intermediate_size``
@@ -507,14 +527,14 @@ def mamba1_hybrid_shape(cfg: Any) -> ModelShape:
             dense += 2.0 * (d * experts + routed)
         else:
             dense += 2.0 * 3 * d * cfg.intermediate_size
-    return ModelShape(dense, attn, lin)
+    return _shape(dense, attn, lin)
 
 
 def recurrent_gemma_shape(cfg: Any) -> ModelShape:
     """Coefficients of a transformers RecurrentGemma (``recurrent_gemma``) from
     ``config.layers_block_type``: recurrent blocks (``linear_y``, ``linear_x``, the depthwise
     ``conv1d_width``-token conv, the RG-LRU's block-diagonal input and recurrence gates,
-    ``linear_out``; the scan as chunk-64 linear attention with one one-entry head per channel)
+    ``linear_out``; the scan as chunkwise linear attention with one one-entry head per channel)
     and local MQA / GQA attention (pairs counted as for full attention: the window is not
     modelled, as for other sliding-window layers); per layer a gated MLP
     ``intermediate_size // 2`` wide; the LM head."""
@@ -524,14 +544,14 @@ def recurrent_gemma_shape(cfg: Any) -> ModelShape:
     for t in cfg.layers_block_type:
         if t == "recurrent":
             dense += 2.0 * (3 * d * w + 2 * w * block) + 2.0 * cfg.conv1d_width * w
-            lin += _gla_chunk_flops(w, 1, 1)
+            lin = lin + _gla_chunk_flops(w, 1, 1)
         elif t == "attention":
             dense_i, attn_i = _hf_attention_layer(cfg, output_gate=False)
             dense, attn = dense + dense_i, attn + attn_i
         else:
             raise ValueError(f"model_shape: unknown {cfg.model_type} layer type {t!r}")
         dense += 2.0 * 3 * d * (cfg.intermediate_size // 2)
-    return ModelShape(dense, attn, lin)
+    return _shape(dense, attn, lin)
 
 
 _GATED_HYBRID_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
@@ -595,26 +615,33 @@ def model_shape(cfg: Any) -> ModelShape:
 
 
 def forward_flops(
-    shape: ModelShape, tokens: float, attention_pairs: float, linear_tokens: float
+    shape: ModelShape,
+    tokens: float,
+    attention_pairs: float,
+    linear_tokens: float,
+    chunk_size: int = 64,
 ) -> float:
+    """Forward FLOPs of ``tokens`` row-wise tokens, ``attention_pairs`` (query, key) pairs
+    and ``linear_tokens`` tokens through the chunkwise linear attention at ``chunk_size``."""
     return (
         shape.dense_per_token * tokens
         + shape.attention_per_pair * attention_pairs
-        + shape.linear_per_token * linear_tokens
+        + shape.linear_cost(chunk_size) * linear_tokens
     )
 
 
 def ideal_flop_ratio(
-    shape: ModelShape, forest: RolloutForest, replay_tokens: int
+    shape: ModelShape, forest: RolloutForest, replay_tokens: int, chunk_size: int = 64
 ) -> dict[str, float]:
-    """Expanded and tree forward FLOPs of ``forest`` and their ratio (``ideal_flop_ratio``)."""
+    """Expanded and tree forward FLOPs of ``forest`` and their ratio (``ideal_flop_ratio``),
+    the linear attention of both at the run's ``chunk_size`` (``TreeRunner``'s default 64)."""
     lengths = forest.lengths.astype(np.float64)
     s = float(lengths.sum())
     c = float(forest.num_compact_tokens)
     pairs_exp = float((lengths * (lengths + 1) / 2).sum())
     pairs_tree = float((forest.depth.astype(np.float64) + 1).sum())
-    f_exp = forward_flops(shape, s, pairs_exp, s)
-    f_tree = forward_flops(shape, c, pairs_tree, c + replay_tokens)
+    f_exp = forward_flops(shape, s, pairs_exp, s, chunk_size)
+    f_tree = forward_flops(shape, c, pairs_tree, c + replay_tokens, chunk_size)
     return {
         "expanded_flops": f_exp,
         "tree_flops": f_tree,

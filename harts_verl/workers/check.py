@@ -238,7 +238,7 @@ def _flop_ratio(model: Any, seqs: list[list[int]], chunk_size: int) -> float | N
     if shape.linear_per_token:
         layout = TreeLayout(forest, chunk_size=chunk_size, device="cpu")
         replay = int(layout.linear_plan.plan.replay_tokens)
-    return float(ideal_flop_ratio(shape, forest, replay)["ideal_flop_ratio"])
+    return float(ideal_flop_ratio(shape, forest, replay, chunk_size)["ideal_flop_ratio"])
 
 
 def _layer_outputs(runner: Any, model: Any, seqs: list[list[int]]) -> list[list[torch.Tensor]]:
