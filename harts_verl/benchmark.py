@@ -220,8 +220,19 @@ def _check_config(cfg: BenchConfig) -> tuple[torch.device, str | None]:
         device = torch.device(cfg.device)
     except (RuntimeError, TypeError) as exc:
         raise ValueError(f"device: {cfg.device!r} is not a torch device ({exc})") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: expected cpu or cuda[:N], got {cfg.device!r}")
+    if device.type == "cpu" and device.index not in (None, 0):
+        raise ValueError(f"device: {cfg.device!r}: the CPU has one device, cpu (or cpu:0)")
+    if device.type == "cpu":
+        device = torch.device("cpu")  # cpu:0 is cpu: tensors report device "cpu"
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device: {cfg.device!r}, but CUDA is not available")
+    if device.type == "cuda" and device.index is not None:
+        if device.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device: {cfg.device!r}, but there are {torch.cuda.device_count()} CUDA devices"
+            )
     return device, plot
 
 
@@ -271,20 +282,44 @@ def load_bench_inputs(cfg: BenchConfig) -> BenchInputs:
     ``max_semantic_tokens:``, ``capacity_tokens:``, ``workload_overrides:`` (a generator option
     it does not know or cannot use), ``plot:`` (:func:`plot_path`), ``device:``, ``preset:``,
     ``model:`` (:func:`harts_verl.workers.check.load_tree_model`: missing or unreadable files,
-    a model type without a tree mode, checked before the model is built)) before any model or
-    workload is built for the settings checked up front."""
+    a model type without a tree mode, checked before the model is built; then a model whose
+    token mixers have no tree mode, a vocabulary too small for the workload, or a
+    length-dependent RoPE whose exact range the workload's longest trajectory exceeds)) before
+    any model or workload is built for the settings checked up front; ``device:`` is ``cpu``
+    (``cpu:0``) or an existing ``cuda[:N]``."""
+    from harts_verl.models.adapter import as_tree_model, check_rope_lengths
+
     device, plot = _check_config(cfg)
     dtype = DTYPES[cfg.dtype]
     model, mcfg, model_type = bench_model(cfg, dtype, device)
+    try:
+        as_tree_model(model)  # one the runners can run (its token mixers have a tree mode)
+    except (ValueError, TypeError) as exc:
+        raise _named("model", exc) from exc
     vocab_size = getattr(mcfg, "vocab_size", None) or mcfg.get_text_config().vocab_size
     try:
         w = WORKLOADS[cfg.workload](
             scale=cfg.scale, seed=cfg.seed, vocab_size=vocab_size, **workload_options(cfg)
         )
-    except (ValueError, TypeError) as exc:  # scale and seed are checked: the overrides
-        raise ValueError(f"workload_overrides: {exc}") from exc
+    except (ValueError, TypeError) as exc:  # scale and seed are checked: the overrides, or
+        # a vocabulary (the model's) too small for the workload
+        field = "model" if str(exc).startswith("vocab_size") else "workload_overrides"
+        raise _named(field, exc) from exc
     idx = _select(w.sequences, w.group_ids, cfg.max_semantic_tokens)
-    return BenchInputs(device, plot, model, mcfg, model_type, [w.sequences[i] for i in idx])
+    seqs = [w.sequences[i] for i in idx]
+    try:  # dynamic / longrope scaling: tree mode is exact only below the original context
+        check_rope_lengths(model, max((len(t) for t in seqs), default=0))
+    except NotImplementedError as exc:
+        raise ValueError(
+            f"model: {exc} (this workload's; choose a smaller --scale or path caps)"
+        ) from exc
+    return BenchInputs(device, plot, model, mcfg, model_type, seqs)
+
+
+def _named(field: str, exc: BaseException) -> ValueError:
+    """``exc`` as a ValueError whose message starts with ``field:`` (once)."""
+    msg = str(exc) or type(exc).__name__
+    return ValueError(msg if msg.startswith(field + ":") else f"{field}: {msg}")
 
 
 def prepare_bench(cfg: BenchConfig, inputs: BenchInputs | None = None) -> PreparedBench:

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import logging
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -376,6 +377,8 @@ def test_cli_input_errors_are_one_line(tmp_path, capsys, monkeypatch):
     for argv, msg in [
         (["bench", "--device", "foo"], "--device: 'foo' is not a torch device"),
         (["bench", "--device", "nocuda:0"], "--device:"),
+        (["bench", "--device", "meta"], "--device: expected cpu or cuda[:N], got 'meta'"),
+        (["bench", "--device", "cpu:1"], "--device: 'cpu:1': the CPU has one device"),
         (["bench", "--workload-option", "=5"], "--workload-option: expected KEY=VALUE"),
         (["bench", "--workload-option", "a=1", "--workload-option", "a=2"], "given twice"),
         (["bench", "--workload-option", "vocab_size=3"], "--workload-option: vocab_size"),
@@ -394,6 +397,41 @@ def test_cli_input_errors_are_one_line(tmp_path, capsys, monkeypatch):
         capsys, ["bench", "--model", "nofile.json"], "harts-verl bench", "--model"
     )
     assert "model: config" not in line.replace("--model: config", "")  # no doubled prefix
+
+
+def test_models_the_runners_cannot_run_are_input_errors(tmp_path, capsys, monkeypatch):
+    """Found once the model is built, before anything is measured (exit status 2, one line
+    naming ``--model``): no layer with a tree mode, a vocabulary too small for the workload, a
+    length-dependent RoPE (``dynamic``) whose exact range the workload's trajectories exceed."""
+    import harts_verl.benchmark as bench
+    from harts_verl.workers.testing import tiny_hf_config
+
+    monkeypatch.delenv("HARTS_VERL_DEBUG", raising=False)
+    monkeypatch.setattr(bench, "prepare_bench", lambda *a: pytest.fail("prepared"))
+    llama = {**tiny_hf_config("llama").to_dict(), "bos_token_id": None, "eos_token_id": None}
+    llama["pad_token_id"] = None  # transformers warns of special ids beyond a tiny vocabulary
+    configs = {
+        "layers0": {**llama, "num_hidden_layers": 0},
+        "vocab1": {**llama, "vocab_size": 1},
+        "vocab2": {**llama, "vocab_size": 2},
+        "dynamic": {
+            **llama,
+            "max_position_embeddings": 16,
+            "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+        },
+    }
+    for name, c in configs.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(c))
+    small = ["--scale", "0.0002", "--repeats", "1", "--no-progress"]
+    for name, msg in [
+        ("layers0", "--model: LlamaForCausalLM has no supported token mixer"),
+        ("vocab1", "--model: vocab_size: expected >= 2, got 1"),
+        ("vocab2", "--model: vocab_size: 2 ids cannot give"),
+        ("dynamic", "--model: rope_type 'dynamic': .* exact only up to 15 tokens"),
+    ]:
+        argv = ["bench", *small, "--model", str(tmp_path / f"{name}.json")]
+        line = _one_line_error(capsys, argv, "harts-verl bench", "--model")
+        assert re.search(msg, line), (name, line)
 
 
 def test_cli_capacity_field_is_named_as_the_flag(capsys, monkeypatch):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+import types
 from functools import partial
 
 import numpy as np
@@ -345,6 +346,13 @@ def test_check_input_errors(tmp_path, capsys, monkeypatch):
     torch.save([[1, 2, 3], [1, -5]], tmp_path / "neg.pt")
     torch.save([[1.0, 2.0]], tmp_path / "floats.pt")
     np.savez(tmp_path / "other.npz", a=np.arange(3))
+    torch.save([np.array([1, 2**63], dtype=np.uint64)], tmp_path / "huge.pt")
+    # a pickle of a class whose module is gone when the file is read
+    fake = types.ModuleType("harts_check_fake_module")
+    fake.Gone = type("Gone", (), {"__module__": fake.__name__})
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    torch.save([fake.Gone()], tmp_path / "gone.pt")
+    monkeypatch.delitem(sys.modules, fake.__name__)
 
     real_load = hf.load_causal_lm
     monkeypatch.setattr(hf, "load_causal_lm", lambda *a, **k: pytest.fail("model built"))
@@ -371,6 +379,8 @@ def test_check_input_errors(tmp_path, capsys, monkeypatch):
         ("neg.pt", "negative token id -5"),
         ("floats.pt", "integer token ids"),
         ("other.npz", "other.npz: not a forest file"),
+        ("huge.pt", "token id 9223372036854775808 is beyond int64"),
+        ("gone.pt", "gone.pt: not a torch.save file or a forest .npz (ModuleNotFoundError"),
     ]:
         # a malformed batch file is refused before any weights are loaded
         built: list[int] = []

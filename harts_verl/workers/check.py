@@ -41,7 +41,13 @@ import numpy as np
 import torch
 
 from harts_verl.ops.layout import check_chunk_size
-from harts_verl.tree._checks import SEED_MAX, check_int, finite_float_arg, int_arg
+from harts_verl.tree._checks import (
+    INT64_MAX,
+    SEED_MAX,
+    check_int,
+    finite_float_arg,
+    int_arg,
+)
 
 
 def _library_errors(*names: str) -> tuple[type[BaseException], ...]:
@@ -113,7 +119,10 @@ def load_sequences(path: str) -> list[list[int]]:
             raise ValueError(f"{path}: is a directory, expected a batch file (.pt or .npz)")
         try:
             obj = torch.load(path, map_location="cpu", weights_only=False)
-        except (pickle.UnpicklingError, EOFError, RuntimeError, ValueError) as exc:
+        except OSError:  # cannot be read (permissions, ...): named as it is
+            raise
+        except Exception as exc:  # a pickle can fail in any way (a missing module or class,
+            # a failing __reduce__, ...): the file is not a batch we can read
             raise ValueError(
                 f"{path}: not a torch.save file or a forest .npz ({type(exc).__name__}: {exc})"
             ) from exc
@@ -195,6 +204,11 @@ def _sequences_of(obj: Any, path: str) -> list[list[int]]:
             raise ValueError(
                 f"{path}: trajectory {i}: expected a 1-D sequence of integer token ids, got "
                 f"dtype {a.dtype} shape {a.shape}"
+            )
+        if a.size and a.dtype.kind == "u" and int(a.max()) > INT64_MAX:
+            raise ValueError(
+                f"{path}: trajectory {i}: token id {int(a.max())} is beyond int64 (outside "
+                "any vocabulary)"
             )
         seqs.append(a.astype(np.int64).tolist())
     return seqs
