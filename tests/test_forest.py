@@ -573,3 +573,8 @@ def test_check_vocabulary_names_the_trajectory_and_checks_its_argument():
     for bad in (None, 3.5, True, 0, "8"):
         with pytest.raises(ValueError, match="vocab_size: expected an int >= 1"):
             f.check_vocabulary(bad)
+
+
+def test_from_turns_refuses_a_non_iterable():
+    with pytest.raises(TypeError, match="turns: expected an iterable of turns, got NoneType"):
+        RolloutForest.from_turns(None)

@@ -423,6 +423,18 @@ def test_placement_sorted_slots_and_lpt():
         assert len(set(replica[slot == s].tolist())) == (slot == s).sum()
 
 
+def test_placement_and_partition_works_refuse_bad_arguments():
+    """uint64 works past int64 are refused (they would wrap negative and sort last); a
+    ``parts`` that is no sequence is named."""
+    with pytest.raises(ValueError, match=r"works: expected .* < 2\*\*63"):
+        place_microbatches(np.array([5, 2**63 + 1], dtype=np.uint64), 1)
+    slot, _, _ = place_microbatches(np.array([5, 2**63 - 1], dtype=np.uint64), 1)
+    assert slot.tolist() == [1, 0]  # the larger work first
+    f = RolloutForest.from_sequences([[1, 2], [1, 3]])
+    with pytest.raises(TypeError, match="parts: expected a sequence of index arrays, got int"):
+        partition_works(f, 5)
+
+
 def test_slot_imbalance_definition():
     f = _disjoint(4, 5)
     plan = plan_microbatches(f, capacity_tokens=5, dp_size=4)

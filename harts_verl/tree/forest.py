@@ -288,6 +288,8 @@ class RolloutForest:
         lead to a root (a cycle, e.g. a turn that is its own parent, whether or not other turns
         hang off it): every turn must be reached from a turn without parent.
         """
+        if not hasattr(turns, "__iter__"):
+            raise TypeError(f"turns: expected an iterable of turns, got {type(turns).__name__}")
         records = [_as_turn(t, i) for i, t in enumerate(turns)]
         index: dict[Any, int] = {}
         for i, t in enumerate(records):

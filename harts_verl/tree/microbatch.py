@@ -96,8 +96,8 @@ from typing import Any
 
 import numpy as np
 
+from harts_verl.tree._checks import INT64_MAX, holds_bool
 from harts_verl.tree._checks import check_int as _check_int
-from harts_verl.tree._checks import holds_bool
 from harts_verl.tree._rangemin import RangeMin
 from harts_verl.tree.forest import RolloutForest
 
@@ -1410,8 +1410,12 @@ def place_microbatches(works: np.ndarray, dp_size: int) -> tuple[np.ndarray, np.
     ``works`` that are not a 1-D array of non-negative integers."""
     _check_int("dp_size", dp_size, 1, MAX_DP_SIZE)
     raw = np.asarray(works)
-    if raw.ndim != 1 or (raw.size and (raw.dtype.kind not in "iu" or int(raw.min()) < 0)):
-        raise ValueError("works: expected a 1-D array of non-negative integer works")
+    if (
+        raw.ndim != 1
+        or (raw.size and (raw.dtype.kind not in "iu" or int(raw.min()) < 0))
+        or (raw.size and int(raw.max()) > INT64_MAX)
+    ):
+        raise ValueError("works: expected a 1-D array of non-negative integer works < 2**63")
     works = raw.astype(np.int64, copy=False)
     k = works.shape[0]
     num_slots = -(-k // dp_size) if k else 0
@@ -2054,6 +2058,8 @@ def partition_works(
     ValueError naming ``parts[i]`` for an index array that is not 1-D integer or out of range."""
     _check_forest(forest)
     n = forest.num_trajectories
+    if isinstance(parts, str | bytes) or not hasattr(parts, "__iter__"):
+        raise TypeError(f"parts: expected a sequence of index arrays, got {type(parts).__name__}")
     return _partition_works(forest, [_indices(f"parts[{i}]", p, n) for i, p in enumerate(parts)])
 
 
