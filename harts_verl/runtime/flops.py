@@ -327,8 +327,9 @@ def full_attention_shape(cfg: Any) -> ModelShape:
 
 
 def _mamba2_mixer(cfg: Any) -> tuple[float, np.ndarray]:
-    """(row-wise FLOPs per token, SSD-kernel FLOPs per processed token, :func:`_chunk_terms`) of one HF Mamba-2 mixer
-    (Granite 4.0-H / Bamba ``mamba_*`` fields, Nemotron-H's ``mamba_num_heads`` …):
+    """(row-wise FLOPs per token, SSD-kernel FLOPs per processed token as :func:`_chunk_terms`)
+    of one HF Mamba-2 mixer (Granite 4.0-H / Bamba ``mamba_*`` fields, Nemotron-H's
+    ``mamba_num_heads`` …):
     ``in_proj`` (gate, x, B, C, dt), the depthwise conv over x|B|C, ``out_proj``; the chunkwise
     gated linear attention (per head: q·k and p·x inside the chunk, state read and update)."""
     d = cfg.hidden_size
@@ -477,8 +478,9 @@ def lightning_hybrid_shape(cfg: Any) -> ModelShape:
 
 
 def _mamba1_mixer(cfg: Any) -> tuple[float, np.ndarray]:
-    """(row-wise FLOPs per token, selective-scan FLOPs per processed token, :func:`_chunk_terms`) of one HF Mamba-1
-    mixer (Jamba's ``mamba_*`` fields; Mamba / Falcon-Mamba's ``expand``, ``state_size`` …):
+    """(row-wise FLOPs per token, selective-scan FLOPs per processed token as
+    :func:`_chunk_terms`) of one HF Mamba-1 mixer (Jamba's ``mamba_*`` fields; Mamba /
+    Falcon-Mamba's ``expand``, ``state_size`` …):
     ``in_proj`` (x, gate), the depthwise conv of x, ``x_proj`` (dt, B, C), ``dt_proj``,
     ``out_proj``; the scan as chunkwise linear attention with one value head per channel and the
     state entries as keys (per channel q·k and p·x inside the chunk, state read and update)."""
