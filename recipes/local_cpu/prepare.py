@@ -1,7 +1,8 @@
 """Write the local CPU recipe's inputs into a directory: a tiny Qwen3-Next (hybrid: gated
 DeltaNet + gated attention, built from a config in code) with the word-level tokenizer of the
 bundled calculator task, and train/val parquet files (a few dozen tasks with the agent prompt:
-tool documentation and worked examples, 288 tokens, the same for every task).
+tool documentation and worked examples, 280 tokens, the same for every task; 288 with the
+question and the generation prompt).
 
 The model is warm-started with a short supervised fine-tuning on the task's tool-call format
 (:func:`warm_start`: 16 AdamW steps on correct rollouts of random tasks, about 10 s on one CPU

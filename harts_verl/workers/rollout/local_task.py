@@ -13,8 +13,9 @@ A toy "calculator world" small enough for a randomly initialised tiny model:
   ``answer <result>``;
 * an agent prompt (``make_tasks(..., prompt="agent")``, the local recipe's): a system prompt
   with the tool's documentation and schema (:data:`AGENT_SYSTEM_PROMPT`) and worked examples of
-  the tool-call format as chat turns (:data:`FEW_SHOT`), identical for every task (288
-  tokens); the vocabulary contains every word of it;
+  the tool-call format as chat turns (:data:`FEW_SHOT`), identical for every task (280
+  tokens; 288 with the task's question and the generation prompt); the vocabulary contains
+  every word of it;
 * supervised warm-start sequences in that format (:func:`sft_examples`: prompt + the correct
   call, tool answer and final answer, with the mask of the model-generated tokens).
 
