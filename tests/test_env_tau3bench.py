@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,92 @@ def test_task_validation_names_the_field():
         tau.TauTask.from_dict({**ok, "user_script": "hello"})
     with pytest.raises(ValueError, match="domain"):
         tau.get_domain("no_such_domain")
+    # each bad field is named with the task; nothing is coerced or silently dropped
+    for bad, msg in [
+        ({**ok, "task_id": ""}, "task_id: expected a non-empty string"),
+        ({**ok, "task_id": None}, "task_id: expected a non-empty string"),
+        ({**ok, "instruction": None}, "task 't': instruction: expected a string"),
+        ({**ok, "output": ["x"]}, "task 't': output: unknown key"),
+        ({**ok, "actions": [{"name": "x", "args": {}}]}, r"task 't': actions\[0\]\.args"),
+        (
+            {**ok, "actions": [{"name": "x", "requestor": "robot"}]},
+            r"actions\[0\]\.requestor: expected 'assistant' or 'user'",
+        ),
+        ({**ok, "reward_basis": ["DB", "VIBES"]}, "task 't': reward_basis"),
+        ({**ok, "reward_basis": []}, "task 't': reward_basis"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            tau.TauTask.from_dict(bad)
+    assert tau.TauTask.from_dict({**ok, "task_id": 7}).task_id == "7"
+    assert tau.TauTask.from_dict(ok).reward_basis == ("DB", "COMMUNICATE")
+
+
+def _fixture_copy(tmp_path, edit) -> tau.FixtureDomain:
+    """The bundled fixture domain with its tasks.json rewritten by ``edit(tasks)``."""
+    import shutil
+
+    src = os.path.join(tau.FIXTURES, tau.FIXTURE_DOMAIN)
+    dst = tmp_path / "dom"
+    shutil.copytree(src, dst)
+    tasks = json.loads((dst / "tasks.json").read_text())
+    (dst / "tasks.json").write_text(json.dumps(edit(tasks)))
+    return tau.FixtureDomain(str(dst))
+
+
+def test_fixture_tasks_are_checked_and_scored_by_their_reward_basis(dom, tmp_path):
+    """Duplicate task ids and broken tasks are named with their place in tasks.json; a
+    reference the domain refuses is an error, not a certified database; ``reward_basis``
+    selects the components; required outputs match with commas removed (τ²'s check)."""
+    with pytest.raises(ValueError, match=r"tasks\.json\[3\]: duplicate task_id 'cancel_pending'"):
+        _fixture_copy(tmp_path / "a", lambda t: [*t, t[0]])
+    with pytest.raises(ValueError, match=r"tasks\.json\[0\]: task 'cancel_pending': output"):
+        _fixture_copy(tmp_path / "b", lambda t: [{**t[0], "output": ["x"]}, *t[1:]])
+
+    def broken(tasks):
+        t = dict(tasks[0])
+        t["actions"] = [{**t["actions"][-1], "name": "cancel_pendng_order"}]
+        return [t, *tasks[1:]]
+
+    d = _fixture_copy(tmp_path / "c", broken)
+    with pytest.raises(ValueError, match=r"task 'cancel_pending': reference actions\[0\]"):
+        tau.score(d, "cancel_pending", [])
+
+    def basis(kind):
+        def edit(tasks):
+            out = []
+            for t in tasks:
+                if t["task_id"] == "refuse_delivered":
+                    t = {**t, "reward_basis": kind, "outputs": ["1000"]}
+                out.append(t)
+            return out
+
+        return edit
+
+    reads = [{"name": "get_order_details", "arguments": {"order_id": "#W1002"}}]
+    d = _fixture_copy(tmp_path / "db", basis(["DB"]))  # outputs do not gate the reward
+    assert tau.score(d, "refuse_delivered", reads, "sorry")["score"] == 1.0
+    d = _fixture_copy(tmp_path / "com", basis(["COMMUNICATE"]))  # the database does not
+    assert tau.score(d, "refuse_delivered", [CANCEL], "The refund is $1,000.")["score"] == 1.0
+    assert tau.score(d, "refuse_delivered", [CANCEL], "The refund is $100.")["score"] == 0.0
+    d = _fixture_copy(tmp_path / "nl", basis(["NL_ASSERTION"]))
+    with pytest.raises(ValueError, match="has no component this reward computes"):
+        tau.score(d, "refuse_delivered", reads, "sorry")
+
+
+def test_agent_text_is_what_the_agent_said():
+    """Reasoning and the drop markers' blocks (tool calls) are left out; an open block runs to
+    the end of its turn."""
+    from harts_verl.workers.envs import testing
+    from harts_verl.workers.envs.tau_agent import agent_text
+
+    tok = testing.byte_tokenizer()
+    said = "<think>the order is delivered</think>Sorry, I can't. <tool_call>{}</tool_call>ok"
+    ids = tok.encode(said + "<think>still thinking", add_special_tokens=False)
+    text = agent_text(tok, ids, [1] * len(ids), (("<tool_call>", "</tool_call>"),))
+    assert text == "Sorry, I can't. ok"
+    assert (
+        tau.strip_thinking("a<think>b") == "a" and tau.strip_thinking("a</think>b") == "a</think>b"
+    )
 
 
 def test_reference_actions_score_one_wrong_actions_zero(dom):
@@ -175,6 +262,20 @@ def test_users_scripted_and_llm(dom, monkeypatch):
     assert llm.reply(task, [{"role": "assistant", "content": "Hi!"}]) == "Cancel #W1001 please."
     assert llm.reply(task, [{"role": "assistant", "content": "Done."}]) is None
     assert sent[0][0] == "http://sim:8000/v1/chat/completions" and sent[0][1]["model"] == "u"
+    assert "seed" not in sent[0][1]
+    # a reasoning simulator: its thinking is not its message (nor a stop); no text is an error
+    cfg = {"kind": "llm", "base_url": "http://sim:8000/v1", "model": "u", "seed": 3}
+    cfg["extra_body"] = {"chat_template_kwargs": {"enable_thinking": False}}
+    llm = tau.make_user(cfg)
+    replies = iter(["<think>say ###STOP### later</think>Where is my order?", None, "<think>hm"])
+    assert llm.reply(task, []) == "Where is my order?"
+    assert sent[-1][1]["seed"] == 3
+    assert sent[-1][1]["chat_template_kwargs"] == {"enable_thinking": False}
+    for _ in range(2):
+        with pytest.raises(ValueError, match="returned no message text for task 'cancel_pending'"):
+            llm.reply(task, [])
+    with pytest.raises(ValueError, match=r"user\.extra_body"):
+        tau.make_user({**cfg, "extra_body": [1]})
 
 
 def test_tau2_package_is_optional():
@@ -302,7 +403,8 @@ def test_tau_agent_loop_user_turns_and_forks(dom):
         said = out.extra_fields[AGENT_TEXT_KEY]  # the model's own tokens only
         assert said.endswith("Your order is cancelled.") and "Sure, what is your email?" in said
         assert not any(reply in said for reply in task.user_script[1:])
-        assert '"order_id"' in said  # its tool calls are its own words too
+        # its tool calls and special tokens are not words to the user
+        assert '"order_id"' not in said and "<tool_call>" not in said and "<|" not in said
         assert out.num_turns > 6
         info = {**row["extra_info"], **out.extra_fields}
         scores.append(
@@ -363,3 +465,79 @@ def test_tau_agent_loop_answers_unparsable_tool_calls_from_the_tool_side(dom):
     assert out.response_mask[len(tok.encode(text[:err], add_special_tokens=False))] == 0
     # the user's next scripted line answers the agent's real message, after the error
     assert text.index(task.user_script[1]) > text.index("Sure, what is your email?") > err
+
+
+def test_tau_agent_loop_one_call_per_turn_and_the_user_sees_messages_only():
+    """Parallel tool calls would each replay the log without the other's action (one lost):
+    refused. The user simulator sees the agent's messages without reasoning, tool calls and
+    special tokens."""
+    pytest.importorskip("verl")
+    from harts_verl.workers.envs import testing
+    from harts_verl.workers.envs.tau_agent import HartsTauAgentLoop
+
+    tok = testing.byte_tokenizer()
+    parallel = testing.loop_config()
+    parallel.actor_rollout_ref.rollout.multi_turn.max_parallel_calls = 2
+
+    async def build(config):
+        server = testing.ScriptedServer(tok, lambda *a: "x")
+        return testing.make_loop(HartsTauAgentLoop, server, [], config=config)
+
+    with pytest.raises(ValueError, match=r"max_parallel_calls: .* set 1, got 2"):
+        asyncio.run(build(parallel))
+    loop = asyncio.run(build(None))
+    msgs = [
+        {"role": "assistant", "content": "<think>it is delivered</think>Hello!<|eos|>"},
+        {"role": "assistant", "content": 'One moment.<tool_call>{"name": "x"}</tool_call>'},
+        {"role": "tool", "content": "<think>kept</think>"},
+    ]
+    assert loop._for_user(msgs) == [
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "assistant", "content": "One moment."},
+        msgs[2],
+    ]
+
+
+def test_tau2_domain_reads_reward_basis_and_task_splits(monkeypatch):
+    """Against a stand-in of tau2's registry (tasks as tau2's pydantic models expose them):
+    ``reward_basis`` enum values become the task's basis (τ-bench's pair when absent) and
+    ``split_tasks`` filters by the loader's ``task_split_name``."""
+    import enum
+    import sys
+    import types
+    from types import SimpleNamespace as NS
+
+    class RewardType(str, enum.Enum):  # noqa: UP042  # as tau2 defines it (str() is the name)
+        DB = "DB"
+        COMMUNICATE = "COMMUNICATE"
+
+    def task(tid, basis):
+        act = NS(name="t", arguments={"a": 1}, requestor="assistant")
+        crit = NS(actions=[act], communicate_info=["x"], reward_basis=basis)
+        return NS(id=tid, user_scenario="want", evaluation_criteria=crit, initial_state=None)
+
+    tasks = [task("1", [RewardType.DB]), task("2", None), task("3", [RewardType.COMMUNICATE])]
+    splits = {"train": ["1", "3"], "test": ["2"]}
+
+    def loader(task_split_name=None):
+        if task_split_name is None:
+            return tasks
+        if task_split_name not in splits:
+            raise ValueError(f"Invalid task split name: {task_split_name}")
+        return [t for t in tasks if t.id in splits[task_split_name]]
+
+    env = NS(get_policy=lambda: "policy", get_tools=lambda: [])
+    registry = NS(get_env_constructor=lambda d: lambda: env, get_tasks_loader=lambda d: loader)
+    mod = types.ModuleType("tau2.registry")
+    mod.registry = registry
+    monkeypatch.setitem(sys.modules, "tau2", types.ModuleType("tau2"))
+    monkeypatch.setitem(sys.modules, "tau2.registry", mod)
+    d = tau.Tau2Domain("retail")
+    by_id = {t.task_id: t for t in d.tasks()}
+    assert by_id["1"].reward_basis == ("DB",) and by_id["3"].reward_basis == ("COMMUNICATE",)
+    assert by_id["2"].reward_basis == ("DB", "COMMUNICATE")
+    assert by_id["1"].actions[0] == {"name": "t", "arguments": {"a": 1}, "requestor": "assistant"}
+    assert [t.task_id for t in d.split_tasks("train")] == ["1", "3"]
+    assert [t.task_id for t in d.split_tasks("test")] == ["2"]
+    with pytest.raises(ValueError, match="split: tau2:retail has no task split 'dev'"):
+        d.split_tasks("dev")

@@ -155,6 +155,9 @@ def test_prepare_scripts_write_rows(tmp_path):
         assert written == yaml.safe_load(f)  # the bundled file is what prepare writes
     with pytest.raises(ValueError, match="val_domain"):
         tau_prep.prepare(str(tmp_path / "tau2"), val_domain="tau2:airline")
+    # task splits are τ²'s; the fixture domain has none (named, not silently all tasks)
+    with pytest.raises(ValueError, match="split: domain retail_mini has no task splits"):
+        tau_prep.prepare(str(tmp_path / "tau3"), split="train")
     for mod in ("swebench", "tau3bench"):
         reward = _load(ROOT / f"recipes/{mod}/reward.py")
         assert callable(reward.compute_score)

@@ -1,11 +1,14 @@
 """Write the tau3-Bench recipe's inputs: train/val parquet files and the veRL tool config.
 
     python recipes/tau3bench/prepare.py OUT                     # bundled fixture domain retail_mini
-    python recipes/tau3bench/prepare.py OUT --domain tau2:retail --val-domain tau2:airline
+    python recipes/tau3bench/prepare.py OUT --domain tau2:retail --split train --val-split test
 
-``tau2:<domain>`` needs the ``tau2`` package (sierra-research/tau2-bench). Writes
-``OUT/train.parquet``, ``OUT/val.parquet`` and ``OUT/tools.yaml`` (every tool of the train
-domain; give it as ``rollout.multi_turn.tool_config_path``).
+``tau2:<domain>`` needs the ``tau2`` package (sierra-research/tau2-bench); ``--split`` /
+``--val-split`` pick τ²'s task splits (its ``split_tasks.json``: ``train``, ``test``), without
+them both files hold all of the domain's tasks (τ²'s test tasks included). Writes
+``OUT/train.parquet``, ``OUT/val.parquet`` and ``OUT/tools.yaml`` (every tool of the domain;
+give it as ``rollout.multi_turn.tool_config_path``). One tool config serves one domain, so the
+validation tasks come from the train domain.
 """
 
 from __future__ import annotations
@@ -19,21 +22,37 @@ import yaml
 from harts_verl.workers.envs import tau
 
 
-def prepare(out: str, domain: str = tau.FIXTURE_DOMAIN, val_domain: str | None = None) -> dict:
-    """Write the files; returns their paths and row counts. Without ``val_domain`` the
-    validation set is the train domain's tasks."""
+def prepare(
+    out: str,
+    domain: str = tau.FIXTURE_DOMAIN,
+    val_domain: str | None = None,
+    split: str | None = None,
+    val_split: str | None = None,
+) -> dict:
+    """Write the files; returns their paths and row counts. The train rows are the tasks of
+    ``split`` (all without it), the validation rows those of ``val_split`` (all without it);
+    ``val_domain`` must be ``domain`` (one tool config). ``ValueError`` names a split the
+    domain lacks, or an empty one."""
     import pandas as pd
 
     from harts_verl.workers.envs.tau_agent import tool_config
 
     os.makedirs(out, exist_ok=True)
-    train = tau.dataset_rows(tau.get_domain(domain), split="train")
     val_dom = val_domain or domain
     if val_dom != domain:
         raise ValueError(
             f"val_domain: {val_dom!r} differs from {domain!r}; one tool config serves one domain"
         )
-    val = tau.dataset_rows(tau.get_domain(val_dom), split="val")
+    dom = tau.get_domain(domain)
+
+    def tasks(name: str | None, flag: str) -> list[tau.TauTask]:
+        chosen = dom.tasks() if name is None else dom.split_tasks(name)
+        if not chosen:
+            raise ValueError(f"{flag}: no tasks of {dom.name} in split {name!r}")
+        return chosen
+
+    train = tau.dataset_rows(dom, tasks(split, "split"), split="train")
+    val = tau.dataset_rows(dom, tasks(val_split, "val_split"), split="val")
     paths = {"train": os.path.join(out, "train.parquet"), "val": os.path.join(out, "val.parquet")}
     pd.DataFrame(train).to_parquet(paths["train"])
     pd.DataFrame(val).to_parquet(paths["val"])
@@ -49,6 +68,8 @@ if __name__ == "__main__":
     )
     ap.add_argument("out")
     ap.add_argument("--domain", default=tau.FIXTURE_DOMAIN)
-    ap.add_argument("--val-domain", default=None)
+    ap.add_argument("--val-domain", default=None, help="must be --domain (one tool config)")
+    ap.add_argument("--split", default=None, help="the train rows' τ² task split (all tasks)")
+    ap.add_argument("--val-split", default=None, help="the validation rows' split (all tasks)")
     a = ap.parse_args()
-    print(json.dumps(prepare(a.out, a.domain, a.val_domain)))
+    print(json.dumps(prepare(a.out, a.domain, a.val_domain, a.split, a.val_split)))

@@ -28,7 +28,7 @@ import urllib.request
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 __all__ = [
     "FIXTURE_DOMAIN",
@@ -45,6 +45,7 @@ __all__ = [
     "make_user",
     "score",
     "state_after",
+    "strip_thinking",
 ]
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "tau")
@@ -52,48 +53,117 @@ FIXTURE_DOMAIN = "retail_mini"
 DATA_SOURCE = "tau_bench"
 STOP = "###STOP###"
 GREETING = "Hi! How can I help you today?"
+THINK = ("<think>", "</think>")
+
+
+def strip_thinking(text: str, blocks: tuple[tuple[str, str], ...] = (THINK,)) -> str:
+    """``text`` without its ``start ... end`` blocks (a reasoning model's ``<think>...</think>``
+    by default); a block left open runs to the end of the text."""
+    for start, end in blocks:
+        if not start:
+            continue
+        out, pos = [], 0
+        while True:
+            i = text.find(start, pos)
+            if i < 0:
+                out.append(text[pos:])
+                break
+            out.append(text[pos:i])
+            j = text.find(end, i + len(start)) if end else -1
+            if j < 0:
+                break
+            pos = j + len(end)
+        text = "".join(out)
+    return text
+
+
+# τ²'s reward components (``RewardType``); this reward computes DB and COMMUNICATE
+REWARD_TYPES = ("DB", "COMMUNICATE", "ENV_ASSERTION", "NL_ASSERTION", "ACTION")
+COMPUTED_REWARD_TYPES = ("DB", "COMMUNICATE")
 
 
 @dataclass(frozen=True)
 class TauTask:
     """One task: ``instruction`` (what the simulated user wants), reference ``actions``
-    (``{"name", "arguments", "requestor"}``), required ``outputs`` (strings the agent must say)
-    and, for scripted users, ``user_script`` (the user's messages in order)."""
+    (``{"name", "arguments", "requestor"}``), required ``outputs`` (strings the agent must say),
+    for scripted users ``user_script`` (the user's messages in order), and ``reward_basis``
+    (τ²'s: the components that gate the reward; :func:`score` computes ``DB`` and
+    ``COMMUNICATE``, τ-bench's default pair)."""
 
     task_id: str
     instruction: str
     actions: tuple[dict[str, Any], ...]
     outputs: tuple[str, ...] = ()
     user_script: tuple[str, ...] = ()
+    reward_basis: tuple[str, ...] = ("DB", "COMMUNICATE")
+
+    KEYS: ClassVar[frozenset[str]] = frozenset(
+        {"task_id", "instruction", "actions", "outputs", "user_script", "reward_basis"}
+    )
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TauTask:
-        """Parse a task dict; ``ValueError`` names a missing or malformed field."""
+        """Parse a task dict; ``ValueError`` names the task (its ``task_id``) and a missing,
+        unknown or malformed field: ``task_id`` a non-empty string (or an int), ``instruction``
+        a string, ``actions`` objects with a tool ``name``, ``arguments`` (an object) and
+        ``requestor`` (``assistant`` or ``user``), ``outputs`` / ``user_script`` lists of
+        strings, ``reward_basis`` a list of :data:`REWARD_TYPES`."""
         if not isinstance(d, dict):
             raise TypeError(f"task: expected a dict, got {type(d).__name__}")
-        for key in ("task_id", "instruction", "actions"):
+        tid = d.get("task_id")
+        if isinstance(tid, int) and not isinstance(tid, bool):
+            tid = str(tid)
+        if not isinstance(tid, str) or not tid:
+            raise ValueError(f"task_id: expected a non-empty string, got {tid!r}")
+        where = f"task {tid!r}"
+        unknown = sorted(set(d) - cls.KEYS)
+        if unknown:
+            raise ValueError(f"{where}: {unknown[0]}: unknown key (known: {sorted(cls.KEYS)})")
+        for key in ("instruction", "actions"):
             if key not in d:
-                raise ValueError(f"{key}: missing from the task")
+                raise ValueError(f"{where}: {key}: missing from the task")
+        if not isinstance(d["instruction"], str):
+            raise ValueError(f"{where}: instruction: expected a string")
         actions = d["actions"]
         if not isinstance(actions, (list, tuple)):
-            raise ValueError(f"actions: expected a list, got {type(actions).__name__}")
+            raise ValueError(f"{where}: actions: expected a list, got {type(actions).__name__}")
         norm = []
         for i, a in enumerate(actions):
-            if not isinstance(a, dict) or not isinstance(a.get("name"), str):
-                raise ValueError(f"actions[{i}].name: expected a tool name")
+            if not isinstance(a, dict) or not isinstance(a.get("name"), str) or not a["name"]:
+                raise ValueError(f"{where}: actions[{i}].name: expected a tool name")
+            bad = sorted(set(a) - {"name", "arguments", "requestor"})
+            if bad:
+                raise ValueError(f"{where}: actions[{i}].{bad[0]}: unknown key")
             if not isinstance(a.get("arguments", {}), dict):
-                raise ValueError(f"actions[{i}].arguments: expected an object")
-            norm.append(_action(a["name"], a.get("arguments", {}), a.get("requestor", "assistant")))
+                raise ValueError(f"{where}: actions[{i}].arguments: expected an object")
+            requestor = a.get("requestor", "assistant")
+            if requestor not in ("assistant", "user"):
+                raise ValueError(
+                    f"{where}: actions[{i}].requestor: expected 'assistant' or 'user', "
+                    f"got {requestor!r}"
+                )
+            norm.append(_action(a["name"], a.get("arguments", {}), requestor))
         for key in ("outputs", "user_script"):
             v = d.get(key, [])
             if not isinstance(v, (list, tuple)) or not all(isinstance(s, str) for s in v):
-                raise ValueError(f"{key}: expected a list of strings")
+                raise ValueError(f"{where}: {key}: expected a list of strings")
+        basis = d.get("reward_basis", cls.reward_basis)
+        if (
+            not isinstance(basis, (list, tuple))
+            or not basis
+            or not all(b in REWARD_TYPES for b in basis)
+        ):
+            raise ValueError(
+                f"{where}: reward_basis: expected a non-empty list of {list(REWARD_TYPES)}, "
+                f"got {basis!r}"
+            )
         return cls(
-            task_id=str(d["task_id"]),
-            instruction=str(d["instruction"]),
+            task_id=tid,
+            instruction=d["instruction"],
             actions=tuple(norm),
             outputs=tuple(d.get("outputs", ())),
             user_script=tuple(d.get("user_script", ())),
+            reward_basis=tuple(basis),
         )
 
 
@@ -114,6 +184,10 @@ class TauDomain(ABC):
     @abstractmethod
     def tasks(self) -> list[TauTask]:
         """All tasks of the domain."""
+
+    def split_tasks(self, split: str) -> list[TauTask]:
+        """The tasks of the named split; a domain without splits raises ``ValueError``."""
+        raise ValueError(f"split: domain {self.name} has no task splits (got {split!r})")
 
     def task(self, task_id: str) -> TauTask:
         """The task ``task_id``; ``ValueError`` naming it if unknown."""
@@ -155,7 +229,18 @@ class FixtureDomain(TauDomain):
         with open(os.path.join(path, "db.json")) as f:
             self._db = json.load(f)
         with open(os.path.join(path, "tasks.json")) as f:
-            self._tasks = [TauTask.from_dict(t) for t in json.load(f)]
+            raw = json.load(f)
+        if not isinstance(raw, list):
+            raise ValueError(f"{path}/tasks.json: expected a list of tasks")
+        self._tasks = []
+        for i, t in enumerate(raw):
+            try:
+                task = TauTask.from_dict(t)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"{path}/tasks.json[{i}]: {exc}") from exc
+            if any(other.task_id == task.task_id for other in self._tasks):
+                raise ValueError(f"{path}/tasks.json[{i}]: duplicate task_id {task.task_id!r}")
+            self._tasks.append(task)
         with open(os.path.join(path, "policy.md")) as f:
             self.policy = f.read()
 
@@ -267,7 +352,8 @@ class Tau2Domain(TauDomain):
             ) from exc
         self.name = f"tau2:{domain}"
         self._make_env = registry.get_env_constructor(domain)
-        self._raw = {t.id: t for t in registry.get_tasks_loader(domain)()}
+        self._load_tasks = registry.get_tasks_loader(domain)
+        self._raw = {t.id: t for t in self._load_tasks()}
         env = self._make_env()
         self.policy = env.get_policy()
         self._schemas = [t.openai_schema for t in env.get_tools()]
@@ -281,15 +367,28 @@ class Tau2Domain(TauDomain):
             crit = t.evaluation_criteria
             acts = (crit.actions or []) if crit is not None else []
             outs = (crit.communicate_info or []) if crit is not None else []
+            basis = (crit.reward_basis or ()) if crit is not None else ()
             out.append(
                 TauTask(
                     task_id=str(tid),
                     instruction=str(t.user_scenario),
                     actions=tuple(_action(a.name, a.arguments, a.requestor) for a in acts),
                     outputs=tuple(str(o) for o in outs),
+                    reward_basis=tuple(str(getattr(b, "value", b)) for b in basis)
+                    or TauTask.reward_basis,
                 )
             )
         return out
+
+    def split_tasks(self, split: str) -> list[TauTask]:
+        """The tasks of τ²'s task split ``split`` (``train``, ``test``, ...: the domain's
+        ``split_tasks.json``); ``ValueError`` naming the split when the domain has no such
+        split."""
+        try:
+            ids = {str(t.id) for t in self._load_tasks(task_split_name=split)}
+        except (TypeError, ValueError, FileNotFoundError) as exc:
+            raise ValueError(f"split: {self.name} has no task split {split!r} ({exc})") from exc
+        return [t for t in self.tasks() if t.task_id in ids]
 
     def initial_state(self, task: TauTask) -> Any:
         env = self._make_env()
@@ -344,31 +443,44 @@ _CACHE_LOCK = threading.Lock()
 _CACHE_SIZE = 512
 
 
-def _key(domain: TauDomain, task_id: str, actions: list[dict[str, Any]]) -> tuple:
-    return (domain.name, task_id, json.dumps(actions, sort_keys=True))
+def _key(
+    domain: TauDomain, task_id: str, actions: list[dict[str, Any]], strict: bool = False
+) -> tuple:
+    """Cache key of a replay; strict replays (every action succeeded) are cached apart."""
+    return (domain.name, task_id, json.dumps(actions, sort_keys=True), strict)
 
 
-def state_after(domain: TauDomain, task_id: str, actions: list[dict[str, Any]]) -> Any:
+def state_after(
+    domain: TauDomain, task_id: str, actions: list[dict[str, Any]], strict: bool = False
+) -> Any:
     """The state of ``task_id`` after replaying ``actions`` in order (a fresh object the caller
-    may mutate). Calls the domain refuses are skipped (they changed nothing when made)."""
+    may mutate). Calls the domain refuses are skipped (they changed nothing when made); with
+    ``strict`` (the task's reference actions) a refused call is a ``ValueError`` naming the
+    task and the action: a reference the domain refuses certifies no database."""
     actions = [
         _action(a["name"], a.get("arguments", {}), a.get("requestor", "assistant")) for a in actions
     ]
     with _CACHE_LOCK:
         k = len(actions)
-        while k > 0 and _key(domain, task_id, actions[:k]) not in _CACHE:
+        while k > 0 and _key(domain, task_id, actions[:k], strict) not in _CACHE:
             k -= 1
-        base = _CACHE.get(_key(domain, task_id, actions[:k])) if k else None
+        base = _CACHE.get(_key(domain, task_id, actions[:k], strict)) if k else None
+        if base is not None:  # least recently used goes first
+            _CACHE.move_to_end(_key(domain, task_id, actions[:k], strict))
     state = (
         domain.copy_state(base) if base is not None else domain.initial_state(domain.task(task_id))
     )
-    for a in actions[k:]:
+    for i, a in enumerate(actions[k:], start=k):
         try:
             domain.call(state, a)
-        except ValueError:
-            pass
+        except ValueError as exc:
+            if strict:
+                raise ValueError(
+                    f"task {task_id!r}: reference actions[{i}] ({a['name']}) is refused by "
+                    f"domain {domain.name}: {exc}"
+                ) from exc
     with _CACHE_LOCK:
-        _CACHE[_key(domain, task_id, actions)] = domain.copy_state(state)
+        _CACHE[_key(domain, task_id, actions, strict)] = domain.copy_state(state)
         while len(_CACHE) > _CACHE_SIZE:
             _CACHE.popitem(last=False)
     return state
@@ -377,15 +489,25 @@ def state_after(domain: TauDomain, task_id: str, actions: list[dict[str, Any]]) 
 def score(
     domain: TauDomain, task_id: str, actions: list[dict[str, Any]], agent_text: str = ""
 ) -> dict[str, float]:
-    """τ-bench reward: ``db_match`` (database after ``actions`` == after the reference actions),
-    ``outputs_found`` (every required output occurs in ``agent_text``, case-insensitive),
-    ``score`` = 1.0 iff both."""
+    """τ-bench reward: ``db_match`` (database after ``actions`` == after the reference actions,
+    which must all succeed), ``outputs_found`` (every required output occurs in ``agent_text``
+    with its commas removed, case-insensitive, as τ²'s check reads the agent's messages),
+    ``score`` = 1.0 iff those of them in the task's ``reward_basis`` hold. ``ValueError``
+    naming the task when its basis holds neither ``DB`` nor ``COMMUNICATE`` (the other
+    components, ``ENV_ASSERTION``, ``NL_ASSERTION``, ``ACTION``, are not computed here)."""
     task = domain.task(task_id)
+    if not set(task.reward_basis) & set(COMPUTED_REWARD_TYPES):
+        raise ValueError(
+            f"task {task_id!r}: reward_basis {list(task.reward_basis)} has no component this "
+            f"reward computes ({list(COMPUTED_REWARD_TYPES)})"
+        )
     got = domain.db_hash(state_after(domain, task_id, actions))
-    want = domain.db_hash(state_after(domain, task_id, list(task.actions)))
-    text = (agent_text or "").lower()
+    want = domain.db_hash(state_after(domain, task_id, list(task.actions), strict=True))
+    text = (agent_text or "").lower().replace(",", "")
     outputs = all(o.lower() in text for o in task.outputs)
-    ok = got == want and outputs
+    ok = ("DB" not in task.reward_basis or got == want) and (
+        "COMMUNICATE" not in task.reward_basis or outputs
+    )
     return {
         "score": 1.0 if ok else 0.0,
         "db_match": float(got == want),
@@ -447,14 +569,23 @@ class LLMUser:
         temperature: float = 0.0,
         max_tokens: int = 256,
         timeout: float = 120.0,
+        seed: int | None = None,
+        extra_body: dict[str, Any] | None = None,
     ) -> None:
         if not base_url:
             raise ValueError("user.base_url: expected the endpoint URL (e.g. http://host:8000/v1)")
         if not model:
             raise ValueError("user.model: expected the model name")
+        if extra_body is not None and not isinstance(extra_body, dict):
+            raise ValueError(
+                "user.extra_body: expected a mapping of request fields (e.g. "
+                "{chat_template_kwargs: {enable_thinking: false}})"
+            )
         self.base_url, self.model = base_url.rstrip("/"), model
         self.api_key_env, self.temperature = api_key_env, float(temperature)
         self.max_tokens, self.timeout = int(max_tokens), float(timeout)
+        self.seed = None if seed is None else int(seed)
+        self.extra_body = dict(extra_body or {})
 
     def conversation(self, task: TauTask, messages: list[dict[str, Any]]) -> list[dict[str, str]]:
         """The simulator's chat: its system prompt, then the visible turns with roles swapped."""
@@ -470,12 +601,19 @@ class LLMUser:
         return conv
 
     def reply(self, task: TauTask, messages: list[dict[str, Any]]) -> str | None:
+        """The simulator's next message (its reasoning, ``<think>...</think>``, removed), or
+        None when it says ``###STOP###``. ``ValueError`` when the endpoint returns no message
+        text (e.g. a reasoning model cut off by ``max_tokens`` while thinking): an empty reply
+        would otherwise end the conversation as if the user had stopped."""
         body = {
+            **self.extra_body,
             "model": self.model,
             "messages": self.conversation(task, messages),
             "temperature": self.temperature,
             "max_tokens": self.max_tokens,
         }
+        if self.seed is not None:
+            body["seed"] = self.seed
         req = urllib.request.Request(
             f"{self.base_url}/chat/completions",
             data=json.dumps(body).encode(),
@@ -485,8 +623,18 @@ class LLMUser:
             },
         )
         with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-            text = json.loads(resp.read())["choices"][0]["message"]["content"] or ""
-        return None if STOP in text else text.strip()
+            choice = json.loads(resp.read())["choices"][0]
+        text = strip_thinking(choice["message"].get("content") or "")
+        if STOP in text:
+            return None
+        if not text.strip():
+            raise ValueError(
+                f"user: the simulator {self.model!r} returned no message text for task "
+                f"{task.task_id!r} (finish_reason {choice.get('finish_reason')!r}; a reasoning "
+                "model cut off while thinking? raise user.max_tokens or turn thinking off with "
+                "user.extra_body)"
+            )
+        return text.strip()
 
 
 def make_user(config: dict[str, Any] | None) -> ScriptedUser | LLMUser:
@@ -500,6 +648,7 @@ def make_user(config: dict[str, Any] | None) -> ScriptedUser | LLMUser:
         return ScriptedUser()
     if kind == "llm":
         allowed = {"base_url", "model", "api_key_env", "temperature", "max_tokens", "timeout"}
+        allowed |= {"seed", "extra_body"}
         bad = set(cfg) - allowed
         if bad:
             raise ValueError(f"user.{sorted(bad)[0]}: not an option of the LLM user")

@@ -32,7 +32,14 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopOutput, register
 from verl.experimental.agent_loop.tool_agent_loop import AgentData, AgentState
 from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
-from harts_verl.workers.envs.tau import TauTask, get_domain, make_user, state_after
+from harts_verl.workers.envs.tau import (
+    THINK,
+    TauTask,
+    get_domain,
+    make_user,
+    state_after,
+    strip_thinking,
+)
 from harts_verl.workers.rollout.agent_loop import ForkSpec, HartsToolAgentLoop, TrajectoryTool
 
 __all__ = [
@@ -116,10 +123,17 @@ class TauTool(TrajectoryTool):
         return ToolResponse(text=text), 0.0, {}
 
 
-def agent_text(tokenizer: Any, response_ids: list[int], response_mask: list[int]) -> str:
+def agent_text(
+    tokenizer: Any,
+    response_ids: list[int],
+    response_mask: list[int],
+    drop: tuple[tuple[str, str], ...] = (),
+) -> str:
     """The text the model itself wrote in a response: each run of ``response_mask`` 1 tokens
-    decoded on its own (tool answers and user turns, mask 0, left out), runs joined by a line
-    break so words of different turns never merge."""
+    decoded on its own (tool answers and user turns, mask 0, left out) without special tokens,
+    its reasoning (``<think>...</think>``) and the ``drop`` blocks (``(start, end)`` markers,
+    e.g. the tool parser's call markers) removed, runs joined by a line break so words of
+    different turns never merge: what the agent said to the user."""
     ids, mask = np.asarray(response_ids, np.int64), np.asarray(response_mask) != 0
     if ids.shape != mask.shape:
         raise ValueError(
@@ -127,8 +141,9 @@ def agent_text(tokenizer: Any, response_ids: list[int], response_mask: list[int]
             f"got {mask.shape[0]}"
         )
     edges = np.flatnonzero(np.diff(np.concatenate([[False], mask, [False]]).astype(np.int8)))
+    blocks = (THINK, *drop)
     return "\n".join(
-        tokenizer.decode(ids[a:b].tolist(), skip_special_tokens=True)
+        strip_thinking(tokenizer.decode(ids[a:b].tolist(), skip_special_tokens=True), blocks)
         for a, b in zip(edges[::2], edges[1::2], strict=True)
     )
 
@@ -155,6 +170,12 @@ class HartsTauAgentLoop(HartsToolAgentLoop):
 
     def __init__(self, *args: Any, user: Any = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if self.max_parallel_calls != 1:
+            raise ValueError(
+                "actor_rollout_ref.rollout.multi_turn.max_parallel_calls: the τ agent applies "
+                "its tool calls to one database in order (each call sees the ones before it), "
+                f"so it runs one call per turn; set 1, got {self.max_parallel_calls!r}"
+            )
         self.user = make_user(_plain(user))
         self.task: TauTask | None = None
 
@@ -186,9 +207,31 @@ class HartsTauAgentLoop(HartsToolAgentLoop):
         outputs = await super().run_tree(sampling_params, fork=fork, priority=priority, **kwargs)
         for out in outputs:  # the reward searches what the agent said, not tool or user text
             out.extra_fields[AGENT_TEXT_KEY] = agent_text(
-                self.tokenizer, out.response_ids, out.response_mask
+                self.tokenizer, out.response_ids, out.response_mask, self._call_markers()
             )
         return outputs
+
+    def _call_markers(self) -> tuple[tuple[str, str], ...]:
+        """The tool parser's call markers (hermes: ``<tool_call>``, ``</tool_call>``): a tool
+        call is not something the agent says to the user."""
+        start = getattr(self.tool_parser, "tool_call_start_token", None)
+        end = getattr(self.tool_parser, "tool_call_end_token", None)
+        return ((start, end or ""),) if start else ()
+
+    def _for_user(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The conversation as the user sees it: the agent's messages without its reasoning,
+        tool calls and special tokens (veRL's parser keeps those in the message content)."""
+        special = [t for t in getattr(self.tokenizer, "all_special_tokens", []) if t]
+        out = []
+        for m in messages:
+            content = m.get("content")
+            if m.get("role") == "assistant" and isinstance(content, str):
+                content = strip_thinking(content, (THINK, *self._call_markers()))
+                for token in special:
+                    content = content.replace(token, "")
+                m = {**m, "content": content.strip()}
+            out.append(m)
+        return out
 
     async def _handle_generating_state(
         self,
@@ -215,7 +258,9 @@ class HartsTauAgentLoop(HartsToolAgentLoop):
                 f"{getattr(self.tool_parser, 'tool_call_end_token', '')} with valid JSON"
             )
             return await self._append_turn(agent_data, {"role": "tool", "content": error})
-        reply = await asyncio.to_thread(self.user.reply, self.task, list(agent_data.messages))
+        reply = await asyncio.to_thread(
+            self.user.reply, self.task, self._for_user(list(agent_data.messages))
+        )
         if not reply:
             return AgentState.TERMINATED
         state = await self._append_turn(agent_data, {"role": "user", "content": reply})
