@@ -303,7 +303,9 @@ def load_bench_inputs(cfg: BenchConfig) -> BenchInputs:
         )
     except (ValueError, TypeError) as exc:  # scale and seed are checked: the overrides, or
         # a vocabulary (the model's) too small for the workload
-        field = "model" if str(exc).startswith("vocab_size") else "workload_overrides"
+        vocab = str(exc).startswith("vocab_size")
+        overrides = cfg.workload_overrides is not None and "expected >=" not in str(exc)
+        field = "model" if vocab and not overrides else "workload_overrides"
         raise _named(field, exc) from exc
     idx = _select(w.sequences, w.group_ids, cfg.max_semantic_tokens)
     seqs = [w.sequences[i] for i in idx]

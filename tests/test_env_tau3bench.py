@@ -78,9 +78,10 @@ def _fixture_copy(tmp_path, edit) -> tau.FixtureDomain:
     return tau.FixtureDomain(str(dst))
 
 
-def test_fixture_tasks_are_checked_and_scored_by_their_reward_basis(dom, tmp_path):
-    """Duplicate task ids and broken tasks are named with their place in tasks.json; a
-    reference the domain refuses is an error, not a certified database; ``reward_basis``
+def test_fixture_tasks_are_checked_and_scored_by_their_reward_basis(dom, tmp_path, caplog):
+    """Duplicate task ids and broken tasks are named with their place in tasks.json; reference
+    calls the domain refuses are listed by ``check_tasks`` and skipped when scored (τ²'s way)
+    with one WARNING per task; tasks the reward cannot score are listed too; ``reward_basis``
     selects the components; required outputs match with commas removed (τ²'s check)."""
     with pytest.raises(ValueError, match=r"tasks\.json\[3\]: duplicate task_id 'cancel_pending'"):
         _fixture_copy(tmp_path / "a", lambda t: [*t, t[0]])
@@ -93,8 +94,15 @@ def test_fixture_tasks_are_checked_and_scored_by_their_reward_basis(dom, tmp_pat
         return [t, *tasks[1:]]
 
     d = _fixture_copy(tmp_path / "c", broken)
-    with pytest.raises(ValueError, match=r"task 'cancel_pending': reference actions\[0\]"):
-        tau.score(d, "cancel_pending", [])
+    found = tau.check_tasks(d, d.tasks())
+    assert found["unscorable"] == []
+    (msg,) = found["refused_reference"]
+    assert msg.startswith("task 'cancel_pending': reference actions[0] (cancel_pendng_order)")
+    # scored as τ²'s evaluator does: the refused reference call skipped, one WARNING per task
+    with caplog.at_level("WARNING", logger="harts_verl.workers.envs.tau"):
+        for _ in range(2):
+            assert tau.score(d, "cancel_pending", [])["db_match"] == 1.0
+    assert caplog.text.count("reference actions[0] (cancel_pendng_order)") == 1
 
     def basis(kind):
         def edit(tasks):
@@ -114,6 +122,7 @@ def test_fixture_tasks_are_checked_and_scored_by_their_reward_basis(dom, tmp_pat
     assert tau.score(d, "refuse_delivered", [CANCEL], "The refund is $1,000.")["score"] == 1.0
     assert tau.score(d, "refuse_delivered", [CANCEL], "The refund is $100.")["score"] == 0.0
     d = _fixture_copy(tmp_path / "nl", basis(["NL_ASSERTION"]))
+    assert tau.check_tasks(d, d.tasks())["unscorable"] == ["refuse_delivered"]
     with pytest.raises(ValueError, match="has no component this reward computes"):
         tau.score(d, "refuse_delivered", reads, "sorry")
 
@@ -129,9 +138,9 @@ def test_agent_text_is_what_the_agent_said():
     ids = tok.encode(said + "<think>still thinking", add_special_tokens=False)
     text = agent_text(tok, ids, [1] * len(ids), (("<tool_call>", "</tool_call>"),))
     assert text == "Sorry, I can't. ok"
-    assert (
-        tau.strip_thinking("a<think>b") == "a" and tau.strip_thinking("a</think>b") == "a</think>b"
-    )
+    assert tau.strip_thinking("a<think>b") == "a"
+    # a template that opens <think> in the generation prompt: the output starts inside it
+    assert tau.strip_thinking("it is delivered</think>Sorry.<think>x</think>!") == "Sorry.!"
 
 
 def test_reference_actions_score_one_wrong_actions_zero(dom):
@@ -266,14 +275,38 @@ def test_users_scripted_and_llm(dom, monkeypatch):
     # a reasoning simulator: its thinking is not its message (nor a stop); no text is an error
     cfg = {"kind": "llm", "base_url": "http://sim:8000/v1", "model": "u", "seed": 3}
     cfg["extra_body"] = {"chat_template_kwargs": {"enable_thinking": False}}
-    llm = tau.make_user(cfg)
-    replies = iter(["<think>say ###STOP### later</think>Where is my order?", None, "<think>hm"])
+    llm = tau.make_user({**cfg, "retries": 1})
+    replies = iter(
+        [
+            "<think>say ###STOP### later</think>Where is my order?",
+            "the user wants it back ###STOP###</think>Where is it?",  # opened in the prompt
+            None,
+            "<think>hm",
+        ]
+    )
     assert llm.reply(task, []) == "Where is my order?"
     assert sent[-1][1]["seed"] == 3
     assert sent[-1][1]["chat_template_kwargs"] == {"enable_thinking": False}
-    for _ in range(2):
-        with pytest.raises(ValueError, match="returned no message text for task 'cancel_pending'"):
-            llm.reply(task, [])
+    assert llm.reply(task, []) == "Where is it?"
+    n = len(sent)
+    with pytest.raises(ValueError, match="returned no message text for task 'cancel_pending'"):
+        llm.reply(task, [])  # asked twice (retries=1), no text either time
+    assert len(sent) == n + 2
+    # a failed request is asked again; the last failure is raised
+    failures = iter([True, False, True, True])
+
+    def flaky(req, timeout):
+        if next(failures):
+            raise tau.urllib.error.URLError("connection refused")
+        return fake_urlopen(req, timeout)
+
+    monkeypatch.setattr(tau.urllib.request, "urlopen", flaky)
+    replies = iter(["Hello?"])
+    assert llm.reply(task, []) == "Hello?"
+    with pytest.raises(tau.urllib.error.URLError):
+        llm.reply(task, [])
+    with pytest.raises(ValueError, match=r"user\.retries"):
+        tau.make_user({**cfg, "retries": -1})
     with pytest.raises(ValueError, match=r"user\.extra_body"):
         tau.make_user({**cfg, "extra_body": [1]})
 

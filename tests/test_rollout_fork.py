@@ -13,6 +13,7 @@ import asyncio
 import hashlib
 import itertools
 import json
+import re
 
 import numpy as np
 import pytest
@@ -384,7 +385,10 @@ def test_full_determinism_forked_rollout_is_reproducible(env, spec, depth, ids):
         _check_tree(outs, spec.budget)
         runs.append(([o.prompt_ids + o.response_ids for o in outs], sorted(client.calls), seeds))
     assert runs[0] == runs[1]
-    assert {c[0] for c in runs[0][1]} == ids
+    # below the root, ids carry a hash of the root's conversation (other prompts: other ids)
+    tagged = {c[0] for c in runs[0][1]} - {"det-0"}
+    assert all(re.match(r"det-0:[0-9a-f]{8}/", rid) for rid in tagged), tagged
+    assert {re.sub(r"^det-0:[0-9a-f]{8}", "det-0", c[0]) for c in runs[0][1]} == ids
     assert len({tuple(s) for s in runs[0][0]}) == spec.budget
     seeds = runs[0][2]
     assert seeds.get("det-0", {None}) == {None}  # the root: the server's own seed
@@ -414,7 +418,12 @@ def test_full_determinism_forked_rollout_is_reproducible(env, spec, depth, ids):
     seen.clear()
     client.calls.clear()
     _tree(env, client, spec)
-    assert set(seen) == {None} and {c[0] for c in client.calls} == ids
+    assert set(seen) == {None} and {c[0] for c in client.calls} == {c[0] for c in runs[0][1]}
+    # another prompt: other branch ids
+    other = {**env, "raw_prompt": [{"role": "user", "content": "what is 2 add 3"}]}
+    client = env["Client"](depth=depth, default=2 if spec.turns == (0, 1) else 0)
+    _tree(other, client, spec)
+    assert not ({c[0] for c in client.calls} - {"det-0"}) & tagged
 
 
 # ---------------------------------------------------------------------- fork worker + GRPO

@@ -214,6 +214,7 @@ class HartsFSDPCriticConfig(FSDPCriticConfig):
 
 
 def harts_config_of(engine_config: Any) -> HartsConfig:
-    """The ``harts`` section attached to an engine config (defaults when absent, e.g. for the
-    reference policy, whose config class is veRL's own)."""
+    """The ``harts`` section attached to an engine config (defaults when absent, e.g. for a
+    reference policy whose config class is veRL's own: with veRL's entry point;
+    ``harts_verl.main_ppo`` gives it the actor's section)."""
     return HartsConfig.from_any(getattr(engine_config, "harts", None))

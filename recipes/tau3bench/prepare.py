@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import yaml
 
@@ -31,8 +32,10 @@ def prepare(
 ) -> dict:
     """Write the files; returns their paths and row counts. The train rows are the tasks of
     ``split`` (all without it), the validation rows those of ``val_split`` (all without it);
-    ``val_domain`` must be ``domain`` (one tool config). ``ValueError`` names a split the
-    domain lacks, or an empty one."""
+    ``val_domain`` must be ``domain`` (one tool config). Tasks the reward cannot score
+    (:func:`tau.check_tasks`: a ``reward_basis`` without DB or COMMUNICATE, e.g. τ² telecom)
+    are left out and named on stderr, as are reference calls the domain refuses (kept: skipped
+    when scored). ``ValueError`` names a split the domain lacks, or one left empty."""
     import pandas as pd
 
     from harts_verl.workers.envs.tau_agent import tool_config
@@ -46,9 +49,23 @@ def prepare(
     dom = tau.get_domain(domain)
 
     def tasks(name: str | None, flag: str) -> list[tau.TauTask]:
-        chosen = dom.tasks() if name is None else dom.split_tasks(name)
+        try:
+            chosen = dom.tasks() if name is None else dom.split_tasks(name)
+        except ValueError as exc:
+            raise ValueError(f"{flag}: {str(exc).removeprefix('split: ')}") from exc
+        found = tau.check_tasks(dom, chosen)
+        for msg in found["refused_reference"]:
+            print(f"prepare: WARNING: {msg} (skipped when scored, as τ² does)", file=sys.stderr)
+        if found["unscorable"]:
+            print(
+                f"prepare: WARNING: {flag}: {len(found['unscorable'])} task(s) left out, their "
+                f"reward_basis has no component this reward computes (DB, COMMUNICATE): "
+                f"{found['unscorable'][:10]}",
+                file=sys.stderr,
+            )
+            chosen = [t for t in chosen if t.task_id not in set(found["unscorable"])]
         if not chosen:
-            raise ValueError(f"{flag}: no tasks of {dom.name} in split {name!r}")
+            raise ValueError(f"{flag}: no scorable tasks of {dom.name} in split {name!r}")
         return chosen
 
     train = tau.dataset_rows(dom, tasks(split, "split"), split="train")

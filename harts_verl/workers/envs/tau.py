@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
 import os
 import threading
 import urllib.request
@@ -39,14 +40,18 @@ __all__ = [
     "Tau2Domain",
     "TauDomain",
     "TauTask",
+    "check_tasks",
     "compute_score",
     "dataset_rows",
     "get_domain",
     "make_user",
+    "reference_state",
     "score",
     "state_after",
     "strip_thinking",
 ]
+
+logger = logging.getLogger(__name__)
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "tau")
 FIXTURE_DOMAIN = "retail_mini"
@@ -58,10 +63,15 @@ THINK = ("<think>", "</think>")
 
 def strip_thinking(text: str, blocks: tuple[tuple[str, str], ...] = (THINK,)) -> str:
     """``text`` without its ``start ... end`` blocks (a reasoning model's ``<think>...</think>``
-    by default); a block left open runs to the end of the text."""
+    by default); a block left open runs to the end of the text, and an ``end`` before any
+    ``start`` closes a block opened before the text (a chat template that puts ``<think>`` in
+    the generation prompt): everything up to it is dropped."""
     for start, end in blocks:
         if not start:
             continue
+        first_end = text.find(end) if end else -1
+        if first_end >= 0 and not 0 <= text.find(start) < first_end:
+            text = text[first_end + len(end) :]
         out, pos = [], 0
         while True:
             i = text.find(start, pos)
@@ -226,6 +236,7 @@ class FixtureDomain(TauDomain):
     def __init__(self, path: str | None = None) -> None:
         path = path or os.path.join(FIXTURES, FIXTURE_DOMAIN)
         self.name = os.path.basename(path.rstrip("/"))
+        self.cache_key = os.path.abspath(path)
         with open(os.path.join(path, "db.json")) as f:
             self._db = json.load(f)
         with open(os.path.join(path, "tasks.json")) as f:
@@ -446,8 +457,10 @@ _CACHE_SIZE = 512
 def _key(
     domain: TauDomain, task_id: str, actions: list[dict[str, Any]], strict: bool = False
 ) -> tuple:
-    """Cache key of a replay; strict replays (every action succeeded) are cached apart."""
-    return (domain.name, task_id, json.dumps(actions, sort_keys=True), strict)
+    """Cache key of a replay (the domain's ``cache_key``: its name, or a fixture's folder);
+    strict replays (every action succeeded) are cached apart."""
+    name = getattr(domain, "cache_key", domain.name)
+    return (name, task_id, json.dumps(actions, sort_keys=True), strict)
 
 
 def state_after(
@@ -490,29 +503,66 @@ def score(
     domain: TauDomain, task_id: str, actions: list[dict[str, Any]], agent_text: str = ""
 ) -> dict[str, float]:
     """τ-bench reward: ``db_match`` (database after ``actions`` == after the reference actions,
-    which must all succeed), ``outputs_found`` (every required output occurs in ``agent_text``
-    with its commas removed, case-insensitive, as τ²'s check reads the agent's messages),
-    ``score`` = 1.0 iff those of them in the task's ``reward_basis`` hold. ``ValueError``
-    naming the task when its basis holds neither ``DB`` nor ``COMMUNICATE`` (the other
-    components, ``ENV_ASSERTION``, ``NL_ASSERTION``, ``ACTION``, are not computed here)."""
+    :func:`reference_state`; 1.0 when ``DB`` is not in the task's ``reward_basis``),
+    ``outputs_found`` (every required output occurs in ``agent_text`` with its commas removed,
+    case-insensitive, as τ²'s check reads the agent's messages), ``score`` = 1.0 iff those of
+    them in the task's ``reward_basis`` hold. ``ValueError`` naming the task when its basis
+    holds neither ``DB`` nor ``COMMUNICATE`` (the other components, ``ENV_ASSERTION``,
+    ``NL_ASSERTION``, ``ACTION``, are not computed here; :func:`check_tasks` finds such tasks
+    before training)."""
     task = domain.task(task_id)
     if not set(task.reward_basis) & set(COMPUTED_REWARD_TYPES):
         raise ValueError(
             f"task {task_id!r}: reward_basis {list(task.reward_basis)} has no component this "
             f"reward computes ({list(COMPUTED_REWARD_TYPES)})"
         )
-    got = domain.db_hash(state_after(domain, task_id, actions))
-    want = domain.db_hash(state_after(domain, task_id, list(task.actions), strict=True))
+    db = True
+    if "DB" in task.reward_basis:
+        got = domain.db_hash(state_after(domain, task_id, actions))
+        db = got == domain.db_hash(reference_state(domain, task))
     text = (agent_text or "").lower().replace(",", "")
     outputs = all(o.lower() in text for o in task.outputs)
-    ok = ("DB" not in task.reward_basis or got == want) and (
-        "COMMUNICATE" not in task.reward_basis or outputs
-    )
+    ok = db and ("COMMUNICATE" not in task.reward_basis or outputs)
     return {
         "score": 1.0 if ok else 0.0,
-        "db_match": float(got == want),
+        "db_match": float(db),
         "outputs_found": float(outputs),
     }
+
+
+_WARNED_REFERENCES: set[tuple] = set()
+
+
+def reference_state(domain: TauDomain, task: TauTask) -> Any:
+    """The database the task's reference actions produce. A reference call the domain refuses
+    is skipped, as τ²'s evaluator does (its retail tasks have such calls, mostly read-only
+    look-ups), with one WARNING per task naming it (:func:`check_tasks` lists them up front)."""
+    try:
+        return state_after(domain, task.task_id, list(task.actions), strict=True)
+    except ValueError as exc:
+        key = (getattr(domain, "cache_key", domain.name), task.task_id)
+        if key not in _WARNED_REFERENCES:
+            _WARNED_REFERENCES.add(key)
+            logger.warning("%s; the refused call is skipped", exc)
+        return state_after(domain, task.task_id, list(task.actions))
+
+
+def check_tasks(domain: TauDomain, tasks: list[TauTask]) -> dict[str, list[str]]:
+    """Which of ``tasks`` this reward cannot score as τ² does: ``unscorable`` (a
+    ``reward_basis`` with neither ``DB`` nor ``COMMUNICATE``, e.g. τ² telecom's
+    ``ENV_ASSERTION``: :func:`score` raises for them) and ``refused_reference`` (a DB task whose
+    reference actions include a call the domain refuses, message per task: skipped when
+    scored)."""
+    unscorable, refused = [], []
+    for task in tasks:
+        if not set(task.reward_basis) & set(COMPUTED_REWARD_TYPES):
+            unscorable.append(task.task_id)
+        elif "DB" in task.reward_basis:
+            try:
+                state_after(domain, task.task_id, list(task.actions), strict=True)
+            except ValueError as exc:
+                refused.append(str(exc))
+    return {"unscorable": unscorable, "refused_reference": refused}
 
 
 def compute_score(
@@ -571,6 +621,7 @@ class LLMUser:
         timeout: float = 120.0,
         seed: int | None = None,
         extra_body: dict[str, Any] | None = None,
+        retries: int = 2,
     ) -> None:
         if not base_url:
             raise ValueError("user.base_url: expected the endpoint URL (e.g. http://host:8000/v1)")
@@ -586,6 +637,9 @@ class LLMUser:
         self.max_tokens, self.timeout = int(max_tokens), float(timeout)
         self.seed = None if seed is None else int(seed)
         self.extra_body = dict(extra_body or {})
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise ValueError(f"user.retries: expected an int >= 0, got {retries!r}")
+        self.retries = retries
 
     def conversation(self, task: TauTask, messages: list[dict[str, Any]]) -> list[dict[str, str]]:
         """The simulator's chat: its system prompt, then the visible turns with roles swapped."""
@@ -602,9 +656,11 @@ class LLMUser:
 
     def reply(self, task: TauTask, messages: list[dict[str, Any]]) -> str | None:
         """The simulator's next message (its reasoning, ``<think>...</think>``, removed), or
-        None when it says ``###STOP###``. ``ValueError`` when the endpoint returns no message
-        text (e.g. a reasoning model cut off by ``max_tokens`` while thinking): an empty reply
-        would otherwise end the conversation as if the user had stopped."""
+        None when it says ``###STOP###``. A failed request (connection, timeout, HTTP error)
+        or a reply without message text is asked again, ``retries`` times; then the request's
+        error, or ``ValueError`` for no text (e.g. a reasoning model cut off by ``max_tokens``
+        while thinking): an empty reply would otherwise end the conversation as if the user had
+        stopped."""
         body = {
             **self.extra_body,
             "model": self.model,
@@ -622,19 +678,25 @@ class LLMUser:
                 "Authorization": f"Bearer {os.environ.get(self.api_key_env, 'EMPTY')}",
             },
         )
-        with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-            choice = json.loads(resp.read())["choices"][0]
-        text = strip_thinking(choice["message"].get("content") or "")
-        if STOP in text:
-            return None
-        if not text.strip():
-            raise ValueError(
-                f"user: the simulator {self.model!r} returned no message text for task "
-                f"{task.task_id!r} (finish_reason {choice.get('finish_reason')!r}; a reasoning "
-                "model cut off while thinking? raise user.max_tokens or turn thinking off with "
-                "user.extra_body)"
-            )
-        return text.strip()
+        for attempt in range(self.retries + 1):
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                    choice = json.loads(resp.read())["choices"][0]
+            except OSError:  # URLError, HTTPError, timeouts
+                if attempt == self.retries:
+                    raise
+                continue
+            text = strip_thinking(choice["message"].get("content") or "")
+            if STOP in text:
+                return None
+            if text.strip():
+                return text.strip()
+        raise ValueError(
+            f"user: the simulator {self.model!r} returned no message text for task "
+            f"{task.task_id!r} (finish_reason {choice.get('finish_reason')!r}; a reasoning "
+            "model cut off while thinking? raise user.max_tokens or turn thinking off with "
+            "user.extra_body)"
+        )
 
 
 def make_user(config: dict[str, Any] | None) -> ScriptedUser | LLMUser:
@@ -648,7 +710,7 @@ def make_user(config: dict[str, Any] | None) -> ScriptedUser | LLMUser:
         return ScriptedUser()
     if kind == "llm":
         allowed = {"base_url", "model", "api_key_env", "temperature", "max_tokens", "timeout"}
-        allowed |= {"seed", "extra_body"}
+        allowed |= {"seed", "extra_body", "retries"}
         bad = set(cfg) - allowed
         if bad:
             raise ValueError(f"user.{sorted(bad)[0]}: not an option of the LLM user")

@@ -142,10 +142,20 @@ def agent_text(
         )
     edges = np.flatnonzero(np.diff(np.concatenate([[False], mask, [False]]).astype(np.int8)))
     blocks = (THINK, *drop)
-    return "\n".join(
-        strip_thinking(tokenizer.decode(ids[a:b].tolist(), skip_special_tokens=True), blocks)
-        for a, b in zip(edges[::2], edges[1::2], strict=True)
-    )
+    special = [t for t in getattr(tokenizer, "all_special_tokens", []) if t]
+    runs = []
+    for a, b in zip(edges[::2], edges[1::2], strict=True):
+        # blocks first: a tokenizer may register their markers as special tokens
+        text = strip_thinking(tokenizer.decode(ids[a:b].tolist()), blocks)
+        runs.append(_without(text, special))
+    return "\n".join(runs)
+
+
+def _without(text: str, tokens: list[str]) -> str:
+    """``text`` with every occurrence of ``tokens`` removed."""
+    for token in tokens:
+        text = text.replace(token, "")
+    return text
 
 
 def tool_config(domain: str) -> dict[str, Any]:
@@ -227,9 +237,7 @@ class HartsTauAgentLoop(HartsToolAgentLoop):
             content = m.get("content")
             if m.get("role") == "assistant" and isinstance(content, str):
                 content = strip_thinking(content, (THINK, *self._call_markers()))
-                for token in special:
-                    content = content.replace(token, "")
-                m = {**m, "content": content.strip()}
+                m = {**m, "content": _without(content, special).strip()}
             out.append(m)
         return out
 

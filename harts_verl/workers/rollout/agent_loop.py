@@ -31,6 +31,7 @@ import asyncio
 import copy
 import difflib
 import hashlib
+import json
 import logging
 from collections import Counter
 from collections.abc import Sequence
@@ -493,7 +494,7 @@ class HartsToolAgentLoop(ToolAgentLoop):
         def spawn(total: int) -> None:
             nonlocal index
             for share in _shares(total, total if last else min(fork.branching, total)):
-                child_id = self._branch_request_id(point.request_id, (*path, index))
+                child_id = self._branch_request_id(point, (*path, index))
                 self.recorder.fork(point.request_id, child_id)
                 child = _copy_agent_data(
                     point,
@@ -522,14 +523,20 @@ class HartsToolAgentLoop(ToolAgentLoop):
                 task.cancel()
         return [leaf for i in sorted(leaves) for leaf in leaves[i]]
 
-    def _branch_request_id(self, parent: str, path: Path | None) -> str:
-        """The request id of a fork branch (``path``) or of the prompt snapshot (None): a fresh
-        random id, or under ``rollout.full_determinism`` (where veRL names the root request
-        ``det-{priority}``) one derived from the parent's id and the branch's fork path, so a
-        forked rollout samples the same tokens again on a server that seeds each request by its
-        id (``harts_hf``), and its branches still have ids of their own."""
+    def _branch_request_id(self, point: AgentData, path: Path | None) -> str:
+        """The request id of a fork branch (``path``) of ``point`` or of the prompt snapshot
+        (None): a fresh random id, or under ``rollout.full_determinism`` (where veRL names every
+        root request ``det-{priority}``) one derived from the parent's id and the branch's fork
+        path, so a forked rollout samples the same tokens again on a server that seeds each
+        request by its id (``harts_hf``) and its branches still have ids of their own. Below a
+        root the id also carries a hash of the root's conversation (``det-0:1a2b3c4d/0.1``), so
+        the trees of different prompts in a batch do not share branch ids."""
         if not self.rollout_config.full_determinism:
             return uuid4().hex
+        parent = point.request_id
+        if "/" not in parent:  # a root: veRL's id, the same for every prompt
+            text = json.dumps(point.messages, sort_keys=True, default=str)
+            parent = f"{parent}:{hashlib.sha256(text.encode()).hexdigest()[:8]}"
         return f"{parent}/{'prompt' if path is None else path_str(path)}"
 
     def _request_sampling_params(
@@ -577,7 +584,7 @@ class HartsToolAgentLoop(ToolAgentLoop):
         prompt_state = (
             _copy_agent_data(
                 agent_data,
-                self._branch_request_id(agent_data.request_id, None),
+                self._branch_request_id(agent_data, None),
                 "the prompt snapshot",
             )
             if budget > 1
