@@ -303,10 +303,14 @@ def load_bench_inputs(cfg: BenchConfig) -> BenchInputs:
         )
     except (ValueError, TypeError) as exc:  # scale and seed are checked: the overrides, or
         # a vocabulary (the model's) too small for the workload
-        vocab = str(exc).startswith("vocab_size")
-        overrides = cfg.workload_overrides is not None and "expected >=" not in str(exc)
-        field = "model" if vocab and not overrides else "workload_overrides"
-        raise _named(field, exc) from exc
+        if str(exc).startswith("vocab_size"):  # the model's vocabulary, with the options used
+            given = (
+                f" (with --workload-option {cfg.workload_overrides})"
+                if cfg.workload_overrides
+                else ""
+            )
+            raise ValueError(f"model: {exc}{given}") from exc
+        raise _named("workload_overrides", exc) from exc
     idx = _select(w.sequences, w.group_ids, cfg.max_semantic_tokens)
     seqs = [w.sequences[i] for i in idx]
     try:  # dynamic / longrope scaling: tree mode is exact only below the original context

@@ -138,6 +138,13 @@ def test_agent_text_is_what_the_agent_said():
     ids = tok.encode(said + "<think>still thinking", add_special_tokens=False)
     text = agent_text(tok, ids, [1] * len(ids), (("<tool_call>", "</tool_call>"),))
     assert text == "Sorry, I can't. ok"
+    # a special added token that all_special_tokens does not list is not speech either
+    from tokenizers import AddedToken
+
+    tok.add_tokens([AddedToken("<|eom|>", special=True)])
+    assert "<|eom|>" not in tok.all_special_tokens
+    ids = tok.encode("Done.<|eom|>", add_special_tokens=False)
+    assert agent_text(tok, ids, [1] * len(ids)) == "Done."
     assert tau.strip_thinking("a<think>b") == "a"
     # a template that opens <think> in the generation prompt: the output starts inside it
     assert tau.strip_thinking("it is delivered</think>Sorry.<think>x</think>!") == "Sorry.!"
@@ -289,22 +296,32 @@ def test_users_scripted_and_llm(dom, monkeypatch):
     assert sent[-1][1]["chat_template_kwargs"] == {"enable_thinking": False}
     assert llm.reply(task, []) == "Where is it?"
     n = len(sent)
-    with pytest.raises(ValueError, match="returned no message text for task 'cancel_pending'"):
-        llm.reply(task, [])  # asked twice (retries=1), no text either time
+    for _ in range(2):  # no text: the same request would give the same, so no retry
+        with pytest.raises(ValueError, match="returned no message text for task 'cancel_pending'"):
+            llm.reply(task, [])
     assert len(sent) == n + 2
-    # a failed request is asked again; the last failure is raised
-    failures = iter([True, False, True, True])
+    # a failed request is sent again after a pause; the last failure is raised; a client
+    # error (HTTP 400) at once
+    naps: list[float] = []
+    monkeypatch.setattr(tau.time, "sleep", naps.append)
+    failures = iter([True, False, True, True, 400])
 
     def flaky(req, timeout):
-        if next(failures):
+        fail = next(failures)
+        if fail is True:
             raise tau.urllib.error.URLError("connection refused")
+        if fail:
+            raise tau.urllib.error.HTTPError(req.full_url, fail, "Bad Request", {}, None)
         return fake_urlopen(req, timeout)
 
     monkeypatch.setattr(tau.urllib.request, "urlopen", flaky)
     replies = iter(["Hello?"])
-    assert llm.reply(task, []) == "Hello?"
+    assert llm.reply(task, []) == "Hello?" and naps == [0.5]
     with pytest.raises(tau.urllib.error.URLError):
         llm.reply(task, [])
+    with pytest.raises(tau.urllib.error.HTTPError):
+        llm.reply(task, [])
+    assert naps == [0.5, 0.5]
     with pytest.raises(ValueError, match=r"user\.retries"):
         tau.make_user({**cfg, "retries": -1})
     with pytest.raises(ValueError, match=r"user\.extra_body"):

@@ -158,6 +158,8 @@ def test_prepare_scripts_write_rows(tmp_path):
     # task splits are τ²'s; the fixture domain has none (named, not silently all tasks)
     with pytest.raises(ValueError, match="split: domain retail_mini has no task splits"):
         tau_prep.prepare(str(tmp_path / "tau3"), split="train")
+    with pytest.raises(ValueError, match=r"^val_split: domain retail_mini has no task splits"):
+        tau_prep.prepare(str(tmp_path / "tau3"), val_split="test")
     for mod in ("swebench", "tau3bench"):
         reward = _load(ROOT / f"recipes/{mod}/reward.py")
         assert callable(reward.compute_score)

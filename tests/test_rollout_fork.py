@@ -707,3 +707,16 @@ def test_prompt_media_pass_through_and_are_copied_per_branch(env, seq_ids, monke
     (out,) = _tree(env, MMClient(default=0), None)
     assert out.multi_modal_data == {"images": [["pixels"]], "audios": [[0.0, 0.5]]}
     assert seen == [([["pixels"]], [[0.0, 0.5]], None)]
+
+
+def test_derived_fork_ids_hash_images_by_their_bytes():
+    """The root-conversation hash of a derived fork id is the same in every process: an image
+    in the messages counts by its bytes, size and mode (``str()`` of a PIL image holds its
+    memory address)."""
+    pil = pytest.importorskip("PIL.Image")
+    from harts_verl.workers.rollout.agent_loop import _canonical
+
+    a, b = pil.new("RGB", (2, 2), (1, 2, 3)), pil.new("RGB", (2, 2), (1, 2, 3))
+    assert str(a) != str(b) and _canonical(a) == _canonical(b)
+    assert _canonical(a) != _canonical(pil.new("RGB", (2, 2), (1, 2, 4)))
+    assert _canonical(object()) == "object"

@@ -47,6 +47,7 @@ def prepare(
             f"val_domain: {val_dom!r} differs from {domain!r}; one tool config serves one domain"
         )
     dom = tau.get_domain(domain)
+    warned: set[str] = set()
 
     def tasks(name: str | None, flag: str) -> list[tau.TauTask]:
         try:
@@ -55,12 +56,14 @@ def prepare(
             raise ValueError(f"{flag}: {str(exc).removeprefix('split: ')}") from exc
         found = tau.check_tasks(dom, chosen)
         for msg in found["refused_reference"]:
-            print(f"prepare: WARNING: {msg} (skipped when scored, as τ² does)", file=sys.stderr)
+            if msg not in warned:
+                warned.add(msg)
+                print(f"prepare: WARNING: {msg} (skipped when scored, as τ² does)", file=sys.stderr)
         if found["unscorable"]:
             print(
                 f"prepare: WARNING: {flag}: {len(found['unscorable'])} task(s) left out, their "
                 f"reward_basis has no component this reward computes (DB, COMMUNICATE): "
-                f"{found['unscorable'][:10]}",
+                f"{found['unscorable']}",
                 file=sys.stderr,
             )
             chosen = [t for t in chosen if t.task_id not in set(found["unscorable"])]

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import http.client
 import json
 import logging
 import os
 import threading
+import time
 import urllib.request
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -36,6 +38,7 @@ __all__ = [
     "STOP",
     "FixtureDomain",
     "LLMUser",
+    "RefusedReference",
     "ScriptedUser",
     "Tau2Domain",
     "TauDomain",
@@ -449,6 +452,11 @@ def get_domain(name: str) -> TauDomain:
 
 
 # ---------------------------------------------------------------------- replay and reward
+class RefusedReference(ValueError):
+    """A task's reference action that the domain refuses (:func:`state_after` with
+    ``strict``)."""
+
+
 _CACHE: OrderedDict[tuple, Any] = OrderedDict()
 _CACHE_LOCK = threading.Lock()
 _CACHE_SIZE = 512
@@ -488,7 +496,7 @@ def state_after(
             domain.call(state, a)
         except ValueError as exc:
             if strict:
-                raise ValueError(
+                raise RefusedReference(
                     f"task {task_id!r}: reference actions[{i}] ({a['name']}) is refused by "
                     f"domain {domain.name}: {exc}"
                 ) from exc
@@ -530,29 +538,34 @@ def score(
     }
 
 
-_WARNED_REFERENCES: set[tuple] = set()
+_REFUSED_REFERENCES: set[tuple] = set()  # (domain, task) whose reference has a refused call
+_REFUSED_LOCK = threading.Lock()
 
 
 def reference_state(domain: TauDomain, task: TauTask) -> Any:
     """The database the task's reference actions produce. A reference call the domain refuses
     is skipped, as τ²'s evaluator does (its retail tasks have such calls, mostly read-only
     look-ups), with one WARNING per task naming it (:func:`check_tasks` lists them up front)."""
-    try:
-        return state_after(domain, task.task_id, list(task.actions), strict=True)
-    except ValueError as exc:
-        key = (getattr(domain, "cache_key", domain.name), task.task_id)
-        if key not in _WARNED_REFERENCES:
-            _WARNED_REFERENCES.add(key)
-            logger.warning("%s; the refused call is skipped", exc)
-        return state_after(domain, task.task_id, list(task.actions))
+    key = (getattr(domain, "cache_key", domain.name), task.task_id)
+    if key not in _REFUSED_REFERENCES:  # known refused: straight to the lenient replay
+        try:
+            return state_after(domain, task.task_id, list(task.actions), strict=True)
+        except RefusedReference as exc:
+            with _REFUSED_LOCK:
+                first = key not in _REFUSED_REFERENCES
+                _REFUSED_REFERENCES.add(key)
+            if first:
+                logger.warning("%s; the refused call is skipped (as τ²'s evaluator does)", exc)
+    return state_after(domain, task.task_id, list(task.actions))
 
 
 def check_tasks(domain: TauDomain, tasks: list[TauTask]) -> dict[str, list[str]]:
-    """Which of ``tasks`` this reward cannot score as τ² does: ``unscorable`` (a
-    ``reward_basis`` with neither ``DB`` nor ``COMMUNICATE``, e.g. τ² telecom's
-    ``ENV_ASSERTION``: :func:`score` raises for them) and ``refused_reference`` (a DB task whose
-    reference actions include a call the domain refuses, message per task: skipped when
-    scored)."""
+    """Two kinds of task among ``tasks``: ``unscorable`` (a ``reward_basis`` with neither
+    ``DB`` nor ``COMMUNICATE``, e.g. τ² telecom's ``ENV_ASSERTION``: :func:`score` raises for
+    them) and ``refused_reference`` (a DB task whose reference actions include a call the
+    domain refuses: the message naming the first such call, per task; skipped when scored).
+    Components of a basis other than DB and COMMUNICATE are not computed, so a task that also
+    lists them is scored more leniently than τ² does."""
     unscorable, refused = [], []
     for task in tasks:
         if not set(task.reward_basis) & set(COMPUTED_REWARD_TYPES):
@@ -560,7 +573,7 @@ def check_tasks(domain: TauDomain, tasks: list[TauTask]) -> dict[str, list[str]]
         elif "DB" in task.reward_basis:
             try:
                 state_after(domain, task.task_id, list(task.actions), strict=True)
-            except ValueError as exc:
+            except RefusedReference as exc:
                 refused.append(str(exc))
     return {"unscorable": unscorable, "refused_reference": refused}
 
@@ -639,7 +652,7 @@ class LLMUser:
         self.extra_body = dict(extra_body or {})
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
             raise ValueError(f"user.retries: expected an int >= 0, got {retries!r}")
-        self.retries = retries
+        self.retries = retries  # transport failures only: the same request gives the same text
 
     def conversation(self, task: TauTask, messages: list[dict[str, Any]]) -> list[dict[str, str]]:
         """The simulator's chat: its system prompt, then the visible turns with roles swapped."""
@@ -656,11 +669,11 @@ class LLMUser:
 
     def reply(self, task: TauTask, messages: list[dict[str, Any]]) -> str | None:
         """The simulator's next message (its reasoning, ``<think>...</think>``, removed), or
-        None when it says ``###STOP###``. A failed request (connection, timeout, HTTP error)
-        or a reply without message text is asked again, ``retries`` times; then the request's
-        error, or ``ValueError`` for no text (e.g. a reasoning model cut off by ``max_tokens``
-        while thinking): an empty reply would otherwise end the conversation as if the user had
-        stopped."""
+        None when it says ``###STOP###``. A failed request (connection, timeout, HTTP 408 / 429
+        / 5xx) is sent again, ``retries`` times, after 0.5 s, 1 s, ... (then its error is
+        raised; other HTTP errors at once). ``ValueError`` for a reply without message text
+        (e.g. a reasoning model cut off by ``max_tokens`` while thinking): an empty reply
+        would otherwise end the conversation as if the user had stopped."""
         body = {
             **self.extra_body,
             "model": self.model,
@@ -682,15 +695,18 @@ class LLMUser:
             try:
                 with urllib.request.urlopen(req, timeout=self.timeout) as resp:
                     choice = json.loads(resp.read())["choices"][0]
-            except OSError:  # URLError, HTTPError, timeouts
-                if attempt == self.retries:
+                break
+            except (OSError, http.client.HTTPException) as exc:  # URLError, timeouts, ...
+                code = getattr(exc, "code", None)
+                transient = code is None or code in (408, 429) or code >= 500
+                if attempt == self.retries or not transient:
                     raise
-                continue
-            text = strip_thinking(choice["message"].get("content") or "")
-            if STOP in text:
-                return None
-            if text.strip():
-                return text.strip()
+                time.sleep(0.5 * 2**attempt)
+        text = strip_thinking(choice["message"].get("content") or "")
+        if STOP in text:
+            return None
+        if text.strip():
+            return text.strip()
         raise ValueError(
             f"user: the simulator {self.model!r} returned no message text for task "
             f"{task.task_id!r} (finish_reason {choice.get('finish_reason')!r}; a reasoning "
@@ -726,7 +742,8 @@ def system_prompt(domain: TauDomain) -> str:
     """The agent's system message: the domain policy and how to talk to the user."""
     return (
         "You are a customer-service agent. Follow the policy below. Use the tools to look up "
-        "and change data; write plain messages to talk to the user.\n\n" + domain.policy.strip()
+        "and change data, one tool call per turn; write plain messages to talk to the user."
+        "\n\n" + domain.policy.strip()
     )
 
 

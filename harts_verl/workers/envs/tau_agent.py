@@ -142,13 +142,23 @@ def agent_text(
         )
     edges = np.flatnonzero(np.diff(np.concatenate([[False], mask, [False]]).astype(np.int8)))
     blocks = (THINK, *drop)
-    special = [t for t in getattr(tokenizer, "all_special_tokens", []) if t]
+    special = special_tokens(tokenizer)
     runs = []
     for a, b in zip(edges[::2], edges[1::2], strict=True):
         # blocks first: a tokenizer may register their markers as special tokens
         text = strip_thinking(tokenizer.decode(ids[a:b].tolist()), blocks)
         runs.append(_without(text, special))
     return "\n".join(runs)
+
+
+def special_tokens(tokenizer: Any) -> list[str]:
+    """The tokenizer's special tokens: ``all_special_tokens`` and every added token flagged
+    special (Llama 3's ``<|eom_id|>`` is in the latter only), longest first."""
+    found = {t for t in getattr(tokenizer, "all_special_tokens", []) if t}
+    for tok in getattr(tokenizer, "added_tokens_decoder", {}).values():
+        if getattr(tok, "special", False) and getattr(tok, "content", None):
+            found.add(tok.content)
+    return sorted(found, key=lambda t: (-len(t), t))
 
 
 def _without(text: str, tokens: list[str]) -> str:
@@ -231,7 +241,7 @@ class HartsTauAgentLoop(HartsToolAgentLoop):
     def _for_user(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The conversation as the user sees it: the agent's messages without its reasoning,
         tool calls and special tokens (veRL's parser keeps those in the message content)."""
-        special = [t for t in getattr(self.tokenizer, "all_special_tokens", []) if t]
+        special = special_tokens(self.tokenizer)
         out = []
         for m in messages:
             content = m.get("content")

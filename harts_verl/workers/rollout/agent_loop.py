@@ -322,6 +322,17 @@ def _copy_agent_data(src: AgentData, request_id: str, what: str = "a fork branch
     return dst
 
 
+def _canonical(obj: Any) -> str:
+    """A JSON stand-in for a message part JSON cannot hold that is the same in every process
+    (an image by its bytes, size and mode; never ``str()``, which can hold a memory address)."""
+    if hasattr(obj, "tobytes"):
+        digest = hashlib.sha256(obj.tobytes()).hexdigest()
+        return (
+            f"{type(obj).__name__}:{getattr(obj, 'size', '')}:{getattr(obj, 'mode', '')}:{digest}"
+        )
+    return type(obj).__name__
+
+
 @register(AGENT_NAME)
 class HartsToolAgentLoop(ToolAgentLoop):
     """``ToolAgentLoop`` that records its turns and can fork (see module docstring)."""
@@ -534,8 +545,8 @@ class HartsToolAgentLoop(ToolAgentLoop):
         if not self.rollout_config.full_determinism:
             return uuid4().hex
         parent = point.request_id
-        if "/" not in parent:  # a root: veRL's id, the same for every prompt
-            text = json.dumps(point.messages, sort_keys=True, default=str)
+        if "/" not in parent:  # a root: veRL's det-{priority}, which prompts can share
+            text = json.dumps(point.messages, sort_keys=True, default=_canonical)
             parent = f"{parent}:{hashlib.sha256(text.encode()).hexdigest()[:8]}"
         return f"{parent}/{'prompt' if path is None else path_str(path)}"
 
