@@ -476,8 +476,8 @@ def state_after(
 ) -> Any:
     """The state of ``task_id`` after replaying ``actions`` in order (a fresh object the caller
     may mutate). Calls the domain refuses are skipped (they changed nothing when made); with
-    ``strict`` (the task's reference actions) a refused call is a ``ValueError`` naming the
-    task and the action: a reference the domain refuses certifies no database."""
+    ``strict`` (a task's reference actions, :func:`reference_state` / :func:`check_tasks`) a
+    refused call raises :class:`RefusedReference` naming the task and the action."""
     actions = [
         _action(a["name"], a.get("arguments", {}), a.get("requestor", "assistant")) for a in actions
     ]
