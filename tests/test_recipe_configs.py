@@ -5,6 +5,7 @@ readable parquet; ``run.sh`` refuses to start without a model path. No GPU, Ray 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -163,6 +164,41 @@ def test_prepare_scripts_write_rows(tmp_path):
     for mod in ("swebench", "tau3bench"):
         reward = _load(ROOT / f"recipes/{mod}/reward.py")
         assert callable(reward.compute_score)
+
+
+def test_tau_prepare_leaves_out_tasks_the_reward_cannot_score(tmp_path, monkeypatch, capsys):
+    """A task whose ``reward_basis`` has neither DB nor COMMUNICATE (τ² telecom's kind) is left
+    out and named; a reference call the domain refuses is named once (the task is kept: the
+    call is skipped when scored, as τ² does); a split left with no task is an error."""
+    import shutil
+
+    import pandas as pd
+
+    tau_prep = _load(ROOT / "recipes/tau3bench/prepare.py")
+    tau = tau_prep.tau
+    src = Path(tau.FIXTURES) / tau.FIXTURE_DOMAIN
+    shutil.copytree(src, tmp_path / "dom")
+    tasks = json.loads((tmp_path / "dom" / "tasks.json").read_text())
+    tasks[0] = {**tasks[0], "reward_basis": ["ENV_ASSERTION"]}
+    tasks[1] = {**tasks[1], "actions": [{"name": "cancel_pendng_order", "arguments": {}}]}
+    (tmp_path / "dom" / "tasks.json").write_text(json.dumps(tasks))
+    dom = tau.FixtureDomain(str(tmp_path / "dom"))
+    monkeypatch.setattr(tau, "get_domain", lambda name: dom)
+    out = tau_prep.prepare(str(tmp_path / "out"), tau.FIXTURE_DOMAIN)
+    kept = [t["task_id"] for t in tasks[1:]]
+    train = pd.read_parquet(out["train"])
+    assert out["n_train"] == out["n_val"] == 2
+    assert [r["tau_task_id"] for r in train["extra_info"]] == kept
+    err = capsys.readouterr().err
+    assert "task(s) left out, their reward_basis has no component" in err
+    assert tasks[0]["task_id"] in err
+    assert err.count(f"task {tasks[1]['task_id']!r}: reference actions[0]") == 1
+    tasks[1] = {**tasks[1], "reward_basis": ["NL_ASSERTION"]}
+    tasks[2] = {**tasks[2], "reward_basis": ["ACTION"]}
+    (tmp_path / "dom" / "tasks.json").write_text(json.dumps(tasks))
+    dom = tau.FixtureDomain(str(tmp_path / "dom"))
+    with pytest.raises(ValueError, match="split: no scorable tasks of dom"):
+        tau_prep.prepare(str(tmp_path / "out2"), tau.FIXTURE_DOMAIN)
 
 
 @pytest.mark.parametrize("recipe", ["swebench", "tau3bench"])
