@@ -33,6 +33,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from harts_verl.tree._checks import check_int
+
 __all__ = [
     "FIXTURE_DOMAIN",
     "STOP",
@@ -198,6 +200,12 @@ class TauDomain(ABC):
     def tasks(self) -> list[TauTask]:
         """All tasks of the domain."""
 
+    @property
+    def cache_key(self) -> str:
+        """What the replay cache tells this domain's states by: its name (a fixture domain, its
+        folder)."""
+        return self.name
+
     def split_tasks(self, split: str) -> list[TauTask]:
         """The tasks of the named split; a domain without splits raises ``ValueError``."""
         raise ValueError(f"split: domain {self.name} has no task splits (got {split!r})")
@@ -239,7 +247,7 @@ class FixtureDomain(TauDomain):
     def __init__(self, path: str | None = None) -> None:
         path = path or os.path.join(FIXTURES, FIXTURE_DOMAIN)
         self.name = os.path.basename(path.rstrip("/"))
-        self.cache_key = os.path.abspath(path)
+        self._folder = os.path.abspath(path)
         with open(os.path.join(path, "db.json")) as f:
             self._db = json.load(f)
         with open(os.path.join(path, "tasks.json")) as f:
@@ -247,16 +255,22 @@ class FixtureDomain(TauDomain):
         if not isinstance(raw, list):
             raise ValueError(f"{path}/tasks.json: expected a list of tasks")
         self._tasks = []
+        seen: set[str] = set()
         for i, t in enumerate(raw):
             try:
                 task = TauTask.from_dict(t)
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"{path}/tasks.json[{i}]: {exc}") from exc
-            if any(other.task_id == task.task_id for other in self._tasks):
+            if task.task_id in seen:
                 raise ValueError(f"{path}/tasks.json[{i}]: duplicate task_id {task.task_id!r}")
+            seen.add(task.task_id)
             self._tasks.append(task)
         with open(os.path.join(path, "policy.md")) as f:
             self.policy = f.read()
+
+    @property
+    def cache_key(self) -> str:
+        return self._folder
 
     def tasks(self) -> list[TauTask]:
         return list(self._tasks)
@@ -371,11 +385,16 @@ class Tau2Domain(TauDomain):
         env = self._make_env()
         self.policy = env.get_policy()
         self._schemas = [t.openai_schema for t in env.get_tools()]
+        self._tasks = self._converted_tasks()  # once: every reward looks its task up
 
     def tool_schemas(self) -> list[dict[str, Any]]:
         return list(self._schemas)
 
     def tasks(self) -> list[TauTask]:
+        return list(self._tasks)
+
+    def _converted_tasks(self) -> list[TauTask]:
+        """The registry's tasks as :class:`TauTask`."""
         out = []
         for tid, t in self._raw.items():
             crit = t.evaluation_criteria
@@ -467,8 +486,7 @@ def _key(
 ) -> tuple:
     """Cache key of a replay (the domain's ``cache_key``: its name, or a fixture's folder);
     strict replays (every action succeeded) are cached apart."""
-    name = getattr(domain, "cache_key", domain.name)
-    return (name, task_id, json.dumps(actions, sort_keys=True), strict)
+    return (domain.cache_key, task_id, json.dumps(actions, sort_keys=True), strict)
 
 
 def state_after(
@@ -481,13 +499,16 @@ def state_after(
     actions = [
         _action(a["name"], a.get("arguments", {}), a.get("requestor", "assistant")) for a in actions
     ]
-    with _CACHE_LOCK:
-        k = len(actions)
-        while k > 0 and _key(domain, task_id, actions[:k], strict) not in _CACHE:
-            k -= 1
-        base = _CACHE.get(_key(domain, task_id, actions[:k], strict)) if k else None
-        if base is not None:  # least recently used goes first
-            _CACHE.move_to_end(_key(domain, task_id, actions[:k], strict))
+    base = None
+    with _CACHE_LOCK:  # the longest cached prefix
+        for k in range(len(actions), 0, -1):
+            key = _key(domain, task_id, actions[:k], strict)
+            if key in _CACHE:
+                base = _CACHE[key]
+                _CACHE.move_to_end(key)  # least recently used goes first
+                break
+        else:
+            k = 0
     state = (
         domain.copy_state(base) if base is not None else domain.initial_state(domain.task(task_id))
     )
@@ -546,7 +567,7 @@ def reference_state(domain: TauDomain, task: TauTask) -> Any:
     """The database the task's reference actions produce. A reference call the domain refuses
     is skipped, as τ²'s evaluator does (its retail tasks have such calls, mostly read-only
     look-ups), with one WARNING per task naming it (:func:`check_tasks` lists them up front)."""
-    key = (getattr(domain, "cache_key", domain.name), task.task_id)
+    key = (domain.cache_key, task.task_id)
     if key not in _REFUSED_REFERENCES:  # known refused: straight to the lenient replay
         try:
             return state_after(domain, task.task_id, list(task.actions), strict=True)
@@ -650,9 +671,8 @@ class LLMUser:
         self.max_tokens, self.timeout = int(max_tokens), float(timeout)
         self.seed = None if seed is None else int(seed)
         self.extra_body = dict(extra_body or {})
-        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-            raise ValueError(f"user.retries: expected an int >= 0, got {retries!r}")
-        self.retries = retries  # transport failures only: the same request gives the same text
+        # transport failures only: the same request gives the same text
+        self.retries = check_int("user.retries", retries, 0)
 
     def conversation(self, task: TauTask, messages: list[dict[str, Any]]) -> list[dict[str, str]]:
         """The simulator's chat: its system prompt, then the visible turns with roles swapped."""

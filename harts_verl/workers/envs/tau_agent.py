@@ -141,14 +141,21 @@ def agent_text(
             f"got {mask.shape[0]}"
         )
     edges = np.flatnonzero(np.diff(np.concatenate([[False], mask, [False]]).astype(np.int8)))
-    blocks = (THINK, *drop)
     special = special_tokens(tokenizer)
-    runs = []
-    for a, b in zip(edges[::2], edges[1::2], strict=True):
-        # blocks first: a tokenizer may register their markers as special tokens
-        text = strip_thinking(tokenizer.decode(ids[a:b].tolist()), blocks)
-        runs.append(_without(text, special))
-    return "\n".join(runs)
+    return "\n".join(
+        said(tokenizer.decode(ids[a:b].tolist()), special, drop)
+        for a, b in zip(edges[::2], edges[1::2], strict=True)
+    )
+
+
+def said(text: str, special: list[str], drop: tuple[tuple[str, str], ...] = ()) -> str:
+    """What ``text`` (the model's own, decoded with its special tokens) says to the user: its
+    reasoning and ``drop`` blocks removed first (a tokenizer may register their markers as
+    special tokens), then the ``special`` tokens (:func:`special_tokens`)."""
+    text = strip_thinking(text, (THINK, *drop))
+    for token in special:
+        text = text.replace(token, "")
+    return text
 
 
 def special_tokens(tokenizer: Any) -> list[str]:
@@ -159,13 +166,6 @@ def special_tokens(tokenizer: Any) -> list[str]:
         if getattr(tok, "special", False) and getattr(tok, "content", None):
             found.add(tok.content)
     return sorted(found, key=lambda t: (-len(t), t))
-
-
-def _without(text: str, tokens: list[str]) -> str:
-    """``text`` with every occurrence of ``tokens`` removed."""
-    for token in tokens:
-        text = text.replace(token, "")
-    return text
 
 
 def tool_config(domain: str) -> dict[str, Any]:
@@ -246,8 +246,7 @@ class HartsTauAgentLoop(HartsToolAgentLoop):
         for m in messages:
             content = m.get("content")
             if m.get("role") == "assistant" and isinstance(content, str):
-                content = strip_thinking(content, (THINK, *self._call_markers()))
-                m = {**m, "content": _without(content, special).strip()}
+                m = {**m, "content": said(content, special, self._call_markers()).strip()}
             out.append(m)
         return out
 
