@@ -160,11 +160,10 @@ def apply_harts_ref_config(config: Any) -> bool:
             return {}
         return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
 
-    own = plain(ref.get("harts"))
-    if not isinstance(plain(inherited), dict) or not isinstance(own, dict):
+    base, own = plain(inherited), plain(ref.get("harts"))
+    if not isinstance(base, dict) or not isinstance(own, dict):
         return changed  # not a mapping: HartsConfig names the section when it is built
-    merged = OmegaConf.merge(plain(inherited), own)
-    merged = OmegaConf.to_container(merged, resolve=True)
+    merged = OmegaConf.to_container(OmegaConf.merge(base, own), resolve=True)
     if own == merged:
         return changed
     with open_dict(ref):
