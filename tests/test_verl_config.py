@@ -53,6 +53,13 @@ def test_harts_section_validation():
     assert HartsConfig.from_any({"planner": {"max_search_cells": 10}}).planner == {
         "max_search_cells": 10
     }
+    # every option the planner takes is settable, but allow_oversize: the engine decides that
+    from harts_verl.tree.microbatch import planner_options
+
+    assert "max_layers_work" in planner_options()
+    assert HartsConfig.from_any({"planner": {"max_layers_work": 10}}).planner == {
+        "max_layers_work": 10
+    }
     for bad, key in [
         ({"chunk_size": 0}, "harts.chunk_size"),
         ({"chunk_size": 4097}, r"harts.chunk_size: expected an int in \[1, 4096\]"),
@@ -68,6 +75,8 @@ def test_harts_section_validation():
         ({"planner": {"strategies": ["tree", "bogus"]}}, "harts.planner.strategies"),
         ({"planner": {"restarts": -1}}, "harts.planner.restarts"),
         ({"planner": {"max_search_cells": -1}}, "harts.planner.max_search_cells"),
+        ({"planner": {"max_layers_work": -1}}, "harts.planner.max_layers_work"),
+        ({"planner": {"allow_oversize": False}}, "harts.planner.allow_oversize"),
         ({"planner": {"improve": "yes"}}, "harts.planner.improve"),
         ({"planner": {"seed": 1.9}}, "harts.planner.seed"),
         ({"planner": {"seed": None}}, "harts.planner.seed"),

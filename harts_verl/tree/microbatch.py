@@ -114,6 +114,7 @@ __all__ = [
     "partition_works",
     "place_microbatches",
     "plan_microbatches",
+    "planner_options",
     "slot_imbalance",
     "validate_options",
 ]
@@ -1483,6 +1484,13 @@ def _check_options(options: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"{name}: expected a bool, got {opt[name]!r}")
         opt[name] = bool(opt[name])
     return opt
+
+
+def planner_options() -> tuple[str, ...]:
+    """The names of the keyword options :func:`plan_microbatches` takes besides
+    ``capacity_tokens`` / ``dp_size`` / ``seed``, sorted; :func:`validate_options` knows exactly
+    these."""
+    return tuple(sorted(_DEFAULT_OPTIONS))
 
 
 def validate_options(options: dict[str, Any]) -> None:

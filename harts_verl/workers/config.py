@@ -29,6 +29,7 @@ from verl.base_config import BaseConfig  # loads our plugin (-> engine) if verl 
 from verl.workers.config import FSDPActorConfig, FSDPCriticConfig
 
 from harts_verl.ops.layout import check_chunk_size
+from harts_verl.tree.microbatch import planner_options, validate_options
 from harts_verl.workers import STRATEGY
 
 logger = logging.getLogger(__name__)
@@ -41,16 +42,9 @@ __all__ = [
     "harts_config_of",
 ]
 
-_PLANNER_KEYS = {
-    "strategies",
-    "improve",
-    "balance",
-    "work_slack",
-    "restarts",
-    "effort",
-    "seed",
-    "max_search_cells",
-}
+# what harts.planner may set: the planner's own options and its seed; the engine decides
+# allow_oversize itself (an oversize trajectory runs alone, never an error mid-training)
+_PLANNER_KEYS = frozenset(planner_options()) - {"allow_oversize"} | {"seed"}
 
 
 @dataclass
@@ -72,7 +66,8 @@ class HartsConfig(BaseConfig):
       audit_trajectories: how many trajectories the audit samples.
       rows_per_chunk: rows per chunk of the compact log-prob/entropy kernel (memory bound).
       planner: options passed to ``plan_microbatches`` (``strategies``, ``improve``,
-        ``balance``, ``work_slack``, ``restarts``, ``effort``, ``seed``, ``max_search_cells``).
+        ``balance``, ``work_slack``, ``restarts``, ``effort``, ``seed``, ``max_layers_work``,
+        ``max_search_cells``).
       split_dependent_losses: where a loss that depends on the micro-batching (e.g. the
         ``geo_mean`` / ``clip_cov`` / ``kl_cov`` policy losses) is evaluated: ``stock`` (on
         veRL's own micro-batches, the stock engine's numbers; the tree micro-batches run one
@@ -134,8 +129,6 @@ class HartsConfig(BaseConfig):
         seed = options.pop("seed", 0)
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"harts.planner.seed: expected an int >= 0, got {seed!r}")
-        from harts_verl.tree.microbatch import validate_options
-
         try:
             validate_options(options)
         except (TypeError, ValueError) as exc:  # the planner names the option

@@ -48,8 +48,11 @@ def prepare(
         )
     dom = tau.get_domain(domain)
     warned: set[str] = set()
+    chosen_of: dict[str | None, list[tau.TauTask]] = {}  # per split: checked and warned once
 
     def tasks(name: str | None, flag: str) -> list[tau.TauTask]:
+        if name in chosen_of:
+            return chosen_of[name]
         try:
             chosen = dom.tasks() if name is None else dom.split_tasks(name)
         except ValueError as exc:
@@ -69,6 +72,7 @@ def prepare(
             chosen = [t for t in chosen if t.task_id not in set(found["unscorable"])]
         if not chosen:
             raise ValueError(f"{flag}: no scorable tasks of {dom.name} in split {name!r}")
+        chosen_of[name] = chosen
         return chosen
 
     train = tau.dataset_rows(dom, tasks(split, "split"), split="train")
