@@ -301,6 +301,53 @@ def test_load_sequences_formats_and_errors(tmp_path):
         run_check(None, [])
 
 
+def test_load_sequences_notes_positions_other_than_depths(tmp_path, capsys):
+    """A dump whose ``position_ids`` are 0..L-1 in every trajectory (nested, mrope rows, dense
+    with left padding read through the mask) loads silently; another one loads with one note
+    naming the trajectory (the audit runs 0..L-1, the engine would take the stock path)."""
+    from harts_verl.workers.check import load_sequences
+
+    seqs = [[5, 6, 7], [5, 6], [9]]
+    lens = [3, 2, 1]
+
+    def nested(ts):
+        return torch.nested.as_nested_tensor(ts, layout=torch.jagged)
+
+    ids = nested([torch.tensor(s) for s in seqs])
+    left = torch.tensor([[5, 6, 7], [0, 5, 6], [0, 0, 9]])
+    lmask = (left != 0).long()
+    lpos = (lmask.cumsum(1) - 1).clamp(min=0)
+    mrope = [torch.arange(n).expand(4, n).clone() for n in lens]
+    quiet = {
+        "nested": {"input_ids": ids, "position_ids": nested([torch.arange(n) for n in lens])},
+        "mrope": {"input_ids": ids, "position_ids": nested(mrope)},
+        "mrope_t": {"input_ids": ids, "position_ids": nested([m.T.contiguous() for m in mrope])},
+        "left": {"input_ids": left, "attention_mask": lmask, "position_ids": lpos},
+        "left3d": {
+            "input_ids": left,
+            "attention_mask": lmask,
+            "position_ids": lpos[:, None].expand(3, 4, 3),
+        },
+    }
+    for name, obj in quiet.items():
+        torch.save(obj, tmp_path / f"{name}.pt")
+        assert load_sequences(str(tmp_path / f"{name}.pt")) == seqs, name
+        assert capsys.readouterr().err == "", name
+    mrope[1][2, 1] = 7
+    loud = {
+        "shifted": {"input_ids": ids, "position_ids": nested([torch.arange(n) + 1 for n in lens])},
+        "mrope": {"input_ids": ids, "position_ids": nested(mrope)},
+        "left": {"input_ids": left, "attention_mask": lmask, "position_ids": lpos + lmask},
+    }
+    for name, obj in loud.items():
+        torch.save(obj, tmp_path / f"bad_{name}.pt")
+        assert load_sequences(str(tmp_path / f"bad_{name}.pt")) == seqs, name
+        err = capsys.readouterr().err
+        want = "trajectory 1 are not 0..1" if name == "mrope" else "trajectory 0 are not 0..2"
+        assert err.startswith("harts-verl check: note: ") and want in err, (name, err)
+        assert err.count("\n") == 1
+
+
 def _check_error(capsys, argv: list[str], msg: str, *, entry: str = "cli") -> str:
     """``check`` with ``argv`` is a user error: exit status 2, one stderr line naming it."""
     if entry == "cli":

@@ -10,6 +10,7 @@ without fla, HF's torch fallback would carry linear-attention state across packe
 
 from __future__ import annotations
 
+import logging
 import types
 from contextlib import nullcontext
 from functools import partial
@@ -1081,6 +1082,66 @@ def test_fallback_and_audit(verl_cpu):
             loss_function=partial(_ppo_loss(), config=cfg),
         )
     assert out["metrics"]["harts/fallback"] == [0.0]
+
+
+def test_position_ids_other_than_depths_run_on_the_stock_path(verl_cpu, caplog):
+    """Tree mode places every row at its depth: a trajectory whose ``position_ids`` are not
+    ``0..L-1`` (packed, restarting or shifted: a custom agent loop) takes the stock path, which
+    feeds them to the model, and gives stock's numbers (merged with its token-identical sibling,
+    it got depths instead: 6e-2 off, silently)."""
+    testing, paths = verl_cpu
+    seqs, prompt_lens, spans = _grpo_batch(seed=1)
+    batch = testing.make_batch(seqs, prompt_lens, tool_spans=spans)
+    pos = [t.clone() for t in batch["position_ids"].unbind()]
+    pos[1][3:] += 5
+    batch["position_ids"] = torch.nested.as_nested_tensor(pos, layout=torch.jagged)
+    out = {}
+    for strategy in ("fsdp2", "harts_fsdp2"):
+        engine = testing.build_engine(paths["qwen2"], testing.actor_config(strategy=strategy))
+        with caplog.at_level(logging.WARNING), engine.eval_mode():
+            out[strategy] = engine.infer_batch(batch.clone())
+    assert out["harts_fsdp2"]["metrics"]["harts/fallback"] == [1.0]
+    assert "position_ids of trajectory 1 are not 0.." in caplog.text
+    for a, b in zip(
+        out["fsdp2"]["model_output"]["log_probs"].unbind(),
+        out["harts_fsdp2"]["model_output"]["log_probs"].unbind(),
+    ):
+        assert float((a - b).abs().max()) <= 1e-6
+
+
+def test_position_ids_reason_layouts():
+    """0..L-1 per trajectory passes in veRL's layouts (nested 1-D, nested mrope ``[bsz, 4, j]``,
+    dense rows); the first trajectory and token that differ are named; a count mismatch too."""
+    from tensordict import TensorDict
+
+    from harts_verl.workers.engine import _position_ids_reason
+
+    lens = (5, 3, 7)
+    ids = torch.nested.as_nested_tensor([torch.arange(n) for n in lens], layout=torch.jagged)
+
+    def batch(pos, input_ids=ids):
+        return TensorDict({"input_ids": input_ids, "position_ids": pos}, batch_size=len(lens))
+
+    def nested(ts):
+        return torch.nested.as_nested_tensor(ts, layout=torch.jagged)
+
+    assert _position_ids_reason(TensorDict({"input_ids": ids}, batch_size=3)) is None
+    assert _position_ids_reason(batch(nested([torch.arange(n) for n in lens]))) is None
+    mrope = [torch.arange(n).expand(4, n).clone() for n in lens]
+    assert _position_ids_reason(batch(nested(mrope))) is None
+    assert _position_ids_reason(batch(nested([m.T.contiguous() for m in mrope]))) is None
+    mrope[2][3, 4] = 9  # one mrope row of trajectory 2, token 4
+    why = _position_ids_reason(batch(nested(mrope)))
+    assert why.startswith("position_ids of trajectory 2 are not 0..6 (token 4 is at [4, 4, 4, 9])")
+    shifted = [torch.arange(n) + (i == 0) for i, n in enumerate(lens)]  # a uniform shift too
+    assert "trajectory 0 are not 0..4 (token 0 is at 1)" in _position_ids_reason(
+        batch(nested(shifted))
+    )
+    dense = torch.arange(4).expand(3, 4)
+    assert _position_ids_reason(batch(dense, input_ids=torch.zeros(3, 4, dtype=torch.long))) is None
+    assert "holds 12 positions per row for 15" in _position_ids_reason(
+        batch(nested([torch.arange(4)] * 3))
+    )
 
 
 @pytest.mark.parametrize("kind", ["qwen3_next", "gpt_oss"])

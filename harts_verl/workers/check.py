@@ -9,7 +9,8 @@ Qwen3-MoE / Mixtral, DeepSeek-V3, GLM-4-MoE, OLMo 2 / OLMo 3, Phi-3, Seed-OSS, G
 Gemma 3, gpt-oss, ...), the Mamba-2 hybrids (Granite 4.0-H, Bamba, Nemotron-H, Falcon-H1) and the
 short-conv hybrids (LFM2, LFM2-MoE); ``--batch`` a dump of trajectories: a ``RolloutForest.save`` file (``.npz``), or a ``torch.save`` file (``.pt``)
 holding a list of token-id lists or a dict with ``input_ids`` (list, or a nested tensor as in a
-veRL batch). Prints JSON: max |Δlogp| tree vs expanded (``max_abs_dlogp``) and tree vs the
+veRL batch; every trajectory is audited at positions 0..L-1, and a dump whose ``position_ids``
+differ gets a note on stderr). Prints JSON: max |Δlogp| tree vs expanded (``max_abs_dlogp``) and tree vs the
 model's own forward of each trajectory alone (``own_forward_max_abs_dlogp``: HF's code, no tree
 machinery, the independent oracle), MeanCos of the final hidden states' logits, per decoder
 layer the max |Δ| of its output with the first layer whose difference exceeds ``--tol`` (None
@@ -132,8 +133,34 @@ def load_sequences(path: str) -> list[list[int]]:
     return seqs
 
 
+def _positions_note(positions: Any, mask: Any, seqs: list[list[int]], path: str) -> str | None:
+    """A note when a dump's ``position_ids`` (nested ``[B, j]`` / ``[B, k, j]``, or dense
+    ``[B, L]`` / ``[B, k, L]`` read through ``attention_mask``) are not ``0..L-1`` in some
+    trajectory, or None. Layouts it cannot read are not noted."""
+    if not isinstance(positions, torch.Tensor):
+        return None
+    if positions.is_nested:  # [B, k, j] keeps [k, j] rows; [B, j, k] ones are transposed
+        rows = list(positions.unbind())
+        if positions.dim() == 3 and positions._ragged_idx == 1:
+            rows = [r.T for r in rows]
+    elif mask is not None and isinstance(mask, torch.Tensor) and positions.dim() in (2, 3):
+        rows = [p[..., m.bool()] for p, m in zip(positions, mask)]
+    else:
+        return None
+    for i, (p, seq) in enumerate(zip(rows, seqs)):
+        n = len(seq)
+        if p.shape[-1] != n or not bool((p == torch.arange(n)).all()):
+            return (
+                f"harts-verl check: note: {path}: position_ids of trajectory {i} are not "
+                f"0..{n - 1}: the audit runs every trajectory at positions 0..L-1, as tree mode "
+                "does (the harts_fsdp2 engine runs such a batch on the stock path, with its "
+                "position_ids)"
+            )
+    return None
+
+
 def _sequences_of(obj: Any, path: str) -> list[list[int]]:
-    mask = None
+    mask = positions = None
     if hasattr(obj, "batch") and hasattr(obj, "non_tensor_batch"):  # a veRL DataProto
         if obj.batch is None:
             raise ValueError(f"{path}: the saved DataProto has no tensor batch")
@@ -143,6 +170,7 @@ def _sequences_of(obj: Any, path: str) -> list[list[int]]:
         if "input_ids" not in keys:
             raise ValueError(f"{path}: no 'input_ids' in the saved mapping (keys: {keys})")
         mask = obj["attention_mask"] if "attention_mask" in keys else None
+        positions = obj["position_ids"] if "position_ids" in keys else None
         obj = obj["input_ids"]
         if mask is not None and isinstance(obj, list | tuple):  # rows of one padded width
             rows = [r.tolist() if hasattr(r, "tolist") else r for r in obj]
@@ -211,6 +239,9 @@ def _sequences_of(obj: Any, path: str) -> list[list[int]]:
                 "any vocabulary)"
             )
         seqs.append(a.astype(np.int64).tolist())
+    note = _positions_note(positions, mask, seqs, path)
+    if note is not None:
+        print(note, file=sys.stderr)
     return seqs
 
 

@@ -301,6 +301,57 @@ def _has_multi_modal(data: TensorDict) -> bool:
     )
 
 
+def _token_rows(t: torch.Tensor, what: str) -> torch.Tensor:
+    """``t``'s per-token values as ``[k, tokens]`` (trajectories concatenated in batch order): a
+    nested ``[bsz, j]`` / ``[bsz, k, j]`` / ``[bsz, j, k]`` tensor or a dense ``[bsz, L]`` /
+    ``[bsz, k, L]`` one. ValueError naming ``what`` for any other layout."""
+    if t.is_nested:
+        v = t.values()
+        if v.dim() == 1:
+            return v[None]
+        if v.dim() == 2:
+            return v if t._ragged_idx == 2 else v.T
+    elif t.dim() == 2:
+        return t.reshape(1, -1)
+    elif t.dim() == 3:
+        return t.transpose(0, 1).reshape(t.shape[1], -1)
+    raise ValueError(f"{what}: expected [bsz, L] or [bsz, k, L] per-token values, got {t.shape}")
+
+
+def _position_ids_reason(data: TensorDict) -> str | None:
+    """Why the batch's ``position_ids`` (if any) rule out tree mode, or None: tree mode places
+    every row at its depth, so each trajectory's positions (every row of 3-D / mrope ones)
+    must be ``0 .. L-1`` — what veRL builds from the attention mask — and packed, restarting or
+    shifted positions run on the stock path, which feeds them to the model."""
+    if "position_ids" not in data.keys():
+        return None
+    ids = data["input_ids"]
+    if ids.is_nested:
+        offsets = ids.offsets().detach().cpu().numpy().astype(np.int64)
+    else:
+        offsets = np.arange(ids.shape[0] + 1, dtype=np.int64) * ids.shape[1]
+    lengths = np.diff(offsets)
+    pos = _token_rows(data["position_ids"], "position_ids").detach().cpu().numpy()
+    if pos.shape[1] != offsets[-1]:
+        return (
+            f"position_ids holds {pos.shape[1]} positions per row for {offsets[-1]} input_ids "
+            "tokens; tree mode places rows at their depths and needs one position per token"
+        )
+    expected = np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1], lengths)
+    bad = np.flatnonzero((pos != expected[None]).any(axis=0))
+    if not bad.size:
+        return None
+    at = int(bad[0])
+    i = int(np.searchsorted(offsets, at, side="right") - 1)
+    j = at - int(offsets[i])
+    got = pos[:, at].tolist()
+    return (
+        f"position_ids of trajectory {i} are not 0..{int(lengths[i]) - 1} (token {j} is at "
+        f"{got[0] if len(got) == 1 else got}): tree mode places every row at its depth, so "
+        "packed, restarting or shifted positions run on the stock path"
+    )
+
+
 def _loss_config(loss_function: Any) -> Any:
     """The ``config`` argument bound in the loss ``loss_function`` (a ``functools.partial`` of
     veRL's ``ppo_loss`` / ``value_loss``, by keyword or by position), or None."""
@@ -880,6 +931,9 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
                 "vision embeddings and 3-D mrope positions have no tree form; text-only batches "
                 "of this model run in tree mode)"
             )
+        positions = _position_ids_reason(data)
+        if positions is not None:
+            reasons["position_ids"] = positions
         if self._needs_plain_forward() and _plain_forward_of(_causal_lm_of(self.module)) is None:
             fused = self._fused_forward()
             why = (
@@ -941,6 +995,8 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         c = forest.num_compact_tokens if forest is not None else 0
         longest = int(forest.lengths.max()) if forest is not None else 0
         reasons = self._local_fallback_reasons(data, longest, forward_only)
+        if forest is None:  # nothing to plan: stock's handling of an empty batch
+            reasons["empty"] = "this rank's batch is empty"
         planned = None
         if forest is not None and not reasons:
             capacity = self._capacity(data, longest)
