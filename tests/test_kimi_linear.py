@@ -231,9 +231,13 @@ def test_state_dict_errors_name_the_tensor():
     del native["layers.4.mixer.dt_bias"]
     with pytest.raises(ValueError, match=r"missing tensor model\.layers\.4\.mixer\.dt_bias"):
         _to_kimi(native, cfg)
-    # multi-token-prediction layers beyond num_hidden_layers are dropped (logged), not an error
+    # the multi-token-prediction layers the config declares after num_hidden_layers are
+    # dropped (logged); a layer beyond them is refused (Kimi-Linear declares none by default)
     mtp = dict(kimi, **{"model.layers.6.self_attn.q_proj.weight": torch.zeros(2)})
-    assert _to_hybrid(mtp, cfg).keys() == _native(cfg).state_dict().keys()
+    with pytest.raises(ValueError, match=r"tensors of layers \[6\] beyond num_hidden_layers = 6"):
+        _to_hybrid(mtp, cfg)
+    back = ck.hybrid_state_dict_from_source(kl.FORMAT, mtp, cfg, mtp_layers=1)
+    assert back.keys() == _native(cfg).state_dict().keys()
 
 
 def test_kimi_tiny_preset_is_a_kimi_linear_architecture():
@@ -534,6 +538,14 @@ def test_omitted_group_keys_and_routed_expert_names():
             ),
             "linear_attn_config.kda_layers: expected a list",
         ),
+        # flags are JSON booleans: the string "false" is not read as true
+        (dict(tie_word_embeddings="false"), "tie_word_embeddings: expected true or false"),
+        (dict(moe_renormalize="false"), "moe_renormalize: expected true or false"),
+        (dict(use_grouped_topk=0), "use_grouped_topk: expected true or false"),
+        (dict(attention_bias="no"), "attention_bias: expected true or false"),
+        (dict(layer_types=5), "layer_types: expected a list, got int"),
+        (dict(layer_types="linear_attention"), "layer_types: expected a list, got str"),
+        (dict(mlp_layer_types="dense"), "mlp_layer_types: expected a list"),
     ],
 )
 def test_config_values_are_checked_and_named(change, match):

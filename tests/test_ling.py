@@ -99,6 +99,8 @@ def test_config_round_trip_and_errors():
         ling.hybrid_config_from_ling(dict(LING_CONFIG, rope_parameters={"rope_type": "yarn"}))
     with pytest.raises(ValueError, match="hidden_act"):
         ling.hybrid_config_from_ling(dict(LING_CONFIG, hidden_act="gelu"))
+    with pytest.raises(ValueError, match="kda_safe_gate: expected true or false, got 'false'"):
+        ling.hybrid_config_from_ling(dict(LING_CONFIG, kda_safe_gate="false"))
     with pytest.raises(ValueError, match="kda_low_rank_gates: Ling 3 needs False"):
         ling.ling_config_from_hybrid(preset("kimi_tiny"))
     assert ling.hybrid_config_from_ling(

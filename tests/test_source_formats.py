@@ -115,22 +115,145 @@ def test_round_trips_are_exact(model_type, data):
         assert torch.equal(back[k], v), k
 
 
-def _kimi_dir(path, cfg: HybridConfig, seed: int = 0, extra=None) -> dict:
-    """A Kimi-Linear checkpoint directory of a random ``cfg`` model; ``extra`` edits the source
-    state dict before it is saved. Returns the saved tensors."""
+def _source_dir(
+    path, cfg: HybridConfig, seed: int = 0, extra=None, fmt=kimi_linear.FORMAT, model=None
+) -> dict:
+    """A checkpoint directory in ``fmt`` (Kimi-Linear by default) of ``model`` (a random
+    float32 ``cfg`` model without one); ``extra`` edits the source state dict before it is
+    saved. Returns the saved tensors."""
     import json
 
     from safetensors.torch import save_file
 
-    sd = _random_model(cfg, seed).float().state_dict()
+    sd = (model if model is not None else _random_model(cfg, seed).float()).state_dict()
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight")
-    source = ck.source_state_dict_from_hybrid(kimi_linear.FORMAT, sd, cfg)
+    source = ck.source_state_dict_from_hybrid(fmt, sd, cfg)
     source = dict(extra(source)) if extra else source
     path.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in source.items()}, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps(kimi_linear.kimi_linear_config_from_hybrid(cfg)))
+    (path / "config.json").write_text(json.dumps(fmt.source_config(cfg, None)))
     return source
+
+
+_kimi_dir = _source_dir
+
+
+@pytest.mark.parametrize("model_type", sorted(FORMATS))
+def test_tied_model_without_token_ids_exports_for_transformers(model_type, tmp_path):
+    """A tied model whose config has no token ids, through harts_hybrid and back, loads in
+    transformers with its own logits (float64, 1e-10): transformers' Kimi-Linear and Ling 3
+    never tie, so the export writes ``lm_head.weight`` (a copy of the embedding; without it
+    they loaded a random head: logits 2.7 off), and the token ids are written as null (left
+    out, transformers filled in its own, beyond this 64-token vocabulary: no model loaded)."""
+    import json
+
+    from _oracles import max_logit_error, oracle_path, run_oracle
+    from safetensors.torch import load_file
+
+    from harts_verl.models.config import preset
+    from harts_verl.models.hf import load_causal_lm
+
+    oracle_path()
+    fmt = FORMATS[model_type]
+    name = "kimi_tiny" if model_type == "kimi_linear" else "ling_tiny"
+    cfg = preset(name, vocab_size=64, tie_word_embeddings=True)
+    model = _random_model(cfg, 5)
+    with torch.no_grad():  # keep activations tame through the layers
+        for p in model.parameters():
+            p.mul_(0.1)
+    _source_dir(tmp_path / "src", cfg, fmt=fmt, model=model)
+    ck.convert_checkpoint(str(tmp_path / "src"), str(tmp_path / "harts"))
+    ck.convert_checkpoint(str(tmp_path / "harts"), str(tmp_path / "back"), to=model_type)
+    written = load_file(str(tmp_path / "back" / "model.safetensors"))
+    emb = next(k for k in written if k.endswith(fmt.names.embed[0].split("model.")[-1]))
+    assert torch.equal(written["lm_head.weight"], written[emb])
+    saved = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert {k: saved[k] for k in ck.TOKEN_KEYS} == dict.fromkeys(ck.TOKEN_KEYS)
+    assert saved["tie_word_embeddings"] is True
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (9, 17)]
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"config": {"model_type": model_type}, "sequences": seqs}))
+    run_oracle("logits", str(spec), str(tmp_path / "back"), str(tmp_path / "logits.pt"))
+    ref = torch.load(tmp_path / "logits.pt")
+    ours = load_causal_lm(str(tmp_path / "harts"), dtype=torch.float64)
+    assert max_logit_error(ours, seqs, ref) <= 1e-10
+
+
+def test_layers_beyond_the_declared_mtp_layers_are_refused(tmp_path, caplog):
+    """Tensors of layers past ``num_hidden_layers`` are multi-token-prediction layers only as
+    many as the config declares (``num_nextn_predict_layers`` / ``num_mtp_layers``; Ling's
+    transformers default 1, Kimi-Linear 0): those are dropped with a WARNING, any other layer is
+    refused by index (a config that undercounts its layers was truncated silently)."""
+    import json
+    import logging
+
+    from harts_verl.models.config import preset
+
+    cfg = preset("kimi_tiny", vocab_size=64)
+    n = cfg.num_hidden_layers
+
+    def copy_layer(d, to):  # layer 0's tensors again under index ``to``
+        prefix = "model.layers.0."
+        return {
+            **d,
+            **{
+                f"model.layers.{to}.{k[len(prefix) :]}": v.clone()
+                for k, v in d.items()
+                if k.startswith(prefix)
+            },
+        }
+
+    _source_dir(tmp_path / "extra", cfg, extra=lambda d: copy_layer(copy_layer(d, n), n + 1))
+    with pytest.raises(ValueError, match=rf"tensors of layers \[{n}, {n + 1}\] beyond "):
+        ck.convert_checkpoint(str(tmp_path / "extra"), str(tmp_path / "out0"))
+    assert not (tmp_path / "out0").exists()
+    config = json.loads((tmp_path / "extra" / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 1
+    (tmp_path / "extra" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=rf"tensors of layers \[{n + 1}\] beyond .* the 1 multi"):
+        ck.convert_checkpoint(str(tmp_path / "extra"), str(tmp_path / "out1"))
+    config["num_nextn_predict_layers"] = 2
+    (tmp_path / "extra" / "config.json").write_text(json.dumps(config))
+    with caplog.at_level(logging.WARNING):
+        ck.convert_checkpoint(str(tmp_path / "extra"), str(tmp_path / "out2"))
+    assert f"multi-token-prediction layers (index {n}..{n + 1})" in caplog.text
+    config["num_nextn_predict_layers"] = -1
+    (tmp_path / "extra" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="num_nextn_predict_layers: expected an int >= 0"):
+        ck.convert_checkpoint(str(tmp_path / "extra"), str(tmp_path / "out3"))
+    # Ling: one MTP layer unless the config says otherwise (transformers' num_mtp_layers)
+    lcfg = preset("ling_tiny", vocab_size=64)
+    src = _source_dir(tmp_path / "ling", lcfg, fmt=ling.FORMAT, extra=lambda d: copy_layer(d, n))
+    assert ck.mtp_layers_of({}, ling.FORMAT) == 1 and ck.mtp_layers_of({}, kimi_linear.FORMAT) == 0
+    back = ck.hybrid_state_dict_from_source(ling.FORMAT, src, lcfg, mtp_layers=1)
+    assert not any(k.startswith(f"layers.{n}.") for k in back)
+    with pytest.raises(ValueError, match=rf"layers \[{n}\] beyond"):
+        ck.hybrid_state_dict_from_source(ling.FORMAT, src, lcfg)
+
+
+def test_empty_tensors_without_a_place_are_ignored(tmp_path):
+    """transformers saves zero-size shared experts (``[0, D]``) for ``num_shared_experts: 0``:
+    they hold nothing and convert to nothing; a non-empty stray tensor is still refused."""
+    from harts_verl.models.config import preset
+
+    cfg = preset("kimi_tiny", vocab_size=64, shared_expert_intermediate_size=0)
+    moe = cfg.moe_layers[0]
+    root = f"model.layers.{moe}.block_sparse_moe.shared_experts."
+    d = cfg.hidden_size
+    empty = {
+        root + "gate_proj.weight": torch.zeros(0, d),
+        root + "down_proj.weight": torch.zeros(d, 0),
+    }
+    src = _source_dir(tmp_path / "src", cfg, extra=lambda s: {**s, **empty})
+    ck.convert_checkpoint(str(tmp_path / "src"), str(tmp_path / "out"))
+    back = ck.hybrid_state_dict_from_source(kimi_linear.FORMAT, src, cfg)
+    assert not any("shared" in k for k in back)
+    with pytest.raises(ValueError, match="no place in the native model"):
+        ck.hybrid_state_dict_from_source(
+            kimi_linear.FORMAT, {**src, root + "up_proj.weight": torch.zeros(1, d)}, cfg
+        )
 
 
 def test_tied_checkpoint_may_store_its_head(tmp_path):

@@ -42,6 +42,8 @@ __all__ = [
     "check_hybrid_architecture",
     "common_hybrid_kwargs",
     "common_source_config",
+    "config_flag",
+    "config_list",
     "config_mapping",
     "config_number",
     "config_value",
@@ -53,6 +55,7 @@ __all__ = [
     "load_from_source",
     "mixers_of_layer_types",
     "moe_layers_of",
+    "mtp_layers_of",
     "read_config",
     "source_architecture",
     "source_config_of",
@@ -102,6 +105,9 @@ class SourceFormat:
     source_config: Callable[[HybridConfig, Mapping[str, Any] | None], dict[str, Any]]
     check_architecture: Callable[[HybridConfig], None]
     names: SourceNames
+    # multi-token-prediction layers after the decoder layers when the config does not say
+    # (``num_nextn_predict_layers`` / ``num_mtp_layers``): the format's transformers default
+    mtp_default: int = 0
 
 
 def config_value(d: Mapping[str, Any], *names: str, default: Any = ..., what: str) -> Any:
@@ -134,6 +140,37 @@ def config_number(value: Any, field: str, what: str, kind: type = int) -> Any:
     raise ValueError(f"{what}: {field}: expected {name}, got {value!r}")
 
 
+def mtp_layers_of(d: Mapping[str, Any], fmt: SourceFormat) -> int:
+    """How many multi-token-prediction layers the source config ``d`` declares after its
+    ``num_hidden_layers`` decoder layers (``num_nextn_predict_layers`` / ``num_mtp_layers``,
+    else ``fmt.mtp_default``); ``ValueError`` naming the field unless an int >= 0."""
+    what = f"{fmt.model_type} config"
+    keys = ("num_nextn_predict_layers", "num_mtp_layers")
+    value = config_value(d, *keys, default=fmt.mtp_default, what=what)
+    field = next((k for k in keys if d.get(k) is not None), keys[0])
+    mtp = config_number(value, field, what)
+    if mtp < 0:
+        raise ValueError(f"{what}: {field}: expected an int >= 0, got {mtp}")
+    return mtp
+
+
+def config_flag(value: Any, field: str, what: str) -> bool:
+    """``value`` of the boolean config field ``field`` (a JSON ``true`` / ``false``);
+    ``ValueError`` naming ``what`` and ``field`` for anything else (the string ``"false"`` is
+    not read as true)."""
+    if isinstance(value, bool):
+        return value
+    raise ValueError(f"{what}: {field}: expected true or false, got {value!r}")
+
+
+def config_list(value: Any, field: str, what: str) -> list[Any]:
+    """``value`` of the list config field ``field``; ``ValueError`` naming ``what`` and
+    ``field`` for anything else (a string is not read character by character)."""
+    if isinstance(value, list | tuple):
+        return list(value)
+    raise ValueError(f"{what}: {field}: expected a list, got {type(value).__name__} {value!r}")
+
+
 def config_mapping(d: Mapping[str, Any], field: str, what: str) -> Mapping[str, Any]:
     """The sub-dict ``d[field]`` ({} when unset); ``ValueError`` naming ``what`` and ``field``
     when it is set to something else than a JSON object."""
@@ -149,7 +186,7 @@ def mixers_of_layer_types(layer_types: Any, n: int, what: str) -> list[str]:
     """Native mixers (``kda`` / ``mla``) of transformers' ``layer_types``
     (``linear_attention`` / ``full_attention``) for ``n`` layers."""
     names = {"linear_attention": "kda", "full_attention": "mla"}
-    lt = list(layer_types)
+    lt = config_list(layer_types, "layer_types", what)
     if len(lt) != n:
         raise ValueError(f"{what}: layer_types has {len(lt)} entries, num_hidden_layers is {n}")
     for i, t in enumerate(lt):
@@ -168,7 +205,7 @@ def moe_layers_of(d: Mapping[str, Any], n: int, what: str, first_k_dense: int = 
     ):
         return []
     if d.get("mlp_layer_types") is not None:
-        mt = list(d["mlp_layer_types"])
+        mt = config_list(d["mlp_layer_types"], "mlp_layer_types", what)
         if len(mt) != n or any(t not in ("dense", "sparse") for t in mt):
             raise ValueError(
                 f"{what}: mlp_layer_types must list 'dense' / 'sparse' for each of the {n} "
@@ -216,9 +253,12 @@ def common_hybrid_kwargs(
     def num(kind: type, *names: str, default: Any = ...) -> Any:
         return config_number(get(*names, default=default), names[0], what, kind)
 
+    def flag(*names: str, default: bool) -> bool:
+        return config_flag(get(*names, default=default), names[0], what)
+
     if get("hidden_act", default="silu") != "silu":
         raise ValueError(f"{what}: hidden_act {d['hidden_act']!r}, expected 'silu'")
-    if get("attention_bias", default=False):
+    if flag("attention_bias", default=False):
         raise ValueError(f"{what}: attention_bias=true is not supported")
     quant = d.get("quantization_config")
     if quant is not None:
@@ -235,7 +275,7 @@ def common_hybrid_kwargs(
         intermediate_size=get("intermediate_size"),
         moe_layers=moe_layers_of(d, n, what, first_k_dense),
         rms_norm_eps=num(float, "rms_norm_eps", default=rms_norm_eps),
-        tie_word_embeddings=bool(get("tie_word_embeddings", default=False)),
+        tie_word_embeddings=flag("tie_word_embeddings", default=False),
         initializer_range=num(float, "initializer_range", default=0.02),
         kda_gate_bias=False,
         num_attention_heads=get("num_attention_heads"),
@@ -251,7 +291,7 @@ def common_hybrid_kwargs(
     )
     if experts:
         moe_f = num(int, "moe_intermediate_size", default=moe_intermediate_size)
-        grouped = bool(get("use_grouped_topk", default=True))
+        grouped = flag("use_grouped_topk", default=True)
         kw.update(
             num_experts_per_tok=get("num_experts_per_token", "num_experts_per_tok"),
             moe_intermediate_size=moe_f,
@@ -264,7 +304,7 @@ def common_hybrid_kwargs(
             routed_scaling_factor=num(
                 float, "routed_scaling_factor", default=routed_scaling_factor
             ),
-            norm_topk_prob=bool(get("moe_renormalize", "norm_topk_prob", default=True)),
+            norm_topk_prob=flag("moe_renormalize", "norm_topk_prob", default=True),
         )
     return kw
 
@@ -524,6 +564,12 @@ class CheckpointTensors:
     def first(self, *names: str) -> str | None:
         """The first of ``names`` present, or None."""
         return next((n for n in names if self.has(n)), None)
+
+    def numel(self, name: str) -> int:
+        """The number of elements of tensor ``name`` (read from the header, not loaded)."""
+        if self._mem is not None:
+            return int(self._mem[name].numel())
+        return math.prod(self._handle(self._where[name]).get_slice(name).get_shape())
 
     def take(self, *names: str) -> torch.Tensor:
         """The tensor of the first of ``names`` present; ``ValueError`` naming them all."""
@@ -804,9 +850,15 @@ def _iter_to_hybrid(
     fmt: SourceFormat,
     cfg: HybridConfig,
     progress: Callable[[str], None] | None = None,
+    *,
+    mtp_layers: int = 0,
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """The native state dict of ``src`` in pieces (embeddings, each layer, head), shape-checked;
-    raises ``ValueError`` for unused source tensors after the last piece."""
+    """The native state dict of ``src`` in pieces (embeddings, each layer, head), shape-checked.
+    The ``mtp_layers`` multi-token-prediction layers after the decoder layers (indices
+    ``[n, n + mtp_layers)``) are dropped with a WARNING, as are empty (zero-element) tensors
+    without a place (transformers saves ``[0, D]`` shared experts for ``num_shared_experts:
+    0``); after the last piece, ``ValueError`` names any other unused source tensor (a layer
+    beyond those is one: never truncated silently)."""
     expected = expected_hybrid_shapes(cfg)
     n = cfg.num_hidden_layers
     first = {"embed_tokens.weight": src.take(*fmt.names.embed)}
@@ -826,20 +878,31 @@ def _iter_to_hybrid(
         if not torch.equal(head, first["embed_tokens.weight"]):
             raise ValueError(
                 "checkpoint: lm_head.weight differs from the input embedding, but the config "
-                "ties them (tie_word_embeddings: true)"
+                "ties them (tie_word_embeddings: true); transformers' Kimi-Linear and Ling 3 "
+                "never tie, so a checkpoint they saved keeps its own head: set "
+                "tie_word_embeddings to false in its config.json"
             )
     _check_shapes(last, expected, last)
     yield last
     unused = src.names - src.taken
-    mtp = {k for k in unused if (_layer_index(k) or 0) >= n}
+    index = {k: _layer_index(k) for k in unused}
+    mtp = {k for k, i in index.items() if i is not None and n <= i < n + mtp_layers}
     if mtp:
         logger.warning(
-            "%s: dropped %d tensors of multi-token-prediction layers (index >= %d)",
+            "%s: dropped %d tensors of multi-token-prediction layers (index %d..%d)",
             fmt.model_type,
             len(mtp),
             n,
+            n + mtp_layers - 1,
         )
-    rest = sorted(k for k in unused - mtp if "rotary_emb" not in k)
+    rest = sorted(k for k in unused - mtp if "rotary_emb" not in k and src.numel(k))
+    beyond = [k for k in rest if index[k] is not None and index[k] >= n]
+    if beyond:
+        raise ValueError(
+            f"checkpoint: tensors of layers {sorted({index[k] for k in beyond})} beyond "
+            f"num_hidden_layers = {n} and the {mtp_layers} multi-token-prediction layer(s) the "
+            f"config declares (num_nextn_predict_layers / num_mtp_layers), e.g. {beyond[:3]}"
+        )
     if rest:
         raise ValueError(
             f"checkpoint: {len(rest)} tensors have no place in the native model, e.g. {rest[:5]}"
@@ -847,13 +910,18 @@ def _iter_to_hybrid(
 
 
 def hybrid_state_dict_from_source(
-    fmt: SourceFormat, tensors: Mapping[str, torch.Tensor] | CheckpointTensors, cfg: HybridConfig
+    fmt: SourceFormat,
+    tensors: Mapping[str, torch.Tensor] | CheckpointTensors,
+    cfg: HybridConfig,
+    *,
+    mtp_layers: int = 0,
 ) -> dict[str, torch.Tensor]:
     """The :class:`HybridForCausalLM` state dict (keys without ``model.``) of a source state
-    dict in format ``fmt`` (any accepted names)."""
+    dict in format ``fmt`` (any accepted names); ``mtp_layers``: the multi-token-prediction
+    layers it holds after the decoder layers (:func:`mtp_layers_of`), dropped."""
     src = tensors if isinstance(tensors, CheckpointTensors) else CheckpointTensors(tensors)
     out: dict[str, torch.Tensor] = {}
-    for piece in _iter_to_hybrid(src, fmt, cfg):
+    for piece in _iter_to_hybrid(src, fmt, cfg, mtp_layers=mtp_layers):
         out.update(piece)
     return out
 
@@ -863,11 +931,15 @@ def _iter_from_hybrid(
     fmt: SourceFormat,
     cfg: HybridConfig,
     progress: Callable[[str], None] | None = None,
+    *,
+    tied_head: bool = False,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """The source-format state dict of the native state dict in ``src`` (keys with or without
     ``model.``), one native tensor's worth at a time, shape-checked; raises ``ValueError`` for
     an architecture ``fmt`` cannot express, a missing tensor, or (after the last piece) a native
-    tensor the architecture does not have."""
+    tensor the architecture does not have. ``tied_head``: a tied model also gets
+    ``lm_head.weight``, a copy of the embedding, last (transformers' Kimi-Linear and Ling 3
+    never tie: without it they would load a random head)."""
     fmt.check_architecture(cfg)
     expected = expected_hybrid_shapes(cfg)
     layer = -1
@@ -879,6 +951,10 @@ def _iter_from_hybrid(
             layer = i
             progress(f"layer {i + 1}/{cfg.num_hidden_layers} ({cfg.layer_types[i]})")
         yield dict(source_tensors_from_hybrid(fmt, k, t, cfg))
+        if tied_head and cfg.tie_word_embeddings and k == "embed_tokens.weight":
+            head = t.clone()  # its own storage: safetensors refuses shared tensors
+    if tied_head and cfg.tie_word_embeddings:
+        yield {"lm_head.weight": head}
     tied = {"lm_head.weight", "model.lm_head.weight"} if cfg.tie_word_embeddings else set()
     extra = sorted(src.names - src.taken - tied)
     if extra:
@@ -1068,6 +1144,7 @@ def convert_checkpoint(
                     f"{list(_formats())}, got {d.get('model_type')!r}"
                 )
             cfg = fmt.hybrid_config(d)
+            mtp_layers = mtp_layers_of(d, fmt)
             out_cfg = _harts_config_dict(d)
         else:
             fmt = target
@@ -1079,7 +1156,10 @@ def convert_checkpoint(
             cfg = _hybrid_config_of_harts(d)
             base = d.get(SOURCE_CONFIG_KEY)
             out_cfg = fmt.source_config(cfg, base if format_of_config(base) is fmt else None)
-            out_cfg.update({k: d[k] for k in TOKEN_KEYS if d.get(k) is not None})
+            # every token id written, null when unset: a reader would fill in its own defaults
+            # (transformers' Kimi-Linear: pad 163839, beyond a small vocabulary)
+            for k in TOKEN_KEYS:
+                out_cfg[k] = d[k] if d.get(k) is not None else out_cfg.get(k)
     if os.path.exists(dst) and not os.path.isdir(dst):
         raise ValueError(f"dst: {dst!r} exists and is not a directory")
     created = not os.path.exists(dst)
@@ -1093,11 +1173,11 @@ def convert_checkpoint(
             with _naming_source(src):
                 src_t = CheckpointTensors(path=src)
                 if target is None:
-                    for piece in _iter_to_hybrid(src_t, fmt, cfg, say):
+                    for piece in _iter_to_hybrid(src_t, fmt, cfg, say, mtp_layers=mtp_layers):
                         writer.add({"model." + k: v for k, v in piece.items()})
                         tensors += len(piece)
                 else:
-                    for piece in _iter_from_hybrid(src_t, fmt, cfg, say):
+                    for piece in _iter_from_hybrid(src_t, fmt, cfg, say, tied_head=True):
                         writer.add(piece)
                         tensors += len(piece)
             files, nbytes = writer.close(), writer.total
@@ -1150,6 +1230,8 @@ def load_from_source(cls: Any, path: str, *, config: Any = None, **kwargs: Any) 
     if any(p.is_meta for p in model.parameters()):
         return model
     src = CheckpointTensors(path=path)
-    sd = hybrid_state_dict_from_source(fmt, src, config.to_hybrid_config())
+    sd = hybrid_state_dict_from_source(
+        fmt, src, config.to_hybrid_config(), mtp_layers=mtp_layers_of(raw, fmt)
+    )
     model.model.load_state_dict(sd, strict=not arch.tie_word_embeddings)
     return model.eval()

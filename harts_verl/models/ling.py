@@ -28,6 +28,7 @@ from harts_verl.models.checkpoints import (
     check_hybrid_architecture,
     common_hybrid_kwargs,
     common_source_config,
+    config_flag,
     config_mapping,
     config_number,
     config_value,
@@ -99,7 +100,7 @@ def hybrid_config_from_ling(d: Mapping[str, Any], *, chunk_size: int = 64) -> Hy
     heads = _num(int, d, "linear_num_heads", "num_attention_heads")
     # transformers' saved config holds the rope dim in head_dim and the KDA head in linear_head_dim
     head_dim = _num(int, d, "linear_head_dim", "head_dim", default=128)
-    safe = bool(_get(d, "kda_safe_gate", default=True))
+    safe = config_flag(_get(d, "kda_safe_gate", default=True), "kda_safe_gate", what)
     kw.update(
         layer_types=layer_types,
         rope_theta=_rope_theta(d),
@@ -172,4 +173,5 @@ FORMAT = SourceFormat(
         a_log_shape=(-1,),
         rope_interleaved=True,
     ),
+    mtp_default=1,  # transformers' num_mtp_layers
 )
