@@ -344,6 +344,50 @@ def test_no_fork_is_one_trajectory(env, seq_ids):
     assert len(outs) == 1 and outs[0].extra_fields[FORK_GROUP_KEY] == ""
 
 
+def test_full_determinism_tree_does_not_follow_completion_order(env):
+    """Under ``full_determinism`` the children that make up a branch's missing leaves are
+    numbered from their lineage (each child reserves indices for its refills), so their paths,
+    ids and seeds, and with them the tree, do not depend on which branch the server finishes
+    first. Before, refills were numbered in completion order: a slow branch 0 or a slow branch
+    1 gave two different trees (and a set's iteration order a third way to differ)."""
+    calc = calc_loop_env(n=4, prompt_length=64, response_length=96, max_turns=6)
+    calc["cfg"].actor_rollout_ref.rollout.full_determinism = True
+    calc["cfg"].actor_rollout_ref.rollout.name = "harts_hf"  # seeds a request by its id
+    tool_id = env["tok"].convert_tokens_to_ids("<tool>")
+    ids = calc["ids"]
+
+    class Client:
+        """Deterministic in (request id, context); the root's fork children 0 and 1 end before
+        fork turn 2, the others make two calls; ``slow``: the id suffix that answers late."""
+
+        def __init__(self, slow):
+            self.slow = slow
+
+        async def generate(self, request_id, *, prompt_ids, sampling_params, **kw):
+            done = list(prompt_ids).count(tool_id)
+            if self.slow and request_id.endswith(self.slow):
+                await asyncio.sleep(0.02)
+            k = int(hashlib.sha256(f"{request_id}/{len(prompt_ids)}".encode()).hexdigest(), 16)
+            root_child = request_id.count("/") == 1 and request_id[-2:] in ("/0", "/1")
+            if done < (1 if root_child else 2):
+                return TokenOut(ids(f"<call> add {k % 10} {k // 10 % 9}"))
+            return TokenOut(ids(f"answer {k % 19 - 9} <eos>"))
+
+    spec = ForkSpec(turns=(0, 2), branching=2, budget=7)  # root shares [4, 3]
+    trees = set()
+    for slow in ("/0", "/1", None, None):
+        outs = _tree({**env, "make": calc["make"]}, Client(slow), spec)
+        _check_tree(outs, spec.budget)
+        trees.add(
+            tuple((p, tuple(o.prompt_ids + o.response_ids)) for p, o in zip(_paths(outs), outs))
+        )
+    assert len(trees) == 1
+    paths = [p for p, _ in next(iter(trees))]
+    # children 0 and 1 end early: 0's three missing leaves go to 2 (share 2: forks) and 3,
+    # 1's two to 5 and 6 (4 stays reserved for child 2's refill, unused)
+    assert paths == ["0", "1", "2.0", "2.1", "3", "5", "6"]
+
+
 @pytest.mark.parametrize(
     ("spec", "depth", "ids"),
     [

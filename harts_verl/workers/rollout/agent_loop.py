@@ -495,16 +495,23 @@ class HartsToolAgentLoop(ToolAgentLoop):
         ``min(branching, budget)`` children share the budget; at the last fork level (no
         boundary below) every leaf is a child. A child that ends before its next fork point
         returns fewer leaves than its share; the missing ones are started as new children of
-        this point at once (numbered on), so the budget is met whatever the branches do.
+        this point at once, so the budget is met whatever the branches do.
+
+        Numbering: the children of one spawn of ``total`` leaves at ``offset`` take the next
+        indices, and each child with share ``s`` reserves the ``s - 1`` indices after them (in
+        child order) for the children that would make up its missing leaves, recursively. So
+        every child's index (its path and, under ``full_determinism``, its request id and seed)
+        follows from its lineage alone, never from which branch the server finishes first;
+        without early ends the children are numbered ``first_child, first_child + 1, ...``.
         """
         last = fork.boundary(level) is None
-        pending: dict[asyncio.Future, tuple[int, int]] = {}
+        pending: dict[asyncio.Future, tuple[int, int, int]] = {}
         leaves: dict[int, list[tuple[AgentData, Path]]] = {}
-        index = first_child
 
-        def spawn(total: int) -> None:
-            nonlocal index
-            for share in _shares(total, total if last else min(fork.branching, total)):
+        def spawn(total: int, offset: int) -> None:
+            shares = _shares(total, total if last else min(fork.branching, total))
+            reserve = offset + len(shares)  # the first child's block of refill indices
+            for index, share in enumerate(shares, start=offset):
                 child_id = self._branch_request_id(point, (*path, index))
                 self.recorder.fork(point.request_id, child_id)
                 child = _copy_agent_data(
@@ -517,18 +524,18 @@ class HartsToolAgentLoop(ToolAgentLoop):
                 task = asyncio.ensure_future(
                     self._grow(child, state, sampling_params, fork, level, share, (*path, index))
                 )
-                pending[task] = (index, share)
-                index += 1
+                pending[task] = (index, share, reserve)
+                reserve += share - 1
 
         try:
-            spawn(budget)
+            spawn(budget, first_child)
             while pending:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
-                    i, share = pending.pop(task)
+                    i, share, reserve = pending.pop(task)
                     leaves[i] = task.result()
-                    if len(leaves[i]) < share:
-                        spawn(share - len(leaves[i]))
+                    if len(leaves[i]) < share:  # a branch gives at least one leaf
+                        spawn(share - len(leaves[i]), reserve)
         finally:
             for task in pending:
                 task.cancel()
