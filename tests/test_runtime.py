@@ -365,6 +365,40 @@ def test_loss_that_edits_its_list_gets_the_same_gradients_microbatched(runner_cl
         _assert_grads_close(grads[1], grads[0])
 
 
+@pytest.mark.parametrize("runner_cls", [TreeRunner, ExpandedRunner])
+def test_loss_terms_beyond_log_probs_get_their_gradients_microbatched(runner_cls):
+    """A loss may reach other tensors than the log-probs: a learned baseline outside the model,
+    a penalty on the model's parameters. With several microbatches (the two-phase gradient)
+    they get the same gradients as with one (the baseline got none, the penalty's share of
+    every parameter's gradient was lost)."""
+    torch.manual_seed(13)
+    model = HybridForCausalLM.from_config(
+        preset("tiny", vocab_size=64, chunk_size=16, moe_layers=[])
+    ).double()
+    seqs = _forest_sequences(14, 64)
+    rewards = torch.linspace(-1.0, 1.0, len(seqs), dtype=torch.float64)
+    baseline = torch.nn.Parameter(torch.tensor(0.3, dtype=torch.float64))
+
+    def loss(lps):
+        pg = -sum((r - baseline).detach() * lp.sum() for r, lp in zip(rewards, lps)) / 100.0
+        value = ((rewards - baseline) ** 2).mean()
+        return pg + value + 1e-3 * sum(p.pow(2).sum() for p in model.parameters())
+
+    grads, base, values = [], [], []
+    for cap in (None, 120):
+        model.zero_grad(set_to_none=True)
+        baseline.grad = None
+        r = runner_cls(model, chunk_size=16, capacity_tokens=cap)
+        values.append(r.forward_backward(seqs, loss, include_aux_loss=False)["loss"])
+        assert (r.last_stats.microbatches > 1) == (cap is not None)
+        grads.append(_grads(model))
+        base.append(baseline.grad)
+    assert base[1] is not None
+    assert abs(float(base[1]) - float(base[0])) <= 1e-12
+    assert abs(values[1] - values[0]) <= 1e-10 * max(1.0, abs(values[0]))
+    _assert_grads_close(grads[1], grads[0])
+
+
 def _tiny_float64(seed: int, **overrides) -> torch.nn.Module:
     torch.manual_seed(seed)
     cfg = preset("tiny", vocab_size=32, chunk_size=4, **overrides)
@@ -508,6 +542,30 @@ def test_loss_fn_must_return_a_scalar_tensor():
             runner.forward_backward(
                 seqs, lambda lps: torch.cat([lp for lp in lps if lp is not None])
             )
+
+
+def test_separable_loss_may_return_a_constant_for_a_microbatch():
+    """A separable loss over some trajectories returns ``sum()`` = 0 for a microbatch holding
+    none of them: taken as a constant (no gradient), so the result does not depend on how the
+    capacity cuts the batch (it was a TypeError with several microbatches only)."""
+    model = _tiny_float64(17)
+    seqs = [[1, 2, 3, 5], [1, 2, 4], [7, 8, 9, 10]]
+
+    def loss(lps):  # trajectory 2 only
+        return sum(lps[i].sum() for i in (2,) if lps[i] is not None)
+
+    grads, values = [], []
+    for cap in (None, 4):
+        model.zero_grad(set_to_none=True)
+        runner = TreeRunner(model, chunk_size=4, capacity_tokens=cap)
+        out = runner.forward_backward(seqs, loss, separable=True, include_aux_loss=False)
+        assert (runner.last_stats.microbatches > 1) == (cap is not None)
+        values.append(out["loss"])
+        grads.append(_grads(model))
+    assert abs(values[1] - values[0]) <= 1e-12 * max(1.0, abs(values[0]))
+    _assert_grads_close(grads[1], grads[0])
+    with pytest.raises(TypeError, match="loss_fn: expected a scalar tensor, got bool"):
+        TreeRunner(model, chunk_size=4).forward_backward(seqs, lambda lps: True, separable=True)
 
 
 @pytest.mark.parametrize("name", ["tiny", "bench", "kimi_tiny", "ling_tiny"])

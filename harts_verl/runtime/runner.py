@@ -117,7 +117,13 @@ def _checked_partition(microbatches: Any, n: int) -> list[np.ndarray]:
     return [g.astype(np.int64) for g in groups]
 
 
-def _checked_loss(loss: Any) -> torch.Tensor:
+def _checked_loss(loss: Any, *, constant_ok: bool = False) -> torch.Tensor:
+    """``loss_fn``'s result as a 0-d tensor: a one-element tensor, or with ``constant_ok`` a
+    plain real number (a separable loss's ``sum()`` over no trajectory of a microbatch: it adds
+    its value and no gradient); TypeError for anything else."""
+    number = isinstance(loss, int | float | np.integer | np.floating)
+    if constant_ok and number and not isinstance(loss, bool | np.bool_):
+        return torch.tensor(float(loss), dtype=torch.float64)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         got = (
             f"a tensor of shape {tuple(loss.shape)}"
@@ -352,9 +358,11 @@ class _Runner:
 
         One microbatch: a single forward/backward. Several microbatches: the loss may couple
         trajectories across microbatches, so the log-probs of all microbatches are first computed
-        without graph, ``loss_fn`` is differentiated w.r.t. them, and each microbatch is then
-        re-run with graph and back-propagated with its trajectories' gradients (exact: the loss
-        gradient is linear in the per-trajectory log-prob gradients). The router auxiliary loss
+        without graph, ``loss_fn`` is back-propagated to them (and to whatever else it reaches:
+        a learned baseline or a parameter penalty gets the same gradient as with one
+        microbatch), and each microbatch is then re-run with graph and back-propagated with its
+        trajectories' gradients (exact: the loss gradient is linear in the per-trajectory
+        log-prob gradients). The router auxiliary loss
         of each microbatch enters with weight (its semantic tokens / all semantic tokens): like
         HF's and veRL's per-micro-batch load-balancing loss it depends on how the batch is cut,
         so a tree and an expanded run agree on it (and on the gradients it contributes) for the
@@ -370,7 +378,9 @@ class _Runner:
         Returns ``loss``, ``aux_loss`` (the router auxiliary loss added to the objective; 0 with
         ``include_aux_loss=False``) and ``microbatches``. Raises ValueError for an empty batch
         or a ``microbatches`` that is not a partition of the trajectories, TypeError when
-        ``loss_fn`` does not return a one-element tensor, and RuntimeError (before any work)
+        ``loss_fn`` does not return a one-element tensor (with ``separable=True`` a plain number
+        is taken as a constant: e.g. ``sum()`` over none of a microbatch's trajectories, no
+        gradient), and RuntimeError (before any work)
         when autograd is disabled or no parameter requires a gradient.
         """
         t0 = time.perf_counter()
@@ -398,7 +408,7 @@ class _Runner:
                 part: list[torch.Tensor | None] = [None] * n
                 for j, i in enumerate(idx.tolist()):
                     part[i] = lp[j]
-                loss = _checked_loss(loss_fn(part))  # type: ignore[arg-type]
+                loss = _checked_loss(loss_fn(part), constant_ok=True)  # type: ignore[arg-type]
                 total = loss
                 if include_aux_loss:
                     w = sub.num_semantic_tokens / s_total
@@ -413,7 +423,7 @@ class _Runner:
             ordered: list[torch.Tensor | None] = [None] * n
             for j, i in enumerate(groups[0].tolist()):
                 ordered[i] = lp[j]
-            loss = _checked_loss(loss_fn(ordered))  # type: ignore[arg-type]
+            loss = _checked_loss(loss_fn(ordered), constant_ok=separable)  # type: ignore[arg-type]
             total = loss + aux if include_aux_loss else loss
             _backward(total)
             loss_value = float(loss.detach())
@@ -431,12 +441,12 @@ class _Runner:
             # which leaf each trajectory's gradient is taken from.
             leaves = tuple(detached)
             loss = _checked_loss(loss_fn(list(leaves)))  # type: ignore[arg-type]
-            # A loss that does not depend on the log-probs has no gradient to push back.
-            grads = (
-                torch.autograd.grad(loss, leaves, allow_unused=True)
-                if loss.requires_grad
-                else (None,) * n
-            )
+            # A full backward (not autograd.grad w.r.t. the leaves alone): the loss's terms that
+            # do not come from the log-probs (a learned baseline, a penalty on the parameters)
+            # get their gradients as with one microbatch; the leaves' grads are then pushed back
+            # through each microbatch. A leaf the loss does not use keeps grad None.
+            _backward(loss)
+            grads = tuple(None if leaf is None else leaf.grad for leaf in leaves)
             for idx in groups:
                 sub = self._sub_forest(forest, idx)
                 compact += sub.num_compact_tokens
