@@ -354,15 +354,25 @@ def test_loss_that_edits_its_list_gets_the_same_gradients_microbatched(runner_cl
         return sum((lp * w[len(lps) - 1 - i]).sum() ** 2 for i, lp in enumerate(lps)) / 1e3
 
     for loss in (rewrite, reorder):
-        grads, values = [], []
-        for cap in (None, 120):
-            model.zero_grad(set_to_none=True)
-            r = runner_cls(model, chunk_size=16, capacity_tokens=cap)
-            values.append(r.forward_backward(seqs, loss)["loss"])
-            assert (r.last_stats.microbatches > 1) == (cap is not None)
-            grads.append(_grads(model))
-        assert abs(values[1] - values[0]) <= 1e-10 * max(1.0, abs(values[0]))
-        _assert_grads_close(grads[1], grads[0])
+        _one_vs_several_microbatches(runner_cls, model, seqs, loss)
+
+
+def _one_vs_several_microbatches(runner_cls, model, seqs, loss, extra=(), **kwargs) -> None:
+    """``forward_backward`` of ``loss`` in one microbatch and in several (capacity 120) give
+    the same loss value and gradients, the model's and the ``extra`` tensors' (each must get
+    one)."""
+    grads, values = [], []
+    for cap in (None, 120):
+        model.zero_grad(set_to_none=True)
+        for t in extra:
+            t.grad = None
+        r = runner_cls(model, chunk_size=16, capacity_tokens=cap)
+        values.append(r.forward_backward(seqs, loss, **kwargs)["loss"])
+        assert (r.last_stats.microbatches > 1) == (cap is not None)
+        grads.append({**_grads(model), **{f"extra{i}": t.grad for i, t in enumerate(extra)}})
+    assert all(g is not None for g in grads[1].values())
+    assert abs(values[1] - values[0]) <= 1e-10 * max(1.0, abs(values[0]))
+    _assert_grads_close(grads[1], grads[0])
 
 
 @pytest.mark.parametrize("runner_cls", [TreeRunner, ExpandedRunner])
@@ -384,19 +394,9 @@ def test_loss_terms_beyond_log_probs_get_their_gradients_microbatched(runner_cls
         value = ((rewards - baseline) ** 2).mean()
         return pg + value + 1e-3 * sum(p.pow(2).sum() for p in model.parameters())
 
-    grads, base, values = [], [], []
-    for cap in (None, 120):
-        model.zero_grad(set_to_none=True)
-        baseline.grad = None
-        r = runner_cls(model, chunk_size=16, capacity_tokens=cap)
-        values.append(r.forward_backward(seqs, loss, include_aux_loss=False)["loss"])
-        assert (r.last_stats.microbatches > 1) == (cap is not None)
-        grads.append(_grads(model))
-        base.append(baseline.grad)
-    assert base[1] is not None
-    assert abs(float(base[1]) - float(base[0])) <= 1e-12
-    assert abs(values[1] - values[0]) <= 1e-10 * max(1.0, abs(values[0]))
-    _assert_grads_close(grads[1], grads[0])
+    _one_vs_several_microbatches(
+        runner_cls, model, seqs, loss, extra=(baseline,), include_aux_loss=False
+    )
 
 
 def _tiny_float64(seed: int, **overrides) -> torch.nn.Module:
