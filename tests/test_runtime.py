@@ -331,16 +331,20 @@ def test_separable_microbatched_loss_equals_single_pass():
     _assert_grads_close(grads[1], grads[0])
 
 
+def _dense_tiny_float64(seed: int) -> torch.nn.Module:
+    """The ``tiny`` preset without MoE (vocabulary 64, chunk 16), float64, seeded."""
+    torch.manual_seed(seed)
+    cfg = preset("tiny", vocab_size=64, chunk_size=16, moe_layers=[])
+    return HybridForCausalLM.from_config(cfg).double()
+
+
 @pytest.mark.parametrize("runner_cls", [TreeRunner, ExpandedRunner])
 def test_loss_that_edits_its_list_gets_the_same_gradients_microbatched(runner_cls):
     """A loss_fn may rewrite or reorder the list it is given: with several microbatches (the
     two-phase gradient) every trajectory's gradient still reaches its own log-probs, as with
     one microbatch (it was halved for ``lps[i] = 2 * lps[i]`` and sent to the wrong trajectory
     after ``lps.reverse()``)."""
-    torch.manual_seed(11)
-    model = HybridForCausalLM.from_config(
-        preset("tiny", vocab_size=64, chunk_size=16, moe_layers=[])
-    ).double()
+    model = _dense_tiny_float64(11)
     seqs = _forest_sequences(12, 64)
     w = torch.linspace(-1.0, 2.0, len(seqs), dtype=torch.float64)
 
@@ -381,10 +385,7 @@ def test_loss_terms_beyond_log_probs_get_their_gradients_microbatched(runner_cls
     a penalty on the model's parameters. With several microbatches (the two-phase gradient)
     they get the same gradients as with one (the baseline got none, the penalty's share of
     every parameter's gradient was lost)."""
-    torch.manual_seed(13)
-    model = HybridForCausalLM.from_config(
-        preset("tiny", vocab_size=64, chunk_size=16, moe_layers=[])
-    ).double()
+    model = _dense_tiny_float64(13)
     seqs = _forest_sequences(14, 64)
     rewards = torch.linspace(-1.0, 1.0, len(seqs), dtype=torch.float64)
     baseline = torch.nn.Parameter(torch.tensor(0.3, dtype=torch.float64))
