@@ -145,11 +145,10 @@ def test_local_sandbox_diff_carries_binary_files(box, inst):
         assert "data.bin" in res.output and "stats.py" in res.output
 
 
-def test_docker_sandbox_paths_are_quoted_and_checked(tmp_path, monkeypatch):
-    """File paths reach the container's shell quoted (no expansion, no command substitution)
-    and checked there for symbolic links; a command that exits 124 early is not a timeout."""
-    from harts_verl.workers.envs.sandbox import DockerSandbox
-
+@pytest.fixture
+def fake_docker(tmp_path, monkeypatch) -> Path:
+    """A ``docker`` CLI stand-in that runs ``exec`` commands on this machine (in the ``-w``
+    folder) and a fresh git repository ``tmp_path/testbed`` to act as the container's."""
     fake = tmp_path / "bin"
     fake.mkdir()
     (fake / "docker").write_text(
@@ -164,6 +163,15 @@ def test_docker_sandbox_paths_are_quoted_and_checked(tmp_path, monkeypatch):
     git = ["git", "-C", str(work), "-c", "user.name=t", "-c", "user.email=t@t"]
     subprocess.run([*git, "init", "-q"], check=True)
     subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "start"], check=True)
+    return work
+
+
+def test_docker_sandbox_paths_are_quoted_and_checked(tmp_path, fake_docker):
+    """File paths reach the container's shell quoted (no expansion, no command substitution)
+    and checked there for symbolic links; a command that exits 124 early is not a timeout."""
+    from harts_verl.workers.envs.sandbox import DockerSandbox
+
+    work = fake_docker
     (tmp_path / "outside").mkdir()
     (work / "out").symlink_to(tmp_path / "outside")
     box = DockerSandbox("img", workdir=str(work))
@@ -550,3 +558,216 @@ def test_editor_view_of_a_folder_named_like_an_option(box):
     listing = edit.run(box, {"command": "view", "path": "-delete"})
     assert "notes.txt" in listing
     assert box.exists("tinycalc/stats.py") and "notes.txt" in box.diff()
+
+
+# ---------------------------------------------------------------------- review fixes
+def test_docker_sandbox_reads_whole_files_keeps_bytes_and_reads_bashrc(
+    tmp_path, fake_docker, monkeypatch
+):
+    """A file over the output read limit comes back whole (an edit wrote back its first MiB:
+    26,000 lines gone), bytes that are not UTF-8 survive a read and write, and an agent's
+    command first reads the image's ~/.bashrc (SWE-bench images activate the testbed env
+    there; `bash -c` alone does not read it)."""
+    from harts_verl.workers.envs.sandbox import MAX_READ_CHARS, DockerSandbox
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".bashrc").write_text("export HARTS_ENV=testbed\necho noise\n")
+    monkeypatch.setenv("HOME", str(home))
+    big = "".join(f"line {i:07d}\n" for i in range(MAX_READ_CHARS // 13 + 5000))
+    (fake_docker / "big.py").write_text(big)
+    (fake_docker / "latin.py").write_bytes(b"AUTHOR = 'Jos\xe9'\nx = 1\n")
+    box = DockerSandbox("img", workdir=str(fake_docker))
+    assert box.read_file("big.py") == big
+    text = box.read_file("latin.py")
+    box.write_file("latin.py", text.replace("x = 1", "x = 2"))
+    assert (fake_docker / "latin.py").read_bytes() == b"AUTHOR = 'Jos\xe9'\nx = 2\n"
+    res = box.exec('echo "env=$HARTS_ENV"', 30)
+    assert res.output == "env=testbed\n" and res.exit_code == 0
+    assert len(box.diff()) > MAX_READ_CHARS  # the new big file, whole
+
+
+def test_patch_over_the_read_limit_comes_back_whole(inst):
+    """A patch larger than the output read limit (the fix plus a big file the agent wrote) is
+    recorded whole and applies: it was cut at 1 MiB, a corrupt patch that scored 0."""
+    from harts_verl.workers.envs.sandbox import MAX_READ_CHARS
+
+    with LocalSandbox(swe.fixture_repo("tinycalc")) as b:
+        b.write_file("notes.log", "".join(f"note {i}\n" for i in range(MAX_READ_CHARS // 8)))
+        patch = _patch(b, FIX)
+    assert len(patch) > MAX_READ_CHARS
+    assert swe.grade_local(inst, patch)["score"] == 1.0
+
+
+def test_grading_follows_swebench_on_xfail_skip_and_missing_tests(inst):
+    """As SWE-bench's grading: an expected failure (pytest's ``skipped type="pytest.xfail"``)
+    passes, a skipped test neither passes nor fails, an absent, failed or erroring one fails
+    (an xfail or skipped PASS_TO_PASS test made even the gold patch score 0)."""
+    xml = (
+        '<testsuites><testsuite><testcase classname="t" name="a">'
+        '<skipped type="pytest.xfail" message="x"/></testcase>'
+        '<testcase classname="t" name="b"><skipped type="pytest.skip"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    assert swe.parse_junit_report(xml, ["t.py::a", "t.py::b"]) == {
+        "t.py::a": "XFAIL",
+        "t.py::b": "SKIPPED",
+    }
+    f2p, p2p = inst.fail_to_pass, inst.pass_to_pass
+    ok = dict.fromkeys(f2p, "PASSED")
+    for status, resolved in [
+        ({**ok, p2p[0]: "XFAIL", p2p[1]: "SKIPPED"}, True),
+        ({**ok, p2p[0]: "PASSED"}, False),  # p2p[1] absent
+        ({**ok, p2p[0]: "PASSED", p2p[1]: "ERROR"}, False),
+        ({f2p[0]: "FAILED", p2p[0]: "PASSED", p2p[1]: "PASSED"}, False),
+    ]:
+        r = swe._report(inst, status, True)
+        assert r["resolved"] is resolved, status
+    r = swe._report(inst, {**ok, p2p[0]: "XFAIL", p2p[1]: "SKIPPED"}, True)
+    assert (r["fail_to_pass_passed"], r["pass_to_pass_passed"]) == (1, 1)
+
+
+def test_pytest_config_files_are_graded_as_in_the_start(inst):
+    """A patch that adds pytest's other config files (``.pytest.ini``, ``pytest.toml``) to load
+    a plugin that turns failures into passes scores 0: they are reset like ``pytest.ini``."""
+    plugin = _FAKE_PASS["conftest.py"]
+    for name, text in [
+        (".pytest.ini", "[pytest]\naddopts = -p harts_pass\n"),
+        ("pytest.toml", '[pytest]\naddopts = ["-p", "harts_pass"]\n'),
+    ]:
+        with LocalSandbox(swe.fixture_repo("tinycalc")) as b:
+            b.write_file("harts_pass.py", plugin)
+            b.write_file(name, text)
+            patch = b.diff()
+        r = swe.grade_local(inst, patch)
+        assert r["score"] == 0.0 and r["fail_to_pass_passed"] == 0, name
+
+
+def test_bad_records_name_their_instance_and_line(inst, tmp_path):
+    """A malformed record's error names its instance; prepare.py names the file and line."""
+    import argparse
+    import importlib.util
+
+    bad = {**inst.record, "FAIL_TO_PASS": "[]"}
+    with pytest.raises(ValueError, match=rf"^instance {inst.instance_id!r}: FAIL_TO_PASS"):
+        swe.SweInstance.from_record(bad)
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps(inst.record) + "\n\n" + json.dumps(bad) + "\n{broken\n")
+    spec = importlib.util.spec_from_file_location("swe_prepare", RECIPE / "prepare.py")
+    prep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prep)
+    args = argparse.Namespace(fixtures=False, jsonl=str(path))
+    with pytest.raises(ValueError, match=rf"rows\.jsonl:3: instance {inst.instance_id!r}"):
+        prep.load_records(args)
+    path.write_text(json.dumps(inst.record) + "\n{broken\n")
+    with pytest.raises(ValueError, match=r"rows\.jsonl:2: Expecting property name"):
+        prep.load_records(args)
+
+
+def test_editor_keeps_other_bytes_views_ranges_and_refuses_unknown_arguments(inst):
+    """``str_replace`` in a file with bytes that are not UTF-8 leaves them as they were (they
+    became U+FFFD in the file); ``view`` shows them as U+FFFD, numbers lines as ``grep -n``
+    (form feeds do not split), takes ``view_range``; an undeclared argument is refused by
+    name (``view_range`` was ignored: the whole file came back)."""
+    from harts_verl.workers.envs.swe_tools import POOL, SANDBOX_KEY
+
+    bash, edit, _ = _tools()
+    create = swe.dataset_rows([inst])[0]["extra_info"]["tools_kwargs"]["bash"]["create_kwargs"]
+    data = _AgentData()
+    _call(bash, {"command": "printf 'A = \\xe9\\nB = 1\\n\\fC = 2\\n' > lat.py"}, data, create)
+    args = {"command": "str_replace", "path": "lat.py", "old_str": "B = 1", "new_str": "B = 3"}
+    assert "Edited" in _call(edit, args, data, create)
+    box = POOL.get(data.extra_fields[SANDBOX_KEY])
+    with open(os.path.join(box.root, "lat.py"), "rb") as f:
+        assert f.read() == b"A = \xe9\nB = 3\n\x0cC = 2\n"
+    out = _call(edit, {"command": "view", "path": "lat.py"}, data, create)
+    assert out == "     1\tA = \ufffd\n     2\tB = 3\n     3\t\x0cC = 2"
+    view = {"command": "view", "path": "lat.py"}
+    assert _call(edit, {**view, "view_range": [2, 3]}, data, create).startswith("     2\tB = 3")
+    assert _call(edit, {**view, "view_range": [3, -1]}, data, create) == "     3\t\x0cC = 2"
+    for bad in ([0, 2], [3, 2], [9, -1], [1], "1-2"):
+        with pytest.raises(ValueError, match="view_range"):
+            _call(edit, {**view, "view_range": bad}, data, create)
+    with pytest.raises(ValueError, match="insert_line: unknown argument of str_replace_editor"):
+        _call(edit, {**view, "insert_line": 3}, data, create)
+    with pytest.raises(ValueError, match="unknown argument of bash"):
+        _call(bash, {"command": "ls", "cwd": "/"}, data, create)
+
+
+def test_sandboxes_start_off_the_event_loop(inst, monkeypatch):
+    """Starting a sandbox (a docker run, an image pull: minutes) runs in a worker thread, not
+    on the agent loop's event loop (every trajectory of the worker stalled behind it)."""
+    import threading
+
+    from harts_verl.workers.envs.swe_tools import BashTool
+
+    bash, _, _ = _tools()
+    threads = []
+    start = BashTool._start
+
+    def recording(self, create):
+        threads.append(threading.current_thread())
+        return start(self, create)
+
+    monkeypatch.setattr(BashTool, "_start", recording)
+    create = swe.dataset_rows([inst])[0]["extra_info"]["tools_kwargs"]["bash"]["create_kwargs"]
+    assert _call(bash, {"command": "true"}, _AgentData(), create).endswith("[exit code: 0]")
+    assert threads and threads[0] is not threading.main_thread()
+
+
+def _fake_swebench(monkeypatch, version: str, run_instance=None) -> None:
+    """``swebench`` (and ``docker``) stand-ins in ``sys.modules`` at ``version``."""
+    import sys
+    import types
+
+    mods = {}
+    for name in (
+        "swebench",
+        "swebench.harness",
+        "swebench.harness.constants",
+        "swebench.harness.run_evaluation",
+        "swebench.harness.test_spec",
+        "swebench.harness.test_spec.test_spec",
+        "docker",
+    ):
+        mods[name] = types.ModuleType(name)
+        monkeypatch.setitem(sys.modules, name, mods[name])
+    mods["swebench"].__version__ = version
+    mods["swebench.harness.constants"].RUN_EVALUATION_LOG_DIR = Path("logs") / "run_evaluation"
+    mods["swebench.harness.run_evaluation"].run_instance = run_instance
+    mods["swebench.harness.test_spec.test_spec"].make_test_spec = lambda rec, **kw: (rec, kw)
+    mods["docker"].from_env = lambda: "client"
+
+
+def test_swebench_harness_versions_and_logs(inst, monkeypatch, tmp_path, caplog):
+    """swebench 5.x (another dataset format, another ``run_instance``) is refused naming the
+    version and the pin (it failed as 'package missing', and its signature would have taken
+    our arguments in the wrong places); 4.x gets keyword arguments; a completed run's logs are
+    removed (they piled up per call), an incomplete one's are kept and named in a WARNING."""
+    import logging
+
+    from harts_verl.workers.envs.sandbox import swebench_harness
+
+    _fake_swebench(monkeypatch, "5.0.2")
+    with pytest.raises(ImportError, match=r"swebench 5\.0\.2 is installed.*swebench>=4\.1,<5"):
+        swe.grade_swebench(inst, "diff")
+    calls = []
+
+    def run_instance(spec, pred, rm_image, force_rebuild, client, run_id, timeout=None):
+        calls.append((rm_image, force_rebuild, client, timeout))
+        logs = Path("logs") / "run_evaluation" / run_id / "harts" / pred["instance_id"]
+        logs.mkdir(parents=True)
+        ok = pred["model_patch"] == "good"
+        return {"completed": ok, "resolved": ok}
+
+    _fake_swebench(monkeypatch, "4.1.0", run_instance)
+    monkeypatch.chdir(tmp_path)
+    assert swebench_harness().version == "4.1.0"
+    r = swe.grade_swebench(inst, "good", timeout=99)
+    assert r["score"] == 1.0 and calls == [(False, False, "client", 99)]
+    assert list((tmp_path / "logs" / "run_evaluation").iterdir()) == []
+    with caplog.at_level(logging.WARNING):
+        r = swe.grade_swebench(inst, "bad")
+    assert r["score"] == 0.0 and not r["patch_applied"]
+    (kept,) = (tmp_path / "logs" / "run_evaluation").iterdir()
+    assert kept.name in caplog.text and inst.instance_id in caplog.text

@@ -344,6 +344,30 @@ def test_no_fork_is_one_trajectory(env, seq_ids):
     assert len(outs) == 1 and outs[0].extra_fields[FORK_GROUP_KEY] == ""
 
 
+def test_fork_copies_run_off_the_event_loop(env, seq_ids, monkeypatch):
+    """Copying a fork point (a SWE sandbox clones itself there: a docker commit) runs in a
+    worker thread, one copy at a time, not on the event loop every trajectory shares."""
+    import threading
+
+    threads, active, peak = [], [0], [0]
+    copy_fn = agent_loop_mod._copy_agent_data
+
+    def recording(*args, **kwargs):
+        threads.append(threading.current_thread())
+        active[0] += 1
+        peak[0] = max(peak[0], active[0])
+        try:
+            return copy_fn(*args, **kwargs)
+        finally:
+            active[0] -= 1
+
+    monkeypatch.setattr(agent_loop_mod, "_copy_agent_data", recording)
+    outs = _tree(env, env["Client"](), ForkSpec(turns=(0, 1), branching=2, budget=4))
+    _check_tree(outs, 4)
+    branch_copies = [t for t in threads if t is not threading.main_thread()]
+    assert len(branch_copies) == 6 and peak[0] == 1  # 2 + 2 × 2 branches, one at a time
+
+
 def test_full_determinism_tree_does_not_follow_completion_order(env):
     """Under ``full_determinism`` the children that make up a branch's missing leaves are
     numbered from their lineage (each child reserves indices for its refills), so their paths,

@@ -23,8 +23,16 @@ def load_records(args: argparse.Namespace) -> list[swe.SweInstance]:
     if args.fixtures:
         return swe.fixture_instances()
     if args.jsonl:
+        out = []
         with open(args.jsonl) as f:
-            return [swe.SweInstance.from_record(json.loads(line)) for line in f if line.strip()]
+            for n, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:  # a bad row is named by its file and line
+                    out.append(swe.SweInstance.from_record(json.loads(line)))
+                except (ValueError, TypeError) as exc:  # JSONDecodeError is a ValueError
+                    raise ValueError(f"{args.jsonl}:{n}: {exc}") from None
+        return out
     try:
         from datasets import load_dataset
     except ImportError as exc:

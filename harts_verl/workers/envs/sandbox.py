@@ -20,12 +20,14 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = [
     "DockerSandbox",
@@ -33,6 +35,7 @@ __all__ = [
     "LocalSandbox",
     "Sandbox",
     "format_exec_result",
+    "swebench_harness",
     "truncate_output",
 ]
 
@@ -53,6 +56,11 @@ _GIT_ID = [
     "commit.gpgsign=false",
 ]
 
+
+# Before an agent's command in a container: the image's ~/.bashrc, which a non-interactive
+# `bash -c` does not read (SWE-bench images activate the repository's conda env `testbed` there;
+# without it `python` / `pytest` are the base env's). Its own output is dropped.
+_PROFILE = "[ -f ~/.bashrc ] && . ~/.bashrc >/dev/null 2>&1\n"
 
 # Characters of a command's output kept while it is read (head and tail halves; the middle is
 # counted, not stored): a command that prints without end cannot fill the worker's memory.
@@ -101,6 +109,49 @@ def format_exec_result(result: ExecResult, max_chars: int, timeout: float) -> st
     return f"{body}\n{status}" if body else status
 
 
+SWEBENCH_PIN = "swebench>=4.1,<5"
+
+
+def swebench_harness() -> Any:
+    """The SWE-bench harness modules this package drives (``swebench`` 4.x: ``make_test_spec``
+    from ``harness.test_spec.test_spec``, ``run_instance(test_spec, pred, rm_image,
+    force_rebuild, client, run_id, timeout)``, ``RUN_EVALUATION_LOG_DIR``) as one namespace.
+    ``ImportError`` naming :data:`SWEBENCH_PIN` when it is missing, or when the installed
+    version is 5 or later (its harness takes another dataset format: a prebuilt image and an
+    eval script in every record) or lacks these names (the version and the reason said)."""
+    import types
+
+    try:
+        import swebench
+    except ImportError as exc:
+        raise ImportError(
+            f"the SWE-bench harness needs the 'swebench' package: pip install '{SWEBENCH_PIN}'"
+        ) from exc
+    version = str(getattr(swebench, "__version__", "?"))
+    head = version.split(".")[0]
+    if head.isdigit() and int(head) >= 5:
+        raise ImportError(
+            f"swebench {version} is installed; this recipe drives the 4.x harness (5.x takes "
+            f"another dataset format: a prebuilt image and an eval script in every record): "
+            f"pip install '{SWEBENCH_PIN}'"
+        )
+    try:
+        from swebench.harness.constants import RUN_EVALUATION_LOG_DIR
+        from swebench.harness.run_evaluation import run_instance
+        from swebench.harness.test_spec.test_spec import make_test_spec
+    except ImportError as exc:
+        raise ImportError(
+            f"swebench {version}: its harness lacks what this recipe drives ({exc}); "
+            f"pip install '{SWEBENCH_PIN}'"
+        ) from exc
+    return types.SimpleNamespace(
+        version=version,
+        make_test_spec=make_test_spec,
+        run_instance=run_instance,
+        log_dir=RUN_EVALUATION_LOG_DIR,
+    )
+
+
 class Sandbox(ABC):
     """A repository the agent works in. Paths are relative to :attr:`root` (absolute paths
     must lie inside it)."""
@@ -113,11 +164,14 @@ class Sandbox(ABC):
 
     @abstractmethod
     def read_file(self, path: str) -> str:
-        """Text of the file at ``path``; ``FileNotFoundError`` if it does not exist."""
+        """The whole text of the file at ``path`` (bytes that are not UTF-8 as surrogate
+        escapes, which :meth:`write_file` writes back as they were);
+        ``FileNotFoundError`` if it does not exist."""
 
     @abstractmethod
     def write_file(self, path: str, text: str) -> None:
-        """Create or overwrite ``path`` with ``text`` (parent folders are created)."""
+        """Create or overwrite ``path`` with ``text`` (UTF-8, surrogate escapes as the bytes
+        they stand for; parent folders are created)."""
 
     @abstractmethod
     def exists(self, path: str) -> bool:
@@ -197,12 +251,16 @@ def _run(
     stdin: str | None = None,
     env: dict[str, str] | None = None,
     groups: list[int] | None = None,
+    max_chars: int | None = MAX_READ_CHARS,
+    errors: str = "replace",
 ) -> ExecResult:
-    """Run ``args`` in a new session, reading its combined output (at most
-    :data:`MAX_READ_CHARS` kept, the rest counted in ``omitted``) until it ends and closes it;
-    after ``timeout`` seconds the whole process group is killed, and a process that left the
-    group and still holds the output open is no longer waited for (timed out). ``groups``
-    collects the process group id, for the caller to kill what the command left running."""
+    """Run ``args`` in a new session, reading its combined output (at most ``max_chars``
+    characters kept, the rest counted in ``omitted``; None: all of it, for a file or a patch
+    that must come back whole) until it ends and closes it; ``errors``: how bytes that are not
+    UTF-8 decode (``surrogateescape`` gives them back on encoding). After ``timeout`` seconds
+    the whole process group is killed, and a process that left the group and still holds the
+    output open is no longer waited for (timed out). ``groups`` collects the process group id,
+    for the caller to kill what the command left running."""
     data_in = stdin.encode("utf-8", errors="surrogateescape") if stdin is not None else b""
     proc = subprocess.Popen(
         args,
@@ -215,7 +273,7 @@ def _run(
     )
     if groups is not None:
         groups.append(proc.pid)
-    half = max(MAX_READ_CHARS // 2, 1)
+    half = max(max_chars // 2, 1) if max_chars is not None else sys.maxsize
     head: list[str] = []
     tail: list[str] = []
     state = {"head": 0, "tail": 0, "omitted": 0}
@@ -224,7 +282,7 @@ def _run(
     def read() -> None:
         assert proc.stdout is not None
         fd = proc.stdout.fileno()
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        decoder = codecs.getincrementaldecoder("utf-8")(errors=errors)
         while True:
             data = os.read(fd, 1 << 16)  # what is there now: nothing waits for a full buffer
             chunk = decoder.decode(data, final=not data)
@@ -309,8 +367,8 @@ class LocalSandbox(Sandbox):
             if res.exit_code != 0:
                 raise RuntimeError(f"git update-ref failed in {self.root}: {res.output}")
 
-    def _git(self, *args: str) -> str:
-        res = _run(["git", *args], self.root, 60)
+    def _git(self, *args: str, whole: bool = False) -> str:
+        res = _run(["git", *args], self.root, 60, max_chars=None if whole else MAX_READ_CHARS)
         if res.exit_code != 0:
             raise RuntimeError(f"git {' '.join(args)} failed in {self.root}: {res.output}")
         return res.output
@@ -328,13 +386,13 @@ class LocalSandbox(Sandbox):
 
     def read_file(self, path: str) -> str:
         full = _check_real(self.root, path)
-        with open(full, encoding="utf-8", errors="replace", newline="") as f:
+        with open(full, encoding="utf-8", errors="surrogateescape", newline="") as f:
             return f.read()  # line endings as stored (CRLF stays CRLF)
 
     def write_file(self, path: str, text: str) -> None:
         full = _check_real(self.root, path)
         os.makedirs(os.path.dirname(full), exist_ok=True)
-        with open(full, "w", encoding="utf-8", newline="") as f:
+        with open(full, "w", encoding="utf-8", errors="surrogateescape", newline="") as f:
             f.write(text)
 
     def exists(self, path: str) -> bool:
@@ -342,7 +400,9 @@ class LocalSandbox(Sandbox):
 
     def diff(self) -> str:
         self._git("add", "-A")
-        return self._git("diff", "--cached", "--binary", "--no-color", "--no-ext-diff", _START_REF)
+        return self._git(
+            "diff", "--cached", "--binary", "--no-color", "--no-ext-diff", _START_REF, whole=True
+        )
 
     def clone(self) -> LocalSandbox:
         other = LocalSandbox(self.root, _copy=False)
@@ -366,7 +426,7 @@ class DockerSandbox(Sandbox):
     at the task's base commit (SWE-bench instance images are).
 
     :meth:`from_swebench` derives the image from a SWE-bench instance with the ``swebench``
-    package (``pip install swebench``); a clear ``ImportError`` names it when it is missing.
+    package (``pip install 'swebench>=4.1,<5'``); a clear ``ImportError`` names it when it is missing.
     """
 
     def __init__(self, image: str, workdir: str = "/testbed", docker: str = "docker") -> None:
@@ -394,20 +454,23 @@ class DockerSandbox(Sandbox):
     def from_swebench(
         cls, instance: dict, namespace: str | None = "swebench", tag: str = "latest"
     ) -> DockerSandbox:
-        """A sandbox on the SWE-bench instance image of ``instance`` (a dataset record)."""
-        try:
-            from swebench.harness.test_spec.test_spec import make_test_spec
-        except ImportError as exc:  # pragma: no cover - depends on the optional package
-            raise ImportError(
-                "DockerSandbox.from_swebench needs the 'swebench' package (pip install swebench)"
-            ) from exc
-        spec = make_test_spec(instance, namespace=namespace, instance_image_tag=tag)
+        """A sandbox on the SWE-bench instance image of ``instance`` (a dataset record; the
+        harness: :func:`swebench_harness`)."""
+        harness = swebench_harness()
+        spec = harness.make_test_spec(instance, namespace=namespace, instance_image_tag=tag)
         return cls(spec.instance_image_key)
 
-    def _exec(self, args: list[str], timeout: float, stdin: str | None = None) -> ExecResult:
+    def _exec(
+        self, args: list[str], timeout: float, stdin: str | None = None, **read: Any
+    ) -> ExecResult:
+        """``docker exec`` of ``args``; ``read``: :func:`_run`'s ``max_chars`` / ``errors``."""
         flags = ["-i"] if stdin is not None else []
         return _run(
-            [self.docker, "exec", *flags, "-w", self.root, self.name, *args], None, timeout, stdin
+            [self.docker, "exec", *flags, "-w", self.root, self.name, *args],
+            None,
+            timeout,
+            stdin,
+            **read,
         )
 
     def exec(self, command: str, timeout: float) -> ExecResult:
@@ -418,25 +481,29 @@ class DockerSandbox(Sandbox):
         # a command that exits 124 or is killed (137, e.g. out of memory) early by itself.
         start = time.monotonic()
         res = self._exec(
-            ["timeout", "-s", "KILL", f"{timeout:g}", "bash", "-c", command], timeout + 30
+            ["timeout", "-s", "KILL", f"{timeout:g}", "bash", "-c", _PROFILE + command],
+            timeout + 30,
         )
         used_up = time.monotonic() - start >= timeout
         if res.timed_out or (res.exit_code in (124, 137, -9) and used_up):
             return ExecResult(res.output, None, True, res.omitted)
         return res
 
-    def _on_path(self, path: str, then: str, stdin: str | None = None) -> ExecResult:
+    def _on_path(self, path: str, then: str, stdin: str | None = None, **read: Any) -> ExecResult:
         """Run the bash line ``then`` on ``path`` (its quoted full path as ``$f``) after the
         container's symlink check of it, which raises ``ValueError`` naming the path."""
         full = _check_rel(self.root, path)
         script = f"{_inside_script(self.root, full)} && f={shlex.quote(full)} && {then}"
-        res = self._exec(["bash", "-c", script], 60, stdin=stdin)
+        res = self._exec(["bash", "-c", script], 60, stdin=stdin, **read)
         if res.exit_code == 3:
             raise ValueError(f"path: {path!r} {res.output.strip()}")
         return res
 
     def read_file(self, path: str) -> str:
-        res = self._on_path(path, 'cat -- "$f"')
+        # whole (an edit writes it back), stdout alone: a read error is no file text
+        res = self._on_path(
+            path, 'cat -- "$f" 2>/dev/null', max_chars=None, errors="surrogateescape"
+        )
         if res.exit_code != 0:
             raise FileNotFoundError(path)
         return res.output
@@ -450,8 +517,12 @@ class DockerSandbox(Sandbox):
         return self._on_path(path, 'test -e "$f"').exit_code == 0
 
     def diff(self) -> str:
-        script = f"git add -A && git diff --cached --binary --no-color {_START_REF}"
-        res = self._exec(["bash", "-c", script], 120)
+        # git add's warnings (an embedded repository, line endings) are not part of the patch
+        script = (
+            'out=$(git add -A 2>&1) || { printf "%s\\n" "$out"; exit 1; }; '
+            f"git diff --cached --binary --no-color --no-ext-diff {_START_REF}"
+        )
+        res = self._exec(["bash", "-c", script], 120, max_chars=None)
         if res.exit_code != 0:
             raise RuntimeError(f"git diff failed in {self.name}: {res.output}")
         return res.output

@@ -19,9 +19,11 @@ whose hidden test (in its ``test_patch``) fails until ``mean([])`` raises ``Valu
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shlex
+import shutil
 import sys
 import tempfile
 import uuid
@@ -29,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from harts_verl.workers.envs.sandbox import LocalSandbox
+from harts_verl.workers.envs.sandbox import LocalSandbox, swebench_harness
 
 __all__ = [
     "DATA_SOURCE",
@@ -45,6 +47,8 @@ __all__ = [
     "parse_junit_report",
     "parse_pytest_report",
 ]
+
+logger = logging.getLogger(__name__)
 
 DATA_SOURCE = "swebench"
 FIXTURE_DATA_SOURCE = "harts_swe_fixture"
@@ -91,9 +95,20 @@ class SweInstance:
 
     @classmethod
     def from_record(cls, record: dict[str, Any], fixture: str | None = None) -> SweInstance:
-        """Parse a SWE-bench record; ``ValueError`` names a missing or malformed field."""
+        """Parse a SWE-bench record; ``ValueError`` names a missing or malformed field (and the
+        record's ``instance_id`` when it has one)."""
         if not isinstance(record, dict):
             raise TypeError(f"record: expected a dict, got {type(record).__name__}")
+        try:
+            return cls._parse(record, fixture)
+        except ValueError as exc:
+            iid = record.get("instance_id")
+            if isinstance(iid, str) and iid.strip():
+                raise ValueError(f"instance {iid!r}: {exc}") from None
+            raise
+
+    @classmethod
+    def _parse(cls, record: dict[str, Any], fixture: str | None) -> SweInstance:
         for key in _REQUIRED:
             if key not in record or record[key] is None:
                 raise ValueError(f"{key}: missing from the SWE-bench record")
@@ -215,8 +230,8 @@ def _junit_address(test_id: str) -> tuple[str, str]:
 def parse_junit_report(xml_text: str, test_ids: Sequence[str]) -> dict[str, str]:
     """Status of each of ``test_ids`` (as SWE-bench lists them) that ran, from a pytest
     ``--junitxml`` file: ``PASSED``, or ``FAILED`` / ``ERROR`` / ``SKIPPED`` for a testcase with
-    such a child (whatever else is printed); a test that did not run is absent ({} for text that
-    is no XML)."""
+    such a child (whatever else is printed), ``XFAIL`` for a skip of type ``pytest.xfail`` (an
+    expected failure); a test that did not run is absent ({} for text that is no XML)."""
     import xml.etree.ElementTree as ET
 
     try:
@@ -230,6 +245,9 @@ def parse_junit_report(xml_text: str, test_ids: Sequence[str]) -> dict[str, str]
         for tag, word in (("skipped", "SKIPPED"), ("error", "ERROR"), ("failure", "FAILED")):
             if tag in kinds:
                 state = word
+        skip = case.find("skipped")
+        if state == "SKIPPED" and skip is not None and skip.get("type") == "pytest.xfail":
+            state = "XFAIL"
         ran[(case.get("classname") or "", case.get("name") or "")] = state
     return {t: ran[a] for t in test_ids if (a := _junit_address(t)) in ran}
 
@@ -241,6 +259,9 @@ _TEST_HARNESS_FILES = frozenset(
         "conftest.py",
         "pytest.py",
         "pytest.ini",
+        ".pytest.ini",
+        "pytest.toml",
+        ".pytest.toml",
         "tox.ini",
         "setup.cfg",
         "pyproject.toml",
@@ -250,10 +271,18 @@ _TEST_HARNESS_FILES = frozenset(
 )
 
 
+_PASSED = ("PASSED", "XFAIL")  # SWE-bench's test_passed
+_FAILED = (None, "FAILED", "ERROR")  # its test_failed: absent, failed or an error
+
+
 def _report(inst: SweInstance, status: dict[str, str], applied: bool, note: str = "") -> dict:
-    f2p = sum(status.get(t) == "PASSED" for t in inst.fail_to_pass)
-    p2p = sum(status.get(t) == "PASSED" for t in inst.pass_to_pass)
-    resolved = applied and f2p == len(inst.fail_to_pass) and p2p == len(inst.pass_to_pass)
+    """The grade of a test ``status`` map as SWE-bench computes it: resolved iff the patch
+    applied and no FAIL_TO_PASS / PASS_TO_PASS test failed (absent, ``FAILED`` or ``ERROR``);
+    ``XFAIL`` counts as passed, a skipped test as neither."""
+    f2p = sum(status.get(t) in _PASSED for t in inst.fail_to_pass)
+    p2p = sum(status.get(t) in _PASSED for t in inst.pass_to_pass)
+    tests = (*inst.fail_to_pass, *inst.pass_to_pass)
+    resolved = applied and not any(status.get(t) in _FAILED for t in tests)
     return {
         "score": 1.0 if resolved else 0.0,
         "resolved": bool(resolved),
@@ -345,24 +374,43 @@ def grade_local(inst: SweInstance, patch: str, timeout: float = 120.0) -> dict[s
 def grade_swebench(
     inst: SweInstance, patch: str, timeout: float = 1800.0, namespace: str | None = "swebench"
 ) -> dict[str, Any]:
-    """Grade ``patch`` with the SWE-bench harness (``pip install swebench``; needs docker and
-    the instance image): ``run_instance`` applies the patch in the instance container, runs
-    the task's eval script and reports ``resolved``. Each call uses a fresh ``run_id`` (the
-    harness caches reports by run id); logs go to the harness's ``logs/run_evaluation``."""
+    """Grade ``patch`` with the SWE-bench harness (``swebench`` 4.x,
+    :func:`~harts_verl.workers.envs.sandbox.swebench_harness`; needs docker and the instance
+    image): ``run_instance`` applies the patch in the instance container, runs the task's eval
+    script and reports ``resolved``. Each call uses a fresh ``run_id`` (the harness caches
+    reports by run id); its logs (``logs/run_evaluation/<run_id>``) are removed once it
+    completed, and kept, with a WARNING naming them, when it did not (a patch that does not
+    apply, or the harness or docker failing: the harness reports both alike, and both score
+    0)."""
+    harness = swebench_harness()
     try:
         import docker
-        from swebench.harness.run_evaluation import run_instance
-        from swebench.harness.test_spec.test_spec import make_test_spec
     except ImportError as exc:
         raise ImportError(
-            "grading real SWE-bench instances needs the 'swebench' package and the docker SDK "
-            "(pip install swebench)"
+            "grading real SWE-bench instances needs the docker SDK (pip install docker)"
         ) from exc
-    spec = make_test_spec(inst.record, namespace=namespace)
+    spec = harness.make_test_spec(inst.record, namespace=namespace)
     pred = {"instance_id": inst.instance_id, "model_name_or_path": "harts", "model_patch": patch}
-    out = run_instance(
-        spec, pred, False, False, docker.from_env(), f"harts-{uuid.uuid4().hex[:12]}", timeout
+    run_id = f"harts-{uuid.uuid4().hex[:12]}"
+    out = harness.run_instance(
+        spec,
+        pred,
+        rm_image=False,
+        force_rebuild=False,
+        client=docker.from_env(),
+        run_id=run_id,
+        timeout=timeout,
     )
+    logs = os.path.join(str(harness.log_dir), run_id)
+    if out.get("completed"):
+        shutil.rmtree(logs, ignore_errors=True)
+    else:
+        logger.warning(
+            "swebench: the harness did not complete instance %s (the patch does not apply, or "
+            "the harness / docker failed); it scores 0; logs: %s",
+            inst.instance_id,
+            logs,
+        )
     resolved = bool(out.get("resolved"))
     return {
         "score": 1.0 if resolved else 0.0,
@@ -370,7 +418,7 @@ def grade_swebench(
         "patch_applied": bool(out.get("completed")),
         "fail_to_pass_passed": -1,
         "pass_to_pass_passed": -1,
-        "note": "" if out.get("completed") else "harness evaluation did not complete",
+        "note": "" if out.get("completed") else f"harness evaluation did not complete ({logs})",
     }
 
 

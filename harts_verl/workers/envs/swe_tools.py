@@ -215,12 +215,25 @@ class _SweTool(TrajectoryTool):
         """The tool's answer text (blocking; runs in a worker thread)."""
         raise NotImplementedError
 
+    def _check_known(self, parameters: dict[str, Any]) -> None:
+        """``ValueError`` naming the arguments the tool's schema does not declare (a
+        misspelled or unsupported option is never ignored silently)."""
+        known = set(self.tool_schema.function.parameters.properties)
+        unknown = sorted(set(parameters) - known)
+        if unknown:
+            raise ValueError(
+                f"{', '.join(unknown)}: unknown argument{'s' if len(unknown) > 1 else ''} of "
+                f"{self.name} (it takes {', '.join(sorted(known)) or 'none'})"
+            )
+
     async def execute(
         self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
     ) -> tuple[ToolResponse, float, dict]:
         agent_data = self._agent_data(kwargs)
         self._check_parameters(parameters)
-        box = self._sandbox(instance_id, agent_data)
+        self._check_known(parameters)
+        # starting a sandbox (docker run, an image pull) blocks: not on the event loop
+        box = await asyncio.to_thread(self._sandbox, instance_id, agent_data)
         text = await asyncio.to_thread(self.run, box, parameters)
         if self.MUTATES:
             agent_data.extra_fields[PATCH_KEY] = await asyncio.to_thread(box.diff)
@@ -283,6 +296,11 @@ class EditTool(_SweTool):
                 "file_text": {"type": "string"},
                 "old_str": {"type": "string"},
                 "new_str": {"type": "string"},
+                "view_range": {
+                    "type": "array",
+                    "items": {"type": "integer"},
+                    "description": "view: [first, last] line (1-based; last -1 = to the end)",
+                },
             },
             ["command", "path"],
         )
@@ -305,9 +323,10 @@ class EditTool(_SweTool):
                     f"find {arg} -maxdepth 2 -not -path '*/.git*' | sort", self.cfg.timeout
                 )
                 return truncate_output(listing.output, limit)
-            lines = box.read_file(path).splitlines()
+            lines = _lines(box.read_file(path))
+            lo, hi = _view_range(parameters.get("view_range"), len(lines), path)
             return truncate_output(
-                "\n".join(f"{i + 1:6d}\t{line}" for i, line in enumerate(lines)), limit
+                "\n".join(f"{i + 1:6d}\t{lines[i]}" for i in range(lo, hi)), limit
             )
         if command == "create":
             text = _str_arg(parameters, "file_text")
@@ -329,10 +348,40 @@ class EditTool(_SweTool):
         box.write_file(path, text.replace(old, new, 1))
         start = text.index(old)
         first = text.count("\n", 0, start)
-        new_lines = box.read_file(path).splitlines()
+        new_lines = _lines(box.read_file(path))
         lo, hi = max(first - 3, 0), min(first + new.count("\n") + 4, len(new_lines))
         snippet = "\n".join(f"{i + 1:6d}\t{new_lines[i]}" for i in range(lo, hi))
         return f"Edited {path}. Lines {lo + 1}-{hi} now read:\n{snippet}"
+
+
+def _lines(text: str) -> list[str]:
+    """The lines of a file's ``text`` as an agent sees them, numbered as ``grep -n`` / ``sed``
+    count (split at ``\\n`` only, a line's ``\\r`` dropped), bytes that are not UTF-8 (surrogate
+    escapes of :meth:`Sandbox.read_file`) as U+FFFD; the file itself keeps them."""
+    shown = text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    lines = shown.split("\n")
+    if lines and lines[-1] == "":  # the final newline ends the last line
+        lines.pop()
+    return [line.removesuffix("\r") for line in lines]
+
+
+def _view_range(value: Any, n: int, path: str) -> tuple[int, int]:
+    """The 0-based line slice ``[lo, hi)`` of ``view_range`` ([first, last], 1-based, last -1
+    = the end; None = the whole file) over ``n`` lines; ``ValueError`` naming it otherwise."""
+    if value is None:
+        return 0, n
+    ok = (
+        isinstance(value, list | tuple)
+        and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    )
+    first, last = value if ok else (0, 0)
+    if not ok or not 1 <= first <= n or not (last == -1 or first <= last):
+        raise ValueError(
+            f"view_range: expected [first, last] with 1 <= first <= {n} (the lines of {path}) "
+            f"and last >= first or -1, got {value!r}"
+        )
+    return first - 1, n if last == -1 else min(last, n)
 
 
 class SubmitTool(_SweTool):
@@ -355,7 +404,9 @@ class SubmitTool(_SweTool):
         self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
     ) -> tuple[ToolResponse, float, dict]:
         agent_data = self._agent_data(kwargs)
-        box = self._sandbox(instance_id, agent_data)
+        self._check_parameters(parameters)
+        self._check_known(parameters)
+        box = await asyncio.to_thread(self._sandbox, instance_id, agent_data)
         patch = await asyncio.to_thread(box.diff)
         fields = agent_data.extra_fields
         fields[PATCH_KEY] = patch

@@ -507,6 +507,19 @@ class HartsToolAgentLoop(ToolAgentLoop):
         last = fork.boundary(level) is None
         pending: dict[asyncio.Future, tuple[int, int, int]] = {}
         leaves: dict[int, list[tuple[AgentData, Path]]] = {}
+        # Copying the fork point can block (a tool's sandbox clones itself: a docker commit):
+        # it runs off the event loop, one copy of this point at a time.
+        copying = asyncio.Lock()
+
+        async def branch(child_id: str, child_path: Path, share: int) -> list:
+            what = (
+                f"fork branch {path_str(child_path)!r} (turn boundary "
+                f"{point.assistant_turns} of request {point.request_id})"
+            )
+            async with copying:
+                child = await asyncio.to_thread(_copy_agent_data, point, child_id, what)
+            child._harts_branch = True  # type: ignore[attr-defined]  # its own seed
+            return await self._grow(child, state, sampling_params, fork, level, share, child_path)
 
         def spawn(total: int, offset: int) -> None:
             shares = _shares(total, total if last else min(fork.branching, total))
@@ -514,16 +527,7 @@ class HartsToolAgentLoop(ToolAgentLoop):
             for index, share in enumerate(shares, start=offset):
                 child_id = self._branch_request_id(point, (*path, index))
                 self.recorder.fork(point.request_id, child_id)
-                child = _copy_agent_data(
-                    point,
-                    child_id,
-                    f"fork branch {path_str((*path, index))!r} (turn boundary "
-                    f"{point.assistant_turns} of request {point.request_id})",
-                )
-                child._harts_branch = True  # type: ignore[attr-defined]  # its own seed
-                task = asyncio.ensure_future(
-                    self._grow(child, state, sampling_params, fork, level, share, (*path, index))
-                )
+                task = asyncio.ensure_future(branch(child_id, (*path, index), share))
                 pending[task] = (index, share, reserve)
                 reserve += share - 1
 
