@@ -33,36 +33,10 @@ from harts_verl.ops.moe import (
 )
 from harts_verl.tree._checks import finite_float_arg, int_arg
 from harts_verl.tree.forest import RolloutForest
-
-
-def _fallback_swe_like(seed: int, vocab: int, target_rows: int = 8000) -> list[np.ndarray]:
-    """A SWE-like batch when ``harts_verl.tree.workloads`` is unavailable: one issue prompt,
-    a group of samples that alternate assistant turns and tool observations, with turn-level
-    forks into 2–3 branches and occasional prefix trajectories."""
-    rng = np.random.default_rng(seed)
-    prompt = rng.integers(0, vocab, int(rng.integers(600, 1200)))
-    seqs: list[np.ndarray] = []
-    rows = prompt.shape[0]
-    frontier: list[np.ndarray] = [prompt for _ in range(int(rng.integers(4, 8)))]
-    while frontier and rows < target_rows:
-        path = frontier.pop(0)
-        for _ in range(int(rng.integers(3, 12))):
-            turn = rng.integers(0, vocab, int(rng.integers(20, 200)))
-            rows += turn.shape[0]
-            path = np.concatenate([path, turn])
-            if rng.random() < 0.12:
-                frontier.extend([path] * int(rng.integers(1, 3)))
-                if rng.random() < 0.2:
-                    seqs.append(path)
-        seqs.append(path)
-    return seqs
+from harts_verl.tree.workloads import MAX_SCALE, swe_like
 
 
 def _sequences(scale: float, seed: int, vocab: int) -> tuple[list[np.ndarray], str]:
-    try:
-        from harts_verl.tree.workloads import swe_like
-    except ImportError:
-        return _fallback_swe_like(seed, vocab), "fallback_swe_like"
     return [s % vocab for s in swe_like(scale, seed).sequences], f"swe_like({scale}, {seed})"
 
 
@@ -118,7 +92,9 @@ def _moe_stats(
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--scale", type=finite_float_arg(0, inclusive=False), default=0.008)
+    ap.add_argument(
+        "--scale", type=finite_float_arg(0, inclusive=False, hi=MAX_SCALE), default=0.008
+    )
     ap.add_argument("--seed", type=int_arg(0), default=2)
     ap.add_argument("--vocab", type=int_arg(2), default=32000)
     ap.add_argument("--dim", type=int_arg(1), default=256)
@@ -231,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             **moe,
         },
     }
-    print(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2, allow_nan=False))
     return result
 
 

@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import pickle
+import re
 import sys
 from collections.abc import Iterator
 
@@ -59,6 +60,7 @@ _INSPECT_FLAGS = {
     "chunk_size": "--chunk-size",
     "work_slack": "--work-slack",
     "seed": "--seed",
+    "restarts": "--restarts",
     "plot": "--plot",
 }
 
@@ -73,7 +75,9 @@ def _debug() -> bool:
 
 def _phrase(exc: BaseException, flags: dict[str, str]) -> str:
     """The message of ``exc`` with a leading config field name (``capacity_tokens: ...``)
-    replaced by its flag, and the flag in place of multi-word field names elsewhere."""
+    replaced by its flag, and the flag in place of multi-word field names elsewhere where they
+    stand as words (``capacity_tokens=64``), never inside a path or a name
+    (``runs/chunk_size_64/x.npz`` stays as written)."""
     msg = str(exc) or type(exc).__name__
     for field, flag in flags.items():
         if msg.startswith(field + ":") or msg.startswith(field + "["):
@@ -81,7 +85,7 @@ def _phrase(exc: BaseException, flags: dict[str, str]) -> str:
             break
     for field, flag in flags.items():
         if "_" in field:
-            msg = msg.replace(field, flag)
+            msg = re.sub(rf"(?<![\w./\\-]){re.escape(field)}(?![\w./\\-])", flag, msg)
     return msg
 
 
@@ -204,7 +208,11 @@ def _parse_overrides(items: list[str] | None, default: dict | None) -> dict | No
 def _print_json(obj: dict) -> None:
     from harts_verl.tree.inspect import json_text
 
-    print(json_text(obj))
+    try:
+        print(json_text(obj), flush=True)
+    except BrokenPipeError:  # the reader went away (`| head`): no traceback, nothing more
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush is quiet
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -250,11 +258,21 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             raise ValueError("--dp needs --capacity (the planned microbatches it places)")
         if args.work_slack and not args.capacity:
             raise ValueError("--work-slack needs --capacity (it balances the planned slots)")
+        if args.restarts and not args.capacity:
+            raise ValueError("--restarts needs --capacity (the planner's seeded restarts)")
+        if args.seed and not args.restarts:
+            raise ValueError("--seed needs --restarts (only the planner's restarts draw from it)")
         check_int("chunk_size", args.chunk_size, 1)  # argparse has no upper bound
-        plan_args = {"dp_size": args.dp, "seed": args.seed, "work_slack": args.work_slack}
+        plan_args = {
+            "dp_size": args.dp,
+            "seed": args.seed,
+            "work_slack": args.work_slack,
+            "restarts": args.restarts,
+        }
         if args.capacity:
             check_plan_arguments(capacity_tokens=args.capacity, **plan_args)
         plot = plot_path(args.plot) if args.plot else None
+    with _inputs():  # the file's own errors name it as given (a path is no flag)
         forest = load_forest(args.forest)
     stats = forest_statistics(  # past the inputs: an error here is a bug, with its traceback
         forest, chunk_size=args.chunk_size, capacity_tokens=args.capacity or None, **plan_args
@@ -298,7 +316,15 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
         "--dp", type=int_arg(1), default=1, help="data-parallel replicas (with --capacity)"
     )
     p.add_argument("--chunk-size", type=int_arg(1), default=64, help="linear-attention chunk size")
-    p.add_argument("--seed", type=int_arg(0), default=0)
+    p.add_argument(
+        "--restarts",
+        type=int_arg(0),
+        default=0,
+        help="the planner's seeded perturb-and-improve rounds (with --capacity)",
+    )
+    p.add_argument(
+        "--seed", type=int_arg(0), default=0, help="seed of the planner's restarts (--restarts)"
+    )
     p.add_argument(
         "--work-slack",
         type=finite_float_arg(0, inclusive=True, hi=1, hi_inclusive=False),

@@ -184,6 +184,41 @@ def test_cli_inspect_input_errors(tmp_path, capsys, monkeypatch):
     assert list((tmp_path / "plots").iterdir()) == []
 
 
+def test_cli_errors_keep_paths_as_given_and_seed_needs_restarts(tmp_path, capsys, monkeypatch):
+    """A path holding a field's name (``chunk_size``, ``dp_size``, ``seed``) is named as
+    written, not with flags spliced in (``runs/--chunk-size_64/--dp_8.npz``); ``--seed`` acts
+    only through ``--restarts`` (it was accepted and ignored), which needs ``--capacity``; with
+    both, the seed reaches the planner."""
+    monkeypatch.delenv("HARTS_VERL_DEBUG", raising=False)
+    monkeypatch.chdir(tmp_path)
+    runs = tmp_path / "runs" / "chunk_size_64"
+    runs.mkdir(parents=True)
+    (runs / "dp_size_8.npz").write_text("junk\n")
+    _one_line_error(
+        capsys,
+        ["inspect", "runs/chunk_size_64/dp_size_8.npz"],
+        ("inspect: runs/chunk_size_64/dp_size_8.npz: not a forest file"),
+    )
+    _one_line_error(capsys, ["inspect", "seed"], "inspect: seed: no such file")
+    good = tmp_path / "f.npz"
+    RolloutForest.from_sequences(SEQS).save(good)
+    _one_line_error(capsys, ["inspect", str(good), "--seed", "3"], "--seed needs --restarts")
+    _one_line_error(capsys, ["inspect", str(good), "--restarts", "2"], "--restarts needs")
+    outs = []
+    for seed in ("0", "5"):
+        argv = ["inspect", str(good), "--capacity", "7", "--restarts", "2", "--seed", seed]
+        assert main(argv) == 0
+        outs.append(json.loads(capsys.readouterr().out)["plan"])
+    assert outs[0]["total_compact_tokens"] == outs[1]["total_compact_tokens"] > 0
+    from harts_verl.cli import _phrase
+
+    flags = {"capacity_tokens": "--capacity"}
+    assert _phrase(ValueError("x: more than capacity_tokens=7"), flags) == (
+        "x: more than --capacity=7"
+    )
+    assert _phrase(ValueError("/a/capacity_tokens_1/f: no"), flags) == "/a/capacity_tokens_1/f: no"
+
+
 def test_cli_inspect_planner_values_are_named_as_the_flags(tmp_path, capsys, monkeypatch):
     """Planner settings argparse cannot bound are checked before planning, named as flags."""
     monkeypatch.delenv("HARTS_VERL_DEBUG", raising=False)

@@ -248,6 +248,7 @@ def test_small_vocab_keeps_turn_structure():
         ({"vocab_size": 2, "scale": 0.01}, "vocab_size"),  # more sibling turns than ids
         ({"fork_tail": 0.0}, "fork_tail"),
         ({"target_compression": 0.5}, "target_compression"),
+        ({"target_compression": float("inf")}, "target_compression: expected 0 .* finite"),
         ({"observation_p95": 10}, "observation_p95"),
         ({"max_forks": -1}, "max_forks"),
     ],
@@ -255,3 +256,11 @@ def test_small_vocab_keeps_turn_structure():
 def test_bad_arguments(kwargs, name):
     with pytest.raises(ValueError, match=name):
         swe_like(**kwargs)
+
+
+def test_huge_observation_sizes_do_not_overflow():
+    """An observation_p95 / observation_max past float range draws observations clipped at
+    the max in log space (exp() overflowed: a traceback from the bench)."""
+    f = swe_like(0.002, seed=1, observation_p95=10**300, observation_max=10**300)
+    g = swe_like(0.002, seed=1)
+    assert f.num_semantic_tokens >= 2000 and g.num_semantic_tokens >= 2000

@@ -303,9 +303,9 @@ def _check_params(p: dict[str, Any]) -> None:
             if not (_is_real(v) and 0.0 < v <= 0.5):
                 raise ValueError(f"fork_tail: expected a fraction in (0, 0.5], got {v!r}")
         elif key == "target_compression":
-            if not (_is_real(v) and (v == 0 or v >= 1)):
+            if not (_is_real(v) and math.isfinite(v) and (v == 0 or v >= 1)):
                 raise ValueError(
-                    f"target_compression: expected 0 (off) or a number >= 1, got {v!r}"
+                    f"target_compression: expected 0 (off) or a finite number >= 1, got {v!r}"
                 )
     if p["vocab_size"] < 2:
         raise ValueError(f"vocab_size: expected >= 2, got {p['vocab_size']}")
@@ -486,8 +486,9 @@ class _Builder:
         p, rng = self.p, self.rng
         if p["user_prob"] > 0 and rng.random() < p["user_prob"]:
             return _USER, _ranged(rng, *p["user_tokens"])
-        v = math.exp(rng.normal(self.obs_mu, self.obs_sigma))
-        return _OBSERVATION, int(min(p["observation_max"], max(1, round(v))))
+        # clipped in log space: a huge observation_max must not overflow exp()
+        log_v = min(rng.normal(self.obs_mu, self.obs_sigma), math.log(p["observation_max"]))
+        return _OBSERVATION, int(min(p["observation_max"], max(1, round(math.exp(log_v)))))
 
 
 @dataclass
