@@ -325,30 +325,31 @@ def _position_ids_reason(data: TensorDict) -> str | None:
     shifted positions run on the stock path, which feeds them to the model."""
     if "position_ids" not in data.keys():
         return None
+    pos = _token_rows(data["position_ids"], "position_ids")  # compared where it lies
     ids = data["input_ids"]
     if ids.is_nested:
-        offsets = ids.offsets().detach().cpu().numpy().astype(np.int64)
+        offsets = ids.offsets().to(device=pos.device, dtype=torch.int64)
     else:
-        offsets = np.arange(ids.shape[0] + 1, dtype=np.int64) * ids.shape[1]
-    lengths = np.diff(offsets)
-    pos = _token_rows(data["position_ids"], "position_ids").detach().cpu().numpy()
-    if pos.shape[1] != offsets[-1]:
+        offsets = torch.arange(ids.shape[0] + 1, device=pos.device) * ids.shape[1]
+    total = int(offsets[-1])
+    if pos.shape[1] != total:
         return (
-            f"position_ids holds {pos.shape[1]} positions per row for {offsets[-1]} input_ids "
+            f"position_ids holds {pos.shape[1]} positions per row for {total} input_ids "
             "tokens; tree mode places rows at their depths and needs one position per token"
         )
-    expected = np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1], lengths)
-    bad = np.flatnonzero((pos != expected[None]).any(axis=0))
-    if not bad.size:
+    lengths = offsets.diff()
+    expected = torch.arange(total, device=pos.device) - offsets[:-1].repeat_interleave(lengths)
+    bad = (pos != expected[None]).any(dim=0)
+    if not bool(bad.any()):
         return None
-    at = int(bad[0])
-    i = int(np.searchsorted(offsets, at, side="right") - 1)
-    j = at - int(offsets[i])
+    at = int(bad.nonzero()[0, 0])
+    i = int(torch.searchsorted(offsets, at, right=True)) - 1
     got = pos[:, at].tolist()
     return (
-        f"position_ids of trajectory {i} are not 0..{int(lengths[i]) - 1} (token {j} is at "
-        f"{got[0] if len(got) == 1 else got}): tree mode places every row at its depth, so "
-        "packed, restarting or shifted positions run on the stock path"
+        f"position_ids of trajectory {i} are not 0..{int(lengths[i]) - 1} (token "
+        f"{at - int(offsets[i])} is at {got[0] if len(got) == 1 else got}): tree mode places "
+        "every row at its depth, so packed, restarting or shifted positions run on the stock "
+        "path"
     )
 
 
