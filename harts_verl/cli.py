@@ -85,7 +85,7 @@ def _phrase(exc: BaseException, flags: dict[str, str]) -> str:
             break
     for field, flag in flags.items():
         if "_" in field:
-            msg = re.sub(rf"(?<![\w./\\-]){re.escape(field)}(?![\w./\\-])", flag, msg)
+            msg = re.sub(rf"(?<![\w./\\-]){re.escape(field)}(?![\w/\\-]|\.\w)", flag, msg)
     return msg
 
 

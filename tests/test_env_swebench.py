@@ -771,3 +771,39 @@ def test_swebench_harness_versions_and_logs(inst, monkeypatch, tmp_path, caplog)
     assert r["score"] == 0.0 and not r["patch_applied"]
     (kept,) = (tmp_path / "logs" / "run_evaluation").iterdir()
     assert kept.name in caplog.text and inst.instance_id in caplog.text
+
+
+def test_parallel_calls_share_one_sandbox_and_oversize_is_refused_not_cut(inst, monkeypatch):
+    """Calls of one turn run together (``max_parallel_calls`` > 1): they start one sandbox,
+    not one each (the second replaced the first, closing it under its running command). A
+    file or a patch over the whole-read bound is refused with a message, never cut: the view
+    says so, and an oversize patch is recorded as none (it scores 0) until the agent cleans
+    up; ``view_range`` on a folder is refused."""
+    from harts_verl.workers.envs import sandbox as sandbox_mod
+    from harts_verl.workers.envs.swe_tools import PATCH_KEY, POOL
+
+    bash, edit, _ = _tools()
+    create = swe.dataset_rows([inst])[0]["extra_info"]["tools_kwargs"]["bash"]["create_kwargs"]
+    data = _AgentData()
+    n0 = len(POOL)
+
+    async def together():
+        calls = []
+        for k in range(3):
+            iid, _ = await bash.create(create_kwargs=create)
+            calls.append(bash.execute(iid, {"command": f"echo {k} > f{k}.txt"}, agent_data=data))
+        return await asyncio.gather(*calls)
+
+    asyncio.run(together())
+    assert len(POOL) == n0 + 1
+    patch = data.extra_fields[PATCH_KEY]
+    assert all(f"f{k}.txt" in patch for k in range(3))
+    monkeypatch.setattr(sandbox_mod, "MAX_WHOLE_CHARS", 4096)
+    out = _call(bash, {"command": "seq 1 3000 > big.txt"}, data, create)
+    assert "larger than 0 MiB as a patch" in out and data.extra_fields[PATCH_KEY] == ""
+    with pytest.raises(ValueError, match=r"big\.txt' is larger than"):
+        _call(edit, {"command": "view", "path": "big.txt"}, data, create)
+    _call(bash, {"command": "rm big.txt"}, data, create)
+    assert "f0.txt" in data.extra_fields[PATCH_KEY]
+    with pytest.raises(ValueError, match="view_range: 'tinycalc' is a folder"):
+        _call(edit, {"command": "view", "path": "tinycalc", "view_range": [1, 2]}, data, create)

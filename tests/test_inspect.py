@@ -217,6 +217,9 @@ def test_cli_errors_keep_paths_as_given_and_seed_needs_restarts(tmp_path, capsys
         "x: more than --capacity=7"
     )
     assert _phrase(ValueError("/a/capacity_tokens_1/f: no"), flags) == "/a/capacity_tokens_1/f: no"
+    assert _phrase(ValueError("x must divide capacity_tokens."), flags) == (
+        "x must divide --capacity."
+    )
 
 
 def test_cli_inspect_planner_values_are_named_as_the_flags(tmp_path, capsys, monkeypatch):

@@ -328,6 +328,8 @@ def test_load_sequences_notes_positions_other_than_depths(tmp_path, capsys):
             "attention_mask": lmask,
             "position_ids": lpos[:, None].expand(3, 4, 3),
         },
+        # a width that does not match the mask: nothing to note, no crash
+        "badwidth": {"input_ids": left, "attention_mask": lmask, "position_ids": lpos[:, :2]},
     }
     for name, obj in quiet.items():
         torch.save(obj, tmp_path / f"{name}.pt")

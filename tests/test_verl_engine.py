@@ -1139,9 +1139,16 @@ def test_position_ids_reason_layouts():
     )
     dense = torch.arange(4).expand(3, 4)
     assert _position_ids_reason(batch(dense, input_ids=torch.zeros(3, 4, dtype=torch.long))) is None
-    assert "holds 12 positions per row for 15" in _position_ids_reason(
+    assert "do not hold one position (per row) for each of the 15" in _position_ids_reason(
         batch(nested([torch.arange(4)] * 3))
     )
+    # a pickled batch can carry [bsz, 4, j] with the wrong ragged index: told apart by shape
+    wrong = nested([m.T.contiguous() for m in mrope])
+    wrong._ragged_idx = 2
+    assert "trajectory 2 are not 0..6" in _position_ids_reason(batch(wrong))
+    odd = torch.zeros(3, 1, 1, 4, dtype=torch.long)  # a layout it cannot read: stock path
+    why = _position_ids_reason(batch(odd, input_ids=torch.zeros(3, 4, dtype=torch.long)))
+    assert "do not hold one position" in why
 
 
 @pytest.mark.parametrize("kind", ["qwen3_next", "gpt_oss"])

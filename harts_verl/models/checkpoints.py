@@ -855,9 +855,9 @@ def _iter_to_hybrid(
 ) -> Iterator[dict[str, torch.Tensor]]:
     """The native state dict of ``src`` in pieces (embeddings, each layer, head), shape-checked.
     The ``mtp_layers`` multi-token-prediction layers after the decoder layers (indices
-    ``[n, n + mtp_layers)``) are dropped with a WARNING, as are empty (zero-element) tensors
-    without a place (transformers saves ``[0, D]`` shared experts for ``num_shared_experts:
-    0``); after the last piece, ``ValueError`` names any other unused source tensor (a layer
+    ``[n, n + mtp_layers)``) are dropped with a WARNING; empty (zero-element) tensors without
+    a place (transformers saves ``[0, D]`` shared experts for ``num_shared_experts: 0``) hold
+    nothing and are skipped; after the last piece, ``ValueError`` names any other unused source tensor (a layer
     beyond those is one: never truncated silently)."""
     expected = expected_hybrid_shapes(cfg)
     n = cfg.num_hidden_layers

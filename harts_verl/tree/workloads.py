@@ -303,7 +303,8 @@ def _check_params(p: dict[str, Any]) -> None:
             if not (_is_real(v) and 0.0 < v <= 0.5):
                 raise ValueError(f"fork_tail: expected a fraction in (0, 0.5], got {v!r}")
         elif key == "target_compression":
-            if not (_is_real(v) and math.isfinite(v) and (v == 0 or v >= 1)):
+            finite = _is_int(v) or (_is_real(v) and math.isfinite(v))  # a big int: no float
+            if not (finite and (v == 0 or v >= 1)):
                 raise ValueError(
                     f"target_compression: expected 0 (off) or a finite number >= 1, got {v!r}"
                 )

@@ -134,21 +134,31 @@ def load_sequences(path: str) -> list[list[int]]:
 
 
 def _positions_note(positions: Any, mask: Any, seqs: list[list[int]], path: str) -> str | None:
-    """A note when a dump's ``position_ids`` (nested ``[B, j]`` / ``[B, k, j]``, or dense
-    ``[B, L]`` / ``[B, k, L]`` read through ``attention_mask``) are not ``0..L-1`` in some
-    trajectory, or None. Layouts it cannot read are not noted."""
+    """A note when a dump's ``position_ids`` (nested ``[B, j]`` / ``[B, k, j]`` / ``[B, j, k]``,
+    told apart by which dimension holds the tokens, or dense ``[B, L]`` / ``[B, k, L]`` read
+    through ``attention_mask``) are not ``0..L-1`` in some trajectory, or None (also for a
+    layout it cannot read: the note is no check of the dump)."""
+    try:
+        return _positions_mismatch(positions, mask, seqs, path)
+    except Exception:  # a malformed dump: its input_ids were read, there is nothing to note
+        return None
+
+
+def _positions_mismatch(positions: Any, mask: Any, seqs: list[list[int]], path: str) -> str | None:
     if not isinstance(positions, torch.Tensor):
         return None
-    if positions.is_nested:  # [B, k, j] keeps [k, j] rows; [B, j, k] ones are transposed
-        rows = list(positions.unbind())
-        if positions.dim() == 3 and positions._ragged_idx == 1:
-            rows = [r.T for r in rows]
+    lengths = [len(s) for s in seqs]
+    if positions.is_nested:
+        v = positions.values()
+        v = v[None] if v.dim() == 1 else v
+        if v.shape[-1] != sum(lengths) and v.shape[0] == sum(lengths):
+            v = v.T
+        rows = list(v.split(lengths, dim=-1))
     elif mask is not None and isinstance(mask, torch.Tensor) and positions.dim() in (2, 3):
         rows = [p[..., m.bool()] for p, m in zip(positions, mask)]
     else:
         return None
-    for i, (p, seq) in enumerate(zip(rows, seqs)):
-        n = len(seq)
+    for i, (p, n) in enumerate(zip(rows, lengths)):
         if p.shape[-1] != n or not bool((p == torch.arange(n)).all()):
             return (
                 f"harts-verl check: note: {path}: position_ids of trajectory {i} are not "

@@ -301,41 +301,47 @@ def _has_multi_modal(data: TensorDict) -> bool:
     )
 
 
-def _token_rows(t: torch.Tensor, what: str) -> torch.Tensor:
-    """``t``'s per-token values as ``[k, tokens]`` (trajectories concatenated in batch order): a
-    nested ``[bsz, j]`` / ``[bsz, k, j]`` / ``[bsz, j, k]`` tensor or a dense ``[bsz, L]`` /
-    ``[bsz, k, L]`` one. ValueError naming ``what`` for any other layout."""
+def _token_rows(t: torch.Tensor, total: int) -> torch.Tensor | None:
+    """``t``'s per-token values as ``[k, total]`` (trajectories concatenated in batch order):
+    a nested ``[bsz, j]`` / ``[bsz, k, j]`` / ``[bsz, j, k]`` tensor (told apart by which
+    dimension holds the ``total`` tokens, not by the nesting's ragged index, which a pickled
+    batch can carry wrong) or a dense ``[bsz, L]`` / ``[bsz, k, L]`` one; None for another
+    layout or size."""
     if t.is_nested:
         v = t.values()
         if v.dim() == 1:
-            return v[None]
-        if v.dim() == 2:
-            return v if t._ragged_idx == 2 else v.T
+            v = v[None]
+        elif v.dim() == 2 and v.shape[1] != total and v.shape[0] == total:
+            v = v.T
     elif t.dim() == 2:
-        return t.reshape(1, -1)
+        v = t.reshape(1, -1)
     elif t.dim() == 3:
-        return t.transpose(0, 1).reshape(t.shape[1], -1)
-    raise ValueError(f"{what}: expected [bsz, L] or [bsz, k, L] per-token values, got {t.shape}")
+        v = t.transpose(0, 1).reshape(t.shape[1], -1)
+    else:
+        return None
+    return v if v.dim() == 2 and v.shape[1] == total else None
 
 
 def _position_ids_reason(data: TensorDict) -> str | None:
     """Why the batch's ``position_ids`` (if any) rule out tree mode, or None: tree mode places
     every row at its depth, so each trajectory's positions (every row of 3-D / mrope ones)
     must be ``0 .. L-1`` — what veRL builds from the attention mask — and packed, restarting or
-    shifted positions run on the stock path, which feeds them to the model."""
+    shifted positions, or a layout this cannot read, run on the stock path, which feeds them
+    to the model."""
     if "position_ids" not in data.keys():
         return None
-    pos = _token_rows(data["position_ids"], "position_ids")  # compared where it lies
+    raw = data["position_ids"]
     ids = data["input_ids"]
     if ids.is_nested:
-        offsets = ids.offsets().to(device=pos.device, dtype=torch.int64)
+        offsets = ids.offsets().to(device=raw.device, dtype=torch.int64)
     else:
-        offsets = torch.arange(ids.shape[0] + 1, device=pos.device) * ids.shape[1]
+        offsets = torch.arange(ids.shape[0] + 1, device=raw.device) * ids.shape[1]
     total = int(offsets[-1])
-    if pos.shape[1] != total:
+    pos = _token_rows(raw, total)  # compared where it lies
+    if pos is None:
         return (
-            f"position_ids holds {pos.shape[1]} positions per row for {total} input_ids "
-            "tokens; tree mode places rows at their depths and needs one position per token"
+            f"position_ids of shape {tuple(raw.shape)} do not hold one position (per row) for "
+            f"each of the {total} input_ids tokens; tree mode places rows at their depths"
         )
     lengths = offsets.diff()
     expected = torch.arange(total, device=pos.device) - offsets[:-1].repeat_interleave(lengths)

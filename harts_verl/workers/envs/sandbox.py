@@ -34,6 +34,7 @@ __all__ = [
     "ExecResult",
     "LocalSandbox",
     "Sandbox",
+    "TooLarge",
     "format_exec_result",
     "swebench_harness",
     "truncate_output",
@@ -65,6 +66,13 @@ _PROFILE = "[ -f ~/.bashrc ] && . ~/.bashrc >/dev/null 2>&1\n"
 # Characters of a command's output kept while it is read (head and tail halves; the middle is
 # counted, not stored): a command that prints without end cannot fill the worker's memory.
 MAX_READ_CHARS = 1 << 20
+# The most characters a file read (an edit writes it back whole) or a patch may have: past it
+# they are refused (TooLarge), never cut.
+MAX_WHOLE_CHARS = 64 << 20
+
+
+class TooLarge(ValueError):
+    """A file or patch over :data:`MAX_WHOLE_CHARS`, refused rather than cut."""
 
 
 @dataclass(frozen=True)
@@ -166,7 +174,8 @@ class Sandbox(ABC):
     def read_file(self, path: str) -> str:
         """The whole text of the file at ``path`` (bytes that are not UTF-8 as surrogate
         escapes, which :meth:`write_file` writes back as they were);
-        ``FileNotFoundError`` if it does not exist."""
+        ``FileNotFoundError`` if it does not exist, :class:`TooLarge` (a ``ValueError`` naming
+        it) past :data:`MAX_WHOLE_CHARS`."""
 
     @abstractmethod
     def write_file(self, path: str, text: str) -> None:
@@ -180,7 +189,8 @@ class Sandbox(ABC):
     @abstractmethod
     def diff(self) -> str:
         """The repository's changes against its starting tree as a ``git diff`` patch
-        (new files included, ``""`` when unchanged) that ``git apply`` accepts on that tree."""
+        (new files included, ``""`` when unchanged) that ``git apply`` accepts on that tree;
+        :class:`TooLarge` past :data:`MAX_WHOLE_CHARS`."""
 
     @abstractmethod
     def clone(self) -> Sandbox:
@@ -195,6 +205,20 @@ class Sandbox(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _too_large(path: str) -> TooLarge:
+    return TooLarge(
+        f"path: {path!r} is larger than {MAX_WHOLE_CHARS >> 20} MiB; look into it with bash "
+        "(head, sed -n, grep)"
+    )
+
+
+def _patch_too_large() -> TooLarge:
+    return TooLarge(
+        f"the repository's changes are larger than {MAX_WHOLE_CHARS >> 20} MiB as a patch (a "
+        "large file written into the repository?): remove what does not belong to the fix"
+    )
 
 
 def _inside(root: str, full: str) -> bool:
@@ -368,7 +392,10 @@ class LocalSandbox(Sandbox):
                 raise RuntimeError(f"git update-ref failed in {self.root}: {res.output}")
 
     def _git(self, *args: str, whole: bool = False) -> str:
-        res = _run(["git", *args], self.root, 60, max_chars=None if whole else MAX_READ_CHARS)
+        limit = MAX_WHOLE_CHARS if whole else MAX_READ_CHARS
+        res = _run(["git", *args], self.root, 60, max_chars=limit)
+        if whole and res.omitted:
+            raise _patch_too_large()
         if res.exit_code != 0:
             raise RuntimeError(f"git {' '.join(args)} failed in {self.root}: {res.output}")
         return res.output
@@ -386,6 +413,8 @@ class LocalSandbox(Sandbox):
 
     def read_file(self, path: str) -> str:
         full = _check_real(self.root, path)
+        if os.path.isfile(full) and os.path.getsize(full) > MAX_WHOLE_CHARS:
+            raise _too_large(path)
         with open(full, encoding="utf-8", errors="surrogateescape", newline="") as f:
             return f.read()  # line endings as stored (CRLF stays CRLF)
 
@@ -502,10 +531,12 @@ class DockerSandbox(Sandbox):
     def read_file(self, path: str) -> str:
         # whole (an edit writes it back), stdout alone: a read error is no file text
         res = self._on_path(
-            path, 'cat -- "$f" 2>/dev/null', max_chars=None, errors="surrogateescape"
+            path, 'cat -- "$f" 2>/dev/null', max_chars=MAX_WHOLE_CHARS, errors="surrogateescape"
         )
         if res.exit_code != 0:
             raise FileNotFoundError(path)
+        if res.omitted:
+            raise _too_large(path)
         return res.output
 
     def write_file(self, path: str, text: str) -> None:
@@ -522,9 +553,11 @@ class DockerSandbox(Sandbox):
             'out=$(git add -A 2>&1) || { printf "%s\\n" "$out"; exit 1; }; '
             f"git diff --cached --binary --no-color --no-ext-diff {_START_REF}"
         )
-        res = self._exec(["bash", "-c", script], 120, max_chars=None)
+        res = self._exec(["bash", "-c", script], 120, max_chars=MAX_WHOLE_CHARS)
         if res.exit_code != 0:
             raise RuntimeError(f"git diff failed in {self.name}: {res.output}")
+        if res.omitted:
+            raise _patch_too_large()
         return res.output
 
     def clone(self) -> DockerSandbox:

@@ -380,8 +380,8 @@ def grade_swebench(
     script and reports ``resolved``. Each call uses a fresh ``run_id`` (the harness caches
     reports by run id); its logs (``logs/run_evaluation/<run_id>``) are removed once it
     completed, and kept, with a WARNING naming them, when it did not (a patch that does not
-    apply, or the harness or docker failing: the harness reports both alike, and both score
-    0)."""
+    apply, tests that timed out, or the harness or docker failing: the harness reports them
+    alike, and all score 0)."""
     harness = swebench_harness()
     try:
         import docker
@@ -406,8 +406,8 @@ def grade_swebench(
         shutil.rmtree(logs, ignore_errors=True)
     else:
         logger.warning(
-            "swebench: the harness did not complete instance %s (the patch does not apply, or "
-            "the harness / docker failed); it scores 0; logs: %s",
+            "swebench: the harness did not complete instance %s (the patch does not apply, the "
+            "tests timed out, or the harness / docker failed); it scores 0; logs: %s",
             inst.instance_id,
             logs,
         )

@@ -31,6 +31,7 @@ import atexit
 import json
 import shlex
 import threading
+import weakref
 from typing import Any, ClassVar
 
 from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
@@ -39,6 +40,7 @@ from harts_verl.workers.envs.sandbox import (
     DockerSandbox,
     LocalSandbox,
     Sandbox,
+    TooLarge,
     format_exec_result,
     truncate_output,
 )
@@ -57,6 +59,9 @@ __all__ = [
     "SubmitTool",
     "SweToolConfig",
 ]
+
+# per trajectory state (AgentData, by identity): the lock its sandbox starts under
+_START_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 SANDBOX_KEY = "swe_sandbox"
 PATCH_KEY = "swe_patch"
@@ -226,17 +231,31 @@ class _SweTool(TrajectoryTool):
                 f"{self.name} (it takes {', '.join(sorted(known)) or 'none'})"
             )
 
+    async def _sandbox_off_loop(self, instance_id: str, agent_data: Any) -> Sandbox:
+        """:meth:`_sandbox` in a worker thread (starting one, a docker run or an image pull,
+        blocks), under the trajectory's own lock: calls of one turn run together when
+        ``max_parallel_calls`` > 1, and must not each start a sandbox of their own."""
+        try:
+            lock = _START_LOCKS.setdefault(agent_data, asyncio.Lock())
+        except TypeError:  # an agent state that takes no weak reference: no concurrency known
+            lock = asyncio.Lock()
+        async with lock:
+            return await asyncio.to_thread(self._sandbox, instance_id, agent_data)
+
     async def execute(
         self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
     ) -> tuple[ToolResponse, float, dict]:
         agent_data = self._agent_data(kwargs)
         self._check_parameters(parameters)
         self._check_known(parameters)
-        # starting a sandbox (docker run, an image pull) blocks: not on the event loop
-        box = await asyncio.to_thread(self._sandbox, instance_id, agent_data)
+        box = await self._sandbox_off_loop(instance_id, agent_data)
         text = await asyncio.to_thread(self.run, box, parameters)
         if self.MUTATES:
-            agent_data.extra_fields[PATCH_KEY] = await asyncio.to_thread(box.diff)
+            try:
+                agent_data.extra_fields[PATCH_KEY] = await asyncio.to_thread(box.diff)
+            except TooLarge as exc:  # no patch (it scores 0) until the agent cleans up
+                agent_data.extra_fields[PATCH_KEY] = ""
+                text = f"{text}\n[{exc}]"
         return ToolResponse(text=text), 0.0, {}
 
 
@@ -298,8 +317,8 @@ class EditTool(_SweTool):
                 "new_str": {"type": "string"},
                 "view_range": {
                     "type": "array",
-                    "items": {"type": "integer"},
-                    "description": "view: [first, last] line (1-based; last -1 = to the end)",
+                    "description": "view of a file: two integers [first, last], the lines to "
+                    "show (1-based; last -1 = to the end)",
                 },
             },
             ["command", "path"],
@@ -319,6 +338,8 @@ class EditTool(_SweTool):
             arg = shlex.quote(path if path.startswith("/") else "./" + path)
             res = box.exec(f"test -d {arg}", self.cfg.timeout)
             if res.exit_code == 0:
+                if parameters.get("view_range") is not None:
+                    raise ValueError(f"view_range: {path!r} is a folder; it applies to files")
                 listing = box.exec(
                     f"find {arg} -maxdepth 2 -not -path '*/.git*' | sort", self.cfg.timeout
                 )
@@ -406,7 +427,7 @@ class SubmitTool(_SweTool):
         agent_data = self._agent_data(kwargs)
         self._check_parameters(parameters)
         self._check_known(parameters)
-        box = await asyncio.to_thread(self._sandbox, instance_id, agent_data)
+        box = await self._sandbox_off_loop(instance_id, agent_data)
         patch = await asyncio.to_thread(box.diff)
         fields = agent_data.extra_fields
         fields[PATCH_KEY] = patch
