@@ -24,7 +24,8 @@
 # TESTS_TIMEOUT_S (200), PRECOMPILE (1; 0 skips it), PRECOMPILE_TIMEOUT_S (150 per step),
 # TRITON_CACHE_DIR (/tmp/harts_triton_cache), BENCH_AUTOTUNE (all | first),
 # BENCH_SCALES ("0.02 0.05"; BENCH_SCALE=x: that size alone),
-# BENCH_MIN_S_LARGER (150: seconds a larger size needs left), BENCH_CAPACITY (65536), BENCH_REPEATS (3),
+# BENCH_MIN_S_LARGER (60: seconds a larger size needs left; one that runs out of time only
+# loses its own result, the gate then takes the size before it), BENCH_CAPACITY (65536), BENCH_REPEATS (3),
 # BENCH_PRESET (gpu_check: from BENCH_PRESET_JSON unless the package defines it; scripts/harts_cli.py),
 # BENCH_DEVICE (cuda; cpu only to smoke-test the script), PRECOMPILE_TARGET (current; h100 to
 # smoke-test on a CPU), MIN_EFFICIENCY (0.90), HARTS_REQUIRE_FAST (1), FLA_VERSION (0.6.0).
@@ -52,7 +53,7 @@ PRECOMPILE_TIMEOUT_S=${PRECOMPILE_TIMEOUT_S:-150}
 PRECOMPILE_TARGET=${PRECOMPILE_TARGET:-current}
 BENCH_AUTOTUNE=${BENCH_AUTOTUNE:-all}
 BENCH_SCALES=${BENCH_SCALES:-${BENCH_SCALE:-0.02 0.05}}
-BENCH_MIN_S_LARGER=${BENCH_MIN_S_LARGER:-150}
+BENCH_MIN_S_LARGER=${BENCH_MIN_S_LARGER:-60}
 BENCH_CAPACITY=${BENCH_CAPACITY:-65536}
 BENCH_REPEATS=${BENCH_REPEATS:-3}
 BENCH_PRESET=${BENCH_PRESET:-gpu_check}
@@ -76,14 +77,19 @@ run() {  # run (or print) one command line
 }
 
 if [ "$FETCH" = 1 ]; then
-  # CPU machine, repo root: wheels for the device's Python 3.12 (fla is pure Python; triton and
-  # torch are already on the device image). Keep $WHEELS_DIR ignored by git (.git/info/exclude).
+  # CPU machine, repo root: wheels for the device's Python 3.12 (fla-core is pure Python; triton
+  # and torch are already on the device image). fla-core alone: harts_verl uses fla.ops only,
+  # and flash-linear-attention's layers and models would import transformers in every process.
+  # Keep $WHEELS_DIR ignored by git (.git/info/exclude).
   run "mkdir -p '$WHEELS_DIR'"
-  run "python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp -d '$WHEELS_DIR' fla-core==$FLA_VERSION flash-linear-attention==$FLA_VERSION"
+  run "python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp -d '$WHEELS_DIR' fla-core==$FLA_VERSION"
   run "ls -l '$WHEELS_DIR'"
   exit 0
 fi
 
+# A step past its time gets SIGINT first (Python unwinds: pytest still writes its report and
+# summary, exit handlers write the compile counts), SIGKILL 15 s later if it is still running.
+STOP="timeout -s INT -k 15"
 START=$SECONDS
 left() { echo $(( TOTAL_BUDGET_S - (SECONDS - START) )); }
 # A step's timeout: its default, or what is left of the budget after `reserve` seconds kept for
@@ -145,11 +151,11 @@ PRE_BENCH_RC=skipped
 if [ "$PRECOMPILE" = 1 ]; then
   set +e
   T0=$SECONDS
-  run "timeout $(cap "$PRECOMPILE_TIMEOUT_S" 250) $PYTHON tests/gpu/precompile_cases.py --target $PRECOMPILE_TARGET --autotune first > '$WORK/precompile_tests.json' 2> '$OUT/precompile.log'"
+  run "$STOP $(cap "$PRECOMPILE_TIMEOUT_S" 250) $PYTHON tests/gpu/precompile_cases.py --target $PRECOMPILE_TARGET --autotune first > '$WORK/precompile_tests.json' 2> '$OUT/precompile.log'"
   PRE_TESTS_RC=$?
   step_done precompile_tests "$PRE_TESTS_RC" "$T0"
   T0=$SECONDS
-  run "timeout $(cap "$PRECOMPILE_TIMEOUT_S" 250) $PYTHON scripts/harts_cli.py precompile --preset $BENCH_PRESET --dtype bfloat16 --target $PRECOMPILE_TARGET --autotune $BENCH_AUTOTUNE > '$WORK/precompile_bench.json' 2>> '$OUT/precompile.log'"
+  run "$STOP $(cap "$PRECOMPILE_TIMEOUT_S" 250) $PYTHON scripts/harts_cli.py precompile --preset $BENCH_PRESET --dtype bfloat16 --target $PRECOMPILE_TARGET --autotune $BENCH_AUTOTUNE > '$WORK/precompile_bench.json' 2>> '$OUT/precompile.log'"
   PRE_BENCH_RC=$?
   step_done precompile_bench "$PRE_BENCH_RC" "$T0"
   set -e
@@ -159,7 +165,7 @@ fi
 #    and of the Triton compiles the session still made.
 set +e
 T0=$SECONDS
-run "HARTS_TRITON_AUTOTUNE=first HARTS_GPU_REPORT='$OUT/gpu_report.json' timeout $(cap "$TESTS_TIMEOUT_S" 100) $PYTHON -m pytest tests/gpu -rs 2>&1 | tee '$OUT/gpu_tests.txt'"
+run "HARTS_TRITON_AUTOTUNE=first HARTS_GPU_REPORT='$OUT/gpu_report.json' $STOP $(cap "$TESTS_TIMEOUT_S" 100) $PYTHON -m pytest tests/gpu -rs 2>&1 | tee '$OUT/gpu_tests.txt'"
 TESTS_RC=$?  # pipefail: pytest's status (124 on timeout)
 step_done tests "$TESTS_RC" "$T0"
 set -e
@@ -186,7 +192,7 @@ for SCALE in $BENCH_SCALES; do
   # scripts/harts_cli.py is `python -m harts_verl.cli`, with the preset injected when the
   # package does not define it (a larger model than the CPU `bench` preset) and Triton's compiles
   # during the run counted into $WORK/compiles_<scale>.json.
-  run "echo '== bench --scale $SCALE' >> '$OUT/bench.log'; HARTS_COMPILE_LOG='$WORK/compiles_$SCALE.json' HARTS_TRITON_AUTOTUNE=$BENCH_AUTOTUNE timeout $BENCH_TIMEOUT $PYTHON scripts/harts_cli.py bench --device $BENCH_DEVICE --dtype bfloat16 --preset $BENCH_PRESET --scale $SCALE --capacity $BENCH_CAPACITY --repeats $BENCH_REPEATS --warmup 1 --no-progress > '$WORK/bench_$SCALE.json' 2>> '$OUT/bench.log'"
+  run "echo '== bench --scale $SCALE' >> '$OUT/bench.log'; HARTS_COMPILE_LOG='$WORK/compiles_$SCALE.json' HARTS_TRITON_AUTOTUNE=$BENCH_AUTOTUNE $STOP $BENCH_TIMEOUT $PYTHON scripts/harts_cli.py bench --device $BENCH_DEVICE --dtype bfloat16 --preset $BENCH_PRESET --scale $SCALE --capacity $BENCH_CAPACITY --repeats $BENCH_REPEATS --warmup 1 --no-progress > '$WORK/bench_$SCALE.json' 2>> '$OUT/bench.log'"
   RC=$?
   step_done "bench_$SCALE" "$RC" "$T0"
   set -e

@@ -12,6 +12,7 @@ session still made (``tests/gpu/precompile_cases.py`` compiles the cases' kernel
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
@@ -56,8 +57,19 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         _REPORT["triton"].update(_COMPILES[0].summary())
     path = os.environ.get("HARTS_GPU_REPORT")
     if path and _REPORT:
-        with open(path, "w") as f:
-            json.dump(_REPORT, f, indent=2, sort_keys=True, default=str)
+        with open(path, "w") as f:  # strict JSON: a NaN / inf measurement as its text
+            json.dump(_strict(_REPORT), f, indent=2, sort_keys=True, default=str)
+
+
+def _strict(obj: Any) -> Any:
+    """``obj`` with every non-finite float replaced by its text (``"nan"``, ``"inf"``)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _strict(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_strict(v) for v in obj]
+    return obj
 
 
 @pytest.fixture
