@@ -49,6 +49,7 @@ from harts_verl.tree._checks import (
     finite_float_arg,
     int_arg,
 )
+from harts_verl.workers.positions import first_misplaced, token_rows
 
 
 def _library_errors(*names: str) -> tuple[type[BaseException], ...]:
@@ -147,26 +148,24 @@ def _positions_note(positions: Any, mask: Any, seqs: list[list[int]], path: str)
 def _positions_mismatch(positions: Any, mask: Any, seqs: list[list[int]], path: str) -> str | None:
     if not isinstance(positions, torch.Tensor):
         return None
-    lengths = [len(s) for s in seqs]
+    lengths = torch.tensor([0] + [len(s) for s in seqs])
+    offsets = lengths.cumsum(0)
     if positions.is_nested:
-        v = positions.values()
-        v = v[None] if v.dim() == 1 else v
-        if v.shape[-1] != sum(lengths) and v.shape[0] == sum(lengths):
-            v = v.T
-        rows = list(v.split(lengths, dim=-1))
+        rows = token_rows(positions, int(offsets[-1]))
     elif mask is not None and isinstance(mask, torch.Tensor) and positions.dim() in (2, 3):
-        rows = [p[..., m.bool()] for p, m in zip(positions, mask)]
+        kept = [p[..., m.bool()] for p, m in zip(positions, mask)]  # [n] or [k, n] each
+        rows = torch.cat([p.reshape(-1, p.shape[-1]) for p in kept], dim=-1)
     else:
         return None
-    for i, (p, n) in enumerate(zip(rows, lengths)):
-        if p.shape[-1] != n or not bool((p == torch.arange(n)).all()):
-            return (
-                f"harts-verl check: note: {path}: position_ids of trajectory {i} are not "
-                f"0..{n - 1}: the audit runs every trajectory at positions 0..L-1, as tree mode "
-                "does (the harts_fsdp2 engine runs such a batch on the stock path, with its "
-                "position_ids)"
-            )
-    return None
+    found = first_misplaced(rows, offsets) if rows is not None else None
+    if found is None:
+        return None
+    i, n = found[0], len(seqs[found[0]])
+    return (
+        f"harts-verl check: note: {path}: position_ids of trajectory {i} are not 0..{n - 1}: "
+        "the audit runs every trajectory at positions 0..L-1, as tree mode does (the "
+        "harts_fsdp2 engine runs such a batch on the stock path, with its position_ids)"
+    )
 
 
 def _sequences_of(obj: Any, path: str) -> list[list[int]]:

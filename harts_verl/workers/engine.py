@@ -108,6 +108,7 @@ from harts_verl.ops.logprobs import (
 )
 from harts_verl.tree import RolloutForest
 from harts_verl.workers import STRATEGY
+from harts_verl.workers.positions import first_misplaced, token_rows
 
 if TYPE_CHECKING:
     from harts_verl.workers.config import HartsConfig
@@ -301,27 +302,6 @@ def _has_multi_modal(data: TensorDict) -> bool:
     )
 
 
-def _token_rows(t: torch.Tensor, total: int) -> torch.Tensor | None:
-    """``t``'s per-token values as ``[k, total]`` (trajectories concatenated in batch order):
-    a nested ``[bsz, j]`` / ``[bsz, k, j]`` / ``[bsz, j, k]`` tensor (told apart by which
-    dimension holds the ``total`` tokens, not by the nesting's ragged index, which a pickled
-    batch can carry wrong) or a dense ``[bsz, L]`` / ``[bsz, k, L]`` one; None for another
-    layout or size."""
-    if t.is_nested:
-        v = t.values()
-        if v.dim() == 1:
-            v = v[None]
-        elif v.dim() == 2 and v.shape[1] != total and v.shape[0] == total:
-            v = v.T
-    elif t.dim() == 2:
-        v = t.reshape(1, -1)
-    elif t.dim() == 3:
-        v = t.transpose(0, 1).reshape(t.shape[1], -1)
-    else:
-        return None
-    return v if v.dim() == 2 and v.shape[1] == total else None
-
-
 def _position_ids_reason(data: TensorDict) -> str | None:
     """Why the batch's ``position_ids`` (if any) rule out tree mode, or None: tree mode places
     every row at its depth, so each trajectory's positions (every row of 3-D / mrope ones)
@@ -337,25 +317,20 @@ def _position_ids_reason(data: TensorDict) -> str | None:
     else:
         offsets = torch.arange(ids.shape[0] + 1, device=raw.device) * ids.shape[1]
     total = int(offsets[-1])
-    pos = _token_rows(raw, total)  # compared where it lies
-    if pos is None:
+    rows = token_rows(raw, total)  # compared where it lies
+    if rows is None:
         return (
             f"position_ids of shape {tuple(raw.shape)} do not hold one position (per row) for "
             f"each of the {total} input_ids tokens; tree mode places rows at their depths"
         )
-    lengths = offsets.diff()
-    expected = torch.arange(total, device=pos.device) - offsets[:-1].repeat_interleave(lengths)
-    bad = (pos != expected[None]).any(dim=0)
-    if not bool(bad.any()):
+    found = first_misplaced(rows, offsets)
+    if found is None:
         return None
-    at = int(bad.nonzero()[0, 0])
-    i = int(torch.searchsorted(offsets, at, right=True)) - 1
-    got = pos[:, at].tolist()
+    i, j, got = found
     return (
-        f"position_ids of trajectory {i} are not 0..{int(lengths[i]) - 1} (token "
-        f"{at - int(offsets[i])} is at {got[0] if len(got) == 1 else got}): tree mode places "
-        "every row at its depth, so packed, restarting or shifted positions run on the stock "
-        "path"
+        f"position_ids of trajectory {i} are not 0..{int(offsets[i + 1] - offsets[i]) - 1} "
+        f"(token {j} is at {got[0] if len(got) == 1 else got}): tree mode places every row at "
+        "its depth, so packed, restarting or shifted positions run on the stock path"
     )
 
 
