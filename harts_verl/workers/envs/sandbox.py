@@ -20,7 +20,6 @@ import shlex
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -275,12 +274,11 @@ def _run(
     stdin: str | None = None,
     env: dict[str, str] | None = None,
     groups: list[int] | None = None,
-    max_chars: int | None = MAX_READ_CHARS,
+    max_chars: int = MAX_READ_CHARS,
     errors: str = "replace",
 ) -> ExecResult:
     """Run ``args`` in a new session, reading its combined output (at most ``max_chars``
-    characters kept, the rest counted in ``omitted``; None: all of it, for a file or a patch
-    that must come back whole) until it ends and closes it; ``errors``: how bytes that are not
+    characters kept, the rest counted in ``omitted``) until it ends and closes it; ``errors``: how bytes that are not
     UTF-8 decode (``surrogateescape`` gives them back on encoding). After ``timeout`` seconds
     the whole process group is killed, and a process that left the group and still holds the
     output open is no longer waited for (timed out). ``groups`` collects the process group id,
@@ -297,7 +295,7 @@ def _run(
     )
     if groups is not None:
         groups.append(proc.pid)
-    half = max(max_chars // 2, 1) if max_chars is not None else sys.maxsize
+    half = max(max_chars // 2, 1)
     head: list[str] = []
     tail: list[str] = []
     state = {"head": 0, "tail": 0, "omitted": 0}

@@ -242,13 +242,19 @@ class _SweTool(TrajectoryTool):
         async with lock:
             return await asyncio.to_thread(self._sandbox, instance_id, agent_data)
 
-    async def execute(
-        self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
-    ) -> tuple[ToolResponse, float, dict]:
+    async def _begin(
+        self, instance_id: str, parameters: dict[str, Any], kwargs: dict[str, Any]
+    ) -> tuple[Any, Sandbox]:
+        """A call's trajectory state and sandbox, its arguments checked first."""
         agent_data = self._agent_data(kwargs)
         self._check_parameters(parameters)
         self._check_known(parameters)
-        box = await self._sandbox_off_loop(instance_id, agent_data)
+        return agent_data, await self._sandbox_off_loop(instance_id, agent_data)
+
+    async def execute(
+        self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
+    ) -> tuple[ToolResponse, float, dict]:
+        agent_data, box = await self._begin(instance_id, parameters, kwargs)
         text = await asyncio.to_thread(self.run, box, parameters)
         if self.MUTATES:
             try:
@@ -366,10 +372,11 @@ class EditTool(_SweTool):
         if count != 1:
             where = "does not occur" if count == 0 else f"occurs {count} times"
             raise ValueError(f"old_str: {where} in {path}; it must occur exactly once")
-        box.write_file(path, text.replace(old, new, 1))
+        edited = text.replace(old, new, 1)
+        box.write_file(path, edited)
         start = text.index(old)
         first = text.count("\n", 0, start)
-        new_lines = _lines(box.read_file(path))
+        new_lines = _lines(edited)  # what was written: no second read of the whole file
         lo, hi = max(first - 3, 0), min(first + new.count("\n") + 4, len(new_lines))
         snippet = "\n".join(f"{i + 1:6d}\t{new_lines[i]}" for i in range(lo, hi))
         return f"Edited {path}. Lines {lo + 1}-{hi} now read:\n{snippet}"
@@ -424,10 +431,7 @@ class SubmitTool(_SweTool):
     async def execute(
         self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
     ) -> tuple[ToolResponse, float, dict]:
-        agent_data = self._agent_data(kwargs)
-        self._check_parameters(parameters)
-        self._check_known(parameters)
-        box = await self._sandbox_off_loop(instance_id, agent_data)
+        agent_data, box = await self._begin(instance_id, parameters, kwargs)
         patch = await asyncio.to_thread(box.diff)
         fields = agent_data.extra_fields
         fields[PATCH_KEY] = patch
