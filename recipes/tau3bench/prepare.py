@@ -69,7 +69,8 @@ def prepare(
                 f"{found['unscorable']}",
                 file=sys.stderr,
             )
-            chosen = [t for t in chosen if t.task_id not in set(found["unscorable"])]
+            left_out = set(found["unscorable"])
+            chosen = [t for t in chosen if t.task_id not in left_out]
         if not chosen:
             raise ValueError(f"{flag}: no scorable tasks of {dom.name} in split {name!r}")
         chosen_of[name] = chosen

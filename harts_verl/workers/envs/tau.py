@@ -97,6 +97,11 @@ REWARD_TYPES = ("DB", "COMMUNICATE", "ENV_ASSERTION", "NL_ASSERTION", "ACTION")
 COMPUTED_REWARD_TYPES = ("DB", "COMMUNICATE")
 
 
+def _scorable(task: TauTask) -> bool:
+    """Whether :func:`score` computes a component of ``task``'s ``reward_basis``."""
+    return bool(set(task.reward_basis) & set(COMPUTED_REWARD_TYPES))
+
+
 @dataclass(frozen=True)
 class TauTask:
     """One task: ``instruction`` (what the simulated user wants), reference ``actions``
@@ -540,7 +545,7 @@ def score(
     ``NL_ASSERTION``, ``ACTION``, are not computed here; :func:`check_tasks` finds such tasks
     before training)."""
     task = domain.task(task_id)
-    if not set(task.reward_basis) & set(COMPUTED_REWARD_TYPES):
+    if not _scorable(task):
         raise ValueError(
             f"task {task_id!r}: reward_basis {list(task.reward_basis)} has no component this "
             f"reward computes ({list(COMPUTED_REWARD_TYPES)})"
@@ -589,7 +594,7 @@ def check_tasks(domain: TauDomain, tasks: list[TauTask]) -> dict[str, list[str]]
     lists them is scored more leniently than τ² does."""
     unscorable, refused = [], []
     for task in tasks:
-        if not set(task.reward_basis) & set(COMPUTED_REWARD_TYPES):
+        if not _scorable(task):
             unscorable.append(task.task_id)
         elif "DB" in task.reward_basis:
             try:

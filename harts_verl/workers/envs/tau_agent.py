@@ -25,6 +25,7 @@ passes the user simulator config (``user: {kind: scripted}`` or ``{kind: llm, ba
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any, ClassVar
 
 import numpy as np
@@ -128,12 +129,14 @@ def agent_text(
     response_ids: list[int],
     response_mask: list[int],
     drop: tuple[tuple[str, str], ...] = (),
+    special: list[str] | None = None,
 ) -> str:
     """The text the model itself wrote in a response: each run of ``response_mask`` 1 tokens
     decoded on its own (tool answers and user turns, mask 0, left out) without special tokens,
     its reasoning (``<think>...</think>``) and the ``drop`` blocks (``(start, end)`` markers,
     e.g. the tool parser's call markers) removed, runs joined by a line break so words of
-    different turns never merge: what the agent said to the user."""
+    different turns never merge: what the agent said to the user. ``special``: the
+    tokenizer's :func:`special_tokens`, when the caller has them."""
     ids, mask = np.asarray(response_ids, np.int64), np.asarray(response_mask) != 0
     if ids.shape != mask.shape:
         raise ValueError(
@@ -141,7 +144,7 @@ def agent_text(
             f"got {mask.shape[0]}"
         )
     edges = np.flatnonzero(np.diff(np.concatenate([[False], mask, [False]]).astype(np.int8)))
-    special = special_tokens(tokenizer)
+    special = special_tokens(tokenizer) if special is None else special
     return "\n".join(
         said(tokenizer.decode(ids[a:b].tolist()), special, drop)
         for a, b in zip(edges[::2], edges[1::2], strict=True)
@@ -227,26 +230,28 @@ class HartsTauAgentLoop(HartsToolAgentLoop):
         outputs = await super().run_tree(sampling_params, fork=fork, priority=priority, **kwargs)
         for out in outputs:  # the reward searches what the agent said, not tool or user text
             out.extra_fields[AGENT_TEXT_KEY] = agent_text(
-                self.tokenizer, out.response_ids, out.response_mask, self._call_markers()
+                self.tokenizer, out.response_ids, out.response_mask, *self._not_said
             )
         return outputs
 
-    def _call_markers(self) -> tuple[tuple[str, str], ...]:
-        """The tool parser's call markers (hermes: ``<tool_call>``, ``</tool_call>``): a tool
-        call is not something the agent says to the user."""
+    @functools.cached_property
+    def _not_said(self) -> tuple[tuple[tuple[str, str], ...], list[str]]:
+        """What the agent's text holds but does not say to the user, found once per loop: the
+        tool parser's call markers (hermes: ``<tool_call>``, ``</tool_call>``) and the
+        tokenizer's :func:`special_tokens`."""
         start = getattr(self.tool_parser, "tool_call_start_token", None)
         end = getattr(self.tool_parser, "tool_call_end_token", None)
-        return ((start, end or ""),) if start else ()
+        return (((start, end or ""),) if start else ()), special_tokens(self.tokenizer)
 
     def _for_user(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The conversation as the user sees it: the agent's messages without its reasoning,
         tool calls and special tokens (veRL's parser keeps those in the message content)."""
-        special = special_tokens(self.tokenizer)
+        markers, special = self._not_said
         out = []
         for m in messages:
             content = m.get("content")
             if m.get("role") == "assistant" and isinstance(content, str):
-                m = {**m, "content": said(content, special, self._call_markers()).strip()}
+                m = {**m, "content": said(content, special, markers).strip()}
             out.append(m)
         return out
 
