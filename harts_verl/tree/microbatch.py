@@ -1411,10 +1411,9 @@ def place_microbatches(works: np.ndarray, dp_size: int) -> tuple[np.ndarray, np.
     ``works`` that are not a 1-D array of non-negative integers."""
     _check_int("dp_size", dp_size, 1, MAX_DP_SIZE)
     raw = np.asarray(works)
-    if (
-        raw.ndim != 1
-        or (raw.size and (raw.dtype.kind not in "iu" or int(raw.min()) < 0))
-        or (raw.size and int(raw.max()) > INT64_MAX)
+    if raw.ndim != 1 or (
+        raw.size
+        and (raw.dtype.kind not in "iu" or int(raw.min()) < 0 or int(raw.max()) > INT64_MAX)
     ):
         raise ValueError("works: expected a 1-D array of non-negative integer works < 2**63")
     works = raw.astype(np.int64, copy=False)
