@@ -774,8 +774,9 @@ def test_swebench_harness_versions_and_logs(inst, monkeypatch, tmp_path, caplog)
 
 
 def test_parallel_calls_share_one_sandbox_and_oversize_is_refused_not_cut(inst, monkeypatch):
-    """Calls of one turn run together (``max_parallel_calls`` > 1): they start one sandbox,
-    not one each (the second replaced the first, closing it under its running command). A
+    """Calls of one turn run together (``max_parallel_calls`` > 1): they run one at a time on
+    one sandbox, not one each (the second replaced the first, closing it under its running
+    command) and never with git at once in it (``index.lock`` exists, seen under load). A
     file or a patch over the whole-read bound is refused with a message, never cut: the view
     says so, and an oversize patch is recorded as none (it scores 0) until the agent cleans
     up; ``view_range`` on a folder is refused."""

@@ -60,8 +60,8 @@ __all__ = [
     "SweToolConfig",
 ]
 
-# per trajectory state (AgentData, by identity): the lock its sandbox starts under
-_START_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# per trajectory state (AgentData, by identity): the lock its tool calls run under
+_CALL_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 SANDBOX_KEY = "swe_sandbox"
 PATCH_KEY = "swe_patch"
@@ -231,30 +231,24 @@ class _SweTool(TrajectoryTool):
                 f"{self.name} (it takes {', '.join(sorted(known)) or 'none'})"
             )
 
-    async def _sandbox_off_loop(self, instance_id: str, agent_data: Any) -> Sandbox:
-        """:meth:`_sandbox` in a worker thread (starting one, a docker run or an image pull,
-        blocks), under the trajectory's own lock: calls of one turn run together when
-        ``max_parallel_calls`` > 1, and must not each start a sandbox of their own."""
-        try:
-            lock = _START_LOCKS.setdefault(agent_data, asyncio.Lock())
-        except TypeError:  # an agent state that takes no weak reference: no concurrency known
-            lock = asyncio.Lock()
-        async with lock:
-            return await asyncio.to_thread(self._sandbox, instance_id, agent_data)
-
-    async def _begin(
-        self, instance_id: str, parameters: dict[str, Any], kwargs: dict[str, Any]
-    ) -> tuple[Any, Sandbox]:
-        """A call's trajectory state and sandbox, its arguments checked first."""
-        agent_data = self._agent_data(kwargs)
-        self._check_parameters(parameters)
-        self._check_known(parameters)
-        return agent_data, await self._sandbox_off_loop(instance_id, agent_data)
-
     async def execute(
         self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
     ) -> tuple[ToolResponse, float, dict]:
-        agent_data, box = await self._begin(instance_id, parameters, kwargs)
+        agent_data = self._agent_data(kwargs)
+        self._check_parameters(parameters)
+        self._check_known(parameters)
+        # One call at a time per trajectory: a turn's calls run together when
+        # max_parallel_calls > 1, and must neither each start a sandbox of their own nor run
+        # git in the same repository at once. Starting a sandbox (a docker run, an image pull)
+        # and the call itself block: worker threads, not the event loop.
+        async with _call_lock(agent_data):
+            box = await asyncio.to_thread(self._sandbox, instance_id, agent_data)
+            text = await self._call(box, parameters, agent_data)
+        return ToolResponse(text=text), 0.0, {}
+
+    async def _call(self, box: Sandbox, parameters: dict[str, Any], agent_data: Any) -> str:
+        """The call's answer: :meth:`run`, then (a tool that may change files) the sandbox's
+        patch recorded in ``extra_fields``."""
         text = await asyncio.to_thread(self.run, box, parameters)
         if self.MUTATES:
             try:
@@ -262,7 +256,15 @@ class _SweTool(TrajectoryTool):
             except TooLarge as exc:  # no patch (it scores 0) until the agent cleans up
                 agent_data.extra_fields[PATCH_KEY] = ""
                 text = f"{text}\n[{exc}]"
-        return ToolResponse(text=text), 0.0, {}
+        return text
+
+
+def _call_lock(agent_data: Any) -> asyncio.Lock:
+    """The trajectory's lock (a fresh one for an agent state that takes no weak reference)."""
+    try:
+        return _CALL_LOCKS.setdefault(agent_data, asyncio.Lock())
+    except TypeError:
+        return asyncio.Lock()
 
 
 def _str_arg(parameters: dict[str, Any], name: str, required: bool = True) -> str | None:
@@ -428,10 +430,7 @@ class SubmitTool(_SweTool):
     def run(self, box: Sandbox, parameters: dict[str, Any]) -> str:
         return box.diff()
 
-    async def execute(
-        self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
-    ) -> tuple[ToolResponse, float, dict]:
-        agent_data, box = await self._begin(instance_id, parameters, kwargs)
+    async def _call(self, box: Sandbox, parameters: dict[str, Any], agent_data: Any) -> str:
         patch = await asyncio.to_thread(box.diff)
         fields = agent_data.extra_fields
         fields[PATCH_KEY] = patch
@@ -440,5 +439,4 @@ class SubmitTool(_SweTool):
         if ref is not None:
             await asyncio.to_thread(POOL.close, ref)
         n = len([ln for ln in patch.splitlines() if ln.startswith(("+", "-"))])
-        msg = f"Submitted a patch with {n} changed lines." if patch else "Submitted: no changes."
-        return ToolResponse(text=msg), 0.0, {}
+        return f"Submitted a patch with {n} changed lines." if patch else "Submitted: no changes."
