@@ -29,7 +29,6 @@ of measurement. The result is printed as strict JSON
 
 from __future__ import annotations
 
-import math
 import resource
 import statistics
 import sys
@@ -47,7 +46,7 @@ from harts_verl.ops.layout import check_chunk_size
 from harts_verl.runtime import ExpandedRunner, TreeRunner
 from harts_verl.runtime.flops import ideal_flop_ratio, model_shape
 from harts_verl.tree import RolloutForest
-from harts_verl.tree._checks import INT64_MAX, SEED_MAX, check_int
+from harts_verl.tree._checks import INT64_MAX, SEED_MAX, check_int, finite_float
 from harts_verl.tree._checks import is_int as _is_int
 from harts_verl.tree.inspect import json_text, plot_path
 from harts_verl.tree.linear_plan import plan_linear_calls
@@ -199,9 +198,8 @@ def _check_config(cfg: BenchConfig) -> tuple[torch.device, str | None]:
             raise ValueError(f"{name}: expected None or an int in [1, 2**63 - 1], got {v!r}")
     scale = cfg.scale
     if (
-        isinstance(scale, bool)
-        or not isinstance(scale, int | float)
-        or not math.isfinite(scale)
+        not isinstance(scale, int | float)
+        or finite_float(scale) is None
         or scale <= 0
         or scale > MAX_SCALE
     ):

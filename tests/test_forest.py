@@ -269,6 +269,18 @@ def test_bad_group_ids_and_turns():
         RolloutForest.from_sequences([[1], [2]], group_ids=[True, 5])
     with pytest.raises(ValueError, match="trajectory_indices"):
         RolloutForest.from_sequences([[1, 2], [1, 3], [4]]).subset([True, 2])
+    with pytest.raises(ValueError, match="k: expected integer row indices, got a bool"):
+        RolloutForest.from_sequences([[1, 2], [1, 3]]).is_ancestor_or_self([True, 0], 1)
+
+
+def test_group_ids_are_the_forests_own():
+    """A forest copies the caller's group ids (it used to keep a view: writing the caller's
+    array rewrote the forest's groups)."""
+    gids = np.array([7, 8])
+    f = RolloutForest.from_sequences([[1, 2], [1, 3]], group_ids=gids)
+    e = RolloutForest.expanded([[1, 2], [1, 3]], group_ids=gids)
+    gids[:] = -1
+    assert f.group_ids.tolist() == [7, 8] and e.group_ids.tolist() == [7, 8]
 
 
 @pytest.mark.parametrize(

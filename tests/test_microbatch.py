@@ -30,6 +30,7 @@ from harts_verl.tree.microbatch import (
     optimal_contiguous_partition,
     partition_works,
     place_microbatches,
+    validate_options,
 )
 
 tokens = st.integers(min_value=0, max_value=3)
@@ -330,6 +331,19 @@ def test_bad_arguments():
         place_microbatches(np.array([3.5, 2.0]), 2)
     with pytest.raises(ValueError, match="trajectories"):
         compact_work(f, [True, 1])  # a bool among ints (numpy would read it as 1)
+    with pytest.raises(ValueError, match="works"):
+        place_microbatches([True, 3], 1)
+
+
+@pytest.mark.parametrize("name", ["work_slack", "effort"])
+def test_an_int_past_float_range_is_named(name):
+    """``10**400`` raised OverflowError from float(); it is a ValueError naming the option, in
+    the planner and in the config-time check."""
+    f = RolloutForest.from_sequences([[1, 2, 3], [1, 2, 4], [5, 6]])
+    with pytest.raises(ValueError, match=name):
+        plan_microbatches(f, capacity_tokens=4, **{name: 10**400})
+    with pytest.raises(ValueError, match=name):
+        validate_options({name: 10**400})
 
 
 @pytest.mark.parametrize("seed", [-1, -(2**70), 1.0, True, None])

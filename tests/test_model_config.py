@@ -92,6 +92,7 @@ BAD = {
     "eps_negative": (dict(rms_norm_eps=-1.0), "rms_norm_eps"),
     "eps_zero": (dict(rms_norm_eps=0.0), "rms_norm_eps"),
     "eps_nan": (dict(rms_norm_eps=float("nan")), "rms_norm_eps"),
+    "rope_theta_past_float": (dict(rope_theta=10**400), "rope_theta"),
     "eps_str": (dict(rms_norm_eps="1e-6"), "rms_norm_eps"),
     "init_range_negative": (dict(initializer_range=-0.1), "initializer_range"),
     "aux_coef_negative": (dict(router_aux_loss_coef=-1.0), "router_aux_loss_coef"),

@@ -505,6 +505,9 @@ def test_check_rejects_bad_tol(tol, capsys):
     if tol != "x":
         with pytest.raises(ValueError, match="tol: expected a finite number >= 0"):
             run_check(None, [[1, 2]], tol=float(tol))
+    else:  # an int past float's range (OverflowError before)
+        with pytest.raises(ValueError, match="tol: expected a finite number >= 0"):
+            run_check(None, [[1, 2]], tol=10**400)
 
 
 def test_check_output_is_strict_json(tmp_path, capsys, monkeypatch):

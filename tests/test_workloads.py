@@ -264,3 +264,10 @@ def test_huge_observation_sizes_do_not_overflow():
     f = swe_like(0.002, seed=1, observation_p95=10**300, observation_max=10**300)
     g = swe_like(0.002, seed=1)
     assert f.num_semantic_tokens >= 2000 and g.num_semantic_tokens >= 2000
+
+
+@pytest.mark.parametrize("gen", [swe_like, tau_like, grpo_flat])
+def test_a_scale_past_float_range_is_named(gen):
+    """``scale=10**400`` raised OverflowError from float(); it is a ValueError naming scale."""
+    with pytest.raises(ValueError, match="scale: expected a finite number > 0"):
+        gen(10**400)

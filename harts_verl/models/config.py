@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import numbers
@@ -63,11 +64,15 @@ def _as_int(name: str, value: Any, expected: str = "an int") -> int:
 
 
 def _as_real(name: str, value: Any, suffix: str = "") -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+    f = None
+    if not isinstance(value, bool) and isinstance(value, numbers.Real):
+        with contextlib.suppress(OverflowError):  # an int past float's range
+            f = float(value)
+    if f is None or not math.isfinite(f):
         raise ValueError(
             f"{name}: expected a finite float{suffix}, got {type(value).__name__} {value!r}"
         )
-    return float(value)
+    return f
 
 
 def _positive(name: str, value: float, why: str = "") -> None:

@@ -39,16 +39,28 @@ def check_int(name: str, value: Any, minimum: int, maximum: int | None = INT64_M
     return int(value)
 
 
+def finite_float(value: Any) -> float | None:
+    """``value`` as a float when it is a finite real number (Python or numpy, not a bool), else
+    None: a Python int too large for a float (``10**400``) is None, not an OverflowError."""
+    if not isinstance(value, int | float | np.integer | np.floating) or isinstance(value, bool):
+        return None
+    try:
+        f = float(value)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
 def check_positive(name: str, value: Any, *, none_ok: bool = False) -> float | None:
     """``value`` as a float after checking it is a finite real number > 0 (Python or numpy, not a
     bool); None stays None with ``none_ok``. Raises ValueError naming ``name``."""
     if value is None and none_ok:
         return None
-    real = isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
-    if not real or not math.isfinite(float(value)) or float(value) <= 0:
+    f = finite_float(value)
+    if f is None or f <= 0:
         also = " or None" if none_ok else ""
         raise ValueError(f"{name}: expected a finite positive number{also}, got {value!r}")
-    return float(value)
+    return f
 
 
 def int_arg(lo: int, hi: int | None = None) -> Callable[[str], int]:

@@ -363,7 +363,7 @@ class RolloutForest:
             raise ValueError(f"group_ids: expected integers, got dtype {g.dtype}")
         if n and g.dtype == np.uint64 and int(g.max()) > INT64_MAX:
             raise ValueError(f"group_ids: value {int(g.max())} does not fit in int64")
-        return g.astype(np.int64, copy=False)
+        return g.astype(np.int64, copy=True)  # the forest owns its arrays
 
     def _build(self, flat: np.ndarray) -> None:
         n = self.lengths.shape[0]
@@ -535,6 +535,8 @@ class RolloutForest:
 
     def _check_rows(self, name: str, rows: Any) -> np.ndarray:
         r = np.asarray(rows)
+        if holds_bool(rows):
+            raise ValueError(f"{name}: expected integer row indices, got a bool")
         if r.dtype.kind not in "iu" or r.dtype == np.bool_:
             raise ValueError(f"{name}: expected integer row indices, got dtype {r.dtype}")
         c = self.num_compact_tokens

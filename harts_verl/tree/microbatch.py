@@ -96,7 +96,7 @@ from typing import Any
 
 import numpy as np
 
-from harts_verl.tree._checks import INT64_MAX, holds_bool
+from harts_verl.tree._checks import INT64_MAX, finite_float, holds_bool
 from harts_verl.tree._checks import check_int as _check_int
 from harts_verl.tree._rangemin import RangeMin
 from harts_verl.tree.forest import RolloutForest
@@ -1411,9 +1411,13 @@ def place_microbatches(works: np.ndarray, dp_size: int) -> tuple[np.ndarray, np.
     ``works`` that are not a 1-D array of non-negative integers."""
     _check_int("dp_size", dp_size, 1, MAX_DP_SIZE)
     raw = np.asarray(works)
-    if raw.ndim != 1 or (
-        raw.size
-        and (raw.dtype.kind not in "iu" or int(raw.min()) < 0 or int(raw.max()) > INT64_MAX)
+    if (
+        holds_bool(works)
+        or raw.ndim != 1
+        or (
+            raw.size
+            and (raw.dtype.kind not in "iu" or int(raw.min()) < 0 or int(raw.max()) > INT64_MAX)
+        )
     ):
         raise ValueError("works: expected a 1-D array of non-negative integer works < 2**63")
     works = raw.astype(np.int64, copy=False)
@@ -1470,11 +1474,11 @@ def _check_options(options: dict[str, Any]) -> dict[str, Any]:
     opt["strategies"] = families
     for name, lo, hi in (("work_slack", 0.0, 1.0), ("effort", 0.0, np.inf)):
         v = opt[name]
-        ok = isinstance(v, int | float | np.integer | np.floating) and not isinstance(v, bool)
-        if not ok or not lo <= float(v) < hi:
+        f = finite_float(v)
+        if f is None or not lo <= f < hi:
             interval = "a fraction in [0, 1)" if hi == 1.0 else "a finite number >= 0"
             raise ValueError(f"{name}: expected {interval}, got {v!r}")
-        opt[name] = float(v)
+        opt[name] = f
     opt["restarts"] = _check_int("restarts", opt["restarts"], 0)
     opt["max_layers_work"] = _check_int("max_layers_work", opt["max_layers_work"], 0)
     opt["max_search_cells"] = _check_int("max_search_cells", opt["max_search_cells"], 0)

@@ -77,6 +77,7 @@ from typing import Any
 
 import numpy as np
 
+from harts_verl.tree._checks import finite_float
 from harts_verl.tree._checks import is_int as _is_int
 from harts_verl.tree.forest import RolloutForest, Turn
 
@@ -371,7 +372,7 @@ def _resolve(
     name: str, defaults: dict[str, Any], scale: Any, seed: Any, overrides: dict[str, Any]
 ) -> dict[str, Any]:
     """Validate arguments and return the parameters of one run."""
-    if not _is_real(scale) or not math.isfinite(float(scale)) or scale <= 0:
+    if finite_float(scale) is None or scale <= 0:
         raise ValueError(f"scale: expected a finite number > 0, got {scale!r}")
     if scale > MAX_SCALE:
         raise ValueError(

@@ -31,7 +31,6 @@ import argparse
 import contextlib
 import json
 import logging
-import math
 import os
 import pickle
 import sys
@@ -46,6 +45,7 @@ from harts_verl.tree._checks import (
     INT64_MAX,
     SEED_MAX,
     check_int,
+    finite_float,
     finite_float_arg,
     int_arg,
 )
@@ -340,10 +340,10 @@ def _own_forward_log_probs(model: Any, seqs: list[list[int]]) -> list[torch.Tens
 
 def _check_tol(tol: Any) -> float:
     """``tol`` as a float; ValueError naming it unless it is a finite real number >= 0."""
-    ok = isinstance(tol, int | float | np.floating) and not isinstance(tol, bool)
-    if not ok or not math.isfinite(tol) or tol < 0:
+    f = finite_float(tol)
+    if f is None or f < 0:
         raise ValueError(f"tol: expected a finite number >= 0, got {tol!r}")
-    return float(tol)
+    return f
 
 
 def run_check(
