@@ -182,6 +182,23 @@ def test_auto_on_cuda_picks_fast_backends_when_importable(monkeypatch):
     assert ak.name == "torch_varlen" and ak.sdpa_fallback
 
 
+def test_pre_ampere_gpus_get_sdpa(monkeypatch, caplog):
+    """flash-attn 2 and torch's varlen kernel refuse GPUs below compute capability 8.0 at call
+    time: ``auto`` takes SDPA there (and says why), an explicit name is unavailable."""
+    monkeypatch.setitem(backends._ATTENTION_LOADERS, "torch_varlen", lambda: sdpa_varlen_reference)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(backends, "_logged", set())  # log afresh
+    for cap, fast in (((7, 5), False), ((7, 0), False), ((8, 0), True), ((9, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=cap: c)
+        assert (attention_kernel("auto", "cuda").name == "torch_varlen") == fast
+        if fast:
+            assert attention_kernel("torch_varlen", "cuda").name == "torch_varlen"
+        else:
+            with pytest.raises(BackendUnavailableError, match=r"capability >= 8.0.*got 7\."):
+                attention_kernel("torch_varlen", "cuda")
+    assert "compute capability >= 8.0 (Ampere), got 7.5" in caplog.text
+
+
 def test_explicit_unavailable_backend_raises_with_reason(no_torch_varlen):
     with pytest.raises(BackendUnavailableError, match="'fla' is unavailable") as ei:
         linear_kernel("fla", "cuda")
@@ -706,6 +723,12 @@ def test_varlen_kernel_dtype_rules():
     plan = strict.build_plan(forest)
     with pytest.raises(TypeError, match="float16/bfloat16"):
         strict(q, k, v, plan)
+    # with a window it cannot take too: still refused (it used to run SDPA for the window)
+    no_window = VarlenAttentionKernel(
+        "flash_like", lambda *a, **kw: sdpa_varlen_reference(*a, **kw)
+    )
+    with pytest.raises(TypeError, match="float16/bfloat16"):
+        no_window(q, k, v, no_window.build_plan(forest), window=3)
     auto_like = VarlenAttentionKernel("flash_like", sdpa_varlen_reference, sdpa_fallback=True)
     kernel_routes(reset=True)
     o = auto_like(q, k, v, plan)

@@ -582,6 +582,12 @@ def test_softcap_fixed_cases_and_validation():
     strict = VarlenAttentionKernel("t", no_softcap, require_half=False)
     with pytest.raises(NotImplementedError, match="soft-capping"):
         strict(q, k, v, vplan, softcap=1.0)
+    # a retained graph runs backward twice (the backward squared a saved tensor in place)
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    out = tree_attention(qg, kg, vg, plan, softcap=1.0).sum()
+    grads = torch.autograd.grad(out, (qg, kg, vg), retain_graph=True)
+    again = torch.autograd.grad(out, (qg, kg, vg))
+    assert all(torch.equal(a, b) for a, b in zip(grads, again))
     for bad in (0.0, -1.0, float("inf"), "2", True):
         with pytest.raises(ValueError, match="softcap"):
             tree_attention(q, k, v, plan, softcap=bad)

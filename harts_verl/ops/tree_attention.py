@@ -437,7 +437,8 @@ class _SoftcapAttention(torch.autograd.Function):
         dp = torch.matmul(do, v.transpose(-1, -2)).to(p.dtype)
         # softmax: dz = p · (dp − Σ p·dp); masked keys have p = 0, so dz = 0 there
         dz = dp.sub_(torch.linalg.vecdot(p, dp)[..., None]).mul_(p)
-        ds = dz.mul_(t.square_().neg_().add_(1.0)).mul_(ctx.scale).to(dtype)
+        # t is saved: out of place, so a retained graph can run backward again
+        ds = dz.mul_(t.square().neg_().add_(1.0)).mul_(ctx.scale).to(dtype)
         dq = torch.matmul(ds, k)
         dk = torch.matmul(ds.transpose(-1, -2), q)
         return dq, dk, dv, None, None, None

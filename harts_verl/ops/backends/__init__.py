@@ -190,6 +190,18 @@ def _device_type(device: torch.device | str | None) -> str:
     return torch.device(device).type if device is not None else "cpu"
 
 
+def _pre_ampere(device: torch.device | str | None) -> str | None:
+    """Why the varlen flash kernels cannot run on CUDA ``device`` (flash-attn 2 and torch's
+    ``varlen_attn`` need compute capability 8.0 or newer), or None where they can (or where no
+    CUDA runtime answers: the kernel's own call then says why)."""
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    if major >= 8:
+        return None
+    return f"the varlen flash kernels need compute capability >= 8.0 (Ampere), got {major}.{minor}"
+
+
 def _requested(backend: str, env: str, allowed: tuple[str, ...], kind: str) -> tuple[str, bool]:
     """``(name, explicit)`` after the environment override; validates the name."""
     explicit = backend != "auto"
@@ -368,7 +380,9 @@ class VarlenAttentionKernel:
         unsupported_dtype = self.require_half and q.dtype not in FLASH_DTYPES
         no_window = window is not None and not getattr(self.varlen_fn, "supports_window", False)
         special = sinks is not None or no_softcap
-        if special or no_window or (unsupported_dtype and self.sdpa_fallback):
+        # an explicitly chosen kernel refuses a dtype it lacks (TypeError below), window or not
+        refused = unsupported_dtype and not self.sdpa_fallback
+        if not refused and (special or no_window or unsupported_dtype):
             # Sinks, soft-capping the kernel cannot take (with sdpa_fallback) and sliding
             # windows it cannot take run the bucketed path (exact).
             from harts_verl.ops.tree_attention import build_attention_plan, tree_attention
@@ -447,6 +461,9 @@ def attention_kernel(
             raise BackendUnavailableError(
                 f"attention backend {name!r} needs a CUDA device, got device {dev!r}"
             )
+        old_gpu = _pre_ampere(device)
+        if old_gpu:
+            raise BackendUnavailableError(f"attention backend {name!r} is unavailable: {old_gpu}")
         try:
             fn = _ATTENTION_LOADERS[name]()
         except ImportError as exc:
@@ -456,6 +473,10 @@ def attention_kernel(
         return VarlenAttentionKernel(name, fn, sdpa_fallback=False)
     assert not explicit
     if dev != "cuda":
+        return SdpaAttentionKernel()
+    old_gpu = _pre_ampere(device)
+    if old_gpu:
+        _log_once("attention", f"attention backend auto: using SDPA ({old_gpu})")
         return SdpaAttentionKernel()
     reasons = []
     for cand, loader in _ATTENTION_LOADERS.items():
