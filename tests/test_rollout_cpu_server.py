@@ -98,6 +98,47 @@ def test_eos_from_saved_tokenizer(tmp_path):
     assert srv.eos_token_id == local_task.VOCAB.index("<eos>")
 
 
+def test_every_eos_id_of_the_model_stops(tmp_path, monkeypatch):
+    """Configs list several eos ids (Llama 3, GLM-4): the server stops at each (as vLLM does,
+    with the tokenizer's eos); ``int()`` of the list used to fail every generate call."""
+    import asyncio
+    import json
+    import os
+
+    from harts_verl.workers import testing
+    from harts_verl.workers.rollout import cpu_server
+    from harts_verl.workers.rollout.cpu_server import HFGenerationServer
+
+    path = testing.save_tiny_model("llama", str(tmp_path / "m"), seed=1)
+    for name in ("generation_config.json",):  # the model config's list is what vLLM reads then
+        if os.path.exists(os.path.join(path, name)):
+            os.remove(os.path.join(path, name))
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["eos_token_id"] = [5, 7]
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    seen = []
+    real = cpu_server.sample_tokens
+
+    def spy(*args, **kwargs):
+        seen.append(list(kwargs["stop_token_ids"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_server, "sample_tokens", spy)
+    cfg_ns = SimpleNamespace(max_model_len=None, prompt_length=16, response_length=8)
+    srv = HFGenerationServer(cfg_ns, SimpleNamespace(path=path, tokenizer=None))
+    assert srv.eos_token_ids == (5, 7)
+    out = asyncio.run(srv.generate([1, 2, 3], {"stop_token_ids": [9]}, "r"))
+    assert seen == [[9, 5, 7]] and all(t not in (5, 7) for t in out.token_ids[:-1])
+    asyncio.run(srv.generate([1, 2, 3], {"ignore_eos": True}, "r"))
+    assert seen[-1] == []
+    # a tokenizer's eos comes first, the generation config's others follow (no repeats)
+    tok = SimpleNamespace(eos_token_id=7)
+    srv = HFGenerationServer(cfg_ns, SimpleNamespace(path=path, tokenizer=tok))
+    assert srv.eos_token_id == 7 and srv.eos_token_ids == (7, 5)
+
+
 # ---------------------------------------------------------------------- seeds and lengths
 def test_request_seed_is_a_stable_pure_function():
     """Python's ``hash`` of a str is salted per process; the seed must not be."""

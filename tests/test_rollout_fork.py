@@ -344,6 +344,26 @@ def test_no_fork_is_one_trajectory(env, seq_ids):
     assert len(outs) == 1 and outs[0].extra_fields[FORK_GROUP_KEY] == ""
 
 
+def test_an_empty_first_generation_is_an_empty_response(env, seq_ids):
+    """A first generate call that returns no tokens (an aborted vLLM request) gives an empty
+    response and the whole prompt as the prompt. veRL 0.9.1's ToolAgentLoop slices
+    ``prompt_ids[-0:]`` there and returns the prompt again as the response (mask 0); the
+    loop keeps the tokens the model saw once (documented in docs/recipes.md)."""
+
+    class Empty:
+        async def generate(self, request_id, *, prompt_ids, sampling_params, **kw):
+            self.prompt = list(prompt_ids)
+            return TokenOut([])
+
+    client = Empty()
+    outs = _tree(env, client, None)
+    assert len(outs) == 1
+    out = outs[0]
+    assert out.prompt_ids == client.prompt and out.response_ids == [] and out.response_mask == []
+    forest, why = forest_from_metadata([out.prompt_ids], [out.extra_fields[TREE_KEY]])
+    assert why == "" and forest.equals(RolloutForest.from_sequences([client.prompt]))
+
+
 def test_fork_copies_run_off_the_event_loop(env, seq_ids, monkeypatch):
     """Copying a fork point (a SWE sandbox clones itself there: a docker commit) runs in a
     worker thread, one copy at a time, not on the event loop every trajectory shares."""

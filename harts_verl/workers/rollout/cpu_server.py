@@ -188,6 +188,30 @@ def _tokenizer_eos(path: str) -> int | None:
         return None
 
 
+def _id_list(value: Any) -> list[int]:
+    """An eos setting (None, an int, or a list of ints, as configs write it) as a list."""
+    if value is None:
+        return []
+    if isinstance(value, list | tuple):
+        return [int(v) for v in value if v is not None]
+    return [int(value)]
+
+
+def _generation_eos(path: str, hf_cfg: Any) -> list[int]:
+    """The eos ids of the model's generation config (``generation_config.json``, else the model
+    config's ``eos_token_id``): vLLM stops at all of them besides the tokenizer's eos."""
+    import os
+
+    if os.path.isfile(os.path.join(path, "generation_config.json")):
+        try:
+            from transformers import GenerationConfig
+
+            return _id_list(GenerationConfig.from_pretrained(path).eos_token_id)
+        except (OSError, ValueError):
+            pass
+    return _id_list(getattr(hf_cfg, "eos_token_id", None))
+
+
 class HFGenerationServer:
     """Token-in/token-out generation server on an HF model (CPU, fp32)."""
 
@@ -218,12 +242,16 @@ class HFGenerationServer:
             ).eval()
         tok = getattr(model_config, "tokenizer", None)
         self.eos_token_id = getattr(tok, "eos_token_id", None) if tok is not None else None
-        if self.eos_token_id is None:
-            self.eos_token_id = getattr(hf_cfg, "eos_token_id", None)
         if self.eos_token_id is None:  # the replica's model config may carry no tokenizer
             self.eos_token_id = _tokenizer_eos(
                 getattr(model_config, "tokenizer_path", None) or path
             )
+        # as vLLM: the tokenizer's eos and every eos id of the generation config (Llama 3 /
+        # GLM-4 list several); unless ignore_eos
+        gen_eos = _generation_eos(path, hf_cfg)
+        self.eos_token_ids = tuple(dict.fromkeys(_id_list(self.eos_token_id) + gen_eos))
+        if self.eos_token_id is None and gen_eos:
+            self.eos_token_id = gen_eos[0]
         self.max_model_len = int(
             getattr(config, "max_model_len", None)
             or (config.prompt_length + config.response_length)
@@ -262,8 +290,8 @@ class HFGenerationServer:
             response_length=self.config.response_length,
         )
         stops = list(sp.get("stop_token_ids") or [])
-        if self.eos_token_id is not None and not sp.get("ignore_eos", False):
-            stops.append(int(self.eos_token_id))
+        if not sp.get("ignore_eos", False):
+            stops.extend(self.eos_token_ids)
         seed = request_seed(request_id, len(prompt_ids), sp.get("seed"))
         async with self._lock:  # one generation at a time per server (CPU)
             ids, lps = await asyncio.get_running_loop().run_in_executor(
