@@ -601,9 +601,35 @@ def test_run_compact_tokens_count_each_microbatch_s_rows():
     assert prep.ideal_flop_ratio < whole
 
 
+@pytest.mark.parametrize(("heads", "k", "v"), [(3, 6, 10), (2, 16, 8)])
+def test_delta_rule_chunk_cost_matches_the_matmuls_of_a_chunk_kernel(heads, k, v):
+    """The per-token delta-rule term equals the matmul FLOPs (FlopCounterMode) of transformers'
+    own chunkwise kernel (Qwen3-Next's ``torch_chunk_gated_delta_rule``, B = 64): the slope
+    between two lengths, so fixed costs cancel. It once counted q·k and p·v only (2B(K+V)),
+    missing k·kᵀ and the WY products."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    from harts_verl.runtime.flops import _chunk_terms
+
+    def flops(t: int) -> int:
+        g = torch.Generator().manual_seed(t)
+        q, kk = (torch.randn(1, t, heads, k, generator=g) for _ in range(2))
+        vv = torch.randn(1, t, heads, v, generator=g)
+        gate = -torch.rand(1, t, heads, generator=g)
+        beta = torch.rand(1, t, heads, generator=g)
+        with FlopCounterMode(display=False) as counter:
+            torch_chunk_gated_delta_rule(q, kk, vv, gate, beta, chunk_size=64)
+        return counter.get_total_flops()
+
+    per_token = (flops(192) - flops(128)) / 64
+    fixed, per_b = _chunk_terms(heads, k, v, delta_rule=True)
+    assert per_token == pytest.approx(fixed + 64 * per_b, rel=1e-12)
+
+
 @pytest.mark.parametrize("chunk", [8, 256])
 def test_ideal_flop_ratio_counts_linear_attention_at_the_run_chunk_size(chunk):
-    """The chunkwise linear attention costs HV·(2B(K+V) + 6KV) per processed token at the run's
+    """The chunkwise delta rule costs HV·(2B(3K+2V) + 6KV) per processed token at the run's
     chunk size B (``--chunk-size``), in the expanded and the tree count alike; recounted here
     from the model config, the forest, the plan and its replay."""
     from harts_verl.benchmark import prepare_bench
@@ -615,7 +641,7 @@ def test_ideal_flop_ratio_counts_linear_attention_at_the_run_chunk_size(chunk):
     k, v, hv = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_num_value_heads
     n_linear = sum(t in ("kda", "gdn") for t in cfg.layer_types)
     assert n_linear > 0
-    lin = n_linear * hv * (2.0 * chunk * (k + v) + 6.0 * k * v)
+    lin = n_linear * hv * (2.0 * chunk * (3 * k + 2 * v) + 6.0 * k * v)
     shape = model_shape(cfg)
     assert shape.linear_cost(chunk) == pytest.approx(lin, rel=1e-12)
     groups = prep.tree.plan(prep.forest)

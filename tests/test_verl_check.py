@@ -180,6 +180,26 @@ def test_flop_model_matches_the_module_tree(kind, monkeypatch):
     assert (shape.linear_per_token > 0) == (kind in linear)
 
 
+def test_flop_model_hunyuan_top_k_per_layer():
+    """Hunyuan-MoE takes ``moe_topk`` per layer (a list; ``num_experts_per_tok`` aliases it): each
+    layer counts its own experts (the list reached the arithmetic whole: TypeError)."""
+    import copy
+
+    from harts_verl.runtime.flops import model_shape
+    from harts_verl.workers.testing import tiny_hf_config
+
+    cfg = tiny_hf_config("hunyuan_v1_moe")
+    assert cfg.num_hidden_layers == 2
+
+    def dense(top_k):
+        c = copy.deepcopy(cfg)
+        c.moe_topk = top_k
+        return model_shape(c).dense_per_token
+
+    assert dense(1) < dense(2)
+    assert dense([1, 2]) == pytest.approx((dense(1) + dense(2)) / 2, rel=1e-12)
+
+
 def test_flop_model_zamba2_counts_every_use_of_its_shared_block(monkeypatch):
     """Zamba2 runs one shared transformer block in each of its ``hybrid`` layers (tied weights;
     each block keeps the LoRA adapters of every use): the FLOP model equals 2 × the weights of every linear and conv call of

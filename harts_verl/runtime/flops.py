@@ -7,9 +7,9 @@ ratio of forward counts is the ratio of forward+backward. Terms:
   (expanded: S; tree: C);
 * softmax attention: per (query, key) pair 2·H·(Dqk + Dv) — pairs are Σ_i L_i(L_i+1)/2 expanded
   and Σ_rows (depth + 1) in the tree;
-* chunkwise linear attention: per processed token HV·(2B(K+V) + 6KV) (intra-chunk matrices and
-  state reads/updates at the run's chunk size B) — processed tokens are S expanded and C + replay
-  in the tree;
+* chunkwise linear attention: per processed token HV·(2B(3K+2V) + 6KV) with the delta rule,
+  HV·(2B(K+V) + 4KV) without (intra-chunk matrices and state reads/updates at the run's chunk
+  size B) — processed tokens are S expanded and C + replay in the tree;
 * short convolutions: 2·W·channels per token.
 """
 
@@ -67,11 +67,16 @@ class ModelShape:
         return self.linear_per_token + chunk_size * self.linear_per_chunk_token
 
 
-def _chunk_terms(heads: int, k: int, v: int, state: float) -> np.ndarray:
+def _chunk_terms(heads: int, k: int, v: int, *, delta_rule: bool) -> np.ndarray:
     """``[fixed, per unit of B]`` FLOPs per processed token of one chunkwise linear-attention
-    layer with ``heads`` value heads: inside the chunk q·k and p·v (2·B·(K+V)), and ``state``·K·V
-    of state reads and updates (6 with the delta rule, 4 without)."""
-    return np.array([heads * state * k * v, heads * 2.0 * (k + v)])
+    layer with ``heads`` value heads. Without the delta rule: inside the chunk q·k and p·v
+    (2·B·(K+V)), state read and update (4·K·V). With it (fla's ``chunk_gated_delta_rule`` /
+    ``chunk_kda``, HF's torch chunk kernel): also k·kᵀ and the WY products T·k and T·v inside the
+    chunk (2·B·(3K+2V) in all; the triangular solve, ~B² per token, is not a matmul of these and
+    is left out), and the state's reads by q and w and its update (6·K·V)."""
+    if delta_rule:
+        return np.array([heads * 6.0 * k * v, heads * 2.0 * (3 * k + 2 * v)])
+    return np.array([heads * 4.0 * k * v, heads * 2.0 * (k + v)])
 
 
 def _shape(dense: float, attn: float, lin: Any) -> ModelShape:
@@ -100,7 +105,7 @@ def native_model_shape(cfg: Any) -> ModelShape:
             else:  # z (output gate), a, b
                 proj += d * hv * v + 2 * d * hv
             dense += 2.0 * proj + 2.0 * cfg.conv_size * (2 * h * k + hv * v)
-            lin = lin + _chunk_terms(hv, k, v, 6.0)
+            lin = lin + _chunk_terms(hv, k, v, delta_rule=True)
         elif t == "mla":
             dense_i, attn_i = _mla_attention_layer(cfg)
             gate = 2.0 * d * cfg.num_attention_heads if cfg.mla_output_gate else 0.0
@@ -131,7 +136,7 @@ def _hf_gdn_layer(cfg: Any) -> tuple[float, np.ndarray]:
     k, v = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     proj = d * (2 * hk * k + 2 * hv * v) + d * 2 * hv + hv * v * d
     dense = 2.0 * proj + 2.0 * cfg.linear_conv_kernel_dim * (2 * hk * k + hv * v)
-    return dense, _chunk_terms(hv, k, v, 6.0)
+    return dense, _chunk_terms(hv, k, v, delta_rule=True)
 
 
 def _hf_attention_layer(cfg: Any, *, output_gate: bool) -> tuple[float, float]:
@@ -150,7 +155,7 @@ def _gla_chunk_flops(heads: int, k: int, v: int) -> np.ndarray:
     """Chunkwise gated linear attention without the delta rule, per processed token
     (:func:`_chunk_terms`): per value head q·k and p·v inside the chunk (2·B·(K+V)), state read
     and update (4·K·V)."""
-    return _chunk_terms(heads, k, v, 4.0)
+    return _chunk_terms(heads, k, v, delta_rule=False)
 
 
 def _mla_attention_layer(cfg: Any) -> tuple[float, float]:
@@ -220,7 +225,7 @@ def _ffn_layer(cfg: Any, i: int) -> float:
     d = cfg.hidden_size
     num_experts = 0
     for key in ("num_experts", "num_local_experts", "n_routed_experts"):
-        num_experts = num_experts or int(getattr(cfg, key, 0) or 0)
+        num_experts = num_experts or int(_per_layer(getattr(cfg, key, 0), i) or 0)
     if not (num_experts and _is_sparse_layer(cfg, i)):
         # a gated MLP (gate, up, down), or Apertus' / Arcee's ungated one (up, down)
         mats = 2 if cfg.model_type in _UNGATED_MLP_TYPES else 3
@@ -230,7 +235,7 @@ def _ffn_layer(cfg: Any, i: int) -> float:
         width = cfg.intermediate_size
     else:
         width = cfg.moe_intermediate_size
-    top_k = getattr(cfg, "num_experts_per_tok", None) or _per_layer(cfg.moe_topk, i)
+    top_k = _per_layer(getattr(cfg, "num_experts_per_tok", None) or cfg.moe_topk, i)
     flops = d * num_experts + 3 * d * width * top_k
     shared = getattr(cfg, "shared_expert_intermediate_size", None)
     if shared is not None:
