@@ -128,6 +128,12 @@ def _add_bench_args(
         "defaults: " + _options_text(d.workload_overrides, BENCH_WORKLOAD_OPTIONS),
     )
     p.add_argument(
+        "--generator-defaults",
+        action="store_true",
+        help="none of those defaults: the workload generator's own (no CPU path caps; "
+        "--workload-option still applies)",
+    )
+    p.add_argument(
         "--max-semantic-tokens",
         type=int_arg(0),
         default=d.max_semantic_tokens or 0,
@@ -227,7 +233,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             workload=args.workload,
             scale=args.scale,
             seed=args.seed,
-            workload_overrides=_parse_overrides(args.workload_option, args._overrides_default),
+            workload_overrides=_parse_overrides(
+                args.workload_option, {} if args.generator_defaults else args._overrides_default
+            ),
             max_semantic_tokens=args.max_semantic_tokens or None,
             preset=args.preset,
             model=args.model,

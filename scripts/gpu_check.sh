@@ -192,7 +192,7 @@ for SCALE in $BENCH_SCALES; do
   # scripts/harts_cli.py is `python -m harts_verl.cli`, with the preset injected when the
   # package does not define it (a larger model than the CPU `bench` preset) and Triton's compiles
   # during the run counted into $WORK/compiles_<scale>.json.
-  run "echo '== bench --scale $SCALE' >> '$OUT/bench.log'; HARTS_COMPILE_LOG='$WORK/compiles_$SCALE.json' HARTS_TRITON_AUTOTUNE=$BENCH_AUTOTUNE $STOP $BENCH_TIMEOUT $PYTHON scripts/harts_cli.py bench --device $BENCH_DEVICE --dtype bfloat16 --preset $BENCH_PRESET --scale $SCALE --capacity $BENCH_CAPACITY --repeats $BENCH_REPEATS --warmup 1 --no-progress > '$WORK/bench_$SCALE.json' 2>> '$OUT/bench.log'"
+  run "echo '== bench --scale $SCALE' >> '$OUT/bench.log'; HARTS_COMPILE_LOG='$WORK/compiles_$SCALE.json' HARTS_TRITON_AUTOTUNE=$BENCH_AUTOTUNE $STOP $BENCH_TIMEOUT $PYTHON scripts/harts_cli.py bench --device $BENCH_DEVICE --dtype bfloat16 --preset $BENCH_PRESET --generator-defaults --scale $SCALE --capacity $BENCH_CAPACITY --repeats $BENCH_REPEATS --warmup 1 --no-progress > '$WORK/bench_$SCALE.json' 2>> '$OUT/bench.log'"
   RC=$?
   step_done "bench_$SCALE" "$RC" "$T0"
   set -e

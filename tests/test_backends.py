@@ -939,6 +939,8 @@ def test_gpu_check_script_syntax_and_dry_run(tmp_path):
     assert "pip install" in out and "--no-index" in out
     assert "pytest tests/gpu" in out
     assert "bench" in out and "--device cuda" in out and "bench.json" in out
+    # the generator's own workload (358K / 2.7M tokens), not the bench's CPU-capped default
+    assert out.count("--generator-defaults --scale") == 2
     # two sizes, smallest first, each with its own JSON; the summary lists both
     assert out.index("--scale 0.02 ") < out.index("--scale 0.05 ")
     assert "bench_0.02.json" in out and "bench_0.05.json" in out

@@ -445,6 +445,35 @@ def test_cli_capacity_field_is_named_as_the_flag(capsys, monkeypatch):
     _one_line_error(capsys, ["bench"], "harts-verl bench", "--capacity: expected an int >= 1")
 
 
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        ([], None),  # the workload's bench defaults (CPU path caps)
+        (["--generator-defaults"], {}),  # the generator's own
+        (["--generator-defaults", "--workload-option", "max_forks=3"], {"max_forks": 3}),
+        (["--workload-option", "max_forks=3"], {"max_forks": 3}),
+    ],
+)
+def test_cli_generator_defaults_drop_the_bench_caps(monkeypatch, argv, expected):
+    """``--generator-defaults`` runs the generator's own workload (what the GPU check benches:
+    the CPU path caps would make its larger size the 86K-token CPU step)."""
+    import harts_verl.benchmark as bench
+    from harts_verl.cli import main
+
+    seen = []
+
+    def stop(cfg):
+        seen.append(cfg)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(bench, "load_bench_inputs", stop)
+    with pytest.raises(SystemExit):
+        main(["bench", "--workload", "swe_like", *argv])
+    assert seen[0].workload_overrides == expected
+    want = bench.BENCH_WORKLOAD_OPTIONS["swe_like"] if expected is None else expected
+    assert bench.workload_options(seen[0]) == want
+
+
 def test_cli_debug_and_internal_errors(capsys, monkeypatch):
     """HARTS_VERL_DEBUG=1 re-raises a user error; an error past the inputs (planning or
     measurement) is never turned into a one-line message."""
