@@ -1068,7 +1068,6 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             stock_split=stock_split,
             stock_metrics=stock_metrics,
             stock_cut=cut_min >= 1 and loss_function is not None,
-            stock_placeholders=cut_min >= 1 and loss_function is None,
         )
 
     def _can_split_like_stock(self) -> bool:
@@ -1089,7 +1088,6 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         stock_split: bool = False,
         stock_metrics: bool = False,
         stock_cut: bool = False,
-        stock_placeholders: bool = False,
     ):
         """One batch in tree mode: ``planned`` = ``(capacity, micro-batches, planning ms)`` of
         :meth:`_plan` and the micro-batches of :meth:`_equalize`; ``semantic_all`` the semantic
@@ -1100,10 +1098,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         micro-batches over the kept outputs, whose losses and metrics are reported (the
         stock engine's values). Both need ``stock_cut`` (all DP ranks passed
         :meth:`_stock_cut_possible`) and veRL's cut itself (:meth:`_stock_cut`); without them
-        the loss runs on the tree micro-batches and says so (metric ``harts/stock_metrics``).
-        ``stock_placeholders`` (no loss function, all DP ranks passed
-        :meth:`_stock_cut_possible`): ``loss`` holds the stock engine's placeholder 1.0 per
-        veRL micro-batch (not per tree micro-batch; not under Ulysses SP)."""
+        the loss runs on the tree micro-batches and says so (metric ``harts/stock_metrics``)."""
         tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
         return_model_output = tu.get_non_tensor_data(
             data=data, key="return_model_output", default=False
@@ -1123,10 +1118,6 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
                 self._log_no_stock_cut(stock_split, self._no_cut_reason)
                 stock_split = stock_metrics = False
         sp = self._sp_size()
-        placeholders = None  # the stock engine's loss list without a loss function
-        if stock_placeholders and sp == 1:
-            stock = self._stock_cut(data)
-            placeholders = None if stock is None else [1.0] * len(stock[0])
         groups_eq = [g for _, g in equalized]
         mine = groups_eq
         if sp > 1:
@@ -1198,8 +1189,6 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             out, stats = self._sp_merge(output_lst, indices, stats, forest)
         else:
             out = self._postprocess(output_lst, indices)
-        if placeholders is not None:
-            out["loss"] = placeholders
         if stock_metrics:
             replayed, _ = self._stock_cut_losses(
                 cut, loss_function, kept, with_grad=False, with_outputs=False
