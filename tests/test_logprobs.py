@@ -343,8 +343,8 @@ def test_logit_transform_matches_hf_formulas() -> None:
 def test_validation_errors_name_the_argument() -> None:
     forest = RolloutForest.from_sequences([[1, 2, 3], [1, 4]])
     h, w, _ = _params(forest.num_compact_tokens, 0)
-    for bad in (None, "hot", [1.0], float("nan"), -1.0, True):
-        with pytest.raises(ValueError, match="temperature"):
+    for bad in (None, "hot", [1.0], float("nan"), -1.0, True, 10**400, [10**400, 1.0]):
+        with pytest.raises(ValueError, match="temperature"):  # 10**400: not an OverflowError
             compact_log_probs(h, w, forest, temperature=bad)
     with pytest.raises(TypeError, match="forest"):
         compact_log_probs(h, w, [[1, 2, 3], [1, 4]])

@@ -30,6 +30,7 @@ from harts_verl.tree.microbatch import (
     optimal_contiguous_partition,
     partition_works,
     place_microbatches,
+    slot_imbalance,
     validate_options,
 )
 
@@ -458,6 +459,8 @@ def test_slot_imbalance_definition():
     np.testing.assert_allclose(plan.slot_imbalance(), [0.5])
     s = plan.summary()
     assert s["slot_imbalance_p95"] == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="slot_work"):  # not an OverflowError
+        slot_imbalance([[10**400, 1]])
 
 
 def _load_benchmark():

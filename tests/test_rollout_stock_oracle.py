@@ -84,7 +84,13 @@ def _policy(tok, seed, p_stop):
         else:
             name = ("echo", "empty", "nope")[k % 3]
             ids = [*enc(hermes_call(name, {"x": f"v{k % 100003}"})), eos]
-        return ids, [-0.001 * (i + 1) - (k % 7) * 0.01 for i in range(len(ids))]
+        # a token's log-prob follows from the output up to it: a leaf cut inside an output
+        # shows the same log-probs whichever output with that visible prefix the replay picks
+        lps, h = [], 0
+        for t in ids:
+            h = (h * 1_000_003 + t + 1) % (1 << 61)
+            lps.append(-(h % 9973) / 1e4 - 0.001)
+        return ids, lps
 
     return policy
 
@@ -123,7 +129,8 @@ SPECS = [
 ]
 
 
-@pytest.mark.parametrize("response_length", [4096, 60])
+# 4096: nothing is cut; 60 cuts the first output, 150 and 300 later tool answers and outputs
+@pytest.mark.parametrize("response_length", [4096, 60, 150, 300])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_every_leaf_equals_the_stock_tool_agent_loop(seed, response_length):
     from verl.experimental.agent_loop.tool_agent_loop import ToolAgentLoop

@@ -567,6 +567,8 @@ def test_separable_loss_may_return_a_constant_for_a_microbatch():
     _assert_grads_close(grads[1], grads[0])
     with pytest.raises(TypeError, match="loss_fn: expected a scalar tensor, got bool"):
         TreeRunner(model, chunk_size=4).forward_backward(seqs, lambda lps: True, separable=True)
+    with pytest.raises(TypeError, match="loss_fn: expected a finite number, got an int of"):
+        TreeRunner(model, chunk_size=4).forward_backward(seqs, lambda lps: 10**400, separable=True)
 
 
 @pytest.mark.parametrize("name", ["tiny", "bench", "kimi_tiny", "ling_tiny"])

@@ -299,8 +299,13 @@ def test_bad_shapes_raise():
         tree_attention(q, k, torch.zeros(c, 8), plan)
     with pytest.raises(ValueError, match="gate"):
         tree_attention(q, k, v, plan, gate=torch.zeros(c, 4, 7))
-    with pytest.raises(ValueError, match="max_pad_ratio"):
-        build_attention_plan(forest, max_pad_ratio=-1)
+    for bad in (-1, True):
+        with pytest.raises(ValueError, match="max_pad_ratio"):
+            build_attention_plan(forest, max_pad_ratio=bad)
+    # an int past float's range bins as inf does (it raised OverflowError)
+    huge = build_attention_plan(forest, max_pad_ratio=10**400)
+    assert huge.max_pad_ratio == math.inf
+    assert len(huge.buckets) == len(build_attention_plan(forest, max_pad_ratio=math.inf).buckets)
     with pytest.raises(ValueError, match="max_bucket_elements"):
         build_attention_plan(forest, max_bucket_elements=0)
 

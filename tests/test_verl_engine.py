@@ -525,9 +525,10 @@ def test_a_zero_token_budget_is_named(verl_cpu):
     seqs, prompt_lens, spans = _grpo_batch(seed=2)
     engine = testing.build_engine(paths["qwen2"], testing.actor_config())
     batch = testing.make_batch(seqs, prompt_lens, tool_spans=spans)
-    tu.assign_non_tensor(batch, max_token_len_per_gpu=0)
-    with engine.eval_mode(), pytest.raises(ValueError, match="max_token_len_per_gpu: expected"):
-        engine.infer_batch(batch)
+    for bad in (0, 10**400):  # 10**400: not an OverflowError
+        tu.assign_non_tensor(batch, max_token_len_per_gpu=bad)
+        with engine.eval_mode(), pytest.raises(ValueError, match="max_token_len_per_gpu: expected"):
+            engine.infer_batch(batch)
 
 
 def test_fused_kernels_with_a_logit_transform_warn(verl_cpu, caplog, monkeypatch):
@@ -1004,6 +1005,10 @@ def test_fixed_micro_batch_size_bounds_capacity(verl_cpu):
     assert caps == [max(map(len, seqs))]
     assert tree["metrics"]["harts/fallback"] == [0.0]
     assert tree["metrics"]["harts/microbatches"][0] >= 2  # two trees, each near the cap
+    # no loss function: the placeholder 1.0 per tree micro-batch (stock: per veRL micro-batch;
+    # documented in docs/verl.md)
+    assert outs["fsdp2"]["loss"] == [1.0] * len(seqs)
+    assert tree["loss"] == [1.0] * int(tree["metrics"]["harts/microbatches"][0])
     for key in ("log_probs", "entropy"):
         for a, b in zip(
             outs["fsdp2"]["model_output"][key].unbind(),

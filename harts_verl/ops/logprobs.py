@@ -351,7 +351,10 @@ def _check_temperature(temperature: Any) -> float:
         temperature, bool
     ):
         value = temperature
-    t = float(value) if value is not None else 0.0
+    try:
+        t = float(value) if value is not None else 0.0
+    except OverflowError:  # an int past float's range
+        t = float("inf")
     if not np.isfinite(t) or t <= 0:
         raise ValueError(f"temperature: expected a finite positive number, got {temperature!r}")
     return t
@@ -400,7 +403,7 @@ def check_temperatures(temperature: Any, n: int) -> float | np.ndarray:
             raise ValueError(f"temperature: expected numbers, got dtype {temperature.dtype}")
         try:
             arr = np.asarray(temperature, dtype=np.float64)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:
             raise ValueError(f"temperature: expected numbers, got {temperature!r}") from exc
     if arr.shape != (n,):
         raise ValueError(

@@ -171,8 +171,16 @@ def build_attention_plan(
 
     Deterministic in its inputs (invariant 9).
     """
-    if not (isinstance(max_pad_ratio, int | float) and max_pad_ratio >= 0):
+    if not (
+        isinstance(max_pad_ratio, int | float)
+        and not isinstance(max_pad_ratio, bool)
+        and max_pad_ratio >= 0
+    ):
         raise ValueError(f"max_pad_ratio: expected a number >= 0, got {max_pad_ratio!r}")
+    try:
+        pad_ratio = float(max_pad_ratio)
+    except OverflowError:  # an int past float's range pads without bound, as inf does
+        pad_ratio = float("inf")
     if not (isinstance(max_bucket_elements, int) and max_bucket_elements >= 1):
         raise ValueError(f"max_bucket_elements: expected an int >= 1, got {max_bucket_elements!r}")
     dev = torch.device(device) if device is not None else torch.device("cpu")
@@ -195,8 +203,8 @@ def build_attention_plan(
     # Root segments (Lq == Lk) are grouped by exact length only: unpadded, they run with
     # is_causal, which lets the kernels skip the upper triangle (half the rectangle).
     root = fork == 0
-    bq = np.where(root, lq, _bins(lq, float(max_pad_ratio)))
-    bk = np.where(root, lk, _bins(lk, float(max_pad_ratio)))
+    bq = np.where(root, lq, _bins(lq, pad_ratio))
+    bk = np.where(root, lk, _bins(lk, pad_ratio))
     order = np.lexsort((np.arange(n), bk, bq, root))
     if n:
         key = np.stack([root[order], bq[order], bk[order]], axis=1)
@@ -245,7 +253,7 @@ def build_attention_plan(
         work=work,
         rect_work=int((lq * lk).sum()),
         padded_work=padded_work,
-        max_pad_ratio=float(max_pad_ratio),
+        max_pad_ratio=pad_ratio,
         device=dev,
     )
 

@@ -123,7 +123,12 @@ def _checked_loss(loss: Any, *, constant_ok: bool = False) -> torch.Tensor:
     its value and no gradient); TypeError for anything else."""
     number = isinstance(loss, int | float | np.integer | np.floating)
     if constant_ok and number and not isinstance(loss, bool | np.bool_):
-        return torch.tensor(float(loss), dtype=torch.float64)
+        try:
+            return torch.tensor(float(loss), dtype=torch.float64)
+        except OverflowError:  # an int past float's range
+            raise TypeError(
+                f"loss_fn: expected a finite number, got an int of {loss.bit_length()} bits"
+            ) from None
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         got = (
             f"a tensor of shape {tuple(loss.shape)}"

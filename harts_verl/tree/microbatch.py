@@ -262,7 +262,7 @@ def slot_imbalance(slot_work: np.ndarray) -> np.ndarray:
     ValueError naming ``slot_work`` for another shape or a negative / non-finite work."""
     try:
         w = np.asarray(slot_work, dtype=np.float64)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ValueError("slot_work: expected a numeric [slots, replicas] array") from None
     if w.ndim != 2 or (w.shape[0] and w.shape[1] == 0):
         raise ValueError(

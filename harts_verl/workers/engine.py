@@ -107,6 +107,7 @@ from harts_verl.ops.logprobs import (
     select_temperatures,
 )
 from harts_verl.tree import RolloutForest
+from harts_verl.tree._checks import finite_float
 from harts_verl.workers import STRATEGY
 from harts_verl.workers.positions import first_misplaced, token_rows
 
@@ -805,12 +806,8 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             cap = getattr(self.engine_config, "max_token_len_per_gpu", None)
         if cap is None:
             return 16384
-        if (
-            isinstance(cap, bool)
-            or not isinstance(cap, int | float | np.integer | np.floating)
-            or not float(cap) >= 1
-            or not float(cap).is_integer()
-        ):
+        budget = finite_float(cap)  # None for a bool, a non-number or an int past float
+        if budget is None or not budget >= 1 or not budget.is_integer():
             raise ValueError(
                 f"max_token_len_per_gpu: expected a positive token budget, got {cap!r} (set "
                 "ppo_max_token_len_per_gpu / log_prob_max_token_len_per_gpu, or "
