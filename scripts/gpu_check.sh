@@ -182,10 +182,14 @@ for SCALE in $BENCH_SCALES; do
   BENCH_TIMEOUT=$(( $(left) - 20 ))
   [ "$DRY" = 1 ] && BENCH_TIMEOUT=240
   if [ "$BENCH_TIMEOUT" -lt "$NEED" ]; then
-    echo "gpu_check.sh: only ${BENCH_TIMEOUT}s left, skipping the bench at scale $SCALE" >&2
-    BENCH_RCS="$BENCH_RCS $SCALE:skipped"
-    FIRST=0
-    continue
+    # sizes grow: no later one gets more time than this one
+    for SKIPPED in $BENCH_SCALES; do
+      case " $BENCH_RCS " in *" $SKIPPED:"*) ;; *)
+        echo "gpu_check.sh: only ${BENCH_TIMEOUT}s left, skipping the bench at scale $SKIPPED" >&2
+        BENCH_RCS="$BENCH_RCS $SKIPPED:skipped" ;;
+      esac
+    done
+    break
   fi
   set +e
   T0=$SECONDS
@@ -249,6 +253,9 @@ done = [e for e in s['benches'] if e['rc'] == '0' and e.get('efficiency') is not
 if done:  # the gate: the largest size measured
     gate = max(done, key=lambda e: e['scale'])
     s['gate_scale'] = gate['scale']
+    # a larger size was tried but did not complete (skipped, killed or failed): the gate is
+    # taken at a smaller, less compute-bound size; the closing note must say so
+    s['gate_fallback'] = gate['scale'] < max(e['scale'] for e in s['benches'])
     s.update({k: gate.get(k) for k in keys})
 else:
     s['bench_error'] = 'no bench size completed (see bench.log)'

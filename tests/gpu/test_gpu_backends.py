@@ -183,7 +183,9 @@ def _assert_varlen_close(errs: dict) -> None:
 
 @pytest.mark.parametrize("name", ["flash_attn", "torch_varlen"])
 @pytest.mark.parametrize(
-    "hq,hkv,dqk,dv", [(4, 4, 64, 64), (8, 2, 64, 64), (4, 4, 96, 64)], ids=["mha", "gqa", "mla"]
+    "hq,hkv,dqk,dv",
+    [(4, 4, 64, 64), (8, 2, 64, 64), (4, 4, 96, 64), (8, 8, 192, 128)],
+    ids=["mha", "gqa", "mla", "mla_bench"],  # mla_bench: the gpu_check model's MLA dims
 )
 def test_varlen_attention_vs_sdpa(cuda, report, name, hq, hkv, dqk, dv):
     kern = _varlen_kernel(name, cuda)
