@@ -175,21 +175,19 @@ set -e
 BENCH_DONE=""   # scales that completed (bench rc 0), in order
 BENCH_RCS=""    # scale:rc of each size tried
 FIRST=1
+OUT_OF_TIME=""  # set once a size is skipped for time
 run ": > '$OUT/bench.log'"
 for SCALE in $BENCH_SCALES; do
   NEED=60
   [ "$FIRST" = 1 ] || NEED=$BENCH_MIN_S_LARGER
   BENCH_TIMEOUT=$(( $(left) - 20 ))
   [ "$DRY" = 1 ] && BENCH_TIMEOUT=240
-  if [ "$BENCH_TIMEOUT" -lt "$NEED" ]; then
-    # sizes grow: no later one gets more time than this one
-    for SKIPPED in $BENCH_SCALES; do
-      case " $BENCH_RCS " in *" $SKIPPED:"*) ;; *)
-        echo "gpu_check.sh: only ${BENCH_TIMEOUT}s left, skipping the bench at scale $SKIPPED" >&2
-        BENCH_RCS="$BENCH_RCS $SKIPPED:skipped" ;;
-      esac
-    done
-    break
+  # sizes grow: once one is skipped for time, no later one gets more
+  if [ -n "$OUT_OF_TIME" ] || [ "$BENCH_TIMEOUT" -lt "$NEED" ]; then
+    echo "gpu_check.sh: only ${BENCH_TIMEOUT}s left, skipping the bench at scale $SCALE" >&2
+    BENCH_RCS="$BENCH_RCS $SCALE:skipped"
+    OUT_OF_TIME=1
+    continue
   fi
   set +e
   T0=$SECONDS

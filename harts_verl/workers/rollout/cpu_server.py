@@ -241,17 +241,13 @@ class HFGenerationServer:
                 path, config=hf_cfg, torch_dtype=torch.float32, trust_remote_code=True
             ).eval()
         tok = getattr(model_config, "tokenizer", None)
-        self.eos_token_id = getattr(tok, "eos_token_id", None) if tok is not None else None
-        if self.eos_token_id is None:  # the replica's model config may carry no tokenizer
-            self.eos_token_id = _tokenizer_eos(
-                getattr(model_config, "tokenizer_path", None) or path
-            )
+        tok_eos = getattr(tok, "eos_token_id", None) if tok is not None else None
+        if tok_eos is None:  # the replica's model config may carry no tokenizer
+            tok_eos = _tokenizer_eos(getattr(model_config, "tokenizer_path", None) or path)
         # as vLLM: the tokenizer's eos and every eos id of the generation config (Llama 3 /
         # GLM-4 list several); unless ignore_eos
         gen_eos = _generation_eos(path, hf_cfg)
-        self.eos_token_ids = tuple(dict.fromkeys(_id_list(self.eos_token_id) + gen_eos))
-        if self.eos_token_id is None and gen_eos:
-            self.eos_token_id = gen_eos[0]
+        self.eos_token_ids = tuple(dict.fromkeys(_id_list(tok_eos) + gen_eos))
         self.max_model_len = int(
             getattr(config, "max_model_len", None)
             or (config.prompt_length + config.response_length)
@@ -259,6 +255,11 @@ class HFGenerationServer:
         self.global_steps: int | None = None
         self.weight_version = 0
         self._lock = None
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The first of :attr:`eos_token_ids` (the tokenizer's eos when it has one)."""
+        return self.eos_token_ids[0] if self.eos_token_ids else None
 
     # ------------------------------------------------------------------ generation
     async def generate(
