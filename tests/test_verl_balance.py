@@ -160,6 +160,51 @@ def test_trainer_balance_step_and_mini_batches():
     assert num_mini_batches_of(OmegaConf.create({}), 32) == 1
 
 
+def test_tree_balancing_follows_every_tree_section():
+    """A trained critic on ``harts_fsdp2`` turns tree balancing on by itself, and the cells
+    follow its mini-batches (with a tree actor too: both, the least common multiple)."""
+    pytest.importorskip("verl")
+    from omegaconf import OmegaConf
+
+    from harts_verl.workers.trainer import is_harts_config, num_mini_batches_of
+
+    def cfg(actor="fsdp2", critic="fsdp2", enable=None, adv="gae", critic_shuffle=False):
+        return OmegaConf.create(
+            {
+                "actor_rollout_ref": {
+                    "actor": {"strategy": actor, "ppo_mini_batch_size": 4, "shuffle": False},
+                    "rollout": {"n": 2},
+                },
+                "critic": {
+                    "strategy": critic,
+                    "enable": enable,
+                    "ppo_mini_batch_size": 2,
+                    "shuffle": critic_shuffle,
+                },
+                "algorithm": {"adv_estimator": adv},
+            }
+        )
+
+    assert not is_harts_config(cfg())
+    assert is_harts_config(cfg(actor="harts_fsdp2"))
+    assert is_harts_config(cfg(critic="harts_fsdp2"))  # GAE: veRL trains the critic
+    assert not is_harts_config(cfg(critic="harts_fsdp2", adv="grpo"))  # no critic is trained
+    assert is_harts_config(cfg(critic="harts_fsdp2", adv="grpo", enable=True))
+    assert not is_harts_config(cfg(critic="harts_fsdp2", enable=False))
+    # 32 trajectories: the actor's global mini-batch is 8 (4 pieces), the critic's 4 (8 pieces)
+    assert num_mini_batches_of(cfg(actor="harts_fsdp2"), 32) == 4
+    assert num_mini_batches_of(cfg(critic="harts_fsdp2"), 32) == 8
+    assert num_mini_batches_of(cfg(critic="harts_fsdp2", adv="grpo"), 32) == 4  # actor's
+    both = cfg(actor="harts_fsdp2", critic="harts_fsdp2")
+    assert num_mini_batches_of(both, 32) == 8
+    both.critic.ppo_mini_batch_size = 3  # global 6
+    assert num_mini_batches_of(both, 24) == 12  # 3 actor and 4 critic pieces: lcm 12
+    assert num_mini_batches_of(both, 32) == 1  # 6 does not divide 32
+    shuffled = cfg(actor="harts_fsdp2", critic="harts_fsdp2", critic_shuffle=True)
+    assert num_mini_batches_of(shuffled, 32) == 1
+    assert num_mini_batches_of(cfg(actor="harts_fsdp2", critic_shuffle=True), 32) == 4
+
+
 def test_engine_equalize_splits_by_work_then_pads():
     pytest.importorskip("verl")
     from harts_verl.tree.microbatch import plan_microbatches
@@ -195,9 +240,11 @@ def test_engine_equalize_splits_by_work_then_pads():
     assert max(w1, w2) == best
 
 
-def test_trainer_balance_batch_override(monkeypatch):
+@pytest.mark.parametrize("tree_section", ["actor", "critic"])
+def test_trainer_balance_batch_override(monkeypatch, tree_section):
     """``HartsPPOTrainerSync._balance_batch`` on a fake trainer: reads ``input_ids`` from the
-    transfer queue, reorders the batch by rank and mini-batch cells, reports metrics."""
+    transfer queue, reorders the batch by rank and mini-batch cells, reports metrics; so also
+    when only the (GAE) critic runs trees."""
     pytest.importorskip("transfer_queue")
     import types
 
@@ -226,12 +273,23 @@ def test_trainer_balance_batch_override(monkeypatch):
         return {"input_ids": nested}
 
     monkeypatch.setattr(tq, "kv_batch_get", kv_batch_get)
+    tree, stock = {"strategy": "harts_fsdp2"}, {"strategy": "fsdp2"}
     cfg = OmegaConf.create(
         {
             "actor_rollout_ref": {
-                "actor": {"strategy": "harts_fsdp2", "ppo_mini_batch_size": 2, "shuffle": False},
+                "actor": {
+                    **(tree if tree_section == "actor" else stock),
+                    "ppo_mini_batch_size": 2,
+                    "shuffle": False,
+                },
                 "rollout": {"n": 4},
-            }
+            },
+            "critic": {
+                **(tree if tree_section == "critic" else stock),
+                "ppo_mini_batch_size": 2,
+                "shuffle": False,
+            },
+            "algorithm": {"adv_estimator": "gae"},
         }
     )
     fake = types.SimpleNamespace(

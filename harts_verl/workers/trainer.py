@@ -1,7 +1,8 @@
 """Tree-aware DP for veRL's V1 trainer: ``PPOTrainerSync`` subclass + TaskRunner + ``main``.
 
 ``python -m harts_verl.main_ppo <hydra overrides>`` runs veRL's PPO entry point with three
-changes, all active only when ``actor_rollout_ref.actor.strategy=harts_fsdp2``:
+changes, all active only when ``actor_rollout_ref.actor.strategy=harts_fsdp2`` or a trained
+critic has ``critic.strategy=harts_fsdp2``:
 
 * the actor config class becomes ``HartsFSDPActorConfig`` (:func:`apply_harts_actor_config`),
   so the strategy is the one flag that enables HARTS and ``+actor_rollout_ref.actor.harts.*``
@@ -10,9 +11,10 @@ changes, all active only when ``actor_rollout_ref.actor.strategy=harts_fsdp2``:
   reference policy that runs the tree engine gets the actor's ``harts:`` values, overridable by
   ``+actor_rollout_ref.ref.harts.*`` (:func:`apply_harts_ref_config`);
 * ``_balance_batch`` reorders the batch with :func:`~harts_verl.workers.balance.
-  tree_balanced_partition` (trees stay on one DP rank and in one actor mini-batch, compact
-  work balanced per mini-batch and per rank; veRL's dispatcher then hands each rank one
-  consecutive equal chunk, which the worker cuts into consecutive mini-batches), instead of
+  tree_balanced_partition` (trees stay on one DP rank and in one mini-batch, compact work
+  balanced per mini-batch and per rank; veRL's dispatcher then hands each rank one consecutive
+  equal chunk, which the worker cuts into consecutive mini-batches; the cells follow the
+  mini-batches of every section that runs trees, :func:`num_mini_batches_of`), instead of
   veRL's sequence-length Karmarkar-Karp; metrics ``harts/dp_max_work``, ``harts/dp_min_work``,
   ``harts/dp_minibatch_imbalance``, ``harts/dp_compression``. The engine then makes the number
   of micro-batches equal on every rank (:mod:`harts_verl.workers.engine`);
@@ -47,12 +49,31 @@ __all__ = [
 ]
 
 
-def is_harts_config(config: Any) -> bool:
-    """True when the PPO config selects the ``harts_fsdp2`` actor strategy."""
-    try:
-        return config.actor_rollout_ref.actor.strategy == STRATEGY
+def _critic_runs_trees(config: Any) -> bool:
+    """True when the PPO config trains a critic (veRL's ``need_critic``) with the
+    ``harts_fsdp2`` strategy."""
+    critic = config.get("critic") if hasattr(config, "get") else None
+    if critic is None or critic.get("strategy") != STRATEGY:
+        return False
+    enable = critic.get("enable")
+    if enable is not None:
+        return bool(enable)
+    try:  # veRL's rule: a critic when the advantage estimator is GAE
+        return str(config.algorithm.adv_estimator) == "gae"
     except AttributeError:
         return False
+
+
+def is_harts_config(config: Any) -> bool:
+    """True when the PPO config selects the ``harts_fsdp2`` strategy for the actor, or for a
+    critic it trains (a PPO run whose critic alone runs trees): the trainer then keeps trees
+    on one DP rank and balances compact work."""
+    try:
+        if config.actor_rollout_ref.actor.strategy == STRATEGY:
+            return True
+    except AttributeError:
+        pass
+    return _critic_runs_trees(config)
 
 
 _VERL_FSDP_ACTOR = "verl.workers.config.FSDPActorConfig"
@@ -206,18 +227,35 @@ def harts_balance_batch(
 
 
 def num_mini_batches_of(config: Any, batch_size: int) -> int:
-    """How many actor mini-batches veRL cuts a batch of ``batch_size`` into (each rank cuts its
-    chunk into that many consecutive pieces); 1 when it does not divide evenly or when the
-    actor shuffles its mini-batches (then the cells would not survive)."""
+    """How many cells each rank's chunk of a ``batch_size`` batch is cut into so that every
+    mini-batch of a section that runs trees is whole cells: the actor's mini-batches (veRL cuts
+    each rank's chunk into ``batch_size / (ppo_mini_batch_size × rollout.n)`` consecutive
+    pieces) when the actor runs ``harts_fsdp2``, the critic's when a trained critic does (both:
+    the least common multiple), the actor's when neither does. 1 when such a section shuffles
+    its mini-batches (the cells would not survive) or its global mini-batch does not divide
+    ``batch_size``."""
+    import math
+
     try:
-        actor = config.actor_rollout_ref.actor
-        global_mini = int(actor.ppo_mini_batch_size) * int(config.actor_rollout_ref.rollout.n)
-        shuffle = bool(getattr(actor, "shuffle", False))
+        rollout_ref = config.actor_rollout_ref
+        n = int(rollout_ref.rollout.n)
+        actor = rollout_ref.actor
     except (AttributeError, TypeError, ValueError):
         return 1
-    if shuffle or global_mini <= 0 or batch_size % global_mini:
-        return 1
-    return max(batch_size // global_mini, 1)
+    sections = [actor] if actor.get("strategy") == STRATEGY else []
+    if _critic_runs_trees(config):
+        sections.append(config.critic)
+    nm = 1
+    for section in sections or [actor]:
+        try:
+            global_mini = int(section.ppo_mini_batch_size) * n
+            shuffle = bool(section.get("shuffle", False))
+        except (AttributeError, TypeError, ValueError):
+            return 1
+        if shuffle or global_mini <= 0 or batch_size % global_mini:
+            return 1
+        nm = math.lcm(nm, max(batch_size // global_mini, 1))
+    return nm
 
 
 def seqlen_metrics(
