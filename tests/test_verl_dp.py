@@ -295,8 +295,8 @@ def test_ulysses_sp_ranks_share_the_trees(tmp_path):
             pls.append(len(p))
     path = save_tiny_model("qwen2", str(tmp_path / "qwen2"), seed=6)
     base = {"model_path": path, "sequences": seqs, "prompt_lengths": pls, "capacity_tokens": 30}
-    # the tree micro-batches' losses and metrics in both runs (under SP there is no replay on
-    # veRL's own micro-batches)
+    # the tree micro-batches' losses and metrics in both runs (the replay on veRL's own
+    # micro-batches under SP: test_ulysses_sp_metrics_equal_stock)
     base["harts"] = {"stock_metrics": False}
     everything = [list(range(len(seqs)))]
     single = _launch(1, {**base, "parts": everything}, tmp_path, "single")[0]
@@ -336,6 +336,53 @@ def test_ulysses_sp_ranks_share_the_trees(tmp_path):
     steps = {call: {r["calls"][call]["steps"] for r in grid} for call in grid[0]["calls"]}
     assert all(len(v) == 1 for v in steps.values())  # every rank: the same micro-batch count
     _check_dp_metrics([grid[0], grid[2]], single)
+
+
+@pytest.mark.parametrize("loss_mode", ["vanilla", "geo_mean"])
+def test_ulysses_sp_losses_and_metrics_equal_stock(tmp_path, loss_mode):
+    """Under Ulysses SP 2 every SP rank evaluates the loss on veRL's own micro-batches over the
+    merged outputs, as the stock engine does (its SP ranks all evaluate every micro-batch on
+    SP-gathered outputs, cut at ``max_token_len_per_gpu × sp``): ``vanilla`` replays it for
+    the metrics (``harts.stock_metrics``), ``geo_mean`` (a mean over each micro-batch) takes
+    its gradient there too. The per-micro-batch losses, every metric (``actor/pg_clipfrac``,
+    …, one value per veRL micro-batch), the gradients and the grad norm are the stock
+    engine's. gloo has no all-to-all, so the stock side is one process at twice the budget,
+    which is the cut stock SP 2 makes."""
+    base = {**_four_trees(tmp_path), "loss_mode": loss_mode}
+    everything = [list(range(len(base["sequences"])))]
+    budget = 24
+    stock = _launch(
+        1,
+        {**base, "parts": everything, "strategy": "fsdp2", "max_token_len": 2 * budget},
+        tmp_path,
+        "stock",
+    )[0]
+    ranks = _launch(
+        2, {**base, "parts": everything, "sp": 2, "max_token_len": budget}, tmp_path, "sp"
+    )
+    assert len(stock["metrics"]["loss"]) >= 2  # the budget cuts the batch
+    compact = RolloutForest.from_sequences(base["sequences"]).num_compact_tokens
+    for r in ranks:
+        assert r["metrics"]["harts/stock_metrics"] == [1.0]
+        assert r["metrics"]["harts/stock_split_loss"] == [float(loss_mode == "geo_mean")]
+        assert r["metrics"]["harts/fallback"] == [0.0]
+        # the SP ranks' shares summed: at least the whole batch's compact rows, the same on both
+        assert r["metrics"]["harts/compact_tokens"] == ranks[0]["metrics"]["harts/compact_tokens"]
+        assert r["metrics"]["harts/compact_tokens"][0] >= compact
+        np.testing.assert_allclose(
+            r["metrics"]["loss"], stock["metrics"]["loss"], rtol=1e-5, atol=1e-7
+        )
+        assert set(r["metric_values"]) == set(stock["metric_values"])
+        for key, (aggregation, values) in stock["metric_values"].items():
+            assert r["metric_values"][key][0] == aggregation, key
+            np.testing.assert_allclose(
+                r["metric_values"][key][1], values, rtol=1e-5, atol=1e-7, err_msg=key
+            )
+        for name, g in stock["grads"].items():
+            assert float((r["grads"][name] - g).abs().max()) <= 1e-6 * max(
+                float(g.abs().max()), 1e-3
+            ), name
+    assert abs(ranks[0]["grad_norm"] - stock["grad_norm"]) <= 1e-6 * stock["grad_norm"]
 
 
 def test_sp_assignment_equal_counts_balanced_work():

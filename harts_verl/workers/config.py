@@ -76,7 +76,7 @@ class HartsConfig(BaseConfig):
         veRL's own micro-batches over the outputs the tree micro-batches computed, and report
         those losses and metrics: metrics that veRL averages per micro-batch
         (``actor/pg_clipfrac``, ``rollout_corr/*``, ``critic/vf_clipfrac``, …) are then the
-        stock engine's (no extra forward; not under Ulysses SP). False reports the tree
+        stock engine's (no extra forward; under Ulysses SP too). False reports the tree
         micro-batches' means.
     """
 

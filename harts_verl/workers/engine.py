@@ -17,7 +17,9 @@ What changes against the stock engine (everything else is inherited):
   first to the least-loaded rank: :func:`sp_assignment`), each micro-batch whole on one rank with
   veRL's Ulysses hooks off; its loss is scaled by sp for backward (FSDP averages gradients over
   DP × SP ranks, as veRL's Ulysses gather does), and every SP rank returns the whole batch's
-  outputs (an exact sum of each rank's share) and metrics. The token budget is one rank's:
+  outputs (an exact sum of each rank's share) and metrics; with ``stock_metrics`` or a
+  split-dependent loss every SP rank evaluates the loss on veRL's own micro-batches over those
+  outputs, as stock SP does. The token budget is one rank's:
   ``max_token_len_per_gpu``, or a stock micro-batch over sp; a batch with a trajectory longer
   than that takes the stock Ulysses path.
 * ``forward_step`` of a micro-batch: one forward of the FSDP root module on the compact rows
@@ -779,6 +781,14 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             set_ulysses_sequence_parallel_group(prev_group)
             self.use_ulysses_sp = prev_flag
 
+    def _sp_sum(self, stats: dict[str, int]) -> dict[str, int]:
+        """``stats`` summed over the Ulysses SP group (each SP rank runs its share of the tree
+        micro-batches)."""
+        keys = sorted(stats)
+        t = torch.tensor([stats[k] for k in keys], dtype=torch.int64, device=get_device_id())
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.ulysses_parallel_group)
+        return {k: int(v) for k, v in zip(keys, t.tolist())}
+
     def _dp_all_reduce(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=get_device_id())
         group = self.get_data_parallel_group()
@@ -1037,7 +1047,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             why = split_dependent_loss(loss_function)
             # Metrics as the stock engine reports them (a loss that does not depend on the
             # micro-batching runs again, without autograd, on veRL's own micro-batches).
-            stock_metrics = why is None and self.harts.stock_metrics and self._sp_size() == 1
+            stock_metrics = why is None and self.harts.stock_metrics
             stock_split = why is not None and self._can_split_like_stock()
             if (
                 why is not None
@@ -1047,12 +1057,10 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
                 self._fallback_logged.add("split_dependent")
                 logger.warning(
                     "harts_fsdp2: the loss depends on how the batch is cut into "
-                    "micro-batches (%s); it is evaluated on tree micro-batches (%s), so its "
-                    "values differ from stock fsdp2's micro-batching (logged once)",
+                    "micro-batches (%s); it is evaluated on tree micro-batches "
+                    "(harts.split_dependent_losses=tree), so its values differ from stock "
+                    "fsdp2's micro-batching (logged once)",
                     why,
-                    "harts.split_dependent_losses=tree"
-                    if self.harts.split_dependent_losses == "tree"
-                    else "Ulysses sequence parallelism",
                 )
         return self._tree_forward_backward_batch(
             data,
@@ -1069,8 +1077,8 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
 
     def _can_split_like_stock(self) -> bool:
         """Whether a loss that depends on the micro-batching is evaluated on veRL's own
-        micro-batches (``harts.split_dependent_losses`` = ``stock``; not under Ulysses SP)."""
-        return self.harts.split_dependent_losses == "stock" and self._sp_size() == 1
+        micro-batches (``harts.split_dependent_losses`` = ``stock``)."""
+        return self.harts.split_dependent_losses == "stock"
 
     def _tree_forward_backward_batch(
         self,
@@ -1173,17 +1181,23 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
                         loss_bw.backward()
             if dummy:
                 continue
-            if stock_metrics:
+            if stock_metrics and sp == 1:
                 _keep_outputs(kept, meta["model_output"], sel, len(data))
-            if not forward_only and not return_model_output:
+            if not forward_only and not return_model_output and not (stock_metrics and sp > 1):
                 meta.pop("model_output", None)
             for key in stats:
                 stats[key] += mb_stats[key]
             output_lst.append(meta)
             indices.append(sel)
 
-        if sp > 1:
+        if sp > 1 and not stock_split:
+            # every SP rank gets every trajectory's outputs; with stock_metrics they are kept
+            # for the replay on veRL's micro-batches (which every SP rank runs, as stock does)
             out, stats = self._sp_merge(output_lst, indices, stats, forest)
+            if stock_metrics:
+                kept = {key: list(nt.unbind()) for key, nt in out["model_output"].items()}
+                if not forward_only and not return_model_output:
+                    out["model_output"] = {}
         else:
             out = self._postprocess(output_lst, indices)
         if stock_metrics:
@@ -1246,10 +1260,15 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         shortest = [int(np.argmin(forest.lengths))]
         stats = {"compact_tokens": 0, "replay_tokens": 0, "rounds": 0}
         kept: dict[str, list[torch.Tensor | None]] = {}
+        shares: list[tuple[dict[str, torch.Tensor], list[int]]] = []
         for k, idx in enumerate(groups):  # (1) outputs without graph
             sel = shortest if idx is None else idx.tolist()
             micro_batch = tu.index_select_tensor_dict(data, sel)
-            with torch.no_grad(), torch.profiler.record_function(f"harts_outputs{k}"):
+            with (
+                torch.no_grad(),
+                self._without_ulysses(),
+                torch.profiler.record_function(f"harts_outputs{k}"),
+            ):
                 outputs, _, mb_stats = self._tree_micro_batch_outputs(
                     micro_batch, select_temperatures(temperature, sel)
                 )
@@ -1257,7 +1276,15 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
                 continue
             for key in stats:
                 stats[key] += mb_stats[key]
-            _keep_outputs(kept, outputs, sel, n)
+            shares.append((outputs, sel))
+        sp = self._sp_size()
+        if sp > 1:  # every SP rank evaluates the loss over every trajectory, as stock SP does
+            restored = self._sp_restore(shares, forest)
+            kept = {key: list(nt.unbind()) for key, nt in restored.items()}
+            stats = self._sp_sum(stats)
+        else:
+            for outputs, sel in shares:
+                _keep_outputs(kept, outputs, sel, n)
 
         output_lst, grads = self._stock_cut_losses(  # (2) the loss, stock-cut
             cut,
@@ -1274,7 +1301,11 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             sel = shortest if idx is None else idx.tolist()
             micro_batch = tu.index_select_tensor_dict(data, sel)
             sync_ctx = self._gradient_sync_context(is_last_micro_batch=k == len(groups) - 1)
-            with sync_ctx, torch.profiler.record_function(f"harts_micro_batch{k}"):
+            with (
+                sync_ctx,
+                self._without_ulysses(),
+                torch.profiler.record_function(f"harts_micro_batch{k}"),
+            ):
                 outputs, anchor, _ = self._tree_micro_batch_outputs(
                     micro_batch, select_temperatures(temperature, sel)
                 )
@@ -1292,6 +1323,8 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
                     )
                     values = nested.values()
                     total = total + (values * g.to(values.dtype)).sum()
+                if sp > 1:  # FSDP averages over DP x SP ranks; each trajectory runs on one
+                    total = total * sp
                 if scaler is not None:
                     scaler.scale(total).backward()
                 else:
@@ -1436,16 +1469,10 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         forest: RolloutForest,
     ) -> tuple[dict, dict[str, int]]:
         """Under Ulysses SP: the whole batch's output on every SP rank from each rank's share of
-        the micro-batches: model outputs (every trajectory computed on exactly one rank; the
-        others add zeros, so the sum is exact), then losses and metrics in SP-rank order, and
-        the summed ``stats``."""
+        the micro-batches: model outputs (:meth:`_sp_restore`), then losses and metrics in
+        SP-rank order, and the summed ``stats``."""
         group = self.ulysses_parallel_group
         local = {
-            "keys": sorted(
-                {(k, str(v.dtype)) for o in output_lst for k, v in o["model_output"].items()}
-            )
-            if any("model_output" in o for o in output_lst)
-            else [],
             "loss": [o["loss"] for o in output_lst if "loss" in o],
             "metrics": [_cpu_objects(o.get("metrics", {})) for o in output_lst],
             "stats": stats,
@@ -1458,15 +1485,31 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             for m in g["metrics"]:
                 append_to_dict(metrics, m)
         merged_stats = {k: sum(int(g["stats"][k]) for g in gathered) for k in stats}
-        keys = sorted({tuple(k) for g in gathered for k in g["keys"]})
+        shares = [
+            (o["model_output"], sel) for o, sel in zip(output_lst, indices) if "model_output" in o
+        ]
+        restored = self._sp_restore(shares, forest)
+        return {"model_output": restored, "loss": losses, "metrics": metrics}, merged_stats
 
+    def _sp_restore(
+        self, shares: list[tuple[dict[str, torch.Tensor], list[int]]], forest: RolloutForest
+    ) -> dict[str, torch.Tensor]:
+        """Under Ulysses SP: every trajectory's model outputs (per key, nested in batch order)
+        on every SP rank, from this rank's ``shares`` (per micro-batch: its outputs, nested in
+        ``sel`` order, and ``sel``). Every trajectory is computed on exactly one SP rank; the
+        others add zeros, so the sum is exact. Call it on every SP rank."""
+        group = self.ulysses_parallel_group
+        mine = sorted({(k, str(v.dtype)) for outputs, _ in shares for k, v in outputs.items()})
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, mine, group=group)
+        keys = sorted({tuple(k) for g in gathered for k in g})
         device = get_device_id()
         offsets = np.asarray(forest.row_offsets, np.int64)
         s = int(offsets[-1])
         restored = {}
         for key, dtype in keys:
             flat = torch.zeros(s, dtype=getattr(torch, dtype.split(".")[-1]), device=device)
-            vals = [(o["model_output"][key], sel) for o, sel in zip(output_lst, indices)]
+            vals = [(outputs[key], sel) for outputs, sel in shares if key in outputs]
             if vals:
                 sel = np.concatenate([np.asarray(x, np.int64) for _, x in vals])
                 ranges = concat_ranges(offsets[sel], offsets[sel + 1] - offsets[sel])
@@ -1477,7 +1520,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             restored[key] = torch.nested.nested_tensor_from_jagged(
                 flat, torch.from_numpy(offsets).to(device)
             )
-        return {"model_output": restored, "loss": losses, "metrics": metrics}, merged_stats
+        return restored
 
     def _pad_dp_metrics(self, metrics: dict) -> None:
         """Give every ``Metric`` of ``metrics`` the same number of values on all DP ranks, as
