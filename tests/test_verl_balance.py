@@ -203,6 +203,19 @@ def test_tree_balancing_follows_every_tree_section():
     shuffled = cfg(actor="harts_fsdp2", critic="harts_fsdp2", critic_shuffle=True)
     assert num_mini_batches_of(shuffled, 32) == 1
     assert num_mini_batches_of(cfg(actor="harts_fsdp2", critic_shuffle=True), 32) == 4
+    # the critic's warm-up (veRL updates the critic alone): only its mini-batches count
+    both.critic.ppo_mini_batch_size = 2
+    assert num_mini_batches_of(both, 20, actor_updates=False) == 5
+    assert num_mini_batches_of(both, 20) == 1  # the actor's 8 does not divide 20
+    # the advantage estimator as veRL's enum (a config built in code)
+    from verl.trainer.ppo.core_algos import AdvantageEstimator
+
+    coded = cfg(critic="harts_fsdp2")
+    coded.algorithm = {"adv_estimator": "grpo"}
+    assert not is_harts_config(coded)
+    coded.algorithm = OmegaConf.create(flags={"allow_objects": True})
+    coded.algorithm.adv_estimator = AdvantageEstimator.GAE
+    assert is_harts_config(coded)
 
 
 def test_engine_equalize_splits_by_work_then_pads():
@@ -240,21 +253,27 @@ def test_engine_equalize_splits_by_work_then_pads():
     assert max(w1, w2) == best
 
 
-@pytest.mark.parametrize("tree_section", ["actor", "critic"])
-def test_trainer_balance_batch_override(monkeypatch, tree_section):
-    """``HartsPPOTrainerSync._balance_batch`` on a fake trainer: reads ``input_ids`` from the
-    transfer queue, reorders the batch by rank and mini-batch cells, reports metrics; so also
-    when only the (GAE) critic runs trees."""
+@pytest.mark.parametrize(
+    ("tree_section", "mode"),
+    [("actor", "sync"), ("critic", "sync"), ("actor", "colocate_async")],
+)
+def test_trainer_balance_batch_override(monkeypatch, tree_section, mode):
+    """The tree-aware ``_balance_batch`` of :func:`trainer_class` on a fake trainer: reads
+    ``input_ids`` from the transfer queue, reorders the batch by rank and mini-batch cells,
+    reports metrics; so also when only the (GAE) critic runs trees, and in veRL's other
+    trainer modes (the class is a subclass of the mode's own)."""
     pytest.importorskip("transfer_queue")
     import types
 
     import torch
     import transfer_queue as tq
     from omegaconf import OmegaConf
+    from verl.trainer.ppo.v1 import get_trainer_cls
 
     from harts_verl.workers.trainer import harts_balance_batch, trainer_class
 
-    cls = trainer_class()
+    cls = trainer_class(mode)
+    assert issubclass(cls, get_trainer_cls(mode)) and cls.__name__.startswith("Harts")
     rng = np.random.default_rng(4)
     seqs, tree_of = _grpo(rng, rng.integers(5, 60, 8).tolist())  # 8 trees of 4
     nested = torch.nested.as_nested_tensor([torch.tensor(s) for s in seqs], layout=torch.jagged)

@@ -1,4 +1,4 @@
-"""Tree-aware DP for veRL's V1 trainer: ``PPOTrainerSync`` subclass + TaskRunner + ``main``.
+"""Tree-aware DP for veRL's V1 trainers: a subclass of the chosen trainer + TaskRunner + ``main``.
 
 ``python -m harts_verl.main_ppo <hydra overrides>`` runs veRL's PPO entry point with three
 changes, all active only when ``actor_rollout_ref.actor.strategy=harts_fsdp2`` or a trained
@@ -18,8 +18,9 @@ critic has ``critic.strategy=harts_fsdp2``:
   veRL's sequence-length Karmarkar-Karp; metrics ``harts/dp_max_work``, ``harts/dp_min_work``,
   ``harts/dp_minibatch_imbalance``, ``harts/dp_compression``. The engine then makes the number
   of micro-batches equal on every rank (:mod:`harts_verl.workers.engine`);
-* the trainer class is chosen by our TaskRunner (``trainer.v1.trainer_mode`` stays ``sync``:
-  veRL compares it to that literal in several places).
+* the trainer class is chosen by our TaskRunner: veRL's class for ``trainer.v1.trainer_mode``
+  (``sync``, ``colocate_async``, ``separate_async``) with that ``_balance_batch``
+  (:func:`trainer_class`); the mode itself is unchanged (veRL compares it to its literals).
 
 veRL's V1 trainer imports ``transfer_queue`` (extra ``verl[verl-core]``) at module level, so
 the trainer class is built lazily (:func:`trainer_class`); the balancing step
@@ -58,10 +59,11 @@ def _critic_runs_trees(config: Any) -> bool:
     enable = critic.get("enable")
     if enable is not None:
         return bool(enable)
-    try:  # veRL's rule: a critic when the advantage estimator is GAE
-        return str(config.algorithm.adv_estimator) == "gae"
+    try:  # veRL's rule: a critic when the advantage estimator is GAE (a str or its enum)
+        adv = config.algorithm.adv_estimator
     except AttributeError:
         return False
+    return getattr(adv, "value", adv) == "gae"
 
 
 def is_harts_config(config: Any) -> bool:
@@ -226,14 +228,15 @@ def harts_balance_batch(
     return [j for p in parts for j in p], metrics
 
 
-def num_mini_batches_of(config: Any, batch_size: int) -> int:
+def num_mini_batches_of(config: Any, batch_size: int, actor_updates: bool = True) -> int:
     """How many cells each rank's chunk of a ``batch_size`` batch is cut into so that every
     mini-batch of a section that runs trees is whole cells: the actor's mini-batches (veRL cuts
     each rank's chunk into ``batch_size / (ppo_mini_batch_size × rollout.n)`` consecutive
-    pieces) when the actor runs ``harts_fsdp2``, the critic's when a trained critic does (both:
-    the least common multiple), the actor's when neither does. 1 when such a section shuffles
-    its mini-batches (the cells would not survive) or its global mini-batch does not divide
-    ``batch_size``."""
+    pieces) when the actor runs ``harts_fsdp2`` and ``actor_updates`` (false during the
+    critic's warm-up, ``trainer.critic_warmup``, when veRL updates the critic alone), the
+    critic's when a trained critic does (both: the least common multiple), the actor's when
+    neither does. 1 when such a section shuffles its mini-batches (the cells would not
+    survive) or its global mini-batch does not divide ``batch_size``."""
     import math
 
     try:
@@ -242,7 +245,7 @@ def num_mini_batches_of(config: Any, batch_size: int) -> int:
         actor = rollout_ref.actor
     except (AttributeError, TypeError, ValueError):
         return 1
-    sections = [actor] if actor.get("strategy") == STRATEGY else []
+    sections = [actor] if actor.get("strategy") == STRATEGY and actor_updates else []
     if _critic_runs_trees(config):
         sections.append(config.critic)
     nm = 1
@@ -280,13 +283,17 @@ def seqlen_metrics(
 
 
 @functools.cache
-def trainer_class() -> type:
-    """``PPOTrainerSync`` with tree-aware ``_balance_batch`` (built on first use)."""
+def trainer_class(mode: str = "sync") -> type:
+    """veRL's V1 trainer registered as ``mode`` (``trainer.v1.trainer_mode``: ``sync``,
+    ``colocate_async``, ``separate_async``, …) with tree-aware ``_balance_batch``, named
+    ``Harts`` + its class name (built on first use; veRL's ValueError for an unknown mode)."""
     import transfer_queue as tq
     from verl.trainer.ppo.padding_utils import upsample_batch_to_divisible_size
-    from verl.trainer.ppo.v1 import PPOTrainerSync
+    from verl.trainer.ppo.v1 import get_trainer_cls
 
-    class HartsPPOTrainerSync(PPOTrainerSync):
+    base = get_trainer_cls(mode)
+
+    class HartsTrainer(base):
         """Keeps rollout trees on one DP rank and balances compact work (see module doc)."""
 
         def _balance_batch(
@@ -304,7 +311,13 @@ def trainer_class() -> type:
                 keys=batch.keys, partition_id=batch.partition_id, select_fields=["input_ids"]
             )
             seqs = [t.tolist() for t in data["input_ids"].unbind()]
-            nm = num_mini_batches_of(self.config, len(seqs))
+            try:
+                warmup = int(self.config.trainer.critic_warmup or 0)
+            except (AttributeError, TypeError, ValueError):
+                warmup = 0
+            # the actor's mini-batches count once it updates, as veRL's step decides
+            actor_updates = warmup <= getattr(self, "global_steps", 0)
+            nm = num_mini_batches_of(self.config, len(seqs), actor_updates)
             if len(seqs) % (dp_size * nm):
                 nm = 1
             order, stats = harts_balance_batch(seqs, dp_size, nm)
@@ -315,7 +328,8 @@ def trainer_class() -> type:
             metrics.update(seqlen_metrics(batch, seqs, order, dp_size, logging_prefix))
             return batch
 
-    return HartsPPOTrainerSync
+    HartsTrainer.__name__ = HartsTrainer.__qualname__ = f"Harts{base.__name__}"
+    return HartsTrainer
 
 
 @functools.cache
@@ -334,11 +348,8 @@ def task_runner_class() -> Any:
             from verl.utils.logging_utils import configure_verl_logging
 
             configure_verl_logging()
-            cls = (
-                trainer_class()
-                if is_harts_config(config)
-                else get_trainer_cls(config.trainer.v1.trainer_mode)
-            )
+            mode = config.trainer.v1.trainer_mode
+            cls = trainer_class(mode) if is_harts_config(config) else get_trainer_cls(mode)
             config.transfer_queue.enable = True
             OmegaConf.resolve(config)
             self.config = config
