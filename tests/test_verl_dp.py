@@ -296,7 +296,7 @@ def test_ulysses_sp_ranks_share_the_trees(tmp_path):
     path = save_tiny_model("qwen2", str(tmp_path / "qwen2"), seed=6)
     base = {"model_path": path, "sequences": seqs, "prompt_lengths": pls, "capacity_tokens": 30}
     # the tree micro-batches' losses and metrics in both runs (the replay on veRL's own
-    # micro-batches under SP: test_ulysses_sp_metrics_equal_stock)
+    # micro-batches under SP: test_ulysses_sp_losses_and_metrics_equal_stock)
     base["harts"] = {"stock_metrics": False}
     everything = [list(range(len(seqs)))]
     single = _launch(1, {**base, "parts": everything}, tmp_path, "single")[0]

@@ -1193,7 +1193,9 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         if sp > 1 and not stock_split:
             # every SP rank gets every trajectory's outputs; with stock_metrics they are kept
             # for the replay on veRL's micro-batches (which every SP rank runs, as stock does)
-            out, stats = self._sp_merge(output_lst, indices, stats, forest)
+            out, stats = self._sp_merge(
+                output_lst, indices, stats, forest, with_losses=not stock_metrics
+            )
             if stock_metrics:
                 kept = {key: list(nt.unbind()) for key, nt in out["model_output"].items()}
                 if not forward_only and not return_model_output:
@@ -1467,14 +1469,18 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         indices: list[list[int]],
         stats: dict[str, int],
         forest: RolloutForest,
+        with_losses: bool = True,
     ) -> tuple[dict, dict[str, int]]:
         """Under Ulysses SP: the whole batch's output on every SP rank from each rank's share of
         the micro-batches: model outputs (:meth:`_sp_restore`), then losses and metrics in
-        SP-rank order, and the summed ``stats``."""
+        SP-rank order (empty without ``with_losses``: the caller evaluates them itself), and
+        the summed ``stats``."""
         group = self.ulysses_parallel_group
         local = {
-            "loss": [o["loss"] for o in output_lst if "loss" in o],
-            "metrics": [_cpu_objects(o.get("metrics", {})) for o in output_lst],
+            "loss": [o["loss"] for o in output_lst if "loss" in o] if with_losses else [],
+            "metrics": [_cpu_objects(o.get("metrics", {})) for o in output_lst]
+            if with_losses
+            else [],
             "stats": stats,
         }
         gathered: list[Any] = [None] * dist.get_world_size(group)
