@@ -95,8 +95,17 @@ def test_config_round_trip_and_errors():
     back = ling.ling_config_from_hybrid(cfg, LING_CONFIG)
     assert back["eos_token_id"] == 2 and back["layer_types"][2] == "full_attention"
     assert ling.hybrid_config_from_ling(back) == cfg
-    with pytest.raises(ValueError, match="rope type 'yarn'"):
+    with pytest.raises(ValueError, match="rope_parameters: rope type 'yarn'"):
         ling.hybrid_config_from_ling(dict(LING_CONFIG, rope_parameters={"rope_type": "yarn"}))
+    # transformers lets a non-empty rope_scaling beside rope_parameters take precedence (its
+    # own rope_theta, else the top-level one): a context-extension edit is refused, not dropped
+    saved = dict(LING_CONFIG, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    with pytest.raises(ValueError, match="rope_scaling: rope type 'yarn'"):
+        ling.hybrid_config_from_ling(dict(saved, rope_scaling=yarn))
+    plain = dict(saved, rope_scaling={"type": "default"}, rope_theta=7e5)
+    assert ling.hybrid_config_from_ling(plain).rope_theta == 7e5
+    assert ling.hybrid_config_from_ling(dict(saved, rope_scaling={})).rope_theta == 1e4
     with pytest.raises(ValueError, match="hidden_act"):
         ling.hybrid_config_from_ling(dict(LING_CONFIG, hidden_act="gelu"))
     with pytest.raises(ValueError, match="kda_safe_gate: expected true or false, got 'false'"):
@@ -189,6 +198,12 @@ def test_config_round_trip_keeps_unused_fields_and_drops_mtp():
     back = ling.ling_config_from_hybrid(ling.hybrid_config_from_ling(d), d)
     assert back["kda_safe_gate"] is False and back["kda_lower_bound"] == -3.0
     assert back["num_nextn_predict_layers"] == 0
+    # a source that left the key out (transformers' default: one MTP layer), and a native
+    # model exported without a source config: the written config says none
+    implicit = {k: v for k, v in LING_CONFIG.items() if k != "num_nextn_predict_layers"}
+    for base in (implicit, None):
+        out = ling.ling_config_from_hybrid(ling.hybrid_config_from_ling(LING_CONFIG), base)
+        assert out["num_nextn_predict_layers"] == 0 and "num_mtp_layers" not in out
     assert "quantization_config" not in ling.ling_config_from_hybrid(
         ling.hybrid_config_from_ling(LING_CONFIG), dict(LING_CONFIG, quantization_config={})
     )

@@ -57,13 +57,19 @@ def _num(kind: type, d: Mapping[str, Any], *names: str, default: Any = ...) -> A
 
 
 def _rope_theta(d: Mapping[str, Any]) -> float:
-    """The MLA rope base; ``ValueError`` for rope scaling (only the default rope is expressed)."""
+    """The MLA rope base of the rope transformers applies: a non-empty ``rope_scaling`` in
+    place of ``rope_parameters`` (transformers 5 lets it take precedence), its ``rope_theta``
+    else the top-level one. ``ValueError`` naming that key for rope scaling (only the default
+    rope is expressed)."""
     what = "bailing_hybrid config"
-    params = config_mapping(d, "rope_parameters", what) or config_mapping(d, "rope_scaling", what)
+    params = config_mapping(d, "rope_parameters", what)
+    key = "rope_parameters"
+    if config_mapping(d, "rope_scaling", what):
+        params, key = config_mapping(d, "rope_scaling", what), "rope_scaling"
     kind = params.get("rope_type", params.get("type", "default"))
     if kind != "default":
         raise ValueError(
-            f"bailing_hybrid config: rope type {kind!r} is not supported (default rope only)"
+            f"bailing_hybrid config: {key}: rope type {kind!r} is not supported (default rope only)"
         )
     theta = params.get("rope_theta", _get(d, "rope_theta", default=6_000_000.0))
     return config_number(theta, "rope_theta", what, float)
@@ -153,6 +159,9 @@ def ling_config_from_hybrid(
         if cfg.kda_lower_bound is not None
         else (base or {}).get("kda_lower_bound", -5.0),
     )
+    if not any(k in out for k in ("num_nextn_predict_layers", "num_mtp_layers")):
+        # transformers defaults to one multi-token-prediction layer; none is written
+        out["num_nextn_predict_layers"] = 0
     return out
 
 
