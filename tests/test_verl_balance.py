@@ -191,6 +191,14 @@ def test_tree_balancing_follows_every_tree_section():
     assert not is_harts_config(cfg(critic="harts_fsdp2", adv="grpo"))  # no critic is trained
     assert is_harts_config(cfg(critic="harts_fsdp2", adv="grpo", enable=True))
     assert not is_harts_config(cfg(critic="harts_fsdp2", enable=False))
+    # harts.enable: false is the stock fsdp2 path, veRL's own balancing included
+    off = cfg(actor="harts_fsdp2", critic="harts_fsdp2")
+    off.actor_rollout_ref.actor.harts = {"enable": False}
+    off.critic.harts = {"enable": False}
+    assert not is_harts_config(off)
+    off.critic.harts.enable = True
+    assert is_harts_config(off)
+    assert num_mini_batches_of(off, 32) == 8  # the critic's cells only
     # 32 trajectories: the actor's global mini-batch is 8 (4 pieces), the critic's 4 (8 pieces)
     assert num_mini_batches_of(cfg(actor="harts_fsdp2"), 32) == 4
     assert num_mini_batches_of(cfg(critic="harts_fsdp2"), 32) == 8

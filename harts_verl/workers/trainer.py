@@ -50,11 +50,21 @@ __all__ = [
 ]
 
 
+def _runs_trees(section: Any) -> bool:
+    """True when a worker section (the actor's, the critic's) has the ``harts_fsdp2`` strategy
+    and does not turn the tree path off (``harts.enable: false`` is the stock fsdp2 path,
+    balancing included)."""
+    if section is None or not hasattr(section, "get") or section.get("strategy") != STRATEGY:
+        return False
+    harts = section.get("harts")
+    return not (hasattr(harts, "get") and harts.get("enable", True) is False)
+
+
 def _critic_runs_trees(config: Any) -> bool:
-    """True when the PPO config trains a critic (veRL's ``need_critic``) with the
-    ``harts_fsdp2`` strategy."""
+    """True when the PPO config trains a critic (veRL's ``need_critic``) that runs trees
+    (:func:`_runs_trees`)."""
     critic = config.get("critic") if hasattr(config, "get") else None
-    if critic is None or critic.get("strategy") != STRATEGY:
+    if not _runs_trees(critic):
         return False
     enable = critic.get("enable")
     if enable is not None:
@@ -67,11 +77,12 @@ def _critic_runs_trees(config: Any) -> bool:
 
 
 def is_harts_config(config: Any) -> bool:
-    """True when the PPO config selects the ``harts_fsdp2`` strategy for the actor, or for a
-    critic it trains (a PPO run whose critic alone runs trees): the trainer then keeps trees
-    on one DP rank and balances compact work."""
+    """True when the PPO config runs trees (the ``harts_fsdp2`` strategy without
+    ``harts.enable: false``) in the actor, or in a critic it trains (a PPO run whose critic
+    alone runs trees): the trainer then keeps trees on one DP rank and balances compact work.
+    False otherwise: veRL's own balancing, as with the stock strategy."""
     try:
-        if config.actor_rollout_ref.actor.strategy == STRATEGY:
+        if _runs_trees(config.actor_rollout_ref.actor):
             return True
     except AttributeError:
         pass
@@ -232,7 +243,7 @@ def num_mini_batches_of(config: Any, batch_size: int, actor_updates: bool = True
     """How many cells each rank's chunk of a ``batch_size`` batch is cut into so that every
     mini-batch of a section that runs trees is whole cells: the actor's mini-batches (veRL cuts
     each rank's chunk into ``batch_size / (ppo_mini_batch_size × rollout.n)`` consecutive
-    pieces) when the actor runs ``harts_fsdp2`` and ``actor_updates`` (false during the
+    pieces) when the actor runs trees (:func:`_runs_trees`) and ``actor_updates`` (false during the
     critic's warm-up, ``trainer.critic_warmup``, when veRL updates the critic alone), the
     critic's when a trained critic does (both: the least common multiple), the actor's when
     neither does. 1 when such a section shuffles its mini-batches (the cells would not
@@ -245,7 +256,7 @@ def num_mini_batches_of(config: Any, batch_size: int, actor_updates: bool = True
         actor = rollout_ref.actor
     except (AttributeError, TypeError, ValueError):
         return 1
-    sections = [actor] if actor.get("strategy") == STRATEGY and actor_updates else []
+    sections = [actor] if _runs_trees(actor) and actor_updates else []
     if _critic_runs_trees(config):
         sections.append(config.critic)
     nm = 1
