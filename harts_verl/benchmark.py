@@ -213,7 +213,7 @@ def _check_config(cfg: BenchConfig) -> tuple[torch.device, str | None]:
         raise ValueError(
             "workload_overrides: vocab_size is the model's (token ids must fit its vocabulary)"
         )
-    plot = plot_path(cfg.plot) if cfg.plot else None
+    plot = plot_path(cfg.plot) if cfg.plot is not None else None
     try:
         device = torch.device(cfg.device)
     except (RuntimeError, TypeError) as exc:

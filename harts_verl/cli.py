@@ -279,7 +279,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         }
         if args.capacity:
             check_plan_arguments(capacity_tokens=args.capacity, **plan_args)
-        plot = plot_path(args.plot) if args.plot else None
+        plot = plot_path(args.plot) if args.plot is not None else None
     with _inputs():  # the file's own errors name it as given (a path is no flag)
         forest = load_forest(args.forest)
     stats = forest_statistics(  # past the inputs: an error here is a bug, with its traceback

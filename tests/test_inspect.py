@@ -177,6 +177,7 @@ def test_cli_inspect_input_errors(tmp_path, capsys, monkeypatch):
         ([str(good), "--plot", str(tmp_path / "plots")], "--plot: "),
         ([str(good), "--plot", str(tmp_path / "x.nope")], "--plot: unsupported format '.nope'"),
         ([str(good), "--plot", str(tmp_path / "no" / "x.png")], "--plot: cannot write"),
+        ([str(good), "--plot", ""], "--plot: expected a file name"),  # was silently no plot
         # the plot destination is checked before the forest is read
         ([str(tmp_path / "missing.npz"), "--plot", str(tmp_path / "x.nope")], "--plot"),
     ]:

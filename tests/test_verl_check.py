@@ -66,6 +66,21 @@ def test_check_reports_fidelity(tmp_path, capsys, monkeypatch, kind, layers, sou
     assert res["ideal_flop_ratio"] > 1
 
 
+def test_check_compares_nothing_without_a_next_token(tmp_path, capsys, monkeypatch):
+    """Trajectories of one token have no log-prob: both Δlogp figures are null (they read 0.0,
+    an agreement nothing measured)."""
+    monkeypatch.setitem(sys.modules, "fla", None)
+    from harts_verl.workers.check import main
+    from harts_verl.workers.testing import save_tiny_model
+
+    path = save_tiny_model("qwen2", str(tmp_path / "m"), seed=1)
+    torch.save([[5], [6], [5]], tmp_path / "b.pt")
+    assert main(["--model", path, "--batch", str(tmp_path / "b.pt")]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["trajectories"] == 3 and res["compact_tokens"] == 2
+    assert res["max_abs_dlogp"] is None and res["own_forward_max_abs_dlogp"] is None
+
+
 def test_cli_check_on_native_config_in_a_fresh_process(tmp_path):
     """``harts-verl check`` registers the native model's Auto classes itself."""
     import os
@@ -300,6 +315,16 @@ def test_load_sequences_formats_and_errors(tmp_path):
         assert load_sequences(str(tmp_path / f"{name}.pt")) == seqs, name
     RolloutForest.from_sequences(seqs).save(str(tmp_path / "f.npz"))
     assert load_sequences(str(tmp_path / "f.npz")) == seqs
+    # a forest file is told by its content under any name (RolloutForest.save keeps the name)
+    for name in ("forest.bin", "F.NPZ"):
+        (tmp_path / name).write_bytes((tmp_path / "f.npz").read_bytes())
+        assert load_sequences(str(tmp_path / name)) == seqs, name
+    # one trajectory as a 1-D tensor with its mask: the mask applies (it was ignored)
+    torch.save(
+        {"input_ids": torch.tensor([5, 6, 0, 0]), "attention_mask": torch.tensor([1, 1, 0, 0])},
+        tmp_path / "pad1d.pt",
+    )
+    assert load_sequences(str(tmp_path / "pad1d.pt")) == [[5, 6]]
     bad = {
         "floats": ([[1.0, 2.0]], "integer token ids"),
         "empty": ([], "no trajectories"),
@@ -310,6 +335,17 @@ def test_load_sequences_formats_and_errors(tmp_path):
         "dense3d": ({"input_ids": dense[None], "attention_mask": mask[None]}, "got a 3-D"),
         "scalar": ({"input_ids": torch.tensor(5)}, "got a 0-D"),
         "ragged": ([[1, 2], [3, [4]]], "trajectory 1: expected a flat sequence"),
+        "mask1d": (
+            {"input_ids": torch.tensor([5, 6]), "attention_mask": torch.tensor([[7, 7]])},
+            "only 0 / 1 values",
+        ),
+        "mask1dshape": (
+            {"input_ids": torch.tensor([5, 6]), "attention_mask": torch.tensor([1, 1, 0])},
+            "does not match",
+        ),
+        # Python ints numpy cannot hold in one integer dtype (it made floats / objects)
+        "huge": ([[1, 2, 2**63]], "trajectory 0: token id 9223372036854775808 is beyond int64"),
+        "huger": ([[1, 2**70]], "token id 1180591620717411303424 is beyond int64"),
     }
     bad["protonobatch"] = (DataProto(), "no tensor batch")
     for name, (obj, msg) in bad.items():

@@ -7,12 +7,14 @@ audited), OLMo Hybrid (``olmo_hybrid``), the native model (``harts_hybrid``), th
 causal LMs of ``FULL_ATTENTION_MODEL_TYPES`` (Qwen2 / Qwen3 / Llama / Mistral, Qwen2-MoE /
 Qwen3-MoE / Mixtral, DeepSeek-V3, GLM-4-MoE, OLMo 2 / OLMo 3, Phi-3, Seed-OSS, GLM-4,
 Gemma 3, gpt-oss, ...), the Mamba-2 hybrids (Granite 4.0-H, Bamba, Nemotron-H, Falcon-H1) and the
-short-conv hybrids (LFM2, LFM2-MoE); ``--batch`` a dump of trajectories: a ``RolloutForest.save`` file (``.npz``), or a ``torch.save`` file (``.pt``)
+short-conv hybrids (LFM2, LFM2-MoE); ``--batch`` a dump of trajectories: a ``RolloutForest.save``
+file (``.npz``, told by its content whatever its name), or a ``torch.save`` file (``.pt``)
 holding a list of token-id lists or a dict with ``input_ids`` (list, or a nested tensor as in a
 veRL batch; every trajectory is audited at positions 0..L-1, and a dump whose ``position_ids``
 differ gets a note on stderr). Prints JSON: max |Δlogp| tree vs expanded (``max_abs_dlogp``) and tree vs the
 model's own forward of each trajectory alone (``own_forward_max_abs_dlogp``: HF's code, no tree
-machinery, the independent oracle), MeanCos of the final hidden states' logits, per decoder
+machinery, the independent oracle; both null when no trajectory has two tokens, so no log-prob
+was compared), MeanCos of the final hidden states' logits, per decoder
 layer the max |Δ| of its output with the first layer whose difference exceeds ``--tol`` (None
 when all stay within), and the batch's analytic FLOP ratio expanded ÷ tree
 (:mod:`harts_verl.runtime.flops`; None for a model without a FLOP model).
@@ -111,7 +113,7 @@ def load_sequences(path: str) -> list[list[int]]:
     truncated or foreign file: the reader's message is included)."""
     from harts_verl.tree.inspect import load_forest
 
-    if path.endswith(".npz"):
+    if path.endswith(".npz") or _is_forest_file(path):
         f = load_forest(path)
         seqs = [f.tokens_of(i).tolist() for i in range(f.num_trajectories)]
     else:
@@ -132,6 +134,22 @@ def load_sequences(path: str) -> list[list[int]]:
     if not seqs:
         raise ValueError(f"{path}: the batch has no trajectories")
     return seqs
+
+
+def _is_forest_file(path: str) -> bool:
+    """Whether ``path`` holds a ``RolloutForest.save`` archive (an ``.npz`` under any name: a
+    zip with the forest's ``format_version.npy`` and no pickle, which a ``torch.save`` zip
+    has)."""
+    import zipfile
+
+    try:
+        if not os.path.isfile(path) or not zipfile.is_zipfile(path):
+            return False
+        with zipfile.ZipFile(path) as z:
+            names = z.namelist()
+    except (OSError, zipfile.BadZipFile):
+        return False
+    return "format_version.npy" in names and not any(n.endswith(".pkl") for n in names)
 
 
 def _positions_note(positions: Any, mask: Any, seqs: list[list[int]], path: str) -> str | None:
@@ -206,9 +224,13 @@ def _sequences_of(obj: Any, path: str) -> list[list[int]]:
                 f"{path}: input_ids: expected a 1-D trajectory or a 2-D [B, L] batch, got a "
                 f"{obj.dim()}-D {tuple(obj.shape)} tensor"
             )
-        if obj.dim() == 1:
+        if obj.dim() == 1 and mask is None:
             obj = [obj]
         elif mask is not None:
+            if obj.dim() == 1:  # one trajectory with its mask: a [1, L] batch
+                obj = obj[None]
+                if isinstance(mask, torch.Tensor) and mask.dim() == 1:
+                    mask = mask[None]
             if not isinstance(mask, torch.Tensor):
                 raise ValueError(
                     f"{path}: attention_mask: expected a tensor, got {type(mask).__name__}"
@@ -237,6 +259,16 @@ def _sequences_of(obj: Any, path: str) -> list[list[int]]:
                 f"{path}: trajectory {i}: expected a flat sequence of integer token ids, got "
                 "ragged nesting"
             ) from None
+        if (
+            a.ndim == 1
+            and a.dtype.kind in "fO"
+            and isinstance(t, list | tuple)
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in t)
+        ):  # Python ints numpy could not hold together in an integer dtype
+            big = max(t, key=abs)
+            raise ValueError(
+                f"{path}: trajectory {i}: token id {big} is beyond int64 (outside any vocabulary)"
+            )
         if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
             raise ValueError(
                 f"{path}: trajectory {i}: expected a 1-D sequence of integer token ids, got "
@@ -363,7 +395,7 @@ def run_check(
     tree = TreeRunner(model, chunk_size=chunk_size)
     exp = ExpandedRunner(model, chunk_size=chunk_size)
     lt, le = tree.log_probs(seqs), exp.log_probs(seqs)
-    dlogp = max((float((a - b).abs().max()) for a, b in zip(lt, le) if a.numel()), default=0.0)
+    dlogp = max((float((a - b).abs().max()) for a, b in zip(lt, le) if a.numel()), default=None)
     ht, he = tree.hidden_states(seqs), exp.hidden_states(seqs)
     w = tree.model.lm_head.weight.detach()
     cos = torch.cat(
@@ -389,7 +421,7 @@ def run_check(
         if own is None
         else max(
             (float((a.double().cpu() - b.cpu()).abs().max()) for a, b in zip(lt, own) if a.numel()),
-            default=0.0,
+            default=None,
         )
     )
     return {
