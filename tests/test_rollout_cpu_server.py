@@ -348,3 +348,50 @@ def test_load_weights_repacks_per_expert_tensors(tmp_path):
     mine = srv.model.state_dict()
     for k, v in other.state_dict().items():
         assert torch.equal(mine[k], v), k
+
+
+@pytest.mark.parametrize("kind", ["recurrent_gemma", "mamba", "mistral4"])
+def test_serves_models_without_a_kv_cache_output_or_a_causal_lm_mapping(tmp_path, kind):
+    """RecurrentGemma / Mamba return no ``past_key_values`` (the server re-reads the prefix: it
+    used to raise AttributeError on the first call); transformers maps Mistral 4 only as an
+    image-text-to-text model (loaded with the class veRL's engine takes). Greedy equals argmax
+    decoding by full forwards, and the log-probs are the model's."""
+    from harts_verl.workers import testing
+    from harts_verl.workers.rollout.cpu_server import HFGenerationServer
+
+    path = testing.save_tiny_model(kind, str(tmp_path / kind), seed=3)
+    cfg = SimpleNamespace(max_model_len=None, prompt_length=16, response_length=6)
+    srv = HFGenerationServer(cfg, SimpleNamespace(path=path, tokenizer=None))
+    out = asyncio.run(
+        srv.generate([1, 2, 3], {"temperature": 0, "logprobs": True, "ignore_eos": True}, "r")
+    )
+    assert len(out.token_ids) == 6
+    ids = [1, 2, 3]
+    with torch.no_grad():
+        for tok, lp in zip(out.token_ids, out.log_probs):
+            logp = torch.log_softmax(srv.model(torch.tensor([ids])).logits[0, -1].float(), -1)
+            assert tok == int(logp.argmax()) and abs(float(logp[tok]) - lp) <= 1e-4
+            ids.append(tok)
+
+
+def test_bad_requests_are_named(server):
+    """An empty prompt, sampling values vLLM refuses, and penalties this server does not apply
+    are errors naming the field (they failed inside the model, or were silently ignored)."""
+    with pytest.raises(ValueError, match="prompt_ids: empty prompt"):
+        _gen(server, [], temperature=0)
+    for sp, err, msg in [
+        ({"top_p": 0.0}, ValueError, "sampling_params.top_p"),
+        ({"top_p": 1.5}, ValueError, "sampling_params.top_p"),
+        ({"temperature": -1.0}, ValueError, "sampling_params.temperature"),
+        ({"temperature": float("nan")}, ValueError, "sampling_params.temperature"),
+        ({"temperature": "1"}, TypeError, "sampling_params.temperature"),
+        ({"top_k": 2.5}, TypeError, "sampling_params.top_k"),
+        ({"repetition_penalty": 5.0}, ValueError, "repetition_penalty: 5.0 is not supported"),
+        ({"presence_penalty": 0.5}, ValueError, "presence_penalty"),
+        ({"min_p": 0.1}, ValueError, "min_p"),
+    ]:
+        with pytest.raises(err, match=msg):
+            _gen(server, [1, 2], **sp)
+    # veRL's own request: neutral values, None for unset ones
+    sp = {"temperature": None, "top_p": None, "top_k": None, "repetition_penalty": 1.0}
+    assert len(_gen(server, [1, 2], max_tokens=2, **sp).token_ids) == 2

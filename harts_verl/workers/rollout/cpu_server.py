@@ -55,9 +55,9 @@ def sample_tokens(
     seed: int | None = None,
 ) -> tuple[list[int], list[float]]:
     """Autoregressive sampling with the model's KV cache (a model whose ``supports_kv_cache`` is
-    False, the native ``harts_hybrid``, re-reads its whole prefix at each step); returns (token
-    ids, log-probs of the sampled tokens under the temperature-scaled distribution).
-    temperature 0 = greedy."""
+    False, the native ``harts_hybrid``, or whose output has no ``past_key_values`` re-reads its
+    whole prefix at each step); returns (token ids, log-probs of the sampled tokens under the
+    temperature-scaled, top-k / top-p filtered distribution). temperature 0 = greedy."""
     stops = set(stop_token_ids or [])
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     ids = torch.tensor([prompt_ids], dtype=torch.long)
@@ -69,7 +69,10 @@ def sample_tokens(
         for _ in range(max(0, max_new_tokens)):
             if cached:
                 res = model(input_ids=ids, past_key_values=past, use_cache=True)
-                past = res.past_key_values
+                past = getattr(res, "past_key_values", None)
+                # a model that returns no cache (RecurrentGemma, Mamba keep their state in
+                # other fields): re-read the whole prefix from the next step on
+                cached = past is not None
             else:
                 res = model(input_ids=torch.tensor([prompt_ids + out_ids], dtype=torch.long))
             logits = res.logits[0, -1].float()
@@ -138,6 +141,52 @@ def request_seed(request_id: str, prompt_length: int, seed: Any = None) -> int:
         return int(seed)
     digest = hashlib.sha256(f"{request_id}\x00{int(prompt_length)}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
+
+
+# vLLM sampling parameters this server does not apply, with the value at which they do nothing
+_NEUTRAL = {
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "min_p": 0.0,
+}
+
+
+def sampling_options(sampling_params: dict[str, Any]) -> tuple[float, int, float]:
+    """``(temperature, top_k, top_p)`` of a request as vLLM reads them: ``temperature``
+    (default 1.0; 0 = greedy) a finite number >= 0, ``top_k`` an int (0, -1 or None: off),
+    ``top_p`` in (0, 1] (None: 1.0). ``ValueError`` / ``TypeError`` naming
+    ``sampling_params.<key>`` otherwise, and for a penalty or ``min_p`` this server does not
+    apply (``repetition_penalty`` other than 1, ...), which it would otherwise ignore."""
+    import math
+
+    def number(key: str, default: float) -> float:
+        v = sampling_params.get(key, default)
+        v = default if v is None else v
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise TypeError(f"sampling_params.{key}: expected a number, got {v!r}")
+        if not math.isfinite(float(v)):
+            raise ValueError(f"sampling_params.{key}: expected a finite number, got {v!r}")
+        return float(v)
+
+    temperature = number("temperature", 1.0)
+    if temperature < 0:
+        raise ValueError(f"sampling_params.temperature: expected >= 0, got {temperature!r}")
+    top_p = number("top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise ValueError(f"sampling_params.top_p: expected a number in (0, 1], got {top_p!r}")
+    top_k = sampling_params.get("top_k")
+    if top_k is None:
+        top_k = -1
+    elif not _is_int(top_k):
+        raise TypeError(f"sampling_params.top_k: expected an int, got {top_k!r}")
+    for key, neutral in _NEUTRAL.items():
+        if number(key, neutral) != neutral:
+            raise ValueError(
+                f"sampling_params.{key}: {sampling_params[key]!r} is not supported by the "
+                f"{NAME} CPU rollout server (only {neutral})"
+            )
+    return temperature, int(top_k) if int(top_k) > 0 else -1, top_p
 
 
 def max_new_tokens(
@@ -237,7 +286,12 @@ class HFGenerationServer:
         else:
             hf_cfg = AutoConfig.from_pretrained(path, trust_remote_code=True)
             hf_cfg._attn_implementation = attn_implementation_for(hf_cfg)  # gpt-oss: eager
-            self.model = AutoModelForCausalLM.from_pretrained(
+            auto = AutoModelForCausalLM
+            if type(hf_cfg) not in AutoModelForCausalLM._model_mapping.keys():
+                from verl.utils.model import get_hf_auto_model_class
+
+                auto = get_hf_auto_model_class(hf_cfg)  # the class veRL's engine loads
+            self.model = auto.from_pretrained(
                 path, config=hf_cfg, torch_dtype=torch.float32, trust_remote_code=True
             ).eval()
         tok = getattr(model_config, "tokenizer", None)
@@ -283,6 +337,9 @@ class HFGenerationServer:
         if self._lock is None:
             self._lock = asyncio.Lock()
         sp = dict(sampling_params or {})
+        if len(prompt_ids) == 0:
+            raise ValueError("prompt_ids: empty prompt (at least one token is needed)")
+        temperature, top_k, top_p = sampling_options(sp)
         max_new = max_new_tokens(
             sp,
             len(prompt_ids),
@@ -301,9 +358,9 @@ class HFGenerationServer:
                     self.model,
                     list(prompt_ids),
                     max_new_tokens=max_new,
-                    temperature=float(sp.get("temperature", 1.0)),
-                    top_k=int(sp.get("top_k", -1) or -1),
-                    top_p=float(sp.get("top_p", 1.0) or 1.0),
+                    temperature=temperature,
+                    top_k=top_k,
+                    top_p=top_p,
                     stop_token_ids=stops,
                     seed=seed,
                 ),
