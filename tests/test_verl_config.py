@@ -81,6 +81,9 @@ def test_harts_section_validation():
         ({"planner": {"seed": 1.9}}, "harts.planner.seed"),
         ({"planner": {"seed": None}}, "harts.planner.seed"),
         ({"enable": "yes"}, "harts.enable"),
+        ({"capacity_tokens": 2**63}, "harts.capacity_tokens"),  # past the planner's int64
+        ({"rows_per_chunk": 2**54}, "harts.rows_per_chunk"),  # it failed in the first step
+        ({"planner": {"strategies": {"tree": 1}}}, "harts.planner.strategies"),  # a mapping
     ]:
         with pytest.raises(ValueError, match=key.replace(".", r"\.")):
             HartsConfig.from_any(bad)
@@ -179,9 +182,8 @@ def test_strategy_alone_enables_harts_through_main_ppo(caplog):
     with caplog.at_level("WARNING", logger="harts_verl.workers.config"):
         actor = omega_conf_to_dataclass(mixed.actor_rollout_ref.actor)
     assert actor.strategy == "fsdp2"
-    assert "harts: settings (harts.chunk_size) are not used; set strategy=harts_fsdp2" in (
-        caplog.text
-    )
+    assert "harts: settings (harts.chunk_size) are not used here" in caplog.text
+    assert "set strategy=harts_fsdp2" in caplog.text
     custom = composed(
         "actor_rollout_ref.actor.strategy=harts_fsdp2", "actor_rollout_ref.actor._target_=my.Cls"
     )
@@ -194,6 +196,18 @@ def test_strategy_alone_enables_harts_through_main_ppo(caplog):
         )
     with pytest.raises(ValueError, match=r"actor\.strategy=harts_fsdp2 needs veRL's FSDP engine"):
         apply_harts_actor_config(mega)
+    # harts options beside Megatron's strategy and class: not used, dropped with a WARNING
+    # (veRL's Megatron class failed on the unknown key without naming the strategy)
+    with initialize_config_module("verl.trainer.config", version_base=None):
+        mega = compose(
+            "ppo_megatron_trainer", overrides=["+actor_rollout_ref.actor.harts.chunk_size=16"]
+        )
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="harts_verl.workers.trainer"):
+        assert apply_harts_actor_config(mega)
+    assert "harts" not in mega.actor_rollout_ref.actor
+    assert "harts: settings are not used (dropped)" in caplog.text
+    assert "McoreActorConfig" in mega.actor_rollout_ref.actor._target_
 
 
 def _ref_dataclass(cfg):
@@ -267,11 +281,25 @@ def test_reference_policy_takes_the_actor_harts_section(caplog):
     assert not apply_harts_ref_config(cfg)
     assert cfg.actor_rollout_ref.ref._target_ == "verl.workers.config.FSDPActorConfig"
     assert "harts" not in cfg.actor_rollout_ref.ref
-    # a bad key in the reference's own section is named
+    # a bad key in the reference's own section is named, at startup too (veRL's
+    # validate_config builds the actor's and the critic's classes, not the reference's)
+    from harts_verl.workers.trainer import check_ref_harts
+
     cfg = composed(*actor_opts, "+actor_rollout_ref.ref.harts.chunk=3")
     apply_harts_ref_config(cfg)
     with pytest.raises(Exception, match=r"harts\.chunk: unknown key"):
         _ref_dataclass(cfg)
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.ref\.harts\.chunk: unknown key"):
+        check_ref_harts(cfg)
+    cfg = composed(*actor_opts, "+actor_rollout_ref.ref.harts.chunk_size=0")
+    apply_harts_ref_config(cfg)
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.ref\.harts\.chunk_size"):
+        check_ref_harts(cfg)
+    check_ref_harts(composed(*actor_opts))  # a good one passes
+    # a planner that is no mapping is named (it was OmegaConf's merge error)
+    cfg = composed(*actor_opts, "+actor_rollout_ref.ref.harts.planner=[1]")
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.ref\.harts\.planner: expected"):
+        apply_harts_ref_config(cfg)
     # an explicitly chosen other class is left alone
     cfg = composed(*actor_opts, "actor_rollout_ref.ref._target_=my.Cls")
     assert not apply_harts_ref_config(cfg) and "harts" not in cfg.actor_rollout_ref.ref
@@ -366,7 +394,10 @@ def test_harts_section_with_another_strategy_is_named_in_a_warning(caplog):
         HartsFSDPActorConfig(**kw, harts={"chunk_size": 8, "min_compression": 1.5})
         HartsFSDPActorConfig(**{**kw, "strategy": "harts_fsdp2"}, harts={"chunk_size": 8})
         HartsFSDPActorConfig(**kw)
+        # a key set to its default is named too: harts.enable=true does not turn HARTS on
+        HartsFSDPActorConfig(**kw, harts={"enable": True})
     msgs = [r.getMessage() for r in caplog.records if r.name == "harts_verl.workers.config"]
-    assert len(msgs) == 1, msgs
+    assert len(msgs) == 2, msgs
     assert "'fsdp2'" in msgs[0] and "harts.chunk_size, harts.min_compression" in msgs[0]
     assert "strategy=harts_fsdp2" in msgs[0]
+    assert "(harts.enable) are not used" in msgs[1]

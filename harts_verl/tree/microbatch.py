@@ -90,7 +90,7 @@ the slot's replica-time spent waiting for the slowest replica.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -1463,8 +1463,14 @@ def _check_options(options: dict[str, Any]) -> dict[str, Any]:
     strategies = opt["strategies"]
     if isinstance(strategies, str):  # one family name
         strategies = (strategies,)
-    try:
-        families = set(_FAMILIES) if strategies is None else set(strategies)
+    try:  # a mapping would pass as the set of its keys
+        families = (
+            set()
+            if isinstance(strategies, Mapping)
+            else set(_FAMILIES)
+            if strategies is None
+            else set(strategies)
+        )
     except TypeError:  # not an iterable of names
         families = set()
     if not families or families - set(_FAMILIES):

@@ -92,11 +92,13 @@ class HartsConfig(BaseConfig):
     stock_metrics: bool = True
 
     def __post_init__(self) -> None:
-        def positive_int(name: str, value: Any, *, allow_zero: bool = False) -> None:
+        def positive_int(
+            name: str, value: Any, *, allow_zero: bool = False, most: int = 2**63 - 1
+        ) -> None:
             ok = isinstance(value, int) and not isinstance(value, bool)
-            if not ok or value < (0 if allow_zero else 1):
+            if not ok or not (0 if allow_zero else 1) <= value <= most:
                 what = "a non-negative int" if allow_zero else "a positive int"
-                raise ValueError(f"harts.{name}: expected {what}, got {value!r}")
+                raise ValueError(f"harts.{name}: expected {what} <= {most}, got {value!r}")
 
         if not isinstance(self.enable, bool):
             raise ValueError(f"harts.enable: expected a bool, got {self.enable!r}")
@@ -105,7 +107,7 @@ class HartsConfig(BaseConfig):
             positive_int("capacity_tokens", self.capacity_tokens)
         positive_int("audit_every", self.audit_every, allow_zero=True)
         positive_int("audit_trajectories", self.audit_trajectories)
-        positive_int("rows_per_chunk", self.rows_per_chunk)
+        positive_int("rows_per_chunk", self.rows_per_chunk, most=2**31)
         mc = self.min_compression
         if isinstance(mc, bool) or not isinstance(mc, int | float) or not mc >= 0:
             raise ValueError(f"harts.min_compression: expected a number >= 0, got {mc!r}")
@@ -162,19 +164,28 @@ def _attach_harts(cfg: Any, parent_post_init: Any) -> None:
     """Validate ``cfg.harts`` (:meth:`HartsConfig.from_any`), run veRL's ``__post_init__``
     (which copies ``strategy`` into the engine config), then attach the section to that engine
     config as ``harts``."""
-    object.__setattr__(cfg, "harts", HartsConfig.from_any(cfg.harts))
-    if cfg.strategy != STRATEGY and cfg.harts != HartsConfig():
-        changed = [
+    raw = cfg.harts
+    object.__setattr__(cfg, "harts", HartsConfig.from_any(raw))
+    # the keys the user set (a default-valued one too: `harts.enable=true` beside another
+    # strategy does not turn HARTS on), else those that differ from the defaults
+    given = (
+        [str(k) for k in raw.keys() if k != "_target_"]
+        if isinstance(raw, Mapping) and not isinstance(raw, HartsConfig)
+        else [
             f.name
             for f in dataclasses.fields(HartsConfig)
             if getattr(cfg.harts, f.name) != getattr(HartsConfig(), f.name)
         ]
+    )
+    if cfg.strategy != STRATEGY and given:
         logger.warning(
-            "%s: strategy is %r, so its harts: settings (%s) are not used; set strategy=%s to "
+            "%s: strategy is %r, so its harts: settings (%s) are not used here (a reference "
+            "policy on %s takes the actor's with harts_verl.main_ppo); set strategy=%s to "
             "train over rollout trees",
             type(cfg).__name__,
             cfg.strategy,
-            ", ".join(f"harts.{name}" for name in changed),
+            ", ".join(f"harts.{name}" for name in given),
+            STRATEGY,
             STRATEGY,
         )
     parent_post_init()

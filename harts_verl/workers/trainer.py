@@ -30,6 +30,7 @@ the trainer class is built lazily (:func:`trainer_class`); the balancing step
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import verl  # noqa: F401  # first: verl loads our plugin (engine -> config) before config below
@@ -41,6 +42,7 @@ __all__ = [
     "apply_harts_actor_config",
     "apply_harts_critic_config",
     "apply_harts_ref_config",
+    "check_ref_harts",
     "harts_balance_batch",
     "is_harts_config",
     "main",
@@ -115,6 +117,22 @@ def _check_fsdp_class(target: Any, fsdp: str, section: str) -> None:
         )
 
 
+def _has_harts_field(target: Any) -> bool:
+    """Whether the config class ``target`` (a ``_target_`` string) takes a ``harts`` field
+    (True when it cannot be imported: veRL names that itself)."""
+    import dataclasses
+
+    from hydra.utils import get_class
+
+    try:
+        cls = get_class(str(target))
+    except Exception:
+        return True
+    if not dataclasses.is_dataclass(cls):
+        return True
+    return "harts" in {f.name for f in dataclasses.fields(cls)}
+
+
 def _select_harts_class(section: Any, verl_cls: str, harts_cls: str, name: str) -> bool:
     """Set ``section._target_`` from veRL's FSDP config class ``verl_cls`` to ``harts_cls``
     when the section's strategy is ``harts_fsdp2`` or it has ``harts:`` options (after
@@ -127,6 +145,20 @@ def _select_harts_class(section: Any, verl_cls: str, harts_cls: str, name: str) 
         return False
     if harts_strategy:
         _check_fsdp_class(section.get("_target_"), verl_cls, name)
+    elif section.get("_target_") != verl_cls and not _has_harts_field(section.get("_target_")):
+        # another engine's class (Megatron's) would fail on the unknown key without naming
+        # the strategy: the options are not used there, as beside another FSDP strategy
+        logging.getLogger(__name__).warning(
+            "%s: strategy is %r with config class %s, so its harts: settings are not used "
+            "(dropped); set strategy=%s on veRL's FSDP config to train over rollout trees",
+            name,
+            section.get("strategy"),
+            section.get("_target_"),
+            STRATEGY,
+        )
+        with open_dict(section):
+            del section["harts"]
+        return True
     if section.get("_target_") != verl_cls:
         return False
     with open_dict(section):
@@ -197,12 +229,41 @@ def apply_harts_ref_config(config: Any) -> bool:
     base, own = plain(inherited), plain(ref.get("harts"))
     if not isinstance(base, dict) or not isinstance(own, dict):
         return changed  # not a mapping: HartsConfig names the section when it is built
+    for name, section in (("actor_rollout_ref.actor", base), ("actor_rollout_ref.ref", own)):
+        planner = section.get("planner")
+        if planner is not None and not isinstance(planner, dict):
+            raise ValueError(
+                f"{name}.harts.planner: expected a mapping, got {type(planner).__name__}"
+            )
     merged = OmegaConf.to_container(OmegaConf.merge(base, own), resolve=True)
     if own == merged:
         return changed
     with open_dict(ref):
         ref["harts"] = merged
     return True
+
+
+def check_ref_harts(config: Any) -> None:
+    """Validate the reference policy's ``harts:`` section at startup (veRL's
+    ``validate_config`` builds the actor's and the critic's config classes, not the
+    reference's, which would otherwise fail only when its worker builds it): ValueError naming
+    ``actor_rollout_ref.ref.harts.<key>``."""
+    from omegaconf import OmegaConf
+
+    from harts_verl.workers.config import HartsConfig
+
+    try:
+        section = config.actor_rollout_ref.get("ref")
+    except AttributeError:
+        return
+    harts = section.get("harts") if section is not None else None
+    if harts is None:
+        return
+    value = OmegaConf.to_container(harts, resolve=True) if OmegaConf.is_config(harts) else harts
+    try:
+        HartsConfig.from_any(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"actor_rollout_ref.ref.{exc}") from None
 
 
 def harts_balance_batch(
@@ -398,6 +459,7 @@ def main() -> None:
         apply_harts_actor_config(config)
         apply_harts_critic_config(config)
         apply_harts_ref_config(config)
+        check_ref_harts(config)
         auto_set_device(config)
         validate_config(
             config=config,
