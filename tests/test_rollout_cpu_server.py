@@ -395,3 +395,8 @@ def test_bad_requests_are_named(server):
     # veRL's own request: neutral values, None for unset ones
     sp = {"temperature": None, "top_p": None, "top_k": None, "repetition_penalty": 1.0}
     assert len(_gen(server, [1, 2], max_tokens=2, **sp).token_ids) == 2
+    # numbers of other real types (numpy's float32 is no Python float)
+    import numpy as np
+
+    sp = {"temperature": np.float32(0.7), "top_p": np.float32(0.9), "top_k": np.int64(5)}
+    assert len(_gen(server, [1, 2], max_tokens=2, **sp).token_ids) == 2

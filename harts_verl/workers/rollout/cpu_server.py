@@ -159,11 +159,12 @@ def sampling_options(sampling_params: dict[str, Any]) -> tuple[float, int, float
     ``sampling_params.<key>`` otherwise, and for a penalty or ``min_p`` this server does not
     apply (``repetition_penalty`` other than 1, ...), which it would otherwise ignore."""
     import math
+    import numbers
 
     def number(key: str, default: float) -> float:
         v = sampling_params.get(key, default)
         v = default if v is None else v
-        if isinstance(v, bool) or not isinstance(v, int | float):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
             raise TypeError(f"sampling_params.{key}: expected a number, got {v!r}")
         if not math.isfinite(float(v)):
             raise ValueError(f"sampling_params.{key}: expected a finite number, got {v!r}")
