@@ -68,10 +68,15 @@ def test_compression_calibrated(gen, target, tol, scale, seed):
     assert f.num_semantic_tokens >= scale * 1_000_000
 
 
-def test_flat_is_one_level():
-    w = grpo_flat(scale=0.3, seed=0)
+@pytest.mark.parametrize("scale", [0.3, 0.01, 0.001])
+def test_flat_is_one_level(scale):
+    """Also in tiny mode (scale < 0.05: its minimum of 2 steps made every trajectory
+    multi-turn)."""
+    w = grpo_flat(scale=scale, seed=0)
     f = _forest(w)
-    assert 1.3 < f.compression < 2.2
+    assert w.params["steps"] == (1, 1)
+    if scale >= 0.05:
+        assert 1.3 < f.compression < 2.2
     assert w.stats["fork_events"] == w.stats["rewrites"] == 0
     # Two turns per trajectory (prompt, response); branch points only at the prompt's last row.
     by_id = {t.turn_id: t for t in w.turns}
@@ -245,6 +250,7 @@ def test_small_vocab_keeps_turn_structure():
         ({"path_caps": ()}, "path_caps"),
         ({"thinking_prob": 1.5}, "thinking_prob"),
         ({"vocab_size": 1}, "vocab_size"),
+        ({"vocab_size": 2**70, "scale": 0.01}, "vocab_size: expected an int in"),  # int64 ids
         ({"vocab_size": 2, "scale": 0.01}, "vocab_size"),  # more sibling turns than ids
         ({"fork_tail": 0.0}, "fork_tail"),
         ({"target_compression": 0.5}, "target_compression"),

@@ -309,8 +309,8 @@ def _check_params(p: dict[str, Any]) -> None:
                 raise ValueError(
                     f"target_compression: expected 0 (off) or a finite number >= 1, got {v!r}"
                 )
-    if p["vocab_size"] < 2:
-        raise ValueError(f"vocab_size: expected >= 2, got {p['vocab_size']}")
+    if not 2 <= p["vocab_size"] <= 2**63 - 1:  # token ids are int64
+        raise ValueError(f"vocab_size: expected an int in [2, 2**63 - 1], got {p['vocab_size']}")
     for key in ("prompt_tokens", "group_size", "steps", "assistant_tokens"):
         if p[key][0] < 1:
             raise ValueError(f"{key}: lower bound must be >= 1, got {p[key]!r}")
@@ -353,7 +353,8 @@ def _shrink(p: dict[str, Any], f: float) -> dict[str, Any]:
     def sh(v: Any, lo: int, g: float) -> Any:
         if isinstance(v, tuple):
             return tuple(sh(x, lo, g) for x in v)
-        return v if v == 0 else max(lo, round(v * g))
+        # a minimum never raises a value configured below it (grpo_flat's one step stays one)
+        return v if v == 0 else max(min(lo, v), round(v * g))
 
     for keys, g in ((_TINY_TURN, f), (_TINY_PATH, f**1.5), (_TINY_COUNT, math.sqrt(f))):
         for key, lo in keys.items():
