@@ -384,6 +384,7 @@ def test_bad_requests_are_named(server):
         ({"top_p": 1.5}, ValueError, "sampling_params.top_p"),
         ({"temperature": -1.0}, ValueError, "sampling_params.temperature"),
         ({"temperature": float("nan")}, ValueError, "sampling_params.temperature"),
+        ({"temperature": 10**400}, ValueError, "sampling_params.temperature"),  # no Overflow
         ({"temperature": "1"}, TypeError, "sampling_params.temperature"),
         ({"top_k": 2.5}, TypeError, "sampling_params.top_k"),
         ({"repetition_penalty": 5.0}, ValueError, "repetition_penalty: 5.0 is not supported"),

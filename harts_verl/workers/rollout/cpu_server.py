@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from harts_verl.tree._checks import finite_float
 from harts_verl.tree._checks import is_int as _is_int
 
 __all__ = [
@@ -158,7 +159,6 @@ def sampling_options(sampling_params: dict[str, Any]) -> tuple[float, int, float
     ``top_p`` in (0, 1] (None: 1.0). ``ValueError`` / ``TypeError`` naming
     ``sampling_params.<key>`` otherwise, and for a penalty or ``min_p`` this server does not
     apply (``repetition_penalty`` other than 1, ...), which it would otherwise ignore."""
-    import math
     import numbers
 
     def number(key: str, default: float) -> float:
@@ -166,9 +166,10 @@ def sampling_options(sampling_params: dict[str, Any]) -> tuple[float, int, float
         v = default if v is None else v
         if isinstance(v, bool) or not isinstance(v, numbers.Real):
             raise TypeError(f"sampling_params.{key}: expected a number, got {v!r}")
-        if not math.isfinite(float(v)):
+        f = finite_float(v)  # an int past float's range is None too, not an OverflowError
+        if f is None:
             raise ValueError(f"sampling_params.{key}: expected a finite number, got {v!r}")
-        return float(v)
+        return f
 
     temperature = number("temperature", 1.0)
     if temperature < 0:
