@@ -808,3 +808,52 @@ def test_parallel_calls_share_one_sandbox_and_oversize_is_refused_not_cut(inst, 
     assert "f0.txt" in data.extra_fields[PATCH_KEY]
     with pytest.raises(ValueError, match="view_range: 'tinycalc' is a folder"):
         _call(edit, {"command": "view", "path": "tinycalc", "view_range": [1, 2]}, data, create)
+
+
+@pytest.mark.parametrize("kind", ["local", "docker"])
+def test_patch_of_a_file_that_is_not_utf8_applies_exactly(tmp_path, kind, request):
+    """An edited Latin-1 source comes back as a binary patch of that file alone (its text diff
+    decoded to U+FFFD: a patch that no longer applied, a right fix scored 0); the other files
+    stay text diffs, a repository's .gitattributes cannot force text, the patch is valid UTF-8
+    and applies to the start byte for byte, and the repository's own info/attributes is kept."""
+    from harts_verl.workers.envs.sandbox import DockerSandbox
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "latin.py").write_bytes(b"AUTHOR = 'Jos\xe9'\nx = 1\n")
+    (src / "ok.py").write_text("y = 1\n")
+    edit = (
+        "printf \"AUTHOR = 'Jos\\xe9'\\nx = 2\\n\" > latin.py && printf 'y = 2\\n' > ok.py && "
+        "printf 'w\\xff\\n' > new.txt && echo '* diff text' > .gitattributes"
+    )
+    if kind == "local":
+        box = LocalSandbox(str(src))
+        root = Path(box.root)
+    else:
+        root = request.getfixturevalue("fake_docker")
+        for f in src.iterdir():
+            (root / f.name).write_bytes(f.read_bytes())
+        git = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t"]
+        subprocess.run([*git, "add", "-A"], check=True)
+        subprocess.run([*git, "commit", "-q", "-m", "files"], check=True)
+        box = DockerSandbox("img", workdir=str(root))
+    attributes = root / ".git" / "info" / "attributes"
+    attributes.parent.mkdir(exist_ok=True)
+    attributes.write_text("*.bin binary\n")
+    with box:
+        assert box.exec(edit, 30).exit_code == 0
+        patch = box.diff()
+        assert attributes.read_text() == "*.bin binary\n"
+        names = ("latin.py", "ok.py", "new.txt", ".gitattributes")
+        edited = {name: (root / name).read_bytes() for name in names}
+    patch.encode("utf-8")  # a str field that is written back as UTF-8
+    sections = {s.split(" ", 1)[0]: s for s in patch.split("diff --git a/")[1:]}
+    assert set(sections) == {".gitattributes", "latin.py", "new.txt", "ok.py"}
+    assert "GIT binary patch" in sections["latin.py"] and "GIT binary patch" in sections["new.txt"]
+    assert "+y = 2" in sections["ok.py"] and "\ufffd" not in patch
+    with LocalSandbox(str(src)) as fresh:
+        fresh.write_file("p.diff", patch)
+        res = fresh.exec("git apply p.diff && rm p.diff", 30)
+        assert res.exit_code == 0, res.output
+        assert {name: (Path(fresh.root) / name).read_bytes() for name in names} == edited
+    assert edited["latin.py"] == b"AUTHOR = 'Jos\xe9'\nx = 2\n"

@@ -220,6 +220,53 @@ def _patch_too_large() -> TooLarge:
     )
 
 
+_DIFF = "diff --cached --binary --no-color --no-ext-diff --no-textconv"
+# One file's diff as a binary patch: ``-diff`` for every path at the attributes' highest
+# precedence ($GIT_DIR/info/attributes, restored after), so a repository's .gitattributes
+# cannot turn it back into text.
+_AS_BINARY = (
+    "a=$(git rev-parse --git-path info/attributes) || exit 1; "
+    'restore() { if [ -e "$a.harts" ]; then mv -f "$a.harts" "$a"; else rm -f "$a"; fi; }; '
+    'rm -f "$a.harts"; mkdir -p "$(dirname "$a")" || exit 1; '
+    'if [ -e "$a" ]; then cp -p "$a" "$a.harts" || exit 1; fi; '
+    'printf "\\n* -diff\\n" >> "$a" || { restore; exit 1; }; '
+    "{ @CMD@; }; rc=$?; restore; exit $rc"
+)
+
+
+def _is_utf8(text: str) -> bool:
+    """Whether ``text`` (decoded with ``surrogateescape``) came from valid UTF-8 bytes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _staged_patch(run: Any) -> str:
+    """The staged changes against the start as a patch that ``git apply`` takes on the
+    starting tree and whose text is valid UTF-8 (it is stored as a ``str`` field and written
+    back as UTF-8): a changed file whose diff is not UTF-8 text (a Latin-1 source edited)
+    becomes a binary patch of that file alone (exact bytes), every other file stays a text
+    diff. ``run(script)``: the whole output of a bash line in the repository decoded with
+    ``surrogateescape`` (raising on failure or :class:`TooLarge`)."""
+    patch = run(f"git {_DIFF} {_START_REF}")
+    if _is_utf8(patch):
+        return patch
+    names = run(f"git diff --cached --name-only -z --no-renames {_START_REF}")
+    parts = []
+    for name in filter(None, names.split("\0")):
+        one = f"git --literal-pathspecs {_DIFF} --no-renames {_START_REF} -- {shlex.quote(name)}"
+        part = run(one)
+        parts.append(part if _is_utf8(part) else run(_AS_BINARY.replace("@CMD@", one)))
+    patch = "".join(parts)
+    if len(patch) > MAX_WHOLE_CHARS:
+        raise _patch_too_large()
+    if not _is_utf8(patch):  # a path name git printed raw (core.quotePath off in the image)
+        raise RuntimeError("git diff: the patch names a path that is not UTF-8")
+    return patch
+
+
 def _inside(root: str, full: str) -> bool:
     return full == root or full.startswith(root.rstrip("/") + "/")
 
@@ -427,9 +474,22 @@ class LocalSandbox(Sandbox):
 
     def diff(self) -> str:
         self._git("add", "-A")
-        return self._git(
-            "diff", "--cached", "--binary", "--no-color", "--no-ext-diff", _START_REF, whole=True
-        )
+
+        def run(script: str) -> str:
+            res = _run(
+                ["bash", "-c", script],
+                self.root,
+                60,
+                max_chars=MAX_WHOLE_CHARS,
+                errors="surrogateescape",
+            )
+            if res.omitted:
+                raise _patch_too_large()
+            if res.exit_code != 0:
+                raise RuntimeError(f"git diff failed in {self.root}: {res.output}")
+            return res.output
+
+        return _staged_patch(run)
 
     def clone(self) -> LocalSandbox:
         other = LocalSandbox(self.root, _copy=False)
@@ -547,16 +607,24 @@ class DockerSandbox(Sandbox):
 
     def diff(self) -> str:
         # git add's warnings (an embedded repository, line endings) are not part of the patch
-        script = (
-            'out=$(git add -A 2>&1) || { printf "%s\\n" "$out"; exit 1; }; '
-            f"git diff --cached --binary --no-color --no-ext-diff {_START_REF}"
-        )
-        res = self._exec(["bash", "-c", script], 120, max_chars=MAX_WHOLE_CHARS)
-        if res.exit_code != 0:
-            raise RuntimeError(f"git diff failed in {self.name}: {res.output}")
-        if res.omitted:
-            raise _patch_too_large()
-        return res.output
+        add = 'out=$(git add -A 2>&1) || { printf "%s\\n" "$out"; exit 1; }; '
+
+        def run(script: str) -> str:
+            nonlocal add
+            res = self._exec(
+                ["bash", "-c", add + script],
+                120,
+                max_chars=MAX_WHOLE_CHARS,
+                errors="surrogateescape",
+            )
+            add = ""  # once, with the first command
+            if res.exit_code != 0:
+                raise RuntimeError(f"git diff failed in {self.name}: {res.output}")
+            if res.omitted:
+                raise _patch_too_large()
+            return res.output
+
+        return _staged_patch(run)
 
     def clone(self) -> DockerSandbox:
         image = f"harts-sbx-clone:{uuid.uuid4().hex[:12]}"
