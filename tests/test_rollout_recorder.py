@@ -144,6 +144,47 @@ def test_recorder_stores_each_token_once():
         rec.spans("r", ["a"])
 
 
+def test_trimmed_turns_share_their_matched_part():
+    """A chat template that drops each response's last token (its stop token) before the tool
+    output (veRL's GLM / DeepSeek token builders): no turn's context is a prefix of the next
+    prompt, so every turn became a new root holding the whole context (O(turns x context)).
+    Now the matched part of the trimmed turn is a turn of its own: storage stays within twice
+    the request's tokens, and the forest, spans and metadata still spell every context."""
+    rng = np.random.default_rng(7)
+    rec = TurnRecorder()
+    ctx: list[int] = rng.integers(0, 1000, 60).tolist()
+    calls = []
+    for _ in range(30):
+        resp = [*rng.integers(0, 1000, int(rng.integers(1, 20))).tolist(), 7]
+        lp = rng.normal(size=len(resp)).tolist()
+        turn = rec.record("r", ctx, resp, lp)
+        calls.append((turn, list(ctx), resp, lp))
+        ctx = ctx + resp[:-1] + rng.integers(0, 1000, int(rng.integers(1, 30))).tolist()
+    final = [*ctx, 5, 6]
+    stored = sum(t.tokens.shape[0] for t in rec.turns.values())
+    assert stored <= 2 * len(final)  # was Σ over turns of the whole context (≈ 15×)
+    assert rec.rewrites == 29
+    for turn, prompt, resp, lp in calls:  # every call's own views are kept exactly
+        assert turn.prompt_ids == prompt and turn.response_ids == resp and turn.log_probs == lp
+    for t in rec.turns.values():  # a matched part keeps what it holds of its turn's response
+        assert t.log_probs is None or len(t.log_probs) == t.num_response
+    head = rec.chain("r")[-1]
+    assert head is calls[-1][0] and head.parent.parent_turn_id is not None  # not a root
+    spans = rec.spans("r", final)
+    assert spans[-1][3] == len(final) and all(s[2] == p[3] for p, s in itertools.pairwise(spans))
+    forest, why = forest_from_metadata([final], [tree_metadata(spans)])
+    assert why == "" and forest.equals(RolloutForest.from_sequences([final]))
+    assert rec.forest().equals(RolloutForest.from_sequences(rec.leaf_contexts()))
+    # a prompt that ends inside the matched part, with an empty generation: the head moves to
+    # the part, nothing else is recorded
+    rec2 = TurnRecorder()
+    t1 = rec2.record("q", [1, 2, 3], [4, 5, 6])
+    assert rec2.record("q", [1, 2, 3, 4, 5], []) is None
+    (part,) = (t for t in rec2.turns.values() if t is not t1)
+    assert rec2.heads["q"] == part.turn_id and part.context == [1, 2, 3, 4, 5]
+    assert part.response_ids == [4, 5] and part.parent_turn_id is None
+
+
 def test_metadata_forest_in_batch_order_and_fallback():
     rec = TurnRecorder()
     rec.record("a", [1, 2, 3], [4, 5])

@@ -15,6 +15,12 @@ prefix of the new prompt. In the usual case that is the previous turn. When an a
 history (context management: summarising, dropping old tool output) the previous context is no
 longer a prefix; the new turn then hangs below the deepest ancestor that still is a prefix (or
 becomes a new root), i.e. it becomes a **sibling** of the rewritten branch, never an error.
+Where the new prompt still matches the start of the first turn that is no longer a prefix (a
+chat template that drops a response's last tokens before the tool output, as veRL's GLM and
+DeepSeek token builders do, or a summary that keeps part of a turn), that matched part is
+recorded as a turn of its own (a copy with a fresh id, below the same parent) and the new turn
+hangs below it: a request whose every turn is trimmed so keeps O(its tokens), not a new root
+holding the whole context at every turn.
 
 Tree metadata for one trajectory (:func:`tree_metadata`) is a JSON string stored in the agent
 loop output's ``extra_fields["harts_tree"]``: the chain of turns that spells the trajectory's
@@ -199,6 +205,7 @@ class TurnRecorder:
             rewrite = bool(chain) and parent is not chain[-1]
             if rewrite:
                 self.rewrites += 1
+                parent = self._matched_part(request_id, chain[k + 1], prompt) or parent
             start = parent.end if parent is not None else 0
             if prompt.shape[0] + response.shape[0] == start:  # adds no tokens: not a turn
                 self.heads[request_id] = parent.turn_id if parent is not None else None
@@ -217,6 +224,32 @@ class TurnRecorder:
             self.turns[turn.turn_id] = turn
             self.heads[request_id] = turn.turn_id
             return turn
+
+    def _matched_part(
+        self, request_id: str, turn: RecordedTurn, prompt: np.ndarray
+    ) -> RecordedTurn | None:
+        """The leading tokens of ``turn`` (not a prefix of ``prompt`` as a whole) that
+        ``prompt`` matches, recorded as a turn below ``turn``'s parent; None if it matches none
+        of them. Its response part (and log-probs) is what it keeps of ``turn``'s response."""
+        ours = prompt[turn.start : turn.end]
+        diff = np.flatnonzero(ours != turn.tokens[: ours.shape[0]])
+        m = int(diff[0]) if diff.size else int(ours.shape[0])
+        if m == 0:
+            return None
+        num_prompt = int(turn.tokens.shape[0]) - turn.num_response
+        num_response = max(m - num_prompt, 0)
+        part = RecordedTurn(
+            turn_id=f"{self.prefix}:{request_id}#{next(self._counter)}",
+            parent_turn_id=turn.parent_turn_id,
+            request_id=request_id,
+            tokens=turn.tokens[:m].copy(),
+            start=turn.start,
+            num_response=num_response,
+            log_probs=None if turn.log_probs is None else turn.log_probs[:num_response],
+            parent=turn.parent,
+        )
+        self.turns[part.turn_id] = part
+        return part
 
     def fork(self, parent_request_id: str, child_request_id: str) -> None:
         """Start ``child_request_id`` at the current head of ``parent_request_id``: the child's
