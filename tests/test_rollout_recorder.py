@@ -146,7 +146,7 @@ def test_recorder_stores_each_token_once():
 
 def test_trimmed_turns_share_their_matched_part():
     """A chat template that drops each response's last token (its stop token) before the tool
-    output (veRL's GLM / DeepSeek token builders): no turn's context is a prefix of the next
+    output (veRL's GLM token builder): no turn's context is a prefix of the next
     prompt, so every turn became a new root holding the whole context (O(turns x context)).
     Now the matched part of the trimmed turn is a turn of its own: storage stays within twice
     the request's tokens, and the forest, spans and metadata still spell every context."""
