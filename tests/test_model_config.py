@@ -101,6 +101,26 @@ BAD = {
     "kda_gate_bias_not_bool": (dict(kda_gate_bias=0), "kda_gate_bias"),
     "mla_use_nope_not_bool": (dict(mla_use_nope="true"), "mla_use_nope"),
     "shared_gate_not_bool": (dict(shared_expert_gate=None), "shared_expert_gate"),
+    # sizes torch cannot allocate: named here, not a C++ trace or a storage-size overflow
+    "vocab_past_int64": (dict(vocab_size=2**64), "vocab_size"),
+    "hidden_past_a_dimension": (dict(hidden_size=2**31), "hidden_size"),
+    "q_lora_past_a_dimension": (dict(q_lora_rank=2**40), "q_lora_rank"),
+    "expert_weights_past_int64": (
+        dict(num_experts=2**21, hidden_size=2**21, moe_intermediate_size=2**22),
+        "num_experts × hidden_size × moe_intermediate_size",
+    ),
+    "kda_gate_weight_past_int64": (
+        dict(linear_num_heads=2**20, linear_num_value_heads=2**20, linear_key_head_dim=2**22),
+        "linear_key_head_dim × linear_num_value_heads × linear_key_head_dim",
+    ),
+    "attention_weights_past_int64": (
+        dict(hidden_size=2**22, num_attention_heads=2**21, num_key_value_heads=1, head_dim=2**21),
+        "hidden_size × attention heads × head_dim",
+    ),
+    "mla_kv_weight_past_int64": (
+        dict(kv_lora_rank=2**21, num_attention_heads=2**21, qk_nope_head_dim=2**22),
+        "kv_lora_rank × num_attention_heads × (qk_nope_head_dim + v_head_dim)",
+    ),
 }
 
 

@@ -57,10 +57,24 @@ _BOOL_FIELDS = (
 )
 
 
+# The largest size field (a tensor dimension) and the most elements one weight may hold (a
+# torch tensor's element count is an int64).
+MAX_SIZE = 2**31 - 1
+_MAX_ELEMENTS = 2**63 - 1
+
+
 def _as_int(name: str, value: Any, expected: str = "an int") -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{name}: expected {expected}, got {type(value).__name__} {value!r}")
     return int(value)
+
+
+def _as_size(name: str, value: Any, expected: str = "an int") -> int:
+    """``value`` as an int that can be a tensor dimension (at most :data:`MAX_SIZE`)."""
+    v = _as_int(name, value, expected)
+    if v > MAX_SIZE:
+        raise ValueError(f"{name}: expected an int <= 2**31-1 (a tensor dimension), got {v}")
+    return v
 
 
 def _as_real(name: str, value: Any, suffix: str = "") -> float:
@@ -167,9 +181,9 @@ class HybridConfig:
             )
         self.moe_layers = [_as_int(f"moe_layers[{i}]", v) for i, v in enumerate(ml)]
         for name in _INT_FIELDS:
-            setattr(self, name, _as_int(name, getattr(self, name)))
+            setattr(self, name, _as_size(name, getattr(self, name)))
         if self.q_lora_rank is not None:
-            self.q_lora_rank = _as_int("q_lora_rank", self.q_lora_rank, "an int or None")
+            self.q_lora_rank = _as_size("q_lora_rank", self.q_lora_rank, "an int or None")
         for name in _REAL_FIELDS:
             setattr(self, name, _as_real(name, getattr(self, name)))
         if self.kda_lower_bound is not None:
@@ -221,6 +235,55 @@ class HybridConfig:
             self._check_gqa()
         if moe:
             self._check_moe()
+        self._check_weight_sizes(types, moe, dense=len(seen) < n or not moe)
+
+    def _check_weight_sizes(self, types: set[str], moe: bool, *, dense: bool) -> None:
+        """Every weight of the configured layers holds at most 2**63-1 elements (torch's
+        limit); ValueError naming the product of fields that does not."""
+        d, h = self.hidden_size, self.num_attention_heads
+        weights = [("vocab_size × hidden_size", self.vocab_size * d)]
+        if dense:
+            weights.append(("hidden_size × intermediate_size", d * self.intermediate_size))
+        if moe:
+            f = max(self.moe_intermediate_size, self.shared_expert_intermediate_size)
+            weights.append(
+                ("num_experts × hidden_size × moe_intermediate_size", self.num_experts * d * f)
+            )
+        if types & {"kda", "gdn"}:
+            hk = self.linear_num_heads * self.linear_key_head_dim
+            hv = self.linear_num_value_heads
+            kd, vd = self.linear_key_head_dim, self.linear_value_head_dim
+            weights += [
+                ("hidden_size × linear heads × head dims", d * (2 * hk + hv * (kd + vd))),
+                (
+                    "linear_key_head_dim × linear_num_value_heads × linear_key_head_dim",
+                    kd * hv * kd,
+                ),
+                (
+                    "linear_value_head_dim × linear_num_value_heads × linear_value_head_dim",
+                    vd * hv * vd,
+                ),
+            ]
+        if "mla" in types:
+            qd = self.qk_nope_head_dim + self.qk_rope_head_dim
+            q_in = self.q_lora_rank or d
+            weights += [
+                ("hidden_size or q_lora_rank × num_attention_heads × qk head dims", q_in * h * qd),
+                (
+                    "kv_lora_rank × num_attention_heads × (qk_nope_head_dim + v_head_dim)",
+                    self.kv_lora_rank * h * (self.qk_nope_head_dim + self.v_head_dim),
+                ),
+                ("num_attention_heads × v_head_dim × hidden_size", h * self.v_head_dim * d),
+            ]
+        if "gqa" in types:
+            heads = 2 * h + 2 * self.num_key_value_heads  # q (+ output gate), k, v
+            weights.append(("hidden_size × attention heads × head_dim", d * heads * self.head_dim))
+        for what, elements in weights:
+            if elements > _MAX_ELEMENTS:
+                raise ValueError(
+                    f"{what}: a weight of {elements} elements, more than a torch tensor holds "
+                    "(2**63-1)"
+                )
 
     def _check_linear(self, kda: bool) -> None:
         why = "(kda/gdn layers)"
