@@ -810,22 +810,30 @@ def test_parallel_calls_share_one_sandbox_and_oversize_is_refused_not_cut(inst, 
         _call(edit, {"command": "view", "path": "tinycalc", "view_range": [1, 2]}, data, create)
 
 
-@pytest.mark.parametrize("kind", ["local", "docker"])
-def test_patch_of_a_file_that_is_not_utf8_applies_exactly(tmp_path, kind, request):
+@pytest.mark.parametrize(
+    "kind,typechange", [("local", False), ("local", True), ("docker", False), ("docker", True)]
+)
+def test_patch_of_a_file_that_is_not_utf8_applies_exactly(tmp_path, kind, typechange, request):
     """An edited Latin-1 source comes back as a binary patch of that file alone (its text diff
     decoded to U+FFFD: a patch that no longer applied, a right fix scored 0); the other files
     stay text diffs, a repository's .gitattributes cannot force text, the patch is valid UTF-8
-    and applies to the start byte for byte, and the repository's own info/attributes is kept."""
+    and applies to the start byte for byte, and the repository's own info/attributes is kept.
+    Only the files that are not UTF-8 are diffed again on their own, unless a type change (a
+    file become a symlink: two sections for one name) takes every file on its own."""
+    from harts_verl.workers.envs import sandbox
     from harts_verl.workers.envs.sandbox import DockerSandbox
 
     src = tmp_path / "src"
     src.mkdir()
     (src / "latin.py").write_bytes(b"AUTHOR = 'Jos\xe9'\nx = 1\n")
     (src / "ok.py").write_text("y = 1\n")
+    (src / "t.txt").write_text("t\n")
     edit = (
         "printf \"AUTHOR = 'Jos\\xe9'\\nx = 2\\n\" > latin.py && printf 'y = 2\\n' > ok.py && "
         "printf 'w\\xff\\n' > new.txt && echo '* diff text' > .gitattributes"
     )
+    if typechange:
+        edit += " && rm t.txt && ln -s ok.py t.txt"
     if kind == "local":
         box = LocalSandbox(str(src))
         root = Path(box.root)
@@ -840,15 +848,30 @@ def test_patch_of_a_file_that_is_not_utf8_applies_exactly(tmp_path, kind, reques
     attributes = root / ".git" / "info" / "attributes"
     attributes.parent.mkdir(exist_ok=True)
     attributes.write_text("*.bin binary\n")
+    scripts: list[str] = []
+    run = sandbox._run
+
+    def counted(args, *a, **kw):
+        scripts.append(" ".join(args))
+        return run(args, *a, **kw)
+
+    request.getfixturevalue("monkeypatch").setattr(sandbox, "_run", counted)
+    names = ("latin.py", "ok.py", "new.txt", ".gitattributes")
     with box:
         assert box.exec(edit, 30).exit_code == 0
+        scripts.clear()
         patch = box.diff()
         assert attributes.read_text() == "*.bin binary\n"
-        names = ("latin.py", "ok.py", "new.txt", ".gitattributes")
         edited = {name: (root / name).read_bytes() for name in names}
+        link = os.readlink(root / "t.txt") if typechange else None
+    one_by_one = sum("--literal-pathspecs" in s and "info/attributes" not in s for s in scripts)
+    assert one_by_one == (5 if typechange else 0)  # every changed file, or none
+    assert sum("* -diff" in s for s in scripts) == 2  # the two files that are not UTF-8
     patch.encode("utf-8")  # a str field that is written back as UTF-8
     sections = {s.split(" ", 1)[0]: s for s in patch.split("diff --git a/")[1:]}
-    assert set(sections) == {".gitattributes", "latin.py", "new.txt", "ok.py"}
+    assert set(sections) == {".gitattributes", "latin.py", "new.txt", "ok.py"} | (
+        {"t.txt"} if typechange else set()
+    )
     assert "GIT binary patch" in sections["latin.py"] and "GIT binary patch" in sections["new.txt"]
     assert "+y = 2" in sections["ok.py"] and "\ufffd" not in patch
     with LocalSandbox(str(src)) as fresh:
@@ -856,4 +879,6 @@ def test_patch_of_a_file_that_is_not_utf8_applies_exactly(tmp_path, kind, reques
         res = fresh.exec("git apply p.diff && rm p.diff", 30)
         assert res.exit_code == 0, res.output
         assert {name: (Path(fresh.root) / name).read_bytes() for name in names} == edited
+        if typechange:
+            assert os.readlink(Path(fresh.root) / "t.txt") == link == "ok.py"
     assert edited["latin.py"] == b"AUTHOR = 'Jos\xe9'\nx = 2\n"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -253,11 +254,19 @@ def _staged_patch(run: Any) -> str:
     patch = run(f"git {_DIFF} {_START_REF}")
     if _is_utf8(patch):
         return patch
-    names = run(f"git diff --cached --name-only -z --no-renames {_START_REF}")
+    names = run(f"git diff --cached --name-only -z --no-renames {_START_REF}").split("\0")
+    names = [name for name in names if name]
+    # One section per file (a line that starts a section cannot occur inside one: hunk lines
+    # start with ' ', '+', '-' or '\\', base85 lines hold no space); a file whose change git
+    # splits in two (a type change) leaves the counts apart: then each file on its own.
+    whole = run(f"git {_DIFF} --no-renames {_START_REF}")
+    sections = [part for part in re.split(r"(?m)^(?=diff --git )", whole) if part]
+    if len(sections) != len(names):
+        sections = [None] * len(names)
     parts = []
-    for name in filter(None, names.split("\0")):
+    for name, part in zip(names, sections, strict=True):
         one = f"git --literal-pathspecs {_DIFF} --no-renames {_START_REF} -- {shlex.quote(name)}"
-        part = run(one)
+        part = run(one) if part is None else part
         parts.append(part if _is_utf8(part) else run(_AS_BINARY.replace("@CMD@", one)))
     patch = "".join(parts)
     if len(patch) > MAX_WHOLE_CHARS:
