@@ -150,6 +150,76 @@ def test_agent_text_is_what_the_agent_said():
     assert tau.strip_thinking("it is delivered</think>Sorry.<think>x</think>!") == "Sorry.!"
 
 
+# a turn with a tool call in the format of each veRL 0.9.1 tool parser ("delivered" only in
+# the call's arguments), and the special tokens its model's tokenizer has
+_CALLS = {
+    "hermes": '<tool_call>{"name": "get_order_details", "arguments": {"order_id": "#W1 '
+    'delivered"}}</tool_call>',
+    "qwen3_coder": "<tool_call><function=get_order_details><parameter=order_id>#W1 delivered"
+    "</parameter></function></tool_call>",
+    "glm": "<tool_call>get_order_details<arg_key>order_id</arg_key><arg_value>#W1 delivered"
+    "</arg_value></tool_call>",
+    "seed": "<seed:tool_call><function=get_order_details><parameter=order_id>#W1 delivered"
+    "</parameter></function></seed:tool_call>",
+    "minimax": '<minimax:tool_call><invoke name="get_order_details"><parameter name="order_id">'
+    "#W1 delivered</parameter></invoke></minimax:tool_call>",
+    "kimi": "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_order_details:0"
+    '<|tool_call_argument_begin|>{"order_id": "#W1 delivered"}<|tool_call_end|>'
+    "<|tool_calls_section_end|>",
+    "deepseek_v4": '<｜DSML｜tool_calls><｜DSML｜invoke name="get_order_details"><｜DSML｜parameter '
+    'name="order_id" string="true">#W1 delivered</｜DSML｜parameter></｜DSML｜invoke>'
+    "</｜DSML｜tool_calls>",
+    "gpt-oss": "<|start|>assistant<|channel|>commentary to=functions.get_order_details "
+    '<|constrain|>json<|message|>{"order_id": "#W1 delivered"}<|call|>',
+    "gemma4": '<|tool_call>call:get_order_details{order_id:<|"|>#W1 delivered<|"|>}<tool_call|>',
+}
+_SPECIAL = [
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+    "<|im_end|>",
+    "<|start|>",
+    "<|channel|>",
+    "<|constrain|>",
+    "<|message|>",
+    "<|call|>",
+    "<|end|>",
+    "<|tool_call>",
+    "<tool_call|>",
+]
+
+
+@pytest.mark.parametrize("fmt", sorted(_CALLS))
+def test_agent_text_leaves_out_tool_calls_of_every_parser(fmt):
+    """What the τ reward searches is what the agent said, whatever the tool parser: the
+    markers were read from hermes' attribute names only, so a kimi, deepseek_v4 or gpt-oss
+    call's arguments ("#W1 delivered") counted as said and scored a required output."""
+    from verl.experimental.agent_loop.tool_parser import ToolParser
+
+    from harts_verl.workers.envs import testing
+    from harts_verl.workers.envs.tau_agent import agent_text, call_markers, model_runs
+
+    tok = testing.byte_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": _SPECIAL})
+    parser = ToolParser.get_tool_parser(fmt, tok)
+    markers = call_markers(parser)
+    assert markers and all(start in _CALLS[fmt] for start, _ in markers)
+    first = tok.encode("Let me check." + _CALLS[fmt], add_special_tokens=False)
+    user = tok.encode("It says delivered?", add_special_tokens=False)  # not the agent's
+    second = tok.encode("I cannot cancel it.", add_special_tokens=False)
+    ids, mask = first + user + second, [1] * len(first) + [0] * len(user) + [1] * len(second)
+    assert model_runs(ids, mask) == [first, second]
+    # the agent loop's route: the parser's own content of each turn, then the markers
+    contents = [asyncio.run(parser.extract_tool_calls(run))[0] for run in model_runs(ids, mask)]
+    text = agent_text(tok, ids, mask, markers, None, contents)
+    assert "delivered" not in text and "Let me check." in text and "I cannot cancel it." in text
+    # the markers alone (a call the parser could not read) keep the arguments out as well
+    text = agent_text(tok, ids, mask, markers)
+    assert "delivered" not in text and "I cannot cancel it." in text
+
+
 def test_reference_actions_score_one_wrong_actions_zero(dom):
     assert len(dom.tasks()) == 3
     for task in dom.tasks():

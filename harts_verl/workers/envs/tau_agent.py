@@ -11,8 +11,10 @@ no length/turn limit hit), the user simulator's reply is appended as a ``user`` 
 stopping (``None``) ends the trajectory. A turn with a tool call the parser could not read
 (e.g. invalid JSON) is not a message to the user: a tool turn says the call could not be parsed
 and generation continues. The simulator reads the conversation only, so forked branches need no
-extra state. Each output's ``extra_fields["tau_agent_text"]`` is what the model wrote (its
-response-mask-1 tokens, decoded per turn), which the reward searches for required outputs.
+extra state. Each output's ``extra_fields["tau_agent_text"]`` is what the model said (its
+response-mask-1 tokens, turn by turn: what the tool parser leaves once it takes the turn's tool
+calls out, whatever the parser's format, without reasoning and special tokens), which the
+reward searches for required outputs.
 
 Tool state is the action log ``extra_fields["tau_actions"]`` (successful calls in order);
 see :mod:`harts_verl.workers.envs.tau`.
@@ -50,6 +52,8 @@ __all__ = [
     "HartsTauAgentLoop",
     "TauTool",
     "agent_text",
+    "call_markers",
+    "model_runs",
     "tool_config",
 ]
 
@@ -124,19 +128,9 @@ class TauTool(TrajectoryTool):
         return ToolResponse(text=text), 0.0, {}
 
 
-def agent_text(
-    tokenizer: Any,
-    response_ids: list[int],
-    response_mask: list[int],
-    drop: tuple[tuple[str, str], ...] = (),
-    special: list[str] | None = None,
-) -> str:
-    """The text the model itself wrote in a response: each run of ``response_mask`` 1 tokens
-    decoded on its own (tool answers and user turns, mask 0, left out) without special tokens,
-    its reasoning (``<think>...</think>``) and the ``drop`` blocks (``(start, end)`` markers,
-    e.g. the tool parser's call markers) removed, runs joined by a line break so words of
-    different turns never merge: what the agent said to the user. ``special``: the
-    tokenizer's :func:`special_tokens`, when the caller has them."""
+def model_runs(response_ids: list[int], response_mask: list[int]) -> list[list[int]]:
+    """The runs of ``response_mask`` 1 tokens of a response (what the model generated, turn
+    by turn; tool answers and user turns, mask 0, left out), in order."""
     ids, mask = np.asarray(response_ids, np.int64), np.asarray(response_mask) != 0
     if ids.shape != mask.shape:
         raise ValueError(
@@ -144,11 +138,60 @@ def agent_text(
             f"got {mask.shape[0]}"
         )
     edges = np.flatnonzero(np.diff(np.concatenate([[False], mask, [False]]).astype(np.int8)))
+    return [ids[a:b].tolist() for a, b in zip(edges[::2], edges[1::2], strict=True)]
+
+
+def agent_text(
+    tokenizer: Any,
+    response_ids: list[int],
+    response_mask: list[int],
+    drop: tuple[tuple[str, str], ...] = (),
+    special: list[str] | None = None,
+    contents: list[str] | None = None,
+) -> str:
+    """The text the model itself wrote in a response: each of its :func:`model_runs` decoded
+    on its own (or ``contents``: one text per run, e.g. what the tool parser leaves of it once
+    its calls are taken out) without special tokens, its reasoning (``<think>...</think>``)
+    and the ``drop`` blocks (``(start, end)`` markers, e.g. the tool parser's
+    :func:`call_markers`) removed, runs joined by a line break so words of different turns
+    never merge: what the agent said to the user. ``special``: the tokenizer's
+    :func:`special_tokens`, when the caller has them."""
+    runs = model_runs(response_ids, response_mask)
+    if contents is None:
+        contents = [tokenizer.decode(run) for run in runs]
+    elif len(contents) != len(runs):
+        raise ValueError(
+            f"contents: expected one text per model run ({len(runs)}), got {len(contents)}"
+        )
     special = special_tokens(tokenizer) if special is None else special
-    return "\n".join(
-        said(tokenizer.decode(ids[a:b].tolist()), special, drop)
-        for a, b in zip(edges[::2], edges[1::2], strict=True)
-    )
+    return "\n".join(said(text, special, drop) for text in contents)
+
+
+# veRL 0.9.1's tool parsers name their call markers differently: (start, end) attribute pairs
+_MARKER_ATTRIBUTES = (
+    ("tool_call_start_token", "tool_call_end_token"),  # hermes, qwen3_coder, glm, seed, ...
+    ("tool_calls_section_start_token", "tool_calls_section_end_token"),  # kimi: all calls
+    ("tool_call_begin_token", "tool_call_end_token"),  # kimi: one call
+    ("tool_calls_start_token", "tool_calls_end_token"),  # deepseek_v4
+)
+# gpt-oss's harmony format: a call is "<|channel|>commentary to=functions.NAME ... <|call|>"
+_HARMONY_CALL = (" to=functions.", "<|call|>")
+
+
+def call_markers(parser: Any) -> tuple[tuple[str, str], ...]:
+    """The ``(start, end)`` markers of a tool call in the model's text for a veRL tool parser
+    (``end`` may be empty), whichever attribute names the parser uses; gpt-oss's harmony
+    parser (a pattern, no marker attributes) gets its ``to=functions.`` ... ``<|call|>``."""
+    pairs: list[tuple[str, str]] = []
+    for start_name, end_name in _MARKER_ATTRIBUTES:
+        start, end = getattr(parser, start_name, None), getattr(parser, end_name, None)
+        pair = (start, end if isinstance(end, str) else "")
+        if isinstance(start, str) and start and pair not in pairs:
+            pairs.append(pair)
+    pattern = getattr(getattr(parser, "tool_call_pattern", None), "pattern", "")
+    if not pairs and isinstance(pattern, str) and "to=functions" in pattern:
+        pairs.append(_HARMONY_CALL)
+    return tuple(pairs)
 
 
 def said(text: str, special: list[str], drop: tuple[tuple[str, str], ...] = ()) -> str:
@@ -229,19 +272,22 @@ class HartsTauAgentLoop(HartsToolAgentLoop):
             kwargs["raw_prompt"] = [*raw, {"role": "user", "content": opening}]
         outputs = await super().run_tree(sampling_params, fork=fork, priority=priority, **kwargs)
         for out in outputs:  # the reward searches what the agent said, not tool or user text
+            # the parser's own content of each turn: its tool calls out, whatever their format
+            contents = [
+                (await self.tool_parser.extract_tool_calls(run, self.tool_schemas))[0]
+                for run in model_runs(out.response_ids, out.response_mask)
+            ]
             out.extra_fields[AGENT_TEXT_KEY] = agent_text(
-                self.tokenizer, out.response_ids, out.response_mask, *self._not_said
+                self.tokenizer, out.response_ids, out.response_mask, *self._not_said, contents
             )
         return outputs
 
     @functools.cached_property
     def _not_said(self) -> tuple[tuple[tuple[str, str], ...], list[str]]:
         """What the agent's text holds but does not say to the user, found once per loop: the
-        tool parser's call markers (hermes: ``<tool_call>``, ``</tool_call>``) and the
+        tool parser's :func:`call_markers` (hermes: ``<tool_call>``, ``</tool_call>``) and the
         tokenizer's :func:`special_tokens`."""
-        start = getattr(self.tool_parser, "tool_call_start_token", None)
-        end = getattr(self.tool_parser, "tool_call_end_token", None)
-        return (((start, end or ""),) if start else ()), special_tokens(self.tokenizer)
+        return call_markers(self.tool_parser), special_tokens(self.tokenizer)
 
     def _for_user(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The conversation as the user sees it: the agent's messages without its reasoning,
@@ -270,14 +316,19 @@ class HartsTauAgentLoop(HartsToolAgentLoop):
         spoke = len(agent_data.messages) == n_messages + 1 and not agent_data.tool_calls
         if state != AgentState.TERMINATED or not spoke or self.task is None:
             return state
-        start = getattr(self.tool_parser, "tool_call_start_token", None)
-        if start and start in self.tokenizer.decode(agent_data.response_ids):
+        text = self.tokenizer.decode(agent_data.response_ids)
+        opened = [(s, e) for s, e in self._not_said[0] if s in text]
+        if opened:
             # A tool call the parser could not read (e.g. invalid JSON): the model hears so
             # from the tool side, not a user reply to a message it never meant for the user.
+            start, end = opened[0]
+            if type(self.tool_parser).__name__ == "HermesToolParser":  # its JSON format
+                form = f'{start}{{"name": <tool name>, "arguments": {{<JSON object>}}}}{end}'
+            else:
+                form = f"{start.strip()} ... {end}".rstrip(". ")
             error = (
-                f"error: the tool call could not be parsed; write {start}"
-                '{"name": <tool name>, "arguments": {<JSON object>}}'
-                f"{getattr(self.tool_parser, 'tool_call_end_token', '')} with valid JSON"
+                f"error: the tool call could not be parsed; write {form} as the tool "
+                "instructions say, with valid arguments"
             )
             return await self._append_turn(agent_data, {"role": "tool", "content": error})
         reply = await asyncio.to_thread(
