@@ -882,3 +882,51 @@ def test_patch_of_a_file_that_is_not_utf8_applies_exactly(tmp_path, kind, typech
         if typechange:
             assert os.readlink(Path(fresh.root) / "t.txt") == link == "ok.py"
     assert edited["latin.py"] == b"AUTHOR = 'Jos\xe9'\nx = 2\n"
+
+
+def test_editor_keeps_files_on_bad_text_edits_crlf_and_counts_changes(inst, tmp_path, fake_docker):
+    """Review fixes: an edit whose text UTF-8 cannot hold (a lone surrogate, half of an escaped
+    emoji) leaves the file as it was, in both sandboxes (the local one emptied it: a patch that
+    deleted the file); a multi-line old_str copied from the view of a CRLF file matches and the
+    lines written keep CRLF; an empty file and a folder are named; submit counts the changed
+    lines, not the file headers."""
+    from harts_verl.workers.envs.sandbox import DockerSandbox
+    from harts_verl.workers.envs.swe_tools import POOL, SANDBOX_KEY, changed_lines
+
+    bash, edit, submit = _tools()
+    create = swe.dataset_rows([inst])[0]["extra_info"]["tools_kwargs"]["bash"]["create_kwargs"]
+    data = _AgentData()
+    _call(bash, {"command": "printf 'def f():\\r\\n    return 1\\r\\n' > win.py"}, data, create)
+    root = POOL.get(data.extra_fields[SANDBOX_KEY]).root
+    stats = os.path.join(root, "tinycalc", "stats.py")
+    before = Path(stats).read_bytes()
+    args = {"command": "str_replace", "path": "tinycalc/stats.py", "old_str": OLD}
+    with pytest.raises(ValueError, match=r"'\\ud83d' at index \d+ .*the file is unchanged"):
+        _call(edit, {**args, "new_str": OLD + "    # \ud83d\n"}, data, create)
+    assert Path(stats).read_bytes() == before
+    with pytest.raises(ValueError, match="the file is unchanged"):
+        _call(edit, {"command": "create", "path": "e.py", "file_text": "\ud83d"}, data, create)
+    assert not os.path.exists(os.path.join(root, "e.py"))
+    crlf = {"command": "str_replace", "path": "win.py", "old_str": "def f():\n    return 1"}
+    out = _call(edit, {**crlf, "new_str": "def f():\n    x = 2\n    return x"}, data, create)
+    assert out.endswith("     1\tdef f():\n     2\t    x = 2\n     3\t    return x")
+    assert Path(root, "win.py").read_bytes() == b"def f():\r\n    x = 2\r\n    return x\r\n"
+    _call(bash, {"command": ": > empty.py"}, data, create)
+    assert _call(edit, {"command": "view", "path": "empty.py"}, data, create) == (
+        "empty.py is empty (0 lines)."
+    )
+    with pytest.raises(ValueError, match=r"empty\.py is empty"):
+        _call(edit, {"command": "view", "path": "empty.py", "view_range": [1, -1]}, data, create)
+    with pytest.raises(ValueError, match="'tinycalc' is a folder"):
+        _call(edit, {"command": "str_replace", "path": "tinycalc", "old_str": "x"}, data, create)
+    out = _call(submit, {}, data, create)
+    # win.py: a new file of 3 lines; empty.py: a new empty file (no hunk)
+    assert out == "Submitted a patch with 3 changed lines."
+    assert changed_lines("--- a/x\n+++ b/x\n@@ -1 +1 @@\n--- sql comment\n+-- sql\n") == 2
+    # the docker sandbox refuses before touching the container's file
+    (fake_docker / "a.py").write_bytes(b"a = 1\n")
+    box = DockerSandbox("img", workdir=str(fake_docker))
+    with pytest.raises(ValueError, match="the file is unchanged"):
+        box.write_file("a.py", "a = \ud83d\n")
+    assert (fake_docker / "a.py").read_bytes() == b"a = 1\n"
+    box.close()

@@ -180,7 +180,8 @@ class Sandbox(ABC):
     @abstractmethod
     def write_file(self, path: str, text: str) -> None:
         """Create or overwrite ``path`` with ``text`` (UTF-8, surrogate escapes as the bytes
-        they stand for; parent folders are created)."""
+        they stand for; parent folders are created). Text UTF-8 cannot hold (a lone surrogate
+        such as half of an escaped emoji) is a ``ValueError`` and leaves the file as it was."""
 
     @abstractmethod
     def exists(self, path: str) -> bool:
@@ -212,6 +213,18 @@ def _too_large(path: str) -> TooLarge:
         f"path: {path!r} is larger than {MAX_WHOLE_CHARS >> 20} MiB; look into it with bash "
         "(head, sed -n, grep)"
     )
+
+
+def _file_bytes(path: str, text: str) -> bytes:
+    """``text`` as the bytes :meth:`Sandbox.write_file` writes; ``ValueError`` naming the
+    character and ``path`` where UTF-8 cannot hold it (before anything is written)."""
+    try:
+        return text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"text for {path!r}: {text[exc.start]!r} at index {exc.start} is not a character "
+            "UTF-8 can hold (a lone surrogate: half of an escaped pair?); the file is unchanged"
+        ) from None
 
 
 def _patch_too_large() -> TooLarge:
@@ -474,9 +487,10 @@ class LocalSandbox(Sandbox):
 
     def write_file(self, path: str, text: str) -> None:
         full = _check_real(self.root, path)
+        data = _file_bytes(path, text)  # first: a failed encoding must not empty the file
         os.makedirs(os.path.dirname(full), exist_ok=True)
-        with open(full, "w", encoding="utf-8", errors="surrogateescape", newline="") as f:
-            f.write(text)
+        with open(full, "wb") as f:
+            f.write(data)
 
     def exists(self, path: str) -> bool:
         return os.path.exists(_check_real(self.root, path))
@@ -607,6 +621,7 @@ class DockerSandbox(Sandbox):
         return res.output
 
     def write_file(self, path: str, text: str) -> None:
+        _file_bytes(path, text)  # a named error before the container's file is touched
         res = self._on_path(path, 'mkdir -p -- "$(dirname -- "$f")" && cat > "$f"', stdin=text)
         if res.exit_code != 0:
             raise OSError(f"writing {path} failed: {res.output}")

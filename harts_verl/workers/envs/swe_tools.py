@@ -353,6 +353,8 @@ class EditTool(_SweTool):
                 )
                 return truncate_output(listing.output, limit)
             lines = _lines(box.read_file(path))
+            if not lines and parameters.get("view_range") is None:
+                return f"{path} is empty (0 lines)."
             lo, hi = _view_range(parameters.get("view_range"), len(lines), path)
             return truncate_output(
                 "\n".join(f"{i + 1:6d}\t{lines[i]}" for i in range(lo, hi)), limit
@@ -369,7 +371,15 @@ class EditTool(_SweTool):
             raise ValueError("old_str: expected a non-empty string")
         if not box.exists(path):
             raise ValueError(f"path: {path!r} does not exist")
+        arg = shlex.quote(path if path.startswith("/") else "./" + path)
+        if box.exec(f"test -d {arg}", self.cfg.timeout).exit_code == 0:
+            raise ValueError(f"path: {path!r} is a folder; str_replace edits a file")
         text = box.read_file(path)
+        if "\r\n" in text and text.count("\r\n") == text.count("\n"):
+            # a CRLF file, shown without its \r by view: what the agent copies from there
+            # matches, and the lines it writes keep the file's line ends
+            old = old if "\r" in old else old.replace("\n", "\r\n")
+            new = new if "\r" in new else new.replace("\n", "\r\n")
         count = text.count(old)
         if count != 1:
             where = "does not occur" if count == 0 else f"occurs {count} times"
@@ -406,12 +416,28 @@ def _view_range(value: Any, n: int, path: str) -> tuple[int, int]:
         and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
     )
     first, last = value if ok else (0, 0)
+    if ok and n == 0:
+        raise ValueError(f"view_range: {path} is empty (0 lines); view it without a range")
     if not ok or not 1 <= first <= n or not (last == -1 or first <= last):
         raise ValueError(
             f"view_range: expected [first, last] with 1 <= first <= {n} (the lines of {path}) "
             f"and last >= first or -1, got {value!r}"
         )
     return first - 1, n if last == -1 else min(last, n)
+
+
+def changed_lines(patch: str) -> int:
+    """Lines a ``git diff`` patch adds or removes: ``+`` / ``-`` lines inside its hunks (a
+    file's ``---`` / ``+++`` header lines are not changes; a binary patch has no hunk)."""
+    n, in_hunk = 0, False
+    for line in patch.splitlines():
+        if line.startswith("diff --git "):
+            in_hunk = False
+        elif line.startswith("@@"):
+            in_hunk = True
+        elif in_hunk and line.startswith(("+", "-")):
+            n += 1
+    return n
 
 
 class SubmitTool(_SweTool):
@@ -438,5 +464,5 @@ class SubmitTool(_SweTool):
         ref = fields.pop(SANDBOX_KEY, None)
         if ref is not None:
             await asyncio.to_thread(POOL.close, ref)
-        n = len([ln for ln in patch.splitlines() if ln.startswith(("+", "-"))])
+        n = changed_lines(patch)
         return f"Submitted a patch with {n} changed lines." if patch else "Submitted: no changes."
