@@ -337,7 +337,9 @@ def test_users_scripted_and_llm(dom, monkeypatch):
         def __exit__(self, *a):
             return False
 
-    replies = iter(["Cancel #W1001 please.", "Thanks! ###STOP###"])
+    replies = iter(
+        ["Cancel #W1001 please.", "Thanks! ###STOP###", "###TRANSFER###", "###OUT-OF-SCOPE###"]
+    )
 
     def fake_urlopen(req, timeout):
         sent.append((req.full_url, json.loads(req.data)))
@@ -347,6 +349,11 @@ def test_users_scripted_and_llm(dom, monkeypatch):
     monkeypatch.setattr(tau.urllib.request, "urlopen", fake_urlopen)
     assert llm.reply(task, [{"role": "assistant", "content": "Hi!"}]) == "Cancel #W1001 please."
     assert llm.reply(task, [{"role": "assistant", "content": "Done."}]) is None
+    # τ²'s other ends: handed to a human agent, a scenario with no way on (the conversation
+    # went on with them as the user's words)
+    for _ in range(2):
+        assert llm.reply(task, [{"role": "assistant", "content": "Transferring you."}]) is None
+    assert "###TRANSFER###" in sent[0][1]["messages"][0]["content"]
     assert sent[0][0] == "http://sim:8000/v1/chat/completions" and sent[0][1]["model"] == "u"
     assert "seed" not in sent[0][1]
     # a reasoning simulator: its thinking is not its message (nor a stop); no text is an error

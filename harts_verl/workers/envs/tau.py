@@ -36,6 +36,7 @@ from typing import Any, ClassVar
 from harts_verl.tree._checks import check_int
 
 __all__ = [
+    "ENDS",
     "FIXTURE_DOMAIN",
     "STOP",
     "FixtureDomain",
@@ -62,6 +63,10 @@ FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "tau")
 FIXTURE_DOMAIN = "retail_mini"
 DATA_SOURCE = "tau_bench"
 STOP = "###STOP###"
+# τ²'s user simulator ends a conversation with any of these: done, handed to a human agent, or
+# a scenario that does not say how to go on
+TRANSFER, OUT_OF_SCOPE = "###TRANSFER###", "###OUT-OF-SCOPE###"
+ENDS = (STOP, TRANSFER, OUT_OF_SCOPE)
 GREETING = "Hi! How can I help you today?"
 THINK = ("<think>", "</think>")
 
@@ -641,14 +646,16 @@ USER_SYSTEM_PROMPT = (
     "You are a customer talking to a customer-service agent. Your goal and what you know:\n"
     "{instruction}\n\nWrite only your next message, one or two sentences, in character. "
     "Do not invent information you were not given. When your goal is reached or cannot be "
-    f"reached, reply with exactly {STOP}."
+    f"reached, reply with exactly {STOP}. If you are transferred to another agent, reply with "
+    f"exactly {TRANSFER}."
 )
 
 
 class LLMUser:
     """A user simulated by an OpenAI-compatible ``/chat/completions`` endpoint (vLLM, SGLang,
     a hosted API). The agent's messages are the simulator's "user" turns and vice versa; tool
-    messages are not shown to it. A reply containing ``###STOP###`` ends the conversation."""
+    messages are not shown to it. A reply containing ``###STOP###`` (or τ²'s ``###TRANSFER###``
+    / ``###OUT-OF-SCOPE###``) ends the conversation."""
 
     def __init__(
         self,
@@ -694,7 +701,7 @@ class LLMUser:
 
     def reply(self, task: TauTask, messages: list[dict[str, Any]]) -> str | None:
         """The simulator's next message (its reasoning, ``<think>...</think>``, removed), or
-        None when it says ``###STOP###``. A failed request (connection, timeout, HTTP 408 / 429
+        None when it says one of :data:`ENDS` (``###STOP###``, ...). A failed request (connection, timeout, HTTP 408 / 429
         / 5xx) is sent again, ``retries`` times, after 0.5 s, 1 s, ... (then its error is
         raised; other HTTP errors at once). ``ValueError`` for a reply without message text
         (e.g. a reasoning model cut off by ``max_tokens`` while thinking): an empty reply
@@ -728,7 +735,7 @@ class LLMUser:
                     raise
                 time.sleep(0.5 * 2**attempt)
         text = strip_thinking(choice["message"].get("content") or "")
-        if STOP in text:
+        if any(end in text for end in ENDS):
             return None
         if text.strip():
             return text.strip()
