@@ -460,6 +460,10 @@ def test_tool_logs_successful_calls_only(dom):
     with pytest.raises(ValueError, match="reason"):
         asyncio.run(call({"order_id": "#W1001", "reason": "bored"}))
     assert data.extra_fields.get(ACTIONS_KEY) is None
+    # an argument the schema does not declare is refused by name, not logged (τ² refuses it)
+    with pytest.raises(ValueError, match="refund: unknown argument of cancel_pending_order"):
+        asyncio.run(call({**CANCEL["arguments"], "refund": True}))
+    assert data.extra_fields.get(ACTIONS_KEY) is None
     assert '"cancelled"' in asyncio.run(call(CANCEL["arguments"]))
     assert data.extra_fields[ACTIONS_KEY] == [{**CANCEL, "requestor": "assistant"}]
     with pytest.raises(ValueError, match="order_id"):  # the log's state is used: now cancelled

@@ -220,17 +220,6 @@ class _SweTool(TrajectoryTool):
         """The tool's answer text (blocking; runs in a worker thread)."""
         raise NotImplementedError
 
-    def _check_known(self, parameters: dict[str, Any]) -> None:
-        """``ValueError`` naming the arguments the tool's schema does not declare (a
-        misspelled or unsupported option is never ignored silently)."""
-        known = set(self.tool_schema.function.parameters.properties)
-        unknown = sorted(set(parameters) - known)
-        if unknown:
-            raise ValueError(
-                f"{', '.join(unknown)}: unknown argument{'s' if len(unknown) > 1 else ''} of "
-                f"{self.name} (it takes {', '.join(sorted(known)) or 'none'})"
-            )
-
     async def execute(
         self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
     ) -> tuple[ToolResponse, float, dict]:

@@ -108,6 +108,7 @@ class TauTool(TrajectoryTool):
     ) -> tuple[ToolResponse, float, dict]:
         agent_data = self._agent_data(kwargs)
         self._check_parameters(parameters)
+        self._check_known(parameters)
         create = self._kwargs.get(instance_id, {})
         task_id = create.get("task_id")
         if not task_id:

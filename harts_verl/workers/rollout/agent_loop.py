@@ -260,6 +260,17 @@ class TrajectoryTool(BaseTool):
         if not isinstance(parameters, dict):
             raise ValueError(f"parameters: expected an object, got {type(parameters).__name__}")
 
+    def _check_known(self, parameters: dict[str, Any]) -> None:
+        """``ValueError`` naming the arguments the tool's schema does not declare (a
+        misspelled or unsupported option is never ignored silently)."""
+        known = set(self.tool_schema.function.parameters.properties)
+        unknown = sorted(set(parameters) - known)
+        if unknown:
+            raise ValueError(
+                f"{', '.join(unknown)}: unknown argument{'s' if len(unknown) > 1 else ''} of "
+                f"{self.name} (it takes {', '.join(sorted(known)) or 'none'})"
+            )
+
 
 def _shares(total: int, parts: int) -> list[int]:
     """``total`` split into ``parts`` near-equal positive shares (larger first)."""
