@@ -8,7 +8,8 @@ configs and weights, forest and batch files, plot destinations) are treated as u
 their ValueError (``json.JSONDecodeError`` included), TypeError, OSError (FileNotFoundError,
 ...), ``pickle.UnpicklingError`` and EOFError. Set ``HARTS_VERL_DEBUG=1`` to get the full
 traceback of a user error instead. Results are printed as strict JSON (never NaN or Infinity: a
-non-finite figure is an error with a traceback, not output).
+non-finite figure is an error with a traceback, not output; ``check`` prints a non-finite
+difference as null, names it and exits 3, as it does when ``--fail-above`` finds a disagreement).
 """
 
 from __future__ import annotations
@@ -302,8 +303,11 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
     with _inputs():  # load_inputs names the flag at fault itself
         model, seqs = check.load_inputs(args)
-    _print_json(check.run_check(model, seqs, chunk_size=args.chunk_size, tol=args.tol))
-    return 0
+    res = check.run_check(
+        model, seqs, chunk_size=args.chunk_size, tol=args.tol, fail_above=args.fail_above
+    )
+    _print_json(res)
+    return check.audit_status(res)
 
 
 def _add_inspect(sub: argparse._SubParsersAction) -> None:
@@ -510,7 +514,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="harts-verl",
         description=__doc__.split("\n\n")[0].replace("``", ""),
         epilog="Exit status 2 = bad option or input file (one line on stderr; "
-        "HARTS_VERL_DEBUG=1 shows its traceback), 1 = internal error (traceback).",
+        "HARTS_VERL_DEBUG=1 shows its traceback), 1 = internal error (traceback), "
+        "3 = check found a disagreement (--fail-above) or a non-finite difference.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(

@@ -520,6 +520,40 @@ def test_load_names_a_corrupted_member(tmp_path):
             RolloutForest.load(path)
 
 
+@pytest.mark.parametrize("member", ["flat_tokens", "format_version"])
+def test_load_names_a_damaged_array_header(tmp_path, member):
+    """An array header numpy cannot parse (an unbalanced bracket: tokenize.TokenError) or one
+    claiming more data than the file holds (a huge shape: numpy allocated it first,
+    MemoryError) is a ValueError naming the file and the array."""
+    import zipfile
+
+    f = RolloutForest.from_sequences([[1, 2, 3], [1, 2], [4]])
+    good = tmp_path / "f.npz"
+    f.save(good)
+    with zipfile.ZipFile(good) as zf:
+        members = {i.filename: zf.read(i) for i in zf.infolist()}
+    body = members[f"{member}.npy"]
+    n = int.from_bytes(body[8:10], "little")  # a version 1.0 header
+    header = body[10 : 10 + n].decode("latin1")
+    shape = header[header.index("'shape': ") + 9 : header.index("), ") + 1]
+    for name, new_shape in [("unbalanced", "(3(,)"), ("huge", "(9999999999999,)")]:
+        text = header.replace(shape, new_shape).rstrip("\n").rstrip()
+        text = text.ljust(n - 1) + "\n"
+        assert len(text) == n
+        path = tmp_path / f"{name}.npz"
+        with zipfile.ZipFile(path, "w") as zf:
+            for fn, data in members.items():
+                zf.writestr(
+                    fn,
+                    body[:10] + text.encode("latin1") + body[10 + n :]
+                    if fn == f"{member}.npy"
+                    else data,
+                )
+        match = rf"{re.escape(str(path))}: corrupted forest file \(array '{member}'"
+        with pytest.raises(ValueError, match=match):
+            RolloutForest.load(path)
+
+
 def test_unconvertible_token_tensor_names_the_trajectory():
     torch = pytest.importorskip("torch")
     with pytest.raises(ValueError, match=r"sequences\[1\]"):

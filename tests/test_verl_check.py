@@ -579,3 +579,49 @@ def test_check_output_is_strict_json(tmp_path, capsys, monkeypatch):
     with pytest.raises(ValueError, match="non-finite values in the result: max_abs_dlogp"):
         main(argv)
     assert "NaN" not in capsys.readouterr().out
+
+
+def test_check_names_nan_and_gives_a_verdict(tmp_path, capsys, monkeypatch):
+    """A NaN log-prob in a trajectory after the first was dropped by Python's max (the audit
+    read 0.0: perfect agreement); now it is null, named in ``non_finite`` and exit status 3.
+    ``--fail-above``: ``agree`` and exit 3 on a log-prob disagreement that no layer shows (a
+    shifted head); an empty trajectory given as a list is named as such."""
+    monkeypatch.setitem(sys.modules, "fla", None)
+    from harts_verl.cli import main
+    from harts_verl.runtime import runner
+    from harts_verl.workers.testing import save_tiny_model
+
+    path = save_tiny_model("qwen2", str(tmp_path / "m"), seed=1)
+    argv = ["check", "--model", path, "--batch", _batch(tmp_path)]
+    assert main([*argv, "--fail-above", "1e-4"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["agree"] is True and res["fail_above"] == 1e-4 and res["non_finite"] == []
+    log_probs = runner.TreeRunner.log_probs
+
+    def broken(shift: float, nan_at: int | None):
+        def lp(self, seqs, *a, **k):
+            out = [t + shift for t in log_probs(self, seqs, *a, **k)]
+            if nan_at is not None:
+                out[nan_at] = torch.full_like(out[nan_at], float("nan"))
+            return out
+
+        return lp
+
+    monkeypatch.setattr(runner.TreeRunner, "log_probs", broken(0.0, 1))
+    assert main(argv) == 3
+    res = json.loads(capsys.readouterr().out)
+    assert res["max_abs_dlogp"] is None and res["own_forward_max_abs_dlogp"] is None
+    assert res["non_finite"] == ["max_abs_dlogp", "own_forward_max_abs_dlogp"]
+    assert "agree" not in res
+    monkeypatch.setattr(runner.TreeRunner, "log_probs", broken(0.5, None))
+    assert main(argv) == 0  # no verdict asked for
+    res = json.loads(capsys.readouterr().out)
+    assert res["max_abs_dlogp"] == pytest.approx(0.5) and res["first_divergent_layer"] is None
+    assert main([*argv, "--fail-above", "1e-4"]) == 3
+    assert json.loads(capsys.readouterr().out)["agree"] is False
+    torch.save([[5, 6, 7], []], tmp_path / "e.pt")
+    rc = main(["check", "--model", path, "--batch", str(tmp_path / "e.pt")])
+    assert rc == 2 and "sequences[1]: empty trajectory" in capsys.readouterr().err
+    for bad in ("-1", "nan"):
+        with pytest.raises(SystemExit):
+            main([*argv, "--fail-above", bad])

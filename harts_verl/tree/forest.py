@@ -9,7 +9,9 @@ All work is vectorized numpy over arrays; the only Python loops are over traject
 
 from __future__ import annotations
 
+import math
 import os
+import tokenize
 import zipfile
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
@@ -34,7 +36,33 @@ _DAMAGED_MEMBER = (
     NotImplementedError,
     zipfile.BadZipFile,
     zlib.error,
+    tokenize.TokenError,  # a member header numpy's parser cannot read (unbalanced brackets)
 )
+
+
+class _CorruptedFile(ValueError):
+    """A damaged forest file, its message whole (not wrapped again by the callers)."""
+
+
+def _member(path: Any, z: Any, key: str) -> np.ndarray:
+    """Array ``key`` of the opened .npz ``z``, after checking that the data its header claims
+    fits in the member (a damaged header claiming a huge shape made numpy allocate it first:
+    MemoryError); ValueError naming ``path`` and the array otherwise."""
+    info = z.zip.getinfo(f"{key}.npy")
+    with z.zip.open(info) as f:
+        try:
+            major, _minor = np.lib.format.read_magic(f)
+            read = {1: np.lib.format.read_array_header_1_0, 2: np.lib.format.read_array_header_2_0}
+            shape, _fortran, dtype = read.get(major, np.lib.format.read_array_header_2_0)(f)
+        except (ValueError, SyntaxError, tokenize.TokenError) as exc:
+            raise _CorruptedFile(f"{path}: corrupted forest file (array {key!r}: {exc})") from None
+        need, have = math.prod(shape) * dtype.itemsize, info.file_size - f.tell()
+    if need > have:
+        raise _CorruptedFile(
+            f"{path}: corrupted forest file (array {key!r} claims shape {shape} of {dtype}, "
+            f"{need} bytes, the file holds {have})"
+        )
+    return z[key]
 
 
 @dataclass(frozen=True)
@@ -647,7 +675,9 @@ class RolloutForest:
                         f"{path}: not a complete forest file, missing array {missing[0]!r}"
                     )
                 try:
-                    arrays = [z[k] for k in _FILE_ARRAYS]
+                    arrays = [_member(path, z, k) for k in _FILE_ARRAYS]
+                except _CorruptedFile:
+                    raise
                 except ValueError as exc:  # object arrays
                     raise ValueError(f"{path}: not a forest file ({exc})") from exc
         except _DAMAGED_MEMBER as exc:
@@ -716,7 +746,9 @@ def _file_format_version(path: Any, z: Any) -> int:
             "are written by RolloutForest.save)"
         )
     try:
-        v = z["format_version"]
+        v = _member(path, z, "format_version")
+    except _CorruptedFile:
+        raise
     except ValueError as exc:  # an object array (needs pickle)
         raise ValueError(f"{path}: format_version: expected one integer ({exc})") from exc
     v = np.asarray(v)

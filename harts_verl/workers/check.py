@@ -17,7 +17,14 @@ machinery, the independent oracle; both null when no trajectory has two tokens, 
 was compared), MeanCos of the final hidden states' logits, per decoder
 layer the max |Δ| of its output with the first layer whose difference exceeds ``--tol`` (None
 when all stay within), and the batch's analytic FLOP ratio expanded ÷ tree
-(:mod:`harts_verl.runtime.flops`; None for a model without a FLOP model).
+(:mod:`harts_verl.runtime.flops`; None for a model without a FLOP model). A difference that is
+not finite (NaN: a path produced NaN) is printed as null and named in ``non_finite``. With
+``--fail-above X`` the result has a verdict, ``agree``: nothing non-finite, both log-prob
+differences at most X and no layer above ``--tol``.
+
+Exit status: 0, the audit ran (and, with ``--fail-above``, agreed); 3, it found a non-finite
+difference or (``--fail-above``) a disagreement, the JSON printed all the same; 2, a bad input
+(below); 1, an internal error.
 
 Run: ``harts-verl check --model DIR --batch FILE`` or ``python -m harts_verl.workers.check
 --model DIR --batch FILE``. Inputs are checked before the audit runs (:func:`load_inputs`: option
@@ -263,6 +270,7 @@ def _sequences_of(obj: Any, path: str) -> list[list[int]]:
             a.ndim == 1
             and a.dtype.kind in "fO"
             and isinstance(t, list | tuple)
+            and t  # an empty one is named as such by the runner
             and all(isinstance(x, int) and not isinstance(x, bool) for x in t)
         ):  # Python ints numpy could not hold together in an integer dtype
             big = max(t, key=abs)
@@ -284,6 +292,16 @@ def _sequences_of(obj: Any, path: str) -> list[list[int]]:
     if note is not None:
         print(note, file=sys.stderr)
     return seqs
+
+
+def _max_abs_diff(pairs: Any) -> float | None:
+    """The largest ``|a - b|`` over tensor pairs (float64, on the CPU; empty pairs skipped),
+    NaN if any difference is NaN (Python's ``max`` drops a NaN that is not first: a NaN
+    trajectory read as agreement); None when there is nothing to compare."""
+    diffs = [
+        float((a.double().cpu() - b.double().cpu()).abs().max()) for a, b in pairs if a.numel()
+    ]
+    return float(np.max(diffs)) if diffs else None
 
 
 def decoder_layers(model: Any) -> list[torch.nn.Module]:
@@ -370,32 +388,40 @@ def _own_forward_log_probs(model: Any, seqs: list[list[int]]) -> list[torch.Tens
     return out
 
 
-def _check_tol(tol: Any) -> float:
-    """``tol`` as a float; ValueError naming it unless it is a finite real number >= 0."""
+def _check_tol(tol: Any, name: str = "tol") -> float:
+    """``tol`` as a float; ValueError naming ``name`` unless it is a finite real number >= 0."""
     f = finite_float(tol)
     if f is None or f < 0:
-        raise ValueError(f"tol: expected a finite number >= 0, got {tol!r}")
+        raise ValueError(f"{name}: expected a finite number >= 0, got {tol!r}")
     return f
 
 
 def run_check(
-    model: Any, seqs: list[list[int]], *, chunk_size: int = 64, tol: float = 1e-5
+    model: Any,
+    seqs: list[list[int]],
+    *,
+    chunk_size: int = 64,
+    tol: float = 1e-5,
+    fail_above: float | None = None,
 ) -> dict[str, Any]:
-    """Tree vs expanded on one model and batch: the figures described in the module doc.
+    """Tree vs expanded on one model and batch: the figures described in the module doc
+    (``agree`` and ``fail_above`` only with a ``fail_above``).
 
-    Raises ``ValueError`` naming ``seqs`` for an empty batch, ``tol`` unless it is a finite
-    number >= 0, and the runners' errors for ``chunk_size`` and token ids outside the model's
-    vocabulary (all before any forward runs)."""
+    Raises ``ValueError`` naming ``seqs`` for an empty batch, ``tol`` / ``fail_above`` unless
+    it is a finite number >= 0, and the runners' errors for ``chunk_size`` and token ids
+    outside the model's vocabulary (all before any forward runs)."""
     from harts_verl.runtime import ExpandedRunner, TreeRunner
 
     if not seqs:
         raise ValueError("seqs: the batch has no trajectories")
     tol = _check_tol(tol)
+    if fail_above is not None:
+        fail_above = _check_tol(fail_above, "fail_above")
 
     tree = TreeRunner(model, chunk_size=chunk_size)
     exp = ExpandedRunner(model, chunk_size=chunk_size)
     lt, le = tree.log_probs(seqs), exp.log_probs(seqs)
-    dlogp = max((float((a - b).abs().max()) for a, b in zip(lt, le) if a.numel()), default=None)
+    dlogp = _max_abs_diff(zip(lt, le))
     ht, he = tree.hidden_states(seqs), exp.hidden_states(seqs)
     w = tree.model.lm_head.weight.detach()
     cos = torch.cat(
@@ -410,33 +436,51 @@ def run_check(
     if decoder_layers(model):
         lt_layers = _layer_outputs(tree, model, seqs)
         le_layers = _layer_outputs(exp, model, seqs)
-        per_layer = [
-            max(float((a.double() - b.double()).abs().max()) for a, b in zip(x, y))
-            for x, y in zip(lt_layers, le_layers)
-        ]
-    first = next((k for k, d in enumerate(per_layer) if d > tol), None)
+        per_layer = [_max_abs_diff(zip(x, y)) for x, y in zip(lt_layers, le_layers)]
+    # NaN is divergent too (`d > tol` is False for it)
+    first = next((k for k, d in enumerate(per_layer) if d is not None and not d <= tol), None)
     own = _own_forward_log_probs(model, seqs)
-    own_dlogp = (
-        None
-        if own is None
-        else max(
-            (float((a.double().cpu() - b.cpu()).abs().max()) for a, b in zip(lt, own) if a.numel()),
-            default=None,
-        )
-    )
-    return {
+    own_dlogp = None if own is None else _max_abs_diff(zip(lt, own))
+    mean_cos = float(cos.mean())
+    figures = {
+        "max_abs_dlogp": dlogp,
+        "own_forward_max_abs_dlogp": own_dlogp,
+        "mean_cos": mean_cos,
+        **{f"per_layer_max_abs_diff[{k}]": d for k, d in enumerate(per_layer)},
+    }
+    non_finite = [k for k, v in figures.items() if v is not None and not np.isfinite(v)]
+
+    def shown(v: float | None) -> float | None:  # strict JSON: a NaN is null (and named)
+        return v if v is None or np.isfinite(v) else None
+
+    res = {
         "trajectories": len(seqs),
         "semantic_tokens": tree.last_stats.semantic_tokens,
         "compact_tokens": tree.last_stats.compact_tokens,
         "compression": tree.last_stats.compression,
-        "max_abs_dlogp": dlogp,
-        "own_forward_max_abs_dlogp": own_dlogp,
-        "mean_cos": float(cos.mean()),
-        "per_layer_max_abs_diff": per_layer,
+        "max_abs_dlogp": shown(dlogp),
+        "own_forward_max_abs_dlogp": shown(own_dlogp),
+        "mean_cos": shown(mean_cos),
+        "per_layer_max_abs_diff": [shown(d) for d in per_layer],
         "first_divergent_layer": first,
         "tol": tol,
+        "non_finite": non_finite,
         "ideal_flop_ratio": _flop_ratio(model, seqs, chunk_size),
     }
+    if fail_above is not None:
+        res["fail_above"] = fail_above
+        res["agree"] = (
+            not non_finite
+            and first is None
+            and all(d is None or d <= fail_above for d in (dlogp, own_dlogp))
+        )
+    return res
+
+
+def audit_status(res: dict[str, Any]) -> int:
+    """The exit status of an audit result: 3 when it found a non-finite difference or (with
+    ``fail_above``) a disagreement, else 0."""
+    return 3 if res["non_finite"] or res.get("agree") is False else 0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -450,6 +494,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=finite_float_arg(0, inclusive=True),
         default=1e-5,
         help="per-layer divergence threshold (finite, >= 0)",
+    )
+    p.add_argument(
+        "--fail-above",
+        type=finite_float_arg(0, inclusive=True),
+        default=None,
+        help="verdict: exit status 3 unless both max |Δlogp| (vs expanded, vs the model's own "
+        "forward) are at most this and no layer exceeds --tol (e.g. 1e-4 in float32)",
     )
     p.add_argument("--seed", type=int_arg(0), default=0, help="random init of a config")
 
@@ -611,6 +662,11 @@ def load_inputs(args: argparse.Namespace) -> tuple[torch.nn.Module, list[list[in
         _check_tol(args.tol)
     except ValueError as exc:
         raise _flag(exc, "--tol", "tol") from exc
+    if getattr(args, "fail_above", None) is not None:
+        try:
+            _check_tol(args.fail_above, "fail_above")
+        except ValueError as exc:
+            raise _flag(exc, "--fail-above", "fail_above") from exc
     check_chunk_size(args.chunk_size, "--chunk-size")
     check_int("--seed", args.seed, 0, SEED_MAX)
 
@@ -666,9 +722,11 @@ def main(argv: list[str] | None = None) -> int:
 def _audit(model: torch.nn.Module, seqs: list[list[int]], args: argparse.Namespace) -> int:
     from harts_verl.tree.inspect import json_text
 
-    res = run_check(model, seqs, chunk_size=args.chunk_size, tol=args.tol)
+    res = run_check(
+        model, seqs, chunk_size=args.chunk_size, tol=args.tol, fail_above=args.fail_above
+    )
     print(json_text(res))
-    return 0
+    return audit_status(res)
 
 
 def run_args(args: argparse.Namespace) -> int:
