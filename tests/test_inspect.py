@@ -306,7 +306,7 @@ def test_empty_forest_statistics_and_plot(tmp_path, capsys):
     assert res["plan"]["microbatches"] == 0
 
 
-def test_plot_path_checks(tmp_path):
+def test_plot_path_checks(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     from harts_verl.tree.inspect import plot_path
 
@@ -324,6 +324,10 @@ def test_plot_path_checks(tmp_path):
         with pytest.raises(ValueError, match=msg) as info:
             plot_path(bad)
         assert str(info.value).startswith("plot: ")
+    # .pgf: matplotlib runs LaTeX to write it (it failed after the whole measurement)
+    monkeypatch.setenv("PATH", str(tmp_path / "d"))
+    with pytest.raises(ValueError, match=r"'\.pgf' needs LaTeX \(xelatex\)"):
+        plot_path(tmp_path / "a.pgf")
 
 
 def test_json_text_is_strict():

@@ -309,6 +309,7 @@ def test_load_sequences_formats_and_errors(tmp_path):
         # padded rows as lists with their mask: the mask applies (padding is not a token)
         "listmask": {"input_ids": dense.tolist(), "attention_mask": mask},
         "tensorrowsmask": {"input_ids": list(dense), "attention_mask": mask},
+        "listrowslistmask": {"input_ids": dense.tolist(), "attention_mask": mask.tolist()},
     }
     for name, obj in good.items():
         torch.save(obj, tmp_path / f"{name}.pt")

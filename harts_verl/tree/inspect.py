@@ -71,7 +71,7 @@ def plot_path(path: str | os.PathLike[str]) -> str:
     would write, so the reported path is the real one). The suffix must be one of matplotlib's
     formats (``FigureCanvasBase.get_supported_filetypes``: png, pdf, svg, ...); the file must not
     be a directory, its directory must exist and be writable, and an existing file must be
-    writable. Raises ``ValueError`` naming ``plot`` otherwise, or when matplotlib is not
+    writable; ``.pgf`` needs matplotlib's LaTeX (``pgf.texsystem``) on PATH. Raises ``ValueError`` naming ``plot`` otherwise, or when matplotlib is not
     installed (it is in the ``bench`` extra). Nothing is created."""
     name = os.fspath(path)
     if not name:
@@ -93,6 +93,14 @@ def plot_path(path: str | os.PathLike[str]) -> str:
             f"plot: unsupported format {suffix!r} of {name!r} (supported: "
             f"{', '.join('.' + f for f in sorted(formats))})"
         )
+    if fmt == "pgf":  # matplotlib's pgf backend runs LaTeX to write it
+        import shutil
+
+        import matplotlib
+
+        tex = matplotlib.rcParams["pgf.texsystem"]
+        if shutil.which(tex) is None:
+            raise ValueError(f"plot: {suffix!r} needs LaTeX ({tex}), which is not on PATH")
     if os.path.isdir(out):
         raise ValueError(f"plot: {out!r} (where {name!r} is written) is a directory")
     parent = os.path.dirname(os.path.abspath(out))

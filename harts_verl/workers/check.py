@@ -223,6 +223,14 @@ def _sequences_of(obj: Any, path: str) -> list[list[int]]:
                     f"{path}: input_ids: expected rows of integer token ids (ragged nesting or "
                     "non-numbers found)"
                 ) from None
+            if isinstance(mask, list | tuple):  # its rows as the ids' rows
+                try:
+                    mask = torch.tensor([m.tolist() if hasattr(m, "tolist") else m for m in mask])
+                except (TypeError, ValueError, RuntimeError):
+                    raise ValueError(
+                        f"{path}: attention_mask: expected rows of 0 / 1 values as wide as the "
+                        "input_ids rows"
+                    ) from None
     if isinstance(obj, torch.Tensor) and obj.is_nested:
         obj = list(obj.unbind())
     elif isinstance(obj, torch.Tensor):
