@@ -310,6 +310,8 @@ def test_load_sequences_formats_and_errors(tmp_path):
         "listmask": {"input_ids": dense.tolist(), "attention_mask": mask},
         "tensorrowsmask": {"input_ids": list(dense), "attention_mask": mask},
         "listrowslistmask": {"input_ids": dense.tolist(), "attention_mask": mask.tolist()},
+        # numpy uint64 scalars beside Python ints (numpy made them float64: refused)
+        "mixedscalars": [[np.uint64(x) if k == 0 else x for k, x in enumerate(t)] for t in seqs],
     }
     for name, obj in good.items():
         torch.save(obj, tmp_path / f"{name}.pt")

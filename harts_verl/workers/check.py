@@ -40,6 +40,7 @@ import argparse
 import contextlib
 import json
 import logging
+import numbers
 import os
 import pickle
 import sys
@@ -279,12 +280,15 @@ def _sequences_of(obj: Any, path: str) -> list[list[int]]:
             and a.dtype.kind in "fO"
             and isinstance(t, list | tuple)
             and t  # an empty one is named as such by the runner
-            and all(isinstance(x, int) and not isinstance(x, bool) for x in t)
-        ):  # Python ints numpy could not hold together in an integer dtype
-            big = max(t, key=abs)
-            raise ValueError(
-                f"{path}: trajectory {i}: token id {big} is beyond int64 (outside any vocabulary)"
-            )
+            and all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in t)
+        ):  # integers numpy could not hold together (past int64; uint64 with signed: float64)
+            big = max((int(x) for x in t), key=abs)
+            if not -INT64_MAX - 1 <= big <= INT64_MAX:
+                raise ValueError(
+                    f"{path}: trajectory {i}: token id {big} is beyond int64 (outside any "
+                    "vocabulary)"
+                )
+            a = np.asarray([int(x) for x in t], dtype=np.int64)  # exactly
         if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
             raise ValueError(
                 f"{path}: trajectory {i}: expected a 1-D sequence of integer token ids, got "
