@@ -4,6 +4,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.harts-installed
 TORCH_VERSION ?= 2.13.0
+# Where torch comes from: empty = pip's own configuration (here a local CPU wheel); on a machine
+# whose pip would take PyPI's CUDA build, TORCH_INDEX=https://download.pytorch.org/whl/cpu.
+TORCH_INDEX ?=
+TORCH_FROM := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 EXTRAS ?= dev,bench,verl,rollout
 
 # fla's real Triton kernels on the CPU (Triton interpreter), in a venv of their own: fla must not
@@ -25,8 +29,8 @@ ORACLE_PINS ?= transformers==5.24.0 tokenizers==0.23.3
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	@# CPU torch first, so no dependency can pull a CUDA build.
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==$(TORCH_VERSION)"
+	@# The pinned torch first (CPU: see TORCH_INDEX), so no dependency pulls another build.
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_FROM) "torch==$(TORCH_VERSION)"
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	@touch $(STAMP)
 
@@ -51,7 +55,7 @@ format: venv
 $(FLA_STAMP): pyproject.toml Makefile
 	@test -x $(FLA_PY) || $(PYTHON) -m venv $(FLA_VENV)
 	$(FLA_PY) -m pip install -q --upgrade pip
-	$(FLA_PY) -c "import torch" 2>/dev/null || $(FLA_PY) -m pip install -q "torch==$(TORCH_VERSION)"
+	$(FLA_PY) -c "import torch" 2>/dev/null || $(FLA_PY) -m pip install -q $(TORCH_FROM) "torch==$(TORCH_VERSION)"
 	$(FLA_PY) -m pip install -q --no-deps $(FLA_PINS)
 	$(FLA_PY) -m pip install -q einops numpy omegaconf pytest hypothesis
 	$(FLA_PY) -m pip install -q --no-deps -e .

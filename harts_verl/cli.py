@@ -26,7 +26,8 @@ from collections.abc import Iterator
 from harts_verl.tree._checks import check_int, finite_float_arg, int_arg
 
 # `harts-verl demo`: the bench on a smaller SWE-like step (≈10K semantic tokens, ≈5.6×, one
-# timed repeat after one warm-up; measured 1 min 36 s with one thread on a CPU).
+# timed repeat after one warm-up; about a minute with one thread on a 2-core CPU: see
+# docs/runtime.md for the measured figures).
 DEMO_DEFAULTS = {"scale": 0.002, "workload_overrides": {"max_forks": 64}}
 
 # Errors of the input-reading steps that are the user's (see the module doc).

@@ -78,6 +78,11 @@ def main(baseline_log: str, harts_log: str) -> int:
         b1 = base[min(base)].get("timing_s/update_actor", float("nan"))
         h1 = harts[min(harts)].get("timing_s/update_actor", float("nan"))
         print(f"first-step update_actor: baseline {b1:.3f}s, harts {h1:.3f}s (x{b1 / h1:.2f})")
+        print(
+            "(a smoke test, not a benchmark: each step rolls out its own batch, the baseline "
+            "runs padded rows (see demo.sh), and its mean holds only its first step with the "
+            "first-call warm-up; `harts-verl bench` times both paths on one batch)"
+        )
     return 0
 
 
