@@ -17,10 +17,10 @@ longer a prefix; the new turn then hangs below the deepest ancestor that still i
 becomes a new root), i.e. it becomes a **sibling** of the rewritten branch, never an error.
 Where the new prompt still matches the start of the first turn that is no longer a prefix (a
 chat template that drops a response's last tokens before the tool output, as veRL's GLM token
-builder does with its message-start tokens, or a summary that keeps part of a turn), that matched part is
-recorded as a turn of its own (a copy with a fresh id, below the same parent) and the new turn
-hangs below it: a request whose every turn is trimmed so keeps O(its tokens), not a new root
-holding the whole context at every turn.
+builder does with its message-start tokens, or a summary that keeps part of a turn), that
+matched part is recorded as a turn of its own (a copy with a fresh id, below the same parent)
+and the new turn hangs below it: a request whose every turn is trimmed so keeps O(its tokens),
+not a new root holding the whole context at every turn.
 
 Tree metadata for one trajectory (:func:`tree_metadata`) is a JSON string stored in the agent
 loop output's ``extra_fields["harts_tree"]``: the chain of turns that spells the trajectory's
