@@ -340,6 +340,37 @@ def test_split_plan_exact_on_random_forests(case):
     assert torch.equal(o, o_split)
 
 
+def test_split_plan_counts_the_rounds_that_run():
+    """A path forked at five chunk boundaries: the plan has 2 rounds, the split layout a
+    final-states-only kernel (fla) runs has 6, one kernel call each; ``num_rounds`` (the
+    engine's ``harts/rounds``) is what runs (it reported the plan's 2)."""
+    from harts_verl.ops.layout import TreeLayout
+
+    calls = []
+
+    class FinalStatesOnly:
+        name, final_states_only = "final-states-only", True
+
+        def __call__(self, *a, **kw):
+            calls.append(1)
+            assert not kw["output_chunk_states"]
+            return chunk_delta_rule_varlen(*a, **kw)
+
+    b = 4
+    main = list(range(100, 100 + 6 * b))
+    forks = (b, 2 * b + 1, 3 * b + 1, 4 * b + 1, 5 * b + 1)
+    seqs = [main, *([*main[:f], 1000 + f] for f in forks)]
+    forest = RolloutForest.from_sequences(seqs)
+    layout = TreeLayout(forest, chunk_size=b, linear_backend=FinalStatesOnly())
+    c = forest.num_compact_tokens
+    q, k, v = (torch.randn(c, 1, 8, dtype=torch.float64) for _ in range(3))
+    g, beta = -torch.rand(c, 1, dtype=torch.float64), torch.rand(c, 1, dtype=torch.float64)
+    layout.linear_attention(q, k, v, g, beta)
+    assert layout.linear_plan.plan.num_rounds == 2
+    assert layout.linear_plan.num_rounds == len(calls) == 6
+    assert build_linear_layout(forest, chunk_size=b).num_rounds == 2  # the reference: as planned
+
+
 def test_split_plan_is_noop_without_mid_member_states():
     forest = RolloutForest.expanded([list(range(50)), list(range(100, 170))])
     arr = plan_linear_calls(forest, chunk_size=16).arrays
@@ -546,6 +577,11 @@ def _fake_hopper(monkeypatch, capability=(9, 0), triton_version="3.6.0") -> None
         ((9, 0), "3.4.0", "channels"),
         ((9, 0), "3.7.0+gitabc", "channels"),
         ((9, 0), "3.7.1", "native"),
+        # fla compares with packaging.version: pre-releases sort below their release
+        ((9, 0), "3.7.1rc1", "channels"),
+        ((9, 0), "3.7.1a0", "channels"),
+        ((9, 0), "3.4.0rc1", "native"),
+        ((9, 0), "not-a-version", "native"),
         ((9, 0), "3.10.0", "native"),
         ((9, 0), "3.3.1", "native"),
         ((8, 0), "3.6.0", "native"),

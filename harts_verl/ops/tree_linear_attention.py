@@ -43,6 +43,12 @@ class LinearLayout:
     rounds: tuple[_RoundTensors, ...]
     inverse_rows: torch.Tensor  # [C]: position of each row in the concatenated round outputs
 
+    @property
+    def num_rounds(self) -> int:
+        """The packed calls a layer runs: the plan's rounds, or more where a kernel that
+        returns final states only runs the plan split at its saved boundaries."""
+        return len(self.rounds)
+
 
 def build_linear_layout(
     forest: RolloutForest,

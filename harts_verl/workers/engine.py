@@ -1739,9 +1739,10 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             )
         stats = {"compact_tokens": forest.num_compact_tokens, "replay_tokens": 0, "rounds": 0}
         if "linear_plan" in layout.__dict__:
-            plan = layout.linear_plan.plan
-            stats["replay_tokens"] = int(plan.replay_tokens)
-            stats["rounds"] = int(plan.num_rounds)
+            stats["replay_tokens"] = int(layout.linear_plan.plan.replay_tokens)
+            # the rounds that ran: a kernel that returns final states only (fla) runs the
+            # plan split at its saved boundaries, with more rounds than planned
+            stats["rounds"] = layout.linear_plan.num_rounds
         return model_output, anchor, stats
 
     def forward_step(self, micro_batch: TensorDict, loss_function, forward_only):

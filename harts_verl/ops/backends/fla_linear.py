@@ -53,7 +53,6 @@ from typing import Any
 
 import torch
 
-from harts_verl.ops._version import release_tuple
 from harts_verl.ops.backends.routes import count_route
 from harts_verl.ops.linear_attention import DeltaRuleOutput, chunk_delta_rule_varlen, l2norm
 
@@ -81,18 +80,24 @@ SCALAR_GATE_MODES = ("auto", "native", "channels")
 SCALAR_GATE_ENV = "HARTS_FLA_SCALAR_GATE"
 # Triton versions whose Hopper code for fla's gated ``chunk_bwd_dqkwg`` is wrong (fla #640): fla
 # 0.6 raises in the backward of its scalar-gate kernels there.
-_BLOCKED_TRITON = ((3, 4, 0), (3, 7, 1))
+_BLOCKED_TRITON = ("3.4.0", "3.7.1")
 
 
 def scalar_gate_guard(capability: tuple[int, int], triton_version: str | None) -> str | None:
     """Why fla 0.6 refuses its scalar-gate backward on a GPU of compute ``capability`` with
     Triton ``triton_version`` (None: Triton missing), or None where it runs: Hopper (9.x) with
-    Triton in [3.4.0, 3.7.1) (fla issue #640)."""
+    Triton in [3.4.0, 3.7.1) (fla issue #640), compared as fla compares them
+    (``packaging.version``: a pre-release such as 3.7.1rc1 is below 3.7.1)."""
+    from packaging.version import InvalidVersion, Version
+
     if capability[0] != 9 or not triton_version:
         return None
-    version = release_tuple(triton_version)
-    low, high = _BLOCKED_TRITON
-    if not version or not (low <= version < high):
+    try:
+        version = Version(triton_version)
+    except InvalidVersion:
+        return None
+    low, high = (Version(v) for v in _BLOCKED_TRITON)
+    if not low <= version < high:
         return None
     return (
         f"Hopper (sm_{capability[0]}{capability[1]}) with Triton {triton_version}: fla refuses "
