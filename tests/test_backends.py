@@ -508,8 +508,14 @@ def test_fla_wrapper_refusals():
         kern(q, k, v, g, beta, cu_seqlens=None, output_chunk_states=True)
     with pytest.raises(ValueError, match="chunk_size must be in"):
         kern(q, k, v, g, beta, cu_seqlens=None, chunk_size=16)
+    kernel_routes(reset=True)
     with pytest.raises(ValueError, match="initial_state"):
         kern(q, k, v, g, beta, cu_seqlens=None, initial_state=torch.zeros(2, 4, 8, 6))
+    # a state that is not float32 is refused as the reference refuses it (fla up-cast it)
+    h0 = torch.zeros(1, v.shape[1], q.shape[2], v.shape[2], dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="initial_state must be float32"):
+        kern(q, k, v, g, beta, cu_seqlens=None, initial_state=h0)
+    assert kernel_routes(reset=True) == {}  # refused calls are not tallied
     x64 = [t.double() for t in (q, k, v, g, beta)]
     with pytest.raises(TypeError, match="float64"):
         kern(*x64, cu_seqlens=None)

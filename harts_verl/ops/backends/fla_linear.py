@@ -332,7 +332,6 @@ class FlaLinearKernel:
             )
         if kdim > MAX_KEY_DIM:
             raise ValueError(f"linear backend 'fla': key head dim {kdim} > {MAX_KEY_DIM}")
-        count_route("linear/fla")
         if cu_seqlens is None:
             n = 1
             cu = None
@@ -346,7 +345,13 @@ class FlaLinearKernel:
                     f"initial_state must be [N, HV, K, V] = {(n, hv, kdim, v.shape[2])}, "
                     f"got {tuple(initial_state.shape)}"
                 )
-            h0 = initial_state.to(torch.float32)
+            if initial_state.dtype != torch.float32:  # the reference's rule (q, k, v not float64)
+                raise ValueError(
+                    f"initial_state must be float32 (exact boundary states), got "
+                    f"{initial_state.dtype}"
+                )
+            h0 = initial_state
+        count_route("linear/fla")  # a call refused above is not tallied
         if channels:  # a scalar decay is a per-channel decay equal in every key channel
             g = g.unsqueeze(-1).expand(t, hv, kdim)
             kda = True
