@@ -199,7 +199,13 @@ def test_agent_text_leaves_out_tool_calls_of_every_parser(fmt):
     from verl.experimental.agent_loop.tool_parser import ToolParser
 
     from harts_verl.workers.envs import testing
-    from harts_verl.workers.envs.tau_agent import agent_text, call_markers, model_runs
+    from harts_verl.workers.envs.tau_agent import (
+        TauTool,
+        agent_text,
+        call_markers,
+        model_runs,
+        parser_contents,
+    )
 
     tok = testing.byte_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": _SPECIAL})
@@ -211,8 +217,12 @@ def test_agent_text_leaves_out_tool_calls_of_every_parser(fmt):
     second = tok.encode("I cannot cancel it.", add_special_tokens=False)
     ids, mask = first + user + second, [1] * len(first) + [0] * len(user) + [1] * len(second)
     assert model_runs(ids, mask) == [first, second]
-    # the agent loop's route: the parser's own content of each turn, then the markers
-    contents = [asyncio.run(parser.extract_tool_calls(run))[0] for run in model_runs(ids, mask)]
+    # the agent loop's route: the parser's own content of each turn (given the tools' schema
+    # objects, as veRL gives them: kimi's parser reads their attributes), then the markers
+    names = ("get_order_details", "cancel_pending_order")
+    tools = [TauTool({"type": "native", "domain": "retail_mini", "name": n}) for n in names]
+    schemas = [t.tool_schema for t in tools]
+    contents = asyncio.run(parser_contents(parser, model_runs(ids, mask), schemas))
     text = agent_text(tok, ids, mask, markers, None, contents)
     assert "delivered" not in text and "Let me check." in text and "I cannot cancel it." in text
     # the markers alone (a call the parser could not read) keep the arguments out as well

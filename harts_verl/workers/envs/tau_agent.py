@@ -54,6 +54,7 @@ __all__ = [
     "agent_text",
     "call_markers",
     "model_runs",
+    "parser_contents",
     "tool_config",
 ]
 
@@ -179,6 +180,13 @@ _MARKER_ATTRIBUTES = (
 _HARMONY_CALL = (" to=functions.", "<|call|>")
 
 
+async def parser_contents(parser: Any, runs: list[list[int]], tools: list[Any]) -> list[str]:
+    """What a veRL tool ``parser`` leaves of each of the model's token ``runs`` once it takes
+    the run's tool calls out (its ``extract_tool_calls`` content), given the loop's ``tools``
+    (their ``OpenAIFunctionToolSchema`` objects, as veRL's own generating step passes them)."""
+    return [(await parser.extract_tool_calls(run, tools))[0] for run in runs]
+
+
 def call_markers(parser: Any) -> tuple[tuple[str, str], ...]:
     """The ``(start, end)`` markers of a tool call in the model's text for a veRL tool parser
     (``end`` may be empty), whichever attribute names the parser uses; gpt-oss's harmony
@@ -274,10 +282,9 @@ class HartsTauAgentLoop(HartsToolAgentLoop):
         outputs = await super().run_tree(sampling_params, fork=fork, priority=priority, **kwargs)
         for out in outputs:  # the reward searches what the agent said, not tool or user text
             # the parser's own content of each turn: its tool calls out, whatever their format
-            contents = [
-                (await self.tool_parser.extract_tool_calls(run, self.tool_schemas))[0]
-                for run in model_runs(out.response_ids, out.response_mask)
-            ]
+            tools = [tool.tool_schema for tool in self.tools.values()]  # as veRL passes them
+            runs = model_runs(out.response_ids, out.response_mask)
+            contents = await parser_contents(self.tool_parser, runs, tools)
             out.extra_fields[AGENT_TEXT_KEY] = agent_text(
                 self.tokenizer, out.response_ids, out.response_mask, *self._not_said, contents
             )
