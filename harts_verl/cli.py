@@ -304,9 +304,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
     with _inputs():  # load_inputs names the flag at fault itself
         model, seqs = check.load_inputs(args)
-    res = check.run_check(
-        model, seqs, chunk_size=args.chunk_size, tol=args.tol, fail_above=args.fail_above
-    )
+    res = check.audit(model, seqs, args)
     _print_json(res)
     return check.audit_status(res)
 

@@ -731,12 +731,18 @@ def main(argv: list[str] | None = None) -> int:
     return _audit(model, seqs, args)
 
 
+def audit(model: torch.nn.Module, seqs: list[list[int]], args: argparse.Namespace) -> dict:
+    """:func:`run_check` with the parsed ``check`` options (its exit status:
+    :func:`audit_status`)."""
+    return run_check(
+        model, seqs, chunk_size=args.chunk_size, tol=args.tol, fail_above=args.fail_above
+    )
+
+
 def _audit(model: torch.nn.Module, seqs: list[list[int]], args: argparse.Namespace) -> int:
     from harts_verl.tree.inspect import json_text
 
-    res = run_check(
-        model, seqs, chunk_size=args.chunk_size, tol=args.tol, fail_above=args.fail_above
-    )
+    res = audit(model, seqs, args)
     print(json_text(res))
     return audit_status(res)
 
