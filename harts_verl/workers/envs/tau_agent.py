@@ -280,9 +280,9 @@ class HartsTauAgentLoop(HartsToolAgentLoop):
                 )
             kwargs["raw_prompt"] = [*raw, {"role": "user", "content": opening}]
         outputs = await super().run_tree(sampling_params, fork=fork, priority=priority, **kwargs)
+        tools = [tool.tool_schema for tool in self.tools.values()]  # as veRL passes them
         for out in outputs:  # the reward searches what the agent said, not tool or user text
             # the parser's own content of each turn: its tool calls out, whatever their format
-            tools = [tool.tool_schema for tool in self.tools.values()]  # as veRL passes them
             runs = model_runs(out.response_ids, out.response_mask)
             contents = await parser_contents(self.tool_parser, runs, tools)
             out.extra_fields[AGENT_TEXT_KEY] = agent_text(
