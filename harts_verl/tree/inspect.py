@@ -71,8 +71,9 @@ def plot_path(path: str | os.PathLike[str]) -> str:
     would write, so the reported path is the real one). The suffix must be one of matplotlib's
     formats (``FigureCanvasBase.get_supported_filetypes``: png, pdf, svg, ...); the file must not
     be a directory, its directory must exist and be writable, and an existing file must be
-    writable; ``.pgf`` needs matplotlib's LaTeX (``pgf.texsystem``) on PATH. Raises ``ValueError`` naming ``plot`` otherwise, or when matplotlib is not
-    installed (it is in the ``bench`` extra). Nothing is created."""
+    writable; ``.pgf`` needs matplotlib's LaTeX (``pgf.texsystem``) on PATH. Raises
+    ``ValueError`` naming ``plot`` otherwise, or when matplotlib is not installed (it is in the
+    ``bench`` extra). Nothing is created."""
     name = os.fspath(path)
     if not name:
         raise ValueError("plot: expected a file name, got ''")
