@@ -310,3 +310,41 @@ def test_validation_errors() -> None:
             torch.randn(E, 3, 2),
             torch.randn(E, 3, 3),
         )
+
+
+def test_native_moe_counts_rows_shared_past_bf16_integers() -> None:
+    """A bf16 native model's MoE layers weight each row by its exact multiplicity (257 here;
+    bf16 holds integers only to 256), so its aux loss is the trajectory-wise mean."""
+    from harts_verl.models.config import preset
+    from harts_verl.models.hybrid import HybridForCausalLM
+    from harts_verl.ops.layout import TreeLayout
+
+    torch.manual_seed(0)
+    cfg = preset("tiny")
+    model = HybridForCausalLM(cfg).to(torch.bfloat16).eval()
+    seqs = [[5, 6, 7 + j // 7, 7 + j % 7] for j in range(257)]  # rows 5 and 6: 257 trajectories
+    forest = RolloutForest.from_sequences(seqs)
+    layout = TreeLayout(forest, chunk_size=cfg.chunk_size)
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def hook(module, args, out):
+        x, w = args
+        _, route = module.route(x)
+        rows = torch.as_tensor(forest.semantic_rows)
+        expanded = load_balancing_loss(
+            route.probs[rows], route.experts[rows], cfg.num_experts, cfg.num_experts_per_tok
+        )
+        seen.append((w, out[1], expanded))
+
+    moe_layers = [layer for layer in model.layers if layer.is_moe]
+    assert moe_layers
+    handles = [layer.ffn.register_forward_hook(hook) for layer in moe_layers]
+    with torch.no_grad():
+        model(layout.token_ids, layout)
+    for h in handles:
+        h.remove()
+    mult = torch.as_tensor(forest.multiplicity, dtype=torch.float64)
+    assert int(mult.max()) == 257
+    for w, aux, expanded in seen:
+        assert torch.equal(w.double(), mult)
+        assert abs(float(aux) - float(expanded)) <= 1e-6 * max(1.0, abs(float(expanded)))

@@ -31,7 +31,10 @@ class HybridDecoderLayer(nn.Module):
         x = x + self.mixer(self.input_norm(x), layout)
         h = self.post_norm(x)
         if self.is_moe:
-            out, aux = self.ffn(h, layout.row_weights(h.dtype))
+            # multiplicities in the router's float32 (float64) math: bf16 holds integers only
+            # to 256, so a row shared by more trajectories would be undercounted
+            w_dtype = torch.float64 if h.dtype == torch.float64 else torch.float32
+            out, aux = self.ffn(h, layout.row_weights(w_dtype))
         else:
             out, aux = self.ffn(h), h.new_zeros(())
         return x + out, aux
