@@ -390,9 +390,32 @@ def test_bad_requests_are_named(server):
         ({"repetition_penalty": 5.0}, ValueError, "repetition_penalty: 5.0 is not supported"),
         ({"presence_penalty": 0.5}, ValueError, "presence_penalty"),
         ({"min_p": 0.1}, ValueError, "min_p"),
+        ({"top_k": -5}, ValueError, "sampling_params.top_k: expected -1, 0"),
+        ({"min_tokens": 3}, ValueError, "sampling_params.min_tokens: 3 is not supported"),
+        ({"n": 2}, ValueError, "sampling_params.n"),
+        ({"logit_bias": {5: -100.0}}, ValueError, "sampling_params.logit_bias"),
+        ({"stop": ["</tool>"]}, ValueError, "sampling_params.stop"),
+        ({"stop": "x"}, ValueError, "sampling_params.stop"),
+        ({"bad_words": 3}, TypeError, "sampling_params.bad_words"),
+        ({"stop_token_ids": 5}, TypeError, "sampling_params.stop_token_ids"),
+        ({"stop_token_ids": [2.5]}, TypeError, "sampling_params.stop_token_ids"),
     ]:
         with pytest.raises(err, match=msg):
             _gen(server, [1, 2], **sp)
+    # token ids outside the model's vocabulary (the embedding raised an unnamed IndexError)
+    vocab = server.vocab_size
+    for prompt, err, msg in [
+        ([1, vocab], ValueError, rf"prompt_ids\[1\]: token id {vocab} is outside .*\[0, {vocab}\)"),
+        ([-1], ValueError, r"prompt_ids\[0\]: token id -1"),
+        ([1, 2.0], TypeError, "prompt_ids: expected a flat list of int token ids, got 2.0"),
+        ([[1, 2]], TypeError, "prompt_ids"),
+        ("12", TypeError, "prompt_ids"),
+    ]:
+        with pytest.raises(err, match=msg):
+            _gen(server, prompt, temperature=0)
+    # neutral values of the parameters the server does not apply are accepted
+    sp = {"stop": None, "logit_bias": {}, "min_tokens": 0, "n": 1, "bad_words": []}
+    assert len(_gen(server, [1, 2], max_tokens=2, temperature=0, **sp).token_ids) == 2
     # veRL's own request: neutral values, None for unset ones
     sp = {"temperature": None, "top_p": None, "top_k": None, "repetition_penalty": 1.0}
     assert len(_gen(server, [1, 2], max_tokens=2, **sp).token_ids) == 2
@@ -401,3 +424,24 @@ def test_bad_requests_are_named(server):
 
     sp = {"temperature": np.float32(0.7), "top_p": np.float32(0.9), "top_k": np.int64(5)}
     assert len(_gen(server, [1, 2], max_tokens=2, **sp).token_ids) == 2
+
+
+def test_tiny_temperature_is_greedy_and_tiny_top_p_keeps_the_top_token(tmp_path):
+    """As vLLM: a temperature below 1e-5 samples greedily with the raw log-probs (1e-6 returned
+    log-probs of 0.0, 1e-45 crashed in multinomial), and a top_p that rounds to 0 in float32
+    keeps the most likely token (it masked every token and crashed)."""
+    from harts_verl.workers import testing
+    from harts_verl.workers.rollout.cpu_server import HFGenerationServer
+
+    path = testing.save_tiny_model("qwen2", str(tmp_path / "qwen2"), seed=1)  # untied top tokens
+    cfg = SimpleNamespace(max_model_len=None, prompt_length=16, response_length=16)
+    server = HFGenerationServer(cfg, SimpleNamespace(path=path, tokenizer=None))
+    greedy = _gen(server, [1, 2, 3], temperature=0, max_tokens=4, logprobs=True)
+    assert min(greedy.log_probs) < -1e-3  # a real distribution, not a one-hot
+    for t in (1e-6, 1e-45):
+        out = _gen(server, [1, 2, 3], temperature=t, max_tokens=4, logprobs=True)
+        assert out.token_ids == greedy.token_ids and out.log_probs == greedy.log_probs
+    tiny_p = _gen(server, [1, 2, 3], temperature=1.0, top_p=1e-46, max_tokens=4, logprobs=True)
+    assert tiny_p.token_ids == greedy.token_ids and tiny_p.log_probs == [0.0] * len(
+        greedy.token_ids
+    )

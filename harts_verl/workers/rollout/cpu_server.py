@@ -25,6 +25,7 @@ import re
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 from harts_verl.tree._checks import finite_float
@@ -86,6 +87,7 @@ def sample_tokens(
                 if top_p < 1.0:
                     sorted_lp, order = torch.sort(logp, descending=True)
                     keep = torch.cumsum(sorted_lp.exp(), -1) - sorted_lp.exp() < top_p
+                    keep[0] = True  # the most likely token always stays (vLLM's rule)
                     mask = torch.full_like(logp, float("-inf"))
                     mask[order[keep]] = 0.0
                     logp = torch.log_softmax(logp + mask, -1)
@@ -144,21 +146,52 @@ def request_seed(request_id: str, prompt_length: int, seed: Any = None) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
+def token_id_list(values: Any, name: str, vocab_size: int | None) -> list[int]:
+    """``values`` (a flat sequence of integers, e.g. ``prompt_ids``) as a list of ints, each in
+    ``[0, vocab_size)`` (any int >= 0 when ``vocab_size`` is None). ``TypeError`` /
+    ``ValueError`` naming ``name`` and the first bad value otherwise (vLLM refuses ids outside
+    the vocabulary; the model would fail with an unnamed ``IndexError``)."""
+    if isinstance(values, str | bytes | dict) or not hasattr(values, "__len__"):
+        raise TypeError(f"{name}: expected a list of token ids, got {values!r}")
+    arr = np.asarray(values)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        bad = next((v for v in values if not _is_int(v)), values) if arr.ndim == 1 else values
+        raise TypeError(f"{name}: expected a flat list of int token ids, got {bad!r}")
+    if arr.size:
+        hi = vocab_size if vocab_size is not None else None
+        outside = (arr < 0) if hi is None else (arr < 0) | (arr >= hi)
+        if outside.any():
+            at = int(np.argmax(outside))
+            limit = f"[0, {hi})" if hi is not None else ">= 0"
+            raise ValueError(
+                f"{name}[{at}]: token id {int(arr[at])} is outside the vocabulary {limit}"
+            )
+    return [int(v) for v in arr.tolist()]
+
+
 # vLLM sampling parameters this server does not apply, with the value at which they do nothing
 _NEUTRAL = {
     "repetition_penalty": 1.0,
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
     "min_p": 0.0,
+    "min_tokens": 0,
+    "n": 1,
 }
+# ... and those it does not apply that do nothing when None or empty
+_NEUTRAL_EMPTY = ("stop", "logit_bias", "bad_words", "allowed_token_ids")
+# vLLM samples greedily below this temperature (its ``_SAMPLING_EPS``)
+_GREEDY_BELOW = 1e-5
 
 
 def sampling_options(sampling_params: dict[str, Any]) -> tuple[float, int, float]:
     """``(temperature, top_k, top_p)`` of a request as vLLM reads them: ``temperature``
-    (default 1.0; 0 = greedy) a finite number >= 0, ``top_k`` an int (0, -1 or None: off),
-    ``top_p`` in (0, 1] (None: 1.0). ``ValueError`` / ``TypeError`` naming
-    ``sampling_params.<key>`` otherwise, and for a penalty or ``min_p`` this server does not
-    apply (``repetition_penalty`` other than 1, ...), which it would otherwise ignore."""
+    (default 1.0) a finite number >= 0, below 1e-5 greedy (returned as ``(0.0, -1, 1.0)``),
+    ``top_k`` an int (0, -1 or None: off; below -1 refused), ``top_p`` in (0, 1] (None: 1.0).
+    ``ValueError`` / ``TypeError`` naming ``sampling_params.<key>`` otherwise, and for a
+    parameter this server does not apply (a penalty, ``min_p``, ``min_tokens``, ``n`` other
+    than 1, a non-empty ``stop`` / ``logit_bias`` / ``bad_words`` / ``allowed_token_ids``),
+    which it would otherwise ignore."""
     import numbers
 
     def number(key: str, default: float) -> float:
@@ -182,12 +215,25 @@ def sampling_options(sampling_params: dict[str, Any]) -> tuple[float, int, float
         top_k = -1
     elif not _is_int(top_k):
         raise TypeError(f"sampling_params.top_k: expected an int, got {top_k!r}")
+    elif int(top_k) < -1:
+        raise ValueError(f"sampling_params.top_k: expected -1, 0 (off) or >= 1, got {top_k!r}")
     for key, neutral in _NEUTRAL.items():
         if number(key, neutral) != neutral:
             raise ValueError(
                 f"sampling_params.{key}: {sampling_params[key]!r} is not supported by the "
                 f"{NAME} CPU rollout server (only {neutral})"
             )
+    for key in _NEUTRAL_EMPTY:
+        value = sampling_params.get(key)
+        if value is not None and not isinstance(value, str | list | tuple | dict):
+            raise TypeError(f"sampling_params.{key}: expected a list, dict or None, got {value!r}")
+        if value is not None and (isinstance(value, str) or len(value) > 0):
+            raise ValueError(
+                f"sampling_params.{key}: {value!r} is not supported by the {NAME} CPU rollout "
+                "server (only None or empty)"
+            )
+    if temperature < _GREEDY_BELOW:
+        return 0.0, -1, 1.0
     return temperature, int(top_k) if int(top_k) > 0 else -1, top_p
 
 
@@ -317,6 +363,16 @@ class HFGenerationServer:
         """The first of :attr:`eos_token_ids` (the tokenizer's eos when it has one)."""
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
+    @property
+    def vocab_size(self) -> int | None:
+        """Rows of the model's input embedding (the ids a prompt may hold); None if unknown."""
+        get = getattr(self.model, "get_input_embeddings", None)
+        emb = get() if callable(get) else None
+        rows = getattr(emb, "num_embeddings", None)
+        if rows is None:
+            rows = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        return int(rows) if _is_int(rows) else None
+
     # ------------------------------------------------------------------ generation
     async def generate(
         self,
@@ -339,6 +395,7 @@ class HFGenerationServer:
         if self._lock is None:
             self._lock = asyncio.Lock()
         sp = dict(sampling_params or {})
+        prompt_ids = token_id_list(prompt_ids, "prompt_ids", self.vocab_size)
         if len(prompt_ids) == 0:
             raise ValueError("prompt_ids: empty prompt (at least one token is needed)")
         temperature, top_k, top_p = sampling_options(sp)
@@ -349,7 +406,10 @@ class HFGenerationServer:
             config_prompt_length=self.config.prompt_length,
             response_length=self.config.response_length,
         )
-        stops = list(sp.get("stop_token_ids") or [])
+        stops = sp.get("stop_token_ids")
+        stops = token_id_list(
+            [] if stops is None else stops, "sampling_params.stop_token_ids", None
+        )
         if not sp.get("ignore_eos", False):
             stops.extend(self.eos_token_ids)
         seed = request_seed(request_id, len(prompt_ids), sp.get("seed"))
