@@ -430,7 +430,7 @@ _PRECOMPILE_FLAGS = {
 
 def _cmd_precompile(args: argparse.Namespace) -> int:
     from harts_verl.benchmark import BenchConfig
-    from harts_verl.precompile import precompile_model, target_device
+    from harts_verl.precompile import check_precompile_config, precompile_model, target_device
 
     def progress(msg: str) -> None:
         if not args.no_progress:
@@ -445,12 +445,13 @@ def _cmd_precompile(args: argparse.Namespace) -> int:
             recompute=args.recompute,
             seed=args.seed,
         )
+        check_precompile_config(cfg)  # before the target is read or anything compiled
         device = target_device(args.target)
-    _print_json(
-        precompile_model(
+        # the model's weights are read inside the compile (a directory without weights, ...)
+        out = precompile_model(
             cfg, device=device, autotune=args.autotune, jobs=args.jobs, progress=progress
         )
-    )
+    _print_json(out)
     return 0
 
 

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from harts_verl.benchmark import DTYPES, BenchConfig, bench_model
+from harts_verl.models.config import preset
 from harts_verl.ops.backends.fla_linear import (
     FlaLinearKernel,
     load_fla_gla_ops,
@@ -36,10 +37,19 @@ from harts_verl.ops.backends.fla_linear import (
     scalar_gate_guard,
 )
 from harts_verl.ops.backends.triton_cache import DeviceInfo, check_triton, compile_ahead
+from harts_verl.ops.layout import check_chunk_size
 from harts_verl.runtime import ExpandedRunner, TreeRunner
 from harts_verl.tree import RolloutForest
+from harts_verl.tree._checks import SEED_MAX, check_int
 
-__all__ = ["TARGETS", "fla_kernel_for", "precompile_model", "target_device", "warmup_sequences"]
+__all__ = [
+    "TARGETS",
+    "check_precompile_config",
+    "fla_kernel_for",
+    "precompile_model",
+    "target_device",
+    "warmup_sequences",
+]
 
 TARGETS = ("current", "h100")
 
@@ -110,6 +120,27 @@ def fla_kernel_for(device: DeviceInfo) -> FlaLinearKernel:
     )
 
 
+def check_precompile_config(cfg: BenchConfig) -> torch.dtype:
+    """The torch dtype of ``cfg`` after checking, before anything is built or compiled, what
+    :func:`precompile_model` reads: ``dtype`` (not float64: no fla kernels run then),
+    ``chunk_size``, ``seed``, and ``preset`` or ``model`` (its config is read and its type must
+    have a tree mode; the weights are not loaded). ``ValueError`` naming the field otherwise."""
+    dtype = DTYPES.get(cfg.dtype)
+    if dtype is None:
+        raise ValueError(f"dtype: unknown {cfg.dtype!r}, expected one of {sorted(DTYPES)}")
+    if dtype == torch.float64:
+        raise ValueError("dtype: float64 runs on the torch reference (no fla kernels to compile)")
+    check_chunk_size(cfg.chunk_size)
+    check_int("seed", cfg.seed, 0, SEED_MAX)
+    if cfg.model is None:
+        preset(cfg.preset)  # an unknown preset is a ValueError naming it
+    else:
+        from harts_verl.workers.check import tree_model_config
+
+        tree_model_config(cfg.model)
+    return dtype
+
+
 def precompile_model(
     cfg: BenchConfig,
     *,
@@ -137,11 +168,7 @@ def precompile_model(
             "precompile: fla is already imported in this process (it reads the GPU at import); "
             "run it in a process of its own"
         )
-    dtype = DTYPES.get(cfg.dtype)
-    if dtype is None:
-        raise ValueError(f"dtype: unknown {cfg.dtype!r}, expected one of {sorted(DTYPES)}")
-    if dtype == torch.float64:
-        raise ValueError("dtype: float64 runs on the torch reference (no fla kernels to compile)")
+    dtype = check_precompile_config(cfg)
     stats: dict[str, Any] = {}
 
     def workload() -> None:

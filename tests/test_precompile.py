@@ -95,3 +95,39 @@ def test_hopper_stand_in_describes_an_sm90_gpu():
     assert h.capability == (9, 0) and h.name.startswith("NVIDIA H")
     assert h.properties["max_shared_mem"] == 232448 and h.properties["multiprocessor_count"] == 132
     assert np.all([isinstance(v, int) for v in h.properties.values()])
+
+
+def test_precompile_cli_names_bad_inputs_before_compiling(monkeypatch, capsys, tmp_path):
+    """A bad --model / --seed / --chunk-size is one line naming the flag and exit 2, checked
+    before the target is read or anything compiled (they were tracebacks, exit 1); a model
+    directory without weights, read inside the compile, is one line too. The Triton-dependent
+    steps are stood in for: the order of the checks is what is tested."""
+    import json
+    import types
+
+    import harts_verl.precompile as pc
+    from harts_verl.cli import main
+    from harts_verl.workers import testing
+
+    reached: list[str] = []
+    monkeypatch.setattr(pc, "target_device", lambda name: reached.append("target") or object())
+    monkeypatch.setattr(pc, "compile_ahead", lambda workload, **kw: (workload(), {})[1])
+    monkeypatch.setattr(pc, "fla_kernel_for", lambda d: types.SimpleNamespace(scalar_gate="x"))
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    cfg_path = testing.save_tiny_model("qwen3_next", str(tmp_path / "m"), seed=0)
+    config = json.load(open(f"{cfg_path}/config.json"))
+    (no_weights / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()  # transformers' notes while saving the model
+    for argv, flag in [
+        (["--model", str(tmp_path / "missing")], "--model"),
+        (["--seed", str(2**70)], "--seed"),
+        (["--chunk-size", "5000"], "--chunk-size"),
+        (["--dtype", "float32", "--model", str(no_weights)], "--model"),
+    ]:
+        reached.clear()
+        code = main(["precompile", "--no-progress", *argv])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1, (argv, err)
+        assert err[0].startswith(f"harts-verl precompile: {flag}"), (argv, err)
+        assert reached == ([] if flag != "--model" or "missing" in argv[-1] else ["target"])
