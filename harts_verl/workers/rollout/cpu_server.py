@@ -22,6 +22,7 @@ import functools
 import hashlib
 import logging
 import re
+import reprlib
 import time
 from typing import Any
 
@@ -153,10 +154,19 @@ def token_id_list(values: Any, name: str, vocab_size: int | None) -> list[int]:
     the vocabulary; the model would fail with an unnamed ``IndexError``)."""
     if isinstance(values, str | bytes | dict) or not hasattr(values, "__len__"):
         raise TypeError(f"{name}: expected a list of token ids, got {values!r}")
-    arr = np.asarray(values)
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        bad = next((v for v in values if not _is_int(v)), values) if arr.ndim == 1 else values
-        raise TypeError(f"{name}: expected a flat list of int token ids, got {bad!r}")
+    try:
+        arr = np.asarray(values)
+    except (ValueError, TypeError):  # a ragged nesting
+        arr = None
+    if arr is None or arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        at = next((i for i, v in enumerate(values) if not _is_int(v)), None)
+        if at is None:  # ints numpy could not hold: past int64, so outside any vocabulary
+            at = next(i for i, v in enumerate(values) if not -(2**63) <= v < 2**63)
+            raise ValueError(f"{name}[{at}]: token id {values[at]} is outside the vocabulary")
+        raise TypeError(
+            f"{name}: expected a flat list of int token ids, got {reprlib.repr(values[at])} "
+            f"at index {at}"
+        )
     if arr.size:
         hi = vocab_size if vocab_size is not None else None
         outside = (arr < 0) if hi is None else (arr < 0) | (arr >= hi)
