@@ -154,6 +154,14 @@ def test_config_round_trip():
             dict(linear_attn_config=dict(KIMI_CONFIG["linear_attn_config"], kda_layers=[1, 2, 3])),
             "both",
         ),
+        (  # JSON true is no layer number (it was read as layer 1)
+            dict(
+                linear_attn_config=dict(
+                    KIMI_CONFIG["linear_attn_config"], kda_layers=[True, 2, 4, 5]
+                )
+            ),
+            "kda_layers has True",
+        ),
         (dict(layer_types=["linear_attention"] * 5), "layer_types"),
         (dict(mlp_layer_types=["dense"] * 5 + ["moe"]), "mlp_layer_types"),
     ],

@@ -71,7 +71,11 @@ def _kimi_layer_types(d: Mapping[str, Any], n: int) -> list[str]:
                     f"1-indexed layers, got {lac[key]!r}"
                 )
             for one_based in lac[key]:
-                if not isinstance(one_based, int) or not 1 <= one_based <= n:
+                if (
+                    not isinstance(one_based, int)
+                    or isinstance(one_based, bool)  # JSON true is no layer number
+                    or not 1 <= one_based <= n
+                ):
                     raise ValueError(
                         f"kimi_linear config: linear_attn_config.{key} has {one_based!r}, "
                         f"expected 1-indexed layers in [1, {n}]"
