@@ -862,6 +862,42 @@ def test_distillation_and_sequence_parallel_fall_back(verl_cpu):
     engine.ulysses_sequence_parallel_size = 1
 
 
+def test_topk_distillation_fallback_runs_the_stock_loss(verl_cpu):
+    """The fallback batch of top-k distillation trains as stock fsdp2 does: veRL's loss branches
+    on the bound actor config's literal strategy name, which was ``harts_fsdp2`` there
+    (NotImplementedError at the first update)."""
+    from verl.trainer.distillation.losses import distillation_ppo_loss
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.config.distillation import DistillationConfig, DistillationLossConfig
+
+    testing, paths = verl_cpu
+    seqs, prompt_lens, _ = _grpo_batch(seed=2)
+    dc = DistillationConfig(
+        enabled=False,
+        distillation_loss=DistillationLossConfig(
+            loss_mode="forward_kl_topk", topk=2, use_policy_gradient=False, use_task_rewards=False
+        ),
+    )
+
+    def nested(ts):
+        return torch.nested.as_nested_tensor(ts, layout=torch.jagged)
+
+    metrics = {}
+    for strategy in ("fsdp2", "harts_fsdp2"):
+        cfg = testing.actor_config(strategy=strategy)
+        engine = testing.build_engine(paths["qwen2"], cfg)
+        td = testing.make_batch(seqs, prompt_lens)
+        td["teacher_logprobs"] = nested([torch.log(torch.full((len(q), 2), 0.4)) for q in seqs])
+        td["teacher_ids"] = nested([torch.tensor([[1, 2]] * len(q)) for q in seqs])
+        tu.assign_non_tensor(td, distillation_use_topk=True, distillation_only=True)
+        loss = partial(distillation_ppo_loss, config=cfg, distillation_config=dc)
+        metrics[strategy] = engine.train_batch(td, loss_function=loss)["metrics"]
+        assert cfg.strategy == strategy  # the caller's config is left as it was
+    ref, tree = metrics["fsdp2"], metrics["harts_fsdp2"]
+    assert tree["harts/fallback"] == [1.0]
+    assert tree["grad_norm"] == ref["grad_norm"] and ref["grad_norm"] > 0
+
+
 def test_split_dependent_losses_are_named(verl_cpu, caplog):
     """Losses whose value depends on the micro-batching (per-micro-batch padded width,
     covariance selection, means over a micro-batch) are named, and once in a WARNING when they

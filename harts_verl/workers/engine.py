@@ -59,6 +59,7 @@ Every micro-batch of a fallback batch runs veRL's own ``forward_step``.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import time
@@ -351,6 +352,20 @@ def _loss_config(loss_function: Any) -> Any:
     except (TypeError, ValueError):  # no signature, or arguments it does not take
         return None
     return bound.arguments.get("config")
+
+
+def stock_strategy_loss(loss_function: Any) -> Any:
+    """``loss_function`` as veRL's stock FSDP2 engine would receive it: a ``functools.partial``
+    bound to a ``config`` whose ``strategy`` is ``harts_fsdp2`` is rebound to a shallow copy
+    with ``strategy="fsdp2"`` (veRL's top-k distillation loss branches on the literal FSDP
+    names and refused ours); anything else is returned as it is."""
+    keywords = getattr(loss_function, "keywords", None) or {}
+    config = keywords.get("config")
+    if not isinstance(loss_function, partial) or getattr(config, "strategy", None) != STRATEGY:
+        return loss_function
+    stock = copy.copy(config)
+    object.__setattr__(stock, "strategy", "fsdp2")
+    return partial(loss_function.func, *loss_function.args, **{**keywords, "config": stock})
 
 
 def split_dependent_loss(loss_function: Any) -> str | None:
@@ -1782,7 +1797,9 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             micro_batch = tu.index_select_tensor_dict(micro_batch, list(range(len(micro_batch))))
             tu.assign_non_tensor(micro_batch, use_remove_padding=False)
         with self._stock_attention():
-            return super().forward_step(micro_batch, loss_function, forward_only)
+            return super().forward_step(
+                micro_batch, stock_strategy_loss(loss_function), forward_only
+            )
 
     # ------------------------------------------------------------------ audit
     def _packed_reference_leaks(self) -> bool:
