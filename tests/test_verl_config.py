@@ -286,12 +286,14 @@ def test_reference_policy_takes_the_actor_harts_section(caplog):
     from harts_verl.workers.trainer import check_ref_harts
 
     cfg = composed(*actor_opts, "+actor_rollout_ref.ref.harts.chunk=3")
-    apply_harts_ref_config(cfg)
-    with pytest.raises(Exception, match=r"harts\.chunk: unknown key"):
-        _ref_dataclass(cfg)
     with pytest.raises(ValueError, match=r"actor_rollout_ref\.ref\.harts\.chunk: unknown key"):
-        check_ref_harts(cfg)
-    cfg = composed(*actor_opts, "+actor_rollout_ref.ref.harts.chunk_size=0")
+        apply_harts_ref_config(cfg)
+    for where in ("ref", "actor"):  # each named by the section that holds it
+        cfg = composed(*actor_opts, f"++actor_rollout_ref.{where}.harts.chunk_size=0")
+        with pytest.raises(ValueError, match=rf"^actor_rollout_ref\.{where}\.harts\.chunk_size"):
+            apply_harts_ref_config(cfg)
+    # without an actor section to inherit, the reference's own is checked at startup
+    cfg = composed("+actor_rollout_ref.ref.harts.chunk_size=0")
     apply_harts_ref_config(cfg)
     with pytest.raises(ValueError, match=r"actor_rollout_ref\.ref\.harts\.chunk_size"):
         check_ref_harts(cfg)

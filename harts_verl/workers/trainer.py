@@ -203,7 +203,8 @@ def apply_harts_ref_config(config: Any) -> bool:
     ``min_compression``, ``capacity_tokens``, ...). ``harts:`` options on a reference with
     another strategy select the class too (a WARNING says they are not used); an explicitly
     chosen other class is left alone, as are its options. Returns whether the config was
-    changed."""
+    changed. ``ValueError`` naming ``actor_rollout_ref.actor.harts.<key>`` or
+    ``actor_rollout_ref.ref.harts.<key>`` for a bad value in the section that holds it."""
     from omegaconf import OmegaConf, open_dict
 
     try:
@@ -229,12 +230,20 @@ def apply_harts_ref_config(config: Any) -> bool:
     base, own = plain(inherited), plain(ref.get("harts"))
     if not isinstance(base, dict) or not isinstance(own, dict):
         return changed  # not a mapping: HartsConfig names the section when it is built
+    from harts_verl.workers.config import HartsConfig
+
     for name, section in (("actor_rollout_ref.actor", base), ("actor_rollout_ref.ref", own)):
         planner = section.get("planner")
         if planner is not None and not isinstance(planner, dict):
             raise ValueError(
                 f"{name}.harts.planner: expected a mapping, got {type(planner).__name__}"
             )
+        # each section named by its own key before they merge (a bad actor value was
+        # reported under the reference's key, which the user never set)
+        try:
+            HartsConfig.from_any(section)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{name}.{exc}") from None
     merged = OmegaConf.to_container(OmegaConf.merge(base, own), resolve=True)
     if own == merged:
         return changed
