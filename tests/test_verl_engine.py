@@ -673,8 +673,11 @@ def test_audit_with_an_attention_term_dropping_kernel(verl_cpu, kind, impl, drop
     config._attn_implementation_internal = impl
     try:
         assert engine._attention_term_dropped() == dropped
-        with engine.eval_mode():
-            out = engine.infer_batch(testing.make_batch(seqs, prompt_lens, tool_spans=spans))
+        with engine.train_mode():  # the audit runs on training calls
+            out = engine.train_batch(
+                testing.make_batch(seqs, prompt_lens, tool_spans=spans),
+                loss_function=partial(_ppo_loss(), config=cfg),
+            )
         assert config._attn_implementation_internal == impl  # restored
     finally:
         config._attn_implementation_internal = saved
@@ -1108,21 +1111,24 @@ def test_fallback_and_audit(verl_cpu):
     assert out["model_output"]["log_probs"].size(0) == len(seqs)
     assert not tree_steps
 
+    # the audit counts training calls, the ones whose metrics veRL's trainer logs (a log-prob
+    # call's audit was computed and dropped): a veRL step is a log-prob call, then an update
     cfg = testing.actor_config(harts={"audit_every": 2, "audit_trajectories": 3})
     engine = testing.build_engine(paths["qwen2"], cfg)
     audits = []
     for _ in range(2):
         with engine.eval_mode():
             out = engine.infer_batch(testing.make_batch(seqs, prompt_lens, tool_spans=spans))
+        assert "harts/audit" not in out["metrics"]
+        with engine.train_mode():
+            out = engine.train_batch(
+                testing.make_batch(seqs, prompt_lens, tool_spans=spans),
+                loss_function=partial(_ppo_loss(), config=cfg),
+            )
+        assert out["metrics"]["harts/fallback"] == [0.0]
         audits.append(out["metrics"].get("harts/audit"))
     assert audits[0] is None
     assert audits[1] is not None and 0.0 <= audits[1][0] <= 1e-6
-    with engine.train_mode():
-        out = engine.train_batch(
-            testing.make_batch(seqs, prompt_lens, tool_spans=spans),
-            loss_function=partial(_ppo_loss(), config=cfg),
-        )
-    assert out["metrics"]["harts/fallback"] == [0.0]
 
 
 def test_position_ids_other_than_depths_run_on_the_stock_path(verl_cpu, caplog):
@@ -1201,8 +1207,11 @@ def test_audit_where_packed_stock_forward_leaks_is_exact(verl_cpu, kind):
     seqs, prompt_lens, spans = _multiturn_batch(seed=3)
     cfg = testing.actor_config(harts={"audit_every": 1, "audit_trajectories": 4})
     engine = testing.build_engine(paths[kind], cfg)  # packed (remove-padding) engine
-    with engine.eval_mode():
-        out = engine.infer_batch(testing.make_batch(seqs, prompt_lens, tool_spans=spans))
+    with engine.train_mode():  # the audit runs on training calls
+        out = engine.train_batch(
+            testing.make_batch(seqs, prompt_lens, tool_spans=spans),
+            loss_function=partial(_ppo_loss(), config=cfg),
+        )
     assert out["metrics"]["harts/fallback"] == [0.0]
     assert 0.0 <= out["metrics"]["harts/audit"][0] <= 1e-6
 

@@ -61,8 +61,10 @@ class HartsConfig(BaseConfig):
         (each rank's C the compact rows its planned micro-batches run: a tree split into
         several pays its shared rows in each), is below this, the batch runs the stock path
         (metric ``harts/fallback`` = 1).
-      audit_every: every N engine calls, recompute the log-probs of a sample of trajectories
-        with the stock (expanded) path and log ``harts/audit`` (max abs log-prob difference; 0 = never).
+      audit_every: every N training calls of the engine (actor / critic updates: the calls
+        whose metrics veRL's trainer logs, as ``actor/harts/audit`` / ``critic/harts/audit``),
+        recompute the log-probs (the critic: values) of a sample of trajectories with the stock
+        (expanded) path and report ``harts/audit`` (max abs difference; 0 = never).
       audit_trajectories: how many trajectories the audit samples.
       rows_per_chunk: rows per chunk of the compact log-prob/entropy kernel (memory bound).
       planner: options passed to ``plan_microbatches`` (``strategies``, ``improve``,

@@ -587,7 +587,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         self._lm_head: torch.nn.Module | None = None
         # what the causal LM's own forward does to the LM head's logits (the tree head applies it)
         self._logit_transform = LogitTransform()
-        self._calls = 0
+        self._train_calls = 0
         self._stock_batch = False  # inside a fallback batch: forward_step is veRL's
         self._fallback_logged: set[str] = set()  # fallback reasons already logged
         self._oversize_warned = False  # a micro-batch over the token budget was named
@@ -988,7 +988,8 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             )
 
     def forward_backward_batch(self, data: TensorDict, loss_function, forward_only=False):
-        self._calls += 1
+        if not forward_only:  # the calls whose metrics veRL's trainer logs (updates)
+            self._train_calls += 1
         n = len(data)
         temperature = _batch_temperature(data) if self._uses_temperature else 1.0
         forest = forest_of_batch(data) if n else None
@@ -1242,7 +1243,8 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             metrics["harts/stock_split_loss"] = [float(stock_split)]
         if loss_function is not None:
             metrics["harts/stock_metrics"] = [float(stock_split or stock_metrics)]
-        if self.harts.audit_every and self._calls % self.harts.audit_every == 0:
+        every = self.harts.audit_every
+        if every and not forward_only and self._train_calls % every == 0:
             with self._without_ulysses():  # the stock reference runs whole trajectories too
                 audit = self._audit(data, out.get("model_output", {}), temperature)
             metrics["harts/audit"] = [audit]
