@@ -201,6 +201,46 @@ def test_fork_spec_of_reads_enable_strictly(monkeypatch):
         fork_spec_of(OmegaConf.create({"harts_rollout": 3}))
     assert fork_spec_of(OmegaConf.create({"harts_rollout": None})) is None
     assert fork_spec_of(OmegaConf.create({"harts_rollout": {"fork": None}})) is None
+    # a misspelled ``fork`` turned forking off without a word
+    forks = OmegaConf.create({"harts_rollout": {"forks": {"enable": True, "budget": 4}}})
+    with pytest.raises(ValueError, match=r"harts_rollout\.forks: unknown key \(did you mean"):
+        fork_spec_of(forks)
+
+
+def test_fork_sampling_needs_the_fork_manager():
+    """Only HartsAgentLoopManager reads harts_rollout: fork sampling enabled beside another
+    manager sampled unforked without a word; main_ppo now refuses it at startup."""
+    from omegaconf import OmegaConf
+
+    from harts_verl.workers.rollout.fork import MANAGER_PATH, check_fork_manager
+
+    def cfg(manager, enable=True):
+        return OmegaConf.create(
+            {
+                "actor_rollout_ref": {
+                    "rollout": {"n": 4, "agent": {"agent_loop_manager_class": manager}}
+                },
+                "harts_rollout": {"fork": {"enable": enable, "budget": 4}},
+            }
+        )
+
+    check_fork_manager(cfg(MANAGER_PATH))
+    check_fork_manager(cfg(None, enable=False))  # off: any manager
+    for manager in (None, "verl.trainer.ppo.v1.agent_loop_tq.AgentLoopManagerTQ", "no.such.Mgr"):
+        with pytest.raises(ValueError, match=r"agent_loop_manager_class=harts_verl\.workers"):
+            check_fork_manager(cfg(manager))
+
+
+def test_fork_spec_refuses_turns_with_policy_every():
+    """policy='every' forks at every boundary: turns given with it were silently unused."""
+    for make in (
+        lambda: ForkSpec(policy="every", turns=(2, 3)),
+        lambda: ForkSpec.from_config({"policy": "every", "turns": [0, 1], "budget": 4}),
+    ):
+        with pytest.raises(ValueError, match=r"fork\.turns: \[\S+, \S+\] is not used by"):
+            make()
+    assert ForkSpec.from_config({"policy": "every", "turns": None}).boundary(3) == 3
+    assert ForkSpec(policy="every", turns=[0]).boundary(1) == 1
 
 
 # ---------------------------------------------------------------------- agent loop

@@ -37,6 +37,7 @@ import verl  # noqa: F401  # first: verl loads our plugin (engine -> config) bef
 
 from harts_verl.workers.balance import partition_work, tree_balanced_partition
 from harts_verl.workers.config import STRATEGY
+from harts_verl.workers.rollout.fork import check_fork_manager
 
 __all__ = [
     "apply_harts_actor_config",
@@ -469,6 +470,7 @@ def main() -> None:
         apply_harts_critic_config(config)
         apply_harts_ref_config(config)
         check_ref_harts(config)
+        check_fork_manager(config)
         auto_set_device(config)
         validate_config(
             config=config,

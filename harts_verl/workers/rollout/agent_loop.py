@@ -100,7 +100,8 @@ class ForkSpec:
         prefix that ends before the first fork point is re-run from the prompt. So every prompt
         gives ``budget`` trajectories (veRL sizes mini-batches with ``rollout.n``: set it equal).
       policy: ``"turns"`` (fork at ``turns``) or ``"every"`` (fork at every boundary
-        0, 1, 2, ... until the budget is used).
+        0, 1, 2, ... until the budget is used; ``turns`` other than the default ``(0,)`` is
+        refused with it).
       group: GRPO grouping of the leaves (:func:`fork_groups`): ``"prompt"`` (default: all
         leaves of a prompt form one group, like ``rollout.n`` samples) or ``"fork"`` (leaves
         are grouped by their last fork point; singleton groups are merged).
@@ -146,6 +147,12 @@ class ForkSpec:
             raise ValueError(f"fork.budget: expected >= 1, got {self.budget}")
         if any(t < 0 for t in self.turns) or list(self.turns) != sorted(set(self.turns)):
             raise ValueError(f"fork.turns: expected increasing turn numbers >= 0, got {self.turns}")
+        if self.policy == "every" and self.turns != (0,):
+            raise ValueError(
+                f"fork.turns: {list(self.turns)} is not used by policy='every' (it forks at every "
+                "turn boundary 0, 1, 2, ... until the budget): leave turns out (or null), or use "
+                "policy='turns'"
+            )
 
     @classmethod
     def from_config(cls, cfg: Any) -> ForkSpec:

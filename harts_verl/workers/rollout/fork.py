@@ -33,6 +33,7 @@ veRL's. veRL's V1 worker module imports ``transfer_queue``, so the classes are b
 
 from __future__ import annotations
 
+import difflib
 import functools
 import logging
 from collections.abc import Sequence
@@ -44,9 +45,11 @@ from harts_verl.workers.rollout.agent_loop import FORK_GROUP_KEY, FORK_PATH_KEY,
 
 __all__ = [
     "GROUP_UID_KEY",
+    "MANAGER_PATH",
     "PROMPT_UID_KEY",
     "TRAJ_UID_KEY",
     "branch_uids",
+    "check_fork_manager",
     "check_rollout_n",
     "fork_spec_of",
     "fork_worker_class",
@@ -71,7 +74,8 @@ def fork_spec_of(config: Any) -> ForkSpec | None:
     ``ValueError`` naming the key for a malformed node: ``harts_rollout``/``harts_rollout.fork``
     not a mapping, ``enable`` not a bool (a string such as ``"false"`` is not read as a bool:
     ``bool("false")`` is True; OmegaConf's ``${oc.env:...}`` gives strings, wrap it in
-    ``${oc.decode:...}``), or a bad fork setting (:meth:`ForkSpec.from_config`)."""
+    ``${oc.decode:...}``), a key of ``harts_rollout`` other than ``fork``, or a bad fork
+    setting (:meth:`ForkSpec.from_config`)."""
     try:
         cfg = config.get("harts_rollout", None)
     except AttributeError:
@@ -80,6 +84,11 @@ def fork_spec_of(config: Any) -> ForkSpec | None:
         return None
     if not _is_mapping(cfg):
         raise ValueError(f"harts_rollout: expected a mapping, got {type(cfg).__name__}")
+    unknown = [k for k in cfg.keys() if k != "fork"]
+    if unknown:  # a misspelled ``fork`` turned forking off without a word
+        close = difflib.get_close_matches(str(unknown[0]), ["fork"], n=1)
+        hint = " (did you mean 'fork'?)" if close else ""
+        raise ValueError(f"harts_rollout.{unknown[0]}: unknown key{hint}; expected fork")
     fork = cfg.get("fork", None)
     if fork is None:
         return None
@@ -122,6 +131,40 @@ def check_rollout_n(config: Any) -> str | None:
         f"harts_rollout.fork.budget={spec.budget} but actor_rollout_ref.rollout.n={n}: each "
         f"prompt gives {spec.budget} trajectories while veRL sizes mini-batches and pads the "
         "batch for rollout.n; set rollout.n to the fork budget"
+    )
+
+
+MANAGER_PATH = "harts_verl.workers.rollout.fork.HartsAgentLoopManager"
+"""The ``rollout.agent.agent_loop_manager_class`` that runs fork sampling."""
+
+
+def check_fork_manager(config: Any) -> None:
+    """``ValueError`` when fork sampling is on (``harts_rollout.fork.enable``) but
+    ``actor_rollout_ref.rollout.agent.agent_loop_manager_class`` is not
+    :data:`MANAGER_PATH` or a subclass of it: only that manager reads ``harts_rollout``, so the
+    run would sample unforked without a word. Nothing when fork sampling is off."""
+    if fork_spec_of(config) is None:
+        return
+    key = "actor_rollout_ref.rollout.agent.agent_loop_manager_class"
+    try:
+        path = config.actor_rollout_ref.rollout.agent.get("agent_loop_manager_class", None)
+    except AttributeError:
+        path = None
+    if path == MANAGER_PATH:
+        return
+    cls = None
+    if isinstance(path, str) and "." in path:
+        import importlib
+
+        module, _, name = path.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module), name, None)
+        except ImportError:
+            cls = None
+    if isinstance(cls, type) and getattr(cls, "harts_fork_sampling", False):
+        return
+    raise ValueError(
+        f"harts_rollout.fork.enable=true needs {key}={MANAGER_PATH} (only it forks), got {path!r}"
     )
 
 
@@ -250,6 +293,8 @@ def manager_class() -> type:
 
     class HartsAgentLoopManager(AgentLoopManagerTQ):
         """veRL's V1 agent-loop manager with fork-sampling workers."""
+
+        harts_fork_sampling = True  # what check_fork_manager looks for (subclasses too)
 
         def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
             warning = check_rollout_n(config)
