@@ -17,6 +17,8 @@
 # bench.json is the largest size that completed: the gate is taken there (the most compute-bound
 # size measured). summary.json holds everything else: the precompile summaries, every size's
 # bench JSON and Triton compile counts, the test outcome, the gate.
+# summary.json is also written after every step and on SIGTERM / SIGINT ("complete": false until
+# the last one), so a run cut off by the machine's time limit still brings back what it measured.
 # Exit status: 0 only if the tests pass, a bench ran, and its efficiency >= $MIN_EFFICIENCY.
 #
 # Knobs (environment): OUT, WHEELS_DIR (.whl), PYTHON (python3), TOTAL_BUDGET_S (470: every
@@ -81,7 +83,9 @@ if [ "$FETCH" = 1 ]; then
   # and torch are already on the device image). fla-core alone: harts_verl uses fla.ops only,
   # and flash-linear-attention's layers and models would import transformers in every process.
   # Keep $WHEELS_DIR ignored by git (.git/info/exclude).
+  # old wheels go first: two versions of one package would stop the device's whole install
   run "mkdir -p '$WHEELS_DIR'"
+  run "rm -f '$WHEELS_DIR'/*.whl"
   run "python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp -d '$WHEELS_DIR' fla-core==$FLA_VERSION"
   run "ls -l '$WHEELS_DIR'"
   exit 0
@@ -102,10 +106,87 @@ cap() {
   echo "$want"
 }
 STEPS=""  # name:rc:seconds of each step, for the summary
-step_done() { STEPS="$STEPS $1:$2:$(( SECONDS - $3 ))"; }
+step_done() {  # and a partial summary.json, in case a later step is cut off
+  STEPS="$STEPS $1:$2:$(( SECONDS - $3 ))"
+  summary || true
+}
 
 WORK=$(mktemp -d)  # per-size JSONs and compile logs: embedded in summary.json, not in $OUT
 run "mkdir -p '$OUT'"
+cat > "$WORK/summary.py" <<'PY'
+import json, sys
+def status(value):  # an exit status, or 'pending' / 'skipped'
+    return int(value) if value.lstrip('-').isdigit() else value
+
+out, work, min_eff = sys.argv[1], sys.argv[2], float(sys.argv[5])
+tests_rc, bench_rc = status(sys.argv[3]), status(sys.argv[4])
+final = sys.argv[10] == 'final'
+pre_rcs = {'tests': sys.argv[7], 'bench': sys.argv[8]}
+steps = [dict(zip(('step', 'rc', 'seconds'), item.rsplit(':', 2))) for item in sys.argv[9].split()]
+keys = ('efficiency', 'speedup', 'efficiency_best', 'ideal_flop_ratio', 'compression',
+        'run_compression', 'semantic_tokens', 'compact_tokens', 'microbatches',
+        'expanded_seconds_median', 'tree_seconds_median', 'max_abs_dlogp', 'mean_logit_cos',
+        'peak_memory_mib', 'kernel_calls')
+
+def load(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except Exception as exc:
+        return {'error': repr(exc)}
+
+s = {'complete': final, 'tests_rc': tests_rc, 'bench_rc': bench_rc, 'min_efficiency': min_eff,
+     'benches': [], 'steps': steps}
+s['env'] = load(f'{out}/env.json')
+s['precompile'] = {k: ({'rc': rc} if rc in ('skipped', 'pending') else {'rc': int(rc), **load(f'{work}/precompile_{k}.json')})
+                   for k, rc in pre_rcs.items()}
+report = load(f'{out}/gpu_report.json')
+s['tests_triton'] = report.get('triton') if isinstance(report, dict) else None
+for item in sys.argv[6].split():
+    scale, rc = item.rsplit(':', 1)
+    entry = {'scale': float(scale), 'rc': rc}
+    if rc not in ('skipped', 'pending'):
+        entry['triton'] = load(f'{work}/compiles_{scale}.json')
+    if rc == '0':
+        b = load(f'{work}/bench_{scale}.json')
+        if 'error' in b:
+            entry['bench_error'] = b['error']
+        else:
+            entry.update({k: b.get(k) for k in keys})
+            entry['bench'] = b
+    s['benches'].append(entry)
+done = [e for e in s['benches'] if e['rc'] == '0' and e.get('efficiency') is not None]
+if done:  # the gate: the largest size measured
+    gate = max(done, key=lambda e: e['scale'])
+    s['gate_scale'] = gate['scale']
+    # a larger size was tried but did not complete (skipped, killed or failed): the gate is
+    # taken at a smaller, less compute-bound size; the closing note must say so
+    s['gate_fallback'] = gate['scale'] < max(e['scale'] for e in s['benches'])
+    s.update({k: gate.get(k) for k in keys})
+else:
+    s['bench_error'] = 'no bench size completed (see bench.log)'
+s['ok'] = tests_rc == 0 and bench_rc == 0 and (s.get('efficiency') or 0) >= min_eff
+print(json.dumps(s, indent=2))
+sys.exit(0 if s['ok'] else 1)
+PY
+# summary [final]: $OUT/summary.json from the steps run so far; its exit status is the gate's
+summary() {
+  if [ "$DRY" = 1 ]; then
+    [ "${1:-}" = final ] && echo "+ $PYTHON summary.py '$OUT' '$WORK' $TESTS_RC $BENCH_RC $MIN_EFFICIENCY '$BENCH_RCS' '$PRE_TESTS_RC' '$PRE_BENCH_RC' final > '$OUT/summary.json'"
+    return 0
+  fi
+  $PYTHON "$WORK/summary.py" "$OUT" "$WORK" "$TESTS_RC" "$BENCH_RC" "$MIN_EFFICIENCY" \
+    "$BENCH_RCS" "$PRE_TESTS_RC" "$PRE_BENCH_RC" "$STEPS" "${1:-partial}" > "$OUT/summary.json.tmp"
+  local rc=$?
+  mv -f "$OUT/summary.json.tmp" "$OUT/summary.json"
+  return $rc
+}
+TESTS_RC=pending
+BENCH_RC=pending
+BENCH_RCS=""
+PRE_TESTS_RC=skipped
+PRE_BENCH_RC=skipped
+trap 'summary; echo "gpu_check.sh: stopped after $((SECONDS - START))s; partial results in $OUT" >&2; exit 143' TERM INT
 
 # 1. Carried wheels -> /tmp/site (no network on the device machine). A failing step is recorded
 #    and the script goes on (the tests then say what is missing); the summary is always written.
@@ -149,6 +230,8 @@ set -e
 PRE_TESTS_RC=skipped
 PRE_BENCH_RC=skipped
 if [ "$PRECOMPILE" = 1 ]; then
+  PRE_TESTS_RC=pending
+  PRE_BENCH_RC=pending
   set +e
   T0=$SECONDS
   run "$STOP $(cap "$PRECOMPILE_TIMEOUT_S" 250) $PYTHON tests/gpu/precompile_cases.py --target $PRECOMPILE_TARGET --autotune first > '$WORK/precompile_tests.json' 2> '$OUT/precompile.log'"
@@ -196,71 +279,22 @@ for SCALE in $BENCH_SCALES; do
   # during the run counted into $WORK/compiles_<scale>.json.
   run "echo '== bench --scale $SCALE' >> '$OUT/bench.log'; HARTS_COMPILE_LOG='$WORK/compiles_$SCALE.json' HARTS_TRITON_AUTOTUNE=$BENCH_AUTOTUNE $STOP $BENCH_TIMEOUT $PYTHON scripts/harts_cli.py bench --device $BENCH_DEVICE --dtype bfloat16 --preset $BENCH_PRESET --generator-defaults --scale $SCALE --capacity $BENCH_CAPACITY --repeats $BENCH_REPEATS --warmup 1 --no-progress > '$WORK/bench_$SCALE.json' 2>> '$OUT/bench.log'"
   RC=$?
-  step_done "bench_$SCALE" "$RC" "$T0"
-  set -e
   BENCH_RCS="$BENCH_RCS $SCALE:$RC"
   if [ "$RC" = 0 ]; then
     BENCH_DONE="$BENCH_DONE $SCALE"
     run "cp '$WORK/bench_$SCALE.json' '$OUT/bench.json'"
   fi
+  step_done "bench_$SCALE" "$RC" "$T0"
+  set -e
   FIRST=0
 done
 BENCH_RC=1
 [ -n "$BENCH_DONE" ] && BENCH_RC=0
 
-# 6. Summary (efficiency gate at the largest size that completed; every size listed).
+# 6. Summary (efficiency gate at the largest size that completed; every size listed; written
+#    after every step too, see summary()).
 set +e
-run "$PYTHON - '$OUT' '$WORK' $TESTS_RC $BENCH_RC $MIN_EFFICIENCY '$BENCH_RCS' '$PRE_TESTS_RC' '$PRE_BENCH_RC' '$STEPS' > '$OUT/summary.json' <<'PY'
-import json, sys
-out, work, tests_rc, bench_rc, min_eff = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
-pre_rcs = {'tests': sys.argv[7], 'bench': sys.argv[8]}
-steps = [dict(zip(('step', 'rc', 'seconds'), item.rsplit(':', 2))) for item in sys.argv[9].split()]
-keys = ('efficiency', 'speedup', 'efficiency_best', 'ideal_flop_ratio', 'compression',
-        'run_compression', 'semantic_tokens', 'compact_tokens', 'microbatches',
-        'expanded_seconds_median', 'tree_seconds_median', 'max_abs_dlogp', 'mean_logit_cos',
-        'peak_memory_mib', 'kernel_calls')
-
-def load(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except Exception as exc:
-        return {'error': repr(exc)}
-
-s = {'tests_rc': tests_rc, 'bench_rc': bench_rc, 'min_efficiency': min_eff, 'benches': [],
-     'steps': steps}
-s['env'] = load(f'{out}/env.json')
-s['precompile'] = {k: ({'rc': rc} if rc == 'skipped' else {'rc': int(rc), **load(f'{work}/precompile_{k}.json')})
-                   for k, rc in pre_rcs.items()}
-report = load(f'{out}/gpu_report.json')
-s['tests_triton'] = report.get('triton') if isinstance(report, dict) else None
-for item in sys.argv[6].split():
-    scale, rc = item.rsplit(':', 1)
-    entry = {'scale': float(scale), 'rc': rc}
-    if rc != 'skipped':
-        entry['triton'] = load(f'{work}/compiles_{scale}.json')
-    if rc == '0':
-        b = load(f'{work}/bench_{scale}.json')
-        if 'error' in b:
-            entry['bench_error'] = b['error']
-        else:
-            entry.update({k: b.get(k) for k in keys})
-            entry['bench'] = b
-    s['benches'].append(entry)
-done = [e for e in s['benches'] if e['rc'] == '0' and e.get('efficiency') is not None]
-if done:  # the gate: the largest size measured
-    gate = max(done, key=lambda e: e['scale'])
-    s['gate_scale'] = gate['scale']
-    # a larger size was tried but did not complete (skipped, killed or failed): the gate is
-    # taken at a smaller, less compute-bound size; the closing note must say so
-    s['gate_fallback'] = gate['scale'] < max(e['scale'] for e in s['benches'])
-    s.update({k: gate.get(k) for k in keys})
-else:
-    s['bench_error'] = 'no bench size completed (see bench.log)'
-s['ok'] = tests_rc == 0 and bench_rc == 0 and (s.get('efficiency') or 0) >= min_eff
-print(json.dumps(s, indent=2))
-sys.exit(0 if s['ok'] else 1)
-PY"
+summary final
 RC=$?
 set -e
 rm -rf "$WORK"

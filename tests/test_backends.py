@@ -1009,6 +1009,50 @@ def test_gpu_check_script_syntax_and_dry_run(tmp_path):
     }, written
 
 
+def test_gpu_check_script_leaves_a_partial_summary_when_stopped(tmp_path):
+    """summary.json is written after every step and on SIGTERM: a run the device machine's time
+    limit cuts off still brings back what it measured ("complete": false; it was written only
+    at the very end)."""
+    import json
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    env = {
+        **os.environ,
+        "OUT": str(out),
+        "PYTHON": sys.executable,
+        "PRECOMPILE": "0",
+        "HARTS_REQUIRE_FAST": "0",
+        "BENCH_DEVICE": "cpu",
+        "BENCH_PRESET": "tiny",
+        "BENCH_SCALES": "0.001",
+        "WHEELS_DIR": str(tmp_path / "no_wheels"),
+    }
+    proc = subprocess.Popen(
+        ["bash", str(SCRIPT)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "summary.json").exists():  # the first step's partial summary
+            assert proc.poll() is None and time.monotonic() < deadline, "no partial summary"
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGTERM)  # the whole group, as a time limit would
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    summary = json.loads((out / "summary.json").read_text())
+    assert rc != 0 and summary["complete"] is False and summary["ok"] is False
+    assert summary["steps"][0]["step"] == "env" and summary["env"].get("python")
+    assert not (out / "summary.json.tmp").exists()
+
+
 def test_gpu_tests_have_no_init_and_skip_without_cuda():
     gpu = REPO / "tests" / "gpu"
     assert (gpu / "conftest.py").exists()
