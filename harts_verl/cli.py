@@ -447,10 +447,16 @@ def _cmd_precompile(args: argparse.Namespace) -> int:
         )
         check_precompile_config(cfg)  # before the target is read or anything compiled
         device = target_device(args.target)
-        # the model's weights are read inside the compile (a directory without weights, ...)
+    try:
         out = precompile_model(
             cfg, device=device, autotune=args.autotune, jobs=args.jobs, progress=progress
         )
+    except ValueError as exc:
+        # the model's weights are read inside the compile (a directory without weights, ...):
+        # load_tree_model's errors start with "model:"; any other keeps its traceback
+        if not str(exc).startswith("model:") or _debug():
+            raise
+        raise _UserError(_phrase(exc, _PRECOMPILE_FLAGS)) from exc
     _print_json(out)
     return 0
 

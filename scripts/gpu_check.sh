@@ -17,8 +17,8 @@
 # bench.json is the largest size that completed: the gate is taken there (the most compute-bound
 # size measured). summary.json holds everything else: the precompile summaries, every size's
 # bench JSON and Triton compile counts, the test outcome, the gate.
-# summary.json is also written after every step and on SIGTERM / SIGINT ("complete": false until
-# the last one), so a run cut off by the machine's time limit still brings back what it measured.
+# summary.json is also written after every step ("complete": false until the last write), so a
+# run cut off by the machine's time limit still brings back what the finished steps measured.
 # Exit status: 0 only if the tests pass, a bench ran, and its efficiency >= $MIN_EFFICIENCY.
 #
 # Knobs (environment): OUT, WHEELS_DIR (.whl), PYTHON (python3), TOTAL_BUDGET_S (470: every
@@ -186,7 +186,8 @@ BENCH_RC=pending
 BENCH_RCS=""
 PRE_TESTS_RC=skipped
 PRE_BENCH_RC=skipped
-trap 'summary; echo "gpu_check.sh: stopped after $((SECONDS - START))s; partial results in $OUT" >&2; exit 143' TERM INT
+# (bash runs this only once the step in progress ends: each step runs in timeout's own group)
+trap 'summary || true; echo "gpu_check.sh: stopped after $((SECONDS - START))s; partial results in $OUT" >&2; exit 143' TERM INT
 
 # 1. Carried wheels -> /tmp/site (no network on the device machine). A failing step is recorded
 #    and the script goes on (the tests then say what is missing); the summary is always written.

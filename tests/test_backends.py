@@ -1010,9 +1010,9 @@ def test_gpu_check_script_syntax_and_dry_run(tmp_path):
 
 
 def test_gpu_check_script_leaves_a_partial_summary_when_stopped(tmp_path):
-    """summary.json is written after every step and on SIGTERM: a run the device machine's time
-    limit cuts off still brings back what it measured ("complete": false; it was written only
-    at the very end)."""
+    """summary.json is written after every step: a run the device machine's time limit cuts
+    off still brings back what its finished steps measured ("complete": false; it was written
+    only at the very end)."""
     import json
     import signal
     import time

@@ -131,3 +131,7 @@ def test_precompile_cli_names_bad_inputs_before_compiling(monkeypatch, capsys, t
         assert code == 2 and len(err) == 1, (argv, err)
         assert err[0].startswith(f"harts-verl precompile: {flag}"), (argv, err)
         assert reached == ([] if flag != "--model" or "missing" in argv[-1] else ["target"])
+    # an error of the compile itself keeps its traceback (exit 1, not a one-line user error)
+    monkeypatch.setattr(pc, "bench_model", lambda *a, **k: (_ for _ in ()).throw(TypeError("x")))
+    with pytest.raises(TypeError, match="x"):
+        main(["precompile", "--no-progress", "--preset", "tiny"])

@@ -410,6 +410,7 @@ def test_bad_requests_are_named(server):
         ([1, 2.0], TypeError, "prompt_ids: expected a flat list of int token ids, got 2.0"),
         ([[1, 2]], TypeError, "prompt_ids"),
         ("12", TypeError, "prompt_ids"),
+        (torch.tensor(5), TypeError, "prompt_ids: expected a list of token ids"),
     ]:
         with pytest.raises(err, match=msg):
             _gen(server, prompt, temperature=0)
@@ -426,22 +427,26 @@ def test_bad_requests_are_named(server):
     assert len(_gen(server, [1, 2], max_tokens=2, **sp).token_ids) == 2
 
 
-def test_tiny_temperature_is_greedy_and_tiny_top_p_keeps_the_top_token(tmp_path):
-    """As vLLM: a temperature below 1e-5 samples greedily with the raw log-probs (1e-6 returned
-    log-probs of 0.0, 1e-45 crashed in multinomial), and a top_p that rounds to 0 in float32
-    keeps the most likely token (it masked every token and crashed)."""
+def test_tiny_temperature_is_raised_and_tiny_top_p_keeps_the_top_token(tmp_path):
+    """As vLLM: a temperature in (0, 0.01) samples at 0.01 (1e-45 crashed in multinomial, 1e-6
+    returned log-probs of 0.0), 0 alone is greedy; a top_p that rounds to 0 in float32 keeps
+    the most likely token (it masked every token and crashed)."""
     from harts_verl.workers import testing
-    from harts_verl.workers.rollout.cpu_server import HFGenerationServer
+    from harts_verl.workers.rollout.cpu_server import HFGenerationServer, sampling_options
 
+    for t in (1e-45, 1e-6, 0.005):
+        assert sampling_options({"temperature": t})[0] == 0.01
+    assert sampling_options({"temperature": 0})[0] == 0.0
+    assert sampling_options({"temperature": 0.02})[0] == 0.02
     path = testing.save_tiny_model("qwen2", str(tmp_path / "qwen2"), seed=1)  # untied top tokens
     cfg = SimpleNamespace(max_model_len=None, prompt_length=16, response_length=16)
     server = HFGenerationServer(cfg, SimpleNamespace(path=path, tokenizer=None))
-    greedy = _gen(server, [1, 2, 3], temperature=0, max_tokens=4, logprobs=True)
-    assert min(greedy.log_probs) < -1e-3  # a real distribution, not a one-hot
+    at_min = _gen(server, [1, 2, 3], temperature=0.01, max_tokens=4, logprobs=True, seed=3)
     for t in (1e-6, 1e-45):
-        out = _gen(server, [1, 2, 3], temperature=t, max_tokens=4, logprobs=True)
-        assert out.token_ids == greedy.token_ids and out.log_probs == greedy.log_probs
+        out = _gen(server, [1, 2, 3], temperature=t, max_tokens=4, logprobs=True, seed=3)
+        assert out.token_ids == at_min.token_ids and out.log_probs == at_min.log_probs
+    greedy = _gen(server, [1, 2, 3], temperature=0, max_tokens=4, logprobs=True)
+    assert min(greedy.log_probs) < -1e-3  # raw log-probs: a real distribution, not a one-hot
     tiny_p = _gen(server, [1, 2, 3], temperature=1.0, top_p=1e-46, max_tokens=4, logprobs=True)
-    assert tiny_p.token_ids == greedy.token_ids and tiny_p.log_probs == [0.0] * len(
-        greedy.token_ids
-    )
+    assert tiny_p.token_ids == greedy.token_ids
+    assert tiny_p.log_probs == [0.0] * len(greedy.token_ids)

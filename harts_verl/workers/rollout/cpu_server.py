@@ -158,6 +158,8 @@ def token_id_list(values: Any, name: str, vocab_size: int | None) -> list[int]:
         arr = np.asarray(values)
     except (ValueError, TypeError):  # a ragged nesting
         arr = None
+    if arr is not None and arr.ndim == 0:  # a 0-d tensor / array: one number, no list
+        raise TypeError(f"{name}: expected a list of token ids, got {values!r}")
     if arr is None or arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         at = next((i for i, v in enumerate(values) if not _is_int(v)), None)
         if at is None:  # ints numpy could not hold: past int64, so outside any vocabulary
@@ -190,13 +192,14 @@ _NEUTRAL = {
 }
 # ... and those it does not apply that do nothing when None or empty
 _NEUTRAL_EMPTY = ("stop", "logit_bias", "bad_words", "allowed_token_ids")
-# vLLM samples greedily below this temperature (its ``_SAMPLING_EPS``)
-_GREEDY_BELOW = 1e-5
+# vLLM raises a temperature in (0, 1e-2) to 1e-2 (its ``_MAX_TEMP``: smaller ones overflow the
+# scaled logits); 0 alone is greedy
+_MIN_TEMPERATURE = 1e-2
 
 
 def sampling_options(sampling_params: dict[str, Any]) -> tuple[float, int, float]:
     """``(temperature, top_k, top_p)`` of a request as vLLM reads them: ``temperature``
-    (default 1.0) a finite number >= 0, below 1e-5 greedy (returned as ``(0.0, -1, 1.0)``),
+    (default 1.0) a finite number >= 0 (0: greedy; one in (0, 0.01) is raised to 0.01),
     ``top_k`` an int (0, -1 or None: off; below -1 refused), ``top_p`` in (0, 1] (None: 1.0).
     ``ValueError`` / ``TypeError`` naming ``sampling_params.<key>`` otherwise, and for a
     parameter this server does not apply (a penalty, ``min_p``, ``min_tokens``, ``n`` other
@@ -242,8 +245,8 @@ def sampling_options(sampling_params: dict[str, Any]) -> tuple[float, int, float
                 f"sampling_params.{key}: {value!r} is not supported by the {NAME} CPU rollout "
                 "server (only None or empty)"
             )
-    if temperature < _GREEDY_BELOW:
-        return 0.0, -1, 1.0
+    if 0 < temperature < _MIN_TEMPERATURE:
+        temperature = _MIN_TEMPERATURE
     return temperature, int(top_k) if int(top_k) > 0 else -1, top_p
 
 
