@@ -587,7 +587,8 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         self._lm_head: torch.nn.Module | None = None
         # what the causal LM's own forward does to the LM head's logits (the tree head applies it)
         self._logit_transform = LogitTransform()
-        self._train_calls = 0
+        self._calls = 0  # engine calls (forward_backward_batch)
+        self._train_calls = 0  # of them, training calls (the audit counts these)
         self._stock_batch = False  # inside a fallback batch: forward_step is veRL's
         self._fallback_logged: set[str] = set()  # fallback reasons already logged
         self._oversize_warned = False  # a micro-batch over the token budget was named
@@ -988,6 +989,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             )
 
     def forward_backward_batch(self, data: TensorDict, loss_function, forward_only=False):
+        self._calls += 1
         if not forward_only:  # the calls whose metrics veRL's trainer logs (updates)
             self._train_calls += 1
         n = len(data)
