@@ -547,6 +547,7 @@ def test_tau_agent_loop_user_turns_and_forks(dom):
         # its tool calls and special tokens are not words to the user
         assert '"order_id"' not in said and "<tool_call>" not in said and "<|" not in said
         assert out.num_turns > 6
+        assert out.extra_fields[tau.TERMINATION_KEY] == tau.USER_STOP
         info = {**row["extra_info"], **out.extra_fields}
         scores.append(
             tau.compute_score(row["data_source"], text, row["reward_model"]["ground_truth"], info)[
@@ -563,6 +564,53 @@ def test_tau_agent_loop_user_turns_and_forks(dom):
             )
 
         asyncio.run(bad())
+
+
+def test_tau_conversation_cut_off_by_a_limit_scores_zero(dom):
+    """As τ²: only a conversation the user ended is scored; one a turn limit cut off (here
+    right after a correct cancellation, the model then looping on look-ups) scored 1.0 on its
+    database."""
+    pytest.importorskip("verl")
+    from verl.tools.tool_registry import initialize_tools_from_config
+
+    from harts_verl.workers.envs import testing
+    from harts_verl.workers.envs.tau_agent import HartsTauAgentLoop
+
+    tok = testing.byte_tokenizer()
+    row = next(
+        r for r in tau.dataset_rows(dom) if r["extra_info"]["tau_task_id"] == "cancel_pending"
+    )
+    tools = initialize_tools_from_config(str(RECIPE / "tools_retail_mini.yaml"))
+
+    def script(rid: str, turn: int, text: str) -> str:
+        if "cancel_pending_order" not in text:
+            args = {"order_id": "#W1001", "reason": "no longer needed"}
+            return testing.hermes_call("cancel_pending_order", args)
+        return testing.hermes_call("get_order_details", {"order_id": "#W1001"})
+
+    async def main():
+        loop = testing.make_loop(
+            HartsTauAgentLoop, testing.ScriptedServer(tok, script), tools, max_turns=4
+        )
+        return await loop.run_tree(
+            {},
+            raw_prompt=row["prompt"],
+            tools_kwargs=row["extra_info"]["tools_kwargs"],
+            extra_info=row["extra_info"],
+            interaction_kwargs=row["extra_info"]["interaction_kwargs"],
+        )
+
+    (out,) = asyncio.run(main())
+    assert out.extra_fields[tau.TERMINATION_KEY] != tau.USER_STOP
+    info = {**row["extra_info"], **out.extra_fields}
+    text = tok.decode(out.response_ids)
+    got = tau.compute_score(row["data_source"], text, row["reward_model"]["ground_truth"], info)
+    assert got["db_match"] == 1.0  # the database is right ...
+    assert got["score"] == 0.0 and got["user_stopped"] == 0.0  # ... but the user never ended it
+    # the same actions in a conversation the user ended score 1
+    ended = {**info, tau.TERMINATION_KEY: tau.USER_STOP}
+    got = tau.compute_score(row["data_source"], text, row["reward_model"]["ground_truth"], ended)
+    assert got["score"] == 1.0 and got["user_stopped"] == 1.0
 
 
 def test_tau_agent_loop_answers_unparsable_tool_calls_from_the_tool_side(dom):

@@ -39,6 +39,8 @@ __all__ = [
     "ENDS",
     "FIXTURE_DOMAIN",
     "STOP",
+    "TERMINATION_KEY",
+    "USER_STOP",
     "FixtureDomain",
     "LLMUser",
     "RefusedReference",
@@ -68,6 +70,11 @@ STOP = "###STOP###"
 TRANSFER, OUT_OF_SCOPE = "###TRANSFER###", "###OUT-OF-SCOPE###"
 ENDS = (STOP, TRANSFER, OUT_OF_SCOPE)
 GREETING = "Hi! How can I help you today?"
+# ``extra_fields`` key the τ agent loop sets to USER_STOP when the user simulator ended the
+# conversation (τ²'s USER_STOP); a trajectory a turn or length limit cut off carries another
+# value and scores 0, as τ² scores every termination but an agent's or user's stop
+TERMINATION_KEY = "tau_termination"
+USER_STOP = "user_stop"
 THINK = ("<think>", "</think>")
 
 
@@ -621,7 +628,10 @@ def compute_score(
     are searched in what the agent itself wrote: ``tau_agent_text``, which ``harts_tau_agent``
     records (its model-generated tokens, decoded; tool answers and user turns, which veRL's
     decoded ``solution_str`` also holds, are left out); ``solution_str`` only for a trajectory
-    without it."""
+    without it. As τ²: a conversation the user did not end (``tau_termination`` other than
+    ``user_stop``: a turn or length limit cut it off) scores 0, whatever its database;
+    ``user_stopped`` says which (1.0 also for a row without ``tau_termination``, e.g. from
+    another agent loop)."""
     info = extra_info or {}
     for key in ("tau_domain", "tau_task_id"):
         if not info.get(key):
@@ -629,7 +639,12 @@ def compute_score(
     actions = info.get("tau_actions") or []
     text = info.get("tau_agent_text")
     text = solution_str if text is None else str(text)
-    return score(get_domain(info["tau_domain"]), info["tau_task_id"], list(actions), text)
+    out = score(get_domain(info["tau_domain"]), info["tau_task_id"], list(actions), text)
+    stopped = info.get(TERMINATION_KEY, USER_STOP) == USER_STOP
+    out["user_stopped"] = float(stopped)
+    if not stopped:
+        out["score"] = 0.0
+    return out
 
 
 # ---------------------------------------------------------------------- users

@@ -36,7 +36,9 @@ from verl.experimental.agent_loop.tool_agent_loop import AgentData, AgentState
 from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
 from harts_verl.workers.envs.tau import (
+    TERMINATION_KEY,
     THINK,
+    USER_STOP,
     TauTask,
     get_domain,
     make_user,
@@ -282,6 +284,7 @@ class HartsTauAgentLoop(HartsToolAgentLoop):
         outputs = await super().run_tree(sampling_params, fork=fork, priority=priority, **kwargs)
         tools = [tool.tool_schema for tool in self.tools.values()]  # as veRL passes them
         for out in outputs:  # the reward searches what the agent said, not tool or user text
+            out.extra_fields.setdefault(TERMINATION_KEY, "limit")  # not ended by the user
             # the parser's own content of each turn: its tool calls out, whatever their format
             runs = model_runs(out.response_ids, out.response_mask)
             contents = await parser_contents(self.tool_parser, runs, tools)
@@ -342,7 +345,8 @@ class HartsTauAgentLoop(HartsToolAgentLoop):
         reply = await asyncio.to_thread(
             self.user.reply, self.task, self._for_user(list(agent_data.messages))
         )
-        if not reply:
+        if not reply:  # the user ended the conversation (the only end τ² scores)
+            agent_data.extra_fields[TERMINATION_KEY] = USER_STOP
             return AgentState.TERMINATED
         state = await self._append_turn(agent_data, {"role": "user", "content": reply})
         if state == AgentState.GENERATING:
