@@ -600,9 +600,10 @@ def test_patch_over_the_read_limit_comes_back_whole(inst):
 
 
 def test_grading_follows_swebench_on_xfail_skip_and_missing_tests(inst):
-    """As SWE-bench's grading: an expected failure (pytest's ``skipped type="pytest.xfail"``)
-    passes, a skipped test neither passes nor fails, an absent, failed or erroring one fails
-    (an xfail or skipped PASS_TO_PASS test made even the gold patch score 0)."""
+    """As SWE-bench's grading of a ``pytest -rA`` log: an expected failure (pytest's
+    ``skipped type="pytest.xfail"``) passes (an xfail PASS_TO_PASS test made even the gold
+    patch score 0); an absent, failed, erroring, skipped (its ``-rA`` line names no test, so
+    SWE-bench finds it absent) or unexpectedly passing one fails (a skip scored 1.0)."""
     xml = (
         '<testsuites><testsuite><testcase classname="t" name="a">'
         '<skipped type="pytest.xfail" message="x"/></testcase>'
@@ -616,7 +617,10 @@ def test_grading_follows_swebench_on_xfail_skip_and_missing_tests(inst):
     f2p, p2p = inst.fail_to_pass, inst.pass_to_pass
     ok = dict.fromkeys(f2p, "PASSED")
     for status, resolved in [
-        ({**ok, p2p[0]: "XFAIL", p2p[1]: "SKIPPED"}, True),
+        ({**ok, p2p[0]: "XFAIL", p2p[1]: "PASSED"}, True),
+        ({**ok, p2p[0]: "XFAIL", p2p[1]: "SKIPPED"}, False),
+        ({**ok, p2p[0]: "PASSED", p2p[1]: "XPASS"}, False),
+        ({f2p[0]: "SKIPPED", p2p[0]: "PASSED", p2p[1]: "PASSED"}, False),
         ({**ok, p2p[0]: "PASSED"}, False),  # p2p[1] absent
         ({**ok, p2p[0]: "PASSED", p2p[1]: "ERROR"}, False),
         ({f2p[0]: "FAILED", p2p[0]: "PASSED", p2p[1]: "PASSED"}, False),
@@ -625,6 +629,50 @@ def test_grading_follows_swebench_on_xfail_skip_and_missing_tests(inst):
         assert r["resolved"] is resolved, status
     r = swe._report(inst, {**ok, p2p[0]: "XFAIL", p2p[1]: "SKIPPED"}, True)
     assert (r["fail_to_pass_passed"], r["pass_to_pass_passed"]) == (1, 1)
+
+
+def test_a_patch_that_skips_the_failing_test_scores_zero(inst):
+    """A fix that makes the FAIL_TO_PASS test skip instead of pass is not a fix (it scored 1.0
+    on the bundled fixture; SWE-bench finds the skipped test absent)."""
+    skip = OLD + '    if not xs:\n        import pytest\n        pytest.skip("empty")\n'
+    with LocalSandbox(swe.fixture_repo("tinycalc")) as b:
+        b.write_file("tinycalc/stats.py", b.read_file("tinycalc/stats.py").replace(OLD, skip))
+        patch = b.diff()
+    r = swe.grade_local(inst, patch)
+    assert r["patch_applied"] and r["score"] == 0.0 and r["fail_to_pass_passed"] == 0
+
+
+def test_a_patch_cannot_register_a_pytest_plugin_or_rewrite_the_report(inst):
+    """Two ways a patch without a fix scored 1.0: a package's metadata in the repository that
+    registers a pytest plugin through an entry point (the repository joined sys.path before
+    pytest looked plugins up), and an exit handler that rewrites the JUnit report once pytest
+    returned."""
+    plugin = _FAKE_PASS["conftest.py"]
+    rewrite = (
+        "\nimport atexit as _a, sys as _s\n"
+        "def _w():\n"
+        "    for _x in _s.argv:\n"
+        "        if _x.startswith('--junitxml='):\n"
+        "            open(_x.split('=', 1)[1], 'w').write('<testsuites><testsuite>' + ''.join(\n"
+        '                \'<testcase classname="tests.test_stats" name="%s"/>\' % n\n'
+        "                for n in ('test_mean', 'test_clamp', 'test_mean_empty_raises'))\n"
+        "                + '</testsuite></testsuites>')\n"
+        "_a.register(_w)\n"
+    )
+    with LocalSandbox(swe.fixture_repo("tinycalc")) as b:
+        b.write_file("harts_helper.py", plugin)
+        meta = "harts_helper-0.1.dist-info"
+        b.write_file(
+            f"{meta}/METADATA", "Metadata-Version: 2.1\nName: harts-helper\nVersion: 0.1\n"
+        )
+        b.write_file(f"{meta}/entry_points.txt", "[pytest11]\nharts_helper = harts_helper\n")
+        entry_point = b.diff()
+    with LocalSandbox(swe.fixture_repo("tinycalc")) as b:
+        b.write_file("tinycalc/__init__.py", b.read_file("tinycalc/__init__.py") + rewrite)
+        at_exit = b.diff()
+    for name, patch in (("entry point", entry_point), ("exit handler", at_exit)):
+        r = swe.grade_local(inst, patch)
+        assert r["patch_applied"] and r["score"] == 0.0, (name, r)
 
 
 def test_pytest_config_files_are_graded_as_in_the_start(inst):
@@ -930,3 +978,38 @@ def test_editor_keeps_files_on_bad_text_edits_crlf_and_counts_changes(inst, tmp_
         box.write_file("a.py", "a = \ud83d\n")
     assert (fake_docker / "a.py").read_bytes() == b"a = 1\n"
     box.close()
+
+
+def test_an_unexpectedly_passing_test_fails_the_grade(tmp_path, monkeypatch):
+    """An xfail-marked PASS_TO_PASS test that the patch makes pass (XPASS) fails the grade, as
+    SWE-bench parses no such status (JUnit XML writes it as a plain pass: it scored 1.0); the
+    same test failing as expected (XFAIL, the gold patch) passes."""
+    repo = tmp_path / "xpass" / "repo"
+    (repo / "tests").mkdir(parents=True)
+    (repo / "m.py").write_text("def f():\n    return 0\n\n\ndef g():\n    return 0\n")
+    before = "import pytest\n\nfrom m import f, g\n\n\n@pytest.mark.xfail(strict=False)\n"
+    before += "def test_g():\n    assert g() == 1\n"
+    (repo / "tests" / "test_m.py").write_text(before)
+    with LocalSandbox(str(repo)) as b:
+        b.write_file("tests/test_m.py", before + "\n\ndef test_f():\n    assert f() == 1\n")
+        test_patch = b.diff()
+    with LocalSandbox(str(repo)) as b:
+        b.write_file("m.py", "def f():\n    return 1\n\n\ndef g():\n    return 0\n")
+        gold = b.diff()
+        b.write_file("m.py", "def f():\n    return 1\n\n\ndef g():\n    return 1\n")
+        both = b.diff()
+    record = {
+        "instance_id": "x__xpass-1",
+        "repo": "x/xpass",
+        "base_commit": "0" * 40,
+        "problem_statement": "f should return 1",
+        "patch": gold,
+        "test_patch": test_patch,
+        "FAIL_TO_PASS": json.dumps(["tests/test_m.py::test_f"]),
+        "PASS_TO_PASS": json.dumps(["tests/test_m.py::test_g"]),
+    }
+    monkeypatch.setattr(swe, "FIXTURES", str(tmp_path))
+    inst = swe.SweInstance.from_record(record, fixture="xpass")
+    assert swe.grade_local(inst, gold)["score"] == 1.0  # test_g: XFAIL
+    r = swe.grade_local(inst, both)  # test_g: XPASS
+    assert r["score"] == 0.0 and r["fail_to_pass_passed"] == 1 and r["pass_to_pass_passed"] == 0

@@ -272,17 +272,18 @@ _TEST_HARNESS_FILES = frozenset(
 
 
 _PASSED = ("PASSED", "XFAIL")  # SWE-bench's test_passed
-_FAILED = (None, "FAILED", "ERROR")  # its test_failed: absent, failed or an error
 
 
 def _report(inst: SweInstance, status: dict[str, str], applied: bool, note: str = "") -> dict:
-    """The grade of a test ``status`` map as SWE-bench computes it: resolved iff the patch
-    applied and no FAIL_TO_PASS / PASS_TO_PASS test failed (absent, ``FAILED`` or ``ERROR``);
-    ``XFAIL`` counts as passed, a skipped test as neither."""
+    """The grade of a test ``status`` map as SWE-bench computes it from a ``pytest -rA`` log:
+    resolved iff the patch applied and every FAIL_TO_PASS / PASS_TO_PASS test passed
+    (``PASSED``, or ``XFAIL``: an expected failure). Anything else fails it: absent,
+    ``FAILED``, ``ERROR``, ``SKIPPED`` (its ``-rA`` line carries no test id, so SWE-bench finds
+    the test absent) and ``XPASS`` (no status SWE-bench parses)."""
     f2p = sum(status.get(t) in _PASSED for t in inst.fail_to_pass)
     p2p = sum(status.get(t) in _PASSED for t in inst.pass_to_pass)
     tests = (*inst.fail_to_pass, *inst.pass_to_pass)
-    resolved = applied and not any(status.get(t) in _FAILED for t in tests)
+    resolved = applied and all(status.get(t) in _PASSED for t in tests)
     return {
         "score": 1.0 if resolved else 0.0,
         "resolved": bool(resolved),
@@ -310,6 +311,38 @@ def _patch_paths(patch: str) -> list[str]:
     return out
 
 
+# The grading process: the installed pytest is imported before the repository joins sys.path
+# (as `python -m pytest` puts it first, so a pytest.py there cannot stand in for it), and the
+# repository joins only once pytest has looked up the installed plugins (a package's metadata
+# in the repository cannot register one); the ids of unexpectedly passing (XPASS) tests are
+# written to argv[1]; the process ends with os._exit once pytest returns (the report is written
+# by then; exit handlers of the code under test do not run after it).
+_GRADE_RUNNER = """
+import json, os, sys
+import pytest
+
+class HartsGrade:
+    def __init__(self):
+        self.xpassed = []
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_load_initial_conftests(self, early_config, parser, args):
+        sys.path.insert(0, os.getcwd())
+
+    def pytest_runtest_logreport(self, report):
+        if report.when == "call" and report.passed and hasattr(report, "wasxfail"):
+            self.xpassed.append(report.nodeid)
+
+grade = HartsGrade()
+code = pytest.main(sys.argv[2:], plugins=[grade])
+with open(sys.argv[1], "w") as f:
+    json.dump(grade.xpassed, f)
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(int(code))
+"""
+
+
 def grade_local(inst: SweInstance, patch: str, timeout: float = 120.0) -> dict[str, Any]:
     """Grade ``patch`` on a bundled fixture: copy the repository, ``git apply`` the patch,
     reset the files the task's ``test_patch`` touches to the starting tree (as the SWE-bench
@@ -317,10 +350,11 @@ def grade_local(inst: SweInstance, patch: str, timeout: float = 120.0) -> dict[s
     files the patch touches (``conftest.py``, ``pytest.ini``, ``tox.ini``, ``setup.cfg``,
     ``pyproject.toml``, a ``pytest.py`` / ``sitecustomize.py`` module), ``git apply`` the
     ``test_patch``, run the FAIL_TO_PASS + PASS_TO_PASS tests with this Python's installed
-    pytest (imported before the repository joins ``sys.path``) and read the
-    outcome from its JUnit XML, written outside the repository (printed lines cannot forge it).
-    ``score`` is 1.0 iff the patch applies and every listed test passes. Not a security
-    boundary: the code under test runs in the pytest process."""
+    pytest and its installed plugins (both found before the repository joins ``sys.path``) and
+    read the outcome from its JUnit XML, written outside the repository (printed lines cannot
+    forge it). ``score`` is 1.0 iff the patch applies and every listed test passes or is an
+    expected failure (:func:`_report`: skipped and unexpectedly passing tests fail, as in
+    SWE-bench). Not a security boundary: the code under test runs in the pytest process."""
     if inst.fixture is None:
         raise ValueError(f"fixture: instance {inst.instance_id} is not a bundled fixture")
     if not isinstance(patch, str):
@@ -352,13 +386,11 @@ def grade_local(inst: SweInstance, patch: str, timeout: float = 120.0) -> dict[s
         test_ids = (*inst.fail_to_pass, *inst.pass_to_pass)
         with tempfile.TemporaryDirectory(prefix="harts_grade_") as out:
             xml = os.path.join(out, f"{uuid.uuid4().hex}.xml")
+            xpassed = os.path.join(out, f"{uuid.uuid4().hex}.json")
             args = ["-rA", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *test_ids]
-            # The installed pytest is imported before the repository joins sys.path (as
-            # `python -m pytest` puts it first), so a pytest.py there cannot stand in for it.
-            run = "import os, sys, pytest; sys.path.insert(0, os.getcwd()); " + (
-                "sys.exit(pytest.main(sys.argv[1:]))"
+            cmd = " ".join(
+                map(shlex.quote, [sys.executable, "-P", "-c", _GRADE_RUNNER, xpassed, *args])
             )
-            cmd = " ".join(map(shlex.quote, [sys.executable, "-P", "-c", run, *args]))
             res = box.exec(cmd, timeout)
             if res.timed_out:
                 return _report(inst, {}, True, f"tests timed out after {timeout:g} s")
@@ -367,6 +399,12 @@ def grade_local(inst: SweInstance, patch: str, timeout: float = 120.0) -> dict[s
                     report = parse_junit_report(f.read(), test_ids)
             except OSError:
                 report = {}
+            try:  # JUnit XML writes an unexpected pass as a plain pass
+                with open(xpassed, encoding="utf-8") as f:
+                    unexpected = set(json.load(f))
+            except (OSError, ValueError):
+                unexpected = set()
+            report.update({t: "XPASS" for t in report if t in unexpected})
         note = "" if report else f"no test report: {res.output[-500:]}"
         return _report(inst, report, True, note)
 
