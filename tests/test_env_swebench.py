@@ -1013,3 +1013,82 @@ def test_an_unexpectedly_passing_test_fails_the_grade(tmp_path, monkeypatch):
     assert swe.grade_local(inst, gold)["score"] == 1.0  # test_g: XFAIL
     r = swe.grade_local(inst, both)  # test_g: XPASS
     assert r["score"] == 0.0 and r["fail_to_pass_passed"] == 1 and r["pass_to_pass_passed"] == 0
+
+
+def _made_fixture(tmp_path, monkeypatch, name, files, test_files, gold_files, f2p, p2p):
+    """A fixture ``name`` under ``tmp_path`` (``swe.FIXTURES`` pointed there): the repository
+    ``files``, a ``test_patch`` writing ``test_files``, a gold patch writing ``gold_files``;
+    returns (instance, gold patch)."""
+    repo = tmp_path / name / "repo"
+    for rel, text in files.items():
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo / rel).write_text(text)
+    patches = []
+    for changes in (test_files, gold_files):
+        with LocalSandbox(str(repo)) as b:
+            for rel, text in changes.items():
+                b.write_file(rel, text)
+            patches.append(b.diff())
+    record = {
+        "instance_id": f"x__{name}-1",
+        "repo": f"x/{name}",
+        "base_commit": "0" * 40,
+        "problem_statement": "f should return 1",
+        "patch": patches[1],
+        "test_patch": patches[0],
+        "FAIL_TO_PASS": json.dumps(f2p),
+        "PASS_TO_PASS": json.dumps(p2p),
+    }
+    monkeypatch.setattr(swe, "FIXTURES", str(tmp_path))
+    return swe.SweInstance.from_record(record, fixture=name), patches[1]
+
+
+def test_grading_keeps_the_repositorys_own_pytest_setup(tmp_path, monkeypatch):
+    """The repository's own ini works as under `python -m pytest`: a plugin module of the
+    repository named with `-p` in its addopts, `pythonpath = src` ahead of a stale copy of the
+    package at the root (the gold patch scores 1.0); and a `pythonpath = .` there does not let
+    a patch's package metadata register a pytest plugin (no fix: 0)."""
+    m0, m1 = "def f():\n    return 0\n", "def f():\n    return 1\n"
+    tests = "from pkg.m import f\n\n\ndef test_old():\n    assert True\n"
+    new_test = tests + "\n\ndef test_f():\n    assert f() == 1\n"
+    ids = (["tests/test_m.py::test_f"], ["tests/test_m.py::test_old"])
+    plug = "import pytest\n\n\n@pytest.fixture\ndef thing():\n    return 1\n"
+    addopts = {
+        "pkg/__init__.py": "",
+        "pkg/m.py": m0,
+        "myplug.py": plug,
+        "pytest.ini": "[pytest]\naddopts = -p myplug\n",
+        "tests/test_m.py": tests,
+    }
+    src = {
+        "src/pkg/__init__.py": "",
+        "src/pkg/m.py": m0,
+        "pkg/__init__.py": "",  # a stale copy at the root, shadowed by pythonpath
+        "pkg/m.py": m0,
+        "pytest.ini": "[pytest]\npythonpath = src\n",
+        "tests/test_m.py": tests,
+    }
+    for name, files, gold_file in (("addopts", addopts, "pkg/m.py"), ("src", src, "src/pkg/m.py")):
+        inst, gold = _made_fixture(
+            tmp_path, monkeypatch, name, files, {"tests/test_m.py": new_test}, {gold_file: m1}, *ids
+        )
+        assert swe.grade_local(inst, gold)["score"] == 1.0, name
+    dot = {"pkg/__init__.py": "", "pkg/m.py": m0, "pytest.ini": "[pytest]\npythonpath = .\n"}
+    inst, _ = _made_fixture(
+        tmp_path,
+        monkeypatch,
+        "dot",
+        {**dot, "tests/test_m.py": tests},
+        {"tests/test_m.py": new_test},
+        {"pkg/m.py": m1},
+        *ids,
+    )
+    with LocalSandbox(swe.fixture_repo("dot")) as b:
+        b.write_file("evilplug.py", _FAKE_PASS["conftest.py"])
+        b.write_file(
+            "evilplug-0.1.dist-info/METADATA", "Metadata-Version: 2.1\nName: e\nVersion: 1\n"
+        )
+        b.write_file("evilplug-0.1.dist-info/entry_points.txt", "[pytest11]\nevil = evilplug\n")
+        forged = b.diff()
+    r = swe.grade_local(inst, forged)
+    assert r["patch_applied"] and r["score"] == 0.0

@@ -311,35 +311,42 @@ def _patch_paths(patch: str) -> list[str]:
     return out
 
 
-# The grading process: the installed pytest is imported before the repository joins sys.path
-# (as `python -m pytest` puts it first, so a pytest.py there cannot stand in for it), and the
-# repository joins only once pytest has looked up the installed plugins (a package's metadata
-# in the repository cannot register one); the ids of unexpectedly passing (XPASS) tests are
-# written to argv[1]; the process ends with os._exit once pytest returns (the report is written
-# by then; exit handlers of the code under test do not run after it).
+# The grading process: the installed pytest and its installed plugins (entry points, loaded
+# here, autoload then off) are imported before the repository joins sys.path, so neither a
+# pytest.py nor a package's metadata there (nor a `pythonpath` ini entry pointing into it) can
+# stand in for or add one; the repository then joins sys.path first, as `python -m pytest`
+# puts it. The ids of unexpectedly passing (XPASS) tests are written to argv[1]; the process ends
+# with os._exit (bound before the code under test runs) once pytest returns: the report is
+# written by then, and exit handlers of the code under test do not run after it.
 _GRADE_RUNNER = """
-import json, os, sys
+import importlib.metadata, json, os, sys
 import pytest
+
+_exit = os._exit
+plugins = [ep.load() for ep in importlib.metadata.entry_points(group="pytest11")]
+autoload = os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD")
+os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
 
 class HartsGrade:
     def __init__(self):
         self.xpassed = []
 
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_load_initial_conftests(self, early_config, parser, args):
-        sys.path.insert(0, os.getcwd())
+    def pytest_configure(self, config):  # autoload is decided: the tests' own value back
+        if autoload is None:
+            os.environ.pop("PYTEST_DISABLE_PLUGIN_AUTOLOAD", None)
 
     def pytest_runtest_logreport(self, report):
         if report.when == "call" and report.passed and hasattr(report, "wasxfail"):
             self.xpassed.append(report.nodeid)
 
 grade = HartsGrade()
-code = pytest.main(sys.argv[2:], plugins=[grade])
+sys.path.insert(0, os.getcwd())
+code = pytest.main(sys.argv[2:], plugins=[*plugins, grade])
 with open(sys.argv[1], "w") as f:
     json.dump(grade.xpassed, f)
 sys.stdout.flush()
 sys.stderr.flush()
-os._exit(int(code))
+_exit(int(code))
 """
 
 
