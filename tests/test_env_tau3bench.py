@@ -566,11 +566,10 @@ def test_tau_agent_loop_user_turns_and_forks(dom):
         asyncio.run(bad())
 
 
-def test_tau_conversation_cut_off_by_a_limit_scores_zero(dom):
-    """As τ²: only a conversation the user ended is scored; one a turn limit cut off (here
-    right after a correct cancellation, the model then looping on look-ups) scored 1.0 on its
-    database."""
-    pytest.importorskip("verl")
+def _cancel_pending_run(dom, script, max_turns: int):
+    """One ``harts_tau_agent`` trajectory of the fixture task ``cancel_pending`` with the
+    scripted model ``script`` (ScriptedServer's ``(rid, turn, text) -> str``): (tokenizer, the
+    task's row, the output)."""
     from verl.tools.tool_registry import initialize_tools_from_config
 
     from harts_verl.workers.envs import testing
@@ -582,15 +581,9 @@ def test_tau_conversation_cut_off_by_a_limit_scores_zero(dom):
     )
     tools = initialize_tools_from_config(str(RECIPE / "tools_retail_mini.yaml"))
 
-    def script(rid: str, turn: int, text: str) -> str:
-        if "cancel_pending_order" not in text:
-            args = {"order_id": "#W1001", "reason": "no longer needed"}
-            return testing.hermes_call("cancel_pending_order", args)
-        return testing.hermes_call("get_order_details", {"order_id": "#W1001"})
-
     async def main():
         loop = testing.make_loop(
-            HartsTauAgentLoop, testing.ScriptedServer(tok, script), tools, max_turns=4
+            HartsTauAgentLoop, testing.ScriptedServer(tok, script), tools, max_turns=max_turns
         )
         return await loop.run_tree(
             {},
@@ -601,6 +594,23 @@ def test_tau_conversation_cut_off_by_a_limit_scores_zero(dom):
         )
 
     (out,) = asyncio.run(main())
+    return tok, row, out
+
+
+def test_tau_conversation_cut_off_by_a_limit_scores_zero(dom):
+    """As τ²: only a conversation the user ended is scored; one a turn limit cut off (here
+    right after a correct cancellation, the model then looping on look-ups) scored 1.0 on its
+    database."""
+    pytest.importorskip("verl")
+    from harts_verl.workers.envs import testing
+
+    def script(rid: str, turn: int, text: str) -> str:
+        if "cancel_pending_order" not in text:
+            args = {"order_id": "#W1001", "reason": "no longer needed"}
+            return testing.hermes_call("cancel_pending_order", args)
+        return testing.hermes_call("get_order_details", {"order_id": "#W1001"})
+
+    tok, row, out = _cancel_pending_run(dom, script, max_turns=4)
     assert out.extra_fields[tau.TERMINATION_KEY] != tau.USER_STOP
     info = {**row["extra_info"], **out.extra_fields}
     text = tok.decode(out.response_ids)
@@ -617,16 +627,6 @@ def test_tau_agent_loop_answers_unparsable_tool_calls_from_the_tool_side(dom):
     """A tool call the parser cannot read gets an error message as a tool turn (mask 0), not a
     user reply: the user's script is not consumed by it."""
     pytest.importorskip("verl")
-    from verl.tools.tool_registry import initialize_tools_from_config
-
-    from harts_verl.workers.envs import testing
-    from harts_verl.workers.envs.tau_agent import HartsTauAgentLoop
-
-    tok = testing.byte_tokenizer()
-    row = next(
-        r for r in tau.dataset_rows(dom) if r["extra_info"]["tau_task_id"] == "cancel_pending"
-    )
-    tools = initialize_tools_from_config(str(RECIPE / "tools_retail_mini.yaml"))
 
     def script(rid: str, turn: int, text: str) -> str:
         if "could not be parsed" not in text:
@@ -635,19 +635,7 @@ def test_tau_agent_loop_answers_unparsable_tool_calls_from_the_tool_side(dom):
             return "Sure, what is your email?"
         return "Thank you, goodbye."
 
-    async def main():
-        loop = testing.make_loop(
-            HartsTauAgentLoop, testing.ScriptedServer(tok, script), tools, max_turns=6
-        )
-        return await loop.run_tree(
-            {},
-            raw_prompt=row["prompt"],
-            tools_kwargs=row["extra_info"]["tools_kwargs"],
-            extra_info=row["extra_info"],
-            interaction_kwargs=row["extra_info"]["interaction_kwargs"],
-        )
-
-    (out,) = asyncio.run(main())
+    tok, _, out = _cancel_pending_run(dom, script, max_turns=6)
     text = tok.decode(out.response_ids)
     task = dom.task("cancel_pending")
     err = text.index("the tool call could not be parsed")
