@@ -18,6 +18,37 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
+def exact_integers(seq: Any) -> np.ndarray | None:
+    """A flat list/tuple whose items are all integers (Python or numpy, not bool) within the
+    int64 range, as int64 (exact, whatever numpy's promotion of the mixed scalar types); None
+    for anything else."""
+    if not isinstance(seq, list | tuple):
+        return None
+    ok = all(isinstance(x, int | np.integer) and not isinstance(x, bool | np.bool_) for x in seq)
+    if not ok:
+        return None
+    values = [int(x) for x in seq]
+    info = np.iinfo(np.int64)
+    if any(not (info.min <= v <= info.max) for v in values):
+        return None
+    return np.array(values, dtype=np.int64)
+
+
+def int_outside_int64(seq: Any) -> int | None:
+    """The first value of a flat list/tuple of Python ints that lies outside the int64 range
+    (too large first: that is what turns the array into floats/objects); None when ``seq`` is
+    not such a list or every value fits."""
+    if not isinstance(seq, list | tuple) or not all(is_int(x) for x in seq):
+        return None
+    for x in seq:
+        if x > INT64_MAX:
+            return int(x)
+    for x in seq:
+        if x < -INT64_MAX - 1:
+            return int(x)
+    return None
+
+
 def holds_bool(values: Any) -> bool:
     """Whether a list / tuple holds a bool (Python or numpy) among its items: numpy turns
     ``[True, 5]`` into int64 ``[1, 5]``, so a dtype check after ``np.asarray`` cannot see it.

@@ -21,7 +21,13 @@ from typing import Any
 
 import numpy as np
 
-from harts_verl.tree._checks import INT64_MAX, check_int, holds_bool, is_int
+from harts_verl.tree._checks import (
+    INT64_MAX,
+    check_int,
+    exact_integers,
+    holds_bool,
+    int_outside_int64,
+)
 from harts_verl.tree._rangemin import RangeMin
 
 __all__ = ["RolloutForest", "Segments", "Turn", "as_trajectory_array"]
@@ -129,11 +135,11 @@ def as_trajectory_array(
     if arr.dtype == object or arr.dtype.kind == "f":
         # Python ints outside the int64 range make numpy fall back to objects or floats; so does
         # a list mixing numpy uint64 and signed integer scalars (uint64 + int64 -> float64).
-        wide = _int_outside_int64(seq)
+        wide = int_outside_int64(seq)
         if wide is not None:
             what = "negative token id" if wide < 0 else "token id"
             raise ValueError(f"{field}[{index}]: {what} {wide} does not fit in int64")
-        exact = _exact_integers(seq)
+        exact = exact_integers(seq)
         if exact is not None:
             arr = exact
     if arr.dtype == object:
@@ -156,37 +162,6 @@ def as_trajectory_array(
     if arr.dtype == np.uint64 and int(arr.max()) > np.iinfo(np.int64).max:
         raise ValueError(f"{field}[{index}]: token id {int(arr.max())} does not fit in int64")
     return arr.astype(np.int64, copy=False)
-
-
-def _exact_integers(seq: Any) -> np.ndarray | None:
-    """A flat list/tuple whose items are all integers (Python or numpy, not bool) within the
-    int64 range, as int64 (exact, whatever numpy's promotion of the mixed scalar types); None
-    for anything else."""
-    if not isinstance(seq, list | tuple):
-        return None
-    ok = all(isinstance(x, int | np.integer) and not isinstance(x, bool | np.bool_) for x in seq)
-    if not ok:
-        return None
-    values = [int(x) for x in seq]
-    info = np.iinfo(np.int64)
-    if any(not (info.min <= v <= info.max) for v in values):
-        return None
-    return np.array(values, dtype=np.int64)
-
-
-def _int_outside_int64(seq: Any) -> int | None:
-    """The first value of a flat list/tuple of Python ints that lies outside the int64 range
-    (too large first: that is what turns the array into floats/objects); None when ``seq`` is
-    not such a list or every value fits."""
-    if not isinstance(seq, list | tuple) or not all(is_int(x) for x in seq):
-        return None
-    for x in seq:
-        if x > INT64_MAX:
-            return int(x)
-    for x in seq:
-        if x < -INT64_MAX - 1:
-            return int(x)
-    return None
 
 
 def _leaf_order_and_lcp(flat: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -384,7 +359,7 @@ class RolloutForest:
         if holds_bool(group_ids):
             raise ValueError("group_ids: expected integers, got a bool")
         if n and (g.dtype == object or g.dtype.kind == "f"):  # Python ints past int64
-            wide = _int_outside_int64(group_ids)
+            wide = int_outside_int64(group_ids)
             if wide is not None:
                 raise ValueError(f"group_ids: value {wide} does not fit in int64")
         if n and (g.dtype.kind not in "iu" or g.dtype == np.bool_):

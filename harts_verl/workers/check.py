@@ -40,7 +40,6 @@ import argparse
 import contextlib
 import json
 import logging
-import numbers
 import os
 import pickle
 import sys
@@ -55,9 +54,11 @@ from harts_verl.tree._checks import (
     INT64_MAX,
     SEED_MAX,
     check_int,
+    exact_integers,
     finite_float,
     finite_float_arg,
     int_arg,
+    int_outside_int64,
 )
 from harts_verl.workers.positions import first_misplaced, token_rows
 
@@ -275,20 +276,18 @@ def _sequences_of(obj: Any, path: str) -> list[list[int]]:
                 f"{path}: trajectory {i}: expected a flat sequence of integer token ids, got "
                 "ragged nesting"
             ) from None
-        if (
-            a.ndim == 1
-            and a.dtype.kind in "fO"
-            and isinstance(t, list | tuple)
-            and t  # an empty one is named as such by the runner
-            and all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in t)
-        ):  # integers numpy could not hold together (past int64; uint64 with signed: float64)
-            big = max((int(x) for x in t), key=abs)
-            if not -INT64_MAX - 1 <= big <= INT64_MAX:
+        if a.ndim == 1 and a.dtype.kind in "fO" and isinstance(t, list | tuple) and t:
+            # integers numpy could not hold together (past int64; uint64 with signed: float64);
+            # an empty trajectory is named as such by the runner
+            big = int_outside_int64(t)
+            if big is not None:
                 raise ValueError(
                     f"{path}: trajectory {i}: token id {big} is beyond int64 (outside any "
                     "vocabulary)"
                 )
-            a = np.asarray([int(x) for x in t], dtype=np.int64)  # exactly
+            exact = exact_integers(t)  # exactly, where every item is an integer
+            if exact is not None:
+                a = exact
         if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
             raise ValueError(
                 f"{path}: trajectory {i}: expected a 1-D sequence of integer token ids, got "
