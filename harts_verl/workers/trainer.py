@@ -234,13 +234,9 @@ def apply_harts_ref_config(config: Any) -> bool:
     from harts_verl.workers.config import HartsConfig
 
     for name, section in (("actor_rollout_ref.actor", base), ("actor_rollout_ref.ref", own)):
-        planner = section.get("planner")
-        if planner is not None and not isinstance(planner, dict):
-            raise ValueError(
-                f"{name}.harts.planner: expected a mapping, got {type(planner).__name__}"
-            )
         # each section named by its own key before they merge (a bad actor value was
-        # reported under the reference's key, which the user never set)
+        # reported under the reference's key, which the user never set; a planner that is no
+        # mapping made OmegaConf's merge fail)
         try:
             HartsConfig.from_any(section)
         except (TypeError, ValueError) as exc:
