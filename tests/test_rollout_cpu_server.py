@@ -411,9 +411,16 @@ def test_bad_requests_are_named(server):
         ([[1, 2]], TypeError, "prompt_ids"),
         ("12", TypeError, "prompt_ids"),
         (torch.tensor(5), TypeError, "prompt_ids: expected a list of token ids"),
+        ([1, 2**70], ValueError, r"prompt_ids\[1\]: token id 1180591620717411303424 is outside"),
     ]:
         with pytest.raises(err, match=msg):
             _gen(server, prompt, temperature=0)
+    # numpy's uint64 beside signed ints (numpy promotes them to float64) is read exactly (it
+    # raised StopIteration)
+    import numpy as np
+
+    mixed = _gen(server, [np.uint64(1), 2], temperature=0, max_tokens=2)
+    assert mixed.token_ids == _gen(server, [1, 2], temperature=0, max_tokens=2).token_ids
     # neutral values of the parameters the server does not apply are accepted
     sp = {"stop": None, "logit_bias": {}, "min_tokens": 0, "n": 1, "bad_words": []}
     assert len(_gen(server, [1, 2], max_tokens=2, temperature=0, **sp).token_ids) == 2
@@ -421,8 +428,6 @@ def test_bad_requests_are_named(server):
     sp = {"temperature": None, "top_p": None, "top_k": None, "repetition_penalty": 1.0}
     assert len(_gen(server, [1, 2], max_tokens=2, **sp).token_ids) == 2
     # numbers of other real types (numpy's float32 is no Python float)
-    import numpy as np
-
     sp = {"temperature": np.float32(0.7), "top_p": np.float32(0.9), "top_k": np.int64(5)}
     assert len(_gen(server, [1, 2], max_tokens=2, **sp).token_ids) == 2
 

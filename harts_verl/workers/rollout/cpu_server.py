@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from harts_verl.tree._checks import finite_float
+from harts_verl.tree._checks import exact_integers, finite_float, int_outside_int64
 from harts_verl.tree._checks import is_int as _is_int
 
 __all__ = [
@@ -160,21 +160,27 @@ def token_id_list(values: Any, name: str, vocab_size: int | None) -> list[int]:
         arr = None
     if arr is not None and arr.ndim == 0:  # a 0-d tensor / array: one number, no list
         raise TypeError(f"{name}: expected a list of token ids, got {values!r}")
+    if arr is not None and arr.ndim == 1 and arr.dtype.kind in "fO":
+        # integers numpy could not hold together: past int64 (outside any vocabulary), or
+        # numpy uint64 beside signed scalars (promoted to float64: read exactly)
+        wide = int_outside_int64(values)
+        if wide is not None:
+            at = list(values).index(wide)
+            raise ValueError(f"{name}[{at}]: token id {wide} is outside the vocabulary")
+        exact = exact_integers(values)
+        if exact is not None:
+            arr = exact
     if arr is None or arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        at = next((i for i, v in enumerate(values) if not _is_int(v)), None)
-        if at is None:  # ints numpy could not hold: past int64, so outside any vocabulary
-            at = next(i for i, v in enumerate(values) if not -(2**63) <= v < 2**63)
-            raise ValueError(f"{name}[{at}]: token id {values[at]} is outside the vocabulary")
+        at = next((i for i, v in enumerate(values) if not _is_int(v)), 0)
         raise TypeError(
             f"{name}: expected a flat list of int token ids, got {reprlib.repr(values[at])} "
             f"at index {at}"
         )
     if arr.size:
-        hi = vocab_size if vocab_size is not None else None
-        outside = (arr < 0) if hi is None else (arr < 0) | (arr >= hi)
+        outside = (arr < 0) if vocab_size is None else (arr < 0) | (arr >= vocab_size)
         if outside.any():
             at = int(np.argmax(outside))
-            limit = f"[0, {hi})" if hi is not None else ">= 0"
+            limit = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
             raise ValueError(
                 f"{name}[{at}]: token id {int(arr[at])} is outside the vocabulary {limit}"
             )
