@@ -181,9 +181,10 @@ summary() {
   mv -f "$OUT/summary.json.tmp" "$OUT/summary.json"
   return $rc
 }
+# what the summary reads, set as the steps run (pending / skipped until then)
 TESTS_RC=pending
 BENCH_RC=pending
-BENCH_RCS=""
+BENCH_RCS=""  # scale:rc of each bench size tried
 PRE_TESTS_RC=skipped
 PRE_BENCH_RC=skipped
 # (bash runs this only once the step in progress ends: each step runs in timeout's own group)
@@ -228,8 +229,6 @@ set -e
 
 # 3. Ahead-of-time compile of fla's kernels on all cores (each step bounded; a failed or timed-out
 #    step only costs the runs their own compiles).
-PRE_TESTS_RC=skipped
-PRE_BENCH_RC=skipped
 if [ "$PRECOMPILE" = 1 ]; then
   PRE_TESTS_RC=pending
   PRE_BENCH_RC=pending
@@ -257,7 +256,6 @@ set -e
 # 5. Bench at compute-bound sizes, smallest first, each within what is left of the budget
 #    (a larger size only with BENCH_MIN_S_LARGER seconds left; 20 s kept for the summary).
 BENCH_DONE=""   # scales that completed (bench rc 0), in order
-BENCH_RCS=""    # scale:rc of each size tried
 FIRST=1
 OUT_OF_TIME=""  # set once a size is skipped for time
 run ": > '$OUT/bench.log'"
