@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 from harts_verl.models.config import HybridConfig
 from harts_verl.models.layers import MoEFFN, RMSNorm, SwiGLU
 from harts_verl.models.mixers import MIXER_CLASSES
+from harts_verl.ops._dtypes import compute_dtype
 from harts_verl.ops.layout import TreeLayout
 
 
@@ -33,8 +34,7 @@ class HybridDecoderLayer(nn.Module):
         if self.is_moe:
             # multiplicities in the router's float32 (float64) math: bf16 holds integers only
             # to 256, so a row shared by more trajectories would be undercounted
-            w_dtype = torch.float64 if h.dtype == torch.float64 else torch.float32
-            out, aux = self.ffn(h, layout.row_weights(w_dtype))
+            out, aux = self.ffn(h, layout.row_weights(compute_dtype(h.dtype)))
         else:
             out, aux = self.ffn(h), h.new_zeros(())
         return x + out, aux

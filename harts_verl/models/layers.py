@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harts_verl.models.config import HybridConfig
+from harts_verl.ops._dtypes import compute_dtype
 
 
 class RMSNorm(nn.Module):
@@ -52,7 +53,7 @@ def rope_cos_sin(
     """cos/sin tables ``[C, dim]`` for the given positions (rotate-half layout)."""
     if dim % 2:
         raise ValueError(f"rope dim must be even, got {dim}")
-    calc = torch.float64 if dtype == torch.float64 else torch.float32
+    calc = compute_dtype(dtype)
     inv_freq = 1.0 / (
         theta ** (torch.arange(0, dim, 2, dtype=calc, device=position_ids.device) / dim)
     )

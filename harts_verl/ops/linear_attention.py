@@ -43,6 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from harts_verl.ops._dtypes import compute_dtype
+
 __all__ = [
     "ChunkStates",
     "DeltaRuleOutput",
@@ -226,7 +228,7 @@ def _prepare(
             raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dtype = compute_dtype(q.dtype)
 
     if cu_seqlens is None:
         cu = [0, T]

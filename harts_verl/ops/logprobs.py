@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from harts_verl.ops._dtypes import compute_dtype
 from harts_verl.tree._checks import check_positive, holds_bool
 
 __all__ = [
@@ -80,10 +81,6 @@ def semantic_to_row_index(forest: Any) -> np.ndarray:
     keep = np.ones(forest.num_semantic_tokens, dtype=bool)
     keep[forest.row_offsets[:-1]] = False  # every trajectory has >= 1 token
     return forest.semantic_rows[keep]
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor) -> Tensor:
@@ -218,7 +215,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         with_sq: bool,
         transform: LogitTransform,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        cdt = _compute_dtype(hidden.dtype)
+        cdt = compute_dtype(hidden.dtype)
         n_hid = hid_rows.shape[0]
         logp = torch.empty(pair_label.shape[0], dtype=cdt, device=hidden.device)
         ent = torch.empty(n_hid if with_entropy else 0, dtype=cdt, device=hidden.device)
@@ -259,7 +256,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         use_sq = g_sq is not None and g_sq.numel() > 0
         if (g_logp is None and not use_ent and not use_sq) or not (need_h or need_w or need_b):
             return (None, None, None, *none_rest)
-        cdt = _compute_dtype(hidden.dtype)
+        cdt = compute_dtype(hidden.dtype)
         temperature, chunk, bounds = ctx.temperature, ctx.chunk, ctx.pair_bounds
         n_hid = hid_rows.shape[0]
         grad_h = torch.zeros_like(hidden) if need_h else None
@@ -365,7 +362,7 @@ def check_temperature_floor(temperature: float | np.ndarray, dtype: torch.dtype)
     the compute dtype of ``dtype`` logits (float32: 5.4e-20, float64: 7.5e-155): above it,
     ``logits / temperature`` stays finite for every logit below ``√max`` (float32: 1.8e19),
     where a tinier temperature can turn log-probs and entropies into NaN."""
-    finfo = torch.finfo(_compute_dtype(dtype))
+    finfo = torch.finfo(compute_dtype(dtype))
     floor = float(finfo.max) ** -0.5
     arr = np.atleast_1d(np.asarray(temperature, dtype=np.float64))
     bad = np.flatnonzero(arr < floor)
@@ -625,7 +622,7 @@ def expanded_log_probs_ref(
     temperature = _check_temperature(temperature)
     check_temperature_floor(temperature, hidden_seq.dtype)
     scale, cap = _check_transform(logit_transform)
-    cdt = _compute_dtype(hidden_seq.dtype)
+    cdt = compute_dtype(hidden_seq.dtype)
     z = F.linear(hidden_seq[: max(n - 1, 0)], lm_head_weight, lm_head_bias).to(cdt) * scale
     if cap is not None:
         z = cap * torch.tanh(z / cap)

@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from harts_verl.ops._dtypes import compute_dtype
+
 __all__ = [
     "RouteResult",
     "expert_load",
@@ -64,10 +66,6 @@ class RouteResult(NamedTuple):
     weights: Tensor
     experts: Tensor
     probs: Tensor
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _check_logits(router_logits: Tensor, name: str = "router_logits") -> None:
@@ -122,7 +120,7 @@ def softmax_topk_route(
     """
     _check_logits(router_logits)
     _check_top_k(top_k, router_logits.shape[1])
-    probs = torch.softmax(router_logits.to(_compute_dtype(router_logits.dtype)), dim=-1)
+    probs = torch.softmax(router_logits.to(compute_dtype(router_logits.dtype)), dim=-1)
     weights, experts = stable_topk(probs, int(top_k))
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -157,7 +155,7 @@ def sigmoid_grouped_topk_route(
     group_size = e // int(n_group)
     _check_top_k(topk_group, int(n_group), "topk_group", "groups")
     _check_top_k(top_k, int(topk_group) * group_size, "top_k", "experts in the kept groups")
-    cdt = _compute_dtype(router_logits.dtype)
+    cdt = compute_dtype(router_logits.dtype)
     scores = torch.sigmoid(router_logits.to(cdt))
     choice = scores.detach()
     if correction_bias is not None:
@@ -317,7 +315,7 @@ def router_z_loss(router_logits: Tensor, weights: Any = None) -> Tensor:
     weights (multiplicity gives the trajectory-wise mean).
     """
     _check_logits(router_logits)
-    z = torch.logsumexp(router_logits.to(_compute_dtype(router_logits.dtype)), dim=-1)
+    z = torch.logsumexp(router_logits.to(compute_dtype(router_logits.dtype)), dim=-1)
     return _weighted_mean(z * z, _as_weights(weights, router_logits.shape[0], z.device))
 
 

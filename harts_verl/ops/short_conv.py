@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from harts_verl.ops._dtypes import compute_dtype
 from harts_verl.ops._index import to_index
 
 __all__ = ["conv_window_index", "short_conv_expanded_ref", "tree_short_conv"]
@@ -75,10 +76,6 @@ def _check_conv_args(
     return weight
 
 
-def _acc_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 def _finish(
     acc: torch.Tensor, bias: torch.Tensor | None, activation: str | None, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -120,7 +117,7 @@ def tree_short_conv(
         raise ValueError(
             f"window_index: expected shape ({c}, {w}) for x and weight, got {tuple(window_index.shape)}"
         )
-    acc_dtype = _acc_dtype(x)
+    acc_dtype = compute_dtype(x.dtype)
     wf = weight.to(acc_dtype)
     # Row C of x_pad is the zero row that window slots past the root (-1) read.
     x_pad = torch.cat([x, x.new_zeros((1, x.shape[1]))], dim=0)
@@ -153,7 +150,7 @@ def short_conv_expanded_ref(
         raise ValueError(f"x_seq: expected [L, D] or [B, L, D], got {tuple(x_seq.shape)}")
     weight = _check_conv_args(xb[0], weight, bias, activation)
     w = weight.shape[1]
-    acc_dtype = _acc_dtype(x_seq)
+    acc_dtype = compute_dtype(x_seq.dtype)
     y = F.conv1d(
         xb.transpose(1, 2).to(acc_dtype),
         weight.to(acc_dtype).unsqueeze(1),

@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from harts_verl.ops._dtypes import compute_dtype
 from harts_verl.ops._index import concat_ranges, segment_ancestors, to_index
 from harts_verl.ops._version import release_tuple
 from harts_verl.tree._checks import check_positive, is_int
@@ -424,7 +425,7 @@ class _SoftcapAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q, k, v, mask, scale: float, cap: float):  # type: ignore[override]
-        cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        cdt = compute_dtype(q.dtype)
         t = torch.matmul(q, k.transpose(-1, -2)).to(cdt)
         t.mul_(scale / cap).tanh_()
         z = torch.mul(t, cap)
