@@ -179,7 +179,7 @@ def workload_options(cfg: BenchConfig) -> dict[str, Any]:
     return cfg.workload_overrides
 
 
-def _check_config(cfg: BenchConfig) -> tuple[torch.device, str | None]:
+def check_config(cfg: BenchConfig) -> tuple[torch.device, str | None]:
     """Every setting checked before anything is built (ValueError naming it); the device and
     the file the plot is written to (:func:`plot_path`; None without ``plot``)."""
     if cfg.dtype not in DTYPES:
@@ -287,7 +287,7 @@ def load_bench_inputs(cfg: BenchConfig) -> BenchInputs:
     (``cpu:0``) or an existing ``cuda[:N]``."""
     from harts_verl.models.adapter import as_tree_model, check_rope_lengths
 
-    device, plot = _check_config(cfg)
+    device, plot = check_config(cfg)
     dtype = DTYPES[cfg.dtype]
     model, mcfg, model_type = bench_model(cfg, dtype, device)
     try:

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from harts_verl.benchmark import DTYPES, BenchConfig, bench_model
+from harts_verl.benchmark import DTYPES, BenchConfig, bench_model, check_config
 from harts_verl.models.config import preset
 from harts_verl.ops.backends.fla_linear import (
     FlaLinearKernel,
@@ -37,10 +37,8 @@ from harts_verl.ops.backends.fla_linear import (
     scalar_gate_guard,
 )
 from harts_verl.ops.backends.triton_cache import DeviceInfo, check_triton, compile_ahead
-from harts_verl.ops.layout import check_chunk_size
 from harts_verl.runtime import ExpandedRunner, TreeRunner
 from harts_verl.tree import RolloutForest
-from harts_verl.tree._checks import SEED_MAX, check_int
 
 __all__ = [
     "TARGETS",
@@ -125,13 +123,10 @@ def check_precompile_config(cfg: BenchConfig) -> torch.dtype:
     :func:`precompile_model` reads: ``dtype`` (not float64: no fla kernels run then),
     ``chunk_size``, ``seed``, and ``preset`` or ``model`` (its config is read and its type must
     have a tree mode; the weights are not loaded). ``ValueError`` naming the field otherwise."""
-    dtype = DTYPES.get(cfg.dtype)
-    if dtype is None:
-        raise ValueError(f"dtype: unknown {cfg.dtype!r}, expected one of {sorted(DTYPES)}")
+    check_config(cfg)  # the bench's checks: dtype, chunk_size, seed (the rest at defaults)
+    dtype = DTYPES[cfg.dtype]
     if dtype == torch.float64:
         raise ValueError("dtype: float64 runs on the torch reference (no fla kernels to compile)")
-    check_chunk_size(cfg.chunk_size)
-    check_int("seed", cfg.seed, 0, SEED_MAX)
     if cfg.model is None:
         preset(cfg.preset)  # an unknown preset is a ValueError naming it
     else:

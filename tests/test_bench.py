@@ -301,9 +301,9 @@ def test_plot_path_resolved_before_running(tmp_path):
     """A plot path without suffix is written (and reported) as PATH.png, decided up front."""
     import harts_verl.benchmark as bench
 
-    assert bench._check_config(BenchConfig(plot=str(tmp_path / "x")))[1] == str(tmp_path) + "/x.png"
-    assert bench._check_config(BenchConfig(plot=str(tmp_path / "x.pdf")))[1].endswith("x.pdf")
-    assert bench._check_config(BenchConfig())[1] is None
+    assert bench.check_config(BenchConfig(plot=str(tmp_path / "x")))[1] == str(tmp_path) + "/x.png"
+    assert bench.check_config(BenchConfig(plot=str(tmp_path / "x.pdf")))[1].endswith("x.pdf")
+    assert bench.check_config(BenchConfig())[1] is None
 
 
 def test_result_records_its_settings_and_survives_a_failed_plot(tmp_path, monkeypatch):
