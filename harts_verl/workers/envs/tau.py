@@ -718,9 +718,10 @@ class LLMUser:
         """The simulator's next message (its reasoning, ``<think>...</think>``, removed), or
         None when it says one of :data:`ENDS` (``###STOP###``, ...). A failed request
         (connection, timeout, HTTP 408 / 429 / 5xx) is sent again, ``retries`` times, after
-        0.5 s, 1 s, ... (then its error is raised; other HTTP errors at once). ``ValueError`` for a reply without message text
-        (e.g. a reasoning model cut off by ``max_tokens`` while thinking): an empty reply
-        would otherwise end the conversation as if the user had stopped."""
+        0.5 s, 1 s, ... (then its error is raised; other HTTP errors at once). ``ValueError``
+        for a reply without message text (e.g. a reasoning model cut off by ``max_tokens``
+        while thinking): an empty reply would otherwise end the conversation as if the user
+        had stopped."""
         body = {
             **self.extra_body,
             "model": self.model,
