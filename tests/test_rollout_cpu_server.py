@@ -399,6 +399,15 @@ def test_bad_requests_are_named(server):
         ({"bad_words": 3}, TypeError, "sampling_params.bad_words"),
         ({"stop_token_ids": 5}, TypeError, "sampling_params.stop_token_ids"),
         ({"stop_token_ids": [2.5]}, TypeError, "sampling_params.stop_token_ids"),
+        # vLLM parameters this server does not apply, other than None (they were ignored)
+        ({"structured_outputs": {"json": {}}}, ValueError, "sampling_params.structured_outputs"),
+        ({"truncate_prompt_tokens": 8}, ValueError, "sampling_params.truncate_prompt_tokens: 8"),
+        ({"prompt_logprobs": 0}, ValueError, "sampling_params.prompt_logprobs: 0 is not"),
+        ({"thinking_token_budget": 4}, ValueError, "sampling_params.thinking_token_budget"),
+        ({"logits_processors": [print]}, ValueError, "sampling_params.logits_processors"),
+        # no vLLM sampling parameter at all (a misspelt key was silently ignored)
+        ({"temprature": 0.0}, ValueError, "sampling_params.temprature: not a sampling param"),
+        ({"top_p": 0.5, "max_token": 3}, ValueError, r"sampling_params.max_token: .*\['max_"),
     ]:
         with pytest.raises(err, match=msg):
             _gen(server, [1, 2], **sp)
@@ -424,6 +433,12 @@ def test_bad_requests_are_named(server):
     # neutral values of the parameters the server does not apply are accepted
     sp = {"stop": None, "logit_bias": {}, "min_tokens": 0, "n": 1, "bad_words": []}
     assert len(_gen(server, [1, 2], max_tokens=2, temperature=0, **sp).token_ids) == 2
+    sp = {"structured_outputs": None, "prompt_logprobs": None, "logits_processors": []}
+    assert len(_gen(server, [1, 2], max_tokens=2, temperature=0, **sp).token_ids) == 2
+    # vLLM's text-output options and extra_args change no token id: accepted, same tokens
+    plain = _gen(server, [1, 2], max_tokens=3, temperature=0).token_ids
+    sp = {"skip_special_tokens": False, "include_stop_str_in_output": True, "extra_args": {}}
+    assert _gen(server, [1, 2], max_tokens=3, temperature=0, **sp).token_ids == plain
     # veRL's own request: neutral values, None for unset ones
     sp = {"temperature": None, "top_p": None, "top_k": None, "repetition_penalty": 1.0}
     assert len(_gen(server, [1, 2], max_tokens=2, **sp).token_ids) == 2

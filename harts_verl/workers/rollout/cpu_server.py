@@ -197,7 +197,49 @@ _NEUTRAL = {
     "n": 1,
 }
 # ... and those it does not apply that do nothing when None or empty
-_NEUTRAL_EMPTY = ("stop", "logit_bias", "bad_words", "allowed_token_ids")
+_NEUTRAL_EMPTY = ("stop", "logit_bias", "bad_words", "allowed_token_ids", "logits_processors")
+# ... and those it does not apply that do nothing when None (vLLM's structured outputs, prompt
+# log-probs, thinking budget, repetition detection, forced decoding; older vLLM's names too)
+_NEUTRAL_NONE = (
+    "structured_outputs",
+    "guided_decoding",
+    "truncate_prompt_tokens",
+    "prompt_logprobs",
+    "prompt_logprob_token_ids",
+    "prompt_logprob_start",
+    "logprob_token_ids",
+    "thinking_token_budget",
+    "repetition_detection",
+    "trace_decode_token_ids",
+    "best_of",
+)
+# what the server reads (sampling, length, stops, seed, log-probs) ...
+_APPLIED = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_tokens",
+    "max_new_tokens",
+    "stop_token_ids",
+    "ignore_eos",
+    "seed",
+    "logprobs",
+)
+# ... and vLLM's parameters of text output, streaming, caching or plugins: no effect on token ids
+_INERT = (
+    "detokenize",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+    "output_kind",
+    "stream_interval",
+    "skip_clone",
+    "flat_logprobs",
+    "skip_reading_prefix_cache",
+    "routed_experts_prompt_start",
+    "extra_args",
+)
+_KNOWN = frozenset(_APPLIED + _INERT + _NEUTRAL_NONE + _NEUTRAL_EMPTY + tuple(_NEUTRAL))
 # vLLM raises a temperature in (0, 1e-2) to 1e-2 (its ``_MAX_TEMP``: smaller ones overflow the
 # scaled logits); 0 alone is greedy
 _MIN_TEMPERATURE = 1e-2
@@ -209,9 +251,20 @@ def sampling_options(sampling_params: dict[str, Any]) -> tuple[float, int, float
     ``top_k`` an int (0, -1 or None: off; below -1 refused), ``top_p`` in (0, 1] (None: 1.0).
     ``ValueError`` / ``TypeError`` naming ``sampling_params.<key>`` otherwise, and for a
     parameter this server does not apply (a penalty, ``min_p``, ``min_tokens``, ``n`` other
-    than 1, a non-empty ``stop`` / ``logit_bias`` / ``bad_words`` / ``allowed_token_ids``),
-    which it would otherwise ignore."""
+    than 1, a non-empty ``stop`` / ``logit_bias`` / ``bad_words`` / ``allowed_token_ids``, a
+    ``structured_outputs`` / ``prompt_logprobs`` / ``truncate_prompt_tokens`` ... other than
+    None), which it would otherwise ignore, and for a key that is no vLLM sampling parameter
+    (vLLM's ``SamplingParams`` refuses it too; a misspelt key was silently ignored). vLLM's
+    text-output and streaming options (``skip_special_tokens``, ``output_kind``, ...) and
+    ``extra_args`` are accepted: they change no token id."""
     import numbers
+
+    unknown = sorted(str(k) for k in sampling_params if k not in _KNOWN)
+    if unknown:
+        raise ValueError(
+            f"sampling_params.{unknown[0]}: not a sampling parameter the {NAME} CPU rollout "
+            f"server knows (vLLM's SamplingParams fields; unknown: {unknown})"
+        )
 
     def number(key: str, default: float) -> float:
         v = sampling_params.get(key, default)
@@ -250,6 +303,12 @@ def sampling_options(sampling_params: dict[str, Any]) -> tuple[float, int, float
             raise ValueError(
                 f"sampling_params.{key}: {value!r} is not supported by the {NAME} CPU rollout "
                 "server (only None or empty)"
+            )
+    for key in _NEUTRAL_NONE:
+        if sampling_params.get(key) is not None:
+            raise ValueError(
+                f"sampling_params.{key}: {sampling_params[key]!r} is not supported by the {NAME} "
+                "CPU rollout server (only None)"
             )
     if 0 < temperature < _MIN_TEMPERATURE:
         temperature = _MIN_TEMPERATURE
