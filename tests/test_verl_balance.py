@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from harts_verl.tree import RolloutForest
 from harts_verl.tree.microbatch import compact_work
-from harts_verl.workers.balance import partition_work, tree_balanced_partition
+from harts_verl.workers.balance import tree_balanced_cells, tree_balanced_partition
 
 
 def _grpo(rng, prompt_lens, n=4, shared=0):
@@ -49,7 +49,7 @@ def test_trees_whole_equal_sizes_and_balanced(dp, nm):
                 assert sum(tree_of[i] == t for i in cell) == 4
             pos = np.argsort(forest.leaf_order)[cell]
             assert list(pos) == sorted(pos)  # leaf order inside a cell
-    work = np.array([[partition_work(forest, c) for c in row] for row in cells])
+    work = np.array([[compact_work(forest, c) for c in row] for row in cells])
     total = forest.num_compact_tokens
     assert work.sum() == total  # whole trees share nothing across cells
     # balanced: the heaviest cell exceeds the ideal by less than one tree
@@ -78,13 +78,13 @@ def test_balanced_beats_naive_and_verl_seqlen_split():
     seqs = [seqs[i] for i in order]
     forest = RolloutForest.from_sequences(seqs)
     dp = 4
-    ours = max(partition_work(forest, p) for p in tree_balanced_partition(seqs, dp))
+    ours = max(compact_work(forest, p) for p in tree_balanced_partition(seqs, dp))
     k = len(seqs) // dp
-    naive = max(partition_work(forest, list(range(r * k, (r + 1) * k))) for r in range(dp))
+    naive = max(compact_work(forest, list(range(r * k, (r + 1) * k))) for r in range(dp))
     stock = seqlen.get_seqlen_balanced_partitions(
         [len(s) for s in seqs], k_partitions=dp, equal_size=True
     )
-    stock_max = max(partition_work(forest, p) for p in stock)
+    stock_max = max(compact_work(forest, p) for p in stock)
     ideal = forest.num_compact_tokens / dp
     assert ours <= 1.05 * ideal
     assert ours < naive and ours < stock_max
@@ -101,15 +101,23 @@ def test_deterministic_and_forest_input():
 
 
 def test_big_tree_cut_at_lowest_lcp_and_errors():
-    # one tree of 6 (two sub-branches of 3 below [1, 2]) + a tree of 2: share 4
+    # one tree of 8 (two sub-branches of 4 below [1, 2]) + a tree of 4: share 4, the big tree is
+    # cut between its two branches, not inside one
+    big = [[1, 2, 3, 4, k] for k in range(4)] + [[1, 2, 7, 8, k] for k in range(4)]
+    big += [[9, k] for k in range(4)]
+    parts = tree_balanced_partition(big, 3)
+    assert sorted(sorted({tuple(big[i][:-1]) for i in p}) for p in parts) == [
+        [(1, 2, 3, 4)],
+        [(1, 2, 7, 8)],
+        [(9,)],
+    ]
+    # one tree of 6 (branches of 3) + a tree of 2, share 4: a tree that fits a cell stays
+    # whole (the big one, cut anyway, is cut inside a branch); it was the one cut
     big = [[1, 2, 3, 4, k] for k in range(3)] + [[1, 2, 7, 8, k] for k in range(3)]
     big += [[9, k] for k in range(2)]
     parts = tree_balanced_partition(big, 2)
     assert sorted(len(p) for p in parts) == [4, 4]
-    for p in parts:  # the big tree is cut between its two branches, not inside one
-        branches = {tuple(big[i][:4]) for i in p if big[i][0] == 1}
-        for br in branches:
-            assert sum(tuple(big[i][:4]) == br for i in p) in (3, 0) or len(branches) == 1
+    assert sum(any(big[i][0] == 9 for i in p) for p in parts) == 1
     seqs = [[1, 2, k] for k in range(6)]
     with pytest.raises(ValueError, match="dp_size"):
         tree_balanced_partition(seqs, 4)
@@ -119,13 +127,99 @@ def test_big_tree_cut_at_lowest_lcp_and_errors():
         tree_balanced_partition(seqs, 0)
 
 
-def test_partition_work_is_the_planner_model():
-    rng = np.random.default_rng(9)
-    seqs, _ = _grpo(rng, [30, 7, 12], shared=4)
+# a chat template every trajectory starts with
+_TEMPLATE = [151644, 8948, 198, 2610, 525, 264, 10950, 17847, 13, 151645, 198]
+
+
+@pytest.mark.parametrize(("dp", "nm"), [(2, 1), (4, 1), (2, 2)])
+def test_a_shared_template_changes_nothing(dp, nm):
+    """A prefix every trajectory shares (a chat template) made the whole batch one tree: it was
+    cut into contiguous leaf-order chunks, and balancing had nothing left to do (one rank 2095
+    rows, the other 575). Now the batch splits into the trees below the template, as without."""
+    rng = np.random.default_rng(0)
+    seqs = []
+    for g in range(8):  # long and short prompts alternate in leaf order
+        p = [1000 + g, *rng.integers(0, 50, 400 if g < 4 else 20).tolist()]
+        seqs += [p + rng.integers(0, 50, 30).tolist() for _ in range(4)]
+    plain = tree_balanced_cells(seqs, dp, nm)
+    templ = tree_balanced_cells([_TEMPLATE + s for s in seqs], dp, nm)
+    assert templ[0] == plain[0]  # the same partition
+    assert (templ[1] == plain[1] + len(_TEMPLATE)).all()  # each cell pays the template once
+    # GRPO groups of sizes 2, 3, 2, 3, 2 below a template, two cells of 6: {3, 3} | {2, 2, 2}
+    seqs, group = [], []
+    for g, size in enumerate([2, 3, 2, 3, 2]):
+        for k in range(size):
+            seqs.append([*_TEMPLATE, 1000 + g, *[g] * 20, k])
+            group.append(g)
+    parts = tree_balanced_partition(seqs, 2)
+    assert all(
+        len({r for r, p in enumerate(parts) if g in {group[i] for i in p}}) == 1 for g in range(5)
+    )
+
+
+def test_a_tree_that_fits_stays_whole_beside_one_cut_anyway():
+    """Trees of 6 (3 | 3 at its lowest LCP), 4 and 2 on three cells of 4: the tree of 6 must be
+    cut; it is cut again ({4} | {2 + 2 of it} | {4 of it}) rather than cutting the tree of 2."""
+    a = [[1, 9, 9, 9, 0, 0, k] for k in range(3)] + [[1, 9, 9, 9, 5, 5, k] for k in range(3)]
+    b = [[2, 7, 7, k] for k in range(4)]
+    c = [[3] + [8] * 20 + [k] for k in range(2)]
+    seqs = a + b + c
+    parts = tree_balanced_partition(seqs, 3)
+    for first in (2, 3):
+        assert sum(any(seqs[i][0] == first for i in p) for p in parts) == 1
+
+
+def test_swaps_never_raise_the_largest_cell():
+    """Pieces cut from one tree share their prefix in a cell, so the sum of their works
+    overcounts it; a swap that lowered that sum raised the real largest cell (28 to 29)."""
+    import harts_verl.workers.balance as balance
+
+    p = [7] * 20
+    a = [[101, *p, 0], [101, *p, 1], [101, *p, 2], [101, *p, 0, 3], [101, *p, 0, 4]]
+    a += [[101, *p, 0, 0, k] for k in range(5, 12)]
+    seqs = [*a, [102, 0], [102, 1], [102, 2]]
+    with_swap = tree_balanced_cells(seqs, 3)[1].max()
+    real = balance._swap
+    try:
+        balance._swap = lambda *args: None
+        without = tree_balanced_cells(seqs, 3)[1].max()
+    finally:
+        balance._swap = real
+    assert with_swap <= without
+
+
+def test_exact_search_is_exhaustive_within_its_budget():
+    """The branch and bound after a first placement skipped cells alike in room (but not in
+    work) in the frames built before it: largest cell 140 where 124 keeps every tree whole."""
+    import itertools
+
+    from harts_verl.workers.balance import _exact
+
+    sizes, works = [2, 5, 3, 4, 8, 5, 1, 2, 2], [61, 34, 33, 30, 36, 58, 41, 49, 32]
+    ids = _exact(np.array(sizes), np.array(works), 8, 4)
+    got = max(sum(works[i] for i in c) for c in ids)
+    best = min(
+        max(sum(w for w, x in zip(works, assign) if x == c) for c in range(4))
+        for assign in itertools.product(range(4), repeat=len(sizes))
+        if all(sum(s for s, x in zip(sizes, assign) if x == c) == 8 for c in range(4))
+    )
+    assert got == best == 124
+
+
+@settings(max_examples=60, deadline=None)
+@given(sequence_lists(max_traj=12, alphabet=3), st.sampled_from([(1, 1), (2, 1), (2, 2), (3, 1)]))
+def test_cell_works_are_the_cells_compact_work(seqs, grid):
+    """:func:`tree_balanced_cells`' works (the trainer's metrics; they were recomputed per
+    cell, O(n) each) are the compact work of each rank's mini-batch."""
+    dp, nm = grid
+    seqs = seqs[: len(seqs) - len(seqs) % (dp * nm)]
+    if not seqs:
+        return
     forest = RolloutForest.from_sequences(seqs)
-    for part in ([0, 5, 9], [3], [], list(range(len(seqs)))):
-        ref = forest.subset(np.asarray(part, np.int64)).num_compact_tokens if part else 0
-        assert partition_work(forest, part) == compact_work(forest, part) == ref
+    parts, works = tree_balanced_cells(forest, dp, nm)
+    assert parts == tree_balanced_partition(forest, dp, nm)
+    expected = [[compact_work(forest, c) for c in row] for row in _cells(parts, nm)]
+    assert works.tolist() == expected
 
 
 def test_trainer_balance_step_and_mini_batches():
@@ -286,14 +380,13 @@ def test_trainer_balance_batch_override(monkeypatch, tree_section, mode):
     seqs, tree_of = _grpo(rng, rng.integers(5, 60, 8).tolist())  # 8 trees of 4
     nested = torch.nested.as_nested_tensor([torch.tensor(s) for s in seqs], layout=torch.jagged)
 
-    class Batch:
-        keys, partition_id, order = list(range(len(seqs))), "train", None
+    from transfer_queue.metadata import KVBatchMeta
 
-        def __len__(self) -> int:
-            return len(self.keys)
-
-        def reorder(self, order):
-            self.order = order
+    # the transfer queue's batch: its reorder moves the keys and the tags (seq_len) alike
+    lens = [len(s) for s in seqs]
+    keys = [f"k{i}" for i in range(len(seqs))]
+    tags = [{"seq_len": n} for n in lens]
+    batch = KVBatchMeta(keys=list(keys), tags=tags, partition_id="train")
 
     def kv_batch_get(keys, partition_id, select_fields):
         assert select_fields == ["input_ids"] and partition_id == "train"
@@ -325,13 +418,14 @@ def test_trainer_balance_batch_override(monkeypatch, tree_section, mode):
         _get_required_batch_multiple=lambda dp: 8,
         tokenizer=types.SimpleNamespace(eos_token_id=0),
     )
-    batch, metrics = Batch(), {}
+    metrics = {}
     assert cls._balance_batch(fake, batch, metrics) is batch
     order, expected = harts_balance_batch(seqs, 2, 4)  # 32 / (2 x 4) = 4 prompts x n per step
-    assert batch.order == order
+    assert batch.keys == [keys[i] for i in order]
+    assert [t["seq_len"] for t in batch.tags] == [lens[i] for i in order]
     assert {k: v for k, v in metrics.items() if k.startswith("harts/")} == expected
-    # veRL's own per-rank token metrics, of the ranks' parts of this order (stock names)
-    lens = [len(s) for s in seqs]
+    # veRL's own per-rank token metrics, of the ranks' parts of this order (stock names; they
+    # were read from the tags after the reorder, with the indices of before it)
     rank_tokens = [sum(lens[i] for i in order[r * 16 : (r + 1) * 16]) for r in range(2)]
     assert metrics["global_seqlen/balanced_min"] == min(rank_tokens)
     assert metrics["global_seqlen/balanced_max"] == max(rank_tokens)
@@ -406,7 +500,7 @@ def test_split_free_placement_when_greedy_would_cut():
     assert not _split_trees(parts, 1, tree_of)
     assert sorted(sorted({tree_of[i] for i in p}) for p in parts) == [[0, 1], [2, 3, 4]]
     # nothing is duplicated across ranks: the ranks' work adds up to the whole trie
-    assert sum(partition_work(forest, p) for p in parts) == forest.num_compact_tokens
+    assert sum(compact_work(forest, p) for p in parts) == forest.num_compact_tokens
 
 
 @pytest.mark.parametrize(
@@ -492,7 +586,7 @@ def test_no_tree_split_with_many_cells(dp, nm, share, smallest, monkeypatch):
     parts = tree_balanced_partition(forest, dp, nm)
     _check_shape(parts, len(seqs), dp, nm, forest)
     assert not _split_trees(parts, nm, tree_of)
-    cell_work = [partition_work(forest, c) for row in _cells(parts, nm) for c in row]
+    cell_work = [compact_work(forest, c) for row in _cells(parts, nm) for c in row]
     assert sum(cell_work) == forest.num_compact_tokens  # whole trees: nothing duplicated
     assert parts == tree_balanced_partition(seqs, dp, nm)  # deterministic
     monkeypatch.setattr(balance, "_COMPLETE_BUDGET", 0)
@@ -530,7 +624,7 @@ def test_no_tree_split_when_a_split_free_placement_exists(grid, share, built, da
     _check_shape(parts, len(seqs), dp, nm, forest)
     if built or _split_free_exists(sizes, cells, share):
         assert not _split_trees(parts, nm, tree_of)
-        cell_work = [partition_work(forest, c) for row in _cells(parts, nm) for c in row]
+        cell_work = [compact_work(forest, c) for row in _cells(parts, nm) for c in row]
         assert sum(cell_work) == forest.num_compact_tokens
 
 
@@ -547,25 +641,6 @@ def test_partition_covers_once_equal_sizes_deterministic(seqs, grid):
     _check_shape(parts, len(seqs), dp, nm, forest)
     assert parts == tree_balanced_partition(forest, dp, nm)  # deterministic, same on a forest
     assert parts == tree_balanced_partition([list(s) for s in seqs], dp, nm)
-
-
-@settings(max_examples=80, deadline=None)
-@given(sequence_lists(max_traj=16, alphabet=3), st.data())
-def test_partition_work_matches_compact_work(seqs, data):
-    forest = RolloutForest.from_sequences(seqs)
-    part = data.draw(st.lists(st.integers(0, len(seqs) - 1), max_size=2 * len(seqs)))
-    assert partition_work(forest, part) == compact_work(forest, part)  # any order, repeats once
-    assert partition_work(forest, part) == partition_work(forest, sorted(set(part)))
-
-
-def test_partition_work_errors():
-    forest = RolloutForest.from_sequences([[1, 2], [1, 3]])
-    with pytest.raises(ValueError, match="out of range"):
-        partition_work(forest, [0, 2])
-    with pytest.raises(ValueError, match="1-D"):
-        partition_work(forest, [[0, 1]])
-    with pytest.raises(TypeError, match="RolloutForest"):
-        partition_work([[1, 2]], [0])
 
 
 def _swap_reference(sizes, work, ids):
@@ -595,15 +670,28 @@ def _swap_reference(sizes, work, ids):
 @settings(max_examples=150, deadline=None)
 @given(st.integers(2, 5), st.integers(1, 14), st.data())
 def test_vectorized_swap_matches_reference(cells, p, data):
-    from harts_verl.workers.balance import _swap
+    from types import SimpleNamespace
+
+    from harts_verl.workers.balance import _swap, _Work
 
     sizes = data.draw(st.lists(st.integers(1, 3), min_size=p, max_size=p))
-    work = data.draw(st.lists(st.integers(1, 40), min_size=p, max_size=p))  # ties likely
+    work = data.draw(st.lists(st.integers(4, 40), min_size=p, max_size=p))  # ties likely
     cell = data.draw(st.lists(st.integers(0, cells - 1), min_size=p, max_size=p))
     ids = [[i for i in range(p) if cell[i] == c] for c in range(cells)]
     ref = [list(c) for c in ids]
     _swap_reference(sizes, work, ref)
-    _swap(np.array(sizes, np.int64), np.array(work, np.int64), ids)
+    # piece i: a tree of its own (first token i + 1) of sizes[i] trajectories and work[i] rows,
+    # so a cell's exact work is the sum of its pieces' (the estimate is exact, no swap refused)
+    seqs = [
+        [i + 1] + [0] * (w - s - 1) + [k]
+        for i, (s, w) in enumerate(zip(sizes, work))
+        for k in range(s)
+    ]
+    lv = _Work(RolloutForest.from_sequences(seqs))
+    starts = np.cumsum([0, *sizes]).tolist()
+    pcs = SimpleNamespace(ranges=[(starts[i], starts[i + 1]) for i in range(p)])
+    assert [lv.range_work(a, b) for a, b in pcs.ranges] == work
+    _swap(lv, pcs, np.array(sizes, np.int64), np.array(work, np.int64), ids)
     assert ids == ref
 
 
@@ -614,6 +702,6 @@ def test_many_single_trajectory_trees():
     forest = RolloutForest.from_sequences(seqs)
     parts = tree_balanced_partition(forest, 8, 2)
     _check_shape(parts, len(seqs), 8, 2, forest)
-    work = np.array([[partition_work(forest, c) for c in row] for row in _cells(parts, 2)])
+    work = np.array([[compact_work(forest, c) for c in row] for row in _cells(parts, 2)])
     assert work.sum() == forest.num_compact_tokens
     assert work.max() <= forest.num_compact_tokens / 16 + max(len(s) for s in seqs)

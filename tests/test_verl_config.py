@@ -352,7 +352,8 @@ def test_critic_strategy_selects_the_harts_critic_config(tmp_path, caplog):
 
 def test_tree_balanced_partition_keeps_trees_and_balances_work():
     from harts_verl.tree import RolloutForest
-    from harts_verl.workers.balance import partition_work, tree_balanced_partition
+    from harts_verl.tree.microbatch import compact_work
+    from harts_verl.workers.balance import tree_balanced_partition
     from harts_verl.workers.trainer import harts_balance_batch
 
     rng = np.random.default_rng(0)
@@ -369,7 +370,7 @@ def test_tree_balanced_partition_keeps_trees_and_balances_work():
         trees = {tree_of[i] for i in p}
         assert all(sum(tree_of[i] == t for i in p) == 4 for t in trees)
     forest = RolloutForest.from_sequences(seqs)
-    work = [partition_work(forest, p) for p in parts]
+    work = [compact_work(forest, p) for p in parts]
     assert max(work) - min(work) <= 40  # {60,20} vs {10,30}-sized trees
     order, metrics = harts_balance_batch(seqs, 2)
     assert order == [i for p in parts for i in p] and metrics["harts/dp_compression"] > 1

@@ -5,24 +5,32 @@ rank, and each rank cuts its chunk into ``num_mini_batches`` consecutive equal m
 optimizer step each, a synchronisation point of all ranks). :func:`tree_balanced_partition`
 chooses which trajectories go to which (rank, mini-batch) *cell* so that
 
-* trajectories of one tree (same root row of the batch's token trie) stay in one cell whenever
-  the equal-size constraint allows it. A tree larger than a cell is first cut between leaf-order
-  neighbours at its lowest common prefix (where cutting duplicates least work) into *pieces*
-  that fit a cell. Pieces are then placed whole: greedily (below) and, when the greedy placement
-  would have to cut a piece, by an exact search over the pieces' sizes (cells must be filled
-  exactly: a multi-way subset-sum, depth-first with memoised dead states and subset-sum
+* trajectories of one tree stay in one cell whenever the equal-size constraint allows it. The
+  trees are the children of the batch trie's lowest branch: the root rows, or the rows below a
+  prefix every trajectory shares (a chat template makes the batch one trie, not one tree). A
+  tree larger than a cell is first cut between leaf-order neighbours at its lowest common
+  prefix (where cutting duplicates least work), the cut nearest a cell's size, recursively into
+  *pieces* that fit a cell. Pieces are then placed whole: greedily (below) and, when the greedy
+  placement would have to cut a piece, by an exact search over the pieces' sizes (cells must be
+  filled exactly: a multi-way subset-sum, depth-first with memoised dead states and subset-sum
   pruning) for a placement that cuts none. That search balances work as it goes and suits up
   to ~32 cells; when it finds nothing within :data:`_SEARCH_BUDGET` cell visits (many cells), a
   second search fills the cells one at a time over the pieces' size counts (bin completion,
   :data:`_COMPLETE_BUDGET` completions; e.g. 256 cells of 16 built from trees of 4–16 in
-  ~0.05 s). Only when neither finds a placement (none exists, or both budgets run out) is a
-  piece cut between leaf-order neighbours to fill the cells;
+  ~0.05 s). When neither finds one, the largest piece cut from a tree is cut again, at its own
+  lowest branch, and the searches run again (at most :data:`_REFINE_ROUNDS` times, batches of
+  at most :data:`_REFINE_MAX_CELLS` cells), so a tree that fits a cell is not cut while one that
+  is cut anyway can be cut elsewhere. Of every placement found (the greedy ones with a piece cut
+  between leaf-order neighbours to fill the cells among them), the one cutting the fewest trees
+  wins, then the one with the smallest largest cell work, then the smallest total work;
 * the cells' work is balanced. Work is the planner's model
   (:func:`harts_verl.tree.microbatch.compact_work`: rows of the cell's own trie, what the tree
-  engine runs): pieces are placed largest first on the feasible cell with the least work (LPT;
-  the exact search tries cells in the same order, then spends at most :data:`_IMPROVE_BUDGET`
-  more cell visits on a placement with a smaller largest cell), then pairwise swaps of
-  equal-size pieces lower the largest cell's work;
+  engine runs): pieces are placed largest first on the feasible cell whose work after it is
+  least (LPT, once with the prefix a piece shares with the cell's pieces counted once, once
+  without; the exact search tries cells in order of least work, then spends at most
+  :data:`_IMPROVE_BUDGET` more cell visits on a placement with a smaller largest cell), then
+  pairwise swaps of equal-size pieces between the heaviest cell and another lower the largest
+  cell's work (a swap is made only when the two cells' exact works both end below it);
 * cells are grouped into mini-batches with the planner's slot placement
   (:func:`harts_verl.tree.microbatch.place_microbatches`: works sorted decreasingly, ``dp_size``
   consecutive cells per mini-batch, larger cells to ranks with less work so far), so the ranks'
@@ -51,12 +59,16 @@ import numpy as np
 from harts_verl.tree import RolloutForest
 from harts_verl.tree.microbatch import place_microbatches
 
-__all__ = ["partition_work", "tree_balanced_partition"]
+__all__ = ["tree_balanced_cells", "tree_balanced_partition"]
 
 _SWAP_ROUNDS = 64  # bound on improving swaps (each lowers the largest cell's work)
+_SHARED_LEVELS = 4  # nodes above a piece whose shared prefix the greedy placement counts
+_SWAP_TRIES = 16  # swaps tried per round, best estimate first, until one lowers it exactly
 _SEARCH_BUDGET = 200_000  # bound on the search for a placement cutting no piece (cell visits)
 _IMPROVE_BUDGET = 40_000  # then bound on the search for a better one (cell visits)
 _COMPLETE_BUDGET = 20_000  # bound on the cell-by-cell search (completions tried)
+_REFINE_ROUNDS = 8  # bound on the pieces cut finer when no placement keeps them whole
+_REFINE_MAX_CELLS = 256  # ... and on the cells of a batch where that is tried
 
 
 class _Work:
@@ -95,74 +107,142 @@ class _Work:
         return w
 
 
-def partition_work(forest: RolloutForest, part: Sequence[int]) -> int:
-    """Compact rows of the trie of trajectories ``part`` (any order, a repeated index counts
-    once; 0 for an empty part): the planner's work model,
-    :func:`~harts_verl.tree.microbatch.compact_work`, in O(n) without the planner's leaf view."""
-    if not isinstance(forest, RolloutForest):
-        raise TypeError(f"forest: expected a RolloutForest, got {type(forest).__name__}")
-    idx = np.asarray(part, np.int64)
-    n = forest.num_trajectories
-    if idx.ndim != 1:
-        raise ValueError("trajectories: expected a 1-D array of integer trajectory indices")
-    if idx.size == 0:
-        return 0
-    if int(idx.min()) < 0 or int(idx.max()) >= n:
-        raise ValueError(f"trajectories: index out of range for {n} trajectories")
-    lv = _Work(forest)
-    return lv.set_work(np.unique(lv.rank[idx]))
+class _Pieces:
+    """Pieces of a batch: leaf-order position ranges ``[a, b)`` of at most ``share`` trajectories,
+    each a subtree of the batch's trie or a union of sibling subtrees.
 
+    A range larger than ``share`` is a *node* (``depth``: the prefix all its trajectories share,
+    0 for unrelated trees), split at its lowest adjacent LCPs: the whole batch at every one of
+    them (into its trees: the children of its lowest branch, so a prefix every trajectory
+    shares, a chat template, costs nothing), a tree at the one nearest ``share`` (two parts,
+    the fewest duplicated rows), recursively until every range fits. ``node_of[i]``: the node
+    piece ``i`` was cut from (−1: the batch fits one cell); ``parent[v]``: node ``v``'s node
+    (−1 at the top). A cell holding another piece below node ``v`` shares ``depth[v]`` rows
+    with piece ``i`` for each ancestor ``v`` of ``i``, the deepest one counting."""
 
-def _pieces(lv: _Work, share: int) -> list[tuple[int, int]]:
-    """Trees (maximal leaf-order ranges whose neighbours share a token), cut recursively at their
-    lowest adjacent LCP (the cut nearest ``share`` among ties) until every piece fits one cell.
-    Pieces as position ranges ``[a, b)``."""
-    starts = np.concatenate([[0], np.flatnonzero(lv.adj == 0) + 1, [lv.n]]).tolist()
-    pieces: list[tuple[int, int]] = []
-    for a0, b0 in itertools.pairwise(starts):
-        if b0 <= a0:
-            continue
-        stack = [(a0, b0)]
+    def __init__(self, lv: _Work, share: int) -> None:
+        self.ranges: list[tuple[int, int]] = []
+        self.node_of: list[int] = []
+        self.depth: list[int] = []
+        self.parent: list[int] = []
+        self._adj = lv.adj
+        stack = [(0, lv.n, -1)] if lv.n else []
         while stack:
-            a, b = stack.pop()
+            a, b, up = stack.pop()
             if b - a <= share:
-                pieces.append((a, b))
-                continue
-            inner = lv.adj[a : b - 1]
-            cands = np.flatnonzero(inner == inner.min()) + 1
-            cut = a + int(cands[np.argmin(np.abs(cands - share))])
-            stack.extend([(cut, b), (a, cut)])
-    return pieces
+                self.ranges.append((a, b))
+                self.node_of.append(up)
+            else:
+                stack.extend(reversed(self._children(a, b, up, share if up >= 0 else None)))
+
+    def _children(
+        self, a: int, b: int, up: int, near: int | None = None
+    ) -> list[tuple[int, int, int]]:
+        """``[a, b)`` (two or more positions) as a new node below node ``up``: its children's
+        ranges, cut at every lowest adjacent LCP, or (``near``) at the one nearest ``a + near``."""
+        inner = self._adj[a : b - 1]
+        low = int(inner.min())
+        node = len(self.depth)
+        self.depth.append(low)
+        self.parent.append(up)
+        cands = np.flatnonzero(inner == low) + 1
+        if near is not None:
+            cands = cands[[int(np.argmin(np.abs(cands - near)))]]
+        cuts = [a, *(cands + a).tolist(), b]
+        return [(x, y, node) for x, y in itertools.pairwise(cuts)]
+
+    def ancestors(self, i: int, k: int) -> list[int]:
+        """The (at most ``k``) nearest nodes above piece ``i`` that share rows (depth > 0),
+        outermost first."""
+        out, v = [], self.node_of[i]
+        while v >= 0 and len(out) < k:
+            if self.depth[v] > 0:
+                out.append(v)
+            v = self.parent[v]
+        return out[::-1]
+
+    def refine(self) -> bool:
+        """Split the largest piece cut from a tree (its node's depth > 0; ties: the leftmost)
+        one level, into the children of its own lowest branch; False when every piece is a
+        whole tree or a single trajectory."""
+        cut = [
+            (a - b, a, i)
+            for i, (a, b) in enumerate(self.ranges)
+            if b - a > 1 and self.node_of[i] >= 0 and self.depth[self.node_of[i]] > 0
+        ]
+        if not cut:
+            return False
+        i = min(cut)[2]
+        (a, b), up = self.ranges.pop(i), self.node_of.pop(i)
+        for x, y, node in self._children(a, b, up):
+            self.ranges.append((x, y))
+            self.node_of.append(node)
+        return True
+
+    def own_work(self, work: np.ndarray) -> np.ndarray:
+        """Each piece's work below the prefix it shares with its siblings (its whole work for an
+        unsplit tree): the additive estimate of a cell's work the searches balance."""
+        shared = np.array([self.depth[v] if v >= 0 else 0 for v in self.node_of], np.int64)
+        return work - shared
 
 
 def _lpt(
     lv: _Work,
-    pieces: list[tuple[int, int]],
+    pcs: _Pieces,
     size: np.ndarray,
     work: np.ndarray,
     share: int,
     cells: int,
+    shared: bool = True,
 ) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
     """Pieces → cells of ``share`` trajectories: largest (size, work) first onto the feasible
-    cell with the least work. Returns per cell its piece ids (−1: a fragment of a piece that fit
-    nowhere whole) and its position ranges."""
-    order = np.lexsort((np.arange(len(pieces)), -work, -size)).tolist()
+    cell of least work after it. With ``shared``, a piece's work on a cell is its rows less the
+    prefix it shares with the cell's pieces (``depth`` of its innermost ancestor node the cell
+    already holds a piece below, among its :data:`_SHARED_LEVELS` nearest); else its own rows
+    (the cell of least work so far).
+    Returns per cell its piece ids (−1: a fragment of a piece that fit nowhere whole) and its
+    position ranges."""
+    order = np.lexsort((np.arange(len(pcs.ranges)), -work, -size)).tolist()
     ids: list[list[int]] = [[] for _ in range(cells)]
     ranges: list[list[tuple[int, int]]] = [[] for _ in range(cells)]
     fill = np.zeros(cells, np.int64)
     loads = np.zeros(cells, np.int64)
+    # node (of depth > 0) -> the cells holding a piece below it: a set while small, then a mask
+    held: dict[int, set[int] | np.ndarray] = {}
     top = np.iinfo(np.int64).max
     for i in order:
         s = int(size[i])
         room = share - fill >= s
-        if room.any():  # least work among the cells with room (ties: lowest cell)
-            r = int(np.argmin(np.where(room, loads, top)))
+        if room.any():
+            w = int(work[i])
+            above = pcs.ancestors(i, _SHARED_LEVELS) if shared else []
+            nodes = [v for v in above if v in held]
+            if nodes:
+                grow = np.full(cells, w, np.int64)
+                for node in nodes:  # outermost first: deeper ones (smaller growth) overwrite
+                    h = held[node]
+                    grow[h if isinstance(h, np.ndarray) else list(h)] = w - pcs.depth[node]
+                r = int(np.argmin(np.where(room, loads + grow, top)))  # ties: lowest cell
+                w = int(grow[r])
+            else:
+                r = int(np.argmin(np.where(room, loads, top)))
             ids[r].append(i)
-            ranges[r].append(pieces[i])
+            ranges[r].append(pcs.ranges[i])
             fill[r] += s
-            loads[r] += work[i]
+            loads[r] += w
+            nodes = above
+            for node in nodes:
+                h = held.setdefault(node, set())
+                if isinstance(h, np.ndarray):
+                    h[r] = True
+                else:
+                    h.add(r)
+                    if len(h) >= 32:
+                        mask = np.zeros(cells, bool)
+                        mask[list(h)] = True
+                        held[node] = mask
             continue
-        a, b = pieces[i]  # no cell has room for the whole piece: fill the emptiest first
+        a, b = pcs.ranges[i]  # no cell has room for the whole piece: fill the emptiest first
         while a < b:
             free = share - fill
             r = int(np.argmin(np.where(free == free.max(), loads, top)))
@@ -182,9 +262,9 @@ def _exact(size: np.ndarray, work: np.ndarray, share: int, cells: int) -> list[l
     Depth-first over the pieces in LPT order (size, then work, decreasing); a piece tries the
     cells with room in order of least work so far. A state (next piece, multiset of free rooms)
     proven infeasible is skipped, and a placement is pruned unless every free room stays a
-    subset sum of the pieces still to place. Until a first placement is found, cells with equal
-    room count once (interchangeable for feasibility); after it, the search goes on (branch and
-    bound on the largest cell work, within the budget) for a placement with a smaller maximum."""
+    subset sum of the pieces still to place. Cells with equal room and work count once
+    (interchangeable); after a first placement, the search goes on (branch and bound on the
+    largest cell work, within the budget) for a placement with a smaller maximum."""
     p = int(size.shape[0])
     order = np.lexsort((np.arange(p), -work, -size)).tolist()
     sz = [int(size[i]) for i in order]
@@ -216,7 +296,9 @@ def _exact(size: np.ndarray, work: np.ndarray, share: int, cells: int) -> list[l
             r = rooms[c]
             if r < s or not (nxt >> (r - s)) & 1 or (bad and r != bad[0]):
                 continue
-            sym = r if best is None else (r, loads[c])
+            # cells alike in room and work are interchangeable (for feasibility and for the
+            # maximum alike; frames built before a first placement are searched again after it)
+            sym = (r, loads[c])
             if sym in seen:
                 continue
             seen.add(sym)
@@ -357,11 +439,16 @@ def _complete(size: np.ndarray, work: np.ndarray, share: int, cells: int) -> lis
     return ids
 
 
-def _swap(size: np.ndarray, work: np.ndarray, ids: list[list[int]]) -> None:
+def _swap(
+    lv: _Work, pcs: _Pieces, size: np.ndarray, work: np.ndarray, ids: list[list[int]]
+) -> None:
     """Swap equal-size whole pieces between the heaviest cell and another cell while that lowers
-    the pair's larger work (pieces are disjoint trees or tree parts, so cell work ≈ Σ piece
-    work; exact for whole trees). Each round takes the swap with the smallest new pair maximum
-    (ties: lowest other cell, then the pieces' order in their cells). In place.
+    the pair's larger work. A swap is chosen on the additive estimate (a cell's work ≈ its exact
+    work with ``work`` of the pieces moved: ``work`` is each piece's own work,
+    :meth:`_Pieces.own_work`) and made only when the two cells' exact works
+    (:meth:`_Work.set_work`) both end below the heaviest cell's, so the largest cell work never
+    grows. Each round takes the swap with the smallest estimated pair maximum (ties: lowest
+    other cell, then the pieces' order in their cells). In place.
 
     Vectorized: for every piece ``a`` of the heaviest cell and every other cell, the best
     partner is the piece of equal size whose work is nearest ``work[a] − gap / 2`` (``gap``: the
@@ -371,13 +458,18 @@ def _swap(size: np.ndarray, work: np.ndarray, ids: list[list[int]]) -> None:
     p = int(size.shape[0])
     if p == 0 or cells < 2:
         return
+
+    def exact(c: int) -> int:
+        rs = [np.arange(*pcs.ranges[i], dtype=np.int64) for i in ids[c]]
+        return lv.set_work(np.sort(np.concatenate(rs))) if rs else 0
+
     cell = np.empty(p, np.int64)
     for c, members in enumerate(ids):
         cell[members] = c
     uw, wrank = np.unique(work, return_inverse=True)
     nu = int(uw.shape[0])
     smax = int(size.max()) + 1
-    loads = np.array([sum(int(work[i]) for i in c) for c in ids], np.int64)
+    loads = np.array([exact(c) for c in range(cells)], np.int64)
     others = np.arange(cells, dtype=np.int64)
     for _ in range(_SWAP_ROUNDS):
         hi = int(np.argmax(loads))
@@ -408,24 +500,50 @@ def _swap(size: np.ndarray, work: np.ndarray, ids: list[list[int]]) -> None:
             ok = ok & (kc >= base) & (kc < base + nu) & (wb < wa) & (wb > wa - g)
             new_max = np.maximum(lh - wa + wb, ll + wa - wb)
             best = np.where(ok, np.minimum(best, new_max), best)
-        v = int(best.min())
-        if v >= lh:
+        ia, jl = np.nonzero(best < lh)
+        if ia.size == 0:
             return
-        ia, jl = np.nonzero(best == v)
-        pick = np.lexsort((ia, lo[jl]))[0]
-        pa, c_lo = int(a[ia[pick]]), int(lo[jl[pick]])
-        cand = np.asarray(ids[c_lo], np.int64)
-        wb = work[cand]
-        wpa, llo = int(work[pa]), int(loads[c_lo])
-        fit = (size[cand] == size[pa]) & (wb < wpa) & (wb > wpa - (lh - llo))
-        fit &= np.maximum(lh - wpa + wb, llo + wpa - wb) == v
-        pb = int(cand[np.flatnonzero(fit)[0]])
-        ids[hi][ids[hi].index(pa)] = pb
-        ids[c_lo][ids[c_lo].index(pb)] = pa
-        cell[pa], cell[pb] = c_lo, hi
-        d = wpa - int(work[pb])
-        loads[hi] -= d
-        loads[c_lo] += d
+        # candidates by estimated pair maximum (ties: lowest other cell, then order in cells);
+        # the first whose exact works both end below the heaviest cell's is made
+        tries = np.lexsort((ia, lo[jl], best[ia, jl]))[:_SWAP_TRIES]
+        for t in tries.tolist():
+            v = int(best[ia[t], jl[t]])
+            pa, c_lo = int(a[ia[t]]), int(lo[jl[t]])
+            cand = np.asarray(ids[c_lo], np.int64)
+            wb = work[cand]
+            wpa, llo = int(work[pa]), int(loads[c_lo])
+            fit = (size[cand] == size[pa]) & (wb < wpa) & (wb > wpa - (lh - llo))
+            fit &= np.maximum(lh - wpa + wb, llo + wpa - wb) == v
+            pb = int(cand[np.flatnonzero(fit)[0]])
+            ja, jb = ids[hi].index(pa), ids[c_lo].index(pb)
+            ids[hi][ja], ids[c_lo][jb] = pb, pa
+            new_hi, new_lo = exact(hi), exact(c_lo)
+            if max(new_hi, new_lo) < lh:
+                cell[pa], cell[pb] = c_lo, hi
+                loads[hi], loads[c_lo] = new_hi, new_lo
+                break
+            ids[hi][ja], ids[c_lo][jb] = pa, pb  # the estimate was wrong (shared prefixes)
+        else:
+            return
+
+
+def _placement(
+    lv: _Work, tree: np.ndarray, ranges: list[list[tuple[int, int]]]
+) -> tuple[tuple[int, int, int], list[np.ndarray], np.ndarray]:
+    """A placement given as each cell's position ``ranges``: its rank ``(trees cut, largest cell
+    work, total work)`` (``tree``: each position's tree), each cell's sorted positions and each
+    cell's work."""
+    members = [
+        np.sort(np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in r]))
+        if r
+        else np.zeros(0, np.int64)
+        for r in ranges
+    ]
+    w = np.array([lv.set_work(m) for m in members], np.int64)
+    cell = np.repeat(np.arange(len(members), dtype=np.int64), [m.shape[0] for m in members])
+    pairs = np.unique(tree[np.concatenate(members)] * len(members) + cell) // len(members)
+    cut = int(np.count_nonzero(np.bincount(pairs) > 1))  # trees in two or more cells
+    return (cut, int(w.max(initial=0)), int(w.sum())), members, w
 
 
 def tree_balanced_partition(
@@ -434,6 +552,15 @@ def tree_balanced_partition(
     """Split trajectories into ``dp_size`` parts of equal size, each the concatenation of
     ``num_mini_batches`` equal cells (``N`` must be divisible by ``dp_size · num_mini_batches``),
     keeping trees together and balancing compact work (see module doc)."""
+    return tree_balanced_cells(sequences, dp_size, num_mini_batches)[0]
+
+
+def tree_balanced_cells(
+    sequences: Sequence[Any] | RolloutForest, dp_size: int, num_mini_batches: int = 1
+) -> tuple[list[list[int]], np.ndarray]:
+    """:func:`tree_balanced_partition` and the compact work of its cells: int64
+    ``[num_mini_batches, dp_size]``, entry ``[k, r]`` the work of rank ``r``'s ``k``-th
+    mini-batch (:func:`~harts_verl.tree.microbatch.compact_work` of its trajectories)."""
     for name, v in (("dp_size", dp_size), ("num_mini_batches", num_mini_batches)):
         if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1:
             raise ValueError(f"{name}: expected a positive int, got {v!r}")
@@ -443,7 +570,8 @@ def tree_balanced_partition(
         else RolloutForest.from_sequences(sequences)
     )
     n = forest.num_trajectories
-    cells = int(dp_size) * int(num_mini_batches)
+    dp_size, num_mini_batches = int(dp_size), int(num_mini_batches)
+    cells = dp_size * num_mini_batches
     if n % cells:
         raise ValueError(
             f"sequences: {n} trajectories are not divisible by dp_size={dp_size} x "
@@ -451,28 +579,41 @@ def tree_balanced_partition(
         )
     share = n // cells
     lv = _Work(forest)  # the one leaf-order view every work evaluation below uses
-    pieces = _pieces(lv, share)
-    size = np.array([b - a for a, b in pieces], np.int64)
-    work = np.array([lv.range_work(a, b) for a, b in pieces], np.int64)
-    ids, ranges = _lpt(lv, pieces, size, work, share, cells)
-    if any(-1 in c for c in ids):  # greedy had to cut a piece: look for a placement that doesn't
-        found = _exact(size, work, share, cells)
-        if found is None:  # none, or the search ran out (many cells): fill cell by cell
-            found = _complete(size, work, share, cells)
-        if found is not None:
-            ids = found
-    if all(-1 not in c for c in ids):
-        _swap(size, work, ids)
-        ranges = [[pieces[i] for i in c] for c in ids]
-    members = [
-        np.sort(np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in r]))
-        if r
-        else np.zeros(0, np.int64)
-        for r in ranges
-    ]  # positions, i.e. leaf order
-    cell_work = np.array([lv.set_work(m) for m in members], np.int64)
-    slot, replica, _ = place_microbatches(cell_work, int(dp_size))
+    pcs = _Pieces(lv, share)
+    # the trees: the children of the batch's lowest branch (a prefix every trajectory shares,
+    # a chat template, is no reason to call the whole batch one tree)
+    low = int(lv.adj.min(initial=0)) if lv.n > share else -1
+    tree = np.concatenate([[0], np.cumsum(lv.adj == low)]) if lv.n else np.zeros(0, np.int64)
+    options = []  # placements found: the one that cuts fewest trees, then least work, wins
+    for _ in range(_REFINE_ROUNDS + 1):
+        size = np.array([b - a for a, b in pcs.ranges], np.int64)
+        work = np.array([lv.range_work(a, b) for a, b in pcs.ranges], np.int64)
+        own = pcs.own_work(work)
+        placed = []  # placements of whole pieces
+        for shared in (True, False):  # greedy with and without the pieces' shared prefixes
+            ids, ranges = _lpt(lv, pcs, size, work, share, cells, shared)
+            if all(-1 not in c for c in ids):
+                placed.append(ids)
+            else:  # greedy had to cut a piece (a candidate too)
+                options.append(_placement(lv, tree, ranges))
+        if not placed:  # look for a placement that cuts no piece
+            found = _exact(size, own, share, cells)
+            if found is None:  # none, or the search ran out (many cells): fill cell by cell
+                found = _complete(size, own, share, cells)
+            if found is not None:
+                placed.append(found)
+        for ids in placed:
+            _swap(lv, pcs, size, own, ids)
+            options.append(_placement(lv, tree, [[pcs.ranges[i] for i in c] for c in ids]))
+        # else cut a piece cut from a tree finer, and search again (few cells: the searches
+        # are short there)
+        if placed or cells > _REFINE_MAX_CELLS or not pcs.refine():
+            break
+    _, members, cell_work = min(options, key=lambda o: o[0])  # ties: the earlier one
+    slot, replica, _ = place_microbatches(cell_work, dp_size)
     parts: list[list[int]] = [[] for _ in range(dp_size)]
+    grid = np.zeros((num_mini_batches, dp_size), np.int64)
     for c in np.lexsort((replica, slot)).tolist():  # mini-batch 0 first on every rank
         parts[int(replica[c])].extend(lv.order[members[c]].tolist())
-    return parts
+        grid[int(slot[c]), int(replica[c])] = cell_work[c]
+    return parts, grid

@@ -35,7 +35,7 @@ from typing import Any
 
 import verl  # noqa: F401  # first: verl loads our plugin (engine -> config) before config below
 
-from harts_verl.workers.balance import partition_work, tree_balanced_partition
+from harts_verl.workers.balance import tree_balanced_cells
 from harts_verl.workers.config import STRATEGY
 from harts_verl.workers.rollout.fork import check_fork_manager
 
@@ -285,15 +285,8 @@ def harts_balance_batch(
     from harts_verl.tree import RolloutForest
 
     forest = RolloutForest.from_sequences(sequences)
-    parts = tree_balanced_partition(forest, dp_size, num_mini_batches)
-    m = len(parts[0]) // num_mini_batches if parts else 0
-    cell = np.array(
-        [
-            [partition_work(forest, p[k * m : (k + 1) * m]) for p in parts]
-            for k in range(num_mini_batches)
-        ],
-        np.float64,
-    )  # [mini-batch, rank]
+    parts, grid = tree_balanced_cells(forest, dp_size, num_mini_batches)
+    cell = grid.astype(np.float64)  # [mini-batch, rank]
     peak = cell.max(axis=1)
     imb = np.where(peak > 0, (peak - cell.mean(axis=1)) / np.maximum(peak, 1), 0.0)
     rank_work = cell.sum(axis=0)
@@ -345,7 +338,8 @@ def seqlen_metrics(
     """veRL's ``log_seqlen_unbalance`` metrics (``{prefix}/min``, ``max``, ``minmax_diff``,
     ``balanced_min``, ``balanced_max``, ``mean``) for the batch order ``order`` cut into
     ``dp_size`` equal rank parts: the lengths are the batch tags' ``seq_len`` (what the stock
-    trainer logs), else the sequences' lengths."""
+    trainer logs), else the sequences' lengths. ``batch`` (its tags), ``sequences`` and
+    ``order``'s indices are in the batch's order before ``order`` is applied."""
     from verl.utils.seqlen_balancing import log_seqlen_unbalance
 
     tags = getattr(batch, "tags", None)
@@ -399,11 +393,12 @@ def trainer_class(mode: str = "sync") -> type:
             if len(seqs) % (dp_size * nm):
                 nm = 1
             order, stats = harts_balance_batch(seqs, dp_size, nm)
+            # veRL's own per-rank token metrics ({prefix}/min, max, balanced_min, ...), of the
+            # same lengths (the tags' seq_len, as stock) and the ranks' parts of our order; read
+            # before the reorder, which moves the tags too (``order`` indexes the batch as it was)
+            metrics.update(seqlen_metrics(batch, seqs, order, dp_size, logging_prefix))
             batch.reorder(order)
             metrics.update(stats)
-            # veRL's own per-rank token metrics ({prefix}/min, max, balanced_min, ...), of the
-            # same lengths (the tags' seq_len, as stock) and the ranks' parts of our order
-            metrics.update(seqlen_metrics(batch, seqs, order, dp_size, logging_prefix))
             return batch
 
     HartsTrainer.__name__ = HartsTrainer.__qualname__ = f"Harts{base.__name__}"
