@@ -435,14 +435,14 @@ def measure_bench(prep: PreparedBench) -> dict[str, Any]:
             runner = runners[name]
             model.zero_grad(set_to_none=True)
             kernel_routes(reset=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
+            if device.type == "cuda":  # the bench's device (cuda:N), not the current one
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
             t0 = time.perf_counter()
             runner.forward_backward(seqs, loss_fn, separable=True)
             if device.type == "cuda":
-                torch.cuda.synchronize()
-                peak[name] = torch.cuda.max_memory_allocated() / 2**20
+                torch.cuda.synchronize(device)
+                peak[name] = torch.cuda.max_memory_allocated(device) / 2**20
             dt = time.perf_counter() - t0
             if it >= cfg.warmup:
                 times[name].append(dt)

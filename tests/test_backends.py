@@ -443,9 +443,14 @@ def _fake_fla(kind: str):
         assert initial_state is None or initial_state.dtype == torch.float32
         if cu_seqlens is not None and initial_state is not None:
             assert initial_state.shape[0] == cu_seqlens.numel() - 1
-        assert set(kw) <= {"chunk_size"}
+        assert set(kw) <= {"chunk_size", "cu_seqlens_cpu"}
+        host = kw.get("cu_seqlens_cpu")  # fla's host copy of the offsets: equal, on the CPU
+        if host is not None:
+            assert host.device.type == "cpu" and torch.equal(host, cu_seqlens.cpu())
         chunk = kw.get("chunk_size", 64)
-        _CALLS.append({"kind": kind, "chunk_size": kw.get("chunk_size"), "scale": scale})
+        _CALLS.append(
+            {"kind": kind, "chunk_size": kw.get("chunk_size"), "scale": scale, "host": host}
+        )
         res = chunk_delta_rule_varlen(
             q[0],
             k[0],
@@ -534,8 +539,13 @@ def test_layout_with_fla_standin_equals_reference_bitwise(kda):
     assert fla_layout.linear_kernel.final_states_only
     assert not any(rt.needs_chunk_states for rt in fla_layout.linear_plan.rounds)
     o_ref = ref_layout.linear_attention(*inputs, use_qk_l2norm=True)
+    _CALLS.clear()
     o_fla = fla_layout.linear_attention(*inputs, use_qk_l2norm=True)
     assert torch.equal(o_ref, o_fla)
+    # every round hands fla its offsets on the host too (fla read them off the device: one
+    # sync per round and layer)
+    assert len(_CALLS) == fla_layout.linear_plan.num_rounds > 1
+    assert all(c["host"] is not None for c in _CALLS)
 
 
 # ------------------------------------------------------------------------------ scalar gates

@@ -27,6 +27,7 @@ class _RoundTensors:
     token_rows: torch.Tensor  # [T] rows gathered for the call (replay then own rows per member)
     out_pos: torch.Tensor  # [T_out] positions in the call whose output is kept
     cu_seqlens: torch.Tensor  # [N + 1]
+    cu_seqlens_cpu: torch.Tensor  # [N + 1] the same on the host (kernels read it without a sync)
     initial_slot: torch.Tensor  # [N] state slot or -1 (zeros)
     has_initial: bool
     save_src: torch.Tensor  # [M] into cat(chunk_states, final_state)
@@ -82,6 +83,7 @@ def build_linear_layout(
                 token_rows=torch.as_tensor(ra.token_rows, device=dev),
                 out_pos=torch.as_tensor(out_pos, device=dev),
                 cu_seqlens=torch.as_tensor(ra.cu_seqlens, device=dev),
+                cu_seqlens_cpu=torch.as_tensor(ra.cu_seqlens),
                 initial_slot=torch.as_tensor(ra.initial_slot, device=dev),
                 has_initial=bool((ra.initial_slot >= 0).any()),
                 save_src=torch.as_tensor(ra.save_src, device=dev),
@@ -125,7 +127,9 @@ def tree_delta_rule(
 
     ``kernel``: a callable with the signature of :func:`chunk_delta_rule_varlen` (default: it),
     e.g. from :func:`harts_verl.ops.backends.linear_kernel`. A kernel without chunk-start states
-    needs a layout built with ``final_states_only=True``.
+    needs a layout built with ``final_states_only=True``; one whose ``takes_cu_seqlens_cpu``
+    attribute is true also gets ``cu_seqlens_cpu``, the offsets on the host (no device sync to
+    read them).
 
     ``delta_rule=False``: gated linear attention without the delta correction (Mamba-2 SSD for
     a scalar ``g``), passed to the kernel as ``delta_rule=False`` (the keyword is left out
@@ -145,6 +149,7 @@ def tree_delta_rule(
                 f"{tuple(x.shape)}"
             )
     extra: dict[str, Any] = {} if delta_rule else {"delta_rule": False}
+    host_offsets = bool(getattr(run, "takes_cu_seqlens_cpu", False))
     saved: list[torch.Tensor] = []
     outs: list[torch.Tensor] = []
     for rt in layout.rounds:
@@ -162,6 +167,7 @@ def tree_delta_rule(
             g.index_select(0, idx),
             beta.index_select(0, idx),
             cu_seqlens=rt.cu_seqlens,
+            **({"cu_seqlens_cpu": rt.cu_seqlens_cpu} if host_offsets else {}),
             initial_state=init,
             scale=scale,
             chunk_size=layout.chunk_size,

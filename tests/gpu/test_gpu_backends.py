@@ -161,7 +161,7 @@ def _varlen_vs_sdpa(kern, cuda, forest, base: list[torch.Tensor], scale: float, 
         ("sdpa_bf16", torch.bfloat16, tree_attention, build_attention_plan(forest, device=cuda)),
         ("sdpa_fp32", torch.float32, tree_attention, build_attention_plan(forest, device=cuda)),
     ):
-        xs = [x.to(cuda, dtype).requires_grad_(True) for x in base]
+        xs = [x.detach().to(cuda, dtype).requires_grad_(True) for x in base]
         o = fn(*xs, plan, scale=scale, **kw)
         w = torch.randn(o.shape, generator=torch.Generator(device=cuda).manual_seed(1), device=cuda)
         (o.float() * w).sum().backward()
@@ -173,11 +173,19 @@ def _varlen_vs_sdpa(kern, cuda, forest, base: list[torch.Tensor], scale: float, 
     }
     for gname, ga, gb in zip(("dq", "dk", "dv"), res["fast"][1], res["sdpa_fp32"][1]):
         errs[gname] = err_ratio(ga, gb)
+        errs[f"{gname}_max_abs"] = float(ga.abs().max())
     return errs
 
 
-def _assert_varlen_close(errs: dict) -> None:
+def _assert_varlen_close(errs: dict, window: int | None = None) -> None:
     assert errs["o_vs_fp32"] <= max(1e-2, 2 * errs["sdpa_bf16_vs_fp32"]), errs
+    if window == 1:
+        # each query sees only its own key: softmax is exactly 1, dq = dk = 0 analytically, so
+        # both sides' dq / dk are rounding noise (a ratio of noise to noise is ~1): bound them
+        # against dv instead
+        assert errs["dv"] <= 2e-2, errs
+        assert max(errs["dq_max_abs"], errs["dk_max_abs"]) <= 1e-2 * errs["dv_max_abs"], errs
+        return
     assert all(errs[g] <= 2e-2 for g in ("dq", "dk", "dv")), errs
 
 
@@ -211,7 +219,7 @@ def test_varlen_attention_sliding_window(cuda, report, name, window):
     errs = _varlen_vs_sdpa(kern, cuda, forest, base, 0.125, window=window)
     errs["supports_window"] = bool(getattr(kern.varlen_fn, "supports_window", False))
     report[f"attn_window_{name}_{window}"] = errs
-    _assert_varlen_close(errs)
+    _assert_varlen_close(errs, window)
 
 
 # ------------------------------------------------------------------------------ tree vs trajectories
@@ -219,13 +227,19 @@ def test_varlen_attention_sliding_window(cuda, report, name, window):
 @pytest.mark.parametrize("window", [None, 7])
 def test_varlen_attention_softcap(cuda, report, name, window):
     """Gemma 2's attention logit soft-cap (50, and a small 2 that bends most scores) through
-    the varlen kernel where it takes ``softcap`` (flash-attn >= 2.6), else the bucketed
-    explicit-score path the backend routes it to, vs the float32 bucketed path; bf16."""
+    the varlen kernel where it takes ``softcap`` (flash-attn >= 2.6), else (the kernel chosen
+    by name refuses it, naming the ``auto`` backend) the bucketed explicit-score path that
+    backend routes it to, vs the float32 bucketed path; bf16."""
     kern = _varlen_kernel(name, cuda)
     forest = gpu_forest(4)
     c = forest.num_compact_tokens
     gen = torch.Generator(device="cpu").manual_seed(5)
     base = [torch.randn(c, h, 64, generator=gen) for h in (8, 2, 2)]
+    if not getattr(kern.varlen_fn, "supports_softcap", False):
+        q, k, v = (x.to(cuda, torch.bfloat16) for x in base)
+        with pytest.raises(NotImplementedError, match="'auto'"):
+            kern(q, k, v, kern.build_plan(forest, device=cuda), scale=0.125, softcap=50.0)
+        kern = backends.VarlenAttentionKernel(kern.name, kern.varlen_fn, sdpa_fallback=True)
     for cap in (50.0, 2.0):
         kw = {"softcap": cap} if window is None else {"softcap": cap, "window": window}
         errs = _varlen_vs_sdpa(kern, cuda, forest, base, 0.125, **kw)

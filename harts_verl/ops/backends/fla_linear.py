@@ -46,6 +46,8 @@ fla exposes no exact per-chunk states (its ``h`` is stored in the input dtype an
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import os
 from collections.abc import Callable
@@ -169,6 +171,16 @@ def _import_fla(*paths: str) -> tuple[Callable[..., Any], ...]:
         ) from exc
 
 
+@functools.cache
+def _takes(fn: Callable[..., Any], keyword: str) -> bool:
+    """Whether ``fn`` (an fla entry point) takes ``keyword`` (older fla builds may not)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return keyword in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
 def load_fla_ops() -> tuple[Callable[..., Any], Callable[..., Any]]:
     """Import ``(chunk_kda, chunk_gated_delta_rule)`` from fla (ImportError naming them when
     fla or triton is missing or broken)."""
@@ -207,6 +219,7 @@ class FlaLinearKernel:
 
     name = "fla"
     final_states_only = True
+    takes_cu_seqlens_cpu = True  # fla reads the offsets on the host: no device sync per call
 
     def __init__(
         self,
@@ -270,9 +283,12 @@ class FlaLinearKernel:
         use_beta_sigmoid: bool = False,
         output_chunk_states: bool = False,
         delta_rule: bool = True,
+        cu_seqlens_cpu: torch.Tensor | None = None,
     ) -> DeltaRuleOutput:
         """See :func:`~harts_verl.ops.linear_attention.chunk_delta_rule_varlen`; returns
         ``DeltaRuleOutput(o [T, HV, V] in q's dtype, final_state [N, HV, K, V] float32, None)``.
+        ``cu_seqlens_cpu``: ``cu_seqlens`` on the host (the caller's word that they are equal),
+        handed to fla, which then computes its chunk indices without a device sync.
 
         Raises:
           NotImplementedError: ``output_chunk_states=True`` (fla has no exact chunk states).
@@ -334,10 +350,11 @@ class FlaLinearKernel:
             raise ValueError(f"linear backend 'fla': key head dim {kdim} > {MAX_KEY_DIM}")
         if cu_seqlens is None:
             n = 1
-            cu = None
+            cu = cu_cpu = None
         else:
             cu = cu_seqlens.to(device=q.device, dtype=torch.int64)
             n = int(cu.shape[0]) - 1
+            cu_cpu = None if cu_seqlens_cpu is None else cu_seqlens_cpu.to("cpu", torch.int64)
         h0 = None
         if initial_state is not None:
             if initial_state.shape != (n, hv, kdim, v.shape[2]):
@@ -356,7 +373,9 @@ class FlaLinearKernel:
             g = g.unsqueeze(-1).expand(t, hv, kdim)
             kda = True
         if not delta_rule:
-            return self._gla(q, k, v, g, beta, cu, h0, scale, use_qk_l2norm, use_beta_sigmoid)
+            return self._gla(
+                q, k, v, g, beta, cu, cu_cpu, h0, scale, use_qk_l2norm, use_beta_sigmoid
+            )
         kwargs: dict[str, Any] = {
             "scale": scale,
             "initial_state": h0,
@@ -369,6 +388,8 @@ class FlaLinearKernel:
         if chunk_size != 64:  # fla's default is 64; older builds may not take the keyword
             kwargs["chunk_size"] = chunk_size
         fn = self._chunk_kda if kda else self._chunk_gdn
+        if cu_cpu is not None and _takes(fn, "cu_seqlens_cpu"):
+            kwargs["cu_seqlens_cpu"] = cu_cpu
         o, final = fn(
             q.unsqueeze(0),
             k.unsqueeze(0),
@@ -403,6 +424,7 @@ class FlaLinearKernel:
         g: torch.Tensor,
         beta: torch.Tensor,
         cu: torch.Tensor | None,
+        cu_cpu: torch.Tensor | None,
         h0: torch.Tensor | None,
         scale: float | None,
         use_qk_l2norm: bool,
@@ -434,6 +456,11 @@ class FlaLinearKernel:
             if g.dim() == 3:
                 g = torch.nn.functional.pad(g, (0, kpad))
             h0 = None if h0 is None else torch.nn.functional.pad(h0, (0, 0, 0, kpad))
+        host = (
+            {"cu_seqlens_cpu": cu_cpu}
+            if cu_cpu is not None and _takes(fn, "cu_seqlens_cpu")
+            else {}
+        )
         o, final = fn(
             q.unsqueeze(0),
             k.unsqueeze(0),
@@ -443,6 +470,7 @@ class FlaLinearKernel:
             initial_state=h0,
             output_final_state=True,
             cu_seqlens=cu,
+            **host,
         )
         if pad or kpad:
             o, final = o[..., :vdim], final[..., :kdim, :vdim]
