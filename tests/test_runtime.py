@@ -742,3 +742,20 @@ def test_lora_on_a_short_conv_is_refused(no_fla, kind):
         pytest.raises(TypeError, match=r"conv1d: expected a plain torch.nn.Conv1d"),
     ):
         TreeRunner(wrapped).log_probs([[1, 2, 3, 4], [1, 2, 5]])
+
+
+def test_expanded_runner_packs_as_verl():
+    """The trajectory-wise runner (the bench's baseline) plans veRL's dynamic batching: the
+    fewest microbatches the tokens allow (it planned by halving, up to a third more)."""
+    from harts_verl.tree import RolloutForest
+    from harts_verl.tree.microbatch import token_balanced_microbatches
+
+    model = HybridForCausalLM.from_config(preset("tiny", vocab_size=64, chunk_size=16)).double()
+    seqs = _forest_sequences(7, 64)
+    forest = RolloutForest.expanded(seqs)
+    runner = ExpandedRunner(model, chunk_size=16, capacity_tokens=150)
+    plan = runner.plan(forest)
+    assert len(plan) == -(-forest.num_semantic_tokens // 150)
+    assert [p.tolist() for p in plan] == [
+        b.tolist() for b in token_balanced_microbatches(forest.lengths, 150)
+    ]

@@ -257,6 +257,13 @@ def test_small_vocab_keeps_turn_structure():
         ({"target_compression": float("inf")}, "target_compression: expected 0 .* finite"),
         ({"observation_p95": 10}, "observation_p95"),
         ({"max_forks": -1}, "max_forks"),
+        # past float / int64 / array range: one line naming the option (were tracebacks)
+        ({"steps": (1, 10**309)}, r"steps: expected bounds <= 2\*\*31 - 1"),
+        ({"assistant_tokens": (1, 10**309)}, "assistant_tokens"),
+        ({"group_size": (1, 2**64)}, "group_size"),
+        ({"fork_k": (2, 2**64)}, "fork_k"),
+        ({"placeholder_tokens": 2**64}, r"placeholder_tokens: expected an int <= 2\*\*31 - 1"),
+        ({"path_caps": (2**64,)}, "path_caps"),
     ],
 )
 def test_bad_arguments(kwargs, name):

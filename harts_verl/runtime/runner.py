@@ -234,16 +234,19 @@ class _Runner:
         return vocab
 
     def plan(self, forest: RolloutForest) -> list[np.ndarray]:
-        """Trajectory index sets, one per microbatch (all trajectories if no capacity). A
-        trajectory longer than ``capacity_tokens`` is never cut: it runs whole in a microbatch
-        of its own (with its identical copies), a WARNING is logged once per runner (unless
-        it was built with ``warn_oversize=False``) and :attr:`StepStats.oversize_trajectories`
-        counts them."""
+        """Trajectory index sets, one per microbatch (all trajectories if no capacity): the
+        planner's (:func:`~harts_verl.tree.microbatch.plan_microbatches`) in tree mode; in
+        expanded mode veRL's dynamic batching
+        (:func:`~harts_verl.tree.microbatch.token_balanced_microbatches`: the fewest
+        microbatches the tokens allow, balanced; one may exceed the capacity by less than its
+        longest trajectory, as veRL's do). A trajectory longer than ``capacity_tokens`` is
+        never cut: in tree mode it runs whole in a microbatch of its own (with its identical
+        copies); a WARNING is logged once per runner (unless it was built with
+        ``warn_oversize=False``) and :attr:`StepStats.oversize_trajectories` counts them."""
         if self.capacity_tokens is None:
             return [np.arange(forest.num_trajectories, dtype=np.int64)]
-        from harts_verl.tree.microbatch import plan_microbatches
+        from harts_verl.tree.microbatch import plan_microbatches, token_balanced_microbatches
 
-        plan = plan_microbatches(forest, capacity_tokens=self.capacity_tokens, allow_oversize=True)
         over = _oversize_count(forest, self.capacity_tokens)
         if over and not self._oversize_warned:
             self._oversize_warned = True
@@ -255,6 +258,9 @@ class _Runner:
                 self.capacity_tokens,
                 int(np.asarray(forest.lengths).max()),
             )
+        if not self.tree_mode:  # the trajectory-wise baseline packs as veRL does
+            return token_balanced_microbatches(forest.lengths, self.capacity_tokens)
+        plan = plan_microbatches(forest, capacity_tokens=self.capacity_tokens, allow_oversize=True)
         return [mb.trajectories for mb in plan.microbatches if len(mb.trajectories)]
 
     def _layout(self, forest: RolloutForest) -> TreeLayout:

@@ -229,6 +229,16 @@ class RolloutForest:
         different first tokens give several roots. ``group_ids`` (int, one per trajectory,
         default: all 0) is carried along for planners.
         """
+        flat, row_offsets, gids = cls._parse(sequences, group_ids)
+        order, lcp = _leaf_order_and_lcp(flat, row_offsets)
+        return cls(flat, row_offsets, gids, order, lcp)
+
+    @classmethod
+    def _parse(
+        cls, sequences: Sequence[Any], group_ids: Sequence[int] | np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``sequences`` (as :meth:`from_sequences` reads them) checked and concatenated:
+        ``(flat tokens, row offsets [N + 1], group ids [N])``."""
         if isinstance(sequences, np.ndarray) and sequences.dtype != object:
             if sequences.ndim != 2:
                 raise ValueError(
@@ -252,9 +262,7 @@ class RolloutForest:
         row_offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(lengths, out=row_offsets[1:])
         flat = np.concatenate(arrays) if n else np.zeros(0, np.int64)
-        gids = cls._check_group_ids(group_ids, n)
-        order, lcp = _leaf_order_and_lcp(flat, row_offsets)
-        return cls(flat, row_offsets, gids, order, lcp)
+        return flat, row_offsets, cls._check_group_ids(group_ids, n)
 
     @classmethod
     def expanded(
@@ -266,14 +274,11 @@ class RolloutForest:
         Not a trie (equal prefixes stay duplicated); it has every attribute of a forest, so the
         same ops and planners run on it. This is the baseline/oracle layout.
         """
-        forest = cls.from_sequences(sequences, group_ids=group_ids)
-        n = forest.num_trajectories
+        flat, row_offsets, gids = cls._parse(sequences, group_ids)
+        n = row_offsets.shape[0] - 1
+        # no trie is built: each trajectory its own chain, in the original order
         return cls(
-            forest.token_ids[forest.semantic_rows],
-            forest.row_offsets,
-            forest.group_ids,
-            np.arange(n, dtype=np.int64),
-            np.zeros(max(n - 1, 0), dtype=np.int64),
+            flat, row_offsets, gids, np.arange(n, dtype=np.int64), np.zeros(max(n - 1, 0), np.int64)
         )
 
     @classmethod

@@ -116,6 +116,7 @@ __all__ = [
     "plan_microbatches",
     "planner_options",
     "slot_imbalance",
+    "token_balanced_microbatches",
     "validate_options",
 ]
 
@@ -1401,6 +1402,50 @@ def _repair(
 
 
 # ============================================================================ placement
+def token_balanced_microbatches(
+    lengths: Sequence[int] | np.ndarray, capacity_tokens: int
+) -> list[np.ndarray]:
+    """Trajectory-wise microbatches as veRL's dynamic batching makes them
+    (``rearrange_micro_batches``): the fewest ``k >= min(n, ceil(Σ lengths / capacity))`` for
+    which a token-balanced split (longest trajectory first onto the microbatch with the fewest
+    tokens; ties: the lower one) keeps every microbatch within the capacity (a trajectory
+    longer than it alone in one). Returns the non-empty microbatches' trajectory indices
+    (int64, ascending), ordered by their first index; every index in exactly one. ValueError
+    for lengths that are not non-negative integers or a capacity below 1."""
+    import heapq
+
+    _check_int("capacity_tokens", capacity_tokens, 1, INT64_MAX)
+    lens = np.asarray(lengths)
+    if lens.ndim != 1 or (lens.size and (lens.dtype.kind not in "iu" or int(lens.min()) < 0)):
+        raise ValueError("lengths: expected a 1-D array of non-negative integer lengths")
+    lens = lens.astype(np.int64, copy=False)
+    n = int(lens.shape[0])
+    if n == 0:
+        return []
+    limit = max(int(capacity_tokens), int(lens.max()))  # an oversize trajectory runs alone
+    order = np.lexsort((np.arange(n), -lens)).tolist()
+    k = max(1, min(n, -(-int(lens.sum()) // int(capacity_tokens))))
+    while True:
+        heap = [(0, b) for b in range(k)]  # (tokens, microbatch): fewest tokens, then lowest
+        bin_of = np.empty(n, np.int64)
+        for i in order:
+            load, b = heapq.heappop(heap)
+            bin_of[i] = b
+            heapq.heappush(heap, (load + int(lens[i]), b))
+        if k == n or max(load for load, _ in heap) <= limit:
+            break
+        k += 1
+    bins = [
+        b
+        for b in np.split(
+            np.argsort(bin_of, kind="stable"), np.cumsum(np.bincount(bin_of, minlength=k))[:-1]
+        )
+        if b.size
+    ]
+    bins.sort(key=lambda b: int(b[0]))
+    return bins
+
+
 def place_microbatches(works: np.ndarray, dp_size: int) -> tuple[np.ndarray, np.ndarray, int]:
     """Slot and replica of each microbatch, and the number of slots.
 

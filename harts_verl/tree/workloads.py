@@ -276,6 +276,12 @@ def _is_real(v: Any) -> bool:
     return isinstance(v, int | float | np.integer | np.floating) and not isinstance(v, bool)
 
 
+# the largest count a workload parameter may hold (tokens, turns, samples: arrays of that many
+# elements are built; past it an int overflowed float math or int64 with a bare traceback)
+_MAX_COUNT = 2**31 - 1
+_COUNT_KEYS = _INT_KEYS - {"vocab_size", "observation_median", "observation_p95", "observation_max"}
+
+
 def _check_params(p: dict[str, Any]) -> None:
     """Raise ValueError naming the first bad parameter."""
     for key, v in p.items():
@@ -286,16 +292,24 @@ def _check_params(p: dict[str, Any]) -> None:
                 raise ValueError(
                     f"{key}: expected a (lo, hi) pair of ints with 0 <= lo <= hi, got {v!r}"
                 )
+            if v[1] > _MAX_COUNT:
+                raise ValueError(f"{key}: expected bounds <= 2**31 - 1, got {v!r}")
         elif key in _PROB_KEYS:
             if not (_is_real(v) and 0.0 <= v <= 1.0):
                 raise ValueError(f"{key}: expected a probability in [0, 1], got {v!r}")
         elif key in _INT_KEYS:
             if not (_is_int(v) and v >= 0):
                 raise ValueError(f"{key}: expected a non-negative int, got {v!r}")
+            # vocab_size is an id bound (below); observation sizes are drawn clipped in log space
+            if key in _COUNT_KEYS and v > _MAX_COUNT:
+                raise ValueError(f"{key}: expected an int <= 2**31 - 1, got {v!r}")
         elif key == "path_caps":
-            if not (isinstance(v, tuple) and v and all(_is_int(x) and x > 0 for x in v)):
+            if not (
+                isinstance(v, tuple) and v and all(_is_int(x) and 0 < x <= _MAX_COUNT for x in v)
+            ):
                 raise ValueError(
-                    f"path_caps: expected a non-empty tuple of positive ints, got {v!r}"
+                    f"path_caps: expected a non-empty tuple of positive ints <= 2**31 - 1, "
+                    f"got {v!r}"
                 )
         elif key == "rewrite_at":
             if not (_is_real(v) and 0.0 <= v <= 1.0):
