@@ -43,6 +43,9 @@ def _save_native(path: str) -> str:
         ("deepseek_v3", 2),
         ("qwen3_moe", 2),
         ("gpt_oss", 2),
+        # transformers maps it as image-text-to-text only: loaded with that class, as veRL
+        # does (AutoModelForCausalLM refused it with a 2.8 KB line, exit 2)
+        ("mistral4", 2),
     ],
 )
 @pytest.mark.parametrize("source", ["weights", "config"])
@@ -62,8 +65,80 @@ def test_check_reports_fidelity(tmp_path, capsys, monkeypatch, kind, layers, sou
     assert res["max_abs_dlogp"] <= 1e-6 and res["mean_cos"] > 0.999999
     # vs the model's own forward of each trajectory (HF's code; float32 rounding only)
     assert 0 < res["own_forward_max_abs_dlogp"] <= 5e-6
+    # the native model's own forward runs this package's ops: no independent oracle of them
+    assert res["own_forward_independent"] is (kind != "harts_hybrid")
     assert len(res["per_layer_max_abs_diff"]) == layers and res["first_divergent_layer"] is None
     assert res["ideal_flop_ratio"] > 1
+
+
+def test_check_per_layer_figures_and_a_config_that_cannot_run(tmp_path, capsys, monkeypatch):
+    """Per-layer max |Δ| (now compared as the expanded run produces each layer, without
+    keeping both runs' outputs) equals a direct computation with its own hooks, and names the
+    layer of an injected fault. A config its class accepts but cannot run (top-k above the
+    expert count) is one line, exit 2, before the audit (was a traceback, exit 1)."""
+    monkeypatch.setitem(sys.modules, "fla", None)
+    from harts_verl.runtime import ExpandedRunner, TreeRunner
+    from harts_verl.workers import check
+    from harts_verl.workers.testing import save_tiny_model
+
+    path = save_tiny_model("qwen2", str(tmp_path / "m"), seed=1)
+    model = check.load_tree_model(f"{path}/config.json", dtype=torch.float64)
+    seqs = check.load_sequences(_batch(tmp_path))
+    layers = check.decoder_layers(model)
+
+    def outputs(runner):  # per layer, per semantic position (trajectory order)
+        got = []
+        hooks = [
+            lyr.register_forward_hook(
+                lambda _m, _i, o: got.append(o[0] if isinstance(o, tuple) else o)
+            )
+            for lyr in layers
+        ]
+        try:
+            runner.hidden_states(seqs)
+        finally:
+            for h in hooks:
+                h.remove()
+        forest = runner.build_forest(seqs)
+        sem = torch.as_tensor(np.asarray(forest.semantic_rows))
+        return [(g[0] if g.dim() == 3 else g)[sem] for g in got]
+
+    tree, exp = TreeRunner(model, chunk_size=8), ExpandedRunner(model, chunk_size=8)
+    direct = [float((a - b).abs().max()) for a, b in zip(outputs(tree), outputs(exp))]
+    assert check._layer_max_abs_diffs(tree, exp, model, seqs) == direct
+    # a fault in layer 1 of the tree run only (its C compact rows; the expanded run has S)
+    c = tree.build_forest(seqs).num_compact_tokens
+
+    def fault(_m, _i, out):
+        h = out[0] if isinstance(out, tuple) else out
+        if (h[0] if h.dim() == 3 else h).shape[0] != c:
+            return None
+        return (h * 1.5, *out[1:]) if isinstance(out, tuple) else h * 1.5
+
+    hook = layers[1].register_forward_hook(fault)
+    try:
+        faulty = check._layer_max_abs_diffs(tree, exp, model, seqs)
+    finally:
+        hook.remove()
+    assert faulty[0] == direct[0] <= 1e-12 and faulty[1] > 1e-3
+    # a config its class accepts but cannot run
+    cfg = json.loads(open(f"{path}/config.json").read())
+    cfg.update(
+        model_type="qwen3_moe",
+        architectures=["Qwen3MoeForCausalLM"],
+        num_experts=4,
+        num_local_experts=4,
+        num_experts_per_tok=8,
+        moe_intermediate_size=16,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=False,
+    )
+    (tmp_path / "bad.json").write_text(json.dumps(cfg))
+    capsys.readouterr()
+    assert check.main(["--model", str(tmp_path / "bad.json"), "--batch", _batch(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "own forward fails on a 2-token input" in err and "--model" in err
 
 
 def test_check_compares_nothing_without_a_next_token(tmp_path, capsys, monkeypatch):
@@ -389,6 +464,9 @@ def test_load_sequences_notes_positions_other_than_depths(tmp_path, capsys):
         },
         # a width that does not match the mask: nothing to note, no crash
         "badwidth": {"input_ids": left, "attention_mask": lmask, "position_ids": lpos[:, :2]},
+        # lists of per-trajectory positions (lists or tensors)
+        "lists": {"input_ids": seqs, "position_ids": [list(range(n)) for n in lens]},
+        "list_t": {"input_ids": ids, "position_ids": [torch.arange(n) for n in lens]},
     }
     for name, obj in quiet.items():
         torch.save(obj, tmp_path / f"{name}.pt")
@@ -399,7 +477,21 @@ def test_load_sequences_notes_positions_other_than_depths(tmp_path, capsys):
         "shifted": {"input_ids": ids, "position_ids": nested([torch.arange(n) + 1 for n in lens])},
         "mrope": {"input_ids": ids, "position_ids": nested(mrope)},
         "left": {"input_ids": left, "attention_mask": lmask, "position_ids": lpos + lmask},
+        # list and 1-D layouts were not read: no note (they got the audit at other positions)
+        "lists": {"input_ids": seqs, "position_ids": [list(range(3, 3 + n)) for n in lens]},
+        "list_t": {"input_ids": ids, "position_ids": [torch.arange(n) + 3 for n in lens]},
     }
+    for name, obj in {
+        "one": {"input_ids": torch.tensor([5, 6, 7]), "position_ids": torch.tensor([3, 4, 5])},
+        "one_mask": {
+            "input_ids": torch.tensor([5, 6, 7]),
+            "attention_mask": torch.tensor([1, 1, 1]),
+            "position_ids": torch.tensor([3, 4, 5]),
+        },
+    }.items():
+        torch.save(obj, tmp_path / f"bad_{name}.pt")
+        assert load_sequences(str(tmp_path / f"bad_{name}.pt")) == [[5, 6, 7]], name
+        assert "trajectory 0 are not 0..2" in capsys.readouterr().err, name
     for name, obj in loud.items():
         torch.save(obj, tmp_path / f"bad_{name}.pt")
         assert load_sequences(str(tmp_path / f"bad_{name}.pt")) == seqs, name

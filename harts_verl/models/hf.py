@@ -318,8 +318,10 @@ def load_causal_lm(
     (``harts_hybrid``), Kimi-Linear (``kimi_linear``) and Ling 3 (``bailing_hybrid``),
     converted to the native model (:mod:`harts_verl.models.checkpoints`). sdpa attention (eager
     where the class has no sdpa: :func:`attn_implementation_for`); ``eager_experts``: MoE
-    experts run transformers' eager implementation (float64-capable on any device). Returned in
-    ``dtype``, in eval mode. Raises ``ValueError`` naming ``spec`` when it is neither."""
+    experts run transformers' eager implementation (float64-capable on any device). A model
+    transformers maps only as image-text-to-text (Mistral 4) is loaded with that class, as
+    veRL's engine does. Returned in ``dtype``, in eval mode. Raises ``ValueError`` naming
+    ``spec`` when it is neither."""
     register_auto_classes()
     is_config = spec.endswith(".json")
     if is_config and not os.path.isfile(spec):
@@ -341,11 +343,19 @@ def load_causal_lm(
         for sub in (cfg, getattr(cfg, "text_config", None)):
             if sub is not None and hasattr(sub, "_experts_implementation"):
                 sub._experts_implementation = "eager"
+    auto = AutoModelForCausalLM
+    if type(cfg) not in AutoModelForCausalLM._model_mapping.keys():
+        from transformers import AutoModelForImageTextToText
+
+        # a model transformers maps only as image-text-to-text (Mistral 4): that class, as
+        # veRL's engine loads it (``get_hf_auto_model_class``)
+        if type(cfg) in AutoModelForImageTextToText._model_mapping.keys():
+            auto = AutoModelForImageTextToText
     if is_config:
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(cfg)
+        model = auto.from_config(cfg)
     else:
-        model = AutoModelForCausalLM.from_pretrained(spec, config=cfg)
+        model = auto.from_pretrained(spec, config=cfg)
     return model.to(dtype).eval()
 
 

@@ -12,9 +12,12 @@ file (``.npz``, told by its content whatever its name), or a ``torch.save`` file
 holding a list of token-id lists or a dict with ``input_ids`` (list, or a nested tensor as in a
 veRL batch; every trajectory is audited at positions 0..L-1, and a dump whose ``position_ids``
 differ gets a note on stderr). Prints JSON: max |Δlogp| tree vs expanded (``max_abs_dlogp``) and tree vs the
-model's own forward of each trajectory alone (``own_forward_max_abs_dlogp``: HF's code, no tree
-machinery, the independent oracle; both null when no trajectory has two tokens, so no log-prob
-was compared), MeanCos of the final hidden states' logits, per decoder
+model's own forward of each trajectory alone (``own_forward_max_abs_dlogp``: for an HF model
+its own code, no tree machinery, the independent oracle; both null when no trajectory has two
+tokens, so no log-prob was compared; ``own_forward_independent`` false for the native model,
+Kimi-Linear and Ling 3, whose own forward runs this package's ops one trajectory at a time, so
+a fault shared by those ops is not seen there), MeanCos of the final hidden states' logits
+(float64, 4096 rows at a time), per decoder
 layer the max |Δ| of its output with the first layer whose difference exceeds ``--tol`` (None
 when all stay within), and the batch's analytic FLOP ratio expanded ÷ tree
 (:mod:`harts_verl.runtime.flops`; None for a model without a FLOP model). A difference that is
@@ -163,9 +166,10 @@ def _is_forest_file(path: str) -> bool:
 
 def _positions_note(positions: Any, mask: Any, seqs: list[list[int]], path: str) -> str | None:
     """A note when a dump's ``position_ids`` (nested ``[B, j]`` / ``[B, k, j]`` / ``[B, j, k]``,
-    told apart by which dimension holds the tokens, or dense ``[B, L]`` / ``[B, k, L]`` read
-    through ``attention_mask``) are not ``0..L-1`` in some trajectory, or None (also for a
-    layout it cannot read: the note is no check of the dump)."""
+    told apart by which dimension holds the tokens, dense ``[B, L]`` / ``[B, k, L]`` read
+    through ``attention_mask``, a list of per-trajectory ``[L]`` / ``[k, L]``, or one
+    trajectory's ``[L]``) are not ``0..L-1`` in some trajectory, or None (also for a layout it
+    cannot read: the note is no check of the dump)."""
     try:
         return _positions_mismatch(positions, mask, seqs, path)
     except Exception:  # a malformed dump: its input_ids were read, there is nothing to note
@@ -173,18 +177,34 @@ def _positions_note(positions: Any, mask: Any, seqs: list[list[int]], path: str)
 
 
 def _positions_mismatch(positions: Any, mask: Any, seqs: list[list[int]], path: str) -> str | None:
-    if not isinstance(positions, torch.Tensor):
-        return None
-    lengths = torch.tensor([0] + [len(s) for s in seqs])
-    offsets = lengths.cumsum(0)
-    if positions.is_nested:
-        rows = token_rows(positions, int(offsets[-1]))
-    elif mask is not None and isinstance(mask, torch.Tensor) and positions.dim() in (2, 3):
-        kept = [p[..., m.bool()] for p, m in zip(positions, mask)]  # [n] or [k, n] each
-        rows = torch.cat([p.reshape(-1, p.shape[-1]) for p in kept], dim=-1)
+    if isinstance(positions, torch.Tensor) and not positions.is_nested and positions.dim() == 1:
+        positions = [positions]  # one trajectory's (as a 1-D input_ids is one trajectory)
+        if isinstance(mask, torch.Tensor) and mask.dim() == 1:
+            mask = mask[None]
+    if isinstance(positions, list | tuple):  # per trajectory: [L] or [k, L] (padded with a mask)
+        if len(positions) != len(seqs):
+            return None
+        found = None
+        for i, p in enumerate(positions):
+            t = torch.as_tensor(p)
+            if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+                t = t[..., mask[i].bool()]
+            if not bool((t == torch.arange(len(seqs[i]))).all()):
+                found = (i,)
+                break
     else:
-        return None
-    found = first_misplaced(rows, offsets) if rows is not None else None
+        if not isinstance(positions, torch.Tensor):
+            return None
+        lengths = torch.tensor([0] + [len(s) for s in seqs])
+        offsets = lengths.cumsum(0)
+        if positions.is_nested:
+            rows = token_rows(positions, int(offsets[-1]))
+        elif mask is not None and isinstance(mask, torch.Tensor) and positions.dim() in (2, 3):
+            kept = [p[..., m.bool()] for p, m in zip(positions, mask)]  # [n] or [k, n] each
+            rows = torch.cat([p.reshape(-1, p.shape[-1]) for p in kept], dim=-1)
+        else:
+            return None
+        found = first_misplaced(rows, offsets) if rows is not None else None
     if found is None:
         return None
     i, n = found[0], len(seqs[found[0]])
@@ -356,31 +376,75 @@ def _flop_ratio(model: Any, seqs: list[list[int]], chunk_size: int) -> float | N
     return float(ideal_flop_ratio(shape, forest, replay, chunk_size)["ideal_flop_ratio"])
 
 
-def _layer_outputs(runner: Any, model: Any, seqs: list[list[int]]) -> list[list[torch.Tensor]]:
-    """Per decoder layer, per trajectory: the layer's output rows ``[L_i, D]``."""
+_ROWS = 4096  # rows per float64 chunk of the audit's comparisons (bounded memory)
+
+
+def _rows_max_abs_diff(
+    a: torch.Tensor, ia: torch.Tensor, b: torch.Tensor, ib: torch.Tensor
+) -> float:
+    """``max |a[ia] - b[ib]|`` in float64, :data:`_ROWS` rows at a time (NaN if any is NaN)."""
+    out = torch.zeros((), dtype=torch.float64)
+    for k in range(0, int(ia.shape[0]), _ROWS):
+        d = (a[ia[k : k + _ROWS]].double() - b[ib[k : k + _ROWS]].double()).abs().max().cpu()
+        out = d if torch.isnan(d) else torch.maximum(out, d)
+        if torch.isnan(out):
+            break
+    return float(out)
+
+
+def _layer_max_abs_diffs(tree: Any, exp: Any, model: Any, seqs: list[list[int]]) -> list[float]:
+    """Per decoder layer, the max |Δ| of its output rows, tree vs expanded, over every semantic
+    position. The tree's outputs (compact rows) are kept; the expanded run's are compared as
+    each layer produces them and dropped (memory: layers × C × D, not 4 × layers × S × D)."""
     from harts_verl.ops.layout import TreeLayout
 
     layers = decoder_layers(model)
-    captured: list[torch.Tensor] = []
-    hooks = [
-        lyr.register_forward_hook(
-            lambda _m, _i, out: captured.append(out[0] if isinstance(out, tuple) else out)
-        )
-        for lyr in layers
-    ]
-    try:
-        forest = runner.build_forest(seqs)
-        layout = TreeLayout(forest, chunk_size=runner.chunk_size, device=runner.device)
-        with torch.no_grad():
-            runner.model(layout.token_ids, layout)
-    finally:
-        for h in hooks:
-            h.remove()
-    out = []
-    for h in captured:
+
+    def run(runner: Any, on_output: Any) -> Any:
+        hooks = [
+            lyr.register_forward_hook(
+                lambda _m, _i, out, k=k: on_output(k, out[0] if isinstance(out, tuple) else out)
+            )
+            for k, lyr in enumerate(layers)
+        ]
+        try:
+            forest = runner.build_forest(seqs)
+            layout = TreeLayout(forest, chunk_size=runner.chunk_size, device=runner.device)
+            with torch.no_grad():
+                runner.model(layout.token_ids, layout)
+        finally:
+            for h in hooks:
+                h.remove()
+        return forest
+
+    kept: dict[int, torch.Tensor] = {}
+    forest = run(tree, lambda k, h: kept.__setitem__(k, (h[0] if h.dim() == 3 else h).detach()))
+    sem = torch.as_tensor(np.asarray(forest.semantic_rows, dtype=np.int64))
+    sem_exp = torch.as_tensor(np.asarray(exp.build_forest(seqs).semantic_rows, dtype=np.int64))
+    diffs: dict[int, float] = {}
+
+    def compare(k: int, h: torch.Tensor) -> None:  # semantic position by semantic position
         h2 = h[0] if h.dim() == 3 else h
-        out.append([h2[torch.as_tensor(forest.rows_of(i))] for i in range(len(seqs))])
-    return out
+        diffs[k] = _rows_max_abs_diff(kept[k], sem.to(kept[k].device), h2, sem_exp.to(h2.device))
+        kept.pop(k)
+
+    run(exp, compare)
+    return [diffs[k] for k in range(len(layers)) if k in diffs]
+
+
+def _mean_logit_cos(ht: list[torch.Tensor], he: list[torch.Tensor], w: torch.Tensor) -> float:
+    """Mean over semantic positions of the cosine of the full-vocabulary logits of the final
+    hidden states ``ht`` vs ``he`` (float64, :data:`_ROWS` rows at a time)."""
+    w = w.double()
+    total, count = 0.0, 0
+    for a, b in zip(ht, he):
+        for k in range(0, int(a.shape[0]), _ROWS):
+            cos = torch.nn.functional.cosine_similarity(
+                a[k : k + _ROWS].double() @ w.T, b[k : k + _ROWS].double() @ w.T, dim=-1
+            )
+            total += float(cos.sum())
+            count += int(cos.shape[0])
+    return total / count if count else float("nan")
 
 
 def _own_forward_log_probs(model: Any, seqs: list[list[int]]) -> list[torch.Tensor] | None:
@@ -397,6 +461,14 @@ def _own_forward_log_probs(model: Any, seqs: list[list[int]]) -> list[torch.Tens
             logp = torch.log_softmax(logits, dim=-1)[:-1]
             out.append(logp.gather(1, ids[0, 1:, None])[:, 0])
     return out
+
+
+def _runs_harts_ops(model: Any) -> bool:
+    """Whether the model's own forward runs this package's ops (the native ``harts_hybrid``,
+    Kimi-Linear / Ling 3 converted to it: one trajectory at a time through the tree layout),
+    so it is no independent oracle of them, unlike an HF model's own code."""
+    cfg = getattr(model, "config", None)
+    return getattr(cfg, "model_type", None) == "harts_hybrid"
 
 
 def _check_tol(tol: Any, name: str = "tol") -> float:
@@ -434,25 +506,13 @@ def run_check(
     lt, le = tree.log_probs(seqs), exp.log_probs(seqs)
     dlogp = _max_abs_diff(zip(lt, le))
     ht, he = tree.hidden_states(seqs), exp.hidden_states(seqs)
-    w = tree.model.lm_head.weight.detach()
-    cos = torch.cat(
-        [
-            torch.nn.functional.cosine_similarity(
-                a.double() @ w.double().T, b.double() @ w.double().T, dim=-1
-            )
-            for a, b in zip(ht, he)
-        ]
-    )
-    per_layer = []
-    if decoder_layers(model):
-        lt_layers = _layer_outputs(tree, model, seqs)
-        le_layers = _layer_outputs(exp, model, seqs)
-        per_layer = [_max_abs_diff(zip(x, y)) for x, y in zip(lt_layers, le_layers)]
+    mean_cos = _mean_logit_cos(ht, he, tree.model.lm_head.weight.detach())
+    del ht, he
+    per_layer = _layer_max_abs_diffs(tree, exp, model, seqs) if decoder_layers(model) else []
     # NaN is divergent too (`d > tol` is False for it)
     first = next((k for k, d in enumerate(per_layer) if d is not None and not d <= tol), None)
     own = _own_forward_log_probs(model, seqs)
     own_dlogp = None if own is None else _max_abs_diff(zip(lt, own))
-    mean_cos = float(cos.mean())
     figures = {
         "max_abs_dlogp": dlogp,
         "own_forward_max_abs_dlogp": own_dlogp,
@@ -471,6 +531,7 @@ def run_check(
         "compression": tree.last_stats.compression,
         "max_abs_dlogp": shown(dlogp),
         "own_forward_max_abs_dlogp": shown(own_dlogp),
+        "own_forward_independent": own is not None and not _runs_harts_ops(model),
         "mean_cos": shown(mean_cos),
         "per_layer_max_abs_diff": [shown(d) for d in per_layer],
         "first_divergent_layer": first,
@@ -648,6 +709,26 @@ def _held_transformers_warnings() -> Iterator[None]:
         root.handle(record)
 
 
+def smoke_forward(model: torch.nn.Module, spec: str) -> None:
+    """The model's own forward on two tokens (ids 0 and 1), before any audit. ``ValueError``
+    naming ``spec`` with the error when it fails: a config its class accepts but cannot run
+    (top-k above the expert count, an odd RoPE head dim, groups that do not divide the experts,
+    ...) fails there, not in the middle of the audit with a traceback."""
+    if not callable(getattr(model, "forward", None)):
+        return
+    try:
+        device = next(model.parameters()).device
+        vocab = int(getattr(model.get_output_embeddings(), "weight", torch.empty(2, 1)).shape[0])
+        ids = torch.tensor([[0, min(1, vocab - 1)]], device=device)
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False)
+    except Exception as exc:  # any failure of the model's own code
+        raise ValueError(
+            f"model: {spec!r}: the model's own forward fails on a 2-token input (a config its "
+            f"class accepts but cannot run?): {type(exc).__name__}: {_one_line(exc)}"
+        ) from exc
+
+
 def _flag(exc: BaseException, flag: str, field: str) -> ValueError:
     """``exc`` as a ValueError naming ``flag`` (its leading ``field:`` replaced by it)."""
     msg = str(exc) or type(exc).__name__
@@ -699,6 +780,7 @@ def load_inputs(args: argparse.Namespace) -> tuple[torch.nn.Module, list[list[in
         raise batch_error(exc) from exc
     try:
         model = load_tree_model(args.model, dtype=DTYPES[args.dtype], seed=args.seed)
+        smoke_forward(model, args.model)
     except INPUT_ERRORS as exc:
         raise _flag(exc, "--model", "model") from exc
     try:
