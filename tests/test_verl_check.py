@@ -435,6 +435,20 @@ def test_load_sequences_formats_and_errors(tmp_path):
         run_check(None, [])
 
 
+def test_load_sequences_reads_files_by_content(tmp_path):
+    """A ``torch.save`` file named ``.npz`` is read as one (it was refused as no forest file),
+    a forest saved under another name as a forest."""
+    from harts_verl.tree import RolloutForest
+    from harts_verl.workers.check import load_sequences
+
+    seqs = [[5, 6, 7], [5, 6]]
+    torch.save(seqs, tmp_path / "batch.npz")
+    assert load_sequences(str(tmp_path / "batch.npz")) == seqs
+    RolloutForest.from_sequences(seqs).save(str(tmp_path / "f.npz"))
+    (tmp_path / "f.npz").rename(tmp_path / "f.pt")
+    assert load_sequences(str(tmp_path / "f.pt")) == seqs
+
+
 def test_load_sequences_notes_positions_other_than_depths(tmp_path, capsys):
     """A dump whose ``position_ids`` are 0..L-1 in every trajectory (nested, mrope rows, dense
     with left padding read through the mask) loads silently; another one loads with one note

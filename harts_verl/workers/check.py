@@ -125,7 +125,9 @@ def load_sequences(path: str) -> list[list[int]]:
     truncated or foreign file: the reader's message is included)."""
     from harts_verl.tree.inspect import load_forest
 
-    if path.endswith(".npz") or _is_forest_file(path):
+    names = _zip_names(path)
+    torch_file = names is not None and any(n.endswith(".pkl") for n in names)
+    if _is_forest_file(path) or (path.endswith(".npz") and not torch_file):
         f = load_forest(path)
         seqs = [f.tokens_of(i).tolist() for i in range(f.num_trajectories)]
     else:
@@ -148,18 +150,25 @@ def load_sequences(path: str) -> list[list[int]]:
     return seqs
 
 
-def _is_forest_file(path: str) -> bool:
-    """Whether ``path`` holds a ``RolloutForest.save`` archive (an ``.npz`` under any name: a
-    zip with the forest's ``format_version.npy`` and no pickle, which a ``torch.save`` zip
-    has)."""
+def _zip_names(path: str) -> list[str] | None:
+    """The member names of the zip archive at ``path``, or None when it is none."""
     import zipfile
 
     try:
         if not os.path.isfile(path) or not zipfile.is_zipfile(path):
-            return False
+            return None
         with zipfile.ZipFile(path) as z:
-            names = z.namelist()
+            return z.namelist()
     except (OSError, zipfile.BadZipFile):
+        return None
+
+
+def _is_forest_file(path: str) -> bool:
+    """Whether ``path`` holds a ``RolloutForest.save`` archive (an ``.npz`` under any name: a
+    zip with the forest's ``format_version.npy`` and no pickle, which a ``torch.save`` zip
+    has; a ``torch.save`` file named ``.npz`` is read as one)."""
+    names = _zip_names(path)
+    if names is None:
         return False
     return "format_version.npy" in names and not any(n.endswith(".pkl") for n in names)
 
