@@ -673,6 +673,9 @@ def test_ideal_flop_ratio_counts_linear_attention_at_the_run_chunk_size(chunk):
     lin = n_linear * hv * (2.0 * chunk * (3 * k + 2 * v) + 6.0 * k * v)
     shape = model_shape(cfg)
     assert shape.linear_cost(chunk) == pytest.approx(lin, rel=1e-12)
+    # the LM head runs on rows with a next token: S - N expanded, the trie's non-leaf rows
+    head = 2.0 * cfg.hidden_size * cfg.vocab_size
+    assert shape.head_per_token == head
     groups = prep.tree.plan(prep.forest)
     f_exp = f_tree = 0.0
     for g in groups:
@@ -680,8 +683,11 @@ def test_ideal_flop_ratio_counts_linear_attention_at_the_run_chunk_size(chunk):
         lengths = sub.lengths.astype(float)
         s, c = lengths.sum(), float(sub.num_compact_tokens)
         replay = plan_linear_calls(sub, chunk_size=chunk).replay_tokens
-        f_exp += shape.dense_per_token * s + lin * s
+        seqs = {tuple(sub.tokens_of(i).tolist()) for i in range(sub.num_trajectories)}
+        prefixes = {t[:k] for t in seqs for k in range(1, len(t))}
+        leaves = len(seqs - prefixes)  # trie leaves: trajectories no other one extends
+        f_exp += (shape.dense_per_token - head) * s + head * (s - len(lengths)) + lin * s
         f_exp += shape.attention_per_pair * float((lengths * (lengths + 1) / 2).sum())
-        f_tree += shape.dense_per_token * c + lin * (c + replay)
+        f_tree += (shape.dense_per_token - head) * c + head * (c - leaves) + lin * (c + replay)
         f_tree += shape.attention_per_pair * float((sub.depth + 1).sum())
     assert prep.ideal_flop_ratio == pytest.approx(f_exp / f_tree, rel=1e-9)

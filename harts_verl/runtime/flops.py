@@ -15,6 +15,7 @@ ratio of forward counts is the ratio of forward+backward. Terms:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +62,8 @@ class ModelShape:
     attention_per_pair: float  # summed over softmax-attention layers
     linear_per_token: float  # summed over linear-attention layers: state reads and updates
     linear_per_chunk_token: float = 0.0  # the same layers' intra-chunk matrices, per unit of B
+    # the LM head's part of dense_per_token (2·hidden·vocab): it runs on rows with a next token
+    head_per_token: float = 0.0
 
     def linear_cost(self, chunk_size: int) -> float:
         """Linear-attention FLOPs per processed token at ``chunk_size`` (summed over layers)."""
@@ -124,7 +127,8 @@ def native_model_shape(cfg: Any) -> ModelShape:
                 dense += 2.0 * (3 * d * cfg.shared_expert_intermediate_size + gate)
         else:
             dense += 2.0 * 3 * d * cfg.intermediate_size
-    return _shape(dense, attn, lin)
+    head = 2.0 * d * cfg.vocab_size
+    return dataclasses.replace(_shape(dense, attn, lin), head_per_token=head)
 
 
 def _hf_gdn_layer(cfg: Any) -> tuple[float, np.ndarray]:
@@ -566,6 +570,19 @@ _FULL_ATTENTION_TYPES = FULL_ATTENTION_MODEL_TYPES
 
 
 def model_shape(cfg: Any) -> ModelShape:
+    """:func:`_model_shape` of ``cfg`` with its LM head's part of ``dense_per_token``
+    (``head_per_token``: 2 · hidden_size · vocab_size of the text config)."""
+    shape = _model_shape(cfg)
+    if shape.head_per_token:
+        return shape
+    text = getattr(cfg, "text_config", None) or cfg
+    d, v = getattr(text, "hidden_size", None), getattr(text, "vocab_size", None)
+    if not (isinstance(d, int) and isinstance(v, int)):
+        return shape
+    return dataclasses.replace(shape, head_per_token=2.0 * d * v)
+
+
+def _model_shape(cfg: Any) -> ModelShape:
     """Coefficients of any model that runs in tree mode, from its config: a native
     :class:`~harts_verl.models.HybridConfig` or ``HartsHybridConfig`` (``harts_hybrid``), the
     HF hybrids ``qwen3_next`` / ``qwen3_5_text`` / ``qwen3_5_moe_text`` (and the multi-modal
@@ -627,11 +644,15 @@ def forward_flops(
     attention_pairs: float,
     linear_tokens: float,
     chunk_size: int = 64,
+    head_tokens: float | None = None,
 ) -> float:
     """Forward FLOPs of ``tokens`` row-wise tokens, ``attention_pairs`` (query, key) pairs
-    and ``linear_tokens`` tokens through the chunkwise linear attention at ``chunk_size``."""
+    and ``linear_tokens`` tokens through the chunkwise linear attention at ``chunk_size``;
+    ``head_tokens``: the rows the LM head runs on (default: ``tokens``)."""
+    head = 0.0 if head_tokens is None else shape.head_per_token * (head_tokens - tokens)
     return (
         shape.dense_per_token * tokens
+        + head
         + shape.attention_per_pair * attention_pairs
         + shape.linear_cost(chunk_size) * linear_tokens
     )
@@ -641,14 +662,18 @@ def ideal_flop_ratio(
     shape: ModelShape, forest: RolloutForest, replay_tokens: int, chunk_size: int = 64
 ) -> dict[str, float]:
     """Expanded and tree forward FLOPs of ``forest`` and their ratio (``ideal_flop_ratio``),
-    the linear attention of both at the run's ``chunk_size`` (``TreeRunner``'s default 64)."""
+    the linear attention of both at the run's ``chunk_size`` (``TreeRunner``'s default 64);
+    the LM head on the rows with a next token, as the log-prob code runs it (S − N expanded,
+    the rows with a child in the tree)."""
     lengths = forest.lengths.astype(np.float64)
     s = float(lengths.sum())
     c = float(forest.num_compact_tokens)
     pairs_exp = float((lengths * (lengths + 1) / 2).sum())
     pairs_tree = float((forest.depth.astype(np.float64) + 1).sum())
-    f_exp = forward_flops(shape, s, pairs_exp, s, chunk_size)
-    f_tree = forward_flops(shape, c, pairs_tree, c + replay_tokens, chunk_size)
+    head_exp = s - float(forest.num_trajectories)
+    head_tree = float(np.count_nonzero(np.asarray(forest.num_children) > 0))
+    f_exp = forward_flops(shape, s, pairs_exp, s, chunk_size, head_exp)
+    f_tree = forward_flops(shape, c, pairs_tree, c + replay_tokens, chunk_size, head_tree)
     return {
         "expanded_flops": f_exp,
         "tree_flops": f_tree,
