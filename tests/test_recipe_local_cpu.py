@@ -136,7 +136,19 @@ def test_local_cpu_recipe_two_steps(tmp_path, inputs):
         2,
         "trainer.save_freq=2",
         "actor_rollout_ref.actor.checkpoint.save_contents=[model,hf_model]",
+        f"trainer.rollout_data_dir={work / 'rollouts'}",
     )
+    # the workers called the calc tool: no "Unknown function 'calc'" reply (tokenized, its
+    # word "function" is what is left of it), and the warm-started model answers right
+    import json
+
+    dumped = [
+        json.loads(line)
+        for f in sorted((work / "rollouts").glob("*.jsonl"))
+        for line in f.read_text().splitlines()
+    ]
+    assert dumped and not any("function" in d["output"].split() for d in dumped), dumped[:4]
+    assert max(d["score"] for d in dumped) == 1.0, [d["score"] for d in dumped]
     steps = _summary_module().parse_lines(out.splitlines())
     assert sorted(steps) == [1, 2], out[-6000:]
     for step, metrics in steps.items():
@@ -199,8 +211,54 @@ def test_calculator_answers_only_in_vocabulary_numbers():
     assert lt.calc("add", 9, 9) == "18" and lt.calc("sub", 0, 9) == "-9"
     for call in (("add", 18, 18), ("sub", -9, 9), ("mul", 2, 3), ("add", "x", 1)):
         assert lt.calc(*call) == "error"
+    # operands other than ints are errors (2.9 was truncated to 2, True read as 1)
+    for call in (("add", 2.9, 1), ("add", True, 1), ("add", "1.5", 1), ("add", None, 1)):
+        assert lt.calc(*call) == "error"
+    assert lt.calc("add", 2.0, "3") == "5"
     for a in range(10):
         for b in range(10):
             for op in ("add", "sub"):
                 out = lt.calc(op, a, b)
                 assert out != "error" and tok.unk_token_id not in tok.encode(out)
+
+
+def test_recipe_workers_load_the_calc_tool():
+    """``run.sh`` gives veRL the recipe's tool file (``function_tool_path``): the workers load
+    ``calc`` and answer a call with its result (with none loaded, every call was answered
+    "Unknown function 'calc'", tokenized as ``<unk>``)."""
+    import asyncio
+
+    from verl.tools.tool_registry import load_all_tools
+
+    tools_py = ROOT / "recipes" / "local_cpu" / "tools.py"
+    assert f'function_tool_path="$HERE/{tools_py.name}"' in RUN.read_text()
+    tools = load_all_tools(tool_config_path=None, function_tool_path=str(tools_py))
+    assert [t.name for t in tools] == ["calc"]
+    (tool,) = tools
+    from harts_verl.workers.rollout import local_task as lt
+
+    assert tool.tool_schema.model_dump() == lt.calc_tool().tool_schema.model_dump()
+    assert asyncio.run(tool.call({"op": "add", "a": 4, "b": 7})) == "11"
+
+
+def test_calc_reward_rules():
+    """1.0 only for a right final answer after a well-formed call and its tool reply; 0.1 for a
+    well-formed call (any one: a fixed malformed call counts); the final answer counts (the
+    first one did: ``answer 11 answer 3`` scored 1.0 for 11), and an answer without the tool
+    scores nothing (it scored 1.0)."""
+    from harts_verl.workers.rollout.local_task import compute_score
+
+    def score(text: str) -> float:
+        return compute_score("harts_calc", text, "11")
+
+    ok = "<call> add 4 7 <eos> <tool> 11 <assistant> answer 11 <eos>"
+    assert score(ok) == 1.0
+    assert score("<call> add 4 7 <eos> <tool> 11 <assistant> answer 3 answer 11 <eos>") == 1.0
+    assert score("<call> add 4 7 <eos> <tool> 11 <assistant> answer 11 answer 3 <eos>") == 0.1
+    assert score("answer 11 <eos>") == 0.0  # no tool call
+    assert score("<call> add <eos> <tool> error <assistant> answer 11 <eos>") == 0.0  # malformed
+    fixed = "<call> mul 4 7 <eos> <tool> error <assistant> <call> add 4 7 <eos> <tool> 11 "
+    assert score(fixed + "<assistant> answer 11 <eos>") == 1.0
+    assert score(fixed + "<assistant> answer 9 <eos>") == 0.1
+    assert score("<call> add 4 7 <eos>") == 0.1  # cut off before the reply
+    assert score("answer 11 <call> add 4 7 <eos> <tool> 11 <assistant>") == 0.1

@@ -94,7 +94,7 @@ def prepare(
         os.path.join(out, "train.parquet"), n_train, seed=0, prompt="agent"
     )
     info["val"] = local_task.write_dataset(
-        os.path.join(out, "val.parquet"), n_val, seed=1, prompt="agent"
+        os.path.join(out, "val.parquet"), n_val, seed=1, prompt="agent", split="val"
     )
     return info
 

@@ -16,4 +16,5 @@ if [ -z "$IN" ]; then IN="$WORK"; "$PY" "$HERE/prepare.py" "$WORK" | sed 's/^/pr
 exec "$PY" -m harts_verl.main_ppo --config-path "$HERE" --config-name local_cpu hydra.run.dir="$WORK/hydra" \
   data.train_files="$IN/train.parquet" data.val_files="$IN/val.parquet" \
   actor_rollout_ref.model.path="$IN/model" reward.custom_reward_function.path="$HERE/reward.py" \
+  actor_rollout_ref.rollout.multi_turn.function_tool_path="$HERE/tools.py" \
   trainer.total_training_steps="$STEPS" trainer.default_local_dir="$WORK/ckpt" "$@"

@@ -157,39 +157,54 @@ def calc(op: str, a: int, b: int) -> str:
         a: first operand.
         b: second operand.
     """
-    try:
-        x, y = int(a), int(b)
-    except (TypeError, ValueError):
-        return "error"
-    if op not in ("add", "sub"):
+    x, y = _operand(a), _operand(b)
+    if x is None or y is None or op not in ("add", "sub"):
         return "error"
     out = str(x + y if op == "add" else x - y)
     return out if out in NUMBERS else "error"
 
 
+def _operand(v: Any) -> int | None:
+    """An operand as an int: an int (not a bool), an integral float or the text of an int; None
+    otherwise (``2.9`` was truncated to 2, ``True`` read as 1)."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return v
+    if isinstance(v, float):
+        return int(v) if v.is_integer() else None
+    if isinstance(v, str):
+        t = v.strip()
+        return int(t) if t.lstrip("+-").isdigit() else None
+    return None
+
+
+# the ``calc`` tool's OpenAI function schema (``calc_tool``, ``recipes/local_cpu/tools.py``)
+CALC_SCHEMA: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "calc",
+        "description": "add or sub two integers",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "op": {"type": "string"},
+                "a": {"type": "integer"},
+                "b": {"type": "integer"},
+            },
+            "required": ["op", "a", "b"],
+        },
+    },
+}
+
+
 def calc_tool() -> Any:
-    """The ``calc`` function as a veRL ``FunctionTool``."""
+    """The ``calc`` function as a veRL ``FunctionTool`` (the recipe's workers load the same
+    tool from ``recipes/local_cpu/tools.py``, its ``function_tool_path``)."""
     from verl.tools.function_tool import FunctionTool
     from verl.tools.schemas import OpenAIFunctionToolSchema
 
-    schema = OpenAIFunctionToolSchema.model_validate(
-        {
-            "type": "function",
-            "function": {
-                "name": "calc",
-                "description": "add or sub two integers",
-                "parameters": {
-                    "type": "object",
-                    "properties": {
-                        "op": {"type": "string"},
-                        "a": {"type": "integer"},
-                        "b": {"type": "integer"},
-                    },
-                    "required": ["op", "a", "b"],
-                },
-            },
-        }
-    )
+    schema = OpenAIFunctionToolSchema.model_validate(CALC_SCHEMA)
     return FunctionTool(name="calc", fn=calc, tool_schema=schema)
 
 
@@ -239,9 +254,12 @@ def task_prompt(a: int, op: str, b: int, prompt: str = "agent") -> list[dict[str
     raise ValueError(f"prompt: expected 'agent' or 'short', got {prompt!r}")
 
 
-def make_tasks(n: int, seed: int = 0, prompt: str = "short") -> list[dict[str, Any]]:
+def make_tasks(
+    n: int, seed: int = 0, prompt: str = "short", split: str = "train"
+) -> list[dict[str, Any]]:
     """``n`` calculator tasks as rows of veRL's RLHF dataset (``prompt`` = chat messages, see
-    :func:`task_prompt`; ``agent_name``, ``reward_model.ground_truth``, ``extra_info``)."""
+    :func:`task_prompt`; ``agent_name``, ``reward_model.ground_truth``, ``extra_info`` with
+    the row's ``index`` and ``split``)."""
     import random
 
     rng = random.Random(seed)
@@ -255,17 +273,19 @@ def make_tasks(n: int, seed: int = 0, prompt: str = "short") -> list[dict[str, A
                 "agent_name": "harts_tool_agent",
                 "ability": "calc",
                 "reward_model": {"style": "rule", "ground_truth": str(answer)},
-                "extra_info": {"index": i, "split": "train"},
+                "extra_info": {"index": i, "split": split},
             }
         )
     return rows
 
 
-def write_dataset(path: str, n: int, seed: int = 0, prompt: str = "short") -> str:
+def write_dataset(
+    path: str, n: int, seed: int = 0, prompt: str = "short", split: str = "train"
+) -> str:
     """Write :func:`make_tasks` rows to a parquet file at ``path``."""
     import pandas as pd
 
-    pd.DataFrame(make_tasks(n, seed, prompt)).to_parquet(path)
+    pd.DataFrame(make_tasks(n, seed, prompt, split)).to_parquet(path)
     return path
 
 
@@ -311,23 +331,34 @@ def sft_examples(
     return out
 
 
+def _well_formed_call(words: list[str], k: int) -> bool:
+    """Whether ``words[k]`` (``<call>``) starts ``<call> add|sub <int> <int>``."""
+    args = words[k + 1 : k + 4]
+    return (
+        len(args) == 3
+        and args[0] in ("add", "sub")
+        and all(_operand(x) is not None for x in args[1:])
+    )
+
+
 def compute_score(
     data_source: str, solution_str: str, ground_truth: str, extra_info: Any = None, **kw: Any
 ) -> float:
-    """Checker reward: 1.0 when the last assistant turn of ``solution_str`` (the response:
-    after the last ``<tool>`` reply, if any, and the ``<assistant>`` that follows it) says
-    ``answer <ground_truth>``; 0.1 for a well-formed ``calc`` call (op ``add``/``sub``);
-    else 0. The tool's reply itself earns nothing: the agent has to report the result."""
+    """Checker reward: 1.0 when the response made a well-formed ``calc`` call (``<call>
+    add|sub <int> <int>``), got a tool reply, and the final ``answer`` of its last assistant
+    turn (after the last ``<tool>`` reply and the ``<assistant>`` that follows it) is
+    ``answer <ground_truth>``; 0.1 for a well-formed call (any of them: a malformed call the
+    model then fixes counts) without that; else 0. The tool's reply itself earns nothing (the
+    agent has to report the result), nor does an answer without the tool (the prompt says to
+    call it first), and the final answer counts, not the first: ``answer 11 answer 3`` says 3."""
     words = solution_str.split()
-    tail = words
+    called = any(_well_formed_call(words, k) for k, w in enumerate(words) if w == "<call>")
+    if not called:
+        return 0.0
     if "<tool>" in words:
         tail = words[len(words) - words[::-1].index("<tool>") :]
         tail = tail[tail.index("<assistant>") + 1 :] if "<assistant>" in tail else []
-    k = tail.index("answer") if "answer" in tail else -1
-    if k >= 0 and tail[k + 1 : k + 2] == [str(ground_truth)]:
-        return 1.0
-    if "<call>" in words:
-        k = words.index("<call>")
-        if words[k + 1 : k + 2] in (["add"], ["sub"]):
-            return 0.1
-    return 0.0
+        said = [k for k, w in enumerate(tail) if w == "answer"]
+        if said and tail[said[-1] + 1 : said[-1] + 2] == [str(ground_truth)]:
+            return 1.0
+    return 0.1
