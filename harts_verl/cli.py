@@ -22,6 +22,7 @@ import pickle
 import re
 import sys
 from collections.abc import Iterator
+from typing import NoReturn
 
 from harts_verl.tree._checks import check_int, finite_float_arg, int_arg
 
@@ -75,6 +76,15 @@ def _debug() -> bool:
     return os.environ.get("HARTS_VERL_DEBUG", "") not in ("", "0")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors as one line ``harts-verl <command>: <message>`` (exit status
+    2), as the module doc promises for every bad option value (argparse printed its usage
+    text first: several lines)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see --help)\n")
+
+
 def _phrase(exc: BaseException, flags: dict[str, str]) -> str:
     """The message of ``exc`` with a leading config field name (``capacity_tokens: ...``)
     replaced by its flag, and the flag in place of multi-word field names elsewhere where they
@@ -87,7 +97,7 @@ def _phrase(exc: BaseException, flags: dict[str, str]) -> str:
             break
     for field, flag in flags.items():
         if "_" in field:
-            msg = re.sub(rf"(?<![\w./\\-]){re.escape(field)}(?![\w/\\-]|\.\w)", flag, msg)
+            msg = re.sub(rf"(?<![\w./\\'\"-]){re.escape(field)}(?![\w/\\-]|\.\w)", flag, msg)
     return msg
 
 
@@ -516,7 +526,7 @@ def _add_precompile(sub: argparse._SubParsersAction) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run ``harts-verl`` with ``argv``; the exit status (see the module doc): a user error is
     one line on stderr and 2, argparse's own errors exit 2 as well."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="harts-verl",
         description=__doc__.split("\n\n")[0].replace("``", ""),
         epilog="Exit status 2 = bad option or input file (one line on stderr; "

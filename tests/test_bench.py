@@ -360,7 +360,16 @@ def test_cli_argument_errors(tmp_path, capsys, monkeypatch):
         with pytest.raises(SystemExit) as info:
             main(argv)
         assert info.value.code == 2, argv
-        assert msg in capsys.readouterr().err, argv
+        err = capsys.readouterr().err
+        assert msg in err, argv
+        # one line (argparse printed its usage text first: six lines)
+        assert err.count("\n") == 1 and err.startswith(f"harts-verl {argv[0]}: "), (argv, err)
+    # a path the message quotes keeps a field name inside it ('capacity_tokens' was spliced
+    # into '--capacity')
+    (tmp_path / "capacity_tokens").mkdir()
+    assert main(["inspect", "f.npz", "--plot", str(tmp_path / "capacity_tokens")]) == 2
+    err = capsys.readouterr().err
+    assert "capacity_tokens" in err and "'--capacity'" not in err, err
 
 
 def test_cli_input_errors_are_one_line(tmp_path, capsys, monkeypatch):
