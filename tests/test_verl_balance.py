@@ -157,6 +157,46 @@ def test_a_shared_template_changes_nothing(dp, nm):
     )
 
 
+def test_a_shared_template_cuts_no_more_trees():
+    """Below a template the trees are the template's children: the first criterion (fewest
+    trees cut) counted one tree for the whole batch, and a refinement round split a whole tree
+    below the template (a tree of 3 beside one of 5, cells of 4: both were cut)."""
+    body = [[100, 0, 1, 1, 0], [100, 1, 0, 1, 1], [100, 0, 2]]  # a tree of 3
+    body += [[101, 0], [101, 0, 1], [101, 1, 2], [101, 0, 1, 3], [101, 1, 1, 4]]  # of 5
+
+    def trees_cut(seqs, root, dp, nm=1):
+        parts = tree_balanced_partition(seqs, dp, nm)
+        m = len(parts[0]) // nm
+        cells = [p[k * m : (k + 1) * m] for p in parts for k in range(nm)]
+        roots = {s[root] for s in seqs}
+        return sum(
+            len({c for c, cell in enumerate(cells) for i in cell if seqs[i][root] == t}) > 1
+            for t in roots
+        )
+
+    assert trees_cut(body, 0, 2) == trees_cut([[7, 7, *s] for s in body], 2, 2) == 1
+    rng = np.random.default_rng(3)
+    for _ in range(40):  # GRPO-like groups of random sizes: the template cuts no more trees
+        sizes = rng.integers(1, 7, int(rng.integers(2, 9))).tolist()
+        seqs = []
+        for g, size in enumerate(sizes):
+            p = [1000 + g, *rng.integers(0, 4, int(rng.integers(1, 6))).tolist()]
+            seqs += [p + rng.integers(0, 4, int(rng.integers(1, 5))).tolist() for _ in range(size)]
+        grid = [
+            (dp, nm)
+            for dp in (1, 2, 3, 4)
+            for nm in (1, 2)
+            if dp * nm > 1 and len(seqs) % (dp * nm) == 0
+        ]
+        for dp, nm in grid:
+            templ = [[*_TEMPLATE, *q] for q in seqs]
+            assert trees_cut(templ, len(_TEMPLATE), dp, nm) == trees_cut(seqs, 0, dp, nm), (
+                sizes,
+                dp,
+                nm,
+            )
+
+
 def test_a_tree_that_fits_stays_whole_beside_one_cut_anyway():
     """Trees of 6 (3 | 3 at its lowest LCP), 4 and 2 on three cells of 4: the tree of 6 must be
     cut; it is cut again ({4} | {2 + 2 of it} | {4 of it}) rather than cutting the tree of 2."""

@@ -1402,19 +1402,30 @@ def _repair(
 
 
 # ============================================================================ placement
+_BALANCED_TRIES = 4  # microbatch counts from the lower bound a balanced split is tried at
+_DIFFERENCING_MAX = 64  # the most microbatches a differencing split is tried for (O(n·k log k))
+
+
 def token_balanced_microbatches(
     lengths: Sequence[int] | np.ndarray, capacity_tokens: int
 ) -> list[np.ndarray]:
-    """Trajectory-wise microbatches as veRL's dynamic batching makes them
-    (``rearrange_micro_batches``): the fewest ``k >= min(n, ceil(Σ lengths / capacity))`` for
-    which a token-balanced split (longest trajectory first onto the microbatch with the fewest
-    tokens; ties: the lower one) keeps every microbatch within the capacity (a trajectory
-    longer than it alone in one). Returns the non-empty microbatches' trajectory indices
-    (int64, ascending), ordered by their first index; every index in exactly one. ValueError
-    for lengths that are not non-negative integers or a capacity below 1."""
+    """Trajectory-wise microbatches as a packing dynamic batching would make them (the
+    expanded baseline's; veRL's ``rearrange_micro_batches`` raises its count from
+    ``ceil(S / capacity)`` until a balanced split fits): a trajectory longer than the capacity
+    alone in one; the others into the fewest microbatches of at most ``capacity_tokens`` tokens
+    found: a token-balanced split (longest first onto the microbatch with the fewest tokens,
+    else for at most :data:`_DIFFERENCING_MAX` microbatches the largest differencing method by
+    tokens, then by veRL's workload estimate)
+    at the first of :data:`_BALANCED_TRIES` counts from ``ceil(S / capacity)`` where it fits,
+    else at best-fit decreasing's count (at most 11/9 of the fewest possible, plus one) where
+    it fits, else best-fit decreasing's own packing. Returns the non-empty microbatches' trajectory
+    indices (int64, ascending), ordered by their first index; every index in exactly one.
+    ValueError for lengths that are not non-negative integers or a capacity below 1."""
+    import bisect
     import heapq
 
     _check_int("capacity_tokens", capacity_tokens, 1, INT64_MAX)
+    cap = int(capacity_tokens)
     lens = np.asarray(lengths)
     if lens.ndim != 1 or (lens.size and (lens.dtype.kind not in "iu" or int(lens.min()) < 0)):
         raise ValueError("lengths: expected a 1-D array of non-negative integer lengths")
@@ -1422,26 +1433,84 @@ def token_balanced_microbatches(
     n = int(lens.shape[0])
     if n == 0:
         return []
-    limit = max(int(capacity_tokens), int(lens.max()))  # an oversize trajectory runs alone
-    order = np.lexsort((np.arange(n), -lens)).tolist()
-    k = max(1, min(n, -(-int(lens.sum()) // int(capacity_tokens))))
-    while True:
-        heap = [(0, b) for b in range(k)]  # (tokens, microbatch): fewest tokens, then lowest
-        bin_of = np.empty(n, np.int64)
-        for i in order:
+    order = np.lexsort((np.arange(n), -lens))
+    over = order[lens[order] > cap]
+    fits = order[lens[order] <= cap].tolist()
+    # best fit decreasing: the fullest microbatch with room; (free tokens, microbatch) sorted
+    free: list[tuple[int, int]] = []
+    bin_of = np.empty(n, np.int64)
+    k = 0
+    for i in fits:
+        need = int(lens[i])
+        j = bisect.bisect_left(free, (need, -1))
+        if j < len(free):
+            room, b = free.pop(j)
+        else:
+            room, b = cap, k
+            k += 1
+        bin_of[i] = b
+        bisect.insort(free, (room - need, b))
+
+    def greedy(count: int) -> np.ndarray | None:
+        """The token-balanced split into ``count`` microbatches (longest first onto the one
+        with the fewest tokens), if each fits."""
+        heap = [(0, b) for b in range(count)]
+        out = np.empty(n, np.int64)
+        for i in fits:
             load, b = heapq.heappop(heap)
-            bin_of[i] = b
+            out[i] = b
             heapq.heappush(heap, (load + int(lens[i]), b))
-        if k == n or max(load for load, _ in heap) <= limit:
+        return out if max(load for load, _ in heap) <= cap else None
+
+    def differencing(count: int, weight: Any) -> np.ndarray | None:
+        """The ``count``-way largest differencing split (Karmarkar-Karp, what veRL balances
+        with) by ``weight(length)``, if each part's tokens fit: partial splits merged two at a
+        time, the widest spreads first, the heavier parts of one with the lighter of the
+        other."""
+        heap = []
+        for t, i in enumerate(fits):
+            w = weight(int(lens[i]))
+            parts = [(w, [i])] + [(0, []) for _ in range(count - 1)]
+            heap.append((-w, t, parts))
+        heapq.heapify(heap)
+        tick = len(heap)
+        while len(heap) > 1:
+            _, _, a = heapq.heappop(heap)
+            _, _, b = heapq.heappop(heap)
+            a.sort(key=lambda p: -p[0])
+            b.sort(key=lambda p: p[0])
+            merged = [(x[0] + y[0], x[1] + y[1]) for x, y in zip(a, b)]
+            loads = [m[0] for m in merged]
+            heapq.heappush(heap, (min(loads) - max(loads), tick, merged))
+            tick += 1
+        parts = heap[0][2]
+        if max(int(lens[p[1]].sum()) if p[1] else 0 for p in parts) > cap:
+            return None
+        out = np.empty(n, np.int64)
+        for b, (_, members) in enumerate(parts):
+            out[members] = b
+        return out
+
+    def balanced(count: int) -> np.ndarray | None:
+        split = greedy(count)
+        if count <= _DIFFERENCING_MAX:  # by tokens, then by veRL's workload (24576·L + L²)
+            for weight in (lambda v: v, lambda v: 24576 * v + v * v):
+                split = differencing(count, weight) if split is None else split
+        return split
+
+    # fewer microbatches where a balanced split fits in them (a few counts up from the lower
+    # bound, as dynamic batching tries them), else best fit's count, balanced when that fits
+    low = max(1, -(-int(lens[fits].sum()) // cap)) if fits else 0
+    for count in [*range(low, min(k, low + _BALANCED_TRIES)), k] if k > 1 else []:
+        split = balanced(count)
+        if split is not None:
+            bin_of, k = split, count
             break
-        k += 1
-    bins = [
-        b
-        for b in np.split(
-            np.argsort(bin_of, kind="stable"), np.cumsum(np.bincount(bin_of, minlength=k))[:-1]
-        )
-        if b.size
-    ]
+    bin_of[over] = k + np.arange(over.shape[0])  # each oversize trajectory alone
+    k += int(over.shape[0])
+    counts = np.bincount(bin_of, minlength=k)
+    bins = np.split(np.argsort(bin_of, kind="stable"), np.cumsum(counts)[:-1])
+    bins = [b for b in bins if b.size]
     bins.sort(key=lambda b: int(b[0]))
     return bins
 

@@ -162,13 +162,13 @@ class _Pieces:
         return out[::-1]
 
     def refine(self) -> bool:
-        """Split the largest piece cut from a tree (its node's depth > 0; ties: the leftmost)
-        one level, into the children of its own lowest branch; False when every piece is a
-        whole tree or a single trajectory."""
-        cut = [
+        """Split the largest piece cut from a tree (its node is below the top one, the batch,
+        whose children are the trees; ties: the leftmost) one level, into the children of its
+        own lowest branch; False when every piece is a whole tree or a single trajectory."""
+        cut = [  # below a node below the top one (the batch): the top's children are trees
             (a - b, a, i)
             for i, (a, b) in enumerate(self.ranges)
-            if b - a > 1 and self.node_of[i] >= 0 and self.depth[self.node_of[i]] > 0
+            if b - a > 1 and self.node_of[i] >= 0 and self.parent[self.node_of[i]] >= 0
         ]
         if not cut:
             return False
@@ -582,7 +582,7 @@ def tree_balanced_cells(
     pcs = _Pieces(lv, share)
     # the trees: the children of the batch's lowest branch (a prefix every trajectory shares,
     # a chat template, is no reason to call the whole batch one tree)
-    low = int(lv.adj.min(initial=0)) if lv.n > share else -1
+    low = int(lv.adj.min()) if lv.n > share else -1  # n > share >= 1: adj is not empty
     tree = np.concatenate([[0], np.cumsum(lv.adj == low)]) if lv.n else np.zeros(0, np.int64)
     options = []  # placements found: the one that cuts fewest trees, then least work, wins
     for _ in range(_REFINE_ROUNDS + 1):
