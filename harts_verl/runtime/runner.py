@@ -236,11 +236,11 @@ class _Runner:
     def plan(self, forest: RolloutForest) -> list[np.ndarray]:
         """Trajectory index sets, one per microbatch (all trajectories if no capacity): the
         planner's (:func:`~harts_verl.tree.microbatch.plan_microbatches`) in tree mode; in
-        expanded mode veRL's dynamic batching
-        (:func:`~harts_verl.tree.microbatch.token_balanced_microbatches`: the fewest
-        microbatches the tokens allow, balanced; one may exceed the capacity by less than its
-        longest trajectory, as veRL's do). A trajectory longer than ``capacity_tokens`` is
-        never cut: in tree mode it runs whole in a microbatch of its own (with its identical
+        expanded mode as dynamic batching packs them
+        (:func:`~harts_verl.tree.microbatch.token_balanced_microbatches`: each within the
+        capacity, balanced where that fits, no more of them than veRL's
+        ``rearrange_micro_batches`` makes). A trajectory longer than ``capacity_tokens`` is
+        never cut: it runs whole in a microbatch of its own (in tree mode with its identical
         copies); a WARNING is logged once per runner (unless it was built with
         ``warn_oversize=False``) and :attr:`StepStats.oversize_trajectories` counts them."""
         if self.capacity_tokens is None:
