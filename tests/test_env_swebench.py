@@ -483,6 +483,39 @@ def test_tools_edit_record_patch_fork_and_submit(inst):
     assert len(POOL) == n0
 
 
+def test_the_agents_git_index_is_its_own_and_a_failed_record_keeps_the_answer(inst):
+    """The patch is staged in an index of its own: the agent's `git diff` shows its edit, `git
+    status` an unstaged change and an untracked file, and `git checkout -- f` undoes the edit
+    and drops it from the patch (a `git add -A` in the agent's index made `git diff` print
+    nothing and the checkout keep the edit). When the patch cannot be taken (a nested
+    repository without a commit), the call's answer stands with a note (it was replaced by an
+    error), and submit says what to fix instead of failing."""
+    from harts_verl.workers.envs.swe_tools import PATCH_KEY, SUBMITTED_KEY
+
+    bash, edit, submit = _tools()
+    create = swe.dataset_rows([inst])[0]["extra_info"]["tools_kwargs"]["bash"]["create_kwargs"]
+    data = _AgentData()
+    args = {"command": "str_replace", "path": "tinycalc/stats.py", "old_str": OLD}
+    assert "Edited" in _call(edit, {**args, "new_str": FIX}, data, create)
+    assert "empty sequence" in data.extra_fields[PATCH_KEY]
+    out = _call(
+        bash, {"command": "git diff --stat; touch new.py; git status --short"}, data, create
+    )
+    assert "tinycalc/stats.py | " in out and " M tinycalc/stats.py" in out and "?? new.py" in out
+    out = _call(bash, {"command": "git checkout -- tinycalc/stats.py && git diff"}, data, create)
+    assert "empty sequence" not in out and "empty sequence" not in data.extra_fields[PATCH_KEY]
+    assert "new.py" in data.extra_fields[PATCH_KEY]
+    # a nested repository without a commit: git add refuses it
+    out = _call(bash, {"command": "git init -q scratch && echo MADE"}, data, create)
+    assert out.startswith("MADE") and "could not be recorded" in out and "scratch" in out
+    assert data.extra_fields[PATCH_KEY] == ""
+    out = _call(submit, {}, data, create)
+    assert out.startswith("Cannot submit: ") and not data.extra_fields.get(SUBMITTED_KEY)
+    out = _call(bash, {"command": "rm -rf scratch new.py && echo OK"}, data, create)
+    assert out.startswith("OK") and "could not be recorded" not in out
+    assert "Submitted: no changes." == _call(submit, {}, data, create)
+
+
 def test_docker_sandbox_errors_are_clear(monkeypatch):
     from harts_verl.workers.envs.sandbox import DockerSandbox
 
@@ -740,6 +773,49 @@ def test_editor_keeps_other_bytes_views_ranges_and_refuses_unknown_arguments(ins
         _call(edit, {**view, "insert_line": 3}, data, create)
     with pytest.raises(ValueError, match="unknown argument of bash"):
         _call(bash, {"command": "ls", "cwd": "/"}, data, create)
+    # an argument of another editor command is refused: a str_replace with its new text in
+    # file_text deleted old_str and said "Edited"
+    path = {"path": "tinycalc/stats.py"}
+    with pytest.raises(ValueError, match="file_text: not an argument of the str_replace"):
+        _call(
+            edit, {"command": "str_replace", **path, "old_str": OLD, "file_text": FIX}, data, create
+        )
+    with pytest.raises(ValueError, match="old_str: not an argument of the view command"):
+        _call(edit, {"command": "view", **path, "old_str": OLD}, data, create)
+    # an old_str that occurs twice overlapping ("aa" in "aaa") is ambiguous, not unique
+    _call(bash, {"command": "printf 'x = 1\\n\\n\\n\\ny = 2\\n' > gaps.py"}, data, create)
+    with pytest.raises(ValueError, match="old_str: occurs more than once"):
+        _call(
+            edit,
+            {"command": "str_replace", "path": "gaps.py", "old_str": "\n\n", "new_str": "\n"},
+            data,
+            create,
+        )
+
+
+def test_a_dropped_sandbox_closes_off_the_dropping_thread():
+    """The last ref of a sandbox going away (a trajectory ending without submit, a cancelled
+    branch: on the agent worker's event loop) closes it on a thread of its own; a container's
+    ``docker rm`` blocked the event loop."""
+    pytest.importorskip("verl")
+    import threading
+    import time
+
+    from harts_verl.workers.envs.swe_tools import POOL
+
+    closed = threading.Event()
+
+    class SlowBox:
+        def close(self):
+            time.sleep(1.0)
+            closed.set()
+
+    n0 = len(POOL)
+    ref = POOL.add(SlowBox())
+    t0 = time.monotonic()
+    del ref
+    assert time.monotonic() - t0 < 0.5 and len(POOL) == n0  # forgotten at once
+    assert closed.wait(10)  # and closed
 
 
 def test_sandboxes_start_off_the_event_loop(inst, monkeypatch):

@@ -45,6 +45,19 @@ _EXCLUDE = "__pycache__/\n*.pyc\n.pytest_cache/\n"
 # The starting tree's commit, recorded at creation (clones keep it): diffs are taken against it,
 # so an agent that commits, resets or checks out its work still hands in every change.
 _START_REF = "refs/harts/start"
+# The patch is staged in an index of its own, never the repository's: the agent's `git diff`,
+# `git status`, `git checkout -- f` / `git restore f` work on its own index as in any checkout
+# (a `git add -A` there made `git diff` print nothing and `git checkout -- f` keep the edit).
+# Seeded from the repository's index (its stat cache: `git add -A` then rehashes changed files
+# only), else the start tree; kept between calls. Every bash line of a diff starts with it.
+_PATCH_INDEX = (
+    'export GIT_INDEX_FILE="$(git rev-parse --absolute-git-dir)/harts-patch-index"; '
+    '[ -f "$GIT_INDEX_FILE" ] || cp "$(git rev-parse --absolute-git-dir)/index" '
+    f'"$GIT_INDEX_FILE" 2>/dev/null || git read-tree {_START_REF} || exit 1; '
+)
+# ... and synced with the working tree before the first diff command (git add's warnings, an
+# embedded repository's or line endings', are not part of the patch)
+_STAGE = 'out=$(git add -A 2>&1) || { printf "%s\n" "$out"; exit 1; }; '
 _MARK_START = (
     f"git rev-parse -q --verify {_START_REF} >/dev/null || git update-ref {_START_REF} HEAD"
 )
@@ -496,20 +509,22 @@ class LocalSandbox(Sandbox):
         return os.path.exists(_check_real(self.root, path))
 
     def diff(self) -> str:
-        self._git("add", "-A")
+        stage = _STAGE
 
         def run(script: str) -> str:
+            nonlocal stage
             res = _run(
-                ["bash", "-c", script],
+                ["bash", "-c", _PATCH_INDEX + stage + script],
                 self.root,
                 60,
                 max_chars=MAX_WHOLE_CHARS,
                 errors="surrogateescape",
             )
-            if res.omitted:
-                raise _patch_too_large()
+            stage = ""  # once, with the first command
             if res.exit_code != 0:
                 raise RuntimeError(f"git diff failed in {self.root}: {res.output}")
+            if res.omitted:
+                raise _patch_too_large()
             return res.output
 
         return _staged_patch(run)
@@ -630,18 +645,17 @@ class DockerSandbox(Sandbox):
         return self._on_path(path, 'test -e "$f"').exit_code == 0
 
     def diff(self) -> str:
-        # git add's warnings (an embedded repository, line endings) are not part of the patch
-        add = 'out=$(git add -A 2>&1) || { printf "%s\\n" "$out"; exit 1; }; '
+        stage = _STAGE
 
         def run(script: str) -> str:
-            nonlocal add
+            nonlocal stage
             res = self._exec(
-                ["bash", "-c", add + script],
+                ["bash", "-c", _PATCH_INDEX + stage + script],
                 120,
                 max_chars=MAX_WHOLE_CHARS,
                 errors="surrogateescape",
             )
-            add = ""  # once, with the first command
+            stage = ""  # once, with the first command
             if res.exit_code != 0:
                 raise RuntimeError(f"git diff failed in {self.name}: {res.output}")
             if res.omitted:

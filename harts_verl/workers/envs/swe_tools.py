@@ -95,6 +95,15 @@ class SandboxPool:
         if box is not None:
             box.close()
 
+    def close_in_background(self, key: str) -> None:
+        """Forget the sandbox ``key`` now and close it on a thread of its own: a container's
+        ``docker rm`` (up to minutes) must not block the thread that dropped the last ref,
+        often an agent worker's event loop. Not a daemon: the process waits for it at exit."""
+        with self._lock:
+            box = self._boxes.pop(str(key), None)
+        if box is not None:
+            threading.Thread(target=box.close, name=f"close-{key}").start()
+
     def close_all(self) -> None:
         with self._lock:
             boxes, self._boxes = list(self._boxes.values()), {}
@@ -114,7 +123,7 @@ class SandboxRef(str):
 
     ``copy.deepcopy`` clones the sandbox and returns a ref to the clone; ``copy.copy`` and
     pickling give a plain ``str`` (no ownership); when this object is collected the sandbox is
-    closed.
+    closed (on a thread of its own: :meth:`SandboxPool.close_in_background`).
     """
 
     __slots__ = ()
@@ -128,7 +137,7 @@ class SandboxRef(str):
 
     def __del__(self) -> None:
         try:
-            POOL.close(str(self))
+            POOL.close_in_background(str(self))
         except Exception:  # interpreter shutdown
             pass
 
@@ -245,7 +254,31 @@ class _SweTool(TrajectoryTool):
             except TooLarge as exc:  # no patch (it scores 0) until the agent cleans up
                 agent_data.extra_fields[PATCH_KEY] = ""
                 text = f"{text}\n[{exc}]"
+            except (RuntimeError, OSError) as exc:
+                # the call itself worked: its answer stands, with why the patch could not be
+                # taken (e.g. a nested repository without a commit, a stale index.lock); no
+                # patch (it scores 0) until the agent fixes it
+                agent_data.extra_fields[PATCH_KEY] = ""
+                text = f"{text}\n[the repository's changes could not be recorded: {exc}]"
         return text
+
+
+# the arguments of each editor command (the schema declares their union)
+_EDIT_ARGS: dict[str, frozenset[str]] = {
+    "view": frozenset({"path", "view_range"}),
+    "create": frozenset({"path", "file_text"}),
+    "str_replace": frozenset({"path", "old_str", "new_str"}),
+}
+
+
+def _occurrences(text: str, part: str) -> int:
+    """How many times ``part`` starts in ``text``, overlapping ones counted (``str.count``
+    counts ``"aa"`` once in ``"aaa"``: an ambiguous ``old_str`` passed as unique)."""
+    n, at = 0, text.find(part)
+    while at >= 0 and n < 2:  # unique or not is all that matters
+        n += 1
+        at = text.find(part, at + 1)
+    return n
 
 
 def _call_lock(agent_data: Any) -> asyncio.Lock:
@@ -325,6 +358,14 @@ class EditTool(_SweTool):
         command = _str_arg(parameters, "command")
         if command not in self.COMMANDS:
             raise ValueError(f"command: expected one of {list(self.COMMANDS)}, got {command!r}")
+        # an argument of another command is refused, not ignored (a str_replace with its new
+        # text in file_text deleted old_str)
+        stray = sorted(k for k in parameters if k not in _EDIT_ARGS[command] and k != "command")
+        if stray:
+            raise ValueError(
+                f"{', '.join(stray)}: not an argument of the {command} command (it takes "
+                f"{', '.join(sorted(_EDIT_ARGS[command]))})"
+            )
         path = _str_arg(parameters, "path")
         limit = self.cfg.max_output_chars
         if command == "view":
@@ -369,9 +410,9 @@ class EditTool(_SweTool):
             # matches, and the lines it writes keep the file's line ends
             old = old if "\r" in old else old.replace("\n", "\r\n")
             new = new if "\r" in new else new.replace("\n", "\r\n")
-        count = text.count(old)
+        count = _occurrences(text, old)
         if count != 1:
-            where = "does not occur" if count == 0 else f"occurs {count} times"
+            where = "does not occur" if count == 0 else "occurs more than once"
             raise ValueError(f"old_str: {where} in {path}; it must occur exactly once")
         edited = text.replace(old, new, 1)
         box.write_file(path, edited)
@@ -446,7 +487,10 @@ class SubmitTool(_SweTool):
         return box.diff()
 
     async def _call(self, box: Sandbox, parameters: dict[str, Any], agent_data: Any) -> str:
-        patch = await asyncio.to_thread(box.diff)
+        try:
+            patch = await asyncio.to_thread(box.diff)
+        except (TooLarge, RuntimeError, OSError) as exc:  # not submitted: the agent can fix it
+            return f"Cannot submit: {exc}. Fix the repository and submit again."
         fields = agent_data.extra_fields
         fields[PATCH_KEY] = patch
         fields[SUBMITTED_KEY] = True
