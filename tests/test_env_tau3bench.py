@@ -11,6 +11,7 @@ user turns (mask 0) and, with a fork, one rewarded and one unrewarded branch.
 from __future__ import annotations
 
 import asyncio
+import copy
 import io
 import json
 import os
@@ -311,6 +312,15 @@ def test_replay_cache_returns_independent_states(dom):
     s2 = tau.state_after(dom, "cancel_pending", [CANCEL])
     assert s2["orders"]["#W1001"]["status"] == "cancelled"
     assert tau.state_after(dom, "cancel_pending", [])["orders"]["#W1001"]["status"] == "pending"
+    # a domain whose states cost more to copy than to replay (τ²'s: ~10 MB, 300 ms a copy)
+    # caches none, with the same states
+    assert tau.Tau2Domain.cache_states is False and dom.cache_states is True
+    n = len(tau._CACHE)
+    uncached = copy.copy(dom)
+    uncached.cache_states = False
+    log = [CANCEL, {"name": "get_order_details", "arguments": {"order_id": "#W1002"}}]
+    s3 = tau.state_after(uncached, "cancel_pending", log)
+    assert len(tau._CACHE) == n and s3 == tau.state_after(dom, "cancel_pending", log)
 
 
 def test_users_scripted_and_llm(dom, monkeypatch):
@@ -621,6 +631,78 @@ def test_tau_conversation_cut_off_by_a_limit_scores_zero(dom):
     ended = {**info, tau.TERMINATION_KEY: tau.USER_STOP}
     got = tau.compute_score(row["data_source"], text, row["reward_model"]["ground_truth"], ended)
     assert got["score"] == 1.0 and got["user_stopped"] == 1.0
+
+
+def test_too_many_failed_tool_calls_end_the_conversation_scored_zero(dom):
+    """As τ²'s orchestrator (max_errors 10): after ten failed tool calls (here unknown order
+    ids) the conversation ends, ``too_many_errors``, and scores 0 even if the agent then got
+    the task right (it scored 1.0)."""
+    pytest.importorskip("verl")
+    from harts_verl.workers.envs import testing
+    from harts_verl.workers.envs.tau_agent import ERRORS_KEY, MAX_ERRORS, TOO_MANY_ERRORS
+
+    def script(rid: str, turn: int, text: str) -> str:
+        errors = text.count("Error executing tool")
+        if errors < 12:
+            return testing.hermes_call("get_order_details", {"order_id": f"#W9{errors:03d}"})
+        if "cancel_pending_order" not in text:
+            args = {"order_id": "#W1001", "reason": "no longer needed"}
+            return testing.hermes_call("cancel_pending_order", args)
+        return "Your order #W1001 is cancelled."
+
+    tok, row, out = _cancel_pending_run(dom, script, max_turns=40)
+    text = tok.decode(out.response_ids)
+    assert text.count("Error executing tool") == out.extra_fields[ERRORS_KEY] == MAX_ERRORS
+    assert out.extra_fields[tau.TERMINATION_KEY] == TOO_MANY_ERRORS
+    info = {**row["extra_info"], **out.extra_fields}
+    got = tau.compute_score(row["data_source"], text, row["reward_model"]["ground_truth"], info)
+    assert got["score"] == 0.0
+
+
+def test_a_tool_call_marker_inside_reasoning_is_no_call_and_schemas_stay_whole(dom):
+    """A message to the user whose reasoning mentions ``<tool_call>`` reaches the user (it was
+    answered as an unparsable call); the tools' schemas reach the chat template whole (veRL's
+    schema model dropped an array's ``items``, ``anyOf``, ``$defs``)."""
+    pytest.importorskip("verl")
+    from verl.tools.schemas import OpenAIFunctionToolSchema
+
+    from harts_verl.workers.envs.tau_agent import FullToolSchema
+
+    def script(rid: str, turn: int, text: str) -> str:
+        if text.count("<|user|>") == 1 and "could not be parsed" not in text:
+            return "<think>No email yet, so no <tool_call> now.</think>Sure, what is your email?"
+        return "Thanks, goodbye."
+
+    tok, _, out = _cancel_pending_run(dom, script, max_turns=6)
+    text = tok.decode(out.response_ids)
+    assert "could not be parsed" not in text
+    assert text.index(dom.task("cancel_pending").user_script[1]) > text.index("what is your email?")
+    flights = {
+        "type": "array",
+        "description": "flights",
+        "items": {"anyOf": [{"$ref": "#/$defs/FlightInfo"}, {"type": "object"}]},
+    }
+    raw = {
+        "type": "function",
+        "function": {
+            "name": "book",
+            "description": "Book.",
+            "parameters": {
+                "type": "object",
+                "properties": {"flights": flights},
+                "required": ["flights"],
+                "$defs": {
+                    "FlightInfo": {"type": "object", "properties": {"date": {"type": "string"}}}
+                },
+            },
+        },
+    }
+    shown = FullToolSchema.of(raw).model_dump(exclude_unset=True, exclude_none=True)
+    assert shown == raw
+    lost = OpenAIFunctionToolSchema.model_validate(raw).model_dump(
+        exclude_unset=True, exclude_none=True
+    )
+    assert "items" not in lost["function"]["parameters"]["properties"]["flights"]  # why
 
 
 def test_tau_agent_loop_answers_unparsable_tool_calls_from_the_tool_side(dom):

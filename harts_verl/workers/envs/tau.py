@@ -208,6 +208,8 @@ class TauDomain(ABC):
 
     name: str
     policy: str
+    # whether :func:`state_after` caches replayed states (copies) of this domain
+    cache_states: bool = True
 
     @abstractmethod
     def tool_schemas(self) -> list[dict[str, Any]]:
@@ -387,6 +389,10 @@ class Tau2Domain(TauDomain):
     agent nor this package's user simulators can call user tools, so such tasks cannot reach
     the reference state."""
 
+    # a copy of a τ² environment (about 10 MB for retail: 512 cached states, 5 GB per process)
+    # took about 300 ms, a fresh one replaying a 6-call log about 50 ms: replays are not cached
+    cache_states = False
+
     def __init__(self, domain: str) -> None:
         try:
             from tau2.registry import registry
@@ -517,8 +523,9 @@ def state_after(
         _action(a["name"], a.get("arguments", {}), a.get("requestor", "assistant")) for a in actions
     ]
     base = None
+    cached = domain.cache_states
     with _CACHE_LOCK:  # the longest cached prefix
-        for k in range(len(actions), 0, -1):
+        for k in range(len(actions) if cached else 0, 0, -1):
             key = _key(domain, task_id, actions[:k], strict)
             if key in _CACHE:
                 base = _CACHE[key]
@@ -538,10 +545,11 @@ def state_after(
                     f"task {task_id!r}: reference actions[{i}] ({a['name']}) is refused by "
                     f"domain {domain.name}: {exc}"
                 ) from exc
-    with _CACHE_LOCK:
-        _CACHE[_key(domain, task_id, actions, strict)] = domain.copy_state(state)
-        while len(_CACHE) > _CACHE_SIZE:
-            _CACHE.popitem(last=False)
+    if cached:
+        with _CACHE_LOCK:
+            _CACHE[_key(domain, task_id, actions, strict)] = domain.copy_state(state)
+            while len(_CACHE) > _CACHE_SIZE:
+                _CACHE.popitem(last=False)
     return state
 
 

@@ -17,7 +17,9 @@ calls out, whatever the parser's format, without reasoning and special tokens), 
 reward searches for required outputs.
 
 Tool state is the action log ``extra_fields["tau_actions"]`` (successful calls in order);
-see :mod:`harts_verl.workers.envs.tau`.
+see :mod:`harts_verl.workers.envs.tau`. As in τ², the conversation ends after
+:data:`MAX_ERRORS` failed tool calls (``tau_termination`` ``too_many_errors``, scored 0), and
+the model sees each tool's whole JSON schema (:class:`FullToolSchema`: nested items, ``$defs``).
 
 Register the loop with veRL either by importing this module (``@register``) or with
 ``rollout.agent.agent_loop_config_path`` (``recipes/tau3bench/agent_loops.yaml``), which also
@@ -27,10 +29,12 @@ passes the user simulator config (``user: {kind: scripted}`` or ``{kind: llm, ba
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 from typing import Any, ClassVar
 
 import numpy as np
+from pydantic import PrivateAttr
 from verl.experimental.agent_loop.agent_loop import AgentLoopOutput, register
 from verl.experimental.agent_loop.tool_agent_loop import AgentData, AgentState
 from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
@@ -103,7 +107,7 @@ class TauTool(TrajectoryTool):
                 raise ValueError(
                     f"config.name: domain {self.domain.name} has no tool {cfg['name']!r}"
                 )
-            tool_schema = OpenAIFunctionToolSchema.model_validate(match[0])
+            tool_schema = FullToolSchema.of(match[0])
         super().__init__(cfg, tool_schema)
 
     async def execute(
@@ -130,6 +134,26 @@ class TauTool(TrajectoryTool):
         text = await asyncio.to_thread(run)
         agent_data.extra_fields[ACTIONS_KEY] = [*log, action]
         return ToolResponse(text=text), 0.0, {}
+
+
+class FullToolSchema(OpenAIFunctionToolSchema):
+    """veRL's tool schema model whose ``model_dump`` (what veRL's agent loop puts in the chat
+    template's tool list) is the whole JSON schema it was built from: veRL's property model
+    keeps ``type``, ``description`` and ``enum`` only, so an array's ``items``, an object's
+    fields, ``anyOf`` / ``$ref`` / ``$defs`` were dropped (τ² airline's ``book_reservation``
+    showed ``passengers`` as a bare array), as τ²'s own agent sends them."""
+
+    _raw: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    @classmethod
+    def of(cls, raw: dict[str, Any]) -> FullToolSchema:
+        """The schema of ``raw`` (an OpenAI function tool schema; validated as veRL does)."""
+        obj = cls.model_validate(raw)
+        obj._raw = copy.deepcopy(raw)
+        return obj
+
+    def model_dump(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return copy.deepcopy(self._raw) if self._raw else super().model_dump(*args, **kwargs)
 
 
 def model_runs(response_ids: list[int], response_mask: list[int]) -> list[list[int]]:
@@ -225,6 +249,14 @@ def special_tokens(tokenizer: Any) -> list[str]:
     return sorted(found, key=lambda t: (-len(t), t))
 
 
+# τ²'s orchestrator ends a conversation after max_errors (10) failed tool calls, scored 0
+MAX_ERRORS = 10
+ERRORS_KEY = "tau_tool_errors"
+TOO_MANY_ERRORS = "too_many_errors"
+# how veRL's ToolAgentLoop._call_tool answers a call that failed
+_TOOL_ERRORS = ("Unknown function '", "Invalid JSON in arguments for '", "Error executing tool '")
+
+
 def tool_config(domain: str) -> dict[str, Any]:
     """A veRL tool config (``tool_config_path`` yaml content) with every tool of ``domain``."""
     d = get_domain(domain)
@@ -312,6 +344,26 @@ class HartsTauAgentLoop(HartsToolAgentLoop):
             out.append(m)
         return out
 
+    async def _call_tool(self, tool_call: Any, tools_kwargs: Any, agent_data: AgentData) -> Any:
+        """veRL's tool call, counting the failed ones (an unknown tool, arguments that are no
+        JSON, a call the tool refuses) in ``extra_fields[ERRORS_KEY]``, as τ²'s orchestrator
+        counts its tool errors."""
+        res = await super()._call_tool(tool_call, tools_kwargs, agent_data)
+        text = getattr(res[0], "text", None) or ""
+        if text.startswith(_TOOL_ERRORS):
+            fields = agent_data.extra_fields
+            fields[ERRORS_KEY] = int(fields.get(ERRORS_KEY, 0)) + 1
+        return res
+
+    async def _handle_processing_tools_state(self, agent_data: AgentData) -> AgentState:
+        """veRL's tool turn; the conversation ends (``tau_termination`` ``too_many_errors``,
+        scored 0 as in τ²) once :data:`MAX_ERRORS` tool calls have failed."""
+        state = await super()._handle_processing_tools_state(agent_data)
+        if int(agent_data.extra_fields.get(ERRORS_KEY, 0)) >= MAX_ERRORS:
+            agent_data.extra_fields[TERMINATION_KEY] = TOO_MANY_ERRORS
+            return AgentState.TERMINATED
+        return state
+
     async def _handle_generating_state(
         self,
         agent_data: AgentData,
@@ -327,7 +379,8 @@ class HartsTauAgentLoop(HartsToolAgentLoop):
         spoke = len(agent_data.messages) == n_messages + 1 and not agent_data.tool_calls
         if state != AgentState.TERMINATED or not spoke or self.task is None:
             return state
-        text = self.tokenizer.decode(agent_data.response_ids)
+        # a marker inside the reasoning ("no <tool_call> yet") opens no call
+        text = strip_thinking(self.tokenizer.decode(agent_data.response_ids))
         opened = [(s, e) for s, e in self._not_said[0] if s in text]
         if opened:
             # A tool call the parser could not read (e.g. invalid JSON): the model hears so
