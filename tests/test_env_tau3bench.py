@@ -348,6 +348,20 @@ def test_users_scripted_and_llm(dom, monkeypatch):
     )
     assert conv[0]["role"] == "system" and task.instruction in conv[0]["content"]
     assert conv[1:] == [{"role": "user", "content": "Hi!"}]  # roles swapped, agent policy hidden
+    # text the agent wrote beside a tool call goes to the environment, as in τ² (the simulator
+    # got two user turns in a row, which alternating chat templates refuse)
+    conv = llm.conversation(
+        task,
+        [
+            {"role": "assistant", "content": "Hi!"},
+            {"role": "user", "content": "Cancel my order."},
+            {"role": "assistant", "content": "Let me look it up."},
+            {"role": "tool", "content": "{...}"},
+            {"role": "assistant", "content": "Which reason?"},
+        ],
+    )
+    assert [m["role"] for m in conv[1:]] == ["user", "assistant", "user"]
+    assert conv[-1]["content"] == "Which reason?"
     sent = []
 
     class _Resp(io.BytesIO):

@@ -710,14 +710,25 @@ class LLMUser:
         self.retries = check_int("user.retries", retries, 0)
 
     def conversation(self, task: TauTask, messages: list[dict[str, Any]]) -> list[dict[str, str]]:
-        """The simulator's chat: its system prompt, then the visible turns with roles swapped."""
+        """The simulator's chat: its system prompt, then the visible turns with roles swapped.
+        An agent turn answered by a tool (its text beside a tool call) goes to the environment,
+        not the user, as in τ²; turns of one role in a row are joined (chat templates that
+        require alternating roles refused two user turns in a row)."""
         conv = [
             {"role": "system", "content": USER_SYSTEM_PROMPT.format(instruction=task.instruction)}
         ]
         swap = {"assistant": "user", "user": "assistant"}
-        for m in messages:
-            if m.get("role") in swap and isinstance(m.get("content"), str) and m["content"].strip():
-                conv.append({"role": swap[m["role"]], "content": m["content"]})
+        for i, m in enumerate(messages):
+            role, content = m.get("role"), m.get("content")
+            if role not in swap or not isinstance(content, str) or not content.strip():
+                continue
+            nxt = messages[i + 1].get("role") if i + 1 < len(messages) else None
+            if role == "assistant" and nxt == "tool":
+                continue
+            if len(conv) > 1 and conv[-1]["role"] == swap[role]:
+                conv[-1] = {**conv[-1], "content": f"{conv[-1]['content']}\n\n{content}"}
+            else:
+                conv.append({"role": swap[role], "content": content})
         if len(conv) == 1 or conv[-1]["role"] != "user":
             conv.append({"role": "user", "content": GREETING})
         return conv
