@@ -897,6 +897,39 @@ def test_swebench_harness_versions_and_logs(inst, monkeypatch, tmp_path, caplog)
     assert kept.name in caplog.text and inst.instance_id in caplog.text
 
 
+def test_reward_grades_in_the_image_namespace_the_tools_ran(inst, monkeypatch, tmp_path):
+    """The docker sandbox records its ``docker_namespace`` and the reward grades with it (it
+    always graded in ``swebench``: a private mirror's images were used by the tools only)."""
+    specs = []
+
+    def run_instance(spec, pred, rm_image, force_rebuild, client, run_id, timeout=None):
+        specs.append(spec)
+        return {"completed": True, "resolved": True}
+
+    _fake_swebench(monkeypatch, "4.1.0", run_instance)
+    monkeypatch.chdir(tmp_path)
+    rec = {k: v for k, v in inst.record.items()}
+    row = swe.dataset_rows([swe.SweInstance.from_record(rec)])[0]
+    info = {**row["extra_info"], "swe_patch": "diff --git a/x b/x\n"}
+    for extra, namespace in (({}, "swebench"), ({swe.NAMESPACE_KEY: "mirror"}, "mirror")):
+        specs.clear()
+        assert swe.compute_score(row["data_source"], "", "", {**info, **extra})["score"] == 1.0
+        assert specs[0][1]["namespace"] == namespace
+    pytest.importorskip("verl")
+    from harts_verl.workers.envs import swe_tools
+
+    class _Box:
+        def close(self):
+            pass
+
+    monkeypatch.setattr(swe_tools.DockerSandbox, "from_swebench", lambda rec, namespace: _Box())
+    bash = swe_tools.BashTool({"type": "native", "sandbox": "docker", "docker_namespace": "mirror"})
+    data = _AgentData()
+    bash._kwargs["i"] = {"instance_id": inst.instance_id, "record": json.dumps(rec)}
+    bash._sandbox("i", data)
+    assert data.extra_fields[swe.NAMESPACE_KEY] == "mirror"
+
+
 def test_parallel_calls_share_one_sandbox_and_oversize_is_refused_not_cut(inst, monkeypatch):
     """Calls of one turn run together (``max_parallel_calls`` > 1): they run one at a time on
     one sandbox, not one each (the second replaced the first, closing it under its running

@@ -52,6 +52,8 @@ logger = logging.getLogger(__name__)
 
 DATA_SOURCE = "swebench"
 FIXTURE_DATA_SOURCE = "harts_swe_fixture"
+# extra_fields key: the SWE-bench image namespace the tools' sandbox ran (graded in the same)
+NAMESPACE_KEY = "swe_docker_namespace"
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "swe")
 
 SYSTEM_PROMPT = (
@@ -475,7 +477,9 @@ def compute_score(
     **kwargs: Any,
 ) -> dict[str, Any]:
     """veRL reward function. Reads ``extra_info["swe_instance"]`` (from the dataset row) and
-    ``extra_info["swe_patch"]`` (the sandbox diff recorded by the tools; absent = no change).
+    ``extra_info["swe_patch"]`` (the sandbox diff recorded by the tools; absent = no change),
+    and grades a SWE-bench instance in the image namespace the tools ran
+    (``extra_info["swe_docker_namespace"]``, default ``swebench``).
     Returns veRL's dict form: ``score`` (1.0 iff resolved) plus numeric details
     (``resolved``, ``patch_applied``, ``fail_to_pass_passed``, ``pass_to_pass_passed``)."""
     info = extra_info or {}
@@ -489,7 +493,7 @@ def compute_score(
         report = _report(inst, {}, False, "empty patch")
     elif inst.fixture:
         report = grade_local(inst, patch)
-    else:
-        report = grade_swebench(inst, patch)
+    else:  # in the image namespace the sandbox ran (the tools' docker_namespace)
+        report = grade_swebench(inst, patch, namespace=info.get(NAMESPACE_KEY, "swebench"))
     report.pop("note")  # veRL stacks the extra keys into arrays and metrics: numbers only
     return report

@@ -44,7 +44,7 @@ from harts_verl.workers.envs.sandbox import (
     format_exec_result,
     truncate_output,
 )
-from harts_verl.workers.envs.swe import fixture_repo
+from harts_verl.workers.envs.swe import NAMESPACE_KEY, fixture_repo
 from harts_verl.workers.rollout.agent_loop import TrajectoryTool
 
 __all__ = [
@@ -145,7 +145,9 @@ class SandboxRef(str):
 class SweToolConfig:
     """The ``config`` of a SWE tool: ``sandbox`` (``local`` = bundled fixture copy, ``docker``
     = SWE-bench instance image), ``timeout`` (s per command), ``max_output_chars``,
-    ``docker_namespace`` (SWE-bench image namespace, ``null`` = build locally)."""
+    ``docker_namespace`` (SWE-bench image namespace, default ``swebench``; ``null``: the local
+    image names, images built beforehand with the SWE-bench harness; the reward grades in the
+    same images: ``extra_fields["swe_docker_namespace"]``)."""
 
     KEYS: ClassVar[set[str]] = {
         "type",
@@ -223,6 +225,8 @@ class _SweTool(TrajectoryTool):
         if box is None:
             box = self._start(self._kwargs.get(instance_id, {}))
             fields[SANDBOX_KEY] = POOL.add(box)
+            if self.cfg.sandbox == "docker":  # the reward grades in the same images
+                fields[NAMESPACE_KEY] = self.cfg.docker_namespace
         return box
 
     def run(self, box: Sandbox, parameters: dict[str, Any]) -> str:
