@@ -782,6 +782,9 @@ def test_editor_keeps_other_bytes_views_ranges_and_refuses_unknown_arguments(ins
         )
     with pytest.raises(ValueError, match="old_str: not an argument of the view command"):
         _call(edit, {"command": "view", **path, "old_str": OLD}, data, create)
+    # ... but a null one is an argument left out (models send every field of the schema)
+    nulls = {"file_text": None, "old_str": None, "new_str": None}
+    assert "def mean" in _call(edit, {"command": "view", **path, **nulls}, data, create)
     # an old_str that occurs twice overlapping ("aa" in "aaa") is ambiguous, not unique
     _call(bash, {"command": "printf 'x = 1\\n\\n\\n\\ny = 2\\n' > gaps.py"}, data, create)
     with pytest.raises(ValueError, match="old_str: occurs more than once"):
@@ -816,6 +819,28 @@ def test_a_dropped_sandbox_closes_off_the_dropping_thread():
     del ref
     assert time.monotonic() - t0 < 0.5 and len(POOL) == n0  # forgotten at once
     assert closed.wait(10)  # and closed
+    # at exit close_all waits for background closes, and closes any later one in place (a
+    # thread started after the interpreter waited for its threads died with the process)
+    from harts_verl.workers.envs.swe_tools import SandboxPool
+
+    pool, done = SandboxPool(), []
+
+    class Box:
+        def __init__(self, name):
+            self.name = name
+
+        def close(self):
+            time.sleep(0.2)
+            done.append(self.name)
+
+    a = str(pool.add(Box("a")))
+    keep = str(pool.add(Box("b")))  # open until close_all
+    pool.close_in_background(a)
+    pool.close_all()
+    assert sorted(done) == ["a", "b"] and pool.get(keep) is None  # a's close was waited for
+    c = str(pool.add(Box("c")))
+    pool.close_in_background(c)
+    assert done[-1] == "c"  # after close_all: closed in place
 
 
 def test_sandboxes_start_off_the_event_loop(inst, monkeypatch):

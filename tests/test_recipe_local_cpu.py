@@ -214,7 +214,14 @@ def test_calculator_answers_only_in_vocabulary_numbers():
     for call in (("add", 18, 18), ("sub", -9, 9), ("mul", 2, 3), ("add", "x", 1)):
         assert lt.calc(*call) == "error"
     # operands other than ints are errors (2.9 was truncated to 2, True read as 1)
-    for call in (("add", 2.9, 1), ("add", True, 1), ("add", "1.5", 1), ("add", None, 1)):
+    for call in (
+        ("add", 2.9, 1),
+        ("add", True, 1),
+        ("add", "1.5", 1),
+        ("add", None, 1),
+        ("add", "+-3", 1),  # int() raised on these: an error, not a crash
+        ("add", "²", 1),
+    ):
         assert lt.calc(*call) == "error"
     assert lt.calc("add", 2.0, "3") == "5"
     for a in range(10):

@@ -75,6 +75,8 @@ class SandboxPool:
         self._boxes: dict[str, Sandbox] = {}
         self._lock = threading.Lock()
         self._next = 0
+        self._closing: list[threading.Thread] = []  # background closes (joined at exit)
+        self._exiting = False  # close_all ran: close in the caller's thread from now on
 
     def add(self, box: Sandbox) -> SandboxRef:
         """Register ``box``; the returned ref owns it."""
@@ -98,17 +100,34 @@ class SandboxPool:
     def close_in_background(self, key: str) -> None:
         """Forget the sandbox ``key`` now and close it on a thread of its own: a container's
         ``docker rm`` (up to minutes) must not block the thread that dropped the last ref,
-        often an agent worker's event loop. Not a daemon: the process waits for it at exit."""
+        often an agent worker's event loop. At exit (:meth:`close_all` waits for those
+        threads) or where no thread can start, it is closed here."""
         with self._lock:
             box = self._boxes.pop(str(key), None)
-        if box is not None:
-            threading.Thread(target=box.close, name=f"close-{key}").start()
+            exiting = self._exiting
+        if box is None:
+            return
+        if not exiting:
+            thread = threading.Thread(target=box.close, name=f"close-{key}", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError:  # interpreter shutdown: no new threads
+                pass
+            else:
+                with self._lock:
+                    self._closing = [t for t in self._closing if t.is_alive()] + [thread]
+                return
+        box.close()
 
     def close_all(self) -> None:
+        """Close every sandbox, and wait for those closing in the background (at exit)."""
         with self._lock:
             boxes, self._boxes = list(self._boxes.values()), {}
+            closing, self._exiting = list(self._closing), True
         for box in boxes:
             box.close()
+        for thread in closing:
+            thread.join()
 
     def __len__(self) -> int:
         return len(self._boxes)
@@ -364,7 +383,11 @@ class EditTool(_SweTool):
             raise ValueError(f"command: expected one of {list(self.COMMANDS)}, got {command!r}")
         # an argument of another command is refused, not ignored (a str_replace with its new
         # text in file_text deleted old_str)
-        stray = sorted(k for k in parameters if k not in _EDIT_ARGS[command] and k != "command")
+        stray = sorted(  # a null is an argument left out (models send every field)
+            k
+            for k, v in parameters.items()
+            if v is not None and k not in _EDIT_ARGS[command] and k != "command"
+        )
         if stray:
             raise ValueError(
                 f"{', '.join(stray)}: not an argument of the {command} command (it takes "

@@ -25,6 +25,7 @@ Everything is deterministic given its seed.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 __all__ = [
@@ -175,7 +176,7 @@ def _operand(v: Any) -> int | None:
         return int(v) if v.is_integer() else None
     if isinstance(v, str):
         t = v.strip()
-        return int(t) if t.lstrip("+-").isdigit() else None
+        return int(t) if re.fullmatch(r"[+-]?[0-9]+", t) else None  # ASCII digits ("²": no)
     return None
 
 
