@@ -547,6 +547,26 @@ def test_benchmark_scripts_need_positive_repeats(name, capsys):
         assert "argument --repeats: expected an int >= 1" in capsys.readouterr().err
 
 
+def test_op_benchmarks_warm_up_and_alternate(capsys):
+    """The op benchmarks time each side after an untimed run of each, in alternating order (the
+    tree always ran first and cold: its one-off costs read as tree time); ops_linear_attention
+    bounds --chunk-size as the library does (a huge one was a traceback)."""
+    mod = _load_benchmark("ops_moe_logprobs")
+    calls = []
+    t, out_t, e, out_e = mod._timed_pair(
+        lambda: calls.append("t") or 1, lambda: calls.append("e") or 2, 3
+    )
+    assert calls == ["t", "e", "t", "e", "e", "t", "t", "e"] and (out_t, out_e) == (1, 2)
+    assert 0 <= t < 1 and 0 <= e < 1
+    lin = _load_benchmark("ops_linear_attention")
+    with pytest.raises(SystemExit) as info:
+        lin.main(["--chunk-size", "100000"])
+    assert (
+        info.value.code == 2
+        and "argument --chunk-size: expected an int in [1, 4096]" in capsys.readouterr().err
+    )
+
+
 def test_moe_benchmark_router_groups_fit_the_experts(capsys):
     """ops_moe_logprobs: grouped-router settings that cannot route are argparse errors naming
     the flag (were a ValueError from the router after the forest was built); the defaults fit
