@@ -591,6 +591,11 @@ def test_editor_view_of_a_folder_named_like_an_option(box):
     listing = edit.run(box, {"command": "view", "path": "-delete"})
     assert "notes.txt" in listing
     assert box.exists("tinycalc/stats.py") and "notes.txt" in box.diff()
+    # "." lists ./x (it printed ././x); a symlinked folder lists its files (the link alone)
+    top = edit.run(box, {"command": "view", "path": "."}).splitlines()
+    assert "./tinycalc/stats.py" in top and not any(line.startswith("././") for line in top)
+    box.exec("ln -s tinycalc linked", 10)
+    assert "./linked/stats.py" in edit.run(box, {"command": "view", "path": "linked"})
 
 
 # ---------------------------------------------------------------------- review fixes

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import json
+import os
 import shlex
 import threading
 import weakref
@@ -400,13 +401,16 @@ class EditTool(_SweTool):
                 raise ValueError(f"path: {path!r} does not exist")
             # "./" first: a name starting with "-" must not read as an option of test / find
             # (a folder "-delete" made `find -delete ...` wipe the repository)
-            arg = shlex.quote(path if path.startswith("/") else "./" + path)
+            rel = "." if os.path.normpath(path) == "." else "./" + path  # "." lists ./x
+            arg = shlex.quote(path if path.startswith("/") else rel)
             res = box.exec(f"test -d {arg}", self.cfg.timeout)
             if res.exit_code == 0:
                 if parameters.get("view_range") is not None:
                     raise ValueError(f"view_range: {path!r} is a folder; it applies to files")
                 listing = box.exec(
-                    f"find {arg} -maxdepth 2 -not -path '*/.git*' | sort", self.cfg.timeout
+                    # -H: a symlinked folder is listed, not the link alone
+                    f"find -H {arg} -maxdepth 2 -not -path '*/.git*' | sort",
+                    self.cfg.timeout,
                 )
                 return truncate_output(listing.output, limit)
             lines = _lines(box.read_file(path))
