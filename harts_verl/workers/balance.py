@@ -460,8 +460,7 @@ def _swap(
         return
 
     def exact(c: int) -> int:
-        rs = [np.arange(*pcs.ranges[i], dtype=np.int64) for i in ids[c]]
-        return lv.set_work(np.sort(np.concatenate(rs))) if rs else 0
+        return lv.set_work(_positions([pcs.ranges[i] for i in ids[c]]))
 
     cell = np.empty(p, np.int64)
     for c, members in enumerate(ids):
@@ -527,18 +526,20 @@ def _swap(
             return
 
 
+def _positions(ranges: list[tuple[int, int]]) -> np.ndarray:
+    """The leaf-order positions of the position ``ranges`` ``[a, b)``, sorted (int64)."""
+    if not ranges:
+        return np.zeros(0, np.int64)
+    return np.sort(np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in ranges]))
+
+
 def _placement(
     lv: _Work, tree: np.ndarray, ranges: list[list[tuple[int, int]]]
 ) -> tuple[tuple[int, int, int], list[np.ndarray], np.ndarray]:
     """A placement given as each cell's position ``ranges``: its rank ``(trees cut, largest cell
     work, total work)`` (``tree``: each position's tree), each cell's sorted positions and each
     cell's work."""
-    members = [
-        np.sort(np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in r]))
-        if r
-        else np.zeros(0, np.int64)
-        for r in ranges
-    ]
+    members = [_positions(r) for r in ranges]
     w = np.array([lv.set_work(m) for m in members], np.int64)
     cell = np.repeat(np.arange(len(members), dtype=np.int64), [m.shape[0] for m in members])
     pairs = np.unique(tree[np.concatenate(members)] * len(members) + cell) // len(members)
