@@ -125,9 +125,10 @@ def load_sequences(path: str) -> list[list[int]]:
     truncated or foreign file: the reader's message is included)."""
     from harts_verl.tree.inspect import load_forest
 
-    names = _zip_names(path)
-    torch_file = names is not None and any(n.endswith(".pkl") for n in names)
-    if _is_forest_file(path) or (path.endswith(".npz") and not torch_file):
+    names = _zip_names(path)  # read once: a forest archive or a torch.save zip, told apart
+    pickled = names is not None and any(n.endswith(".pkl") for n in names)
+    forest_file = names is not None and "format_version.npy" in names and not pickled
+    if forest_file or (path.endswith(".npz") and not pickled):
         f = load_forest(path)
         seqs = [f.tokens_of(i).tolist() for i in range(f.num_trajectories)]
     else:
@@ -151,7 +152,10 @@ def load_sequences(path: str) -> list[list[int]]:
 
 
 def _zip_names(path: str) -> list[str] | None:
-    """The member names of the zip archive at ``path``, or None when it is none."""
+    """The member names of the zip archive at ``path``, or None when it is none. A
+    ``RolloutForest.save`` archive (an ``.npz`` under any name) holds the forest's
+    ``format_version.npy`` and no pickle, which a ``torch.save`` zip has (a ``torch.save``
+    file named ``.npz`` is read as one)."""
     import zipfile
 
     try:
@@ -161,16 +165,6 @@ def _zip_names(path: str) -> list[str] | None:
             return z.namelist()
     except (OSError, zipfile.BadZipFile):
         return None
-
-
-def _is_forest_file(path: str) -> bool:
-    """Whether ``path`` holds a ``RolloutForest.save`` archive (an ``.npz`` under any name: a
-    zip with the forest's ``format_version.npy`` and no pickle, which a ``torch.save`` zip
-    has; a ``torch.save`` file named ``.npz`` is read as one)."""
-    names = _zip_names(path)
-    if names is None:
-        return False
-    return "format_version.npy" in names and not any(n.endswith(".pkl") for n in names)
 
 
 def _positions_note(positions: Any, mask: Any, seqs: list[list[int]], path: str) -> str | None:
@@ -409,7 +403,7 @@ def _layer_max_abs_diffs(tree: Any, exp: Any, model: Any, seqs: list[list[int]])
 
     layers = decoder_layers(model)
 
-    def run(runner: Any, on_output: Any) -> Any:
+    def run(runner: Any, forest: Any, on_output: Any) -> None:
         hooks = [
             lyr.register_forward_hook(
                 lambda _m, _i, out, k=k: on_output(k, out[0] if isinstance(out, tuple) else out)
@@ -417,19 +411,18 @@ def _layer_max_abs_diffs(tree: Any, exp: Any, model: Any, seqs: list[list[int]])
             for k, lyr in enumerate(layers)
         ]
         try:
-            forest = runner.build_forest(seqs)
             layout = TreeLayout(forest, chunk_size=runner.chunk_size, device=runner.device)
             with torch.no_grad():
                 runner.model(layout.token_ids, layout)
         finally:
             for h in hooks:
                 h.remove()
-        return forest
 
     kept: dict[int, torch.Tensor] = {}
-    forest = run(tree, lambda k, h: kept.__setitem__(k, (h[0] if h.dim() == 3 else h).detach()))
+    forest, forest_exp = tree.build_forest(seqs), exp.build_forest(seqs)
+    run(tree, forest, lambda k, h: kept.__setitem__(k, (h[0] if h.dim() == 3 else h).detach()))
     sem = torch.as_tensor(np.asarray(forest.semantic_rows, dtype=np.int64))
-    sem_exp = torch.as_tensor(np.asarray(exp.build_forest(seqs).semantic_rows, dtype=np.int64))
+    sem_exp = torch.as_tensor(np.asarray(forest_exp.semantic_rows, dtype=np.int64))
     diffs: dict[int, float] = {}
 
     def compare(k: int, h: torch.Tensor) -> None:  # semantic position by semantic position
@@ -437,7 +430,7 @@ def _layer_max_abs_diffs(tree: Any, exp: Any, model: Any, seqs: list[list[int]])
         diffs[k] = _rows_max_abs_diff(kept[k], sem.to(kept[k].device), h2, sem_exp.to(h2.device))
         kept.pop(k)
 
-    run(exp, compare)
+    run(exp, forest_exp, compare)
     return [diffs[k] for k in range(len(layers)) if k in diffs]
 
 
