@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from harts_verl.benchmark import alternating_runs
 from harts_verl.ops.short_conv import conv_window_index, tree_short_conv
 from harts_verl.ops.tree_attention import build_attention_plan, tree_attention
 from harts_verl.tree._checks import int_arg
@@ -69,9 +70,9 @@ def swe_microbatch(
     return seqs
 
 
-def _fb_once(fn, inputs: list[torch.Tensor]) -> tuple[float, float, torch.Tensor]:
+def _fb_once(fn, inputs: list[torch.Tensor]) -> tuple[tuple[float, float], torch.Tensor]:
     """Wall seconds of one forward and one backward (loss = Σ out · R, R fixed), and the
-    (detached) output."""
+    (detached) output: an :func:`alternating_runs` side."""
     for t in inputs:
         t.grad = None
     t0 = time.perf_counter()
@@ -82,24 +83,21 @@ def _fb_once(fn, inputs: list[torch.Tensor]) -> tuple[float, float, torch.Tensor
     t2 = time.perf_counter()
     (out * r).sum().backward()
     t3 = time.perf_counter()
-    return t1 - t0, t3 - t2, out.detach()
+    return (t1 - t0, t3 - t2), out.detach()
 
 
 def _time_pair(
     tree_fn, tree_in, exp_fn, exp_in, repeats: int
 ) -> tuple[dict, dict, torch.Tensor, torch.Tensor]:
-    """Tree and expanded timings after one untimed run of each, ``repeats`` times in
-    alternating order (tree first, then expanded first, ...; minimum of each phase, ``fb_s``
+    """Tree and expanded timings of :func:`alternating_runs` (minimum of each phase, ``fb_s``
     unrounded beside the rounded figures as ``fb_raw``), and the last outputs of both."""
-    sides = {"tree": (tree_fn, tree_in), "expanded": (exp_fn, exp_in)}
-    runs: dict[str, list[tuple[float, float]]] = {"tree": [], "expanded": []}
-    outs: dict[str, torch.Tensor] = {}
-    for fn, inputs in sides.values():  # warm-up: the first call pays one-off costs
-        _fb_once(fn, inputs)
-    for i in range(max(1, repeats)):
-        for key in ("tree", "expanded") if i % 2 == 0 else ("expanded", "tree"):
-            *t, outs[key] = _fb_once(*sides[key])
-            runs[key].append(tuple(t))
+    runs, outs = alternating_runs(
+        {
+            "tree": lambda: _fb_once(tree_fn, tree_in),
+            "expanded": lambda: _fb_once(exp_fn, exp_in),
+        },
+        repeats,
+    )
     out = []
     for key in ("tree", "expanded"):
         f = min(r[0] for r in runs[key])

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from harts_verl.benchmark import alternating_runs
 from harts_verl.ops.layout import MAX_CHUNK_SIZE
 from harts_verl.ops.tree_linear_attention import build_linear_layout, tree_delta_rule
 from harts_verl.tree import RolloutForest
@@ -44,27 +45,20 @@ def _inputs(forest: RolloutForest, args: argparse.Namespace) -> list[torch.Tenso
 def _time_pair(
     sides: dict[str, tuple[Any, list[torch.Tensor]]], repeats: int
 ) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
-    """Best forward+backward seconds of each side (``layout``, inputs) after one untimed run
-    of each, ``repeats`` times in alternating order; and each side's output."""
-    best = {key: float("inf") for key in sides}
-    outs: dict[str, torch.Tensor] = {}
+    """Best forward+backward seconds of each side (``layout``, inputs) over
+    :func:`alternating_runs`, and each side's last output."""
 
-    def once(key: str) -> float:
+    def once(key: str) -> tuple[tuple[float], torch.Tensor]:
         layout, xs = sides[key]
         for x in xs:
             x.grad = None
         t0 = time.perf_counter()
         o = tree_delta_rule(*xs, layout, use_qk_l2norm=True)
         o.sum().backward()
-        outs[key] = o.detach()
-        return time.perf_counter() - t0
+        return (time.perf_counter() - t0,), o.detach()
 
-    for key in sides:  # warm-up: the first call pays one-off costs
-        once(key)
-    for i in range(max(1, repeats)):
-        for key in ("tree", "expanded") if i % 2 == 0 else ("expanded", "tree"):
-            best[key] = min(best[key], once(key))
-    return best, outs
+    runs, outs = alternating_runs({key: lambda k=key: once(k) for key in sides}, repeats)
+    return {key: min(t for (t,) in runs[key]) for key in runs}, outs
 
 
 def _stats(layout: Any, forest: RolloutForest, args: argparse.Namespace) -> dict:

@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
+from harts_verl.benchmark import alternating_runs, wall_timed
 from harts_verl.ops.logprobs import compact_log_probs
 from harts_verl.ops.moe import (
     expert_load,
@@ -43,17 +43,12 @@ def _sequences(scale: float, seed: int, vocab: int) -> tuple[list[np.ndarray], s
 def _timed_pair(
     tree_fn: Callable[[], Any], exp_fn: Callable[[], Any], repeats: int
 ) -> tuple[float, Any, float, Any]:
-    """Best wall seconds and last result of ``tree_fn`` and ``exp_fn`` over ``repeats`` runs
-    each, after one untimed run of each (one-off costs), in alternating order (tree first,
-    then expanded first, ...)."""
-    fns = {"tree": tree_fn, "expanded": exp_fn}
-    best = {k: float("inf") for k in fns}
-    out: dict[str, Any] = {k: fn() for k, fn in fns.items()}  # warm-up
-    for i in range(max(1, repeats)):
-        for k in ("tree", "expanded") if i % 2 == 0 else ("expanded", "tree"):
-            t0 = time.perf_counter()
-            out[k] = fns[k]()
-            best[k] = min(best[k], time.perf_counter() - t0)
+    """Best wall seconds and last result of ``tree_fn`` and ``exp_fn`` over
+    :func:`alternating_runs` (one untimed call of each, then ``repeats`` alternating)."""
+    runs, out = alternating_runs(
+        {"tree": wall_timed(tree_fn), "expanded": wall_timed(exp_fn)}, repeats
+    )
+    best = {key: min(t for (t,) in runs[key]) for key in runs}
     return best["tree"], out["tree"], best["expanded"], out["expanded"]
 
 

@@ -34,6 +34,7 @@ import statistics
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -401,6 +402,37 @@ def timing_order(iteration: int) -> tuple[str, str]:
     """The runners' order in timing iteration ``iteration`` (warm-up included): expanded first
     in even iterations, tree first in odd ones."""
     return ("expanded", "tree") if iteration % 2 == 0 else ("tree", "expanded")
+
+
+def alternating_runs(
+    sides: Mapping[str, Callable[[], tuple[tuple[float, ...], Any]]], repeats: int
+) -> tuple[dict[str, list[tuple[float, ...]]], dict[str, Any]]:
+    """Time ``sides["tree"]`` and ``sides["expanded"]`` as the bench times its runners: one
+    untimed call of each (one-off costs: iteration 0), then ``repeats`` (≥ 1) iterations, each
+    in :func:`timing_order`. A side returns ``(seconds, result)``, ``seconds`` a tuple of the
+    phases it timed itself. Returns each side's ``seconds`` of every timed call, in call order,
+    and each side's last result."""
+    if set(sides) != {"tree", "expanded"}:
+        raise ValueError(f"sides: expected the keys 'tree' and 'expanded', got {sorted(sides)}")
+    check_int("repeats", repeats, 1)
+    outs = {key: sides[key]()[1] for key in timing_order(0)}
+    runs: dict[str, list[tuple[float, ...]]] = {"tree": [], "expanded": []}
+    for i in range(1, repeats + 1):
+        for key in timing_order(i):
+            seconds, outs[key] = sides[key]()
+            runs[key].append(tuple(seconds))
+    return runs, outs
+
+
+def wall_timed(fn: Callable[[], Any]) -> Callable[[], tuple[tuple[float], Any]]:
+    """``fn`` as an :func:`alternating_runs` side: its wall seconds (one phase) and result."""
+
+    def timed() -> tuple[tuple[float], Any]:
+        t0 = time.perf_counter()
+        out = fn()
+        return (time.perf_counter() - t0,), out
+
+    return timed
 
 
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:

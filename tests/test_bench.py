@@ -15,7 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from harts_verl.benchmark import BenchConfig, run_bench, timing_order
+from harts_verl.benchmark import (
+    BenchConfig,
+    alternating_runs,
+    run_bench,
+    timing_order,
+    wall_timed,
+)
 from harts_verl.cli import main
 from harts_verl.models import kimi_linear
 from harts_verl.models.config import preset
@@ -556,8 +562,15 @@ def test_op_benchmarks_warm_up_and_alternate(capsys):
     t, out_t, e, out_e = mod._timed_pair(
         lambda: calls.append("t") or 1, lambda: calls.append("e") or 2, 3
     )
-    assert calls == ["t", "e", "t", "e", "e", "t", "t", "e"] and (out_t, out_e) == (1, 2)
+    # the warm-up is iteration 0 of the bench's timing_order, then 3 timed iterations
+    assert calls == ["e", "t", "t", "e", "e", "t", "t", "e"] and (out_t, out_e) == (1, 2)
     assert 0 <= t < 1 and 0 <= e < 1
+    att = _load_benchmark("ops_attention_conv")
+    x = torch.ones(3, requires_grad=True)
+    tt, te, o_t, o_e = att._time_pair(lambda: x * 2, [x], lambda: x * 3, [x], 2)
+    assert torch.equal(o_t, 2 * torch.ones(3)) and torch.equal(o_e, 3 * torch.ones(3))
+    assert set(tt) == set(te) == {"fwd_s", "bwd_s", "fb_s", "fb_raw"}
+    assert tt["fb_raw"] >= 0 and x.grad is not None
     lin = _load_benchmark("ops_linear_attention")
     with pytest.raises(SystemExit) as info:
         lin.main(["--chunk-size", "100000"])
@@ -565,6 +578,32 @@ def test_op_benchmarks_warm_up_and_alternate(capsys):
         info.value.code == 2
         and "argument --chunk-size: expected an int in [1, 4096]" in capsys.readouterr().err
     )
+
+
+def test_alternating_runs_times_both_sides_in_the_bench_order():
+    """alternating_runs: one untimed call of each side in timing_order(0), then `repeats`
+    iterations in timing_order(1), timing_order(2), ...; every timed call's seconds kept in
+    order; bad sides or repeats are ValueErrors naming them."""
+    calls: list[str] = []
+    seconds = iter(range(100))
+
+    def side(name):
+        def run():
+            calls.append(name)
+            return (float(next(seconds)), 0.5), f"{name}{len(calls)}"
+
+        return run
+
+    runs, outs = alternating_runs({"tree": side("t"), "expanded": side("e")}, 2)
+    assert calls == [n[0] for n in (*timing_order(0), *timing_order(1), *timing_order(2))]
+    assert runs == {"tree": [(2.0, 0.5), (5.0, 0.5)], "expanded": [(3.0, 0.5), (4.0, 0.5)]}
+    assert outs == {"tree": "t6", "expanded": "e5"}
+    with pytest.raises(ValueError, match="sides: expected the keys 'tree' and 'expanded'"):
+        alternating_runs({"tree": side("t")}, 1)
+    with pytest.raises(ValueError, match="repeats: expected an int >= 1, got 0"):
+        alternating_runs({"tree": side("t"), "expanded": side("e")}, 0)
+    (dt,), out = wall_timed(lambda: 7)()
+    assert out == 7 and 0 <= dt < 1
 
 
 def test_moe_benchmark_router_groups_fit_the_experts(capsys):
