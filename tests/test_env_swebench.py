@@ -1071,6 +1071,33 @@ def test_patch_of_a_file_that_is_not_utf8_applies_exactly(tmp_path, kind, typech
     assert edited["latin.py"] == b"AUTHOR = 'Jos\xe9'\nx = 2\n"
 
 
+def test_patch_index_keeps_gits_racy_entry_check(fake_docker):
+    """An edit that keeps a file's size and mtime (within the index's own timestamp second) is
+    in the patch, as in the repository's own `git diff`: the patch index is seeded with the
+    index file's mtime (a plain copy made its entries look older than the index, so git
+    trusted their stale stat data and the edit was left out)."""
+    from harts_verl.workers.envs.sandbox import DockerSandbox
+
+    work = fake_docker
+    git = ["git", "-C", str(work), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "config", "core.trustctime", "false"], check=True)
+    src = work / "a.py"
+    src.write_text("x = 1\n")
+    stamp = int(time.time()) - 100
+    os.utime(src, (stamp, stamp))
+    subprocess.run([*git, "add", "a.py"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "a"], check=True)
+    box = DockerSandbox("img", workdir=str(work))
+    os.utime(work / ".git" / "index", (stamp, stamp))  # entry as new as the index: racy
+    with src.open("r+") as f:  # same inode, same size, same mtime
+        f.write("x = 2\n")
+    os.utime(src, (stamp, stamp))
+    own = subprocess.run([*git, "diff", "HEAD"], check=True, capture_output=True, text=True)
+    assert "+x = 2" in own.stdout  # git itself sees the edit
+    with box:
+        assert "+x = 2" in box.diff()
+
+
 def test_editor_keeps_files_on_bad_text_edits_crlf_and_counts_changes(inst, tmp_path, fake_docker):
     """Review fixes: an edit whose text UTF-8 cannot hold (a lone surrogate, half of an escaped
     emoji) leaves the file as it was, in both sandboxes (the local one emptied it: a patch that

@@ -26,6 +26,7 @@ import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,10 +50,12 @@ _START_REF = "refs/harts/start"
 # `git status`, `git checkout -- f` / `git restore f` work on its own index as in any checkout
 # (a `git add -A` there made `git diff` print nothing and `git checkout -- f` keep the edit).
 # Seeded from the repository's index (its stat cache: `git add -A` then rehashes changed files
-# only), else the start tree; kept between calls. Every bash line of a diff starts with it.
+# only) with the index file's mtime (git rehashes an entry as new as its index, edited within
+# the same second: a copy dated now made it trust that entry's stale stat data), else the start
+# tree; kept between calls. Every bash line of a diff starts with it.
 _PATCH_INDEX = (
     'export GIT_INDEX_FILE="$(git rev-parse --absolute-git-dir)/harts-patch-index"; '
-    '[ -f "$GIT_INDEX_FILE" ] || cp "$(git rev-parse --absolute-git-dir)/index" '
+    '[ -f "$GIT_INDEX_FILE" ] || cp -p "$(git rev-parse --absolute-git-dir)/index" '
     f'"$GIT_INDEX_FILE" 2>/dev/null || git read-tree {_START_REF} || exit 1; '
 )
 # ... and synced with the working tree before the first diff command (git add's warnings, an
@@ -270,13 +273,27 @@ def _is_utf8(text: str) -> bool:
     return True
 
 
-def _staged_patch(run: Any) -> str:
-    """The staged changes against the start as a patch that ``git apply`` takes on the
-    starting tree and whose text is valid UTF-8 (it is stored as a ``str`` field and written
-    back as UTF-8): a changed file whose diff is not UTF-8 text (a Latin-1 source edited)
-    becomes a binary patch of that file alone (exact bytes), every other file stays a text
-    diff. ``run(script)``: the whole output of a bash line in the repository decoded with
-    ``surrogateescape`` (raising on failure or :class:`TooLarge`)."""
+def _staged_patch(bash: Callable[[str], ExecResult], where: str) -> str:
+    """The changes against the start as a patch that ``git apply`` takes on the starting tree
+    and whose text is valid UTF-8 (it is stored as a ``str`` field and written back as UTF-8):
+    a changed file whose diff is not UTF-8 text (a Latin-1 source edited) becomes a binary
+    patch of that file alone (exact bytes), every other file stays a text diff. Staged in the
+    patch index, synced with the working tree once, before the first git command.
+    ``bash(line)``: a bash line's result in the repository (``where``, named by a failure),
+    its whole output decoded with ``surrogateescape``. Raises RuntimeError when a git command
+    fails, :class:`TooLarge` when the patch is over ``MAX_WHOLE_CHARS``."""
+    stage = _STAGE
+
+    def run(script: str) -> str:
+        nonlocal stage
+        res = bash(_PATCH_INDEX + stage + script)
+        stage = ""  # once, with the first command
+        if res.exit_code != 0:
+            raise RuntimeError(f"git diff failed in {where}: {res.output}")
+        if res.omitted:
+            raise _patch_too_large()
+        return res.output
+
     patch = run(f"git {_DIFF} {_START_REF}")
     if _is_utf8(patch):
         return patch
@@ -509,25 +526,16 @@ class LocalSandbox(Sandbox):
         return os.path.exists(_check_real(self.root, path))
 
     def diff(self) -> str:
-        stage = _STAGE
-
-        def run(script: str) -> str:
-            nonlocal stage
-            res = _run(
-                ["bash", "-c", _PATCH_INDEX + stage + script],
+        def bash(line: str) -> ExecResult:
+            return _run(
+                ["bash", "-c", line],
                 self.root,
                 60,
                 max_chars=MAX_WHOLE_CHARS,
                 errors="surrogateescape",
             )
-            stage = ""  # once, with the first command
-            if res.exit_code != 0:
-                raise RuntimeError(f"git diff failed in {self.root}: {res.output}")
-            if res.omitted:
-                raise _patch_too_large()
-            return res.output
 
-        return _staged_patch(run)
+        return _staged_patch(bash, self.root)
 
     def clone(self) -> LocalSandbox:
         other = LocalSandbox(self.root, _copy=False)
@@ -645,24 +653,12 @@ class DockerSandbox(Sandbox):
         return self._on_path(path, 'test -e "$f"').exit_code == 0
 
     def diff(self) -> str:
-        stage = _STAGE
-
-        def run(script: str) -> str:
-            nonlocal stage
-            res = self._exec(
-                ["bash", "-c", _PATCH_INDEX + stage + script],
-                120,
-                max_chars=MAX_WHOLE_CHARS,
-                errors="surrogateescape",
+        def bash(line: str) -> ExecResult:
+            return self._exec(
+                ["bash", "-c", line], 120, max_chars=MAX_WHOLE_CHARS, errors="surrogateescape"
             )
-            stage = ""  # once, with the first command
-            if res.exit_code != 0:
-                raise RuntimeError(f"git diff failed in {self.name}: {res.output}")
-            if res.omitted:
-                raise _patch_too_large()
-            return res.output
 
-        return _staged_patch(run)
+        return _staged_patch(bash, self.name)
 
     def clone(self) -> DockerSandbox:
         image = f"harts-sbx-clone:{uuid.uuid4().hex[:12]}"
