@@ -327,6 +327,9 @@ def test_logit_transforms_applied(no_fla):
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2))
     gpt2.config.logit_scale = 3.0  # not a field this type's forward applies
     assert logit_transform_of(gpt2).is_identity
+    # a stray config.json key that this type's forward does not read (HF's Llama ignores it)
+    stray = _model("llama", logit_scale=0.5, final_logit_softcapping=2.0, logits_scaling=4.0)
+    assert logit_transform_of(stray).is_identity
     capped = _model("gemma3_text", final_logit_softcapping=2.0)
     assert logit_transform_of(capped) == LogitTransform(1.0, 2.0)
     seqs = _sequences(14)
@@ -389,3 +392,56 @@ def test_interface_sinks_equal_hf_eager_attention(no_fla, layer):
     for a, b in zip(g_tree, torch.autograd.grad((ref * w).sum(), leaves)):
         assert float((a - b).abs().max()) <= 1e-12 * max(float(b.abs().max()), 1.0)
     assert float(g_tree[-1].abs().min()) > 0  # every head's sink receives gradient
+
+
+def test_length_dependent_rope_per_layer_type(lifted):
+    """Gemma 3 with LongRoPE on its full layers only (``rope_parameters`` per layer type): the
+    limit is that layer type's own ``original_max_position_embeddings`` (16), not the model's
+    ``max_position_embeddings`` (64); within it tree mode equals HF, beyond it it refuses."""
+    from harts_verl.models.adapter import length_dependent_rope
+
+    rope = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {**_LONGROPE, "factor": 4.0},
+    }
+    model = _model("gemma3_text", rope_parameters=rope, max_position_embeddings=64)
+    assert length_dependent_rope(model) == ("longrope", 16)
+    short = [s[:16] for s in _sequences(8)]
+    with torch.no_grad():
+        for lp, s in zip(TreeRunner(model).log_probs(short), short):
+            torch.testing.assert_close(lp, _hf_log_probs(model, s), rtol=0, atol=1e-10)
+        with pytest.raises(NotImplementedError, match=r"longrope.*16 tokens.*17"):
+            TreeRunner(model).log_probs([*short, _sequences(9)[0][:17]])
+
+
+def test_logit_transform_fields_match_each_causal_lm_forward():
+    """The logit fields read for each tree-mode type are those its causal-LM class's own
+    ``forward`` (transformers' source) mentions, no more and no fewer."""
+    import inspect
+    import re
+
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    from harts_verl.models import adapter
+
+    fields = (
+        "final_logit_softcapping",
+        "logits_scaling",
+        "logit_scale",
+        "lm_head_multiplier",
+        "logits_soft_cap",
+    )
+    names = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    checked = 0
+    for model_type in adapter.TREE_MODEL_TYPES:
+        if model_type not in names:
+            continue
+        cls = getattr(transformers, names[model_type], None)
+        if cls is None:
+            continue
+        source = inspect.getsource(cls.forward)
+        used = {f for f in fields if re.search(rf"\b{f}\b", source)}
+        assert used == set(adapter._LOGIT_TRANSFORM_FIELDS.get(model_type, ())), model_type
+        checked += 1
+    assert checked >= 30

@@ -461,6 +461,18 @@ def logit_transform_of(model: nn.Module) -> LogitTransform:
     return config_logit_transform(config)
 
 
+# The logit fields each causal-LM forward applies (transformers 5.10); other types apply none.
+_LOGIT_TRANSFORM_FIELDS: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(("gemma2", "gemma3_text"), ("final_logit_softcapping",)),
+    **dict.fromkeys(
+        ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid"), ("logits_scaling",)
+    ),
+    **dict.fromkeys(("cohere", "cohere2", "cohere2_moe"), ("logit_scale",)),
+    "falcon_h1": ("lm_head_multiplier",),
+    "recurrent_gemma": ("logits_soft_cap",),
+}
+
+
 def config_logit_transform(config: Any) -> LogitTransform:
     """The logit transform of the tree-mode causal LM whose own config is ``config``: Gemma 2 /
     Gemma 3's ``final_logit_softcapping`` (``cap · tanh(x / cap)``; RecurrentGemma's
@@ -471,14 +483,19 @@ def config_logit_transform(config: Any) -> LogitTransform:
     ``Gemma3ForConditionalGeneration`` does not soft-cap). Raises ``ValueError`` naming the field
     when its value is not a finite positive number."""
 
+    model_type = getattr(config, "model_type", None)
+    applied = _LOGIT_TRANSFORM_FIELDS.get(model_type, ())
+
     def field(key: str) -> float | None:
+        if key not in applied:  # a stray config.json key this type's forward does not read
+            return None
         return check_positive(f"config.{key}", getattr(config, key, None), none_ok=True)
 
     cap, divisor, factor, multiplier = (
         field(k)
         for k in ("final_logit_softcapping", "logits_scaling", "logit_scale", "lm_head_multiplier")
     )
-    if getattr(config, "model_type", None) in RECURRENT_GEMMA_MODEL_TYPES:
+    if model_type in RECURRENT_GEMMA_MODEL_TYPES:
         cap = field("logits_soft_cap")  # its forward always soft-caps
     if factor is not None:  # Cohere
         return LogitTransform(factor, cap)
@@ -1217,11 +1234,13 @@ def _text_model(hf_model: nn.Module) -> nn.Module:
     return getattr(base, "language_model", base)
 
 
-def _rope_types(rotary: nn.Module) -> list[str]:
+def _rope_types(rotary: nn.Module) -> list[tuple[str | None, str]]:
+    """``(layer_type, rope_type)`` of each table of an HF rotary embedding (layer_type None for
+    a single table; one per layer type where ``rope_type`` is a dict: Gemma 3)."""
     rope_type = getattr(rotary, "rope_type", None)
     if isinstance(rope_type, dict):  # per layer type
-        return [str(t) for t in rope_type.values()]
-    return [str(rope_type)] if rope_type is not None else []
+        return [(str(k), str(t)) for k, t in rope_type.items()]
+    return [(None, str(rope_type))] if rope_type is not None else []
 
 
 def length_dependent_rope(model: nn.Module) -> tuple[str, int] | None:
@@ -1230,19 +1249,25 @@ def length_dependent_rope(model: nn.Module) -> tuple[str, int] | None:
     a tree batch would give every row the frequencies of its microbatch's longest trajectory
     while trajectory-wise each trajectory gets its own, so tree mode is exact only for
     trajectories of at most ``longest`` tokens (below the original context, where these
-    scalings leave the frequencies unchanged). None when no such rotary exists."""
+    scalings leave the frequencies unchanged). A rotary with a table per layer type (Gemma 3)
+    reads each type's own ``rope_parameters``; the smallest limit of all tables wins. None when
+    no such rotary exists."""
+    found: list[tuple[str, int]] = []
     for mod in model.modules():
-        types = _rope_types(mod) if type(mod).__name__.endswith("RotaryEmbedding") else []
+        if not type(mod).__name__.endswith("RotaryEmbedding"):
+            continue
         original = getattr(mod, "original_max_seq_len", None)
         if original is None:
             continue
-        if any("dynamic" in t for t in types):
-            return next(t for t in types if "dynamic" in t), int(original) - 1
-        if "longrope" in types:
-            params = getattr(getattr(mod, "config", None), "rope_parameters", None) or {}
-            limit = params.get("original_max_position_embeddings") or original
-            return "longrope", int(limit)
-    return None
+        params = getattr(getattr(mod, "config", None), "rope_parameters", None) or {}
+        for layer_type, rope_type in _rope_types(mod):
+            if "dynamic" in rope_type:
+                found.append((rope_type, int(original) - 1))
+            elif rope_type == "longrope":
+                own = params.get(layer_type) if layer_type is not None else params
+                limit = (own or {}).get("original_max_position_embeddings") or original
+                found.append(("longrope", int(limit)))
+    return min(found, key=lambda f: f[1]) if found else None
 
 
 def check_rope_lengths(model: nn.Module, longest: int) -> None:
