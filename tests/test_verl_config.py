@@ -404,3 +404,33 @@ def test_harts_section_with_another_strategy_is_named_in_a_warning(caplog):
     assert "'fsdp2'" in msgs[0] and "harts.chunk_size, harts.min_compression" in msgs[0]
     assert "strategy=harts_fsdp2" in msgs[0]
     assert "(harts.enable) are not used" in msgs[1]
+
+
+def test_cpu_platform_installed_after_import_verl():
+    """``install_cpu_platform()`` after ``import verl`` (the plugin had imported veRL's FSDP
+    engine under the auto-detected platform): the engine module's import-time ``device_name``
+    (its Ulysses device mesh) is ``cpu`` too; installed before, the platform is built once."""
+    code = (
+        "import os, sys; sys.modules['fla'] = None; os.environ.pop('VERL_PLATFORM', None)\n"
+        "import verl\n"
+        "from verl.workers.engine.fsdp import transformer_impl as t\n"
+        "from harts_verl.workers.cpu_platform import install_cpu_platform\n"
+        "install_cpu_platform(); install_cpu_platform()\n"
+        "assert t.device_name == 'cpu', t.device_name\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "VERL_PLATFORM"}
+    env["OMP_NUM_THREADS"] = "1"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    code = (
+        "import sys; sys.modules['fla'] = None\n"
+        "from harts_verl.workers.cpu_platform import install_cpu_platform\n"
+        "install_cpu_platform()\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Replacing already-initialised platform" not in out.stderr

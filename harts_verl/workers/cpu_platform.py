@@ -12,8 +12,9 @@ makes a process run veRL's engine path on CPU:
 * builds the FSDP2 CPU offload policy that veRL gives every forward-only engine (the reference
   policy) without pinned memory, which needs an accelerator.
 
-Call it **before** anything imports ``verl.workers.engine`` (a few veRL modules read the device
-name at import time). It is idempotent. The ``harts_fsdp2`` engine itself registers for ``cpu``
+A few veRL modules read the device name at import time (``device_name``, e.g. the FSDP engine's
+Ulysses device mesh); those already imported are pointed at ``cpu`` too, so it may be called
+after ``import verl``. It is idempotent. The ``harts_fsdp2`` engine itself registers for ``cpu``
 through the plugin, so only the stock reference needs this shim.
 """
 
@@ -156,6 +157,8 @@ def install_cpu_platform() -> None:
     os.environ["VERL_PLATFORM"] = "harts_cpu"
     from verl.plugin.platform import set_platform
 
+    if _INSTALLED:  # the import above ran verl's plugins, whose harts plugin installed it
+        return
     set_platform(_platform_cls()())
     # torch.cpu lacks torch.cuda's memory/cache/RNG helpers that veRL calls on its device module.
     _zero = lambda *a, **k: 0  # noqa: E731
@@ -181,6 +184,7 @@ def install_cpu_platform() -> None:
         if not hasattr(torch.cpu, name):
             setattr(torch.cpu, name, fn)
     _patch_process_group_backend()
+    _patch_import_time_device_names()
     _patch_value_model_loader()
     _patch_offload_policy()
     from verl.workers.engine.base import EngineRegistry
@@ -198,6 +202,27 @@ def install_cpu_platform() -> None:
             if "cpu" not in registry.get(backend, {}):
                 EngineRegistry.register(model_type, backend=backend, device="cpu")(cls)
     _INSTALLED = True
+
+
+# veRL modules that read ``get_device_name()`` into a module-level ``device_name`` on import
+_DEVICE_NAME_MODULES = (
+    "verl.workers.engine.fsdp.transformer_impl",
+    "verl.workers.engine.torchtitan.transformer_impl",
+    "verl.experimental.separation.engine_workers",
+    "verl.utils.megatron.router_replay_utils",
+)
+
+
+def _patch_import_time_device_names() -> None:
+    """Point the module-level ``device_name`` of veRL modules imported before this shim (the
+    auto-detected platform's, ``cuda`` on a host without one) at ``cpu``: the FSDP engine
+    builds its Ulysses device mesh from it (``torch._C`` has no ``_cuda_setDevice`` on CPU)."""
+    import sys
+
+    for name in _DEVICE_NAME_MODULES:
+        mod = sys.modules.get(name)
+        if mod is not None and getattr(mod, "device_name", "cpu") != "cpu":
+            mod.device_name = "cpu"
 
 
 def _patch_value_model_loader() -> None:
