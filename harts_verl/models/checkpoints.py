@@ -90,6 +90,7 @@ class SourceNames:
     correction_bias: tuple[str, ...]  # under the MoE root
     a_log_shape: tuple[int, ...]  # KDA ``A_log`` as stored (-1 = heads)
     rope_interleaved: bool = False  # MLA rope channels in interleaved pairs (DeepSeek layout)
+    kda_o_proj: tuple[str, ...] = ()  # output projection of KDA layers when not ``o_proj``'s
 
 
 @dataclass(frozen=True)
@@ -682,7 +683,8 @@ def _layer_table(
     def attn(*leaf: str) -> tuple[str, ...]:
         return tuple(r + n for r in a for n in leaf)
 
-    t["mixer.o_proj.weight"] = (attn(*(o + ".weight" for o in names.o_proj)), "plain")
+    o_proj = names.kda_o_proj if cfg.layer_types[i] == "kda" and names.kda_o_proj else names.o_proj
+    t["mixer.o_proj.weight"] = (attn(*(o + ".weight" for o in o_proj)), "plain")
     if cfg.layer_types[i] == "kda":
         for n in ("q_proj", "k_proj", "v_proj", "b_proj", "o_norm"):
             t[f"mixer.{n}.weight"] = (attn(f"{n}.weight"), "plain")
@@ -747,28 +749,56 @@ def _layer_to_hybrid(
         fused = src.first(*(p + r + "conv1d.weight" for r in names.attn))
         if fused is not None:  # transformers' one conv over q|k|v
             sizes = [expected[q + f"mixer.{c}_conv.weight"][0] for c in "qkv"]
-            parts = torch.split(src.take(fused).squeeze(1), sizes, dim=0)
+            w = src.take(fused)
+            width = expected[q + "mixer.q_conv.weight"][1]
+            if w.dim() == 3 and w.shape[1] == 1:
+                w = w.squeeze(1)
+            if tuple(w.shape) != (sum(sizes), width):
+                raise ValueError(
+                    f"checkpoint: {fused!r} has shape {tuple(src.take(fused).shape)}, the config "
+                    f"needs {(sum(sizes), 1, width)}"
+                )
+            parts = torch.split(w, sizes, dim=0)
             out.update({q + f"mixer.{c}_conv.weight": w for c, w in zip("qkv", parts, strict=True)})
         else:
             for c in "qkv":
                 w = src.take(*(p + r + f"{c}_conv1d.weight" for r in names.attn))
                 out[q + f"mixer.{c}_conv.weight"] = w.squeeze(1)
     if q + "ffn.w_gate" in expected:
-        out.update(_experts_to_hybrid(src, names, p, q, expected[q + "ffn.w_gate"][0]))
+        out.update(
+            _experts_to_hybrid(
+                src, names, p, q, expected[q + "ffn.w_gate"], expected[q + "ffn.w_down"]
+            )
+        )
     return out
 
 
 def _experts_to_hybrid(
-    src: CheckpointTensors, names: SourceNames, p: str, q: str, e: int
+    src: CheckpointTensors,
+    names: SourceNames,
+    p: str,
+    q: str,
+    gate_shape: torch.Size,
+    down_shape: torch.Size,
 ) -> dict[str, torch.Tensor]:
     """Stacked ``[E, D, F]`` / ``[E, F, D]`` experts from per-expert ``[F, D]`` / ``[D, F]``
-    tensors, or from transformers' fused ``gate_up_proj [E, 2F, D]`` / ``down_proj [E, D, F]``."""
+    tensors, or from transformers' fused ``gate_up_proj [E, 2F, D]`` / ``down_proj [E, D, F]``;
+    ``ValueError`` naming a source tensor of another shape."""
+    e, d, f = gate_shape
+
+    def checked(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        if tuple(t.shape) != shape:
+            raise ValueError(
+                f"checkpoint: {name!r} has shape {tuple(t.shape)}, the config needs {shape}"
+            )
+        return t
+
     roots = [p + r for r in names.moe]
     fused = src.first(*(r + "experts.gate_up_proj" for r in roots))
     if fused is not None:
-        gate_up = src.take(fused)
-        f = gate_up.shape[1] // 2
-        down = src.take(fused[: -len("gate_up_proj")] + "down_proj")
+        gate_up = checked(fused, src.take(fused), (e, 2 * f, d))
+        down_name = fused[: -len("gate_up_proj")] + "down_proj"
+        down = checked(down_name, src.take(down_name), (e, d, f))
         return {
             q + "ffn.w_gate": gate_up[:, :f].transpose(1, 2),
             q + "ffn.w_up": gate_up[:, f:].transpose(1, 2),
@@ -776,9 +806,13 @@ def _experts_to_hybrid(
         }
     out = {}
     for ours, w in zip(_EXPERTS, names.experts, strict=True):
-        out[q + ours] = torch.stack(
-            [src.take(*(r + f"experts.{j}.{w}.weight" for r in roots)).T for j in range(e)]
-        )
+        shape = (f, d) if ours != "ffn.w_down" else (d, f)
+        per_expert = []
+        for j in range(e):
+            candidates = [r + f"experts.{j}.{w}.weight" for r in roots]
+            t = src.take(*candidates)  # ValueError naming them when none is present
+            per_expert.append(checked(str(src.first(*candidates)), t, shape).T)
+        out[q + ours] = torch.stack(per_expert)
     return out
 
 

@@ -8,10 +8,12 @@ correction bias, ungated shared experts). This module maps its ``config.json`` t
 export are :mod:`harts_verl.models.checkpoints`'.
 
 Tensor names read: Ling's (``model.word_embeddings``, ``attention.*`` with ``attention.dense``
-as the output projection, ``mlp.experts.{j}.gate_proj/up_proj/down_proj``,
-``mlp.gate.expert_bias``, ``q_conv1d`` / ``k_conv1d`` / ``v_conv1d``), which transformers >= 5.23
-also writes, and transformers' in-memory names (``self_attn.*``, ``forget_gate.*``, one fused
-``conv1d``, fused experts, ``e_score_correction_bias``); written: Ling's. The interleaved rope
+as the MLA output projection and ``attention.o_proj`` as the KDA one,
+``mlp.experts.{j}.gate_proj/up_proj/down_proj``, ``mlp.gate.expert_bias``, ``q_conv1d`` /
+``k_conv1d`` / ``v_conv1d``), which transformers >= 5.23 also writes (except that it saves the
+KDA output projection as ``attention.dense`` too, also read), and transformers' in-memory names
+(``self_attn.*``, ``forget_gate.*``, one fused ``conv1d``, fused experts,
+``e_score_correction_bias``); written: Ling's. The interleaved rope
 channels of the MLA projections are reordered into our rotate-half layout (and back on export),
 which gives the same rotated queries and keys. As in transformers, the latent q / kv RMSNorms
 use eps 1e-6.
@@ -102,6 +104,14 @@ def hybrid_config_from_ling(d: Mapping[str, Any], *, chunk_size: int = 64) -> Hy
         group = _get(d, "layer_group_size", default=6)
         if isinstance(group, bool) or not isinstance(group, int) or group < 1:
             raise ValueError(f"{what}: layer_group_size: expected an int >= 1, got {group!r}")
+        if n % group:
+            # inclusionAI's modeling_bailing_moe_v3.py (and vLLM / SGLang) make the layers after
+            # the last whole group full attention; transformers' BailingHybridConfig does not
+            raise ValueError(
+                f"{what}: num_hidden_layers ({n}) is not a multiple of layer_group_size "
+                f"({group}) and layer_types is missing: Ling's own code makes the last "
+                f"{n % group} layer(s) full attention, transformers linear; set layer_types"
+            )
         layer_types = ["mla" if (i + 1) % group == 0 else "kda" for i in range(n)]
     heads = _num(int, d, "linear_num_heads", "num_attention_heads")
     # transformers' saved config holds the rope dim in head_dim and the KDA head in linear_head_dim
@@ -173,7 +183,8 @@ FORMAT = SourceFormat(
     check_architecture=check_ling_architecture,
     names=SourceNames(
         attn=("attention.", "self_attn."),
-        o_proj=("dense", "o_proj"),
+        o_proj=("dense", "o_proj"),  # MLA: Ling's ``dense``
+        kda_o_proj=("o_proj", "dense"),  # KDA: Ling's ``o_proj`` (transformers saves ``dense``)
         embed=("model.word_embeddings.weight", "model.embed_tokens.weight"),
         dense=("mlp.",),
         moe=("mlp.",),
