@@ -927,6 +927,14 @@ def test_token_balanced_microbatches_as_verl_dynamic_batching(lengths, cap):
         token_balanced_microbatches(lengths, 0)
 
 
+def test_token_balanced_microbatches_refuses_lengths_past_int64():
+    # 2**63 wrapped to -2**63 in int64: it "fit" a capacity of 4 beside another trajectory.
+    from harts_verl.tree.microbatch import token_balanced_microbatches
+
+    with pytest.raises(ValueError, match="lengths"):
+        token_balanced_microbatches(np.array([2**63, 3], np.uint64), 4)
+
+
 def test_token_balanced_microbatches_no_more_than_verl():
     """No more microbatches than veRL 0.9.1's own dynamic batching on the same lengths
     (its 2 for [3, 4, 5, 4, 2] at 9: the balanced split made 3), each within the capacity."""
