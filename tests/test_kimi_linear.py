@@ -559,3 +559,29 @@ def test_omitted_group_keys_and_routed_expert_names():
 def test_config_values_are_checked_and_named(change, match):
     with pytest.raises(ValueError, match=match):
         kl.hybrid_config_from_kimi_linear(dict(KIMI_CONFIG, **change))
+
+
+def test_kimi_linear_checkpoint_loads_as_a_token_classifier(tmp_path):
+    """A Kimi-Linear directory loads through ``AutoModelForTokenClassification`` (what veRL
+    loads for a critic) with the config of ``convert --config-only``: the backbone takes the
+    checkpoint's weights, there is no LM head, ``score`` (one label) keeps its init."""
+    from transformers import AutoModelForTokenClassification
+
+    from harts_verl.models.hf import HartsHybridForTokenClassification
+
+    cfg = kl.hybrid_config_from_kimi_linear(KIMI_CONFIG)
+    native = _native(cfg, seed=7)
+    src = str(tmp_path / "kimi")
+    _write_kimi_checkpoint(src, KIMI_CONFIG, native)
+    hf_cfg = ck.harts_config_from_source(KIMI_CONFIG)
+    hf_cfg.num_labels = 1
+    critic = AutoModelForTokenClassification.from_pretrained(
+        src, config=hf_cfg, dtype=torch.float64
+    )
+    assert isinstance(critic, HartsHybridForTokenClassification)
+    assert not hasattr(critic.model, "lm_head") and critic.score.out_features == 1
+    own = critic.model.state_dict()
+    for k, v in native.state_dict().items():
+        if not k.startswith("lm_head."):
+            assert torch.equal(own[k], v), k
+    assert set(own) == {k for k in native.state_dict() if not k.startswith("lm_head.")}

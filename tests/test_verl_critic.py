@@ -107,6 +107,67 @@ def test_critic_parity_with_stock_value_engine(critics, kind):
     assert moved > 1e-6  # the step did something
 
 
+@pytest.fixture(scope="module")
+def native_critic(critics, tmp_path_factory):
+    """The native hybrid (every mixer, MoE) as a critic: its causal LM saved (the actor's
+    checkpoint, which a critic starts from), and the token classifier that
+    ``AutoModelForTokenClassification`` builds from it saved with its ``score`` (so that every
+    load is identical, as in ``save_tiny_value_model``)."""
+    from transformers import AutoModelForTokenClassification
+
+    from harts_verl.models import preset
+    from harts_verl.models.hf import HartsHybridConfig, HartsHybridForCausalLM
+
+    cfg = HartsHybridConfig.from_hybrid_config(preset("tiny", vocab_size=VOCAB, chunk_size=16))
+    torch.manual_seed(11)
+    root = tmp_path_factory.mktemp("native")
+    actor = HartsHybridForCausalLM(cfg).float()
+    actor.save_pretrained(str(root / "actor"))
+    torch.manual_seed(12)
+    critic = AutoModelForTokenClassification.from_pretrained(str(root / "actor"), num_labels=1)
+    critic.save_pretrained(str(root / "critic"))
+    return critics[0], actor, critic, str(root / "critic")
+
+
+def test_native_critic_parity_with_stock_value_engine(native_critic):
+    """The native hybrid as a critic (``HartsHybridForTokenClassification``, loaded from the
+    causal LM's checkpoint: its backbone, no LM head, a one-label ``score``): the stock engine
+    runs its packed trajectory-wise forward and harts_fsdp2 the tree, with the same values,
+    value-loss gradient and step."""
+    from harts_verl.models.hf import HartsHybridForTokenClassification
+
+    testing, actor, critic, path = native_critic
+    assert isinstance(critic, HartsHybridForTokenClassification)
+    assert not hasattr(critic.model, "lm_head") and critic.score.out_features == 1
+    backbone = critic.model.state_dict()
+    assert set(backbone) == {k for k in actor.model.state_dict() if not k.startswith("lm_head.")}
+    for k, v in backbone.items():
+        assert torch.equal(v, actor.model.state_dict()[k]), k
+    ref = _run(testing, path, "fsdp2", padded=False)
+    tree = _run(testing, path, "harts_fsdp2", padded=False, harts={"audit_every": 1})
+    (inf_r, met_r, p0_r, p1_r), (inf_t, met_t, p0_t, p1_t) = ref, tree
+    assert inf_t["metrics"]["harts/fallback"] == [0.0] and met_t["harts/fallback"] == [0.0]
+    assert inf_t["metrics"]["harts/microbatches"][0] >= 2
+    assert met_t["harts/audit"][0] <= 1e-6
+    for a, b, s in zip(
+        inf_r["model_output"]["values"].unbind(),
+        inf_t["model_output"]["values"].unbind(),
+        _tree_batch(3)[0],
+        strict=True,
+    ):
+        assert a.shape == b.shape == (len(s),)
+        assert float((a - b).abs().max()) <= 1e-6 * max(1.0, float(a.abs().max()))
+    assert abs(met_r["grad_norm"] - met_t["grad_norm"]) <= 1e-6 * abs(met_r["grad_norm"])
+    assert_stock_metrics(met_r, met_t, tol=1e-6)
+    assert not any("lm_head" in n for n in p0_r) and any(n.startswith("score.") for n in p0_r)
+    moved = 0.0
+    for n in p0_r:
+        torch.testing.assert_close(p0_t[n], p0_r[n], rtol=0, atol=0)
+        assert float((p1_t[n] - p1_r[n]).abs().max()) <= 1e-6, n
+        moved = max(moved, float((p1_r[n] - p0_r[n]).abs().max()))
+    assert moved > 1e-6
+
+
 def test_critic_split_dependent_loss_with_positional_config(critics):
     """``partial(value_loss, cfg)`` (config by position) with a loss that depends on the
     micro-batching (seq-mean-token-sum-norm without loss_scale_factor) runs on veRL's own

@@ -1229,7 +1229,8 @@ def convert_checkpoint(
 
 
 def load_from_source(cls: Any, path: str, *, config: Any = None, **kwargs: Any) -> Any:
-    """``cls.from_pretrained`` (``HartsHybridForCausalLM``) of the source checkpoint ``path``:
+    """``cls.from_pretrained`` (``HartsHybridForCausalLM``, or ``HartsHybridForTokenClassification``
+    whose ``score`` keeps its init) of the source checkpoint ``path``:
     the weights converted while loading, cast to ``dtype`` / ``torch_dtype`` (default float32;
     ``"auto"``: the checkpoint config's ``dtype`` / ``torch_dtype``).
     ``config``: a ``HartsHybridConfig`` of the same architecture (e.g. from ``convert
@@ -1267,5 +1268,7 @@ def load_from_source(cls: Any, path: str, *, config: Any = None, **kwargs: Any) 
     sd = hybrid_state_dict_from_source(
         fmt, src, config.to_hybrid_config(), mtp_layers=mtp_layers_of(raw, fmt)
     )
+    if not hasattr(model.model, "lm_head"):  # a token classifier (critic): no LM head
+        sd.pop("lm_head.weight", None)
     model.model.load_state_dict(sd, strict=not arch.tie_word_embeddings)
     return model.eval()

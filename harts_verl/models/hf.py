@@ -4,7 +4,9 @@
 :class:`HartsHybridForCausalLM` (a ``PreTrainedModel`` around :class:`HybridForCausalLM`,
 parameters under ``model.``) are registered with ``AutoConfig`` / ``AutoModelForCausalLM`` when
 this module is imported (and by the veRL plugin), so ``save_pretrained`` / ``from_pretrained`` and
-veRL's FSDP engines, which load the actor through the Auto classes from ``model.path``, work.
+veRL's FSDP engines, which load the actor through the Auto classes from ``model.path``, work; the
+critic, which veRL loads with ``AutoModelForTokenClassification``, is
+:class:`HartsHybridForTokenClassification` (the same backbone, a one-label ``score``).
 
 ``forward`` takes the calls veRL's engines make:
 
@@ -24,8 +26,14 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
-from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+    PreTrainedConfig,
+    PreTrainedModel,
+)
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, TokenClassifierOutput
 
 from harts_verl.models.config import HybridConfig
 from harts_verl.models.hybrid import HybridForCausalLM
@@ -36,6 +44,7 @@ __all__ = [
     "MODEL_TYPE",
     "HartsHybridConfig",
     "HartsHybridForCausalLM",
+    "HartsHybridForTokenClassification",
     "attn_implementation_for",
     "load_causal_lm",
     "register_auto_classes",
@@ -105,19 +114,16 @@ class HartsHybridConfig(PreTrainedConfig):
         return cls(**{**base, **kwargs})
 
 
-class HartsHybridForCausalLM(PreTrainedModel):
-    """transformers wrapper of :class:`HybridForCausalLM` (``self.model``); see the module
-    docstring for the calls ``forward`` accepts."""
+class _HartsHybridPreTrainedModel(PreTrainedModel):
+    """What the native model's transformers classes share: the backbone
+    (:class:`HybridForCausalLM`, parameters under ``model.``), weight init, gradient
+    checkpointing, source-checkpoint loading, and the final hidden states of both call kinds
+    (see the module docstring)."""
 
     config_class = HartsHybridConfig
     base_model_prefix = "model"
     main_input_name = "input_ids"
     _no_split_modules: ClassVar[list[str]] = ["HybridDecoderLayer"]
-    # {target: source}, applied when ``config.tie_word_embeddings`` (the native model ties the
-    # two already); save_pretrained stores the source only, from_pretrained re-ties.
-    _tied_weights_keys: ClassVar[dict[str, str]] = {
-        "model.lm_head.weight": "model.embed_tokens.weight"
-    }
     supports_gradient_checkpointing = True
     _supports_sdpa = True  # attention is the model's own (tree/varlen ops); any choice is accepted
     _supports_flash_attn = True
@@ -127,7 +133,6 @@ class HartsHybridForCausalLM(PreTrainedModel):
     def __init__(self, config: HartsHybridConfig) -> None:
         super().__init__(config)
         self.model = HybridForCausalLM(config.to_hybrid_config())
-        self.post_init()
 
     @property
     def harts_native_model(self) -> HybridForCausalLM:
@@ -162,12 +167,6 @@ class HartsHybridForCausalLM(PreTrainedModel):
     def set_input_embeddings(self, value: torch.nn.Embedding) -> None:
         self.model.embed_tokens = value
 
-    def get_output_embeddings(self) -> torch.nn.Linear:
-        return self.model.lm_head
-
-    def set_output_embeddings(self, value: torch.nn.Linear) -> None:
-        self.model.lm_head = value
-
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None) -> None:
         self.model.gradient_checkpointing = True
 
@@ -177,6 +176,55 @@ class HartsHybridForCausalLM(PreTrainedModel):
     @property
     def is_gradient_checkpointing(self) -> bool:
         return bool(self.model.gradient_checkpointing)
+
+    def _hidden(
+        self,
+        input_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        cu_seqlens: torch.Tensor | None,
+        harts_layout: TreeLayout | None,
+        labels: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The final hidden states in the input's shape plus ``D`` (``[1, C, D]`` of a tree
+        call; zeros at padding) and the router auxiliary loss."""
+        if input_ids is None:
+            raise ValueError("input_ids: required (inputs_embeds is not supported)")
+        if labels is not None:
+            raise ValueError("labels: not supported; take log-probs from the returned logits")
+        if harts_layout is not None:
+            hidden, aux = self.model(input_ids.reshape(-1), harts_layout)
+            return hidden[None], aux
+        seqs, index = _trajectories(input_ids, attention_mask, position_ids, cu_seqlens)
+        forest = RolloutForest.expanded(seqs)
+        layout = TreeLayout(forest, chunk_size=self.config.chunk_size, device=input_ids.device)
+        hidden, aux = self.model(layout.token_ids, layout)
+        rows = np.concatenate([forest.rows_of(i) for i in range(len(seqs))])
+        rows_t = torch.as_tensor(rows, dtype=torch.long, device=hidden.device)
+        flat = hidden.index_select(0, rows_t)  # [tokens, D] in the input's (flattened) order
+        out = flat.new_zeros(input_ids.numel(), flat.shape[-1])
+        return out.index_copy(0, index, flat).reshape(*input_ids.shape, -1), aux
+
+
+class HartsHybridForCausalLM(_HartsHybridPreTrainedModel):
+    """transformers wrapper of :class:`HybridForCausalLM` (``self.model``); see the module
+    docstring for the calls ``forward`` accepts."""
+
+    # {target: source}, applied when ``config.tie_word_embeddings`` (the native model ties the
+    # two already); save_pretrained stores the source only, from_pretrained re-ties.
+    _tied_weights_keys: ClassVar[dict[str, str]] = {
+        "model.lm_head.weight": "model.embed_tokens.weight"
+    }
+
+    def __init__(self, config: HartsHybridConfig) -> None:
+        super().__init__(config)
+        self.post_init()
+
+    def get_output_embeddings(self) -> torch.nn.Linear:
+        return self.model.lm_head
+
+    def set_output_embeddings(self, value: torch.nn.Linear) -> None:
+        self.model.lm_head = value
 
     def forward(
         self,
@@ -188,28 +236,51 @@ class HartsHybridForCausalLM(PreTrainedModel):
         labels: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> MoeCausalLMOutputWithPast:
-        if input_ids is None:
-            raise ValueError("input_ids: required (inputs_embeds is not supported)")
-        if labels is not None:
-            raise ValueError("labels: not supported; take log-probs from the returned logits")
-        if harts_layout is not None:
-            hidden, aux = self.model(input_ids.reshape(-1), harts_layout)
-            logits = self.model.lm_head(hidden[None])
-            return MoeCausalLMOutputWithPast(logits=logits, aux_loss=aux)
-        seqs, index = _trajectories(input_ids, attention_mask, position_ids, cu_seqlens)
-        forest = RolloutForest.expanded(seqs)
-        layout = TreeLayout(forest, chunk_size=self.config.chunk_size, device=input_ids.device)
-        hidden, aux = self.model(layout.token_ids, layout)
-        rows = np.concatenate([forest.rows_of(i) for i in range(len(seqs))])
-        rows_t = torch.as_tensor(rows, dtype=torch.long, device=hidden.device)
-        flat = hidden.index_select(0, rows_t)  # [tokens, D] in the input's (flattened) order
-        out = flat.new_zeros(input_ids.numel(), flat.shape[-1])
-        out = out.index_copy(0, index, flat).reshape(*input_ids.shape, -1)
-        return MoeCausalLMOutputWithPast(logits=self.model.lm_head(out), aux_loss=aux)
+        hidden, aux = self._hidden(
+            input_ids, attention_mask, position_ids, cu_seqlens, harts_layout, labels
+        )
+        return MoeCausalLMOutputWithPast(logits=self.model.lm_head(hidden), aux_loss=aux)
 
     # The wrapper's own forward, kept under a second name: veRL's ``use_fused_kernels`` patch
     # replaces the class ``forward``, and the engine's tree calls install this one back.
     harts_forward = forward
+
+
+class HartsHybridForTokenClassification(_HartsHybridPreTrainedModel):
+    """The native model as a token classifier (``AutoModelForTokenClassification``: what veRL
+    loads as a critic, ``num_labels = 1``): the backbone of :class:`HartsHybridForCausalLM`
+    without its LM head, then dropout and ``score`` (``nn.Linear(D, num_labels)``, with bias, as
+    transformers' token classifiers have). Loaded from a causal-LM checkpoint (native or
+    Kimi-Linear / Ling 3), the backbone takes its weights, the LM head's are not used and
+    ``score`` starts from its init. ``forward`` takes the causal LM's calls; ``logits`` is
+    ``[..., num_labels]`` (at padding: ``score`` of a zero hidden state, its bias)."""
+
+    _keys_to_ignore_on_load_unexpected: ClassVar[list[str]] = [r"^model\.lm_head\."]
+
+    def __init__(self, config: HartsHybridConfig) -> None:
+        super().__init__(config)
+        del self.model.lm_head  # (tied: the embedding stays the backbone's)
+        dropout = getattr(config, "classifier_dropout", None)
+        if dropout is None:
+            dropout = getattr(config, "hidden_dropout", None)
+        self.dropout = torch.nn.Dropout(0.1 if dropout is None else float(dropout))
+        self.score = torch.nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        harts_layout: TreeLayout | None = None,
+        labels: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> TokenClassifierOutput:
+        hidden, _ = self._hidden(
+            input_ids, attention_mask, position_ids, cu_seqlens, harts_layout, labels
+        )
+        return TokenClassifierOutput(logits=self.score(self.dropout(hidden)))
 
 
 def _hf_layer_types(mixers: list[str]) -> list[str]:
@@ -286,9 +357,13 @@ def _check_positions(pos: np.ndarray, name: str) -> None:
 
 
 def register_auto_classes() -> None:
-    """Register ``harts_hybrid`` with ``AutoConfig`` and ``AutoModelForCausalLM`` (idempotent)."""
+    """Register ``harts_hybrid`` with ``AutoConfig``, ``AutoModelForCausalLM`` and
+    ``AutoModelForTokenClassification`` (idempotent)."""
     AutoConfig.register(MODEL_TYPE, HartsHybridConfig, exist_ok=True)
     AutoModelForCausalLM.register(HartsHybridConfig, HartsHybridForCausalLM, exist_ok=True)
+    AutoModelForTokenClassification.register(
+        HartsHybridConfig, HartsHybridForTokenClassification, exist_ok=True
+    )
 
 
 def attn_implementation_for(config: Any) -> str:
