@@ -350,7 +350,7 @@ def test_gemma2_sdpa_fallback_batches_keep_the_soft_cap(verl_cpu, caplog, monkey
             res = engine.infer_batch(testing.make_batch(seqs, prompt_lens, tool_spans=spans))
         assert engine.module.config._attn_implementation == "sdpa"  # restored
         assert res["metrics"]["harts/fallback"] == [0.0 if enable else 1.0]
-        # positions 0..L-2 (the stock and tree paths differ at L-1, which no loss reads)
+        # positions 0..L-2 (the stock and tree paths differ at L-1, which no RL loss reads)
         return torch.cat([t[:-1] for t in res["model_output"]["log_probs"].unbind()])
 
     with caplog.at_level("WARNING"):

@@ -36,8 +36,10 @@ trainer) the output also holds ``sum_pi_squared`` (Σ_v p_v² per position, same
 Position L−1 (no next token) holds 0 for log-probs, entropy and Σp². The stock engine's
 log-prob there depends on packing (it rolls the packed ids: the log-prob of the *next*
 sequence's first token); its entropy and Σp² there describe the distribution after the last
-token. veRL's losses never read position L−1 (``no_padding_2_padding`` slices
-``[prompt_len − 1, L − 1)``).
+token. veRL's RL losses never read position L−1 (``no_padding_2_padding`` slices
+``[prompt_len − 1, L − 1)``); its ``sft_loss`` rolls the packed ``loss_mask`` by one, so it
+weights position L−1 by the *next* trajectory's ``loss_mask[0]`` (usually 0, a prompt token):
+where that is 1, stock adds a cross-sequence log-prob that tree mode (0 there) leaves out.
 
 :class:`HartsFSDPValueEngine` is the critic's counterpart (values of every position, see there).
 
