@@ -322,7 +322,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 def _add_inspect(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "inspect",
-        help="forest statistics and planned microbatches (JSON), optional figure",
+        help=_HELP["inspect"],
         description="Compression, depth and branching histograms, forks inside chunks, "
         "planned microbatches and within-slot imbalance of a saved forest (.npz).",
     )
@@ -367,7 +367,7 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "check",
-        help="fidelity audit: tree vs expanded on your model and batch (JSON)",
+        help=_HELP["check"],
         description="Tree vs expanded execution of a model on a dumped batch: max |Δlogp|, "
         "mean logit cosine, per-layer max difference and the first divergent layer.",
     )
@@ -398,7 +398,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 def _add_convert(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "convert",
-        help="Kimi-Linear / Ling 3 checkpoint <-> harts_hybrid (train with veRL, serve again)",
+        help=_HELP["convert"],
         description="Convert a Kimi-Linear (kimi_linear) or Ling 3 (bailing_hybrid) model "
         "directory (its own format, or what transformers >= 5.23 saves) into the native "
         "harts_hybrid model that veRL 0.9.1 loads, or a harts_hybrid back into one of them "
@@ -480,7 +480,7 @@ def _add_precompile(sub: argparse._SubParsersAction) -> None:
     d = BenchConfig()
     p = sub.add_parser(
         "precompile",
-        help="compile a model's fla (Triton) kernels for a GPU ahead of time (JSON)",
+        help=_HELP["precompile"],
         description="Run the model's tree and trajectory-wise forward + backward once on a "
         "small forest, on the CPU, with fla's kernels behind a stand-in CUDA driver, and "
         "compile every kernel specialization they reach for the target GPU, in parallel, into "
@@ -523,9 +523,49 @@ def _add_precompile(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_precompile)
 
 
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "demo",
+        help=_HELP["demo"],
+        description="Tree vs expanded training (forward + backward) of the native bench model "
+        "on a small SWE-like step (tiny-mode swe_like, ≈10K semantic tokens, ≈5.6×): one "
+        "warm-up and one timed iteration; prints the bench JSON.",
+    )
+    _add_bench_args(p, repeats=1, warmup=1, **DEMO_DEFAULTS)
+    p.set_defaults(func=_cmd_bench)
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help=_HELP["bench"])
+    _add_bench_args(p, repeats=3, warmup=1)
+    p.set_defaults(func=_cmd_bench)
+
+
+# One line of help per command (`harts-verl --help`), and how its parser is built.
+_HELP = {
+    "demo": "the embedded default job: tree vs expanded training on a SWE-like step",
+    "bench": "tree vs expanded speed and fidelity (JSON)",
+    "inspect": "forest statistics and planned microbatches (JSON), optional figure",
+    "check": "fidelity audit: tree vs expanded on your model and batch (JSON)",
+    "convert": "Kimi-Linear / Ling 3 checkpoint <-> harts_hybrid (train with veRL, serve again)",
+    "precompile": "compile a model's fla (Triton) kernels for a GPU ahead of time (JSON)",
+}
+_ADD = {
+    "demo": _add_demo,
+    "bench": _add_bench,
+    "inspect": _add_inspect,
+    "check": _add_check,
+    "convert": _add_convert,
+    "precompile": _add_precompile,
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``harts-verl`` with ``argv``; the exit status (see the module doc): a user error is
-    one line on stderr and 2, argparse's own errors exit 2 as well."""
+    one line on stderr and 2, argparse's own errors exit 2 as well. Only the command that
+    ``argv`` names gets its options built (the others' imports, torch's included, are not paid
+    for: ``inspect`` reads numpy only); the rest get their line of ``harts-verl --help``."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = _Parser(
         prog="harts-verl",
         description=__doc__.split("\n\n")[0].replace("``", ""),
@@ -534,22 +574,11 @@ def main(argv: list[str] | None = None) -> int:
         "3 = check found a disagreement (--fail-above) or a non-finite difference.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser(
-        "demo",
-        help="the embedded default job: tree vs expanded training on a SWE-like step",
-        description="Tree vs expanded training (forward + backward) of the native bench model "
-        "on a small SWE-like step (tiny-mode swe_like, ≈10K semantic tokens, ≈5.6×): one "
-        "warm-up and one timed iteration; prints the bench JSON.",
-    )
-    _add_bench_args(demo, repeats=1, warmup=1, **DEMO_DEFAULTS)
-    demo.set_defaults(func=_cmd_bench)
-    bench = sub.add_parser("bench", help="tree vs expanded speed and fidelity (JSON)")
-    _add_bench_args(bench, repeats=3, warmup=1)
-    bench.set_defaults(func=_cmd_bench)
-    _add_inspect(sub)
-    _add_check(sub)
-    _add_convert(sub)
-    _add_precompile(sub)
+    for name, add in _ADD.items():
+        if argv and argv[0] == name:
+            add(sub)
+        else:
+            sub.add_parser(name, help=_HELP[name])
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))

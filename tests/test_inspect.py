@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -372,3 +374,19 @@ def test_load_forest_errors(tmp_path):
     ]:
         with pytest.raises(ValueError, match=msg):
             load_forest(bad)
+
+
+def test_inspect_command_does_not_import_torch(tmp_path):
+    """``harts-verl inspect`` builds only its own parser: it reads numpy, never torch (the other
+    commands' option lists imported it, seconds before any inspect output or error)."""
+    forest = RolloutForest.from_sequences([[1, 2, 3], [1, 2, 4]])
+    path = str(tmp_path / "f.npz")
+    forest.save(path)
+    code = (
+        "import json, sys; from harts_verl.cli import main\n"
+        f"assert main(['inspect', {path!r}, '--capacity', '4']) == 0\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout)["summary"]["trajectories"] == 2
