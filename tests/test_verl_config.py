@@ -404,6 +404,18 @@ def test_harts_section_with_another_strategy_is_named_in_a_warning(caplog):
     assert "'fsdp2'" in msgs[0] and "harts.chunk_size, harts.min_compression" in msgs[0]
     assert "strategy=harts_fsdp2" in msgs[0]
     assert "(harts.enable) are not used" in msgs[1]
+    assert "reference policy" in msgs[0]  # an actor's concern: a critic's WARNING leaves it out
+    from harts_verl.workers.config import HartsFSDPCriticConfig
+
+    critic = testing.critic_config(strategy="fsdp2")
+    kw = {f.name: getattr(critic, f.name) for f in dataclasses.fields(critic) if f.init}
+    kw.pop("engine", None)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="harts_verl.workers.config"):
+        HartsFSDPCriticConfig(**kw, harts={"chunk_size": 8})
+    (msg,) = [r.getMessage() for r in caplog.records if r.name == "harts_verl.workers.config"]
+    assert "HartsFSDPCriticConfig: strategy is 'fsdp2'" in msg and "(harts.chunk_size)" in msg
+    assert "reference policy" not in msg
 
 
 def test_cpu_platform_installed_after_import_verl():

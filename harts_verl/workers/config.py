@@ -180,14 +180,19 @@ def _attach_harts(cfg: Any, parent_post_init: Any) -> None:
         ]
     )
     if cfg.strategy != STRATEGY and given:
+        # the reference policy is an actor's concern (it takes the actor's section)
+        ref = (
+            ""
+            if isinstance(cfg, FSDPCriticConfig)
+            else f" (a reference policy on {STRATEGY} takes the actor's with harts_verl.main_ppo)"
+        )
         logger.warning(
-            "%s: strategy is %r, so its harts: settings (%s) are not used here (a reference "
-            "policy on %s takes the actor's with harts_verl.main_ppo); set strategy=%s to "
-            "train over rollout trees",
+            "%s: strategy is %r, so its harts: settings (%s) are not used here%s; set "
+            "strategy=%s to train over rollout trees",
             type(cfg).__name__,
             cfg.strategy,
             ", ".join(f"harts.{name}" for name in given),
-            STRATEGY,
+            ref,
             STRATEGY,
         )
     parent_post_init()
