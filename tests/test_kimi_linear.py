@@ -246,6 +246,28 @@ def test_state_dict_errors_name_the_tensor():
         _to_hybrid(mtp, cfg)
     back = ck.hybrid_state_dict_from_source(kl.FORMAT, mtp, cfg, mtp_layers=1)
     assert back.keys() == _native(cfg).state_dict().keys()
+    # a misshapen routed expert, transformers' fused conv or fused experts: named, never a
+    # torch error from the stacking or splitting
+    bad = dict(kimi)
+    name = "model.layers.1.block_sparse_moe.experts.2.w1.weight"
+    bad[name] = torch.zeros(bad[name].shape[0] + 1, bad[name].shape[1])
+    with pytest.raises(ValueError, match=rf"'{re.escape(name)}' has shape \(33, 64\)"):
+        _to_hybrid(bad, cfg)
+    fused = dict(kimi)
+    p = "model.layers.0.self_attn."
+    qkv = [fused.pop(f"{p}{c}_conv1d.weight") for c in "qkv"]
+    fused[p + "conv1d.weight"] = torch.cat(qkv, 0)[:-1]
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.conv1d\.weight' has"):
+        _to_hybrid(fused, cfg)
+    experts = {
+        k: v
+        for k, v in kimi.items()
+        if ".block_sparse_moe.experts." not in k or not k.startswith("model.layers.1.")
+    }
+    experts["model.layers.1.mlp.experts.gate_up_proj"] = torch.zeros(8, 64)
+    experts["model.layers.1.mlp.experts.down_proj"] = torch.zeros(4, 64, 32)
+    with pytest.raises(ValueError, match=r"experts\.gate_up_proj' has shape \(8, 64\)"):
+        _to_hybrid(experts, cfg)
 
 
 def test_kimi_tiny_preset_is_a_kimi_linear_architecture():
@@ -585,3 +607,9 @@ def test_kimi_linear_checkpoint_loads_as_a_token_classifier(tmp_path):
         if not k.startswith("lm_head."):
             assert torch.equal(own[k], v), k
     assert set(own) == {k for k in native.state_dict() if not k.startswith("lm_head.")}
+    # without a config, keyword arguments set the converted config's attributes (as
+    # transformers does): one label, the chunk size; an architecture change is refused
+    bare = HartsHybridForTokenClassification.from_pretrained(src, num_labels=1, chunk_size=8)
+    assert bare.score.out_features == 1 and bare.config.chunk_size == 8
+    with pytest.raises(ValueError, match="does not describe the Kimi-Linear checkpoint"):
+        HartsHybridForTokenClassification.from_pretrained(src, hidden_size=48)

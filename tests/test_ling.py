@@ -199,6 +199,19 @@ def test_verl_engine_trains_a_ling_checkpoint_in_place(oracle, tmp_path):
     assert_verl_engine_matches(out, _sequences(), [40, 40, 40, 20], ref, tmp_path, checkpoint_name)
 
 
+def test_layer_count_off_the_group_size_needs_layer_types():
+    """Without ``layer_types``, a layer count that is not a multiple of ``layer_group_size``
+    is refused (Ling's own code and vLLM make the tail full attention, transformers linear);
+    with ``layer_types`` it is read as given."""
+    bare = {k: v for k, v in LING_CONFIG.items() if k != "layer_types"}
+    with pytest.raises(ValueError, match=r"num_hidden_layers \(7\) is not a multiple of "):
+        ling.hybrid_config_from_ling(dict(bare, num_hidden_layers=7))
+    lin, full = "linear_attention", "full_attention"
+    given = dict(bare, num_hidden_layers=7, layer_types=[lin, lin, full, lin, lin, full, full])
+    mixers = ["kda", "kda", "mla", "kda", "kda", "mla", "mla"]
+    assert ling.hybrid_config_from_ling(given).layer_types == mixers
+
+
 def test_config_round_trip_keeps_unused_fields_and_drops_mtp():
     """Without the safe gate the source's kda_lower_bound comes back (was -5.0 for -3.0); the
     MTP layers the import drops are not advertised by the exported config (was still 1)."""

@@ -933,6 +933,12 @@ def test_token_balanced_microbatches_refuses_lengths_past_int64():
 
     with pytest.raises(ValueError, match="lengths"):
         token_balanced_microbatches(np.array([2**63, 3], np.uint64), 4)
+    # lengths that each fit but whose int64 sums wrap: never one microbatch over the capacity
+    cap = 2**63 - 1
+    for lens in ([2**62] * 3, [2**61] * 5):
+        parts = token_balanced_microbatches(np.array(lens, np.int64), cap)
+        assert all(sum(np.asarray(lens)[p].tolist()) <= cap for p in parts), parts
+        assert sorted(np.concatenate(parts).tolist()) == list(range(len(lens)))
 
 
 def test_token_balanced_microbatches_no_more_than_verl():

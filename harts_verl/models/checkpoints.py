@@ -1234,10 +1234,13 @@ def load_from_source(cls: Any, path: str, *, config: Any = None, **kwargs: Any) 
     the weights converted while loading, cast to ``dtype`` / ``torch_dtype`` (default float32;
     ``"auto"``: the checkpoint config's ``dtype`` / ``torch_dtype``).
     ``config``: a ``HartsHybridConfig`` of the same architecture (e.g. from ``convert
-    --config-only``; its ``chunk_size`` is honoured), else the converted one. Under an
-    empty-weight (meta) context, as veRL uses on FSDP ranks other than 0, the model is built and
-    not loaded. Other keyword arguments of ``from_pretrained`` (``trust_remote_code``, ...) are
-    accepted and not used."""
+    --config-only``; its ``chunk_size`` is honoured), else the converted one, whose attributes
+    keyword arguments set as transformers' ``from_pretrained`` does without a config (a token
+    classifier's ``num_labels``, ``chunk_size``, ...; ``attn_implementation`` is not applied).
+    Either must describe the checkpoint's architecture (ValueError naming the differences).
+    Under an empty-weight (meta) context, as veRL uses on FSDP ranks other than 0, the model is
+    built and not loaded. Other keyword arguments of ``from_pretrained``
+    (``trust_remote_code``, ...) are accepted and not used."""
     raw = read_config(path)
     fmt = format_of_config(raw)
     if fmt is None:
@@ -1245,14 +1248,23 @@ def load_from_source(cls: Any, path: str, *, config: Any = None, **kwargs: Any) 
     arch = fmt.hybrid_config(raw)
     if config is None:
         config = harts_config_from_source(raw)
-    else:
-        mine, theirs = config.to_hybrid_config().to_dict(), arch.to_dict()
-        diff = sorted(k for k in mine if k not in _ARCH_EXEMPT and mine[k] != theirs[k])
-        if diff:
-            detail = ", ".join(f"{k}: {mine[k]!r} vs {theirs[k]!r}" for k in diff[:4])
-            raise ValueError(
-                f"config: does not describe the {fmt.display} checkpoint {path!r} ({detail})"
-            )
+        # as transformers' from_pretrained without a config: keyword arguments that name config
+        # attributes (a token classifier's num_labels, chunk_size, ...) set them
+        skip = ("dtype", "torch_dtype", "attn_implementation")
+        overrides = {k: v for k, v in kwargs.items() if k not in skip and hasattr(config, k)}
+        if overrides:
+            d = config.to_dict()
+            if "num_labels" in overrides:  # the label maps follow the new count
+                d.pop("id2label", None)
+                d.pop("label2id", None)
+            config = type(config)(**{**d, **overrides})
+    mine, theirs = config.to_hybrid_config().to_dict(), arch.to_dict()
+    diff = sorted(k for k in mine if k not in _ARCH_EXEMPT and mine[k] != theirs[k])
+    if diff:
+        detail = ", ".join(f"{k}: {mine[k]!r} vs {theirs[k]!r}" for k in diff[:4])
+        raise ValueError(
+            f"config: does not describe the {fmt.display} checkpoint {path!r} ({detail})"
+        )
     dtype = kwargs.get("dtype", kwargs.get("torch_dtype")) or torch.float32
     if dtype == "auto":  # as transformers: the checkpoint config's dtype (float32 without one)
         dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"

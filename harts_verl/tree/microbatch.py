@@ -1487,7 +1487,7 @@ def token_balanced_microbatches(
             heapq.heappush(heap, (min(loads) - max(loads), tick, merged))
             tick += 1
         parts = heap[0][2]
-        if max(int(lens[p[1]].sum()) if p[1] else 0 for p in parts) > cap:
+        if max(sum(lens[p[1]].tolist()) for p in parts) > cap:  # exact (int64 sums wrap)
             return None
         out = np.empty(n, np.int64)
         for b, (_, members) in enumerate(parts):
@@ -1503,7 +1503,7 @@ def token_balanced_microbatches(
 
     # fewer microbatches where a balanced split fits in them (a few counts up from the lower
     # bound, as dynamic batching tries them), else best fit's count, balanced when that fits
-    low = max(1, -(-int(lens[fits].sum()) // cap)) if fits else 0
+    low = max(1, -(-sum(lens[fits].tolist()) // cap)) if fits else 0
     for count in [*range(low, min(k, low + _BALANCED_TRIES)), k] if k > 1 else []:
         split = balanced(count)
         if split is not None:
