@@ -765,11 +765,7 @@ def _layer_to_hybrid(
                 w = src.take(*(p + r + f"{c}_conv1d.weight" for r in names.attn))
                 out[q + f"mixer.{c}_conv.weight"] = w.squeeze(1)
     if q + "ffn.w_gate" in expected:
-        out.update(
-            _experts_to_hybrid(
-                src, names, p, q, expected[q + "ffn.w_gate"], expected[q + "ffn.w_down"]
-            )
-        )
+        out.update(_experts_to_hybrid(src, names, p, q, expected[q + "ffn.w_gate"]))
     return out
 
 
@@ -779,11 +775,11 @@ def _experts_to_hybrid(
     p: str,
     q: str,
     gate_shape: torch.Size,
-    down_shape: torch.Size,
 ) -> dict[str, torch.Tensor]:
-    """Stacked ``[E, D, F]`` / ``[E, F, D]`` experts from per-expert ``[F, D]`` / ``[D, F]``
-    tensors, or from transformers' fused ``gate_up_proj [E, 2F, D]`` / ``down_proj [E, D, F]``;
-    ``ValueError`` naming a source tensor of another shape."""
+    """Stacked ``[E, D, F]`` / ``[E, F, D]`` experts (``gate_shape``: the stacked gate's) from
+    per-expert ``[F, D]`` / ``[D, F]`` tensors, or from transformers' fused
+    ``gate_up_proj [E, 2F, D]`` / ``down_proj [E, D, F]``; ``ValueError`` naming a source tensor
+    of another shape."""
     e, d, f = gate_shape
 
     def checked(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
