@@ -125,9 +125,12 @@ def sweep_workload(kernel: Any, device: Any) -> None:
     (out.o.float().sum() + out.final_state.sum()).backward()
 
 
-def model_case(name: str, device: Any) -> tuple[torch.nn.Module, list[list[int]]]:
-    """The native hybrid preset ``name`` (KDA, MLA, GDN, GQA, MoE) in bf16 on ``device``, with
-    the kernel cases' linear-attention head shapes, and four trajectories sharing prefixes."""
+def model_case(
+    name: str, device: Any, dtype: torch.dtype = torch.bfloat16
+) -> tuple[torch.nn.Module, list[list[int]]]:
+    """The native hybrid preset ``name`` (KDA, MLA, GDN, GQA, MoE) in ``dtype`` on ``device``,
+    with the kernel cases' linear-attention head shapes, and four trajectories sharing
+    prefixes."""
     from harts_verl.models import HybridForCausalLM, preset
 
     torch.manual_seed(0)
@@ -138,7 +141,7 @@ def model_case(name: str, device: Any) -> tuple[torch.nn.Module, list[list[int]]
         linear_key_head_dim=64,
         linear_value_head_dim=64,
     )
-    model = HybridForCausalLM.from_config(cfg).to(device, torch.bfloat16)
+    model = HybridForCausalLM.from_config(cfg).to(device, dtype)
     rng = np.random.default_rng(0)
     base = rng.integers(0, cfg.vocab_size, 300).tolist()
     seqs = [
@@ -157,7 +160,8 @@ def model_loss(lps: list[torch.Tensor]) -> torch.Tensor:
 def fla_workload(kernel: Any, device: Any) -> None:
     """Every fla call the GPU tests make, with ``kernel`` as the linear backend on ``device``:
     each kernel case forward + backward in both dtypes, the tree and trajectory-wise layouts of
-    the linear tree test (forward), and the model cases' runners (forward, backward)."""
+    the linear tree test (forward), and the model cases' runners in both dtypes (forward,
+    backward)."""
     from harts_verl.ops.layout import TreeLayout
     from harts_verl.runtime import ExpandedRunner, TreeRunner
 
@@ -181,8 +185,9 @@ def fla_workload(kernel: Any, device: Any) -> None:
             *(t.index_select(0, rows) for t in x), use_qk_l2norm=True, delta_rule=delta_rule
         )
     for name in MODEL_CASES:
-        model, seqs = model_case(name, device)
-        for cls in (TreeRunner, ExpandedRunner):
-            runner = cls(model, device=device, linear_backend=kernel, attention_backend="sdpa")
-            runner.log_probs(seqs)
-            runner.forward_backward(seqs, model_loss, separable=True)
+        for dtype in GPU_DTYPES:
+            model, seqs = model_case(name, device, dtype)
+            for cls in (TreeRunner, ExpandedRunner):
+                runner = cls(model, device=device, linear_backend=kernel, attention_backend="sdpa")
+                runner.log_probs(seqs)
+                runner.forward_backward(seqs, model_loss, separable=True)
