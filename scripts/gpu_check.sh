@@ -122,7 +122,8 @@ out, work, min_eff = sys.argv[1], sys.argv[2], float(sys.argv[5])
 tests_rc, bench_rc = status(sys.argv[3]), status(sys.argv[4])
 final = sys.argv[10] == 'final'
 pre_rcs = {'tests': sys.argv[7], 'bench': sys.argv[8]}
-steps = [dict(zip(('step', 'rc', 'seconds'), item.rsplit(':', 2))) for item in sys.argv[9].split()]
+steps = [{'step': name, 'rc': status(rc), 'seconds': int(sec)}
+         for name, rc, sec in (item.rsplit(':', 2) for item in sys.argv[9].split())]
 keys = ('efficiency', 'speedup', 'efficiency_best', 'ideal_flop_ratio', 'compression',
         'run_compression', 'semantic_tokens', 'compact_tokens', 'microbatches',
         'expanded_seconds_median', 'tree_seconds_median', 'max_abs_dlogp', 'mean_logit_cos',
@@ -144,10 +145,11 @@ report = load(f'{out}/gpu_report.json')
 s['tests_triton'] = report.get('triton') if isinstance(report, dict) else None
 for item in sys.argv[6].split():
     scale, rc = item.rsplit(':', 1)
+    rc = status(rc)
     entry = {'scale': float(scale), 'rc': rc}
     if rc not in ('skipped', 'pending'):
         entry['triton'] = load(f'{work}/compiles_{scale}.json')
-    if rc == '0':
+    if rc == 0:
         b = load(f'{work}/bench_{scale}.json')
         if 'error' in b:
             entry['bench_error'] = b['error']
@@ -155,7 +157,7 @@ for item in sys.argv[6].split():
             entry.update({k: b.get(k) for k in keys})
             entry['bench'] = b
     s['benches'].append(entry)
-done = [e for e in s['benches'] if e['rc'] == '0' and e.get('efficiency') is not None]
+done = [e for e in s['benches'] if e['rc'] == 0 and e.get('efficiency') is not None]
 if done:  # the gate: the largest size measured
     gate = max(done, key=lambda e: e['scale'])
     s['gate_scale'] = gate['scale']

@@ -1060,6 +1060,8 @@ def test_gpu_check_script_leaves_a_partial_summary_when_stopped(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert rc != 0 and summary["complete"] is False and summary["ok"] is False
     assert summary["steps"][0]["step"] == "env" and summary["env"].get("python")
+    # statuses and seconds are numbers (a reader's `rc == 0` was False on the string "0")
+    assert summary["steps"][0]["rc"] == 0 and isinstance(summary["steps"][0]["seconds"], int)
     assert not (out / "summary.json.tmp").exists()
 
 
