@@ -9,7 +9,8 @@ their ValueError (``json.JSONDecodeError`` included), TypeError, OSError (FileNo
 ...), ``pickle.UnpicklingError`` and EOFError. Set ``HARTS_VERL_DEBUG=1`` to get the full
 traceback of a user error instead. Results are printed as strict JSON (never NaN or Infinity: a
 non-finite figure is an error with a traceback, not output; ``check`` prints a non-finite
-difference as null, names it and exits 3, as it does when ``--fail-above`` finds a disagreement).
+difference as null, names it and exits 3, as it does when ``--fail-above`` finds a disagreement;
+``precompile`` stopped by SIGINT prints what it compiled, ``"interrupted": true``, and exits 130).
 """
 
 from __future__ import annotations
@@ -468,7 +469,7 @@ def _cmd_precompile(args: argparse.Namespace) -> int:
             raise
         raise _UserError(_phrase(exc, _PRECOMPILE_FLAGS)) from exc
     _print_json(out)
-    return 0
+    return 130 if out.get("interrupted") else 0  # a SIGINT's status, after its summary
 
 
 def _add_precompile(sub: argparse._SubParsersAction) -> None:

@@ -99,3 +99,40 @@ def test_precompile_fills_the_cache_and_hits_it(tmp_path):
     second = _run(args, tmp_path)
     assert second["specializations"] == first["specializations"]
     assert second["cached"] == second["specializations"] and second["compiled"] == 0, second
+
+
+INTERRUPT = """
+import json, torch
+import triton.compiler
+
+real, calls = triton.compiler.compile, []
+
+def compile_until_interrupted(*args, **kwargs):  # the second compile meets a time limit's SIGINT
+    calls.append(1)
+    if len(calls) == 2:
+        raise KeyboardInterrupt
+    return real(*args, **kwargs)
+
+# JITFunction binds triton.compiler.compile when it first runs (in the workload)
+triton.compiler.compile = compile_until_interrupted
+from _delta_rule_cases import delta_rule_inputs
+from harts_verl.ops.backends.triton_cache import DeviceInfo, compile_ahead
+from harts_verl.precompile import fla_kernel_for
+
+def workload():
+    q, k, v, g, b = delta_rule_inputs(80, False, h=1, hv=2, d=16)
+    xs = [x.requires_grad_(True) for x in (q, k, v, g, torch.sigmoid(b))]
+    out = fla_kernel_for(DeviceInfo.hopper())(*xs, cu_seqlens=torch.tensor([0, 30, 80]), chunk_size=64)
+    (out.o.sum() + out.final_state.sum()).backward()
+
+out = compile_ahead(workload, device=DeviceInfo.hopper(), autotune="first", threads=1)
+print(json.dumps({**out, "calls": len(calls)}))
+"""
+
+
+def test_an_interrupted_compile_still_reports(tmp_path):
+    """A SIGINT during the compiles (a time limit's) stops them: the queued ones are dropped
+    and the summary still comes back, ``interrupted`` and counting what was compiled."""
+    got = _run(["-c", INTERRUPT], tmp_path)
+    assert got["interrupted"] is True, got
+    assert got["compiled"] == 1 and got["calls"] <= 3 < got["specializations"], got

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import threading
 import time
 import types
@@ -373,9 +374,11 @@ def compile_ahead(
 
     Returns ``{"target", "autotune", "kernels", "specializations", "compiled", "cached",
     "failed", "errors", "too_large", "threads", "workload_seconds", "compile_seconds",
-    "compile_cpu_seconds"}`` (``cached``: found in the cache already; ``kernels``: distinct
-    Triton functions; ``too_large``: specializations past the target's shared memory, which
-    cannot launch there).
+    "compile_cpu_seconds", "interrupted"}`` (``cached``: found in the cache already;
+    ``kernels``: distinct Triton functions; ``too_large``: specializations past the target's
+    shared memory, which cannot launch there; ``interrupted``: a SIGINT (a time limit) stopped
+    the compiles, the queued ones were dropped and the counts are of those that ran; SIGINT is
+    then ignored, so the summary is still returned).
 
     Raises:
       ValueError: an unknown ``autotune``.
@@ -481,11 +484,20 @@ def compile_ahead(
             with log._lock:
                 too_large.append(f"{fn._fn_name} ({shared} bytes of shared memory)")
 
+    interrupted = False
     if compile:
         if progress:
             progress(f"compiling {len(jobs)} kernel specializations on {threads} threads")
-        with log, ThreadPoolExecutor(threads) as pool:
-            list(pool.map(compile_one, list(jobs.values())))
+        pool = ThreadPoolExecutor(threads)
+        with log:
+            try:
+                list(pool.map(compile_one, list(jobs.values())))
+            except KeyboardInterrupt:  # a time limit's SIGINT: keep what is compiled, report
+                interrupted = True
+                if threading.current_thread() is threading.main_thread():
+                    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a second one, its group's)
+            finally:  # on an interrupt the queued compiles are dropped, the running ones end
+                pool.shutdown(wait=not interrupted, cancel_futures=True)
     summary = log.summary()
     return {
         "target": {"name": device.name, "capability": list(cap)},
@@ -502,4 +514,5 @@ def compile_ahead(
         "workload_seconds": round(t1 - t0, 3),
         "compile_seconds": round(time.perf_counter() - t1, 3),
         "compile_cpu_seconds": summary["compile_seconds"],
+        "interrupted": interrupted,
     }
