@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         help="workload scale in (0, 256]: at least scale x 1M semantic tokens above the tiny range, in whole groups",
     )
     ap.add_argument("--seed", type=int_arg(0), default=0)
-    ap.add_argument("--chunk-size", type=int_arg(1), default=64)
+    # the bound every runner and engine applies (harts_verl.ops.layout.MAX_CHUNK_SIZE; tree/ is numpy-only)
+    ap.add_argument("--chunk-size", type=int_arg(1, 4096), default=64)
     ap.add_argument("--per-size", type=int_arg(1), default=3, help="microbatches per target size")
     ap.add_argument("--repeats", type=int_arg(1), default=15, help="timed runs (>= 1)")
     args = ap.parse_args(argv)

@@ -105,4 +105,11 @@ if __name__ == "__main__":
     ap.add_argument("--kind", default="qwen3_next")
     ap.add_argument("--sft-steps", type=int, default=16, help="warm-start steps (0: random init)")
     args = ap.parse_args()
+    if args.sft_steps < 0:
+        ap.error(f"--sft-steps: expected an int >= 0, got {args.sft_steps}")
+    from harts_verl.workers.testing import TINY_KINDS, TINY_MULTIMODAL_KINDS
+
+    kinds = TINY_KINDS + TINY_MULTIMODAL_KINDS
+    if args.kind not in kinds:
+        ap.error(f"--kind: expected one of {', '.join(kinds)}, got {args.kind!r}")
     print(prepare(args.out, kind=args.kind, sft_steps=args.sft_steps))

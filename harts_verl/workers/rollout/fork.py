@@ -2,7 +2,7 @@
 
 Enable with::
 
-    actor_rollout_ref.rollout.agent.agent_loop_manager_class=harts_verl.workers.rollout.fork.HartsAgentLoopManager
+    ++actor_rollout_ref.rollout.agent.agent_loop_manager_class=harts_verl.workers.rollout.fork.HartsAgentLoopManager
     actor_rollout_ref.rollout.agent.default_agent_loop=harts_tool_agent
     +harts_rollout.fork.enable=true
     +harts_rollout.fork.turns=[0,1]        # turn boundaries (completed assistant turns)
@@ -164,7 +164,8 @@ def check_fork_manager(config: Any) -> None:
     if isinstance(cls, type) and getattr(cls, "harts_fork_sampling", False):
         return
     raise ValueError(
-        f"harts_rollout.fork.enable=true needs {key}={MANAGER_PATH} (only it forks), got {path!r}"
+        f"harts_rollout.fork.enable=true needs {key}={MANAGER_PATH} (only it forks; on the "
+        f"command line ++{key}=..., veRL's rollout.yaml has no such key), got {path!r}"
     )
 
 
