@@ -44,6 +44,7 @@ import torch
 from harts_verl.models import HybridForCausalLM, preset
 from harts_verl.ops.backends import kernel_routes
 from harts_verl.ops.layout import check_chunk_size
+from harts_verl.ops.logprobs import mean_logit_cosine
 from harts_verl.runtime import ExpandedRunner, TreeRunner
 from harts_verl.runtime.flops import ideal_flop_ratio, model_shape
 from harts_verl.tree import RolloutForest
@@ -121,21 +122,6 @@ def _grpo_like_loss(lengths: list[int], seed: int):
         return torch.stack(terms).sum() / total
 
     return loss_fn
-
-
-def _logit_cosine(
-    h_a: list[torch.Tensor], h_b: list[torch.Tensor], w: torch.Tensor, chunk: int = 2048
-) -> float:
-    """Mean over positions of cos(logits_a, logits_b), computed in float64, chunked."""
-    wa = w.detach().double()
-    acc, n = 0.0, 0
-    for a, b in zip(h_a, h_b):
-        for s in range(0, a.shape[0], chunk):
-            la = a[s : s + chunk].double() @ wa.T
-            lb = b[s : s + chunk].double() @ wa.T
-            acc += float(torch.nn.functional.cosine_similarity(la, lb, dim=-1).sum())
-            n += la.shape[0]
-    return acc / max(n, 1)
 
 
 def bench_model(
@@ -507,7 +493,7 @@ def measure_bench(prep: PreparedBench) -> dict[str, Any]:
     # the output head: HF models (harts_hybrid's wrapper included) name it themselves
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head = head if head is not None else model.lm_head
-    cos = _logit_cosine(tree.hidden_states(seqs), expanded.hidden_states(seqs), head.weight)
+    cos = mean_logit_cosine(tree.hidden_states(seqs), expanded.hidden_states(seqs), head.weight)
     result = {
         "benchmark": "harts_bench",
         "workload": cfg.workload,

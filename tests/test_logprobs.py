@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -494,3 +496,26 @@ def test_temperature_floor_of_the_compute_dtype() -> None:
     with pytest.raises(ValueError, match="below"):  # float64 floor 7.5e-155; 1e-40 is legal
         compact_log_probs(*_params(f.num_compact_tokens, 0)[:2], f, temperature=1e-160)
     compact_log_probs(*_params(f.num_compact_tokens, 0)[:2], f, temperature=1e-40)
+
+
+def test_mean_logit_cosine_counts_equal_rows_as_one():
+    """mean_logit_cosine (bench's mean_logit_cos, check's mean_cos): the mean over positions of
+    the LM-head logits' cosine, chunking not changing it; two exactly equal rows count 1, zero
+    logits included (torch's cosine of two zero vectors is 0: identical outputs read as total
+    disagreement); NaN without positions; mismatched inputs are named."""
+    from harts_verl.ops.logprobs import mean_logit_cosine
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(7, 3, generator=g, dtype=torch.float64)
+    a = [torch.randn(5, 3, generator=g, dtype=torch.float64), torch.zeros(2, 3)]
+    b = [a[0] + 0.1 * torch.randn(5, 3, generator=g, dtype=torch.float64), torch.zeros(2, 3)]
+    la, lb = a[0] @ w.T, b[0] @ w.T
+    want = (float(torch.nn.functional.cosine_similarity(la, lb, dim=-1).sum()) + 2) / 7
+    for rows in (1, 2, 4096):
+        assert abs(mean_logit_cosine(a, b, w, rows_per_chunk=rows) - want) <= 1e-15
+    assert mean_logit_cosine([torch.zeros(3, 3)], [torch.zeros(3, 3)], w) == 1.0
+    assert math.isnan(mean_logit_cosine([], [], w))
+    with pytest.raises(ValueError, match="hidden_b: 1 trajectories, hidden_a has 2"):
+        mean_logit_cosine(a, b[:1], w)
+    with pytest.raises(ValueError, match=r"hidden_b\[1\]: shape \(1, 3\) != \(2, 3\)"):
+        mean_logit_cosine(a, [b[0], torch.zeros(1, 3)], w)

@@ -18,6 +18,7 @@ trajectory-wise gradient after the semantic gather.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
@@ -36,6 +37,7 @@ __all__ = [
     "compact_log_probs",
     "expanded_log_probs_ref",
     "label_rows",
+    "mean_logit_cosine",
     "semantic_to_row_index",
 ]
 
@@ -632,3 +634,32 @@ def expanded_log_probs_ref(
     ent = -(logp_full.exp() * logp_full).sum(dim=-1) if with_entropy else None
     sq = (logp_full.exp() ** 2).sum(dim=-1) if with_sum_pi_squared else None
     return logp, ent, sq
+
+
+def mean_logit_cosine(
+    hidden_a: Sequence[torch.Tensor],
+    hidden_b: Sequence[torch.Tensor],
+    weight: torch.Tensor,
+    *,
+    rows_per_chunk: int = 4096,
+) -> float:
+    """Mean over positions of the cosine between the LM-head logits (``h @ weight.T``, float64)
+    of ``hidden_a[i][t]`` and ``hidden_b[i][t]`` (``[L_i, D]`` each), ``rows_per_chunk`` rows at
+    a time (memory O(rows_per_chunk × V)). Two exactly equal logit rows count 1, zero rows
+    included (torch's cosine of the zero vector, 0, would read as a total disagreement). NaN
+    when there is no position. Raises ValueError when the two lists or their shapes differ."""
+    if len(hidden_a) != len(hidden_b):
+        raise ValueError(f"hidden_b: {len(hidden_b)} trajectories, hidden_a has {len(hidden_a)}")
+    w = weight.detach().double()
+    total, count = 0.0, 0
+    for i, (a, b) in enumerate(zip(hidden_a, hidden_b)):
+        if a.shape != b.shape:
+            raise ValueError(f"hidden_b[{i}]: shape {tuple(b.shape)} != {tuple(a.shape)}")
+        for k in range(0, int(a.shape[0]), rows_per_chunk):
+            la = a[k : k + rows_per_chunk].detach().double() @ w.T
+            lb = b[k : k + rows_per_chunk].detach().double() @ w.T
+            cos = torch.nn.functional.cosine_similarity(la, lb, dim=-1)
+            cos = torch.where((la == lb).all(dim=-1), torch.ones_like(cos), cos)
+            total += float(cos.sum())
+            count += int(cos.shape[0])
+    return total / count if count else float("nan")

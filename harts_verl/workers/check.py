@@ -53,6 +53,7 @@ import numpy as np
 import torch
 
 from harts_verl.ops.layout import check_chunk_size
+from harts_verl.ops.logprobs import mean_logit_cosine
 from harts_verl.tree._checks import (
     INT64_MAX,
     SEED_MAX,
@@ -434,21 +435,6 @@ def _layer_max_abs_diffs(tree: Any, exp: Any, model: Any, seqs: list[list[int]])
     return [diffs[k] for k in range(len(layers)) if k in diffs]
 
 
-def _mean_logit_cos(ht: list[torch.Tensor], he: list[torch.Tensor], w: torch.Tensor) -> float:
-    """Mean over semantic positions of the cosine of the full-vocabulary logits of the final
-    hidden states ``ht`` vs ``he`` (float64, :data:`_ROWS` rows at a time)."""
-    w = w.double()
-    total, count = 0.0, 0
-    for a, b in zip(ht, he):
-        for k in range(0, int(a.shape[0]), _ROWS):
-            cos = torch.nn.functional.cosine_similarity(
-                a[k : k + _ROWS].double() @ w.T, b[k : k + _ROWS].double() @ w.T, dim=-1
-            )
-            total += float(cos.sum())
-            count += int(cos.shape[0])
-    return total / count if count else float("nan")
-
-
 def _own_forward_log_probs(model: Any, seqs: list[list[int]]) -> list[torch.Tensor] | None:
     """Per trajectory, the model's own (non-tree) forward on that trajectory alone: log-probs of
     tokens 1.. ``[L_i - 1]`` in float64 (None for a model without an HF-style forward)."""
@@ -508,7 +494,7 @@ def run_check(
     lt, le = tree.log_probs(seqs), exp.log_probs(seqs)
     dlogp = _max_abs_diff(zip(lt, le))
     ht, he = tree.hidden_states(seqs), exp.hidden_states(seqs)
-    mean_cos = _mean_logit_cos(ht, he, tree.model.lm_head.weight.detach())
+    mean_cos = mean_logit_cosine(ht, he, tree.model.lm_head.weight, rows_per_chunk=_ROWS)
     del ht, he
     per_layer = _layer_max_abs_diffs(tree, exp, model, seqs) if decoder_layers(model) else []
     # NaN is divergent too (`d > tol` is False for it)
