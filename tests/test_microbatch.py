@@ -810,7 +810,14 @@ def test_bounded_search_skips_its_phases_and_stays_a_valid_plan(forest, extra, d
     plan = plan_microbatches(forest, capacity_tokens=cap, **opts)
     check_plan(forest, plan, cap, dp)
     assert not any(name.startswith("greedy") or "+" in name for name in plan.candidates)
-    assert set(plan.skipped_phases) <= {"greedy", "improve", "restarts", "balance", "repair"}
+    assert set(plan.skipped_phases) <= {
+        "greedy",
+        "improve",
+        "restarts",
+        "fewer_bins",
+        "balance",
+        "repair",
+    }
     assert plan.summary()["skipped_phases"] == list(plan.skipped_phases)
     nat = sum(naive_work(forest, p) for p in natural_partition(forest, cap))
     assert lower_bound_work(forest, cap) <= plan.total_compact_tokens <= int(nat * (1 + slack))
@@ -967,3 +974,32 @@ def test_token_balanced_microbatches_no_more_than_verl():
         ours = token_balanced_microbatches(lengths, cap)
         assert len(ours) <= verl_count(lengths, cap), (lengths, cap)
         assert all(sum(lengths[i] for i in b) <= cap for b in ours)
+
+
+def test_fewer_microbatches_for_the_same_work():
+    """The natural partition reaches the work bound, but a tree cut in halves that each repeat
+    its prefix leaves room: cut unevenly, the small parts share microbatches with other trees.
+    10 trees of 820 rows and 6 of 60 at capacity 700: 14 microbatches of the same 8,760 rows
+    (the natural partition's 21)."""
+    rng = np.random.default_rng(0)
+    seqs = []
+    for _ in range(10):
+        p = rng.integers(1000, 2000, 20).tolist()
+        seqs += [p + rng.integers(1, 1000, 200).tolist() for _ in range(4)]
+    seqs += [rng.integers(1, 1000, 60).tolist() for _ in range(6)]
+    f = RolloutForest.from_sequences(seqs)
+    for dp in (1, 2):
+        plan = plan_microbatches(f, capacity_tokens=700, dp_size=dp)
+        check_plan(f, plan, 700, dp)
+        assert plan.total_compact_tokens == lower_bound_work(f, 700) == 8760
+        assert plan.num_microbatches == 14 and plan.candidates["natural"][3] == 21, plan.candidates
+    small = RolloutForest.from_sequences(
+        [[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [1, 2, 9], [5, 6, 7, 8]]
+    )
+    plan = plan_microbatches(small, capacity_tokens=8)
+    check_plan(small, plan, 8, 1)
+    assert plan.num_microbatches == 2 and plan.total_compact_tokens == 15 == lower_bound_work(
+        small, 8
+    )
+    # without the local search (improve=False) the phase does not run
+    assert plan_microbatches(small, capacity_tokens=8, improve=False).num_microbatches == 3
