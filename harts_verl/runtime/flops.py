@@ -1,7 +1,9 @@
 """Analytic FLOP model: expanded ÷ tree work of one forward/backward for a model and a forest.
 
-Counts matmul FLOPs (2·m·n·k) of the forward; backward is ~2× forward for every term, so the
-ratio of forward counts is the ratio of forward+backward. Terms:
+Counts matmul FLOPs (2·m·n·k) of the forward; backward is ~2× forward for the matmul terms, so
+the ratio of forward counts stands for the ratio of forward+backward (softmax attention's
+backward is ~2.5× its forward and recomputation re-runs the layers but not the LM head: see
+docs/runtime.md for what that leaves out). Terms:
 
 * per-token (row-wise) work: projections, FFN / active MoE experts, router, LM head — ∝ tokens
   (expanded: S; tree: C);
