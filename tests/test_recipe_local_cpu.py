@@ -271,3 +271,6 @@ def test_calc_reward_rules():
     assert score(fixed + "<assistant> answer 9 <eos>") == 0.1
     assert score("<call> add 4 7 <eos>") == 0.1  # cut off before the reply
     assert score("answer 11 <call> add 4 7 <eos> <tool> 11 <assistant>") == 0.1
+    # the only well-formed call comes after the last reply (never run: the turn limit): a guess
+    guess = "<call> mul 4 7 <eos> <tool> error <assistant> <call> add 4 7 answer 11 <eos>"
+    assert score(guess) == 0.1

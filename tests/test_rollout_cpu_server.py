@@ -470,3 +470,48 @@ def test_tiny_temperature_is_raised_and_tiny_top_p_keeps_the_top_token(tmp_path)
     tiny_p = _gen(server, [1, 2, 3], temperature=1.0, top_p=1e-46, max_tokens=4, logprobs=True)
     assert tiny_p.token_ids == greedy.token_ids
     assert tiny_p.log_probs == [0.0] * len(greedy.token_ids)
+
+
+def test_weight_update_waits_for_a_running_generation(tmp_path):
+    """A weight update (veRL's async trainer modes sync weights while a request may run) waits
+    for the running sample: one output, one policy, tagged with that policy's global step (it
+    landed mid-generation: the old weights' tokens, then the new ones', tagged with the new
+    step)."""
+    import threading
+
+    from harts_verl.workers import testing
+    from harts_verl.workers.rollout.cpu_server import HFGenerationServer
+
+    path = testing.save_tiny_model("qwen2", str(tmp_path / "q"), seed=1)
+    cfg = SimpleNamespace(max_model_len=None, prompt_length=16, response_length=40)
+    server = HFGenerationServer(cfg, SimpleNamespace(path=path, tokenizer=None))
+    server.eos_token_ids = ()  # no early stop
+    server.set_global_steps(1)
+    sp = {"temperature": 0, "max_tokens": 30}
+    ref = _gen(server, [1, 2, 3], **sp)
+    started = threading.Event()
+
+    def slow(module, args, kwargs=None):
+        started.set()
+        started.wait()
+        threading.Event().wait(0.005)  # a slow step: the update arrives mid-generation
+
+    server.model.register_forward_pre_hook(slow)
+
+    async def run():
+        started.clear()
+        task = asyncio.ensure_future(
+            server.generate(prompt_ids=[1, 2, 3], sampling_params=sp, request_id="r")
+        )
+        await asyncio.get_running_loop().run_in_executor(None, started.wait)
+        named = [
+            (n, torch.zeros_like(p)) for n, p in server.model.named_parameters() if "lm_head" in n
+        ]
+        server.load_weights(named)  # the trainer's sync call
+        server.set_global_steps(2)
+        return await task
+
+    out = asyncio.new_event_loop().run_until_complete(run())
+    assert out.token_ids == ref.token_ids and out.extra_fields == {"global_steps": 1}
+    after = _gen(server, [1, 2, 3], **sp)
+    assert set(after.token_ids) == {0} and after.extra_fields == {"global_steps": 2}

@@ -23,6 +23,7 @@ import hashlib
 import logging
 import re
 import reprlib
+import threading
 import time
 from typing import Any
 
@@ -435,6 +436,9 @@ class HFGenerationServer:
         self.global_steps: int | None = None
         self.weight_version = 0
         self._lock = None
+        # held while a sample runs (in the executor) and while weights are copied: a weight
+        # update never lands inside a generation (one output, one policy, one global step)
+        self._weights_lock = threading.Lock()
 
     @property
     def eos_token_id(self) -> int | None:
@@ -492,20 +496,23 @@ class HFGenerationServer:
             stops.extend(self.eos_token_ids)
         seed = request_seed(request_id, len(prompt_ids), sp.get("seed"))
         async with self._lock:  # one generation at a time per server (CPU)
-            ids, lps = await asyncio.get_running_loop().run_in_executor(
-                None,
-                lambda: sample_tokens(
-                    self.model,
-                    list(prompt_ids),
-                    max_new_tokens=max_new,
-                    temperature=temperature,
-                    top_k=top_k,
-                    top_p=top_p,
-                    stop_token_ids=stops,
-                    seed=seed,
-                ),
-            )
-        extra = {"global_steps": self.global_steps} if self.global_steps is not None else {}
+
+            def run() -> tuple[list[int], list[float], int | None]:
+                with self._weights_lock:
+                    ids, lps = sample_tokens(
+                        self.model,
+                        list(prompt_ids),
+                        max_new_tokens=max_new,
+                        temperature=temperature,
+                        top_k=top_k,
+                        top_p=top_p,
+                        stop_token_ids=stops,
+                        seed=seed,
+                    )
+                    return ids, lps, self.global_steps  # the step of the weights it sampled
+
+            ids, lps, steps = await asyncio.get_running_loop().run_in_executor(None, run)
+        extra = {"global_steps": steps} if steps is not None else {}
         return TokenOutput(
             token_ids=ids,
             log_probs=lps if sp.get("logprobs") else None,
@@ -547,15 +554,16 @@ class HFGenerationServer:
                 f"load_weights: {len(unmatched)} tensors match no parameter of the rollout "
                 f"model by name and shape, e.g. {unmatched[:3]}"
             )
-        with torch.no_grad():
+        with self._weights_lock, torch.no_grad():  # waits for a running sample
             for param, t in pairs:
                 param.copy_(t.to(param.dtype))
-        self.weight_version += 1
+            self.weight_version += 1
         return len(pairs)
 
     def set_global_steps(self, global_steps: int) -> None:
         """Remember the trainer step (reported in ``TokenOutput.extra_fields``)."""
-        self.global_steps = global_steps
+        with self._weights_lock:
+            self.global_steps = global_steps
 
     # ------------------------------------------------------------------ no-op controls
     def get_server_address(self) -> tuple[str, int]:

@@ -357,9 +357,16 @@ def compute_score(
     if not called:
         return 0.0
     if "<tool>" in words:
-        tail = words[len(words) - words[::-1].index("<tool>") :]
+        last_tool = len(words) - 1 - words[::-1].index("<tool>")
+        # a well-formed call before the last tool reply (one after it got no reply)
+        replied = any(
+            _well_formed_call(words[:last_tool], k)
+            for k, w in enumerate(words[:last_tool])
+            if w == "<call>"
+        )
+        tail = words[last_tool + 1 :]
         tail = tail[tail.index("<assistant>") + 1 :] if "<assistant>" in tail else []
         said = [k for k, w in enumerate(tail) if w == "answer"]
-        if said and tail[said[-1] + 1 : said[-1] + 2] == [str(ground_truth)]:
+        if replied and said and tail[said[-1] + 1 : said[-1] + 2] == [str(ground_truth)]:
             return 1.0
     return 0.1
