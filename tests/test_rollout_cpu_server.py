@@ -515,3 +515,15 @@ def test_weight_update_waits_for_a_running_generation(tmp_path):
     assert out.token_ids == ref.token_ids and out.extra_fields == {"global_steps": 1}
     after = _gen(server, [1, 2, 3], **sp)
     assert set(after.token_ids) == {0} and after.extra_fields == {"global_steps": 2}
+
+
+def test_adapter_refuses_a_delta_wire_format():
+    """veRL's delta checkpoint engine sends ``wire_format="delta_flush"`` (vLLM only): the
+    adapter names it (it read the stream as full tensors, an unclear AttributeError)."""
+    from harts_verl.workers.rollout import cpu_server
+
+    update = cpu_server.HFServerAdapter.update_weights
+    with pytest.raises(ValueError, match="wire_format: harts_hf takes 'named_tensors'"):
+        asyncio.new_event_loop().run_until_complete(
+            update(SimpleNamespace(), iter(()), wire_format="delta_flush")
+        )

@@ -709,6 +709,11 @@ def _adapter_cls() -> type:
             wire_format: str = "named_tensors",
             **kwargs: Any,
         ) -> None:
+            if wire_format != "named_tensors":  # veRL's delta checkpoint engine: vLLM only
+                raise ValueError(
+                    f"wire_format: harts_hf takes 'named_tensors' (full tensors), got "
+                    f"{wire_format!r}: use a checkpoint engine that sends full tensors"
+                )
             t0 = time.time()
             full = []
             for name, t in weights:
