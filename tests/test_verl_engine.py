@@ -333,6 +333,27 @@ def test_attention_free_models_are_refused_by_name(verl_cpu, kind):
         testing.build_engine(paths[kind], cfg, use_remove_padding=False)
 
 
+def test_tree_mode_only_for_the_listed_model_types(verl_cpu, caplog, monkeypatch):
+    """A model type outside TREE_MODEL_TYPES (what ``harts-verl check`` takes) runs the stock
+    path, named in a WARNING, even when it holds an attention class tree mode can patch (a
+    llava wrapper around Llama did run tree batches nothing had checked)."""
+    from harts_verl.workers import engine as engine_mod
+
+    testing, paths = verl_cpu
+    listed = tuple(t for t in engine_mod.TREE_MODEL_TYPES if t != "qwen2")
+    monkeypatch.setattr(engine_mod, "TREE_MODEL_TYPES", listed)
+    seqs, prompt_lens, spans = _grpo_batch(seed=3)
+    with caplog.at_level("WARNING"):
+        engine = testing.build_engine(paths["qwen2"], testing.actor_config())
+    assert not engine._tree_supported
+    assert any(
+        "model type 'qwen2' has no tree-mode support" in r.getMessage() for r in caplog.records
+    )
+    with engine.eval_mode():
+        out = engine.infer_batch(testing.make_batch(seqs, prompt_lens, tool_spans=spans))
+    assert out["metrics"]["harts/fallback"] == [1.0]
+
+
 def test_gemma2_sdpa_fallback_batches_keep_the_soft_cap(verl_cpu, caplog, monkeypatch):
     """Gemma 2 on sdpa (which drops its attention soft-cap): the build warns, and a fallback
     batch runs eager attention, so it computes what a tree batch computes (log-probs <= 1e-6

@@ -618,7 +618,14 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         _check_attention_heads(self.model_config.hf_config)
         module = super()._build_module()
         model_type = getattr(getattr(module, "config", None), "model_type", None)
-        self._tree_supported = self._tree_head(module) and patch_tree_mixers(module) > 0
+        # Only the model types whose tree mode is checked against their own forward (those
+        # `harts-verl check` takes): a wrapper of another type around a supported attention
+        # class (e.g. a llava over Llama) would patch, but its forward is not known to match.
+        self._tree_supported = (
+            model_type in TREE_MODEL_TYPES
+            and self._tree_head(module)
+            and patch_tree_mixers(module) > 0
+        )
         if not self._tree_supported:
             logger.warning(
                 "harts_fsdp2: model type %r has no tree-mode support; every batch takes the "
