@@ -406,26 +406,32 @@ def test_an_empty_first_generation_is_an_empty_response(env, seq_ids):
 
 def test_fork_copies_run_off_the_event_loop(env, seq_ids, monkeypatch):
     """Copying a fork point (a SWE sandbox clones itself there: a docker commit) runs in a
-    worker thread, one copy at a time, not on the event loop every trajectory shares."""
+    worker thread, one copy of a point at a time (two points, in two branches, may copy at
+    once), not on the event loop every trajectory shares."""
     import threading
+    from collections import Counter
 
-    threads, active, peak = [], [0], [0]
+    threads, active, peak = [], Counter(), Counter()
+    lock = threading.Lock()
     copy_fn = agent_loop_mod._copy_agent_data
 
-    def recording(*args, **kwargs):
-        threads.append(threading.current_thread())
-        active[0] += 1
-        peak[0] = max(peak[0], active[0])
+    def recording(src, *args, **kwargs):
+        with lock:
+            threads.append(threading.current_thread())
+            active[id(src)] += 1
+            peak[id(src)] = max(peak[id(src)], active[id(src)])
         try:
-            return copy_fn(*args, **kwargs)
+            return copy_fn(src, *args, **kwargs)
         finally:
-            active[0] -= 1
+            with lock:
+                active[id(src)] -= 1
 
     monkeypatch.setattr(agent_loop_mod, "_copy_agent_data", recording)
     outs = _tree(env, env["Client"](), ForkSpec(turns=(0, 1), branching=2, budget=4))
     _check_tree(outs, 4)
     branch_copies = [t for t in threads if t is not threading.main_thread()]
-    assert len(branch_copies) == 6 and peak[0] == 1  # 2 + 2 × 2 branches, one at a time
+    assert len(branch_copies) == 6  # 2 + 2 × 2 branches, each off the event loop
+    assert len(peak) == 3 and set(peak.values()) == {1}  # 3 fork points, one copy each at a time
 
 
 def test_full_determinism_tree_does_not_follow_completion_order(env):
