@@ -751,13 +751,8 @@ def _layer_to_hybrid(
             sizes = [expected[q + f"mixer.{c}_conv.weight"][0] for c in "qkv"]
             w = src.take(fused)
             width = expected[q + "mixer.q_conv.weight"][1]
-            if w.dim() == 3 and w.shape[1] == 1:
-                w = w.squeeze(1)
-            if tuple(w.shape) != (sum(sizes), width):
-                raise ValueError(
-                    f"checkpoint: {fused!r} has shape {tuple(src.take(fused).shape)}, the config "
-                    f"needs {(sum(sizes), 1, width)}"
-                )
+            if tuple(w.shape) != (sum(sizes), width):  # stored [C, W] or, as a conv, [C, 1, W]
+                w = _shaped(fused, w, (sum(sizes), 1, width)).squeeze(1)
             parts = torch.split(w, sizes, dim=0)
             out.update({q + f"mixer.{c}_conv.weight": w for c, w in zip("qkv", parts, strict=True)})
         else:
@@ -781,20 +776,12 @@ def _experts_to_hybrid(
     ``gate_up_proj [E, 2F, D]`` / ``down_proj [E, D, F]``; ``ValueError`` naming a source tensor
     of another shape."""
     e, d, f = gate_shape
-
-    def checked(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-        if tuple(t.shape) != shape:
-            raise ValueError(
-                f"checkpoint: {name!r} has shape {tuple(t.shape)}, the config needs {shape}"
-            )
-        return t
-
     roots = [p + r for r in names.moe]
     fused = src.first(*(r + "experts.gate_up_proj" for r in roots))
     if fused is not None:
-        gate_up = checked(fused, src.take(fused), (e, 2 * f, d))
+        gate_up = _shaped(fused, src.take(fused), (e, 2 * f, d))
         down_name = fused[: -len("gate_up_proj")] + "down_proj"
-        down = checked(down_name, src.take(down_name), (e, d, f))
+        down = _shaped(down_name, src.take(down_name), (e, d, f))
         return {
             q + "ffn.w_gate": gate_up[:, :f].transpose(1, 2),
             q + "ffn.w_up": gate_up[:, f:].transpose(1, 2),
@@ -807,7 +794,7 @@ def _experts_to_hybrid(
         for j in range(e):
             candidates = [r + f"experts.{j}.{w}.weight" for r in roots]
             t = src.take(*candidates)  # ValueError naming them when none is present
-            per_expert.append(checked(str(src.first(*candidates)), t, shape).T)
+            per_expert.append(_shaped(str(src.first(*candidates)), t, shape).T)
         out[q + ours] = torch.stack(per_expert)
     return out
 
@@ -855,17 +842,22 @@ def source_tensors_from_hybrid(
     raise ValueError(f"{fmt.model_type} export: unexpected tensor {name!r}")
 
 
+def _shaped(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``t`` when its shape is ``shape``; else ``ValueError`` naming the tensor ``name``."""
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(
+            f"checkpoint: {name!r} has shape {tuple(t.shape)}, the config needs {tuple(shape)}"
+        )
+    return t
+
+
 def _check_shapes(
     got: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Size], keys: Any
 ) -> None:
     for k in keys:
         if k not in got:
             raise ValueError(f"checkpoint: no tensor for {k!r}")
-        if got[k].shape != expected[k]:
-            raise ValueError(
-                f"checkpoint: {k!r} has shape {tuple(got[k].shape)}, the config needs "
-                f"{tuple(expected[k])}"
-            )
+        _shaped(k, got[k], expected[k])
 
 
 def _layer_index(name: str) -> int | None:
