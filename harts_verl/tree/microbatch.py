@@ -909,40 +909,29 @@ def _dissolve(st: _State, a: int) -> _State | None:
     return trial
 
 
-def _eliminate(st: _State, tries: int = 6, min_bins: int = 1) -> bool:
+def _eliminate(st: _State, tries: int = 6, min_bins: int = 1, same_work: bool = False) -> bool:
     """Dissolve a bin (smallest first) into the others (:func:`_dissolve`); commit the first
-    dissolution that lowers total work. Nothing to try at ``min_bins`` live bins or fewer."""
+    dissolution that lowers total work (``same_work``: or keeps it). Nothing to try at
+    ``min_bins`` live bins or fewer."""
     live = np.flatnonzero(st.works > 0)
     if live.size < 2 or live.size <= min_bins:
         return False
-    before = st.total()
+    limit = st.total() - (0 if same_work else 1)  # integer works
     for a in live[np.lexsort((live, st.works[live]))][:tries].tolist():
         trial = _dissolve(st, a)
-        if trial is not None and trial.total() < before:
+        if trial is not None and trial.total() <= limit:
             st.assign(trial)
             return True
     return False
 
 
-def _fewer_bins(st: _State, budget: int, min_bins: int = 1, tries: int = 6) -> int:
-    """Dissolve bins (smallest first, :func:`_dissolve`) while one dissolution leaves the total
-    work unchanged or lower: fewer microbatches for the same work (each one is a forward,
-    backward and FSDP all-gather more). At most ``budget`` dissolutions, never below
-    ``min_bins`` live bins. Returns the number made."""
+def _fewer_bins(st: _State, budget: int, min_bins: int = 1) -> int:
+    """:func:`_eliminate` with ``same_work`` while it dissolves a bin: fewer microbatches for
+    the same work (each one is a forward, backward and FSDP all-gather more). At most
+    ``budget`` dissolutions, never below ``min_bins`` live bins. Returns the number made."""
     done = 0
-    while done < budget:
-        live = np.flatnonzero(st.works > 0)
-        if live.size < 2 or live.size <= min_bins:
-            break
-        before = st.total()
-        for a in live[np.lexsort((live, st.works[live]))][:tries].tolist():
-            trial = _dissolve(st, a)
-            if trial is not None and trial.total() <= before:
-                st.assign(trial)
-                done += 1
-                break
-        else:
-            break
+    while done < budget and _eliminate(st, min_bins=min_bins, same_work=True):
+        done += 1
     return done
 
 
@@ -1903,7 +1892,7 @@ def _search(
     # Fewer microbatches at the least work (the score's last key): the best plan's bins
     # dissolved into the others where that costs no work (a tree cut in halves whose prefix
     # both repeat leaves room: split unevenly, its small parts share bins with other trees).
-    sc, name, lab = pool[0]
+    _, name, lab = pool[0]
     k0 = int(lab.max()) + 1
     if opt["improve"] and k0 > min_bins and fits("fewer_bins", k0):
         st = _State(lv, lab, k0, cap)
