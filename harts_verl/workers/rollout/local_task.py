@@ -353,17 +353,14 @@ def compute_score(
     agent has to report the result), nor does an answer without the tool (the prompt says to
     call it first), and the final answer counts, not the first: ``answer 11 answer 3`` says 3."""
     words = solution_str.split()
-    called = any(_well_formed_call(words, k) for k, w in enumerate(words) if w == "<call>")
-    if not called:
+    calls = [k for k, w in enumerate(words) if w == "<call>" and _well_formed_call(words, k)]
+    if not calls:
         return 0.0
     if "<tool>" in words:
         last_tool = len(words) - 1 - words[::-1].index("<tool>")
-        # a well-formed call before the last tool reply (one after it got no reply)
-        replied = any(
-            _well_formed_call(words[:last_tool], k)
-            for k, w in enumerate(words[:last_tool])
-            if w == "<call>"
-        )
+        # a well-formed call before the last tool reply (one after it got no reply; a call's
+        # three words are no <tool>, so one that starts before it ends before it)
+        replied = calls[0] < last_tool
         tail = words[last_tool + 1 :]
         tail = tail[tail.index("<assistant>") + 1 :] if "<assistant>" in tail else []
         said = [k for k, w in enumerate(tail) if w == "answer"]
