@@ -34,6 +34,7 @@ from _gpu_cases import (
 from harts_verl.ops import backends
 from harts_verl.ops.layout import TreeLayout
 from harts_verl.ops.linear_attention import chunk_delta_rule_varlen
+from harts_verl.ops.logprobs import mean_logit_cosine
 from harts_verl.ops.tree_attention import build_attention_plan, tree_attention
 from harts_verl.tree import RolloutForest
 
@@ -324,12 +325,11 @@ def test_model_tree_vs_expanded(cuda, report, name, dtype):
     tree, exp = TreeRunner(model, device=cuda), ExpandedRunner(model, device=cuda)
     lp_t, lp_e = tree.log_probs(seqs), exp.log_probs(seqs)
     dlogp = max(float((a.double() - b.double()).abs().max()) for a, b in zip(lp_t, lp_e))
-    w = model.lm_head.weight.detach().double()
+    w = model.lm_head.weight
 
     def logit_cos(hs: list[torch.Tensor], refs: list[torch.Tensor]) -> float:
-        return float(
-            np.mean([mean_cos(a.double() @ w.T, b.double() @ w.T) for a, b in zip(hs, refs)])
-        )
+        # the bench's MeanCos: over semantic positions, full-vocabulary logits in float64
+        return mean_logit_cosine(hs, refs, w)
 
     h_t, h_e = tree.hidden_states(seqs), exp.hidden_states(seqs)
     cos = logit_cos(h_t, h_e)
