@@ -1003,3 +1003,84 @@ def test_fewer_microbatches_for_the_same_work():
     )
     # without the local search (improve=False) the phase does not run
     assert plan_microbatches(small, capacity_tokens=8, improve=False).num_microbatches == 3
+
+
+def test_range_min_matches_brute_force():
+    """The sparse table's range minima equal numpy's over every non-empty range (lengths on
+    both sides of powers of two), vectorized over any shape, scalar queries too."""
+    from harts_verl.tree._rangemin import RangeMin
+
+    rng = np.random.default_rng(0)
+    for n in [1, 2, 3, 4, 5, 7, 8, 9, 31, 32, 33, 200]:
+        v = rng.integers(-(2**40), 2**40, n)
+        rmq = RangeMin(v)
+        lo, hi = np.triu_indices(n + 1, 1)
+        want = np.array([v[a:b].min() for a, b in zip(lo, hi)])
+        np.testing.assert_array_equal(rmq.query(lo, hi), want)
+        np.testing.assert_array_equal(rmq.query(lo[:, None], hi[:, None])[:, 0], want)
+        assert [rmq.query_one(int(a), int(b)) for a, b in zip(lo, hi)] == want.tolist()
+    with pytest.raises(ValueError, match="empty range"):
+        RangeMin(np.arange(4)).query(np.array([1]), np.array([1]))
+
+
+@st.composite
+def leaf_views(draw):
+    """A planner leaf view over a random forest, its dense LCP matrix dropped (the sparse
+    table path of forests above 2,500 trajectories) or kept."""
+    import harts_verl.tree.microbatch as mb
+
+    forest = draw(forests(max_traj=40, max_len=24))
+    lv = mb._Leaves.of(forest)
+    if draw(st.booleans()):
+        lv.mat = None
+    return lv
+
+
+@given(leaf_views(), st.integers(1, 60), st.booleans())
+@settings(max_examples=60, deadline=None)
+def test_greedy_leaf_is_the_direct_pass(lv, cap, reverse):
+    """The greedy pass (running LCP minima per bin) labels exactly as the direct definition:
+    each position joins the feasible bin of least marginal work (LCP with the bin's last member
+    from ``pair_lcp``), ties fullest then lowest index, else opens a bin."""
+    import harts_verl.tree.microbatch as mb
+
+    label, last, loads = [0] * lv.n, [], []
+    for p in range(lv.n - 1, -1, -1) if reverse else range(lv.n):
+        marg = [int(lv.lens[p] - lv.pair_lcp(b, p)) for b in last]
+        feas = [b for b in range(len(last)) if loads[b] + marg[b] <= cap]
+        if feas:
+            b = min(feas, key=lambda b: (marg[b], -(loads[b] + marg[b]), b))
+            label[p], loads[b], last[b] = b, loads[b] + marg[b], p
+        else:
+            label[p] = len(last)
+            loads.append(int(lv.lens[p]))
+            last.append(p)
+    assert mb._greedy_leaf(lv, cap, reverse).tolist() == label
+
+
+@given(leaf_views(), st.integers(2, 6), st.randoms(use_true_random=False))
+@settings(max_examples=60, deadline=None)
+def test_local_search_tables_after_moves(lv, k, rnd):
+    """After piece moves (the tables refreshed only around each piece), the works and the
+    nearest-member tables equal those of a state built afresh from the labels, and the exact
+    marginal work of a piece equals the work difference of the sets."""
+    import harts_verl.tree.microbatch as mb
+
+    label = np.array([rnd.randrange(k) for _ in range(lv.n)], dtype=np.int64)
+    st_ = mb._State(lv, label, k, cap=10**9)
+    for _ in range(6):
+        a = rnd.randrange(k)
+        if st_.works[a] == 0:
+            continue
+        pc = st_.pieces(a)
+        marg = st_.marginals(pc, a)
+        t, b = rnd.randrange(len(pc.runs)), rnd.choice([x for x in range(k) if x != a])
+        piece = pc.piece(t)
+        rest = np.setdiff1d(st_.members(a), piece)
+        with_piece = np.union1d(st_.members(b), piece)
+        assert marg[t, b] == lv.set_work(with_piece) - st_.works[b]
+        st_.move(piece, a, b, lv.set_work(rest), lv.set_work(with_piece))
+        fresh = mb._State(lv, st_.label, k, cap=10**9)
+        np.testing.assert_array_equal(st_.works, fresh.works)
+        np.testing.assert_array_equal(st_.nl, fresh.nl)
+        np.testing.assert_array_equal(st_.nr, fresh.nr)

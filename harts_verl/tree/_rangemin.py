@@ -9,7 +9,8 @@ __all__ = ["RangeMin"]
 
 class RangeMin:
     """Sparse table over ``values``: ``query(lo, hi)`` is ``min(values[lo:hi])`` for every pair of
-    non-empty ranges ``lo < hi``, answered in O(1) each (vectorized over the pairs).
+    non-empty ranges ``lo < hi``, answered in O(1) each (vectorized over the pairs: one gather per
+    side, whatever the mix of range lengths).
 
     Built in O(n log n) time and memory.
     """
@@ -17,11 +18,15 @@ class RangeMin:
     def __init__(self, values: np.ndarray) -> None:
         values = np.asarray(values, dtype=np.int64)
         self.values = values
-        table = [values]
+        n = int(values.shape[0])
+        # row lv holds min(values[i : i + 2**lv]) at i <= n - 2**lv (the rest is never read)
+        levels = max(1, n.bit_length())
+        table = np.empty((levels, n), dtype=np.int64)
+        table[0] = values
         span = 1
-        while 2 * span <= values.shape[0]:
-            prev = table[-1]
-            table.append(np.minimum(prev[:-span], prev[span:]))
+        for lv in range(1, levels):
+            m = n - 2 * span + 1
+            np.minimum(table[lv - 1, :m], table[lv - 1, span : span + m], out=table[lv, :m])
             span *= 2
         self._table = table
 
@@ -32,24 +37,17 @@ class RangeMin:
         """``min(values[lo[i]:hi[i]])`` elementwise; every range must be non-empty."""
         lo = np.asarray(lo, dtype=np.int64)
         hi = np.asarray(hi, dtype=np.int64)
-        lo, hi = np.broadcast_arrays(lo, hi)
+        if lo.shape != hi.shape:
+            lo, hi = np.broadcast_arrays(lo, hi)
         if lo.size == 0:
             return np.zeros(lo.shape, np.int64)
         length = hi - lo
         if int(length.min()) <= 0:
             raise ValueError("RangeMin.query: empty range")
-        # floor(log2(length)) exactly, without float rounding.
-        level = np.zeros(length.shape, dtype=np.int64)
-        rest = length >> 1
-        while bool(rest.any()):
-            level += rest > 0
-            rest >>= 1
-        out = np.empty(lo.shape, dtype=np.int64)
-        for lv in np.unique(level).tolist():
-            sel = level == lv
-            t = self._table[lv]
-            out[sel] = np.minimum(t[lo[sel]], t[hi[sel] - (1 << lv)])
-        return out
+        # floor(log2(length)): frexp's exponent is exact (lengths <= n < 2**53 convert exactly)
+        level = np.frexp(length.astype(np.float64))[1] - 1
+        t = self._table
+        return np.minimum(t[level, lo], t[level, hi - (np.int64(1) << level)])
 
     def query_one(self, lo: int, hi: int) -> int:
         """Scalar ``min(values[lo:hi])`` (``lo < hi``)."""

@@ -350,7 +350,9 @@ class _Leaves:
         if self.mat is not None:
             return self.mat[a, b].astype(np.int64)
         n = self.n
-        a, b = np.broadcast_arrays(np.asarray(a, np.int64), np.asarray(b, np.int64))
+        a, b = np.asarray(a, np.int64), np.asarray(b, np.int64)
+        if a.shape != b.shape:
+            a, b = np.broadcast_arrays(a, b)
         lo, hi = np.minimum(a, b), np.maximum(a, b)
         out = np.zeros(lo.shape, dtype=np.int64)
         ok = (lo >= 0) & (hi < n)
@@ -657,26 +659,30 @@ def _greedy_leaf(lv: _Leaves, cap: int, reverse: bool) -> np.ndarray:
     work (its nearest member is its last one), ties: fullest, then lowest index."""
     n = lv.n
     label = np.empty(n, dtype=np.int64)
-    last: list[int] = []
-    loads: list[int] = []
-    seq = range(n - 1, -1, -1) if reverse else range(n)
-    for p in seq:
-        if loads:
-            la = np.asarray(last, dtype=np.int64)
-            lc = lv.pair_lcp(la, p)
-            ld = np.asarray(loads, dtype=np.int64)
-            marg = lv.lens[p] - lc
-            new = ld + marg
+    lens, adj = lv.lens, lv.adj
+    # per bin: its load and the LCP of its last member with the current position, a running
+    # minimum of the adjacent LCPs in between (the last member's own slot starts at +inf)
+    loads = np.empty(n, dtype=np.int64)
+    run = np.empty(n, dtype=np.int64)
+    k = 0
+    big = np.iinfo(np.int64).max
+    for step in range(n):
+        p = n - 1 - step if reverse else step
+        if k:
+            np.minimum(run[:k], adj[p] if reverse else adj[p - 1], out=run[:k])
+            marg = lens[p] - run[:k]
+            new = loads[:k] + marg
             feas = np.flatnonzero(new <= cap)
             if feas.size:
                 b = int(feas[np.lexsort((feas, -new[feas], marg[feas]))[0]])
                 label[p] = b
-                loads[b] = int(new[b])
-                last[b] = p
+                loads[b] = new[b]
+                run[b] = big
                 continue
-        label[p] = len(loads)
-        loads.append(int(lv.lens[p]))
-        last.append(p)
+        label[p] = k
+        loads[k] = lens[p]
+        run[k] = big
+        k += 1
     return label
 
 
@@ -743,11 +749,19 @@ class _State:
         self.nl = np.concatenate([self.nl, np.full((n, extra), -1, np.int64)], axis=1)
         self.nr = np.concatenate([self.nr, np.full((n, extra), n, np.int64)], axis=1)
 
-    def _refresh(self, b: int) -> None:
-        mem = np.flatnonzero(self.label == b)
-        ext = np.concatenate([[-1], mem, [self.lv.n]])
-        self.nl[:, b] = ext[np.searchsorted(mem, self._idx, side="left")]
-        self.nr[:, b] = ext[np.searchsorted(mem, self._idx, side="right") + 1]
+    def _refresh(self, b: int, lo: int = 0, hi: int | None = None) -> None:
+        """Recompute bin b's nearest-member columns at positions ``lo..hi`` (default: all),
+        from its members there and the (unchanged) nearest ones outside."""
+        hi = self.lv.n - 1 if hi is None else hi
+        if hi < lo:
+            return
+        mem = np.flatnonzero(self.label[lo : hi + 1] == b) + lo
+        left = int(self.nl[lo, b]) if lo > 0 else -1  # the largest member below lo
+        right = int(self.nr[hi, b]) if hi < self.lv.n - 1 else self.lv.n
+        ext = np.concatenate([[left], mem, [right]])
+        idx = self._idx[lo : hi + 1]
+        self.nl[lo : hi + 1, b] = ext[np.searchsorted(mem, idx, side="left")]
+        self.nr[lo : hi + 1, b] = ext[np.searchsorted(mem, idx, side="right") + 1]
 
     def members(self, b: int) -> np.ndarray:
         return np.flatnonzero(self.label == b)
@@ -828,18 +842,30 @@ class _State:
         inter = nl_sm > s1
         inter[:, is_src] = False
         if inter.any():  # the bin has members inside the piece's span: compute exactly
+            # over the span between the bin's nearest members outside the piece's span (the
+            # rest of the bin, and its LCPs, are the same with and without the piece)
             for t, c in zip(*np.nonzero(inter)):
                 b = int(cols[c])
-                u = np.union1d(self.members(b), pc.piece(int(t)))
-                marg[t, c] = lv.set_work(u) - int(self.works[b])
+                lo, hi = max(int(nl_s1[t, c]), 0), min(int(nr_sm[t, c]), lv.n - 1)
+                near = np.flatnonzero(self.label[lo : hi + 1] == b) + lo
+                u = np.sort(np.concatenate([near, pc.piece(int(t))]))  # disjoint (b != src)
+                marg[t, c] = lv.set_work(u) - lv.set_work(near)
         return marg
 
     def move(self, piece: np.ndarray, src: int, dst: int, w_src: int, w_dst: int) -> None:
+        """Move the positions ``piece`` (sorted; consecutive members of ``src``) to ``dst``."""
+        x0, x1 = int(piece[0]), int(piece[-1])
+        # the nearest-member tables change only between each bin's nearest members outside
+        # [x0, x1], read before the move
+        spans = [
+            (b, max(int(self.nl[x0, b]), 0), min(int(self.nr[x1, b]), self.lv.n - 1))
+            for b in (src, dst)
+        ]
         self.label[piece] = dst
         self.works[src] = w_src
         self.works[dst] = w_dst
-        self._refresh(src)
-        self._refresh(dst)
+        for b, lo, hi in spans:
+            self._refresh(b, lo, hi)
 
     def total(self) -> int:
         return int(self.works.sum())
