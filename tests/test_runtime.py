@@ -759,3 +759,33 @@ def test_expanded_runner_packs_as_verl():
     assert [p.tolist() for p in plan] == [
         b.tolist() for b in token_balanced_microbatches(forest.lengths, 150)
     ]
+
+
+def test_planner_options_reach_the_tree_plan():
+    """``planner_options`` go to plan_microbatches (here: the natural partition alone, which
+    cuts the batch where the default search does not) and leave the numbers exact; bad ones
+    fail at construction, naming the option."""
+    from harts_verl.tree import RolloutForest, plan_microbatches
+
+    model = _tiny_float64(15)
+    seqs = _forest_sequences(3, 32)
+    forest = RolloutForest.from_sequences(seqs)
+    opts = {"strategies": ("natural",), "improve": False}
+    cap = 110
+    want = plan_microbatches(forest, capacity_tokens=cap, allow_oversize=True, **opts)
+    default = plan_microbatches(forest, capacity_tokens=cap, allow_oversize=True)
+    assert want.total_compact_tokens > default.total_compact_tokens  # the options matter here
+    tree = TreeRunner(model, chunk_size=4, capacity_tokens=cap, planner_options=opts)
+    got = tree.log_probs(seqs)
+    assert tree.last_stats.compact_tokens == want.total_compact_tokens
+    ref = ExpandedRunner(model, chunk_size=4).log_probs(seqs)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    for bad, err, match in (
+        ({"foo": 1}, TypeError, "foo"),
+        ({"max_search_cells": -1}, ValueError, "max_search_cells"),
+        ({"capacity_tokens": 5}, ValueError, "capacity_tokens"),
+        ([("improve", False)], TypeError, "planner_options"),
+    ):
+        with pytest.raises(err, match=match):
+            TreeRunner(model, capacity_tokens=cap, planner_options=bad)

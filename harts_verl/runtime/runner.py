@@ -154,8 +154,10 @@ class _Runner:
         warn_oversize: bool = True,
         linear_backend: Any = "auto",
         attention_backend: Any = "auto",
+        planner_options: dict[str, Any] | None = None,
     ) -> None:
         from harts_verl.models.adapter import as_tree_model
+        from harts_verl.tree.microbatch import check_plan_arguments
 
         self.model = as_tree_model(model)
         self.chunk_size = check_chunk_size(chunk_size)
@@ -166,6 +168,16 @@ class _Runner:
         )
         self.recompute = bool(recompute)
         self.rows_per_chunk = _positive_int("rows_per_chunk", rows_per_chunk)
+        # Options of plan_microbatches in tree mode (e.g. ``max_search_cells``, ``improve``):
+        # its search can cost more than the compute it saves on large batches.
+        if planner_options is not None and not isinstance(planner_options, dict):
+            raise TypeError(
+                f"planner_options: expected a dict or None, got {type(planner_options).__name__}"
+            )
+        self.planner_options = dict(planner_options or {})
+        if "capacity_tokens" in self.planner_options or "allow_oversize" in self.planner_options:
+            raise ValueError("planner_options: capacity_tokens / allow_oversize are the runner's")
+        check_plan_arguments(capacity_tokens=self.capacity_tokens or 1, **self.planner_options)
         if device is None:
             device = next(self.model.parameters()).device
         self.device = torch.device(device)
@@ -260,7 +272,12 @@ class _Runner:
             )
         if not self.tree_mode:  # the trajectory-wise baseline packs as veRL does
             return token_balanced_microbatches(forest.lengths, self.capacity_tokens)
-        plan = plan_microbatches(forest, capacity_tokens=self.capacity_tokens, allow_oversize=True)
+        plan = plan_microbatches(
+            forest,
+            capacity_tokens=self.capacity_tokens,
+            allow_oversize=True,
+            **self.planner_options,
+        )
         return [mb.trajectories for mb in plan.microbatches if len(mb.trajectories)]
 
     def _layout(self, forest: RolloutForest) -> TreeLayout:
