@@ -624,3 +624,28 @@ def test_check_vocabulary_names_the_trajectory_and_checks_its_argument():
 def test_from_turns_refuses_a_non_iterable():
     with pytest.raises(TypeError, match="turns: expected an iterable of turns, got NoneType"):
         RolloutForest.from_turns(None)
+
+
+def test_constructor_checks_its_arrays():
+    """The constructor takes the file arrays: consistent ones give the forest of
+    ``from_sequences`` (or a valid non-trie layout with smaller LCPs); a false LCP or a leaf
+    order that is no permutation is refused, naming the array."""
+    f = RolloutForest.from_sequences([[1, 2, 3], [1, 2, 4, 5], [1, 2], [7]], group_ids=[0, 1, 1, 2])
+    arrays = (
+        f.token_ids[f.semantic_rows],
+        f.row_offsets,
+        f.group_ids,
+        f.leaf_order,
+        f.adjacent_lcp,
+    )
+    assert RolloutForest(*arrays).equals(f)
+    flat, off = np.array([1, 2, 3, 4]), np.array([0, 2, 4])
+    low = RolloutForest(flat, off, None, np.array([0, 1]), np.array([0]))
+    assert [s.tolist() for s in low.sequences] == [[1, 2], [3, 4]]
+    assert low.num_compact_tokens == 4
+    with pytest.raises(ValueError, match=r"adjacent_lcp\[0\].*differ"):
+        RolloutForest(flat, off, np.zeros(2, np.int64), np.array([0, 1]), np.array([2]))
+    with pytest.raises(ValueError, match=r"leaf_order.*permutation"):
+        RolloutForest(flat, off, np.zeros(2, np.int64), np.array([0, 0]), np.array([0]))
+    with pytest.raises(ValueError, match="row_offsets"):
+        RolloutForest(flat, np.array([0, 2, 5]), None, np.array([0, 1]), np.array([0]))

@@ -209,7 +209,22 @@ class RolloutForest:
         group_ids: np.ndarray,
         leaf_order: np.ndarray,
         adjacent_lcp: np.ndarray,
+        *,
+        check: bool = True,
     ) -> None:
+        """A forest from its file arrays (as :meth:`save` writes them): every trajectory's
+        tokens concatenated, ``row_offsets`` [N + 1], ``group_ids`` [N], ``leaf_order`` (a
+        permutation) and ``adjacent_lcp`` [N - 1] (leaf-order neighbours share at least that
+        many first tokens: fewer gives a valid non-trie layout). ValueError naming the array
+        when they are inconsistent; ``check=False`` (the builders, whose arrays are right by
+        construction) skips the O(S) check. Prefer :meth:`from_sequences`."""
+        if check:
+            if group_ids is None:  # the default of from_sequences
+                group_ids = np.zeros(max(np.asarray(row_offsets).shape[0] - 1, 0), np.int64)
+            arrays = (flat_tokens, row_offsets, group_ids, leaf_order, adjacent_lcp)
+            flat_tokens, row_offsets, group_ids, leaf_order, adjacent_lcp = _checked_file_arrays(
+                "RolloutForest", *arrays
+            )
         self.row_offsets = row_offsets
         self.lengths = np.diff(row_offsets)
         self.group_ids = group_ids
@@ -231,7 +246,7 @@ class RolloutForest:
         """
         flat, row_offsets, gids = cls._parse(sequences, group_ids)
         order, lcp = _leaf_order_and_lcp(flat, row_offsets)
-        return cls(flat, row_offsets, gids, order, lcp)
+        return cls(flat, row_offsets, gids, order, lcp, check=False)
 
     @classmethod
     def _parse(
@@ -277,9 +292,8 @@ class RolloutForest:
         flat, row_offsets, gids = cls._parse(sequences, group_ids)
         n = row_offsets.shape[0] - 1
         # no trie is built: each trajectory its own chain, in the original order
-        return cls(
-            flat, row_offsets, gids, np.arange(n, dtype=np.int64), np.zeros(max(n - 1, 0), np.int64)
-        )
+        order, lcp = np.arange(n, dtype=np.int64), np.zeros(max(n - 1, 0), np.int64)
+        return cls(flat, row_offsets, gids, order, lcp, check=False)
 
     @classmethod
     def from_turns(cls, turns: Iterable[Any]) -> RolloutForest:
@@ -601,9 +615,8 @@ class RolloutForest:
                 lcp[~same] = RangeMin(self.adjacent_lcp).query(a[~same], b[~same])
         else:
             lcp = np.zeros(0, np.int64)
-        return RolloutForest(
-            flat, row_offsets, self.group_ids[idx].copy(), order.astype(np.int64), lcp
-        )
+        gids = self.group_ids[idx].copy()
+        return RolloutForest(flat, row_offsets, gids, order.astype(np.int64), lcp, check=False)
 
     # ------------------------------------------------------------------ persistence
     def save(self, path: str | os.PathLike[str] | Any) -> None:
@@ -664,7 +677,7 @@ class RolloutForest:
             raise ValueError(
                 f"{path}: corrupted forest file ({type(exc).__name__}: {exc})"
             ) from exc
-        return cls(*_checked_file_arrays(path, *arrays))
+        return cls(*_checked_file_arrays(path, *arrays), check=False)
 
     # ------------------------------------------------------------------ reporting
     def summary(self) -> dict[str, Any]:
