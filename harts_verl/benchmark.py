@@ -483,6 +483,8 @@ def measure_bench(prep: PreparedBench) -> dict[str, Any]:
             file=sys.stderr,
         )
 
+    if cfg.progress:  # untimed, about two expanded forwards: say what the wait is
+        print("bench: fidelity: log-probs and logit cosine of both runners ...", file=sys.stderr)
     lp_tree = tree.log_probs(seqs)
     lp_exp = expanded.log_probs(seqs)
     diffs = [

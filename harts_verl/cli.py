@@ -112,6 +112,16 @@ def _inputs(flags: dict[str, str] | None = None) -> Iterator[None]:
         if _debug():
             raise
         raise _UserError(_phrase(exc, flags or {})) from exc
+    except ModuleNotFoundError as exc:  # an optional dependency the input needs (transformers
+        # for --model / check / convert); a missing module of this package stays a bug
+        top = (exc.name or "").partition(".")[0]
+        if _debug() or not top or top == "harts_verl":
+            raise
+        extra = {"transformers": "verl", "safetensors": "verl"}.get(top, "bench")
+        raise _UserError(
+            f"this input needs the Python package {top!r}, which is not installed "
+            f"(pip install 'harts-verl[{extra}]')"
+        ) from exc
 
 
 def _add_bench_args(

@@ -734,3 +734,25 @@ def test_check_names_nan_and_gives_a_verdict(tmp_path, capsys, monkeypatch):
     for bad in ("-1", "nan"):
         with pytest.raises(SystemExit):
             main([*argv, "--fail-above", bad])
+
+
+def test_check_refuses_a_checkpoint_that_lacks_a_tensor(tmp_path, capsys, monkeypatch):
+    """A weights directory missing a tensor is refused by name (exit 2): transformers would
+    initialise it at random, unseeded, so the audit (and the bench) ran another model, with
+    figures that changed from run to run."""
+    monkeypatch.setitem(sys.modules, "fla", None)
+    monkeypatch.delenv("HARTS_VERL_DEBUG", raising=False)
+    from safetensors.torch import load_file, save_file
+
+    from harts_verl.workers.check import main
+    from harts_verl.workers.testing import save_tiny_model
+
+    path = save_tiny_model("qwen2", str(tmp_path / "m"), seed=1)
+    weights = tmp_path / "m" / "model.safetensors"
+    sd = load_file(str(weights))
+    name = "model.layers.0.mlp.up_proj.weight"
+    del sd[name]
+    save_file(sd, str(weights), metadata={"format": "pt"})
+    assert main(["--model", path, "--batch", _batch(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--model" in err and name in err and "lacks 1 tensor" in err

@@ -422,11 +422,20 @@ def load_causal_lm(
         # veRL's engine loads it (``get_hf_auto_model_class``)
         if type(cfg) in AutoModelForImageTextToText._model_mapping.keys():
             auto = AutoModelForImageTextToText
+    torch.manual_seed(seed)  # a config's random weights (and anything else initialised)
     if is_config:
-        torch.manual_seed(seed)
         model = auto.from_config(cfg)
     else:
-        model = auto.from_pretrained(spec, config=cfg)
+        model, info = auto.from_pretrained(spec, config=cfg, output_loading_info=True)
+        # transformers initialises a tensor the checkpoint lacks at random (a load report on
+        # stderr, nothing more): that is not the user's model, so it is refused by name
+        missing = sorted(info.get("missing_keys") or ())
+        if missing:
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise ValueError(
+                f"model: {spec!r}: its checkpoint lacks {len(missing)} tensor(s) of the model "
+                f"(transformers would initialise them at random): {', '.join(missing[:5])}{more}"
+            )
     return model.to(dtype).eval()
 
 

@@ -468,6 +468,17 @@ def compile_ahead(
     too_large: list[str] = []  # past the target's shared memory: they cannot launch there
     max_shared = props["max_shared_mem"]
 
+    done = 0
+    step = max(1, len(jobs) // 10)  # a progress line every ~10 % of the specializations
+
+    def tick() -> None:
+        nonlocal done
+        with log._lock:
+            done += 1
+            n = done
+        if progress and (n % step == 0 or n == len(jobs)):
+            progress(f"compiled {n}/{len(jobs)} specializations ({time.perf_counter() - t1:.0f} s)")
+
     def compile_one(job: tuple[Any, Any, Any, Any]) -> None:
         nonlocal failed
         fn, src, target, options = job
@@ -478,11 +489,13 @@ def compile_ahead(
                 failed += 1
                 if len(errors) < 10:
                     errors.append(f"{fn._fn_name}: {type(exc).__name__}: {str(exc)[:200]}")
+            tick()
             return
         shared = int(getattr(kernel.metadata, "shared", 0) or 0)
         if shared > max_shared:
             with log._lock:
                 too_large.append(f"{fn._fn_name} ({shared} bytes of shared memory)")
+        tick()
 
     interrupted = False
     if compile:
