@@ -1021,6 +1021,9 @@ def test_range_min_matches_brute_force():
         assert [rmq.query_one(int(a), int(b)) for a, b in zip(lo, hi)] == want.tolist()
     with pytest.raises(ValueError, match="empty range"):
         RangeMin(np.arange(4)).query(np.array([1]), np.array([1]))
+    for lo, hi in ((2, 5), (-1, 2)):  # one flat table: past a level would read the next one
+        with pytest.raises(IndexError, match="outside"):
+            RangeMin(np.arange(4)).query(np.array([lo]), np.array([hi]))
 
 
 @st.composite

@@ -9,8 +9,7 @@ __all__ = ["RangeMin"]
 
 class RangeMin:
     """Sparse table over ``values``: ``query(lo, hi)`` is ``min(values[lo:hi])`` for every pair of
-    non-empty ranges ``lo < hi``, answered in O(1) each (vectorized over the pairs: one gather per
-    side, whatever the mix of range lengths).
+    non-empty ranges ``lo < hi``, answered in O(1) each (vectorized over the pairs).
 
     Built in O(n log n) time and memory.
     """
@@ -18,17 +17,16 @@ class RangeMin:
     def __init__(self, values: np.ndarray) -> None:
         values = np.asarray(values, dtype=np.int64)
         self.values = values
-        n = int(values.shape[0])
-        # row lv holds min(values[i : i + 2**lv]) at i <= n - 2**lv (the rest is never read)
-        levels = max(1, n.bit_length())
-        table = np.empty((levels, n), dtype=np.int64)
-        table[0] = values
+        table = [values]
         span = 1
-        for lv in range(1, levels):
-            m = n - 2 * span + 1
-            np.minimum(table[lv - 1, :m], table[lv - 1, span : span + m], out=table[lv, :m])
+        while 2 * span <= values.shape[0]:
+            prev = table[-1]
+            table.append(np.minimum(prev[:-span], prev[span:]))
             span *= 2
-        self._table = table
+        # All levels in one array (level lv starts at _level_start[lv]): a query is one gather.
+        self._flat = np.concatenate(table)
+        sizes = np.array([t.shape[0] for t in table], dtype=np.int64)
+        self._level_start = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
 
     def __len__(self) -> int:
         return int(self.values.shape[0])
@@ -44,13 +42,17 @@ class RangeMin:
         length = hi - lo
         if int(length.min()) <= 0:
             raise ValueError("RangeMin.query: empty range")
-        # floor(log2(length)): frexp's exponent is exact (lengths <= n < 2**53 convert exactly)
-        level = np.frexp(length.astype(np.float64))[1] - 1
-        t = self._table
-        return np.minimum(t[level, lo], t[level, hi - (np.int64(1) << level)])
+        if int(lo.min()) < 0 or int(hi.max()) > self.values.shape[0]:
+            # (one flat table: an index past a level would read the next level silently)
+            raise IndexError("RangeMin.query: range outside the values")
+        # floor(log2(length)) exactly: frexp is exact for lengths below 2**53 (a length is at
+        # most the table's size)
+        level = np.frexp(length.astype(np.float64))[1].astype(np.int64) - 1
+        base = self._level_start[level]
+        return np.minimum(self._flat[base + lo], self._flat[base + hi - (np.int64(1) << level)])
 
     def query_one(self, lo: int, hi: int) -> int:
         """Scalar ``min(values[lo:hi])`` (``lo < hi``)."""
         lv = (hi - lo).bit_length() - 1
-        t = self._table[lv]
-        return int(min(t[lo], t[hi - (1 << lv)]))
+        base = int(self._level_start[lv])
+        return int(min(self._flat[base + lo], self._flat[base + hi - (1 << lv)]))

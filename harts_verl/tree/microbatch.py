@@ -131,6 +131,7 @@ __all__ = [
 MAX_DP_SIZE = 1 << 16
 _INF = np.int64(1) << 62
 _DENSE_LCP_MAX = 2500  # below this many trajectories, keep the full LCP matrix
+_INTERLEAVED_CHUNK = 1 << 22  # window positions per vectorized chunk of exact marginals
 _BAL_GROUPS, _BAL_SOURCES, _BAL_CANDS = 16, 8, 16  # balance search breadth
 
 _DEFAULT_OPTIONS: dict[str, Any] = {
@@ -392,6 +393,15 @@ class _Leaves:
     def lo_window(self, cap: int) -> np.ndarray:
         """lo[j] = smallest i with work(i, j) <= cap, for j = 0..n."""
         return np.searchsorted(self.g, self.h - cap, side="left").astype(np.int64)
+
+
+def _concat(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of ``arange(s, s + l)`` for each pair (int64), vectorized."""
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, np.int64)
+    offs = np.cumsum(lengths) - lengths
+    return np.arange(total, dtype=np.int64) + np.repeat(starts - offs, lengths)
 
 
 def _labels_from_bins(bins: Sequence[np.ndarray], n: int) -> np.ndarray:
@@ -708,7 +718,7 @@ class _Pieces:
 class _State:
     """A labelling with per-bin works and nearest-member tables for exact move deltas.
 
-    ``nl[p, b]`` = largest member of bin b below p (-1 if none); ``nr[p, b]`` = smallest member
+    ``nl[b, p]`` = largest member of bin b below p (-1 if none); ``nr[b, p]`` = smallest member
     of bin b above p (n if none)."""
 
     def __init__(self, lv: _Leaves, label: np.ndarray, k: int, cap: int) -> None:
@@ -718,8 +728,9 @@ class _State:
         self.k = k
         self.works = lv.works(self.label, k)
         n = lv.n
-        self.nl = np.empty((n, k), dtype=np.int64)
-        self.nr = np.empty((n, k), dtype=np.int64)
+        # stored bin-major ([k, n]): a bin's column is contiguous for the updates after a move
+        self.nl = np.empty((k, n), dtype=np.int64)
+        self.nr = np.empty((k, n), dtype=np.int64)
         self._idx = np.arange(n, dtype=np.int64)
         for b in range(k):
             self._refresh(b)
@@ -746,22 +757,14 @@ class _State:
         n = self.lv.n
         self.k += extra
         self.works = np.concatenate([self.works, np.zeros(extra, np.int64)])
-        self.nl = np.concatenate([self.nl, np.full((n, extra), -1, np.int64)], axis=1)
-        self.nr = np.concatenate([self.nr, np.full((n, extra), n, np.int64)], axis=1)
+        self.nl = np.concatenate([self.nl, np.full((extra, n), -1, np.int64)], axis=0)
+        self.nr = np.concatenate([self.nr, np.full((extra, n), n, np.int64)], axis=0)
 
-    def _refresh(self, b: int, lo: int = 0, hi: int | None = None) -> None:
-        """Recompute bin b's nearest-member columns at positions ``lo..hi`` (default: all),
-        from its members there and the (unchanged) nearest ones outside."""
-        hi = self.lv.n - 1 if hi is None else hi
-        if hi < lo:
-            return
-        mem = np.flatnonzero(self.label[lo : hi + 1] == b) + lo
-        left = int(self.nl[lo, b]) if lo > 0 else -1  # the largest member below lo
-        right = int(self.nr[hi, b]) if hi < self.lv.n - 1 else self.lv.n
-        ext = np.concatenate([[left], mem, [right]])
-        idx = self._idx[lo : hi + 1]
-        self.nl[lo : hi + 1, b] = ext[np.searchsorted(mem, idx, side="left")]
-        self.nr[lo : hi + 1, b] = ext[np.searchsorted(mem, idx, side="right") + 1]
+    def _refresh(self, b: int) -> None:
+        mem = np.flatnonzero(self.label == b)
+        ext = np.concatenate([[-1], mem, [self.lv.n]])
+        self.nl[b] = ext[np.searchsorted(mem, self._idx, side="left")]
+        self.nr[b] = ext[np.searchsorted(mem, self._idx, side="right") + 1]
 
     def members(self, b: int) -> np.ndarray:
         return np.flatnonzero(self.label == b)
@@ -827,7 +830,7 @@ class _State:
         lv = self.lv
         s1 = pc.s1[:, None]
         sm = pc.sm[:, None]
-        nl_s1, nl_sm, nr_sm = self.nl[pc.s1], self.nl[pc.sm], self.nr[pc.sm]
+        nl_s1, nl_sm, nr_sm = self.nl[:, pc.s1].T, self.nl[:, pc.sm].T, self.nr[:, pc.sm].T
         if cols is None:
             cols = np.arange(self.k)
         else:
@@ -842,30 +845,117 @@ class _State:
         inter = nl_sm > s1
         inter[:, is_src] = False
         if inter.any():  # the bin has members inside the piece's span: compute exactly
-            # over the span between the bin's nearest members outside the piece's span (the
-            # rest of the bin, and its LCPs, are the same with and without the piece)
-            for t, c in zip(*np.nonzero(inter)):
-                b = int(cols[c])
-                lo, hi = max(int(nl_s1[t, c]), 0), min(int(nr_sm[t, c]), lv.n - 1)
-                near = np.flatnonzero(self.label[lo : hi + 1] == b) + lo
-                u = np.sort(np.concatenate([near, pc.piece(int(t))]))  # disjoint (b != src)
-                marg[t, c] = lv.set_work(u) - lv.set_work(near)
+            tt, cc = np.nonzero(inter)
+            marg[tt, cc] = self._interleaved_marginals(
+                pc, tt, cols[cc], nl_s1[tt, cc], nr_sm[tt, cc]
+            )
         return marg
 
+    def _interleaved_marginals(
+        self,
+        pc: _Pieces,
+        tt: np.ndarray,
+        bins: np.ndarray,
+        before: np.ndarray,
+        after: np.ndarray,
+    ) -> np.ndarray:
+        """Exact ``set_work(members(b) | piece t) - set_work(members(b))`` for each pair
+        ``(tt[e], bins[e])`` whose bin has members inside the piece's span, vectorized over the
+        pairs: only the window from the bin's member ``before`` the piece to the one ``after`` it
+        (-1 / n: none) changes, so the difference is the piece's lengths minus the change of the
+        consecutive LCPs inside that window. Pairs are taken in chunks of at most
+        ``_INTERLEAVED_CHUNK`` window positions (bounded memory)."""
+        n = self.lv.n
+        runs = np.asarray(pc.runs, dtype=np.int64).reshape(-1, 2)
+        # the bin's members strictly inside (s1, sm): one sorted (bin, position) key array
+        order = np.argsort(self.label, kind="stable")
+        keys = self.label[order] * (n + 1) + order
+        lo = np.searchsorted(keys, bins * (n + 1) + pc.s1[tt], side="right")
+        hi = np.searchsorted(keys, bins * (n + 1) + pc.sm[tt], side="left")
+        p0 = runs[tt, 0]
+        p_n = runs[tt, 1] - p0
+        size = np.cumsum(hi - lo + p_n + 2)
+        out = np.empty(tt.shape[0], dtype=np.int64)
+        a = 0
+        while a < tt.shape[0]:
+            base = int(size[a - 1]) if a else 0
+            b = max(a + 1, int(np.searchsorted(size, base + _INTERLEAVED_CHUNK, side="right")))
+            out[a:b] = self._window_deltas(
+                pc.mem,
+                order[_concat(lo[a:b], hi[a:b] - lo[a:b])],
+                hi[a:b] - lo[a:b],
+                p0[a:b],
+                p_n[a:b],
+                before[a:b],
+                after[a:b],
+            )
+            a = b
+        return out
+
+    def _window_deltas(
+        self,
+        mem: np.ndarray,
+        inside: np.ndarray,
+        inside_n: np.ndarray,
+        p0: np.ndarray,
+        p_n: np.ndarray,
+        before: np.ndarray,
+        after: np.ndarray,
+    ) -> np.ndarray:
+        """:meth:`_interleaved_marginals` of one chunk of pairs: ``inside`` the bins' members
+        inside each piece's span (``inside_n`` per pair), the pieces ``mem[p0 : p0 + p_n]``."""
+        lv, n = self.lv, self.lv.n
+        m = p0.shape[0]
+        cell = np.arange(m, dtype=np.int64)
+        piece = mem[_concat(p0, p_n)]
+        has_b, has_a = before >= 0, after < n
+        pos = np.concatenate([before[has_b], inside, after[has_a], piece])
+        owner = np.concatenate(
+            [cell[has_b], np.repeat(cell, inside_n), cell[has_a], np.repeat(cell, p_n)]
+        )
+        in_piece = np.zeros(pos.shape[0], dtype=bool)
+        in_piece[pos.shape[0] - piece.shape[0] :] = True
+        srt = np.lexsort((pos, owner))
+        pos, owner, in_piece = pos[srt], owner[srt], in_piece[srt]
+
+        def chain_lcp(keep: np.ndarray | None) -> np.ndarray:
+            p, o = (pos, owner) if keep is None else (pos[keep], owner[keep])
+            same = o[1:] == o[:-1]
+            out = np.zeros(m, dtype=np.int64)
+            if same.any():
+                np.add.at(out, o[:-1][same], lv.consec(p[:-1][same], p[1:][same]))
+            return out
+
+        lens_piece = np.zeros(m, dtype=np.int64)
+        np.add.at(lens_piece, np.repeat(cell, p_n), lv.lens[piece])
+        return lens_piece - chain_lcp(None) + chain_lcp(~in_piece)
+
+    def _refresh_window(self, b: int, lo: int, hi: int, before: int, after: int) -> None:
+        """Recompute columns ``b`` of ``nl`` / ``nr`` for positions ``lo..hi`` (inclusive) only:
+        ``before`` / ``after`` are bin b's nearest members below ``lo`` / above ``hi`` (-1 / n
+        if none), which a move inside the window leaves unchanged."""
+        mem = np.flatnonzero(self.label[lo : hi + 1] == b) + lo
+        ext = np.concatenate([[before], mem, [after]])
+        idx = self._idx[lo : hi + 1]
+        self.nl[b, lo : hi + 1] = ext[np.searchsorted(mem, idx, side="left")]
+        self.nr[b, lo : hi + 1] = ext[np.searchsorted(mem, idx, side="right") + 1]
+
     def move(self, piece: np.ndarray, src: int, dst: int, w_src: int, w_dst: int) -> None:
-        """Move the positions ``piece`` (sorted; consecutive members of ``src``) to ``dst``."""
-        x0, x1 = int(piece[0]), int(piece[-1])
-        # the nearest-member tables change only between each bin's nearest members outside
-        # [x0, x1], read before the move
-        spans = [
-            (b, max(int(self.nl[x0, b]), 0), min(int(self.nr[x1, b]), self.lv.n - 1))
-            for b in (src, dst)
-        ]
+        # Only the positions between each bin's nearest members around the piece change (the
+        # members outside that window stay, so their neighbours do too): O(window), not O(n).
+        n = self.lv.n
+        p0, p1 = int(piece.min()), int(piece.max())
+        windows = []
+        for b in (src, dst):
+            lo = max(int(self.nl[b, p0]), 0)
+            hi = int(self.nr[b, p1])
+            hi = n - 1 if hi >= n else hi
+            windows.append((b, lo, hi, int(self.nl[b, lo]), int(self.nr[b, hi])))
         self.label[piece] = dst
         self.works[src] = w_src
         self.works[dst] = w_dst
-        for b, lo, hi in spans:
-            self._refresh(b, lo, hi)
+        for b, lo, hi, before, after in windows:
+            self._refresh_window(b, lo, hi, before, after)
 
     def total(self) -> int:
         return int(self.works.sum())
