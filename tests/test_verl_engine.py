@@ -1394,3 +1394,51 @@ def test_bad_token_ids_are_named(verl_cpu):
     )
     with engine.eval_mode(), pytest.raises(TypeError, match="input_ids: expected integer"):
         engine.infer_batch(td)
+
+
+def test_micro_batch_select_equals_verls_index_select():
+    """The engine's per-batch micro-batch selection (each nested tensor unbound once) gives
+    exactly veRL's ``index_select_tensor_dict``: same keys, dtypes, values, offsets and ragged
+    index for nested tensors, dense rows, non-tensor stacks and scalar non-tensor data, for
+    selections in any order and with repeats."""
+    from tensordict import NonTensorStack, TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    from harts_verl.workers.engine import _MicroBatchSelect
+
+    rng = np.random.default_rng(0)
+    n = 23
+    lens = rng.integers(1, 20, n)
+
+    def nested(parts):
+        return torch.nested.nested_tensor(parts, layout=torch.jagged)
+
+    td = TensorDict(
+        {
+            "input_ids": nested([torch.from_numpy(rng.integers(0, 99, k)) for k in lens]),
+            "old_log_probs": nested([torch.randn(int(k), dtype=torch.float64) for k in lens]),
+            "dense": torch.randn(n, 3),
+        },
+        batch_size=[n],
+    )
+    td["extra_fields"] = NonTensorStack(*[{"turns": i} for i in range(n)])
+    tu.assign_non_tensor(td, temperature=0.7, use_dynamic_bsz=True)
+    select = _MicroBatchSelect(td)
+    for trial in range(12):
+        sel = rng.choice(n, int(rng.integers(1, n)), replace=bool(trial % 2)).tolist()
+        want, got = tu.index_select_tensor_dict(td, sel), select(sel)
+        assert set(got.keys()) == set(want.keys()) and got.batch_size == want.batch_size
+        for key in want.keys():
+            a, b = got[key], want[key]
+            if isinstance(b, torch.Tensor) and b.is_nested:
+                assert a.is_nested and a.dtype == b.dtype
+                assert torch.equal(a.values(), b.values())
+                assert torch.equal(a.offsets(), b.offsets())
+                assert getattr(a, "_ragged_idx", None) == getattr(b, "_ragged_idx", None)
+            elif isinstance(b, torch.Tensor):
+                assert a.dtype == b.dtype and torch.equal(a, b)
+            else:
+                assert type(a) is type(b)
+                assert (a.tolist() if hasattr(a, "tolist") else a) == (
+                    b.tolist() if hasattr(b, "tolist") else b
+                ), key

@@ -1,12 +1,13 @@
-"""A batch's ``position_ids`` against the positions tree mode runs (each row at its depth:
-``0 .. L-1`` per trajectory), for the engine's fallback and ``harts-verl check``'s note.
-Imports torch only."""
+"""A batch's token ids as per-trajectory arrays, and its ``position_ids`` against the
+positions tree mode runs (each row at its depth: ``0 .. L-1`` per trajectory), for the engine,
+the trainer's balancing and ``harts-verl check``'s note. Imports torch and numpy only."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-__all__ = ["first_misplaced", "token_rows"]
+__all__ = ["first_misplaced", "token_rows", "token_sequences"]
 
 
 def token_rows(t: torch.Tensor, total: int) -> torch.Tensor | None:
@@ -44,3 +45,21 @@ def first_misplaced(rows: torch.Tensor, offsets: torch.Tensor) -> tuple[int, int
     at = int(bad.nonzero()[0, 0])
     i = int(torch.searchsorted(offsets, at, right=True)) - 1
     return i, at - int(offsets[i]), rows[:, at].tolist()
+
+
+def token_sequences(input_ids: torch.Tensor) -> list[np.ndarray]:
+    """Per-trajectory token ids (numpy int64) of a nested (jagged) ``[bsz, j1]`` tensor (a
+    dense ``[bsz, L]`` tensor is taken row by row). TypeError naming ``input_ids`` unless its
+    dtype is an integer one (a float id would be truncated silently). Views of one host copy:
+    no per-token Python objects."""
+    if (
+        input_ids.dtype.is_floating_point
+        or input_ids.dtype.is_complex
+        or input_ids.dtype == torch.bool
+    ):
+        raise TypeError(f"input_ids: expected integer token ids, got dtype {input_ids.dtype}")
+    if not input_ids.is_nested:
+        return [r for r in input_ids.detach().cpu().numpy().astype(np.int64, copy=False)]
+    values = input_ids.values().detach().cpu().numpy().astype(np.int64, copy=False)
+    offsets = input_ids.offsets().detach().cpu().numpy()
+    return [values[offsets[i] : offsets[i + 1]] for i in range(offsets.shape[0] - 1)]

@@ -37,6 +37,7 @@ import verl  # noqa: F401  # first: verl loads our plugin (engine -> config) bef
 
 from harts_verl.workers.balance import tree_balanced_cells
 from harts_verl.workers.config import STRATEGY
+from harts_verl.workers.positions import token_sequences
 from harts_verl.workers.rollout.fork import check_fork_manager
 
 __all__ = [
@@ -382,7 +383,7 @@ def trainer_class(mode: str = "sync") -> type:
             data = tq.kv_batch_get(
                 keys=batch.keys, partition_id=batch.partition_id, select_fields=["input_ids"]
             )
-            seqs = [t.tolist() for t in data["input_ids"].unbind()]
+            seqs = token_sequences(data["input_ids"])  # numpy views, no per-token ints
             try:
                 warmup = int(self.config.trainer.critic_warmup or 0)
             except (AttributeError, TypeError, ValueError):
