@@ -1087,3 +1087,30 @@ def test_local_search_tables_after_moves(lv, k, rnd):
         np.testing.assert_array_equal(st_.works, fresh.works)
         np.testing.assert_array_equal(st_.nl, fresh.nl)
         np.testing.assert_array_equal(st_.nr, fresh.nr)
+
+
+@pytest.mark.parametrize("best_fit", [False, True])
+def test_fit_decreasing_of_many_items_is_the_direct_fit(best_fit):
+    """Above 64 items the packing's fit runs over numpy loads: the same labels as the direct
+    definition (items by decreasing size, ties by index; first fit: the lowest bin with room;
+    best fit: the least room left, lowest bin on ties; else a new bin)."""
+    import harts_verl.tree.microbatch as mb
+
+    rng = np.random.default_rng(7)
+    for trial in range(40):
+        m = int(rng.integers(65, 400))
+        room = int(rng.integers(10, 300))
+        sizes = rng.integers(0, room + 1, m).tolist()
+        loads: list[int] = []
+        want = [0] * m
+        for t in sorted(range(m), key=lambda t: (-sizes[t], t)):
+            left = [(room - ld - sizes[t], b) for b, ld in enumerate(loads)]
+            ok = [(r, b) for r, b in left if r >= 0]
+            if ok:
+                b = min(ok)[1] if best_fit else ok[0][1]
+                loads[b] += sizes[t]
+            else:
+                b = len(loads)
+                loads.append(sizes[t])
+            want[t] = b
+        assert mb._pack_sizes(sizes, room, best_fit, node_limit=1000) == want, trial
