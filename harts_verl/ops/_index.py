@@ -6,26 +6,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from harts_verl.tree._ranges import concat_ranges
+
 __all__ = ["concat_ranges", "segment_ancestors", "to_index"]
 
 
 def to_index(arr: np.ndarray, device: torch.device | str | None = None) -> torch.Tensor:
     """``arr`` (any integer numpy array) as a contiguous int64 tensor on ``device``."""
     return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.int64)).to(device)
-
-
-def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenation of ``arange(s, s + n)`` for each ``(s, n)`` pair (int64), vectorized.
-
-    ``lengths`` must be non-negative; zero-length ranges contribute nothing.
-    """
-    starts = np.asarray(starts, dtype=np.int64)
-    lengths = np.asarray(lengths, dtype=np.int64)
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, np.int64)
-    offs = np.cumsum(lengths) - lengths
-    return np.arange(total, dtype=np.int64) + np.repeat(starts - offs, lengths)
 
 
 def segment_ancestors(parent_segment: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

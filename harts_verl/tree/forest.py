@@ -29,6 +29,7 @@ from harts_verl.tree._checks import (
     int_outside_int64,
 )
 from harts_verl.tree._rangemin import RangeMin
+from harts_verl.tree._ranges import concat_ranges
 
 __all__ = ["RolloutForest", "Segments", "Turn", "as_trajectory_array"]
 
@@ -594,7 +595,11 @@ class RolloutForest:
         row_offsets = np.zeros(m + 1, dtype=np.int64)
         np.cumsum(lengths, out=row_offsets[1:])
         flat = self.token_ids[
-            self.semantic_rows[_ranges(self.row_offsets[idx], self.row_offsets[idx + 1])]
+            self.semantic_rows[
+                concat_ranges(
+                    self.row_offsets[idx], self.row_offsets[idx + 1] - self.row_offsets[idx]
+                )
+            ]
         ]
         # Order of the subset: leaf positions of the chosen trajectories; identical trajectories
         # (one class) are ordered by their new index, as a stable sort would.
@@ -793,8 +798,8 @@ def _checked_file_arrays(path: Any, *arrays: np.ndarray) -> tuple[np.ndarray, ..
         j = int(over[0])
         raise bad(f"adjacent_lcp[{j}]", f"{int(lcp[j])} is not in [0, min of the two lengths]")
     if n > 1:
-        a = _ranges(offsets[order[:-1]], offsets[order[:-1]] + lcp)
-        b = _ranges(offsets[order[1:]], offsets[order[1:]] + lcp)
+        a = concat_ranges(offsets[order[:-1]], lcp)
+        b = concat_ranges(offsets[order[1:]], lcp)
         differ = np.flatnonzero(flat[a] != flat[b])
         if differ.size:
             j = int(np.searchsorted(np.cumsum(lcp), differ[0], side="right"))
@@ -804,16 +809,6 @@ def _checked_file_arrays(path: Any, *arrays: np.ndarray) -> tuple[np.ndarray, ..
                 f"{int(order[j + 1])} differ before that",
             )
     return flat, offsets, gids, order, lcp
-
-
-def _ranges(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    """Concatenation of ``arange(s, e)`` for each pair, vectorized."""
-    lens = ends - starts
-    total = int(lens.sum())
-    if total == 0:
-        return np.zeros(0, np.int64)
-    offs = np.cumsum(lens) - lens
-    return np.arange(total, dtype=np.int64) - np.repeat(offs - starts, lens)
 
 
 def _as_turn(t: Any, i: int) -> Turn:
@@ -854,7 +849,7 @@ def _check_turns_reach_a_root(records: list[Turn], parent_idx: np.ndarray) -> No
     while frontier.size:  # one vectorized step per turn-tree level
         reached[frontier] = True
         lo, hi = child_off[frontier], child_off[frontier + 1]
-        frontier = children[_ranges(lo, hi)]
+        frontier = children[concat_ranges(lo, hi - lo)]
     if reached.all():
         return
     # Walk up from the first unreached turn until a turn repeats: that loop is a cycle.

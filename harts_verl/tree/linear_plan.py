@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from harts_verl.tree._checks import check_int
+from harts_verl.tree._ranges import concat_ranges
 from harts_verl.tree.forest import RolloutForest
 
 __all__ = [
@@ -349,15 +350,6 @@ def _check_chunk_size(chunk_size: Any) -> int:
     return check_int("chunk_size", chunk_size, 1)
 
 
-def _ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    """Concatenation of ``arange(s, s + n)`` for each pair, vectorized."""
-    total = int(lens.sum())
-    if total == 0:
-        return np.zeros(0, np.int64)
-    offs = np.cumsum(lens) - lens
-    return np.arange(total, dtype=np.int64) + np.repeat(starts - offs, lens)
-
-
 def _choose_continuations(
     fork: list[int],
     length: list[int],
@@ -568,7 +560,7 @@ def plan_linear_calls(forest: RolloutForest, *, chunk_size: int = 64) -> LinearC
                 token_rows[pos : pos + len_l[i]] += first_l[i] - pos
             pos += len_l[i]
     output_mask = np.ones(int(tok_off[-1]), dtype=bool)
-    output_mask[_ranges(tok_off[:-1], member_rep_len)] = False
+    output_mask[concat_ranges(tok_off[:-1], member_rep_len)] = False
 
     # Materialized states: one per distinct (producer, b) = one per distinct row at depth b-1
     # (a member owns one row per depth), slots ordered by (producer, b), hence round by round.

@@ -104,6 +104,7 @@ import numpy as np
 from harts_verl.tree._checks import INT64_MAX, finite_float, holds_bool
 from harts_verl.tree._checks import check_int as _check_int
 from harts_verl.tree._rangemin import RangeMin
+from harts_verl.tree._ranges import concat_ranges
 from harts_verl.tree.forest import RolloutForest
 
 __all__ = [
@@ -393,15 +394,6 @@ class _Leaves:
     def lo_window(self, cap: int) -> np.ndarray:
         """lo[j] = smallest i with work(i, j) <= cap, for j = 0..n."""
         return np.searchsorted(self.g, self.h - cap, side="left").astype(np.int64)
-
-
-def _concat(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenation of ``arange(s, s + l)`` for each pair (int64), vectorized."""
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, np.int64)
-    offs = np.cumsum(lengths) - lengths
-    return np.arange(total, dtype=np.int64) + np.repeat(starts - offs, lengths)
 
 
 def _labels_from_bins(bins: Sequence[np.ndarray], n: int) -> np.ndarray:
@@ -909,7 +901,7 @@ class _State:
             b = max(a + 1, int(np.searchsorted(size, base + _INTERLEAVED_CHUNK, side="right")))
             out[a:b] = self._window_deltas(
                 pc.mem,
-                order[_concat(lo[a:b], hi[a:b] - lo[a:b])],
+                order[concat_ranges(lo[a:b], hi[a:b] - lo[a:b])],
                 hi[a:b] - lo[a:b],
                 p0[a:b],
                 p_n[a:b],
@@ -934,7 +926,7 @@ class _State:
         lv, n = self.lv, self.lv.n
         m = p0.shape[0]
         cell = np.arange(m, dtype=np.int64)
-        piece = mem[_concat(p0, p_n)]
+        piece = mem[concat_ranges(p0, p_n)]
         has_b, has_a = before >= 0, after < n
         pos = np.concatenate([before[has_b], inside, after[has_a], piece])
         owner = np.concatenate(
