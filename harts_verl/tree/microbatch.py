@@ -132,7 +132,9 @@ __all__ = [
 MAX_DP_SIZE = 1 << 16
 _INF = np.int64(1) << 62
 _DENSE_LCP_MAX = 2500  # below this many trajectories, keep the full LCP matrix
-_INTERLEAVED_CHUNK = 1 << 22  # window positions per vectorized chunk of exact marginals
+_INTERLEAVED_CHUNK = (
+    1 << 20
+)  # window positions per vectorized chunk of exact marginals (~100 B each)
 _BAL_GROUPS, _BAL_SOURCES, _BAL_CANDS = 16, 8, 16  # balance search breadth
 
 _DEFAULT_OPTIONS: dict[str, Any] = {

@@ -60,6 +60,10 @@ def token_sequences(input_ids: torch.Tensor) -> list[np.ndarray]:
         raise TypeError(f"input_ids: expected integer token ids, got dtype {input_ids.dtype}")
     if not input_ids.is_nested:
         return [r for r in input_ids.detach().cpu().numpy().astype(np.int64, copy=False)]
+    if input_ids.layout != torch.jagged or not input_ids.is_contiguous():
+        # a strided nested tensor has no offsets; a non-contiguous jagged one (``lengths``,
+        # e.g. from torch.nested.narrow) has holes in values(): take each trajectory as is
+        return [t.detach().cpu().numpy().astype(np.int64) for t in input_ids.unbind()]
     values = input_ids.values().detach().cpu().numpy().astype(np.int64, copy=False)
     offsets = input_ids.offsets().detach().cpu().numpy()
     return [values[offsets[i] : offsets[i + 1]] for i in range(offsets.shape[0] - 1)]
