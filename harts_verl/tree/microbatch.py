@@ -132,9 +132,8 @@ __all__ = [
 MAX_DP_SIZE = 1 << 16
 _INF = np.int64(1) << 62
 _DENSE_LCP_MAX = 2500  # below this many trajectories, keep the full LCP matrix
-_INTERLEAVED_CHUNK = (
-    1 << 20
-)  # window positions per vectorized chunk of exact marginals (~100 B each)
+# window positions per vectorized chunk of exact marginals (~100 B each)
+_INTERLEAVED_CHUNK = 1 << 20
 _BAL_GROUPS, _BAL_SOURCES, _BAL_CANDS = 16, 8, 16  # balance search breadth
 
 _DEFAULT_OPTIONS: dict[str, Any] = {
@@ -627,16 +626,14 @@ def _fit_decreasing(sizes: list[int], order: list[int], room: int, best_fit: boo
     k = 0
     for t in order:
         e = sizes[t]
-        r = room - e - loads[:k]  # room left in each bin after the item
-        if best_fit:
-            fits = np.where(r >= 0, r, np.iinfo(np.int64).max)
-            b = int(np.argmin(fits)) if k else -1
-            chosen = b if k and fits[b] != np.iinfo(np.int64).max else -1
-        else:
-            b = int(np.argmax(r >= 0)) if k else -1
-            chosen = b if k and r[b] >= 0 else -1
-        if chosen < 0:
-            chosen, k = k, k + 1
+        chosen = k  # a new bin, unless one has room
+        if k:
+            r = room - e - loads[:k]  # room left in each bin after the item
+            # best fit: the least non-negative room; first fit: the first non-negative one
+            b = int(np.argmin(np.where(r >= 0, r, INT64_MAX)) if best_fit else np.argmax(r >= 0))
+            chosen = b if r[b] >= 0 else k
+        if chosen == k:
+            k += 1
         loads[chosen] += e
         label[t] = chosen
     return label
@@ -782,10 +779,8 @@ class _State:
         self.nr = np.concatenate([self.nr, np.full((extra, n), n, np.int64)], axis=0)
 
     def _refresh(self, b: int) -> None:
-        mem = np.flatnonzero(self.label == b)
-        ext = np.concatenate([[-1], mem, [self.lv.n]])
-        self.nl[b] = ext[np.searchsorted(mem, self._idx, side="left")]
-        self.nr[b] = ext[np.searchsorted(mem, self._idx, side="right") + 1]
+        """Recompute bin b's columns of ``nl`` / ``nr`` at every position."""
+        self._refresh_window(b, 0, self.lv.n - 1, -1, self.lv.n)
 
     def members(self, b: int) -> np.ndarray:
         return np.flatnonzero(self.label == b)
