@@ -6,9 +6,13 @@ pays one-time costs, which a timed run must not carry), in alternating order (ex
 even iterations, tree first in odd ones, so neither always runs in the other's wake), and the
 median forward+backward(+grad) wall time of each gives ``speedup``. ``ideal_flop_ratio`` is the
 analytic FLOP ratio for this model and forest (see :mod:`harts_verl.runtime.flops`),
-``efficiency = speedup / ideal_flop_ratio``; ``null`` (with a note on stderr, and
-``sliding_window_active``) when a sliding window shorter than a trajectory cut attention calls
-of the timed iterations, which the FLOP model does not count.
+``efficiency = speedup / ideal_flop_ratio``. When a sliding window shorter than a trajectory cut
+attention calls of the timed iterations (``sliding_window_active``) and a varlen flash kernel
+ran them (it skips the pairs outside the window), the ideal ratio counts each layer's windowed
+pairs (``attention_windows``: the window of each softmax-attention layer, as the untimed tree
+forward of the fidelity pass applied them). ``efficiency`` is ``null`` (with a note on stderr)
+when SDPA ran windowed calls (a mask over the full square: no FLOP count is a yardstick for
+it) or the forward did not show each layer's window.
 Fidelity: ``max_abs_dlogp`` between tree and expanded log-probs in the run dtype, and
 ``mean_logit_cos`` (mean over semantic positions of the full-vocabulary logit cosine).
 ``kernel_calls``: per runner, the linear- and softmax-attention kernel calls of the timed
@@ -43,10 +47,10 @@ import torch
 
 from harts_verl.models import HybridForCausalLM, preset
 from harts_verl.ops.backends import kernel_routes
-from harts_verl.ops.layout import check_chunk_size
+from harts_verl.ops.layout import check_chunk_size, layer_windows, recording_attention_windows
 from harts_verl.ops.logprobs import mean_logit_cosine
 from harts_verl.runtime import ExpandedRunner, TreeRunner
-from harts_verl.runtime.flops import ideal_flop_ratio, model_shape
+from harts_verl.runtime.flops import ModelShape, ideal_flop_ratio, model_shape
 from harts_verl.tree import RolloutForest
 from harts_verl.tree._checks import INT64_MAX, SEED_MAX, check_int, finite_float
 from harts_verl.tree._checks import is_int as _is_int
@@ -242,6 +246,11 @@ class PreparedBench:
     # count once per microbatch that holds them)
     notes: list[str] = field(default_factory=list)  # settings the run could not honour
     model_type: str = "harts_native"  # of the config given (``--model``), else the preset's
+    # what ideal_flop_ratio is computed from (measure_bench recomputes it with the windows of
+    # sliding-window layers, which only a forward shows)
+    shape: ModelShape | None = None
+    microbatch_forests: list[RolloutForest] = field(default_factory=list)
+    microbatch_replays: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -358,12 +367,7 @@ def prepare_bench(cfg: BenchConfig, inputs: BenchInputs | None = None) -> Prepar
         else 0
         for s in subs
     ]
-    flops = {"expanded_flops": 0.0, "tree_flops": 0.0}
-    for s, r_tokens in zip(subs, replays):
-        r = ideal_flop_ratio(shape, s, r_tokens, cfg.chunk_size)
-        flops["expanded_flops"] += r["expanded_flops"]
-        flops["tree_flops"] += r["tree_flops"]
-    ideal = flops["expanded_flops"] / flops["tree_flops"] if flops["tree_flops"] else 1.0
+    ideal = _run_flop_ratio(shape, subs, replays, cfg.chunk_size)
     return PreparedBench(
         cfg=cfg,
         device=device,
@@ -381,7 +385,27 @@ def prepare_bench(cfg: BenchConfig, inputs: BenchInputs | None = None) -> Prepar
         run_compact_tokens=int(sum(s.num_compact_tokens for s in subs)),
         notes=notes,
         model_type=model_type,
+        shape=shape,
+        microbatch_forests=subs,
+        microbatch_replays=replays,
     )
+
+
+def _run_flop_ratio(
+    shape: ModelShape,
+    subs: list[RolloutForest],
+    replays: list[int],
+    chunk_size: int,
+    windows: list[int | None] | None = None,
+) -> float:
+    """Expanded ÷ tree forward FLOPs of the tree runner's microbatches ``subs`` (their replay
+    tokens ``replays``; per-layer sliding ``windows``: see :func:`ideal_flop_ratio`)."""
+    exp = tree = 0.0
+    for s, r_tokens in zip(subs, replays, strict=True):
+        r = ideal_flop_ratio(shape, s, r_tokens, chunk_size, windows)
+        exp += r["expanded_flops"]
+        tree += r["tree_flops"]
+    return exp / tree if tree else 1.0
 
 
 def timing_order(iteration: int) -> tuple[str, str]:
@@ -475,17 +499,38 @@ def measure_bench(prep: PreparedBench) -> dict[str, Any]:
     # A sliding window that cut an attention call (the layouts pass only effective windows):
     # the FLOP model counts full causal pairs, so the ideal ratio is no yardstick.
     windowed = any("window" in route for c in calls.values() for route in c)
-    if windowed:
-        print(
-            "harts-verl bench: note: efficiency: null: a sliding window shorter than a "
-            "trajectory cut attention calls (kernel_calls); the FLOP model counts full causal "
-            "pairs, so ideal_flop_ratio is no yardstick here (speedup is measured as usual)",
-            file=sys.stderr,
-        )
+    windowed_unknown = False  # ... and the FLOP model could not count those layers' windows
 
     if cfg.progress:  # untimed, about two expanded forwards: say what the wait is
         print("bench: fidelity: log-probs and logit cosine of both runners ...", file=sys.stderr)
-    lp_tree = tree.log_probs(seqs)
+    with recording_attention_windows() as window_log:  # the windows each layer applied
+        lp_tree = tree.log_probs(seqs)
+    windows = layer_windows(window_log)
+    # SDPA runs a window as a mask over the keys it computes anyway (the full square), a varlen
+    # flash kernel skips the pairs outside it: only then is the windowed work the yardstick
+    masked = sorted(
+        {r for c in calls.values() for r in c if r.startswith("attention/sdpa") and "window" in r}
+    )
+    known = bool(windows) and any(w is not None for w in windows) and prep.shape is not None
+    if windowed and known and not masked:
+        # the ideal counts each windowed layer's pairs (min(position + 1, window) per query)
+        ideal = _run_flop_ratio(
+            prep.shape, prep.microbatch_forests, prep.microbatch_replays, cfg.chunk_size, windows
+        )
+    elif windowed:
+        windowed_unknown = True
+        why = (
+            f"the windowed calls ran as masks over full attention ({', '.join(masked)}), which "
+            "computes the pairs outside the window too"
+            if masked
+            else "the tree forward did not show each layer's window"
+        )
+        print(
+            "harts-verl bench: note: efficiency: null: a sliding window shorter than a "
+            f"trajectory cut attention calls (kernel_calls), but {why}, so no FLOP count is a "
+            "yardstick here (speedup is measured as usual)",
+            file=sys.stderr,
+        )
     lp_exp = expanded.log_probs(seqs)
     diffs = [
         float((a.double() - b.double()).abs().max()) for a, b in zip(lp_tree, lp_exp) if a.numel()
@@ -530,13 +575,15 @@ def measure_bench(prep: PreparedBench) -> dict[str, Any]:
         "expanded_seconds": [round(t, 4) for t in times["expanded"]],
         "tree_seconds": [round(t, 4) for t in times["tree"]],
         "speedup": round(speedup, 4),
-        "efficiency": None if windowed else round(speedup / ideal, 4),
+        "efficiency": None if windowed_unknown else round(speedup / ideal, 4),
         # Best-of times are less sensitive to other jobs on a shared machine than the median.
         "speedup_best": round(min(times["expanded"]) / min(times["tree"]), 4),
         "efficiency_best": None
-        if windowed
+        if windowed_unknown
         else round(min(times["expanded"]) / min(times["tree"]) / ideal, 4),
         "sliding_window_active": windowed,
+        # per softmax-attention layer, the window the FLOP model counted (null: full causal)
+        "attention_windows": windows if windowed and not windowed_unknown else None,
         "max_abs_dlogp": max_dlogp,
         # the kernels the timed iterations ran, per runner (harts_verl.ops.backends.routes)
         "kernel_calls": {name: dict(sorted(c.items())) for name, c in calls.items()},

@@ -759,3 +759,127 @@ def test_ideal_flop_ratio_counts_linear_attention_at_the_run_chunk_size(chunk):
         f_tree += (shape.dense_per_token - head) * c + head * (c - leaves) + lin * (c + replay)
         f_tree += shape.attention_per_pair * float((sub.depth + 1).sum())
     assert prep.ideal_flop_ratio == pytest.approx(f_exp / f_tree, rel=1e-9)
+
+
+def test_windowed_pairs_match_brute_force():
+    """``causal_pairs`` / ``tree_pairs`` count, per query, the keys of its path less than
+    ``window`` tokens above it (itself included), as a brute force over every trajectory and
+    every compact row; ``ideal_flop_ratio`` averages them over the layers' ``windows`` (full
+    layers as without windows)."""
+    import numpy as np
+
+    from harts_verl.runtime.flops import (
+        ModelShape,
+        causal_pairs,
+        ideal_flop_ratio,
+        tree_pairs,
+    )
+    from harts_verl.tree import RolloutForest
+
+    rng = np.random.default_rng(3)
+    base = rng.integers(0, 5, 30).tolist()
+    seqs = [base[: rng.integers(1, 30)] + rng.integers(0, 5, rng.integers(0, 20)).tolist()
+            for _ in range(12)]  # fmt: skip
+    forest = RolloutForest.from_sequences(seqs)
+    lengths = forest.lengths
+    rows = np.arange(forest.num_compact_tokens)
+    for w in (1, 2, 5, 17, 1000, None):
+        lim = math.inf if w is None else w
+        want_exp = sum(min(p + 1, lim) for n in lengths.tolist() for p in range(n))
+        assert causal_pairs(lengths, w) == want_exp
+        anc = forest.is_ancestor_or_self(rows[None, :], rows[:, None])  # [query, key]
+        near = forest.depth[:, None] - forest.depth[None, :] < lim
+        assert tree_pairs(forest.depth, w) == int((anc & near).sum())
+    shape = ModelShape(dense_per_token=10.0, attention_per_pair=3.0, linear_per_token=0.0)
+    full = ideal_flop_ratio(shape, forest, 0)
+    assert ideal_flop_ratio(shape, forest, 0, windows=[None, None]) == full
+    mixed = ideal_flop_ratio(shape, forest, 0, windows=[4, None])
+    half_exp = (causal_pairs(lengths, 4) + causal_pairs(lengths)) / 2
+    assert mixed["expanded_flops"] == pytest.approx(10.0 * lengths.sum() + 3.0 * half_exp)
+    assert mixed["ideal_flop_ratio"] != full["ideal_flop_ratio"]
+    for bad in (0, -3, True, 2.5, "8"):
+        with pytest.raises(ValueError, match="windows: expected positive ints or None"):
+            ideal_flop_ratio(shape, forest, 0, windows=[bad])
+
+
+def test_layer_windows_from_a_recorded_log():
+    """Each layout's calls are the layers in order; a layer's window is what any layout passed
+    (a layout whose paths the window does not reach passes none); logs that are not one
+    model's plain forwards give None."""
+    from harts_verl.ops.layout import layer_windows, recording_attention_windows
+
+    assert layer_windows([]) == []
+    log = [(7, None), (7, 16), (9, None), (9, None)]  # layout 9: every path shorter than 16
+    assert layer_windows(log) == [None, 16]
+    assert layer_windows([(1, 4), (1, None), (2, 4)]) is None  # 2 calls vs 1
+    assert layer_windows([(1, 4), (2, 8)]) is None  # two windows for one layer
+    with recording_attention_windows() as outer:
+        with pytest.raises(RuntimeError, match="already recording"):
+            with recording_attention_windows():
+                pass
+    assert outer == []
+
+
+def test_recorded_windows_of_a_mixed_model():
+    """The windows a Qwen2 with sliding and full layers applies in a tree forward, per layer in
+    order; none where no trajectory is longer than the window."""
+    import numpy as np
+
+    from harts_verl.ops.layout import layer_windows, recording_attention_windows
+    from harts_verl.runtime import TreeRunner
+    from harts_verl.workers.testing import tiny_hf_config
+
+    cfg = tiny_hf_config("qwen2")
+    n = cfg.num_hidden_layers
+    types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    cfg.use_sliding_window, cfg.sliding_window, cfg.layer_types = True, 16, types
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).double()
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 64, 30).tolist()
+    long = [base + rng.integers(0, 64, 10).tolist(), [*base[:20], 1, 2, 3]]
+    short = [base[:10], [*base[:6], 5, 6]]
+    runner = TreeRunner(model, capacity_tokens=48)
+    for seqs, want in ((long, [16 if t == types[0] else None for t in types]), (short, [None] * n)):
+        with recording_attention_windows() as log:
+            runner.log_probs(seqs)
+        assert len(log) == n * runner.last_stats.microbatches
+        assert layer_windows(log) == want
+
+
+def test_bench_counts_windowed_pairs_when_a_varlen_kernel_skips_them(tmp_path, monkeypatch):
+    """With a varlen kernel that takes windows (here a CPU stand-in of its contract), a window
+    shorter than a trajectory (Mistral, 16) no longer nulls ``efficiency``: the ideal ratio
+    counts each layer's windowed pairs (``attention_windows``), recounted here from the plan."""
+    from harts_verl.benchmark import _run_flop_ratio, prepare_bench
+    from harts_verl.ops import backends
+    from harts_verl.ops.backends import VarlenAttentionKernel
+    from harts_verl.ops.backends.varlen_attention import sdpa_varlen_reference
+    from harts_verl.runtime.flops import model_shape
+    from harts_verl.workers.testing import tiny_hf_config
+
+    stand_in = VarlenAttentionKernel("varlen_stand_in", sdpa_varlen_reference, require_half=False)
+    real = backends.attention_kernel
+    monkeypatch.setattr(
+        backends, "attention_kernel", lambda name, device: stand_in if name == "auto" else real(name, device)
+    )  # fmt: skip
+    cfg = tiny_hf_config("mistral")
+    cfg.sliding_window = 16
+    cfg.save_pretrained(str(tmp_path / "w16"))
+    bench_cfg = BenchConfig(model=str(tmp_path / "w16" / "config.json"), **SMALL)
+    res = run_bench(bench_cfg)
+    assert res["sliding_window_active"] is True
+    assert "attention/varlen_stand_in (window)" in res["kernel_calls"]["tree"]
+    assert res["attention_windows"] == [16] * cfg.num_hidden_layers
+    prep = prepare_bench(bench_cfg)
+    groups = prep.tree.plan(prep.forest)
+    subs = [prep.forest.subset(g) for g in groups]
+    replays = [0] * len(subs)  # no linear attention
+    shape = model_shape(prep.mcfg)
+    want = _run_flop_ratio(shape, subs, replays, 16, [16] * cfg.num_hidden_layers)
+    assert res["ideal_flop_ratio"] == pytest.approx(want, rel=1e-3)
+    assert want != pytest.approx(_run_flop_ratio(shape, subs, replays, 16), rel=1e-3)
+    assert res["efficiency"] == pytest.approx(res["speedup"] / res["ideal_flop_ratio"], rel=1e-2)
+    assert res["max_abs_dlogp"] <= 1e-4

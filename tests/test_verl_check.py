@@ -756,3 +756,35 @@ def test_check_refuses_a_checkpoint_that_lacks_a_tensor(tmp_path, capsys, monkey
     assert main(["--model", path, "--batch", _batch(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "--model" in err and name in err and "lacks 1 tensor" in err
+
+
+def test_check_flop_ratio_counts_the_windows_its_tree_forward_applied(monkeypatch):
+    """A Gemma 3 text model (sliding and full layers) with a window shorter than the batch's
+    trajectories: ``ideal_flop_ratio`` counts each sliding layer's windowed pairs, as recounted
+    from the layer types; a window no trajectory reaches changes nothing."""
+    monkeypatch.setitem(sys.modules, "fla", None)
+    from transformers import AutoModelForCausalLM
+
+    from harts_verl.runtime.flops import ideal_flop_ratio, model_shape
+    from harts_verl.tree import RolloutForest
+    from harts_verl.workers.check import run_check
+    from harts_verl.workers.testing import tiny_hf_config
+
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 64, 24).tolist()
+    seqs = [base + rng.integers(0, 64, 8).tolist(), [*base[:12], 1, 2, 3], base[:20]]
+    forest = RolloutForest.from_sequences(seqs)
+    for window, bites in ((6, True), (1000, False)):
+        cfg = tiny_hf_config("gemma3_text")
+        cfg.sliding_window = window
+        types = list(cfg.layer_types)
+        assert "sliding_attention" in types and "full_attention" in types
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg)
+        res = run_check(model, seqs, chunk_size=8)
+        windows = [window if t == "sliding_attention" and bites else None for t in types]
+        shape = model_shape(cfg)
+        want = ideal_flop_ratio(shape, forest, 0, 8, windows)["ideal_flop_ratio"]
+        assert res["ideal_flop_ratio"] == pytest.approx(want, rel=1e-12)
+        full = ideal_flop_ratio(shape, forest, 0, 8)["ideal_flop_ratio"]
+        assert (want != pytest.approx(full, rel=1e-9)) is bites

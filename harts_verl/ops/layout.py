@@ -7,7 +7,10 @@ plans are built lazily on first use and cached, so a layer type that is absent c
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cached_property
+from itertools import count
 
 import numpy as np
 import torch
@@ -28,6 +31,51 @@ def check_chunk_size(chunk_size: object, name: str = "chunk_size") -> int:
             f"size), got {chunk_size!r}"
         )
     return int(chunk_size)
+
+
+# Softmax-attention calls noted by :func:`recording_attention_windows` (None: not recording).
+_WINDOW_LOG: list[tuple[int, int | None]] | None = None
+_LAYOUT_SERIALS = count()  # a layout's key in that log (ids of freed layouts are reused)
+
+
+@contextmanager
+def recording_attention_windows() -> Iterator[list[tuple[int, int | None]]]:
+    """Note every :meth:`TreeLayout.attention` call made inside the block, in call order, as
+    ``(serial number of the layout, window the call passed)`` (None: no window, or one longer than every
+    path of the layout); :func:`layer_windows` reads the list. Not reentrant."""
+    global _WINDOW_LOG
+    if _WINDOW_LOG is not None:
+        raise RuntimeError("recording_attention_windows: already recording")
+    _WINDOW_LOG = log = []
+    try:
+        yield log
+    finally:
+        _WINDOW_LOG = None
+
+
+def layer_windows(log: list[tuple[int, int | None]]) -> list[int | None] | None:
+    """The sliding window of each softmax-attention layer (None: full causal attention), from
+    the :func:`recording_attention_windows` log of forwards without recomputation (each layout's
+    calls are its model's attention layers in order). A layer's window is what any layout passed
+    there; a layer that no layout windowed is None (its window, if any, is longer than every
+    path the forwards ran, so it cut nothing). None when the layouts made different numbers of
+    calls or passed different windows to one layer (not one model's plain forwards); ``[]`` for
+    an empty log."""
+    calls: dict[int, list[int | None]] = {}
+    for key, window in log:
+        calls.setdefault(key, []).append(window)
+    per_layout = list(calls.values())
+    if not per_layout:
+        return []
+    if len({len(c) for c in per_layout}) != 1:
+        return None
+    out: list[int | None] = []
+    for seen in zip(*per_layout, strict=True):
+        ws = {w for w in seen if w is not None}
+        if len(ws) > 1:
+            return None
+        out.append(ws.pop() if ws else None)
+    return out
 
 
 class TreeLayout:
@@ -53,6 +101,7 @@ class TreeLayout:
         if not isinstance(forest, RolloutForest):
             raise TypeError(f"forest: expected a RolloutForest, got {type(forest).__name__}")
         self.forest = forest
+        self._serial = next(_LAYOUT_SERIALS)
         self.chunk_size = check_chunk_size(chunk_size)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.linear_backend = linear_backend
@@ -157,6 +206,8 @@ class TreeLayout:
         query head joins each row's softmax, gpt-oss; with ``softcap``: soft-capped scores,
         Gemma 2); ``[C, Hq, Dv]``. ``window``, ``sinks`` and ``softcap`` reach the kernel only
         when set."""
+        if _WINDOW_LOG is not None:
+            _WINDOW_LOG.append((self._serial, None if window is None else int(window)))
         kw: dict = {} if window is None else {"window": window}
         if sinks is not None:
             kw["sinks"] = sinks

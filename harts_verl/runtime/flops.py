@@ -8,7 +8,8 @@ docs/runtime.md for what that leaves out). Terms:
 * per-token (row-wise) work: projections, FFN / active MoE experts, router, LM head — ∝ tokens
   (expanded: S; tree: C);
 * softmax attention: per (query, key) pair 2·H·(Dqk + Dv) — pairs are Σ_i L_i(L_i+1)/2 expanded
-  and Σ_rows (depth + 1) in the tree;
+  and Σ_rows (depth + 1) in the tree; a layer with a sliding window w (given per layer to
+  :func:`ideal_flop_ratio`) counts min(position + 1, w) keys per query instead;
 * chunkwise linear attention: per processed token HV·(2B(3K+2V) + 6KV) with the delta rule,
   HV·(2B(K+V) + 4KV) without (intra-chunk matrices and state reads/updates at the run's chunk
   size B) — processed tokens are S expanded and C + replay in the tree;
@@ -18,6 +19,7 @@ docs/runtime.md for what that leaves out). Terms:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +38,7 @@ from harts_verl.tree import RolloutForest
 
 __all__ = [
     "ModelShape",
+    "causal_pairs",
     "conv_hybrid_shape",
     "forward_flops",
     "full_attention_shape",
@@ -51,6 +54,7 @@ __all__ = [
     "qwen3_next_shape",
     "recurrent_gemma_shape",
     "ssm_shape",
+    "tree_pairs",
 ]
 
 
@@ -323,7 +327,8 @@ def olmo_hybrid_shape(cfg: Any) -> ModelShape:
 def full_attention_shape(cfg: Any) -> ModelShape:
     """Coefficients of a full-attention HF causal LM (every type of
     ``FULL_ATTENTION_MODEL_TYPES``): per layer GQA q/k/v/o projections (Phi-3's fused qkv: the
-    same FLOPs; biases, norms, sliding windows, soft-caps and gpt-oss's attention sinks ignored)
+    same FLOPs; biases, norms, soft-caps and gpt-oss's attention sinks ignored; sliding windows
+    enter through :func:`ideal_flop_ratio`'s ``windows``)
     or DeepSeek-V3's multi-head latent attention (configs with ``kv_lora_rank``), an MLP or a
     sparse MoE block (see :func:`_ffn_layer`); the LM head."""
     dense, attn = 2.0 * cfg.hidden_size * cfg.vocab_size, 0.0
@@ -548,8 +553,8 @@ def recurrent_gemma_shape(cfg: Any) -> ModelShape:
     ``config.layers_block_type``: recurrent blocks (``linear_y``, ``linear_x``, the depthwise
     ``conv1d_width``-token conv, the RG-LRU's block-diagonal input and recurrence gates,
     ``linear_out``; the scan as chunkwise linear attention with one one-entry head per channel)
-    and local MQA / GQA attention (pairs counted as for full attention: the window is not
-    modelled, as for other sliding-window layers); per layer a gated MLP
+    and local MQA / GQA attention (its window enters through :func:`ideal_flop_ratio`'s
+    ``windows``, as for other sliding-window layers); per layer a gated MLP
     ``intermediate_size // 2`` wide; the LM head."""
     d, w = cfg.hidden_size, cfg.lru_width
     dense, attn, lin = 2.0 * d * cfg.vocab_size, 0.0, 0.0
@@ -660,18 +665,50 @@ def forward_flops(
     )
 
 
+def causal_pairs(lengths: np.ndarray, window: int | None = None) -> float:
+    """(query, key) pairs of causal attention over sequences of ``lengths`` tokens: a query at
+    position p sees ``min(p + 1, window)`` keys (``window`` None: all p + 1)."""
+    n = np.asarray(lengths, dtype=np.float64)
+    if window is None:
+        return float((n * (n + 1) / 2).sum())
+    w = float(_checked_window(window))
+    head = np.minimum(n, w)  # the first min(L, w) queries see p + 1 keys, the rest w each
+    return float((head * (head + 1) / 2 + (n - head) * w).sum())
+
+
+def tree_pairs(depth: np.ndarray, window: int | None = None) -> float:
+    """(query, key) pairs of tree attention over rows at ``depth``: a row sees its ancestors
+    and itself, ``min(depth + 1, window)`` of them with a ``window``."""
+    d = np.asarray(depth, dtype=np.float64) + 1
+    return float((d if window is None else np.minimum(d, float(_checked_window(window)))).sum())
+
+
+def _checked_window(window: Any) -> int:
+    if isinstance(window, bool) or not isinstance(window, int | np.integer) or window < 1:
+        raise ValueError(f"windows: expected positive ints or None, got {window!r}")
+    return int(window)
+
+
 def ideal_flop_ratio(
-    shape: ModelShape, forest: RolloutForest, replay_tokens: int, chunk_size: int = 64
+    shape: ModelShape,
+    forest: RolloutForest,
+    replay_tokens: int,
+    chunk_size: int = 64,
+    windows: Sequence[int | None] | None = None,
 ) -> dict[str, float]:
     """Expanded and tree forward FLOPs of ``forest`` and their ratio (``ideal_flop_ratio``),
     the linear attention of both at the run's ``chunk_size`` (``TreeRunner``'s default 64);
     the LM head on the rows with a next token, as the log-prob code runs it (S − N expanded,
-    the rows with a child in the tree)."""
+    the rows with a child in the tree). ``windows``: the sliding window of each softmax-attention
+    layer (None for a full-attention layer; e.g. from :func:`~harts_verl.ops.layout.layer_windows`),
+    each layer taking an equal share of ``shape.attention_per_pair`` (the windowed families'
+    attention layers are alike); None or empty: every pair of a causal mask counts."""
     lengths = forest.lengths.astype(np.float64)
     s = float(lengths.sum())
     c = float(forest.num_compact_tokens)
-    pairs_exp = float((lengths * (lengths + 1) / 2).sum())
-    pairs_tree = float((forest.depth.astype(np.float64) + 1).sum())
+    per_layer = list(windows) if windows else [None]
+    pairs_exp = sum(causal_pairs(lengths, w) for w in per_layer) / len(per_layer)
+    pairs_tree = sum(tree_pairs(forest.depth, w) for w in per_layer) / len(per_layer)
     head_exp = s - float(forest.num_trajectories)
     head_tree = float(np.count_nonzero(np.asarray(forest.num_children) > 0))
     f_exp = forward_flops(shape, s, pairs_exp, s, chunk_size, head_exp)

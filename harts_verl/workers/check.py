@@ -362,8 +362,11 @@ def decoder_layers(model: Any) -> list[torch.nn.Module]:
     return []
 
 
-def _flop_ratio(model: Any, seqs: list[list[int]], chunk_size: int) -> float | None:
-    """Analytic expanded ÷ tree forward FLOPs of the batch (None without a FLOP model)."""
+def _flop_ratio(
+    model: Any, seqs: list[list[int]], chunk_size: int, windows: list[int | None] | None = None
+) -> float | None:
+    """Analytic expanded ÷ tree forward FLOPs of the batch (None without a FLOP model);
+    ``windows``: each softmax-attention layer's sliding window (see ``ideal_flop_ratio``)."""
     from harts_verl.ops.layout import TreeLayout
     from harts_verl.runtime.flops import ideal_flop_ratio, model_shape
     from harts_verl.tree import RolloutForest
@@ -377,7 +380,7 @@ def _flop_ratio(model: Any, seqs: list[list[int]], chunk_size: int) -> float | N
     if shape.linear_per_token:
         layout = TreeLayout(forest, chunk_size=chunk_size, device="cpu")
         replay = int(layout.linear_plan.plan.replay_tokens)
-    return float(ideal_flop_ratio(shape, forest, replay, chunk_size)["ideal_flop_ratio"])
+    return float(ideal_flop_ratio(shape, forest, replay, chunk_size, windows)["ideal_flop_ratio"])
 
 
 _ROWS = 4096  # rows per float64 chunk of the audit's comparisons (bounded memory)
@@ -481,6 +484,7 @@ def run_check(
     Raises ``ValueError`` naming ``seqs`` for an empty batch, ``tol`` / ``fail_above`` unless
     it is a finite number >= 0, and the runners' errors for ``chunk_size`` and token ids
     outside the model's vocabulary (all before any forward runs)."""
+    from harts_verl.ops.layout import layer_windows, recording_attention_windows
     from harts_verl.runtime import ExpandedRunner, TreeRunner
 
     if not seqs:
@@ -491,7 +495,9 @@ def run_check(
 
     tree = TreeRunner(model, chunk_size=chunk_size)
     exp = ExpandedRunner(model, chunk_size=chunk_size)
-    lt, le = tree.log_probs(seqs), exp.log_probs(seqs)
+    with recording_attention_windows() as window_log:  # the windows each layer applies
+        lt = tree.log_probs(seqs)
+    le = exp.log_probs(seqs)
     dlogp = _max_abs_diff(zip(lt, le))
     ht, he = tree.hidden_states(seqs), exp.hidden_states(seqs)
     mean_cos = mean_logit_cosine(ht, he, tree.model.lm_head.weight, rows_per_chunk=_ROWS)
@@ -525,7 +531,7 @@ def run_check(
         "first_divergent_layer": first,
         "tol": tol,
         "non_finite": non_finite,
-        "ideal_flop_ratio": _flop_ratio(model, seqs, chunk_size),
+        "ideal_flop_ratio": _flop_ratio(model, seqs, chunk_size, layer_windows(window_log)),
     }
     if fail_above is not None:
         res["fail_above"] = fail_above
