@@ -797,6 +797,13 @@ def test_windowed_pairs_match_brute_force():
     half_exp = (causal_pairs(lengths, 4) + causal_pairs(lengths)) / 2
     assert mixed["expanded_flops"] == pytest.approx(10.0 * lengths.sum() + 3.0 * half_exp)
     assert mixed["ideal_flop_ratio"] != full["ideal_flop_ratio"]
+    # any sequence of windows; numpy ints; a window beyond float range is no window
+    assert ideal_flop_ratio(shape, forest, 0, windows=np.array([4, 0])[:1]) == ideal_flop_ratio(
+        shape, forest, 0, windows=[4]
+    )
+    assert ideal_flop_ratio(shape, forest, 0, windows=iter([])) == full
+    assert causal_pairs(lengths, 10**400) == causal_pairs(lengths)
+    assert tree_pairs(forest.depth, 10**400) == tree_pairs(forest.depth)
     for bad in (0, -3, True, 2.5, "8"):
         with pytest.raises(ValueError, match="windows: expected positive ints or None"):
             ideal_flop_ratio(shape, forest, 0, windows=[bad])

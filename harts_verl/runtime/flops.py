@@ -671,7 +671,7 @@ def causal_pairs(lengths: np.ndarray, window: int | None = None) -> float:
     n = np.asarray(lengths, dtype=np.float64)
     if window is None:
         return float((n * (n + 1) / 2).sum())
-    w = float(_checked_window(window))
+    w = float(min(_checked_window(window), 2**53))  # longer than any sequence: exact as float
     head = np.minimum(n, w)  # the first min(L, w) queries see p + 1 keys, the rest w each
     return float((head * (head + 1) / 2 + (n - head) * w).sum())
 
@@ -680,7 +680,9 @@ def tree_pairs(depth: np.ndarray, window: int | None = None) -> float:
     """(query, key) pairs of tree attention over rows at ``depth``: a row sees its ancestors
     and itself, ``min(depth + 1, window)`` of them with a ``window``."""
     d = np.asarray(depth, dtype=np.float64) + 1
-    return float((d if window is None else np.minimum(d, float(_checked_window(window)))).sum())
+    if window is None:
+        return float(d.sum())
+    return float(np.minimum(d, float(min(_checked_window(window), 2**53))).sum())
 
 
 def _checked_window(window: Any) -> int:
@@ -706,7 +708,8 @@ def ideal_flop_ratio(
     lengths = forest.lengths.astype(np.float64)
     s = float(lengths.sum())
     c = float(forest.num_compact_tokens)
-    per_layer = list(windows) if windows else [None]
+    # any sequence of windows (a numpy array too); None or empty: full causal attention
+    per_layer = (list(windows) if windows is not None else []) or [None]
     pairs_exp = sum(causal_pairs(lengths, w) for w in per_layer) / len(per_layer)
     pairs_tree = sum(tree_pairs(forest.depth, w) for w in per_layer) / len(per_layer)
     head_exp = s - float(forest.num_trajectories)
