@@ -814,3 +814,93 @@ def test_tau2_domain_reads_reward_basis_and_task_splits(monkeypatch):
     assert [t.task_id for t in d.split_tasks("test")] == ["2"]
     with pytest.raises(ValueError, match="split: tau2:retail has no task split 'dev'"):
         d.split_tasks("dev")
+
+
+def test_unparsable_calls_and_empty_messages_count_as_tool_errors(dom):
+    """Broken hermes JSON never reaches veRL's _call_tool (the parser drops it): such turns
+    were answered but not counted, so fifteen of them still scored 1.0. An empty message (only
+    reasoning) is not a message to the user either: the LLM user was shown the agent's greeting
+    in its place and the scripted user spent a line on it."""
+    pytest.importorskip("verl")
+    from harts_verl.workers.envs import testing
+    from harts_verl.workers.envs.tau_agent import ERRORS_KEY, MAX_ERRORS, TOO_MANY_ERRORS
+
+    bad = '<tool_call>{"name": "cancel_pending_order", "arguments": {reason: x}}</tool_call>'
+
+    def script(rid: str, turn: int, text: str) -> str:
+        if text.count("error: the") < 6:
+            return bad
+        if text.count("error: the") < 12:
+            return "<think>hm</think>"
+        return testing.hermes_call(
+            "cancel_pending_order", {"order_id": "#W1001", "reason": "no longer needed"}
+        )
+
+    tok, _, out = _cancel_pending_run(dom, script, max_turns=40)
+    assert out.extra_fields[ERRORS_KEY] == MAX_ERRORS
+    assert out.extra_fields[tau.TERMINATION_KEY] == TOO_MANY_ERRORS
+    text = tok.decode(out.response_ids)
+    assert "the message was empty" in text
+    assert dom.task("cancel_pending").user_script[1] not in text  # no user line spent
+
+
+def test_scripted_user_line_with_a_stop_marker_ends_the_conversation():
+    task = tau.TauTask.from_dict(
+        {"task_id": "t", "instruction": "i", "actions": [], "user_script": ["a", "b ###STOP###"]}
+    )
+    assert tau.ScriptedUser().reply(task, [{"role": "user", "content": "a"}]) is None
+
+
+def test_unparsable_gpt_oss_call_is_answered_not_a_crash(dom):
+    """veRL's gpt-oss token builder names the tool of each tool message from the assistant's
+    calls; the loop's answer to an unparsable call had none to name (ValueError)."""
+    pytest.importorskip("verl")
+    from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap
+    from verl.tools.tool_registry import initialize_tools_from_config
+
+    from harts_verl.workers.envs import testing
+    from harts_verl.workers.envs.tau_agent import HartsTauAgentLoop
+
+    tok = testing.byte_tokenizer()
+    tok.add_special_tokens(
+        {
+            "additional_special_tokens": [
+                s for s in _SPECIAL if s.startswith("<|") and "tool" not in s
+            ]
+        }
+    )
+    row = next(
+        r for r in tau.dataset_rows(dom) if r["extra_info"]["tau_task_id"] == "cancel_pending"
+    )
+    tools = initialize_tools_from_config(str(RECIPE / "tools_retail_mini.yaml"))
+    bad = (  # no <|constrain|>json: the parser's pattern does not match
+        "<|start|>assistant<|channel|>commentary to=functions.find_user_id_by_email "
+        '<|message|>{"email": "ada@example.com"}<|call|>'
+    )
+
+    def script(rid: str, turn: int, text: str) -> str:
+        return bad if "could not be parsed" not in text else "Thanks, goodbye."
+
+    async def main():
+        cfg = testing.loop_config(tool_format="gpt-oss")
+        loop = HartsTauAgentLoop(
+            trainer_config=DictConfigWrap(cfg),
+            server_manager=testing.ScriptedServer(tok, script),
+            tokenizer=tok,
+            processor=None,
+            dataset_cls=None,
+            data_config=DictConfigWrap(cfg.data),
+            hf_model_type="gpt_oss",
+            tools=ToolListWrap(tools),
+        )
+        return await loop.run_tree(
+            {},
+            raw_prompt=row["prompt"],
+            tools_kwargs=row["extra_info"]["tools_kwargs"],
+            extra_info=row["extra_info"],
+            interaction_kwargs=row["extra_info"]["interaction_kwargs"],
+        )
+
+    (out,) = asyncio.run(main())
+    text = tok.decode(out.response_ids)
+    assert "functions.find_user_id_by_email to=assistant" in text and "could not be parsed" in text

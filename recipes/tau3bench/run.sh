@@ -20,7 +20,15 @@ NNODES="${NNODES:-1}"
 GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
 AGENT_LOOPS="${AGENT_LOOPS:-$HERE/agent_loops.yaml}"
 case "$VARIANT" in fsdp2|megatron) ;; *) echo "VARIANT must be fsdp2 or megatron" >&2; exit 2;; esac
-[ -f "$DATA_DIR/train.parquet" ] || "$PY" "$HERE/prepare.py" "$DATA_DIR" --domain "$DOMAIN"
+# tau2 domains: train on τ²'s train split, validate on its test split (SPLIT= / VAL_SPLIT= empty
+# for all tasks in both files, τ²'s test tasks included)
+SPLIT_ARGS=()
+if [[ "$DOMAIN" == tau2:* ]]; then
+  SPLIT="${SPLIT-train}"; VAL_SPLIT="${VAL_SPLIT-test}"
+  [ -z "$SPLIT" ] || SPLIT_ARGS+=(--split "$SPLIT")
+  [ -z "$VAL_SPLIT" ] || SPLIT_ARGS+=(--val-split "$VAL_SPLIT")
+fi
+[ -f "$DATA_DIR/train.parquet" ] || "$PY" "$HERE/prepare.py" "$DATA_DIR" --domain "$DOMAIN" "${SPLIT_ARGS[@]}"
 # shellcheck source=../source_checkpoint.sh
 . "$ROOT/recipes/source_checkpoint.sh"
 HARTS_OVERRIDES=()

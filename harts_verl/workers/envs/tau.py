@@ -662,7 +662,9 @@ class ScriptedUser:
 
     def reply(self, task: TauTask, messages: list[dict[str, Any]]) -> str | None:
         k = sum(1 for m in messages if m.get("role") == "user")
-        return task.user_script[k] if k < len(task.user_script) else None
+        line = task.user_script[k] if k < len(task.user_script) else None
+        # a line with a stop marker ends the conversation, as it does for the LLM user
+        return None if line is None or any(end in line for end in ENDS) else line
 
 
 USER_SYSTEM_PROMPT = (

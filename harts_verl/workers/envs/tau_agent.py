@@ -394,7 +394,13 @@ class HartsTauAgentLoop(HartsToolAgentLoop):
                 f"error: the tool call could not be parsed; write {form} as the tool "
                 "instructions say, with valid arguments"
             )
-            return await self._append_turn(agent_data, {"role": "tool", "content": error})
+            return await self._tool_side_error(agent_data, error, text)
+        said_text = said(agent_data.messages[-1].get("content") or "", *self._not_said[::-1])
+        if not said_text.strip():
+            # nothing for the user (only reasoning or special tokens): the simulator would read
+            # it as no message at all (the LLM user got the agent's greeting in its place)
+            error = "error: the message was empty; write a message to the user or call a tool"
+            return await self._tool_side_error(agent_data, error, text)
         reply = await asyncio.to_thread(
             self.user.reply, self.task, self._for_user(list(agent_data.messages))
         )
@@ -404,6 +410,24 @@ class HartsTauAgentLoop(HartsToolAgentLoop):
         state = await self._append_turn(agent_data, {"role": "user", "content": reply})
         if state == AgentState.GENERATING:
             agent_data.user_turns += 1  # veRL's generating step enforces max_user_turns
+        return state
+
+    async def _tool_side_error(self, agent_data: AgentData, error: str, text: str) -> AgentState:
+        """``error`` answered from the tool side (a failed tool call: counted against
+        :data:`MAX_ERRORS`, and a tool turn for ``max_user_turns``). The message names a tool
+        (the one ``text`` tries to call when one is named there) since some token builders
+        (gpt-oss, gemma4) must name the tool of every tool message and the turn has no call."""
+        fields = agent_data.extra_fields
+        fields[ERRORS_KEY] = int(fields.get(ERRORS_KEY, 0)) + 1
+        name = next((n for n in self.tools if n in text), "invalid_tool_call")
+        state = await self._append_turn(
+            agent_data, {"role": "tool", "name": name, "content": error}
+        )
+        if fields[ERRORS_KEY] >= MAX_ERRORS:
+            fields[TERMINATION_KEY] = TOO_MANY_ERRORS
+            return AgentState.TERMINATED
+        if state == AgentState.GENERATING:
+            agent_data.user_turns += 1  # veRL counts tool turns as user turns
         return state
 
     async def _append_turn(self, agent_data: AgentData, message: dict[str, Any]) -> AgentState:
