@@ -1258,3 +1258,81 @@ def test_grading_keeps_the_repositorys_own_pytest_setup(tmp_path, monkeypatch):
         forged = b.diff()
     r = swe.grade_local(inst, forged)
     assert r["patch_applied"] and r["score"] == 0.0
+
+
+def test_special_files_failed_starts_and_git_config_do_not_hang_leak_or_break_the_patch(
+    inst, tmp_path, monkeypatch
+):
+    """A named pipe in the repository: the editor refuses it (it hung the call for good) and a
+    fork clones the sandbox (the copy failed, leaking its folder); a docker sandbox whose
+    setup fails removes its container, a clone that cannot start its image removes it; the
+    patch keeps a/ b/ prefixes whatever git's diff.noprefix says (score 0 for a right fix)."""
+    from harts_verl.workers.envs.sandbox import DockerSandbox
+
+    _, edit, _ = _tools()
+    with LocalSandbox(swe.fixture_repo(inst.fixture)) as box:
+        box.exec("mkfifo pipe", 10)
+        with pytest.raises(ValueError, match="'pipe' is not a regular file"):
+            edit.run(box, {"command": "view", "path": "pipe"})
+        other = box.clone()
+        assert os.path.exists(os.path.join(other.root, "pipe"))
+        other.close()
+        box.exec("git config diff.noprefix true", 10)
+        box.write_file("tinycalc/stats.py", box.read_file("tinycalc/stats.py").replace(OLD, FIX))
+        patch = box.diff()
+    assert patch.startswith("diff --git a/tinycalc/stats.py b/tinycalc/stats.py")
+    assert swe.grade_local(inst, patch)["score"] == 1.0
+    # docker: a log of the CLI's calls
+    fake, log = tmp_path / "bin", tmp_path / "calls.log"
+    fake.mkdir()
+    (fake / "docker").write_text(
+        f'#!/bin/bash\necho "$*" >> {log}\ncmd=$1; shift\ncase $cmd in\n'
+        '  run) [ -n "$FAIL_RUN" ] && exit 125; echo id;;\n'
+        '  exec) [ "$1" = -i ] && shift; [ "$1" = -w ] && { wd=$2; shift 2; }; shift; '
+        'cd "$wd" && exec "$@";;\n  *) exit 0;;\nesac\n'
+    )
+    (fake / "docker").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
+    (tmp_path / "nogit").mkdir()
+    with pytest.raises(RuntimeError, match="update-ref"):
+        DockerSandbox("img", workdir=str(tmp_path / "nogit"))
+    calls = log.read_text().splitlines()
+    name = next(c.split()[3] for c in calls if c.startswith("run "))
+    assert f"rm -f {name}" in calls
+    work = tmp_path / "testbed"
+    work.mkdir()
+    git = ["git", "-C", str(work), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "start"], check=True)
+    box = DockerSandbox("img", workdir=str(work))
+    monkeypatch.setenv("FAIL_RUN", "1")
+    with pytest.raises(RuntimeError, match="docker run"):
+        box.clone()
+    box.close()
+    calls = log.read_text().splitlines()
+    (image,) = [c.split()[-1] for c in calls if c.startswith("commit ")]
+    assert f"rmi -f {image}" in calls
+
+
+def test_bad_commands_and_paths_are_named_errors(inst):
+    """A NUL byte or a lone surrogate in a command or path, a command line longer than Linux
+    takes in one argument, a file created below a file: ValueErrors naming the field and the
+    way around (they were OSErrors / UnicodeEncodeErrors naming nothing, one with the host's
+    sandbox folder)."""
+    from harts_verl.workers.envs.sandbox import MAX_COMMAND_BYTES
+
+    bash, edit, _ = _tools()
+    with LocalSandbox(swe.fixture_repo(inst.fixture)) as box:
+        with pytest.raises(ValueError, match="command: contains a NUL byte at index 4"):
+            bash.run(box, {"command": "echo\0x"})
+        with pytest.raises(ValueError, match="command: '\\\\ud83d' at index 5 is not"):
+            bash.run(box, {"command": "echo \ud83d"})
+        with pytest.raises(ValueError, match=f"command: {MAX_COMMAND_BYTES + 1} bytes, more"):
+            bash.run(box, {"command": "#" * (MAX_COMMAND_BYTES + 1)})
+        assert bash.run(box, {"command": "true #" + "x" * (MAX_COMMAND_BYTES - 7)}) is not None
+        with pytest.raises(ValueError, match="path: contains a NUL byte"):
+            edit.run(box, {"command": "view", "path": "READ\0ME.md"})
+        with pytest.raises(ValueError, match=r"path: 'README\.md/x\.py': a part of it before"):
+            edit.run(box, {"command": "create", "path": "README.md/x.py", "file_text": "x"})
+        with pytest.raises(ValueError, match="path: 'tinycalc' is a folder"):
+            box.write_file("tinycalc", "x")

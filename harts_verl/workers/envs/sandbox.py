@@ -20,6 +20,7 @@ import re
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import threading
@@ -243,6 +244,28 @@ def _file_bytes(path: str, text: str) -> bytes:
         ) from None
 
 
+def _not_regular(path: str) -> ValueError:
+    return ValueError(
+        f"path: {path!r} is not a regular file (a named pipe, socket or device); look into it "
+        "with bash"
+    )
+
+
+def _copy_entry(src: str, dst: str) -> None:
+    """``copytree``'s copy of one non-folder entry for a sandbox clone: a named pipe is made
+    anew (its reader would wait forever on a copy), a socket or device is left out (nothing
+    can copy it; git records neither), a file removed while the tree is copied is skipped."""
+    try:
+        mode = os.lstat(src).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISFIFO(mode):
+        os.mkfifo(dst, stat.S_IMODE(mode))
+    elif stat.S_ISREG(mode) or stat.S_ISLNK(mode):
+        with contextlib.suppress(FileNotFoundError):
+            shutil.copy2(src, dst, follow_symlinks=False)
+
+
 def _patch_too_large() -> TooLarge:
     return TooLarge(
         f"the repository's changes are larger than {MAX_WHOLE_CHARS >> 20} MiB as a patch (a "
@@ -250,7 +273,9 @@ def _patch_too_large() -> TooLarge:
     )
 
 
-_DIFF = "diff --cached --binary --no-color --no-ext-diff --no-textconv"
+_DIFF = (
+    "diff --cached --binary --no-color --no-ext-diff --no-textconv --src-prefix=a/ --dst-prefix=b/"
+)
 # One file's diff as a binary patch: ``-diff`` for every path at the attributes' highest
 # precedence ($GIT_DIR/info/attributes, restored after), so a repository's .gitattributes
 # cannot turn it back into text.
@@ -323,10 +348,46 @@ def _inside(root: str, full: str) -> bool:
     return full == root or full.startswith(root.rstrip("/") + "/")
 
 
+# Linux takes at most 128 KiB (MAX_ARG_STRLEN, its NUL included) in one argument: bash -c's
+# command line is one (the container's also carries _PROFILE); kept below it with room to spare
+MAX_COMMAND_BYTES = 120 * 1024
+
+
+def _check_text(field: str, value: str) -> None:
+    """ValueError naming ``field`` for a NUL byte (no command line or path can hold one) or a
+    character UTF-8 cannot hold (a lone surrogate)."""
+    if "\0" in value:
+        raise ValueError(f"{field}: contains a NUL byte at index {value.index(chr(0))}")
+    try:
+        value.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"{field}: {value[exc.start]!r} at index {exc.start} is not a character UTF-8 can "
+            "hold (a lone surrogate: half of an escaped pair?)"
+        ) from None
+
+
+def _check_command(command: Any) -> str:
+    """``command`` for :meth:`Sandbox.exec`: a non-empty string bash can take as its command
+    line; ValueError naming ``command`` otherwise (too long: the way around it said)."""
+    if not isinstance(command, str) or not command.strip():
+        raise ValueError(f"command: expected a non-empty string, got {command!r}")
+    _check_text("command", command)
+    size = len(command.encode("utf-8", "surrogateescape"))
+    if size > MAX_COMMAND_BYTES:
+        raise ValueError(
+            f"command: {size} bytes, more than the {MAX_COMMAND_BYTES} a command line takes; "
+            "write long file contents with the editor's create command, then run a short command"
+        )
+    return command
+
+
 def _check_rel(root: str, path: str, field: str = "path") -> str:
-    """``path`` resolved inside ``root``; ``ValueError`` naming ``field`` if it escapes."""
+    """``path`` resolved inside ``root``; ``ValueError`` naming ``field`` if it escapes (or
+    holds a NUL byte or a lone surrogate)."""
     if not isinstance(path, str) or not path.strip():
         raise ValueError(f"{field}: expected a non-empty path string, got {path!r}")
+    _check_text(field, path)
     full = os.path.normpath(path if os.path.isabs(path) else os.path.join(root, path))
     if not _inside(root, full):
         raise ValueError(f"{field}: {path!r} is outside the repository root {root}")
@@ -476,17 +537,24 @@ class LocalSandbox(Sandbox):
         self.root = tempfile.mkdtemp(prefix="harts_sandbox_")
         self._closed = False
         self._groups: list[int] = []  # process groups of exec'd commands, killed on close
-        if _copy:
-            shutil.copytree(source, self.root, dirs_exist_ok=True)
-            if not os.path.isdir(os.path.join(self.root, ".git")):
-                self._git("init", "-q")
-                with open(os.path.join(self.root, ".git", "info", "exclude"), "a") as f:
-                    f.write(_EXCLUDE)
-                self._git("add", "-A")
-                self._git(*_GIT_ID, "commit", "-q", "--allow-empty", "-m", "sandbox start")
-            res = _run(["bash", "-c", _MARK_START], self.root, 60)
-            if res.exit_code != 0:
-                raise RuntimeError(f"git update-ref failed in {self.root}: {res.output}")
+        try:
+            if _copy:
+                self._start(source)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, source: str) -> None:
+        shutil.copytree(source, self.root, dirs_exist_ok=True)
+        if not os.path.isdir(os.path.join(self.root, ".git")):
+            self._git("init", "-q")
+            with open(os.path.join(self.root, ".git", "info", "exclude"), "a") as f:
+                f.write(_EXCLUDE)
+            self._git("add", "-A")
+            self._git(*_GIT_ID, "commit", "-q", "--allow-empty", "-m", "sandbox start")
+        res = _run(["bash", "-c", _MARK_START], self.root, 60)
+        if res.exit_code != 0:
+            raise RuntimeError(f"git update-ref failed in {self.root}: {res.output}")
 
     def _git(self, *args: str, whole: bool = False) -> str:
         limit = MAX_WHOLE_CHARS if whole else MAX_READ_CHARS
@@ -498,8 +566,7 @@ class LocalSandbox(Sandbox):
         return res.output
 
     def exec(self, command: str, timeout: float) -> ExecResult:
-        if not isinstance(command, str) or not command.strip():
-            raise ValueError(f"command: expected a non-empty string, got {command!r}")
+        _check_command(command)
         if timeout <= 0:
             raise ValueError(f"timeout: expected > 0, got {timeout}")
         env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", GIT_PAGER="cat", PAGER="cat")
@@ -510,17 +577,31 @@ class LocalSandbox(Sandbox):
 
     def read_file(self, path: str) -> str:
         full = _check_real(self.root, path)
-        if os.path.isfile(full) and os.path.getsize(full) > MAX_WHOLE_CHARS:
-            raise _too_large(path)
-        with open(full, encoding="utf-8", errors="surrogateescape", newline="") as f:
-            return f.read()  # line endings as stored (CRLF stays CRLF)
+        # O_NONBLOCK: opening a named pipe must not wait for a writer (it hung the call)
+        fd = os.open(full, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as raw:
+            info = os.fstat(fd)
+            if stat.S_ISDIR(info.st_mode):
+                raise IsADirectoryError(path)
+            if not stat.S_ISREG(info.st_mode):
+                raise _not_regular(path)
+            if info.st_size > MAX_WHOLE_CHARS:
+                raise _too_large(path)
+            os.set_blocking(fd, True)
+            data = raw.read()
+        return data.decode("utf-8", "surrogateescape")  # line endings as stored
 
     def write_file(self, path: str, text: str) -> None:
         full = _check_real(self.root, path)
         data = _file_bytes(path, text)  # first: a failed encoding must not empty the file
-        os.makedirs(os.path.dirname(full), exist_ok=True)
-        with open(full, "wb") as f:
-            f.write(data)
+        try:
+            os.makedirs(os.path.dirname(full), exist_ok=True)
+            with open(full, "wb") as f:
+                f.write(data)
+        except (FileExistsError, NotADirectoryError):  # a file where a folder should be
+            raise ValueError(f"path: {path!r}: a part of it before the name is a file") from None
+        except IsADirectoryError:
+            raise ValueError(f"path: {path!r} is a folder") from None
 
     def exists(self, path: str) -> bool:
         return os.path.exists(_check_real(self.root, path))
@@ -539,7 +620,13 @@ class LocalSandbox(Sandbox):
 
     def clone(self) -> LocalSandbox:
         other = LocalSandbox(self.root, _copy=False)
-        shutil.copytree(self.root, other.root, dirs_exist_ok=True, symlinks=True)
+        try:
+            shutil.copytree(
+                self.root, other.root, dirs_exist_ok=True, symlinks=True, copy_function=_copy_entry
+            )
+        except BaseException:
+            other.close()  # no folder left behind
+            raise
         return other
 
     def close(self) -> None:
@@ -571,17 +658,34 @@ class DockerSandbox(Sandbox):
         self.name = f"harts-sbx-{uuid.uuid4().hex[:12]}"
         self._closed = False
         self._images: list[str] = []  # committed clone images owned by this sandbox
-        res = _run(
-            [docker, "run", "-d", "--name", self.name, "-w", workdir, image, "sleep", "infinity"],
-            None,
-            600,
-        )
-        if res.exit_code != 0:
-            raise RuntimeError(f"docker run {image} failed: {res.output.strip()}")
-        self._exec(["bash", "-c", f"printf '{_EXCLUDE}' >> .git/info/exclude"], 60)
-        res = self._exec(["bash", "-c", _MARK_START], 60)
-        if res.exit_code != 0:
-            raise RuntimeError(f"git update-ref failed in {self.name}: {res.output.strip()}")
+        try:
+            res = _run(
+                [
+                    docker,
+                    "run",
+                    "-d",
+                    "--name",
+                    self.name,
+                    "-w",
+                    workdir,
+                    image,
+                    "sleep",
+                    "infinity",
+                ],
+                None,
+                600,
+            )
+            if res.exit_code != 0:
+                raise RuntimeError(f"docker run {image} failed: {res.output.strip()}")
+            self._exec(["bash", "-c", f"printf '{_EXCLUDE}' >> .git/info/exclude"], 60)
+            res = self._exec(["bash", "-c", _MARK_START], 60)
+            if res.exit_code != 0:
+                raise RuntimeError(f"git update-ref failed in {self.name}: {res.output.strip()}")
+        except BaseException:
+            # a container created (a failed start leaves one; a timed-out run may still make
+            # one) or started whose setup failed is removed, not left running `sleep infinity`
+            self.close()
+            raise
 
     @classmethod
     def from_swebench(
@@ -607,8 +711,7 @@ class DockerSandbox(Sandbox):
         )
 
     def exec(self, command: str, timeout: float) -> ExecResult:
-        if not isinstance(command, str) or not command.strip():
-            raise ValueError(f"command: expected a non-empty string, got {command!r}")
+        _check_command(command)
         # `timeout` inside the container kills the command; the outer limit guards docker itself.
         # Its kill exits 137 (124 without -s KILL): a timeout only if the time was used up, not
         # a command that exits 124 or is killed (137, e.g. out of memory) early by itself.
@@ -635,8 +738,13 @@ class DockerSandbox(Sandbox):
     def read_file(self, path: str) -> str:
         # whole (an edit writes it back), stdout alone: a read error is no file text
         res = self._on_path(
-            path, 'cat -- "$f" 2>/dev/null', max_chars=MAX_WHOLE_CHARS, errors="surrogateescape"
+            path,
+            '{ [ ! -e "$f" ] || [ -f "$f" ] || [ -d "$f" ] || exit 4; } && cat -- "$f" 2>/dev/null',
+            max_chars=MAX_WHOLE_CHARS,
+            errors="surrogateescape",
         )
+        if res.exit_code == 4:
+            raise _not_regular(path)
         if res.exit_code != 0:
             raise FileNotFoundError(path)
         if res.omitted:
@@ -665,7 +773,11 @@ class DockerSandbox(Sandbox):
         res = _run([self.docker, "commit", self.name, image], None, 600)
         if res.exit_code != 0:
             raise RuntimeError(f"docker commit {self.name} failed: {res.output.strip()}")
-        other = DockerSandbox(image, self.root, self.docker)
+        try:
+            other = DockerSandbox(image, self.root, self.docker)
+        except BaseException:
+            _run([self.docker, "rmi", "-f", image], None, 120)
+            raise
         other._images.append(image)
         return other
 

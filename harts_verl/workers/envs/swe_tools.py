@@ -409,7 +409,7 @@ class EditTool(_SweTool):
                     raise ValueError(f"view_range: {path!r} is a folder; it applies to files")
                 listing = box.exec(
                     # -H: a symlinked folder is listed, not the link alone
-                    f"find -H {arg} -maxdepth 2 -not -path '*/.git*' | sort",
+                    f"find -H {arg} -maxdepth 2 -not -path '*/.git' -not -path '*/.git/*' | sort",
                     self.cfg.timeout,
                 )
                 return truncate_output(listing.output, limit)
