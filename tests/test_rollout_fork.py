@@ -854,3 +854,28 @@ def test_derived_fork_ids_hash_images_by_their_bytes():
     assert str(a) != str(b) and _canonical(a) == _canonical(b)
     assert _canonical(a) != _canonical(pil.new("RGB", (2, 2), (1, 2, 4)))
     assert _canonical(object()) == "object"
+
+
+def test_a_copy_that_fails_while_it_runs_is_named_and_not_retried():
+    """A value whose ``__deepcopy__`` fails at run time (a sandbox clone whose ``docker
+    commit`` fails, say) is a RuntimeError naming the key, copied once (the diagnosis used to
+    copy every item again: a second clone); a plain dict copies as ``copy.deepcopy`` does, a
+    value referring back to the dict included."""
+    from harts_verl.workers.rollout.agent_loop import _deepcopy_field
+
+    calls = []
+
+    class Clones:
+        def __deepcopy__(self, memo):
+            calls.append(1)
+            raise OSError("no space left on device")
+
+    with pytest.raises(
+        RuntimeError, match=r"failed at agent_data.extra_fields\['box'\] \(Clones\)"
+    ):
+        _deepcopy_field({"a": [1], "box": Clones()}, "extra_fields", "fork branch '0'")
+    assert calls == [1]
+    d = {"a": [1, 2]}
+    d["self"] = d
+    c = _deepcopy_field(d, "extra_fields", "x")
+    assert c["self"] is c and c["a"] == [1, 2] and c["a"] is not d["a"]

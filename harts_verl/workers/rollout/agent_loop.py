@@ -306,24 +306,33 @@ media lists grow when a tool returns images)."""
 
 
 def _deepcopy_field(value: Any, name: str, what: str) -> Any:
-    """``copy.deepcopy(value)``; a ``TypeError`` naming ``agent_data.<name>`` (and, for a dict,
-    the first key whose value cannot be copied) when it fails."""
+    """``copy.deepcopy(value)`` (a dict's items one at a time, with one memo: the same copy).
+    A value that cannot be copied (``TypeError``: a lock, a client) is a ``TypeError`` naming
+    ``agent_data.<name>`` and, for a dict, its key; a copy that fails while it runs (a
+    ``__deepcopy__`` that clones a sandbox, say) is a ``RuntimeError`` naming them. Nothing is
+    copied twice: a second try would clone such a resource again."""
+    memo: dict[int, Any] = {}
+    where = f"agent_data.{name}"
     try:
-        return copy.deepcopy(value)
-    except Exception as exc:
-        where = f"agent_data.{name}"
-        if isinstance(value, dict):
-            for key, item in value.items():
-                try:
-                    copy.deepcopy(item)
-                except Exception:
-                    where = f"agent_data.{name}[{key!r}] ({type(item).__name__})"
-                    break
+        if type(value) is not dict:
+            return copy.deepcopy(value, memo)
+        out: dict[Any, Any] = {}
+        memo[id(value)] = out  # an item that refers back to the dict gets the copy, as deepcopy
+        for key, item in value.items():
+            where = f"agent_data.{name}[{key!r}] ({type(item).__name__})"
+            out[copy.deepcopy(key, memo)] = copy.deepcopy(item, memo)
+        return out
+    except TypeError as exc:
         raise TypeError(
             f"harts_tool_agent: cannot copy the agent state for {what}: {where} is not "
             f"deep-copyable ({type(exc).__name__}: {exc}). Forked branches deep-copy the "
             "trajectory state (messages, token state, extra_fields, media); keep locks, clients "
             "and sessions outside AgentData (e.g. on the tool, keyed by request id)"
+        ) from exc
+    except Exception as exc:
+        raise RuntimeError(
+            f"harts_tool_agent: copying the agent state for {what} failed at {where} "
+            f"({type(exc).__name__}: {exc})"
         ) from exc
 
 
