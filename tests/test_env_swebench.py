@@ -15,6 +15,7 @@ import copy
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -1298,6 +1299,10 @@ def test_special_files_failed_starts_and_git_config_do_not_hang_leak_or_break_th
         DockerSandbox("img", workdir=str(tmp_path / "nogit"))
     calls = log.read_text().splitlines()
     name = next(c.split()[3] for c in calls if c.startswith("run "))
+    run_line = next(c for c in calls if c.startswith("run "))
+    assert f"--label harts-verl.sandbox=1 --label harts-verl.owner={socket.gethostname()}:" in (
+        run_line
+    )  # a sweep finds what a killed worker left
     assert f"rm -f {name}" in calls
     work = tmp_path / "testbed"
     work.mkdir()

@@ -20,6 +20,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import tempfile
@@ -666,6 +667,12 @@ class DockerSandbox(Sandbox):
                     "-d",
                     "--name",
                     self.name,
+                    # a worker killed without its exit handlers (SIGKILL, the OOM killer) leaves
+                    # its containers running: `docker ps -f label=harts-verl.sandbox` finds them
+                    "--label",
+                    "harts-verl.sandbox=1",
+                    "--label",
+                    f"harts-verl.owner={socket.gethostname()}:{os.getpid()}",
                     "-w",
                     workdir,
                     image,
