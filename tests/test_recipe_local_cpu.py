@@ -198,6 +198,7 @@ def test_local_cpu_recipe_ppo_with_tree_critic(tmp_path, inputs):
     for key in ("critic/vf_loss", "critic/grad_norm", "critic/values/mean", "actor/loss"):
         assert math.isfinite(m[key]), (key, m)
     assert m["critic/harts/fallback"] == 0.0 and m["actor/harts/fallback"] == 0.0, m
+    assert "the critic's DP size is unknown" not in out  # veRL's critic mesh was read
     assert m["critic/harts/compression"] > 2.0, m  # the shared agent prompt, computed once
     # one mini-batch, the first step: the actor is the reference, so the KL is its log-prob
     # difference (a stock reference on the CPU, HF's packed GatedDeltaNet fallback, gives ~6e-5)

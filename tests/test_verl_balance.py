@@ -745,3 +745,74 @@ def test_many_single_trajectory_trees():
     work = np.array([[compact_work(forest, c) for c in row] for row in _cells(parts, 2)])
     assert work.sum() == forest.num_compact_tokens
     assert work.max() <= forest.num_compact_tokens / 16 + max(len(s) for s in seqs)
+
+
+def test_padding_samples_beside_a_chat_template_cut_no_more_prompt_groups():
+    """veRL's V1 upsampler pads a batch with 128-EOS samples: beside a chat template every real
+    trajectory is then below the batch's one branch (one 'tree', cut anyway), so cutting a
+    prompt group cost nothing in the ranking; the placement keeping the groups whole wins."""
+    eos = 151645
+    rng = np.random.default_rng(0)
+    base = []
+    for g, s in enumerate([3, 5, 5, 6]):
+        prompt = rng.integers(0, 150000, 30).tolist()
+        base += [(g, prompt + rng.integers(0, 150000, int(rng.integers(10, 200))).tolist())]
+        base += [
+            (g, prompt + rng.integers(0, 150000, int(rng.integers(10, 200))).tolist())
+            for _ in range(s - 1)
+        ]
+    seqs = [_TEMPLATE + s for _, s in base] + [[eos] * 128]
+    tree_of = [g for g, _ in base] + [-1]
+    parts = tree_balanced_partition(seqs, 2)
+    assert not _split_trees(parts, 1, tree_of)  # {5, 5} | {3, 6, pad}
+
+
+def test_trainer_balances_for_a_tree_critic_with_another_dp_size(monkeypatch):
+    """Actor DP 2 (Ulysses SP 2), tree critic DP 4 (its SP 1): the critic's chunks keep the
+    trees whole too (they were halves of the actor's cells)."""
+    pytest.importorskip("transfer_queue")
+    import types
+
+    import torch
+    import transfer_queue as tq
+    from omegaconf import OmegaConf
+    from transfer_queue.metadata import KVBatchMeta
+
+    from harts_verl.workers.trainer import trainer_class
+
+    rng = np.random.default_rng(0)
+    seqs, tree_of = [], []
+    for t, size in enumerate([3, 5, 2, 6, 4, 4, 1, 7]):
+        prompt = [1000 + t, *rng.integers(0, 9000, 40).tolist()]
+        for _ in range(size):
+            seqs.append(prompt + rng.integers(0, 9000, int(rng.integers(20, 300))).tolist())
+            tree_of.append(t)
+    nested = torch.nested.as_nested_tensor([torch.tensor(s) for s in seqs], layout=torch.jagged)
+    monkeypatch.setattr(tq, "kv_batch_get", lambda **kw: {"input_ids": nested})
+    cfg = OmegaConf.create(
+        {
+            "actor_rollout_ref": {
+                "actor": {"strategy": "harts_fsdp2", "ppo_mini_batch_size": 32, "shuffle": False},
+                "rollout": {"n": 1},
+            },
+            "critic": {"strategy": "harts_fsdp2", "ppo_mini_batch_size": 32, "shuffle": False},
+            "algorithm": {"adv_estimator": "gae"},
+            "trainer": {"critic_warmup": 0},
+        }
+    )
+    fake = types.SimpleNamespace(
+        config=cfg,
+        global_steps=1,
+        actor_rollout_wg=types.SimpleNamespace(_dispatch_info={"actor": [0, 0, 1, 1]}),
+        critic_wg=types.SimpleNamespace(_dispatch_info={"train": [0, 1, 2, 3]}),
+        _get_required_batch_multiple=lambda dp: 32,
+        tokenizer=types.SimpleNamespace(eos_token_id=0),
+    )
+    keys = [f"k{i}" for i in range(32)]
+    batch = KVBatchMeta(keys=list(keys), tags=[{"seq_len": len(s)} for s in seqs])
+    trainer_class("sync")._balance_batch(fake, batch, {})
+    order = [keys.index(k) for k in batch.keys]
+    for dp in (2, 4):  # the actor's chunks and the critic's
+        per = 32 // dp
+        rank = {i: pos // per for pos, i in enumerate(order)}
+        assert all(len({rank[i] for i in range(32) if tree_of[i] == t}) == 1 for t in range(8))

@@ -533,18 +533,43 @@ def _positions(ranges: list[tuple[int, int]]) -> np.ndarray:
     return np.sort(np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in ranges]))
 
 
+def _subtrees(lv: _Work, share: int) -> np.ndarray:
+    """Each leaf-order position's *subtree*: the batch split at its lowest branch, and every
+    part larger than ``share`` split again at its own lowest branch, until the parts fit a cell
+    (a tree that must be cut anyway is then judged by the subtrees its cuts keep whole; a prefix
+    the trajectories of a part share, such as a chat template beside veRL's padding samples,
+    costs nothing)."""
+    sub = np.zeros(lv.n, np.int64)
+    stack, nxt = ([(0, lv.n)] if lv.n > share else []), 1
+    while stack:
+        a, b = stack.pop()
+        inner = lv.adj[a : b - 1]
+        cuts = [a, *(np.flatnonzero(inner == inner.min()) + 1 + a).tolist(), b]
+        for x, y in itertools.pairwise(cuts):
+            sub[x:y] = nxt
+            nxt += 1
+            if y - x > share:
+                stack.append((x, y))
+    return sub
+
+
 def _placement(
-    lv: _Work, tree: np.ndarray, ranges: list[list[tuple[int, int]]]
-) -> tuple[tuple[int, int, int], list[np.ndarray], np.ndarray]:
-    """A placement given as each cell's position ``ranges``: its rank ``(trees cut, largest cell
-    work, total work)`` (``tree``: each position's tree), each cell's sorted positions and each
-    cell's work."""
+    lv: _Work, tree: np.ndarray, ranges: list[list[tuple[int, int]]], sub: np.ndarray | None = None
+) -> tuple[tuple[int, int, int, int], list[np.ndarray], np.ndarray]:
+    """A placement given as each cell's position ``ranges``: its rank ``(trees cut, subtrees cut,
+    largest cell work, total work)`` (``tree``: each position's tree; ``sub``: its subtree,
+    :func:`_subtrees`), each cell's sorted positions and each cell's work."""
     members = [_positions(r) for r in ranges]
     w = np.array([lv.set_work(m) for m in members], np.int64)
     cell = np.repeat(np.arange(len(members), dtype=np.int64), [m.shape[0] for m in members])
-    pairs = np.unique(tree[np.concatenate(members)] * len(members) + cell) // len(members)
-    cut = int(np.count_nonzero(np.bincount(pairs) > 1))  # trees in two or more cells
-    return (cut, int(w.max(initial=0)), int(w.sum())), members, w
+    flat = np.concatenate(members)
+
+    def cut_of(ids: np.ndarray) -> int:  # trees (subtrees) in two or more cells
+        pairs = np.unique(ids[flat] * len(members) + cell) // len(members)
+        return int(np.count_nonzero(np.bincount(pairs) > 1))
+
+    cut_sub = cut_of(sub) if sub is not None else 0
+    return (cut_of(tree), cut_sub, int(w.max(initial=0)), int(w.sum())), members, w
 
 
 def tree_balanced_partition(
@@ -585,7 +610,8 @@ def tree_balanced_cells(
     # a chat template, is no reason to call the whole batch one tree)
     low = int(lv.adj.min()) if lv.n > share else -1  # n > share >= 1: adj is not empty
     tree = np.concatenate([[0], np.cumsum(lv.adj == low)]) if lv.n else np.zeros(0, np.int64)
-    options = []  # placements found: the one that cuts fewest trees, then least work, wins
+    sub = _subtrees(lv, share)  # then by the subtrees they cut: a tree cut anyway (see there)
+    options = []  # placements found: fewest trees cut, then fewest subtrees, then least work
     for _ in range(_REFINE_ROUNDS + 1):
         size = np.array([b - a for a, b in pcs.ranges], np.int64)
         work = np.array([lv.range_work(a, b) for a, b in pcs.ranges], np.int64)
@@ -596,7 +622,7 @@ def tree_balanced_cells(
             if all(-1 not in c for c in ids):
                 placed.append(ids)
             else:  # greedy had to cut a piece (a candidate too)
-                options.append(_placement(lv, tree, ranges))
+                options.append(_placement(lv, tree, ranges, sub))
         if not placed:  # look for a placement that cuts no piece
             found = _exact(size, own, share, cells)
             if found is None:  # none, or the search ran out (many cells): fill cell by cell
@@ -605,7 +631,7 @@ def tree_balanced_cells(
                 placed.append(found)
         for ids in placed:
             _swap(lv, pcs, size, own, ids)
-            options.append(_placement(lv, tree, [[pcs.ranges[i] for i in c] for c in ids]))
+            options.append(_placement(lv, tree, [[pcs.ranges[i] for i in c] for c in ids], sub))
         # else cut a piece cut from a tree finer, and search again (few cells: the searches
         # are short there)
         if placed or cells > _REFINE_MAX_CELLS or not pcs.refine():

@@ -333,6 +333,52 @@ def num_mini_batches_of(config: Any, batch_size: int, actor_updates: bool = True
     return nm
 
 
+def balance_grid(
+    config: Any,
+    batch_size: int,
+    actor_dp: int,
+    critic_dp: int | None = None,
+    actor_updates: bool = True,
+) -> tuple[int, int]:
+    """``(dp_size, num_mini_batches)`` for :func:`harts_balance_batch` so that every DP chunk
+    and every mini-batch of each worker group that gets the batch is whole cells: the actor's
+    ``actor_dp`` chunks (veRL's dispatcher), and, when a trained critic runs trees, the
+    critic's ``critic_dp`` chunks (its own data-parallel size: another Ulysses SP size than the
+    actor's gives another one) with their mini-batches. ``dp_size`` is the least common
+    multiple of the DP sizes (an actor rank's chunk is then ``dp_size / actor_dp`` whole
+    balanced parts), ``num_mini_batches`` the cells per part."""
+    import math
+
+    dps = [int(actor_dp)]
+    if critic_dp and _critic_runs_trees(config):
+        dps.append(int(critic_dp))
+    dp = math.lcm(*dps)
+    if batch_size % dp:
+        return int(actor_dp), 1
+    try:
+        n = int(config.actor_rollout_ref.rollout.n)
+        actor = config.actor_rollout_ref.actor
+    except (AttributeError, TypeError, ValueError):
+        return dp, 1
+    units = [dp]  # cells per batch each worker group's units need (chunks x mini-batches)
+    sections = [(actor, int(actor_dp))] if _runs_trees(actor) and actor_updates else []
+    if _critic_runs_trees(config):
+        sections.append((config.critic, int(critic_dp or actor_dp)))
+    for section, sdp in sections or [(actor, int(actor_dp))]:
+        try:
+            global_mini = int(section.ppo_mini_batch_size) * n
+            shuffle = bool(section.get("shuffle", False))
+        except (AttributeError, TypeError, ValueError):
+            return dp, 1
+        if shuffle or global_mini <= 0 or batch_size % global_mini:
+            return dp, 1  # its mini-batches do not keep cells: the chunks only
+        units.append(sdp * max(batch_size // global_mini, 1))
+    cells = math.lcm(*units)
+    if batch_size % cells:
+        return dp, 1
+    return dp, cells // dp
+
+
 def seqlen_metrics(
     batch: Any, sequences: list[Any], order: list[int], dp_size: int, prefix: str
 ) -> dict[str, float]:
@@ -378,6 +424,23 @@ def trainer_class(mode: str = "sync") -> type:
             if "actor" not in wg._dispatch_info:
                 wg._dispatch_info["actor"] = wg._query_dispatch_info("actor")
             dp_size = max(wg._dispatch_info["actor"]) + 1
+            critic_dp = None
+            cwg = getattr(self, "critic_wg", None)
+            if cwg is not None and _critic_runs_trees(self.config):
+                # the critic's own DP size (its Ulysses SP size may differ from the actor's);
+                # a worker group without veRL's "train" mesh keeps the actor's cells
+                try:
+                    if "train" not in cwg._dispatch_info:
+                        cwg._dispatch_info["train"] = cwg._query_dispatch_info("train")
+                    critic_dp = max(cwg._dispatch_info["train"]) + 1
+                except Exception as exc:  # veRL's dispatch internals vary by release
+                    logging.getLogger(__name__).warning(
+                        "harts: the critic's DP size is unknown (%s: %s); balancing for the "
+                        "actor's %d ranks",
+                        type(exc).__name__,
+                        exc,
+                        dp_size,
+                    )
             multiple = self._get_required_batch_multiple(dp_size)
             batch = upsample_batch_to_divisible_size(batch, multiple, self.tokenizer.eos_token_id)
             data = tq.kv_batch_get(
@@ -390,10 +453,8 @@ def trainer_class(mode: str = "sync") -> type:
                 warmup = 0
             # the actor's mini-batches count once it updates, as veRL's step decides
             actor_updates = warmup <= getattr(self, "global_steps", 0)
-            nm = num_mini_batches_of(self.config, len(seqs), actor_updates)
-            if len(seqs) % (dp_size * nm):
-                nm = 1
-            order, stats = harts_balance_batch(seqs, dp_size, nm)
+            parts, nm = balance_grid(self.config, len(seqs), dp_size, critic_dp, actor_updates)
+            order, stats = harts_balance_batch(seqs, parts, nm)
             # veRL's own per-rank token metrics ({prefix}/min, max, balanced_min, ...), of the
             # same lengths (the tags' seq_len, as stock) and the ranks' parts of our order; read
             # before the reorder, which moves the tags too (``order`` indexes the batch as it was)
