@@ -1341,3 +1341,14 @@ def test_bad_commands_and_paths_are_named_errors(inst):
             edit.run(box, {"command": "create", "path": "README.md/x.py", "file_text": "x"})
         with pytest.raises(ValueError, match="path: 'tinycalc' is a folder"):
             box.write_file("tinycalc", "x")
+
+
+def test_reading_a_folder_closes_its_descriptor(inst):
+    """``read_file`` of a folder: os.fdopen refused the descriptor without closing it (one fd
+    leaked per call) and the error named the fd number instead of the path."""
+    with LocalSandbox(swe.fixture_repo(inst.fixture)) as box:
+        before = len(os.listdir("/proc/self/fd"))
+        for _ in range(20):
+            with pytest.raises(IsADirectoryError, match="'tinycalc'"):
+                box.read_file("tinycalc")
+        assert len(os.listdir("/proc/self/fd")) == before

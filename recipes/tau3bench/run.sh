@@ -14,7 +14,6 @@ ROOT="$(cd "$HERE/../.." && pwd)"
 PY="${PY:-python}"
 : "${MODEL_PATH:?set MODEL_PATH to a Hugging Face model folder or hub id}"
 DOMAIN="${DOMAIN:-retail_mini}"
-DATA_DIR="${DATA_DIR:-$HOME/data/harts_tau3bench/${DOMAIN//:/_}}"
 VARIANT="${VARIANT:-fsdp2}"
 NNODES="${NNODES:-1}"
 GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
@@ -27,7 +26,9 @@ if [[ "$DOMAIN" == tau2:* ]]; then
   SPLIT="${SPLIT-train}"; VAL_SPLIT="${VAL_SPLIT-test}"
   [ -z "$SPLIT" ] || SPLIT_ARGS+=(--split "$SPLIT")
   [ -z "$VAL_SPLIT" ] || SPLIT_ARGS+=(--val-split "$VAL_SPLIT")
-fi
+  SPLIT_TAG="_${SPLIT:-all}_${VAL_SPLIT:-all}"  # a folder per choice: prepare.py runs only when
+fi                                              # train.parquet is missing (stale data stays)
+DATA_DIR="${DATA_DIR:-$HOME/data/harts_tau3bench/${DOMAIN//:/_}${SPLIT_TAG:-}}"
 [ -f "$DATA_DIR/train.parquet" ] || "$PY" "$HERE/prepare.py" "$DATA_DIR" --domain "$DOMAIN" "${SPLIT_ARGS[@]}"
 # shellcheck source=../source_checkpoint.sh
 . "$ROOT/recipes/source_checkpoint.sh"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import errno
 import os
 import re
 import shlex
@@ -350,8 +351,8 @@ def _inside(root: str, full: str) -> bool:
 
 
 # Linux takes at most 128 KiB (MAX_ARG_STRLEN, its NUL included) in one argument: bash -c's
-# command line is one (the container's also carries _PROFILE); kept below it with room to spare
-MAX_COMMAND_BYTES = 120 * 1024
+# command line is one (the container's also carries _PROFILE): the longest that fits both
+MAX_COMMAND_BYTES = 128 * 1024 - 1 - len(_PROFILE.encode())
 
 
 def _check_text(field: str, value: str) -> None:
@@ -580,15 +581,20 @@ class LocalSandbox(Sandbox):
         full = _check_real(self.root, path)
         # O_NONBLOCK: opening a named pipe must not wait for a writer (it hung the call)
         fd = os.open(full, os.O_RDONLY | os.O_NONBLOCK)
-        with os.fdopen(fd, "rb") as raw:
+        try:  # checked before fdopen, which fails on a folder without closing the fd
             info = os.fstat(fd)
             if stat.S_ISDIR(info.st_mode):
-                raise IsADirectoryError(path)
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
             if not stat.S_ISREG(info.st_mode):
                 raise _not_regular(path)
             if info.st_size > MAX_WHOLE_CHARS:
                 raise _too_large(path)
             os.set_blocking(fd, True)
+            raw = os.fdopen(fd, "rb")
+        except BaseException:
+            os.close(fd)
+            raise
+        with raw:
             data = raw.read()
         return data.decode("utf-8", "surrogateescape")  # line endings as stored
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
+import re
 from typing import Any, ClassVar
 
 import numpy as np
@@ -204,6 +205,9 @@ _MARKER_ATTRIBUTES = (
 )
 # gpt-oss's harmony format: a call is "<|channel|>commentary to=functions.NAME ... <|call|>"
 _HARMONY_CALL = (" to=functions.", "<|call|>")
+# a harmony message header: "<|start|>assistant", "<|channel|>final" (up to <|message|>): its
+# words are no text to the user (an empty final message said "assistantfinal")
+_HARMONY_HEADER = re.compile(r"<\|start\|>[^<]*|<\|channel\|>[^<]*")
 
 
 async def parser_contents(parser: Any, runs: list[list[int]], tools: list[Any]) -> list[str]:
@@ -234,6 +238,8 @@ def said(text: str, special: list[str], drop: tuple[tuple[str, str], ...] = ()) 
     reasoning and ``drop`` blocks removed first (a tokenizer may register their markers as
     special tokens), then the ``special`` tokens (:func:`special_tokens`)."""
     text = strip_thinking(text, (THINK, *drop))
+    if _HARMONY_CALL in drop:
+        text = _HARMONY_HEADER.sub("", text)
     for token in special:
         text = text.replace(token, "")
     return text
@@ -394,13 +400,13 @@ class HartsTauAgentLoop(HartsToolAgentLoop):
                 f"error: the tool call could not be parsed; write {form} as the tool "
                 "instructions say, with valid arguments"
             )
-            return await self._tool_side_error(agent_data, error, text)
+            return await self._tool_side_error(agent_data, error, text[text.find(start) :])
         said_text = said(agent_data.messages[-1].get("content") or "", *self._not_said[::-1])
         if not said_text.strip():
             # nothing for the user (only reasoning or special tokens): the simulator would read
             # it as no message at all (the LLM user got the agent's greeting in its place)
             error = "error: the message was empty; write a message to the user or call a tool"
-            return await self._tool_side_error(agent_data, error, text)
+            return await self._tool_side_error(agent_data, error, "")
         reply = await asyncio.to_thread(
             self.user.reply, self.task, self._for_user(list(agent_data.messages))
         )
@@ -419,7 +425,9 @@ class HartsTauAgentLoop(HartsToolAgentLoop):
         (gpt-oss, gemma4) must name the tool of every tool message and the turn has no call."""
         fields = agent_data.extra_fields
         fields[ERRORS_KEY] = int(fields.get(ERRORS_KEY, 0)) + 1
-        name = next((n for n in self.tools if n in text), "invalid_tool_call")
+        # the tool named first in the call's text (the longest name at that place)
+        hits = [(text.find(n), -len(n), n) for n in self.tools if n in text]
+        name = min(hits)[2] if hits else "invalid_tool_call"
         state = await self._append_turn(
             agent_data, {"role": "tool", "name": name, "content": error}
         )

@@ -340,7 +340,8 @@ def _copy_agent_data(src: AgentData, request_id: str, what: str = "a fork branch
     """A branch copy of the agent state: every field in :data:`_COPIED_FIELDS` (token and
     message state, metrics, ``extra_fields``, the prompt's media) is deep-copied, so branches
     never share a mutable list; tools and tool selection are shared. ``TypeError`` naming
-    ``what`` (the branch) and the field (``extra_fields`` key) that cannot be deep-copied."""
+    ``what`` (the branch) and the field (``extra_fields`` key) that cannot be deep-copied,
+    ``RuntimeError`` naming them when a copy fails while it runs (see :func:`_deepcopy_field`)."""
     dst = copy.copy(src)
     for name in _COPIED_FIELDS:
         if hasattr(src, name):
