@@ -851,9 +851,9 @@ def test_scripted_user_line_with_a_stop_marker_ends_the_conversation():
     assert tau.ScriptedUser().reply(task, [{"role": "user", "content": "a"}]) is None
 
 
-def test_unparsable_gpt_oss_call_is_answered_not_a_crash(dom):
-    """veRL's gpt-oss token builder names the tool of each tool message from the assistant's
-    calls; the loop's answer to an unparsable call had none to name (ValueError)."""
+def _gpt_oss_tree(dom, script, extra_special=()):
+    """(tokenizer, the one output) of ``harts_tau_agent`` on the ``cancel_pending`` task with
+    veRL's gpt-oss parser and token builder, the model's turns from ``script``."""
     pytest.importorskip("verl")
     from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap
     from verl.tools.tool_registry import initialize_tools_from_config
@@ -862,24 +862,12 @@ def test_unparsable_gpt_oss_call_is_answered_not_a_crash(dom):
     from harts_verl.workers.envs.tau_agent import HartsTauAgentLoop
 
     tok = testing.byte_tokenizer()
-    tok.add_special_tokens(
-        {
-            "additional_special_tokens": [
-                s for s in _SPECIAL if s.startswith("<|") and "tool" not in s
-            ]
-        }
-    )
+    extra = [s for s in _SPECIAL if s.startswith("<|") and "tool" not in s] + list(extra_special)
+    tok.add_special_tokens({"additional_special_tokens": extra})
     row = next(
         r for r in tau.dataset_rows(dom) if r["extra_info"]["tau_task_id"] == "cancel_pending"
     )
     tools = initialize_tools_from_config(str(RECIPE / "tools_retail_mini.yaml"))
-    bad = (  # no <|constrain|>json: the parser's pattern does not match
-        "<|start|>assistant<|channel|>commentary to=functions.find_user_id_by_email "
-        '<|message|>{"email": "ada@example.com"}<|call|>'
-    )
-
-    def script(rid: str, turn: int, text: str) -> str:
-        return bad if "could not be parsed" not in text else "Thanks, goodbye."
 
     async def main():
         cfg = testing.loop_config(tool_format="gpt-oss")
@@ -902,6 +890,21 @@ def test_unparsable_gpt_oss_call_is_answered_not_a_crash(dom):
         )
 
     (out,) = asyncio.run(main())
+    return tok, out
+
+
+def test_unparsable_gpt_oss_call_is_answered_not_a_crash(dom):
+    """veRL's gpt-oss token builder names the tool of each tool message from the assistant's
+    calls; the loop's answer to an unparsable call had none to name (ValueError)."""
+    bad = (  # no <|constrain|>json: the parser's pattern does not match
+        "<|start|>assistant<|channel|>commentary to=functions.find_user_id_by_email "
+        '<|message|>{"email": "ada@example.com"}<|call|>'
+    )
+
+    def script(rid: str, turn: int, text: str) -> str:
+        return bad if "could not be parsed" not in text else "Thanks, goodbye."
+
+    tok, out = _gpt_oss_tree(dom, script)
     text = tok.decode(out.response_ids)
     assert "functions.find_user_id_by_email to=assistant" in text and "could not be parsed" in text
 
@@ -910,20 +913,8 @@ def test_gpt_oss_empty_final_message_and_the_named_tool(dom):
     """gpt-oss: an empty final message ("<|channel|>final<|message|><|return|>") said
     "assistantfinal" once special tokens were out, so it reached the user and was not counted;
     an unparsable call's answer named the first tool the turn's reasoning mentioned."""
-    pytest.importorskip("verl")
-    from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap
-    from verl.tools.tool_registry import initialize_tools_from_config
+    from harts_verl.workers.envs.tau_agent import ERRORS_KEY
 
-    from harts_verl.workers.envs import testing
-    from harts_verl.workers.envs.tau_agent import ERRORS_KEY, HartsTauAgentLoop
-
-    tok = testing.byte_tokenizer()
-    extra = [s for s in _SPECIAL if s.startswith("<|") and "tool" not in s] + ["<|return|>"]
-    tok.add_special_tokens({"additional_special_tokens": extra})
-    row = next(
-        r for r in tau.dataset_rows(dom) if r["extra_info"]["tau_task_id"] == "cancel_pending"
-    )
-    tools = initialize_tools_from_config(str(RECIPE / "tools_retail_mini.yaml"))
     bad = (
         "<|channel|>analysis<|message|>get_order_details says pending<|end|>"
         "<|start|>assistant<|channel|>commentary to=functions.cancel_pending_order "
@@ -934,27 +925,7 @@ def test_gpt_oss_empty_final_message_and_the_named_tool(dom):
     def script(rid: str, turn: int, text: str) -> str:
         return bad if "could not be parsed" not in text else empty
 
-    async def main():
-        cfg = testing.loop_config(tool_format="gpt-oss")
-        loop = HartsTauAgentLoop(
-            trainer_config=DictConfigWrap(cfg),
-            server_manager=testing.ScriptedServer(tok, script),
-            tokenizer=tok,
-            processor=None,
-            dataset_cls=None,
-            data_config=DictConfigWrap(cfg.data),
-            hf_model_type="gpt_oss",
-            tools=ToolListWrap(tools),
-        )
-        return await loop.run_tree(
-            {},
-            raw_prompt=row["prompt"],
-            tools_kwargs=row["extra_info"]["tools_kwargs"],
-            extra_info=row["extra_info"],
-            interaction_kwargs=row["extra_info"]["interaction_kwargs"],
-        )
-
-    (out,) = asyncio.run(main())
+    tok, out = _gpt_oss_tree(dom, script, ["<|return|>"])
     text = tok.decode(out.response_ids)
     assert "functions.cancel_pending_order to=assistant" in text
     assert "functions.get_order_details to=assistant" not in text

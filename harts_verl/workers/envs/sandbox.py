@@ -234,16 +234,22 @@ def _too_large(path: str) -> TooLarge:
     )
 
 
-def _file_bytes(path: str, text: str) -> bytes:
-    """``text`` as the bytes :meth:`Sandbox.write_file` writes; ``ValueError`` naming the
-    character and ``path`` where UTF-8 cannot hold it (before anything is written)."""
+def _utf8(what: str, text: str, after: str = "") -> bytes:
+    """``text`` as UTF-8 (surrogate escapes as the bytes they stand for); ``ValueError`` naming
+    ``what`` and the character UTF-8 cannot hold (a lone surrogate), then ``after``."""
     try:
         return text.encode("utf-8", "surrogateescape")
     except UnicodeEncodeError as exc:
         raise ValueError(
-            f"text for {path!r}: {text[exc.start]!r} at index {exc.start} is not a character "
-            "UTF-8 can hold (a lone surrogate: half of an escaped pair?); the file is unchanged"
+            f"{what}: {text[exc.start]!r} at index {exc.start} is not a character UTF-8 can "
+            f"hold (a lone surrogate: half of an escaped pair?){after}"
         ) from None
+
+
+def _file_bytes(path: str, text: str) -> bytes:
+    """``text`` as the bytes :meth:`Sandbox.write_file` writes; ``ValueError`` naming the
+    character and ``path`` where UTF-8 cannot hold it (before anything is written)."""
+    return _utf8(f"text for {path!r}", text, "; the file is unchanged")
 
 
 def _not_regular(path: str) -> ValueError:
@@ -360,13 +366,7 @@ def _check_text(field: str, value: str) -> None:
     character UTF-8 cannot hold (a lone surrogate)."""
     if "\0" in value:
         raise ValueError(f"{field}: contains a NUL byte at index {value.index(chr(0))}")
-    try:
-        value.encode("utf-8", "surrogateescape")
-    except UnicodeEncodeError as exc:
-        raise ValueError(
-            f"{field}: {value[exc.start]!r} at index {exc.start} is not a character UTF-8 can "
-            "hold (a lone surrogate: half of an escaped pair?)"
-        ) from None
+    _utf8(field, value)
 
 
 def _check_command(command: Any) -> str:
