@@ -300,37 +300,47 @@ def harts_balance_batch(
     return [j for p in parts for j in p], metrics
 
 
-def num_mini_batches_of(config: Any, batch_size: int, actor_updates: bool = True) -> int:
-    """How many cells each rank's chunk of a ``batch_size`` batch is cut into so that every
-    mini-batch of a section that runs trees is whole cells: the actor's mini-batches (veRL cuts
-    each rank's chunk into ``batch_size / (ppo_mini_batch_size × rollout.n)`` consecutive
-    pieces) when the actor runs trees (:func:`_runs_trees`) and ``actor_updates`` (false during the
-    critic's warm-up, ``trainer.critic_warmup``, when veRL updates the critic alone), the
-    critic's when a trained critic does (both: the least common multiple), the actor's when
-    neither does. 1 when such a section shuffles its mini-batches (the cells would not
-    survive) or its global mini-batch does not divide ``batch_size``."""
-    import math
-
+def _section_mini_batches(
+    config: Any, batch_size: int, actor_updates: bool
+) -> list[tuple[bool, int]] | None:
+    """``(is the critic, mini-batches per batch)`` of each section whose mini-batches the cells
+    must keep: the actor's (veRL cuts each rank's chunk into ``batch_size / (ppo_mini_batch_size
+    × rollout.n)`` consecutive pieces) when it runs trees (:func:`_runs_trees`) and
+    ``actor_updates`` (false during the critic's warm-up, ``trainer.critic_warmup``, when veRL
+    updates the critic alone), the trained critic's when it does, the actor's when neither
+    does. None when a section shuffles its mini-batches (the cells would not survive), its
+    global mini-batch does not divide ``batch_size``, or the config lacks the sizes."""
     try:
         rollout_ref = config.actor_rollout_ref
         n = int(rollout_ref.rollout.n)
         actor = rollout_ref.actor
     except (AttributeError, TypeError, ValueError):
-        return 1
-    sections = [actor] if _runs_trees(actor) and actor_updates else []
+        return None
+    sections = [(False, actor)] if _runs_trees(actor) and actor_updates else []
     if _critic_runs_trees(config):
-        sections.append(config.critic)
-    nm = 1
-    for section in sections or [actor]:
+        sections.append((True, config.critic))
+    out = []
+    for is_critic, section in sections or [(False, actor)]:
         try:
             global_mini = int(section.ppo_mini_batch_size) * n
             shuffle = bool(section.get("shuffle", False))
         except (AttributeError, TypeError, ValueError):
-            return 1
+            return None
         if shuffle or global_mini <= 0 or batch_size % global_mini:
-            return 1
-        nm = math.lcm(nm, max(batch_size // global_mini, 1))
-    return nm
+            return None
+        out.append((is_critic, max(batch_size // global_mini, 1)))
+    return out
+
+
+def num_mini_batches_of(config: Any, batch_size: int, actor_updates: bool = True) -> int:
+    """How many cells each rank's chunk of a ``batch_size`` batch is cut into so that every
+    mini-batch of a section that runs trees is whole cells (:func:`_section_mini_batches`; both
+    actor and critic: the least common multiple of their counts); 1 when the sections' cells
+    would not survive."""
+    import math
+
+    counts = _section_mini_batches(config, batch_size, actor_updates)
+    return math.lcm(*(c for _, c in counts)) if counts else 1
 
 
 def balance_grid(
@@ -344,9 +354,9 @@ def balance_grid(
     and every mini-batch of each worker group that gets the batch is whole cells: the actor's
     ``actor_dp`` chunks (veRL's dispatcher), and, when a trained critic runs trees, the
     critic's ``critic_dp`` chunks (its own data-parallel size: another Ulysses SP size than the
-    actor's gives another one) with their mini-batches. ``dp_size`` is the least common
-    multiple of the DP sizes (an actor rank's chunk is then ``dp_size / actor_dp`` whole
-    balanced parts), ``num_mini_batches`` the cells per part."""
+    actor's gives another one) with their mini-batches (:func:`_section_mini_batches`).
+    ``dp_size`` is the least common multiple of the DP sizes (an actor rank's chunk is then
+    ``dp_size / actor_dp`` whole balanced parts), ``num_mini_batches`` the cells per part."""
     import math
 
     dps = [int(actor_dp)]
@@ -355,24 +365,13 @@ def balance_grid(
     dp = math.lcm(*dps)
     if batch_size % dp:
         return int(actor_dp), 1
-    try:
-        n = int(config.actor_rollout_ref.rollout.n)
-        actor = config.actor_rollout_ref.actor
-    except (AttributeError, TypeError, ValueError):
-        return dp, 1
-    units = [dp]  # cells per batch each worker group's units need (chunks x mini-batches)
-    sections = [(actor, int(actor_dp))] if _runs_trees(actor) and actor_updates else []
-    if _critic_runs_trees(config):
-        sections.append((config.critic, int(critic_dp or actor_dp)))
-    for section, sdp in sections or [(actor, int(actor_dp))]:
-        try:
-            global_mini = int(section.ppo_mini_batch_size) * n
-            shuffle = bool(section.get("shuffle", False))
-        except (AttributeError, TypeError, ValueError):
-            return dp, 1
-        if shuffle or global_mini <= 0 or batch_size % global_mini:
-            return dp, 1  # its mini-batches do not keep cells: the chunks only
-        units.append(sdp * max(batch_size // global_mini, 1))
+    counts = _section_mini_batches(config, batch_size, actor_updates)
+    if counts is None:
+        return dp, 1  # the mini-batches do not keep cells: the chunks only
+    # cells per batch each worker group's units need (its chunks x its mini-batches)
+    units = [dp] + [
+        int(critic_dp or actor_dp) * c if crit else int(actor_dp) * c for crit, c in counts
+    ]
     cells = math.lcm(*units)
     if batch_size % cells:
         return dp, 1
