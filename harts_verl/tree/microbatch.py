@@ -562,7 +562,7 @@ def _pack_sizes(sizes: list[int], room: int, best_fit: bool, node_limit: int) ->
     total = sum(sizes)
     big = sum(1 for s in sizes if 2 * s > room)
     lb = max(-(-total // room) if room > 0 else len(loads), big, 1)
-    if len(loads) <= lb or node_limit <= 0 or m > 64:
+    if len(loads) <= lb or node_limit <= 0:
         return label
     # Branch and bound over items in decreasing size; bins with equal loads are symmetric.
     s_sorted = [sizes[t] for t in order]
