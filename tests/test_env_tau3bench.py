@@ -590,16 +590,17 @@ def test_tau_agent_loop_user_turns_and_forks(dom):
         asyncio.run(bad())
 
 
-def _cancel_pending_run(dom, script, max_turns: int):
+def _cancel_pending_run(dom, script, max_turns: int = 8, *, tok=None, **loop_kwargs):
     """One ``harts_tau_agent`` trajectory of the fixture task ``cancel_pending`` with the
     scripted model ``script`` (ScriptedServer's ``(rid, turn, text) -> str``): (tokenizer, the
-    task's row, the output)."""
+    task's row, the output). ``tok``: the tokenizer (default a byte tokenizer);
+    ``loop_kwargs``: :func:`testing.make_loop`'s (``config``, ``hf_model_type``)."""
     from verl.tools.tool_registry import initialize_tools_from_config
 
     from harts_verl.workers.envs import testing
     from harts_verl.workers.envs.tau_agent import HartsTauAgentLoop
 
-    tok = testing.byte_tokenizer()
+    tok = testing.byte_tokenizer() if tok is None else tok
     row = next(
         r for r in tau.dataset_rows(dom) if r["extra_info"]["tau_task_id"] == "cancel_pending"
     )
@@ -607,7 +608,11 @@ def _cancel_pending_run(dom, script, max_turns: int):
 
     async def main():
         loop = testing.make_loop(
-            HartsTauAgentLoop, testing.ScriptedServer(tok, script), tools, max_turns=max_turns
+            HartsTauAgentLoop,
+            testing.ScriptedServer(tok, script),
+            tools,
+            max_turns=max_turns,
+            **loop_kwargs,
         )
         return await loop.run_tree(
             {},
@@ -855,41 +860,13 @@ def _gpt_oss_tree(dom, script, extra_special=()):
     """(tokenizer, the one output) of ``harts_tau_agent`` on the ``cancel_pending`` task with
     veRL's gpt-oss parser and token builder, the model's turns from ``script``."""
     pytest.importorskip("verl")
-    from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap
-    from verl.tools.tool_registry import initialize_tools_from_config
-
     from harts_verl.workers.envs import testing
-    from harts_verl.workers.envs.tau_agent import HartsTauAgentLoop
 
     tok = testing.byte_tokenizer()
     extra = [s for s in _SPECIAL if s.startswith("<|") and "tool" not in s] + list(extra_special)
     tok.add_special_tokens({"additional_special_tokens": extra})
-    row = next(
-        r for r in tau.dataset_rows(dom) if r["extra_info"]["tau_task_id"] == "cancel_pending"
-    )
-    tools = initialize_tools_from_config(str(RECIPE / "tools_retail_mini.yaml"))
-
-    async def main():
-        cfg = testing.loop_config(tool_format="gpt-oss")
-        loop = HartsTauAgentLoop(
-            trainer_config=DictConfigWrap(cfg),
-            server_manager=testing.ScriptedServer(tok, script),
-            tokenizer=tok,
-            processor=None,
-            dataset_cls=None,
-            data_config=DictConfigWrap(cfg.data),
-            hf_model_type="gpt_oss",
-            tools=ToolListWrap(tools),
-        )
-        return await loop.run_tree(
-            {},
-            raw_prompt=row["prompt"],
-            tools_kwargs=row["extra_info"]["tools_kwargs"],
-            extra_info=row["extra_info"],
-            interaction_kwargs=row["extra_info"]["interaction_kwargs"],
-        )
-
-    (out,) = asyncio.run(main())
+    config = testing.loop_config(tool_format="gpt-oss")
+    tok, _, out = _cancel_pending_run(dom, script, tok=tok, config=config, hf_model_type="gpt_oss")
     return tok, out
 
 

@@ -135,12 +135,14 @@ def make_loop(
     *,
     config: Any = None,
     tokenizer: Any = None,
+    hf_model_type: str | None = None,
     **kwargs: Any,
 ) -> Any:
     """An agent loop of class ``cls`` over ``server`` with ``tools``: the config is ``config``
     (from :func:`loop_config`) or, when None, the hermes format with the given lengths; the
-    tokenizer is ``tokenizer`` or the server's ``tok``. Build it inside the event loop that
-    runs it (veRL captures the running loop)."""
+    tokenizer is ``tokenizer`` or the server's ``tok``; ``hf_model_type`` picks veRL's
+    continuous-token builder (e.g. ``gpt_oss``). Build it inside the event loop that runs it
+    (veRL captures the running loop)."""
     from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap
 
     if config is None:
@@ -154,7 +156,7 @@ def make_loop(
         processor=None,
         dataset_cls=None,
         data_config=DictConfigWrap(config.data),
-        hf_model_type=None,
+        hf_model_type=hf_model_type,
         tools=ToolListWrap(tools),
         **kwargs,
     )
