@@ -554,7 +554,7 @@ def _subtrees(lv: _Work, share: int) -> np.ndarray:
 
 
 def _placement(
-    lv: _Work, tree: np.ndarray, ranges: list[list[tuple[int, int]]], sub: np.ndarray | None = None
+    lv: _Work, tree: np.ndarray, ranges: list[list[tuple[int, int]]], sub: np.ndarray
 ) -> tuple[tuple[int, int, int, int], list[np.ndarray], np.ndarray]:
     """A placement given as each cell's position ``ranges``: its rank ``(trees cut, subtrees cut,
     largest cell work, total work)`` (``tree``: each position's tree; ``sub``: its subtree,
@@ -568,8 +568,7 @@ def _placement(
         pairs = np.unique(ids[flat] * len(members) + cell) // len(members)
         return int(np.count_nonzero(np.bincount(pairs) > 1))
 
-    cut_sub = cut_of(sub) if sub is not None else 0
-    return (cut_of(tree), cut_sub, int(w.max(initial=0)), int(w.sum())), members, w
+    return (cut_of(tree), cut_of(sub), int(w.max(initial=0)), int(w.sum())), members, w
 
 
 def tree_balanced_partition(
