@@ -361,12 +361,12 @@ def _inside(root: str, full: str) -> bool:
 MAX_COMMAND_BYTES = 128 * 1024 - 1 - len(_PROFILE.encode())
 
 
-def _check_text(field: str, value: str) -> None:
-    """ValueError naming ``field`` for a NUL byte (no command line or path can hold one) or a
-    character UTF-8 cannot hold (a lone surrogate)."""
+def _check_text(field: str, value: str) -> bytes:
+    """``value`` as UTF-8; ValueError naming ``field`` for a NUL byte (no command line or path
+    can hold one) or a character UTF-8 cannot hold (a lone surrogate)."""
     if "\0" in value:
         raise ValueError(f"{field}: contains a NUL byte at index {value.index(chr(0))}")
-    _utf8(field, value)
+    return _utf8(field, value)
 
 
 def _check_command(command: Any) -> str:
@@ -374,8 +374,7 @@ def _check_command(command: Any) -> str:
     line; ValueError naming ``command`` otherwise (too long: the way around it said)."""
     if not isinstance(command, str) or not command.strip():
         raise ValueError(f"command: expected a non-empty string, got {command!r}")
-    _check_text("command", command)
-    size = len(command.encode("utf-8", "surrogateescape"))
+    size = len(_check_text("command", command))
     if size > MAX_COMMAND_BYTES:
         raise ValueError(
             f"command: {size} bytes, more than the {MAX_COMMAND_BYTES} a command line takes; "
