@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from _strategies import sequence_lists
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from harts_verl.tree import RolloutForest
@@ -816,3 +816,123 @@ def test_trainer_balances_for_a_tree_critic_with_another_dp_size(monkeypatch):
         per = 32 // dp
         rank = {i: pos // per for pos, i in enumerate(order)}
         assert all(len({rank[i] for i in range(32) if tree_of[i] == t}) == 1 for t in range(8))
+
+
+def _fits_whole(sizes, cells, share):
+    """Brute force: do whole trees fit ``cells`` cells of at most ``share`` each (the padding
+    fills the rest)?"""
+    from functools import cache
+
+    sizes = sorted(sizes, reverse=True)
+
+    @cache
+    def go(i, rooms):
+        if i == len(sizes):
+            return True
+        return any(
+            go(i + 1, tuple(sorted((*rooms[:c], r - sizes[i], *rooms[c + 1 :]))))
+            for c, r in enumerate(rooms)
+            if r >= sizes[i] and r not in rooms[:c]
+        )
+
+    return go(0, (share,) * cells)
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    st.lists(st.integers(1, 7), min_size=1, max_size=7),
+    st.integers(1, 4),
+    st.integers(1, 2),
+    st.booleans(),
+    st.integers(0, 2**31),
+)
+@example(sizes=[1, 1, 3, 1, 1], dp=3, nm=1, template=True, seed=0)  # cut one without the tags
+def test_padding_samples_never_cost_a_cut_tree(sizes, dp, nm, template, seed):
+    """veRL's upsampler pads a batch with identical 128-EOS samples tagged ``is_padding``:
+    passed as ``padding``, they fill cells one by one, so no real tree is cut when whole trees
+    fit the cells (brute force), the cells stay in leaf order and their works exact."""
+    rng = np.random.default_rng(seed)
+    eos = 151645
+    seqs, tree_of = [], []
+    for t, s in enumerate(sizes):
+        prompt = [1000 + t, *rng.integers(0, 150000, int(rng.integers(5, 300))).tolist()]
+        for _ in range(s):
+            tail = rng.integers(0, 150000, int(rng.integers(1, 200))).tolist()
+            seqs.append((_TEMPLATE if template else []) + prompt + tail)
+            tree_of.append(t)
+    cells = dp * nm
+    npad = (-len(seqs)) % cells
+    at = sorted(rng.choice(len(seqs) + npad, npad, replace=False).tolist())  # anywhere
+    for i in at:
+        seqs.insert(i, [eos] * 128)
+        tree_of.insert(i, -1 - i)
+    padding = [t < 0 for t in tree_of]
+    forest = RolloutForest.from_sequences(seqs)
+    parts, grid = tree_balanced_cells(forest, dp, nm, padding)
+    _check_shape(parts, len(seqs), dp, nm, forest)
+    for k, row in enumerate(_cells(parts, nm)):
+        assert [compact_work(forest, c) for c in row] == grid[k].tolist()
+    if _fits_whole(sizes, cells, len(seqs) // cells):
+        assert not _split_trees(parts, nm, tree_of)
+
+
+def test_padding_mask_is_checked():
+    seqs = [[1, 2], [1, 3], [4], [4]]
+    with pytest.raises(ValueError, match=r"padding: expected one bool per trajectory \(4\)"):
+        tree_balanced_partition(seqs, 2, padding=[True, False])
+    with pytest.raises(ValueError, match=r"padding: .*int64"):
+        tree_balanced_partition(seqs, 2, padding=np.array([0, 0, 1, 1]))
+    assert tree_balanced_partition(seqs, 2, padding=[False] * 4) == tree_balanced_partition(seqs, 2)
+
+
+def test_trainer_passes_veRL_padding_tags(monkeypatch):
+    """The trainer reads the upsampler's ``is_padding`` tags: three padding samples beside
+    trees of 3 and 2 at dp 2 (cells of 4) go 1 + 2, keeping both trees whole (as one tree the
+    three would have been kept together and a real tree cut)."""
+    pytest.importorskip("transfer_queue")
+    import types
+
+    import torch
+    import transfer_queue as tq
+    from omegaconf import OmegaConf
+    from transfer_queue.metadata import KVBatchMeta
+
+    from harts_verl.workers.trainer import trainer_class
+
+    rng = np.random.default_rng(1)
+    seqs, tree_of = [], []
+    for t, size in enumerate([3, 2]):
+        prompt = [1000 + t, *rng.integers(0, 9000, 400).tolist()]
+        for _ in range(size):
+            seqs.append(_TEMPLATE + prompt + rng.integers(0, 9000, 20).tolist())
+            tree_of.append(t)
+    seqs += [[0] * 128] * 3
+    tree_of += [-1, -2, -3]
+    nested = torch.nested.as_nested_tensor([torch.tensor(s) for s in seqs], layout=torch.jagged)
+    monkeypatch.setattr(tq, "kv_batch_get", lambda **kw: {"input_ids": nested})
+    cfg = OmegaConf.create(
+        {
+            "actor_rollout_ref": {
+                "actor": {"strategy": "harts_fsdp2", "ppo_mini_batch_size": 8, "shuffle": False},
+                "rollout": {"n": 1},
+            },
+            "algorithm": {"adv_estimator": "grpo"},
+            "trainer": {"critic_warmup": 0},
+        }
+    )
+    fake = types.SimpleNamespace(
+        config=cfg,
+        global_steps=1,
+        actor_rollout_wg=types.SimpleNamespace(_dispatch_info={"actor": [0, 1]}),
+        _get_required_batch_multiple=lambda dp: 8,
+        tokenizer=types.SimpleNamespace(eos_token_id=0),
+    )
+    keys = [f"k{i}" for i in range(8)]
+    tags = [
+        {"seq_len": len(s), **({"is_padding": True} if t < 0 else {})}
+        for s, t in zip(seqs, tree_of)
+    ]
+    batch = KVBatchMeta(keys=list(keys), tags=tags)
+    trainer_class("sync")._balance_batch(fake, batch, {})
+    rank = {keys.index(k): pos // 4 for pos, k in enumerate(batch.keys)}
+    assert all(len({rank[i] for i in range(8) if tree_of[i] == t}) == 1 for t in range(2))

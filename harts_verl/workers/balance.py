@@ -36,6 +36,12 @@ chooses which trajectories go to which (rank, mini-batch) *cell* so that
   consecutive cells per mini-batch, larger cells to ranks with less work so far), so the ranks'
   work is balanced inside every mini-batch and in total.
 
+Padding trajectories (``padding``: veRL's upsampler fills a batch to a multiple of the cells with
+identical samples that carry no loss) are placed as single-trajectory trees of their own,
+after the real ones in the leaf-order view and sharing no prefix there (a cell's estimated work
+counts each whole; the cell works returned are exact), so they fill cells one by one instead
+of being kept together at the cost of a cut real tree.
+
 Each cell's trajectories are listed in leaf order (prefix-sharing neighbours adjacent). The
 result is a deterministic function of the sequences, ``dp_size`` and ``num_mini_batches``.
 
@@ -76,15 +82,31 @@ class _Work:
 
     Positions are leaf-order ranks. The work of a set of positions ``p_0 < … < p_k`` is
     ``Σ len(p_i) − Σ LCP(p_i, p_{i+1})`` with ``LCP(p, q) = min(adj[p:q])`` (the trie of the set:
-    :func:`~harts_verl.tree.microbatch.compact_work`)."""
+    :func:`~harts_verl.tree.microbatch.compact_work`). With ``padding`` (a bool per trajectory),
+    the padding trajectories take the last positions, each sharing no prefix with any other
+    position (so each is a tree of its own, and a cell's work counts each one whole)."""
 
-    def __init__(self, forest: RolloutForest) -> None:
-        self.order = np.asarray(forest.leaf_order, np.int64)
-        n = self.n = int(self.order.shape[0])
+    def __init__(self, forest: RolloutForest, padding: np.ndarray | None = None) -> None:
+        order = np.asarray(forest.leaf_order, np.int64)
+        adj = np.asarray(forest.adjacent_lcp, np.int64)
+        n = self.n = int(order.shape[0])
+        self.n_real = n  # positions [n_real, n) are padding trajectories
+        if padding is not None and padding.any():
+            # real trajectories first, in leaf order, with their true neighbour LCPs (a min over
+            # the padding between them); then the padding, sharing nothing (each its own tree)
+            keep = np.flatnonzero(~padding[order])
+            real = np.zeros(max(keep.shape[0] - 1, 0), np.int64)
+            if keep.shape[0] > 1:
+                real = np.minimum.reduceat(adj[: int(keep[-1])], keep[:-1])
+            self.n_real = int(keep.shape[0])
+            order = np.concatenate([order[keep], order[padding[order]]])
+            adj = np.zeros(max(n - 1, 0), np.int64)
+            adj[: real.shape[0]] = real
+        self.order = order
         self.rank = np.empty(n, np.int64)
         self.rank[self.order] = np.arange(n, dtype=np.int64)
         self.lens = np.asarray(forest.lengths, np.int64)[self.order]
-        self.adj = np.asarray(forest.adjacent_lcp, np.int64)
+        self.adj = adj
         self.cl = np.zeros(n + 1, np.int64)
         np.cumsum(self.lens, out=self.cl[1:])
         self.ca = np.zeros(max(n, 1), np.int64)
@@ -126,7 +148,10 @@ class _Pieces:
         self.depth: list[int] = []
         self.parent: list[int] = []
         self._adj = lv.adj
-        stack = [(0, lv.n, -1)] if lv.n else []
+        # padding trajectories are pieces of their own; the real ones are split as a batch
+        self.ranges = [(p, p + 1) for p in range(lv.n_real, lv.n)]
+        self.node_of = [-1] * len(self.ranges)
+        stack = [(0, lv.n_real, -1)] if lv.n_real else []
         while stack:
             a, b, up = stack.pop()
             if b - a <= share:
@@ -540,7 +565,9 @@ def _subtrees(lv: _Work, share: int) -> np.ndarray:
     the trajectories of a part share, such as a chat template beside veRL's padding samples,
     costs nothing)."""
     sub = np.zeros(lv.n, np.int64)
-    stack, nxt = ([(0, lv.n)] if lv.n > share else []), 1
+    sub[lv.n_real :] = np.arange(1, lv.n - lv.n_real + 1)  # padding: a subtree each
+    nxt = lv.n - lv.n_real + 1
+    stack = [(0, lv.n_real)] if lv.n_real > share else []
     while stack:
         a, b = stack.pop()
         inner = lv.adj[a : b - 1]
@@ -572,16 +599,40 @@ def _placement(
 
 
 def tree_balanced_partition(
-    sequences: Sequence[Any] | RolloutForest, dp_size: int, num_mini_batches: int = 1
+    sequences: Sequence[Any] | RolloutForest,
+    dp_size: int,
+    num_mini_batches: int = 1,
+    padding: Sequence[bool] | np.ndarray | None = None,
 ) -> list[list[int]]:
     """Split trajectories into ``dp_size`` parts of equal size, each the concatenation of
     ``num_mini_batches`` equal cells (``N`` must be divisible by ``dp_size · num_mini_batches``),
-    keeping trees together and balancing compact work (see module doc)."""
-    return tree_balanced_cells(sequences, dp_size, num_mini_batches)[0]
+    keeping trees together and balancing compact work (see module doc).
+
+    ``padding`` (one bool per trajectory, e.g. veRL's ``is_padding`` tags): trajectories that
+    only fill the batch to a multiple of the cells. Each is placed as a tree of its own, so
+    keeping them together never costs a cut real tree, and the trees are those of the real
+    trajectories (a chat template they share is no tree); cell works stay exact."""
+    return tree_balanced_cells(sequences, dp_size, num_mini_batches, padding)[0]
+
+
+def _padding_mask(padding: Sequence[bool] | np.ndarray | None, n: int) -> np.ndarray | None:
+    """``padding`` as a bool array of ``n`` (None when absent); ValueError naming it else."""
+    if padding is None:
+        return None
+    arr = np.asarray(padding)
+    if arr.shape != (n,) or (arr.dtype != np.bool_ and arr.size):
+        raise ValueError(
+            f"padding: expected one bool per trajectory ({n}), got shape {arr.shape} of "
+            f"dtype {arr.dtype}"
+        )
+    return arr.astype(bool)
 
 
 def tree_balanced_cells(
-    sequences: Sequence[Any] | RolloutForest, dp_size: int, num_mini_batches: int = 1
+    sequences: Sequence[Any] | RolloutForest,
+    dp_size: int,
+    num_mini_batches: int = 1,
+    padding: Sequence[bool] | np.ndarray | None = None,
 ) -> tuple[list[list[int]], np.ndarray]:
     """:func:`tree_balanced_partition` and the compact work of its cells: int64
     ``[num_mini_batches, dp_size]``, entry ``[k, r]`` the work of rank ``r``'s ``k``-th
@@ -595,6 +646,7 @@ def tree_balanced_cells(
         else RolloutForest.from_sequences(sequences)
     )
     n = forest.num_trajectories
+    pad = _padding_mask(padding, n)
     dp_size, num_mini_batches = int(dp_size), int(num_mini_batches)
     cells = dp_size * num_mini_batches
     if n % cells:
@@ -603,12 +655,16 @@ def tree_balanced_cells(
             f"num_mini_batches={num_mini_batches}"
         )
     share = n // cells
-    lv = _Work(forest)  # the one leaf-order view every work evaluation below uses
+    lv = _Work(forest, pad)  # the one leaf-order view every work evaluation below uses
     pcs = _Pieces(lv, share)
-    # the trees: the children of the batch's lowest branch (a prefix every trajectory shares,
-    # a chat template, is no reason to call the whole batch one tree)
-    low = int(lv.adj.min()) if lv.n > share else -1  # n > share >= 1: adj is not empty
-    tree = np.concatenate([[0], np.cumsum(lv.adj == low)]) if lv.n else np.zeros(0, np.int64)
+    # the trees: the children of the real trajectories' lowest branch (a prefix every one of
+    # them shares, a chat template, is no reason to call the whole batch one tree); padding
+    # trajectories (the last positions) are trees of their own
+    real = lv.adj[: max(lv.n_real - 1, 0)]
+    low = int(real.min()) if lv.n > share and real.size else -1
+    tree = np.zeros(lv.n, np.int64)
+    if lv.n:
+        tree[1:] = np.cumsum(np.concatenate([real == low, np.ones(lv.n - 1 - real.size, bool)]))
     sub = _subtrees(lv, share)  # then by the subtrees they cut: a tree cut anyway (see there)
     options = []  # placements found: fewest trees cut, then fewest subtrees, then least work
     for _ in range(_REFINE_ROUNDS + 1):
@@ -636,10 +692,16 @@ def tree_balanced_cells(
         if placed or cells > _REFINE_MAX_CELLS or not pcs.refine():
             break
     _, members, cell_work = min(options, key=lambda o: o[0])  # ties: the earlier one
+    cell_ids = [lv.order[m] for m in members]  # each cell's trajectories, in leaf order
+    if lv.n_real < lv.n:  # with the padding back in its leaf-order place, and exact works
+        true = _Work(forest)  # (padding shares its prefixes after all)
+        pos = [np.sort(true.rank[ids]) for ids in cell_ids]
+        cell_ids = [true.order[p] for p in pos]
+        cell_work = np.array([true.set_work(p) for p in pos], np.int64)
     slot, replica, _ = place_microbatches(cell_work, dp_size)
     parts: list[list[int]] = [[] for _ in range(dp_size)]
     grid = np.zeros((num_mini_batches, dp_size), np.int64)
     for c in np.lexsort((replica, slot)).tolist():  # mini-batch 0 first on every rank
-        parts[int(replica[c])].extend(lv.order[members[c]].tolist())
+        parts[int(replica[c])].extend(cell_ids[c].tolist())
         grid[int(slot[c]), int(replica[c])] = cell_work[c]
     return parts, grid

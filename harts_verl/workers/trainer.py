@@ -15,7 +15,8 @@ critic has ``critic.strategy=harts_fsdp2``:
   balanced per mini-batch and per rank; veRL's dispatcher then hands each rank one consecutive
   equal chunk, which the worker cuts into consecutive mini-batches; the cells follow the
   mini-batches of every section that runs trees, :func:`num_mini_batches_of`), instead of
-  veRL's sequence-length Karmarkar-Karp; metrics ``harts/dp_max_work``, ``harts/dp_min_work``,
+  veRL's sequence-length Karmarkar-Karp (its upsampler's padding samples, tagged
+  ``is_padding``, placed one by one: :func:`padding_of`); metrics ``harts/dp_max_work``, ``harts/dp_min_work``,
   ``harts/dp_minibatch_imbalance``, ``harts/dp_compression``. The engine then makes the number
   of micro-batches equal on every rank (:mod:`harts_verl.workers.engine`);
 * the trainer class is chosen by our TaskRunner: veRL's class for ``trainer.v1.trainer_mode``
@@ -274,19 +275,24 @@ def check_ref_harts(config: Any) -> None:
 
 
 def harts_balance_batch(
-    sequences: list[Any], dp_size: int, num_mini_batches: int = 1
+    sequences: list[Any],
+    dp_size: int,
+    num_mini_batches: int = 1,
+    padding: list[bool] | None = None,
 ) -> tuple[list[int], dict[str, float]]:
     """The batch order for ``dp_size`` ranks (concatenated equal parts, each the concatenation of
     ``num_mini_batches`` equal mini-batches) and its metrics: ``harts/dp_max_work`` /
     ``harts/dp_min_work`` (a rank's compact work summed over its mini-batches),
     ``harts/dp_minibatch_imbalance`` (the largest ``(max − mean) / max`` of the ranks' work
-    within one mini-batch), ``harts/dp_compression`` (semantic tokens ÷ Σ cell work)."""
+    within one mini-batch), ``harts/dp_compression`` (semantic tokens ÷ Σ cell work).
+    ``padding``: which sequences are veRL's padding samples (see
+    :func:`~harts_verl.workers.balance.tree_balanced_partition`)."""
     import numpy as np
 
     from harts_verl.tree import RolloutForest
 
     forest = RolloutForest.from_sequences(sequences)
-    parts, grid = tree_balanced_cells(forest, dp_size, num_mini_batches)
+    parts, grid = tree_balanced_cells(forest, dp_size, num_mini_batches, padding)
     cell = grid.astype(np.float64)  # [mini-batch, rank]
     peak = cell.max(axis=1)
     imb = np.where(peak > 0, (peak - cell.mean(axis=1)) / np.maximum(peak, 1), 0.0)
@@ -378,6 +384,15 @@ def balance_grid(
     return dp, cells // dp
 
 
+def padding_of(batch: Any, n: int) -> list[bool] | None:
+    """Which of the ``n`` samples of ``batch`` are veRL's padding samples (its upsampler's
+    ``is_padding`` tag), or None when the batch has no tags for all of them."""
+    tags = getattr(batch, "tags", None)
+    if tags is None or len(tags) != n:
+        return None
+    return [bool(t.get("is_padding", False)) if isinstance(t, dict) else False for t in tags]
+
+
 def seqlen_metrics(
     batch: Any, sequences: list[Any], order: list[int], dp_size: int, prefix: str
 ) -> dict[str, float]:
@@ -453,7 +468,7 @@ def trainer_class(mode: str = "sync") -> type:
             # the actor's mini-batches count once it updates, as veRL's step decides
             actor_updates = warmup <= getattr(self, "global_steps", 0)
             parts, nm = balance_grid(self.config, len(seqs), dp_size, critic_dp, actor_updates)
-            order, stats = harts_balance_batch(seqs, parts, nm)
+            order, stats = harts_balance_batch(seqs, parts, nm, padding_of(batch, len(seqs)))
             # veRL's own per-rank token metrics ({prefix}/min, max, balanced_min, ...), of the
             # same lengths (the tags' seq_len, as stock) and the ranks' parts of our order; read
             # before the reorder, which moves the tags too (``order`` indexes the batch as it was)
