@@ -559,11 +559,11 @@ def _positions(ranges: list[tuple[int, int]]) -> np.ndarray:
 
 
 def _subtrees(lv: _Work, share: int) -> np.ndarray:
-    """Each leaf-order position's *subtree*: the batch split at its lowest branch, and every
-    part larger than ``share`` split again at its own lowest branch, until the parts fit a cell
-    (a tree that must be cut anyway is then judged by the subtrees its cuts keep whole; a prefix
-    the trajectories of a part share, such as a chat template beside veRL's padding samples,
-    costs nothing)."""
+    """Each leaf-order position's *subtree*: the real trajectories split at their lowest branch,
+    and every part larger than ``share`` split again at its own lowest branch, until the parts
+    fit a cell (a tree that must be cut anyway is then judged by the subtrees its cuts keep
+    whole; a prefix the trajectories of a part share costs nothing); each padding position
+    (:class:`_Work`) a subtree of its own."""
     sub = np.zeros(lv.n, np.int64)
     sub[lv.n_real :] = np.arange(1, lv.n - lv.n_real + 1)  # padding: a subtree each
     nxt = lv.n - lv.n_real + 1
