@@ -847,6 +847,7 @@ def _fits_whole(sizes, cells, share):
     st.integers(0, 2**31),
 )
 @example(sizes=[1, 1, 3, 1, 1], dp=3, nm=1, template=True, seed=0)  # cut one without the tags
+@example(sizes=[3, 4, 4, 4, 5], dp=3, nm=1, template=False, seed=0)  # one tree must be cut
 def test_padding_samples_never_cost_a_cut_tree(sizes, dp, nm, template, seed):
     """veRL's upsampler pads a batch with identical 128-EOS samples tagged ``is_padding``:
     passed as ``padding``, they fill cells one by one, so no real tree is cut when whole trees
@@ -874,6 +875,87 @@ def test_padding_samples_never_cost_a_cut_tree(sizes, dp, nm, template, seed):
         assert [compact_work(forest, c) for c in row] == grid[k].tolist()
     if _fits_whole(sizes, cells, len(seqs) // cells):
         assert not _split_trees(parts, nm, tree_of)
+    if npad:  # the fewest real trees any placement cuts (a cut tree fills any room): no more
+        fewest = _fewest_cut(sizes, cells, len(seqs) // cells)
+        assert len(_split_trees(parts, nm, tree_of)) == fewest
+
+
+def _fewest_cut(sizes, cells, share):
+    """Brute force: the fewest trees to cut so that the others fit whole (:func:`_fits_whole`)."""
+    import itertools
+
+    for k in range(len(sizes) + 1):
+        for cut in itertools.combinations(range(len(sizes)), k):
+            rest = [s for t, s in enumerate(sizes) if t not in cut]
+            if _fits_whole(rest, cells, share):
+                return k
+    raise AssertionError("cutting every tree always fits")
+
+
+def test_padding_info_costs_no_cut_tree_under_a_chat_template():
+    """Trees of 4, 5, 4, 3, 4 under a chat template and one padding sample on 3 cells of 7: one
+    tree must be cut. Without the tags the template made the real trajectories one tree whose
+    pieces were cut finer until one real tree was cut; with them the trees are whole pieces,
+    so one of them (the largest) is cut at its lowest branch, not two by the greedy fill."""
+    seqs, tree_of = [], []
+    for t, size in enumerate([4, 5, 4, 3, 4]):
+        for k in range(size):
+            seqs.append(_TEMPLATE + [1000 + t, t, t] + [2000 + k] * 2)
+            tree_of.append(t)
+    seqs.append([151645] * 128)
+    tree_of.append(-1)
+    forest = RolloutForest.from_sequences(seqs)
+    parts, grid = tree_balanced_cells(forest, 3, 1, [t < 0 for t in tree_of])
+    _check_shape(parts, len(seqs), 3, 1, forest)
+    assert grid[0].tolist() == [compact_work(forest, c) for c in parts]
+    assert len(_split_trees(parts, 1, tree_of)) == 1 == _fewest_cut([4, 5, 4, 3, 4], 3, 7)
+    assert len(_split_trees(tree_balanced_partition(forest, 3), 1, tree_of)) == 1
+
+
+def test_identical_padding_samples_count_once():
+    """veRL's padding samples are identical: two in one cell run 128 rows, not 256. Counted
+    twice, the placement {t0, t1, P} | {t2, t2', P} (max 336) looked better than
+    {t1, t2, t2'} | {t0, P, P} (max 271, the best that keeps t2 whole)."""
+    import itertools
+
+    seqs = [
+        [1000] + [0] * 50 + [7] * 59,
+        [1001] + [1] * 50 + [7] * 47,
+        [1002] + [2] * 50 + [7] * 58,
+        [1002] + [2] * 50 + [8] * 64,
+        [151645] * 128,
+        [151645] * 128,
+    ]
+    forest = RolloutForest.from_sequences(seqs)
+    best = min(
+        max(compact_work(forest, list(c)), compact_work(forest, sorted({*range(6)} - {*c})))
+        for c in itertools.combinations(range(6), 3)
+        if len({2, 3} & {*c}) != 1
+    )
+    parts, grid = tree_balanced_cells(forest, 2, 1, [False] * 4 + [True] * 2)
+    assert grid.max() == best == 271
+    assert grid[0].tolist() == [compact_work(forest, c) for c in parts]
+
+
+def test_padding_samples_share_a_cell_when_that_balances_better():
+    """Two padding samples and 1 + 3 real trajectories on 3 cells of 2: the tree of 3 is cut
+    anyway, and the two padding samples (identical: 128 rows together) balance best in one
+    cell. Placed one per cell, each beside a real trajectory, the largest cell grew from 128 to
+    162; the placement found without the padding info is ranked too (same trees, exact work)."""
+    seqs = [
+        [1000] + [0] * 6 + [2000] * 26,
+        [1001] + [1] * 17 + [2000] * 25,
+        [1001] + [1] * 17 + [2001] * 17,
+        [1001] + [1] * 17 + [2002] * 16,
+        [151645] * 128,
+        [151645] * 128,
+    ]
+    forest = RolloutForest.from_sequences(seqs)
+    parts, grid = tree_balanced_cells(forest, 3, 1, [False] * 4 + [True] * 2)
+    _check_shape(parts, 6, 3, 1, forest)
+    assert grid[0].tolist() == [compact_work(forest, c) for c in parts]
+    assert grid.max() == 128 == tree_balanced_cells(forest, 3, 1)[1].max()
+    assert len(_split_trees(parts, 1, [0, 1, 1, 1, -1, -2])) == 1
 
 
 def test_padding_mask_is_checked():

@@ -38,9 +38,14 @@ chooses which trajectories go to which (rank, mini-batch) *cell* so that
 
 Padding trajectories (``padding``: veRL's upsampler fills a batch to a multiple of the cells with
 identical samples that carry no loss) are placed as single-trajectory trees of their own,
-after the real ones in the leaf-order view and sharing no prefix there (a cell's estimated work
-counts each whole; the cell works returned are exact), so they fill cells one by one instead
-of being kept together at the cost of a cut real tree.
+after the real ones in the leaf-order view and sharing no prefix with them there (identical
+padding samples in one cell count once, as the engine runs them; the cell works returned are
+exact), so they fill cells one by one instead of being kept together at the cost of a cut real
+tree. When no placement keeps the real trees whole, the largest one is cut at its own lowest
+branch and the searches run again (as for pieces cut from a tree), so the padding info never
+costs a cut tree that the chat template's one tree did not. The placement found without the
+padding info (which may keep identical padding samples together, in fewer cells) is ranked
+beside it by the same trees, subtrees and exact works, and the better one is kept.
 
 Each cell's trajectories are listed in leaf order (prefix-sharing neighbours adjacent). The
 result is a deterministic function of the sequences, ``dp_size`` and ``num_mini_batches``.
@@ -83,8 +88,9 @@ class _Work:
     Positions are leaf-order ranks. The work of a set of positions ``p_0 < … < p_k`` is
     ``Σ len(p_i) − Σ LCP(p_i, p_{i+1})`` with ``LCP(p, q) = min(adj[p:q])`` (the trie of the set:
     :func:`~harts_verl.tree.microbatch.compact_work`). With ``padding`` (a bool per trajectory),
-    the padding trajectories take the last positions, each sharing no prefix with any other
-    position (so each is a tree of its own, and a cell's work counts each one whole)."""
+    the padding trajectories take the last positions, in their leaf order, sharing no prefix with
+    the real ones (so each is a tree of its own) but their true prefixes with each other (a
+    cell's work counts veRL's identical padding samples once, as the engine runs them)."""
 
     def __init__(self, forest: RolloutForest, padding: np.ndarray | None = None) -> None:
         order = np.asarray(forest.leaf_order, np.int64)
@@ -93,15 +99,20 @@ class _Work:
         self.n_real = n  # positions [n_real, n) are padding trajectories
         if padding is not None and padding.any():
             # real trajectories first, in leaf order, with their true neighbour LCPs (a min over
-            # the padding between them); then the padding, sharing nothing (each its own tree)
+            # the padding between them); then the padding likewise, sharing nothing with them
             keep = np.flatnonzero(~padding[order])
-            real = np.zeros(max(keep.shape[0] - 1, 0), np.int64)
-            if keep.shape[0] > 1:
-                real = np.minimum.reduceat(adj[: int(keep[-1])], keep[:-1])
+            pads = np.flatnonzero(padding[order])
+            real, same = (
+                np.minimum.reduceat(adj[: int(p[-1])], p[:-1])
+                if p.shape[0] > 1
+                else np.zeros(0, np.int64)
+                for p in (keep, pads)
+            )
             self.n_real = int(keep.shape[0])
-            order = np.concatenate([order[keep], order[padding[order]]])
+            order = np.concatenate([order[keep], order[pads]])
             adj = np.zeros(max(n - 1, 0), np.int64)
             adj[: real.shape[0]] = real
+            adj[self.n_real : self.n_real + same.shape[0]] = same
         self.order = order
         self.rank = np.empty(n, np.int64)
         self.rank[self.order] = np.arange(n, dtype=np.int64)
@@ -151,6 +162,8 @@ class _Pieces:
         # padding trajectories are pieces of their own; the real ones are split as a batch
         self.ranges = [(p, p + 1) for p in range(lv.n_real, lv.n)]
         self.node_of = [-1] * len(self.ranges)
+        # with padding, the real trajectories' node (its children: the trees), -1 else
+        self._top = 0 if lv.n_real < lv.n and lv.n_real > share else -1
         stack = [(0, lv.n_real, -1)] if lv.n_real else []
         while stack:
             a, b, up = stack.pop()
@@ -189,12 +202,21 @@ class _Pieces:
     def refine(self) -> bool:
         """Split the largest piece cut from a tree (its node is below the top one, the batch,
         whose children are the trees; ties: the leftmost) one level, into the children of its
-        own lowest branch; False when every piece is a whole tree or a single trajectory."""
+        own lowest branch; False when every piece is a whole tree or a single trajectory. With
+        padding, a whole real tree (the largest) is split when no piece cut from a tree is left:
+        without the padding info, a chat template made the real trajectories one tree whose
+        pieces were split so, and the padding info must not cost cut trees."""
         cut = [  # below a node below the top one (the batch): the top's children are trees
             (a - b, a, i)
             for i, (a, b) in enumerate(self.ranges)
             if b - a > 1 and self.node_of[i] >= 0 and self.parent[self.node_of[i]] >= 0
         ]
+        if not cut and self._top >= 0:
+            cut = [
+                (a - b, a, i)
+                for i, (a, b) in enumerate(self.ranges)
+                if b - a > 1 and self.node_of[i] == self._top
+            ]
         if not cut:
             return False
         i = min(cut)[2]
@@ -586,7 +608,13 @@ def _placement(
     """A placement given as each cell's position ``ranges``: its rank ``(trees cut, subtrees cut,
     largest cell work, total work)`` (``tree``: each position's tree; ``sub``: its subtree,
     :func:`_subtrees`), each cell's sorted positions and each cell's work."""
-    members = [_positions(r) for r in ranges]
+    return _ranked(lv, tree, [_positions(r) for r in ranges], sub)
+
+
+def _ranked(
+    lv: _Work, tree: np.ndarray, members: list[np.ndarray], sub: np.ndarray
+) -> tuple[tuple[int, int, int, int], list[np.ndarray], np.ndarray]:
+    """:func:`_placement` of each cell's sorted positions ``members``."""
     w = np.array([lv.set_work(m) for m in members], np.int64)
     cell = np.repeat(np.arange(len(members), dtype=np.int64), [m.shape[0] for m in members])
     flat = np.concatenate(members)
@@ -596,6 +624,50 @@ def _placement(
         return int(np.count_nonzero(np.bincount(pairs) > 1))
 
     return (cut_of(tree), cut_of(sub), int(w.max(initial=0)), int(w.sum())), members, w
+
+
+def _search(
+    lv: _Work, share: int, cells: int
+) -> tuple[list[np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
+    """The best placement found on the view ``lv`` (see module doc): each cell's sorted
+    positions and work, and each position's tree and subtree (:func:`_placement`)."""
+    pcs = _Pieces(lv, share)
+    # the trees: the children of the real trajectories' lowest branch (a prefix every one of
+    # them shares, a chat template, is no reason to call the whole batch one tree); padding
+    # trajectories (the last positions) are trees of their own
+    real = lv.adj[: max(lv.n_real - 1, 0)]
+    low = int(real.min()) if lv.n > share and real.size else -1
+    tree = np.zeros(lv.n, np.int64)
+    if lv.n:
+        tree[1:] = np.cumsum(np.concatenate([real == low, np.ones(lv.n - 1 - real.size, bool)]))
+    sub = _subtrees(lv, share)  # then by the subtrees they cut: a tree cut anyway (see there)
+    options = []  # placements found: fewest trees cut, then fewest subtrees, then least work
+    for _ in range(_REFINE_ROUNDS + 1):
+        size = np.array([b - a for a, b in pcs.ranges], np.int64)
+        work = np.array([lv.range_work(a, b) for a, b in pcs.ranges], np.int64)
+        own = pcs.own_work(work)
+        placed = []  # placements of whole pieces
+        for shared in (True, False):  # greedy with and without the pieces' shared prefixes
+            ids, ranges = _lpt(lv, pcs, size, work, share, cells, shared)
+            if all(-1 not in c for c in ids):
+                placed.append(ids)
+            else:  # greedy had to cut a piece (a candidate too)
+                options.append(_placement(lv, tree, ranges, sub))
+        if not placed:  # look for a placement that cuts no piece
+            found = _exact(size, own, share, cells)
+            if found is None:  # none, or the search ran out (many cells): fill cell by cell
+                found = _complete(size, own, share, cells)
+            if found is not None:
+                placed.append(found)
+        for ids in placed:
+            _swap(lv, pcs, size, own, ids)
+            options.append(_placement(lv, tree, [[pcs.ranges[i] for i in c] for c in ids], sub))
+        # else cut a piece cut from a tree finer, and search again (few cells: the searches
+        # are short there)
+        if placed or cells > _REFINE_MAX_CELLS or not pcs.refine():
+            break
+    _, members, cell_work = min(options, key=lambda o: o[0])  # ties: the earlier one
+    return members, cell_work, tree, sub
 
 
 def tree_balanced_partition(
@@ -656,48 +728,20 @@ def tree_balanced_cells(
         )
     share = n // cells
     lv = _Work(forest, pad)  # the one leaf-order view every work evaluation below uses
-    pcs = _Pieces(lv, share)
-    # the trees: the children of the real trajectories' lowest branch (a prefix every one of
-    # them shares, a chat template, is no reason to call the whole batch one tree); padding
-    # trajectories (the last positions) are trees of their own
-    real = lv.adj[: max(lv.n_real - 1, 0)]
-    low = int(real.min()) if lv.n > share and real.size else -1
-    tree = np.zeros(lv.n, np.int64)
-    if lv.n:
-        tree[1:] = np.cumsum(np.concatenate([real == low, np.ones(lv.n - 1 - real.size, bool)]))
-    sub = _subtrees(lv, share)  # then by the subtrees they cut: a tree cut anyway (see there)
-    options = []  # placements found: fewest trees cut, then fewest subtrees, then least work
-    for _ in range(_REFINE_ROUNDS + 1):
-        size = np.array([b - a for a, b in pcs.ranges], np.int64)
-        work = np.array([lv.range_work(a, b) for a, b in pcs.ranges], np.int64)
-        own = pcs.own_work(work)
-        placed = []  # placements of whole pieces
-        for shared in (True, False):  # greedy with and without the pieces' shared prefixes
-            ids, ranges = _lpt(lv, pcs, size, work, share, cells, shared)
-            if all(-1 not in c for c in ids):
-                placed.append(ids)
-            else:  # greedy had to cut a piece (a candidate too)
-                options.append(_placement(lv, tree, ranges, sub))
-        if not placed:  # look for a placement that cuts no piece
-            found = _exact(size, own, share, cells)
-            if found is None:  # none, or the search ran out (many cells): fill cell by cell
-                found = _complete(size, own, share, cells)
-            if found is not None:
-                placed.append(found)
-        for ids in placed:
-            _swap(lv, pcs, size, own, ids)
-            options.append(_placement(lv, tree, [[pcs.ranges[i] for i in c] for c in ids], sub))
-        # else cut a piece cut from a tree finer, and search again (few cells: the searches
-        # are short there)
-        if placed or cells > _REFINE_MAX_CELLS or not pcs.refine():
-            break
-    _, members, cell_work = min(options, key=lambda o: o[0])  # ties: the earlier one
+    members, cell_work, tree, sub = _search(lv, share, cells)
     cell_ids = [lv.order[m] for m in members]  # each cell's trajectories, in leaf order
-    if lv.n_real < lv.n:  # with the padding back in its leaf-order place, and exact works
-        true = _Work(forest)  # (padding shares its prefixes after all)
-        pos = [np.sort(true.rank[ids]) for ids in cell_ids]
+    if lv.n_real < lv.n:
+        # with the padding back in its leaf-order place and exact works (padding shares its
+        # prefixes after all), ranked against the placement without the padding info (which
+        # may keep identical padding samples in fewer cells) by the same trees and subtrees
+        true = _Work(forest)
+        by_id = np.empty((2, n), np.int64)
+        by_id[:, lv.order] = tree, sub
+        tree, sub = by_id[:, true.order]
+        found = [[np.sort(true.rank[ids]) for ids in cell_ids], _search(true, share, cells)[0]]
+        ranked = [_ranked(true, tree, pos, sub) for pos in found]
+        _, pos, cell_work = min(ranked, key=lambda o: o[0])  # ties: with the padding info
         cell_ids = [true.order[p] for p in pos]
-        cell_work = np.array([true.set_work(p) for p in pos], np.int64)
     slot, replica, _ = place_microbatches(cell_work, dp_size)
     parts: list[list[int]] = [[] for _ in range(dp_size)]
     grid = np.zeros((num_mini_batches, dp_size), np.int64)
