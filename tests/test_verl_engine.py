@@ -3,8 +3,9 @@
 Parity: log-probs and entropy ≤ 1e-6, grad_norm ≤ 1e-6 relative, parameters after one SGD
 step ≤ 1e-6, on GRPO-style (shared prompt, n samples) and multi-turn tree batches (shared
 turns, tool tokens masked), for tiny Qwen2, Qwen3-Next, Qwen3.5 and Qwen3.5-MoE models, with the
-``vanilla``, ``gspo`` and ``cispo`` policy losses; AdamW with its own sensitivity bound (see
-``test_adamw_step_parity`` and docs/verl.md). The hybrid references run veRL's padded path:
+``vanilla``, ``gspo`` and ``cispo`` policy losses (on Qwen2 also GPG, SAPO, DPPO, DRO and
+dual-clip PPO, fixed-size micro-batches, PPO epochs and a checkpoint resume); AdamW with its own
+sensitivity bound (see ``test_adamw_step_parity`` and docs/verl.md). The hybrid references run veRL's padded path:
 without fla, HF's torch fallback would carry linear-attention state across packed sequences.
 """
 
@@ -126,13 +127,18 @@ def _run(
     temperature=0.8,
     ref_log_probs=False,
     rollout_is_weights=False,
+    micro_batch_size=None,
     **optim,
 ):
     """Infer, then one train step; returns (model output, metrics, params before, params after,
     gradients as the optimizer saw them). ``optim``: ``actor_config`` keywords (``optimizer``,
-    ``lr``, ``weight_decay``, ``kl_loss_type``, ``policy_loss``); ``ref_log_probs`` /
-    ``rollout_is_weights``: ``make_batch``'s per-token fields;
+    ``lr``, ``weight_decay``, ``kl_loss_type``, ``policy_loss``, other ``ActorConfig``
+    fields); ``ref_log_probs`` / ``rollout_is_weights``: ``make_batch``'s per-token fields;
+    ``micro_batch_size``: fixed-size micro-batches of that many trajectories
+    (``use_dynamic_bsz`` false) instead of the token budget;
     ``gradient_checkpointing``: veRL's (HF's activation checkpointing, non-reentrant)."""
+    from verl.utils import tensordict_utils as tu
+
     seqs, prompt_lens, spans = batch
     cfg = testing.actor_config(
         strategy=strategy,
@@ -152,17 +158,25 @@ def _run(
         use_fused_kernels=fused,
         lora_rank=lora,
     )
-    mk = partial(
-        testing.make_batch,
-        seqs,
-        prompt_lens,
-        tool_spans=spans,
-        temperature=temperature,
-        use_fused_kernels=fused,
-        max_token_len=max_token_len,
-        ref_log_probs=ref_log_probs,
-        rollout_is_weights=rollout_is_weights,
-    )
+
+    def mk(**kwargs):
+        td = testing.make_batch(
+            seqs,
+            prompt_lens,
+            tool_spans=spans,
+            temperature=temperature,
+            use_fused_kernels=fused,
+            max_token_len=max_token_len,
+            ref_log_probs=ref_log_probs,
+            rollout_is_weights=rollout_is_weights,
+            **kwargs,
+        )
+        if micro_batch_size is not None:
+            tu.assign_non_tensor(
+                td, use_dynamic_bsz=False, micro_batch_size_per_gpu=micro_batch_size
+            )
+        return td
+
     with engine.eval_mode():
         inf = engine.infer_batch(mk(calculate_entropy=True, use_remove_padding=not padded))
     before = _params(engine)
@@ -783,6 +797,150 @@ def test_parity_loss_modes(verl_cpu, kind, loss_mode):
     )
     tree = _run(testing, paths[kind], "harts_fsdp2", data, loss_mode=loss_mode, entropy=0.01)
     _compare(ref, tree)
+
+
+@pytest.mark.parametrize(
+    "loss_mode,fields",
+    [
+        ("gpg", {}),
+        ("sapo", {}),
+        ("dppo_tv", {}),
+        ("dppo_kl", {}),
+        ("dro", {"policy_loss": {"loss_mode": "dro", "dro_beta": 0.1}}),
+        ("vanilla", {"clip_ratio_c": 1.5, "clip_ratio_low": 0.1, "clip_ratio_high": 0.28}),
+    ],
+)
+def test_parity_more_policy_losses(verl_cpu, loss_mode, fields):
+    """veRL's other policy losses (GPG, SAPO, DPPO-TV / -KL, DRO) and the dual-clip PPO loss
+    with a low ``clip_ratio_c`` and asymmetric clip ratios (its lower clip engaged), with an
+    entropy bonus, at a token budget that cuts the batch into several micro-batches."""
+    testing, paths = verl_cpu
+    data = _random_batch(seed=0)  # 9 trajectories, 174 tokens
+    run = partial(
+        _run,
+        testing,
+        paths["qwen2"],
+        batch=data,
+        loss_mode=loss_mode,
+        entropy=0.01,
+        max_token_len=64,
+    )
+    ref = run(strategy="fsdp2", **fields)
+    tree = run(strategy="harts_fsdp2", **fields)
+    _compare(ref, tree)
+    assert tree[1]["harts/microbatches"][0] >= 2
+    if "clip_ratio_c" in fields:
+        assert ref[1]["actor/pg_clipfrac_lower"].aggregate() > 0
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 3])
+@pytest.mark.parametrize(
+    "loss_agg_mode", ["token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+)
+def test_parity_fixed_micro_batches(verl_cpu, loss_agg_mode, micro_batch_size):
+    """Fixed-size micro-batches (``use_dynamic_bsz`` false, ``ppo_micro_batch_size_per_gpu`` 1
+    or an odd 3 that divides the batch) with the sum aggregations (``seq-mean-token-sum-norm``
+    without ``loss_scale_factor`` depends on the cut: evaluated on veRL's micro-batches)."""
+    testing, paths = verl_cpu
+    data = _random_batch(seed=0)  # 9 trajectories
+    assert len(data[0]) % micro_batch_size == 0
+    run = partial(
+        _run,
+        testing,
+        paths["qwen2"],
+        batch=data,
+        loss_mode="vanilla",
+        loss_agg_mode=loss_agg_mode,
+        entropy=0.01,
+        micro_batch_size=micro_batch_size,
+    )
+    ref, tree = run(strategy="fsdp2"), run(strategy="harts_fsdp2")
+    _compare(ref, tree)
+    assert tree[1]["harts/stock_metrics"] == [1.0]
+
+
+def _train_worker(engine, cfg):
+    """veRL's ``TrainingWorker.train_mini_batch`` / ``train_batch`` (undecorated) on a stand-in
+    worker holding ``engine``: the loop over mini-batches and PPO epochs that the trainer's
+    ``update_actor`` runs, with veRL's loss of ``cfg``."""
+    import inspect
+
+    from verl.workers.engine_workers import TrainingWorker
+    from verl.workers.utils.losses import ppo_loss
+
+    w = types.SimpleNamespace(
+        engine=engine,
+        engine_config=engine.engine_config,
+        model_config={"use_remove_padding": True, "use_fused_kernels": False},
+        loss_fn=partial(ppo_loss, config=cfg),
+        device_name="cpu",
+        flops_counter=None,
+        enable_routing_replay=False,
+        profiler=types.SimpleNamespace(step=lambda: None),
+    )
+    train = inspect.unwrap(TrainingWorker.train_batch)
+    w.train_batch = lambda td: train(w, td)
+    w._postprocess_output = partial(TrainingWorker._postprocess_output, w)
+    mini = inspect.unwrap(TrainingWorker.train_mini_batch)
+    return lambda td: mini(w, td)
+
+
+def test_ppo_epochs_and_checkpoint_resume(verl_cpu, tmp_path):
+    """``ppo_epochs`` = 2 with shuffled mini-batches through veRL's worker loop (each epoch
+    re-cuts the batch; every call plans its own trees): the metrics of every update and the
+    parameters equal the stock engine's. Then a checkpoint (``save_checkpoint``, AdamW state,
+    LR scheduler) loaded into a fresh engine continues exactly as the uninterrupted run."""
+    from verl.utils import tensordict_utils as tu
+
+    testing, paths = verl_cpu
+    seqs, prompt_lens, spans = _random_batch(seed=10)  # 8 trajectories
+
+    def update(step):
+        td = testing.make_batch(seqs, prompt_lens, tool_spans=spans, calculate_entropy=True)
+        tu.assign_non_tensor(
+            td,
+            global_batch_size=4,
+            mini_batch_size=4,
+            epochs=2,
+            seed=42,
+            dataloader_kwargs={"shuffle": True},
+        )
+        return tu.get(step(td), "metrics")
+
+    def engine(strategy, **optim):
+        harts = {"capacity_tokens": 48} if strategy == "harts_fsdp2" else None
+        cfg = testing.actor_config(
+            strategy=strategy, harts=harts, entropy_coeff=0.01, ppo_epochs=2, **optim
+        )
+        eng = testing.build_engine(paths["qwen2"], cfg)
+        return eng, _train_worker(eng, cfg)
+
+    out = {}
+    for strategy in ("fsdp2", "harts_fsdp2"):
+        eng, step = engine(strategy)
+        out[strategy] = update(step), _params(eng)
+    (m_ref, p_ref), (m_tree, p_tree) = out["fsdp2"], out["harts_fsdp2"]
+    assert len(m_ref["grad_norm"]) == 4  # 2 mini-batches x 2 epochs
+    assert m_tree["harts/fallback"] == [0.0] * 4
+    for key, ref in m_ref.items():
+        if not key.startswith("perf/"):
+            np.testing.assert_allclose(m_tree[key], ref, rtol=1e-6, atol=1e-7, err_msg=key)
+    for n in p_ref:
+        assert float((p_tree[n] - p_ref[n]).abs().max()) <= 1e-6, n
+
+    adam = dict(optimizer="AdamW", lr=1e-3, weight_decay=0.01)
+    eng, step = engine("harts_fsdp2", **adam)
+    update(step)
+    eng.save_checkpoint(str(tmp_path / "ckpt"), global_step=1)
+    m_full = update(step)
+    resumed, step2 = engine("harts_fsdp2", **adam)
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    m_resumed = update(step2)
+    assert m_resumed["grad_norm"] == m_full["grad_norm"]
+    assert m_resumed["harts/fallback"] == [0.0] * 4
+    full, again = _params(eng), _params(resumed)
+    for n in full:
+        assert torch.equal(again[n], full[n]), n
 
 
 @pytest.mark.parametrize(

@@ -976,9 +976,11 @@ def actor_config(
     policy_loss: dict[str, Any] | None = None,
     kl_loss_type: str | None = None,
     kl_loss_coef: float = 0.5,
+    **fields: Any,
 ):
     """An actor config as veRL's worker builds it (``HartsFSDPActorConfig`` for the harts
-    strategy, veRL's ``FSDPActorConfig`` otherwise); ``sp``: Ulysses sequence-parallel size;
+    strategy, veRL's ``FSDPActorConfig`` otherwise); ``fields``: other ``ActorConfig`` fields
+    (``clip_ratio_c``, ``ppo_epochs``, ...); ``sp``: Ulysses sequence-parallel size;
     ``policy_loss``: ``PolicyLossConfig`` fields (its ``rollout_correction`` as a dict of
     ``RolloutCorrectionConfig`` fields), replacing ``loss_mode``; ``kl_loss_type``: veRL's KL
     loss against the batch's ``ref_log_prob`` (``use_kl_loss``), off when None."""
@@ -1016,6 +1018,7 @@ def actor_config(
         use_kl_loss=kl_loss_type is not None,
         kl_loss_type=kl_loss_type or "low_var_kl",
         kl_loss_coef=kl_loss_coef,
+        **fields,
     )
     if strategy == "harts_fsdp2":
         return HartsFSDPActorConfig(strategy=strategy, harts=harts or {}, **common)
