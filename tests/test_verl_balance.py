@@ -1018,3 +1018,32 @@ def test_trainer_passes_veRL_padding_tags(monkeypatch):
     trainer_class("sync")._balance_batch(fake, batch, {})
     rank = {keys.index(k): pos // 4 for pos, k in enumerate(batch.keys)}
     assert all(len({rank[i] for i in range(8) if tree_of[i] == t}) == 1 for t in range(2))
+
+
+@pytest.mark.parametrize("template", [False, True])
+def test_real_trajectories_that_fit_one_cell_spread_over_the_padded_cells(template):
+    """veRL's upsampler can pad a batch to a multiple larger than its cells (8 real → 16 at
+    dp 2): two prompt groups of 2 beside 12 padding samples on 4 cells of 4. Kept as one piece
+    the real trajectories all ran on one rank ([2002, 128, 128, 128]); as trees they spread,
+    each group whole, and the largest cell is one group's."""
+    rng = np.random.default_rng(0)
+    seqs, tree_of = [], []
+    for t in range(2):
+        prompt = [1000 + t, *rng.integers(0, 9000, 400).tolist()]
+        for _ in range(2):
+            seqs.append(
+                (_TEMPLATE if template else []) + prompt + rng.integers(0, 9000, 300).tolist()
+            )
+            tree_of.append(t)
+    seqs += [[151645] * 128] * 12
+    tree_of += list(range(-1, -13, -1))
+    forest = RolloutForest.from_sequences(seqs)
+    parts, grid = tree_balanced_cells(forest, 4, 1, [t < 0 for t in tree_of])
+    _check_shape(parts, 16, 4, 1, forest)
+    assert grid[0].tolist() == [compact_work(forest, c) for c in parts]
+    assert not _split_trees(parts, 1, tree_of)
+    rank = {i: r for r, p in enumerate(parts) for i in p}
+    assert rank[0] != rank[2]  # the two groups on two ranks
+    group = compact_work(forest, [0, 1]) + 128  # one group and its cell's padding
+    assert grid.max() == max(group, compact_work(forest, [2, 3]) + 128)
+    assert tree_balanced_cells(forest, 4, 1)[1].max() == compact_work(forest, [0, 1, 2, 3])

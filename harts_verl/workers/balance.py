@@ -45,7 +45,10 @@ tree. When no placement keeps the real trees whole, the largest one is cut at it
 branch and the searches run again (as for pieces cut from a tree), so the padding info never
 costs a cut tree that the chat template's one tree did not. The placement found without the
 padding info (which may keep identical padding samples together, in fewer cells) is ranked
-beside it by the same trees, subtrees and exact works, and the better one is kept.
+beside it by the same trees, subtrees and exact works, and the better one is kept. The real
+trajectories are split into their trees even when they fit one cell (veRL may pad a batch to a
+multiple larger than the cells), so they spread over the cells instead of one rank running
+them all.
 
 Each cell's trajectories are listed in leaf order (prefix-sharing neighbours adjacent). The
 result is a deterministic function of the sequences, ``dp_size`` and ``num_mini_batches``.
@@ -162,12 +165,15 @@ class _Pieces:
         # padding trajectories are pieces of their own; the real ones are split as a batch
         self.ranges = [(p, p + 1) for p in range(lv.n_real, lv.n)]
         self.node_of = [-1] * len(self.ranges)
-        # with padding, the real trajectories' node (its children: the trees), -1 else
-        self._top = 0 if lv.n_real < lv.n and lv.n_real > share else -1
+        # with padding, the real trajectories' node (its children: the trees), -1 else; it is
+        # split even when it fits one cell, so that the trees spread over the cells the padding
+        # would otherwise fill alone (one rank running every real trajectory)
+        spread = lv.n_real < lv.n and lv.n_real > 1
+        self._top = 0 if spread else -1
         stack = [(0, lv.n_real, -1)] if lv.n_real else []
         while stack:
             a, b, up = stack.pop()
-            if b - a <= share:
+            if b - a <= share and not (spread and up < 0):
                 self.ranges.append((a, b))
                 self.node_of.append(up)
             else:
@@ -589,7 +595,8 @@ def _subtrees(lv: _Work, share: int) -> np.ndarray:
     sub = np.zeros(lv.n, np.int64)
     sub[lv.n_real :] = np.arange(1, lv.n - lv.n_real + 1)  # padding: a subtree each
     nxt = lv.n - lv.n_real + 1
-    stack = [(0, lv.n_real)] if lv.n_real > share else []
+    spread = lv.n_real > share or 1 < lv.n_real < lv.n  # with padding: see _Pieces
+    stack = [(0, lv.n_real)] if spread else []
     while stack:
         a, b = stack.pop()
         inner = lv.adj[a : b - 1]
