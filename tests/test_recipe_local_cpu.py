@@ -176,12 +176,16 @@ def test_local_cpu_recipe_ppo_with_tree_critic(tmp_path, inputs):
     """PPO with GAE: the critic (a token classifier on the same backbone) also runs
     ``harts_fsdp2`` (values and its update in tree mode); with a KL loss, the reference policy
     runs the tree engine with the actor's ``harts:`` values (``harts_verl.main_ppo``), on the
-    CPU too (veRL shards it with a CPU offload policy)."""
+    CPU too (veRL shards it with a CPU offload policy). With ``fork.budget=3`` beside
+    ``rollout.n=4`` each prompt gives 3 trajectories, so veRL's upsampler fills the 12 to its
+    multiple (``ppo_mini_batch_size × rollout.n`` = 16) with 4 ``is_padding`` samples, which
+    both tree engines run too."""
     work = tmp_path / "w"
     out = _run_recipe(
         work,
         inputs,
         1,
+        "harts_rollout.fork.budget=3",
         "algorithm.adv_estimator=gae",
         "critic.strategy=harts_fsdp2",
         f"critic.model.path={inputs / 'model'}",
@@ -192,9 +196,12 @@ def test_local_cpu_recipe_ppo_with_tree_critic(tmp_path, inputs):
         "actor_rollout_ref.actor.use_kl_loss=true",
         "actor_rollout_ref.actor.kl_loss_coef=0.01",
     )
+    assert "Upsampled batch from 12 to 16 with 4 synthetic padding samples" in out, out[-6000:]
     steps = _summary_module().parse_lines(out.splitlines())
     assert sorted(steps) == [1], out[-6000:]
     m = steps[1]
+    # one rank, one mini-batch: the engine ran the balancer's cell (the padding included)
+    assert m["actor/harts/compact_tokens"] == m["harts/dp_max_work"] == m["harts/dp_min_work"], m
     for key in ("critic/vf_loss", "critic/grad_norm", "critic/values/mean", "actor/loss"):
         assert math.isfinite(m[key]), (key, m)
     assert m["critic/harts/fallback"] == 0.0 and m["actor/harts/fallback"] == 0.0, m

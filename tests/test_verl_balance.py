@@ -818,9 +818,9 @@ def test_trainer_balances_for_a_tree_critic_with_another_dp_size(monkeypatch):
         assert all(len({rank[i] for i in range(32) if tree_of[i] == t}) == 1 for t in range(8))
 
 
-def _fits_whole(sizes, cells, share):
+def _fits_whole(sizes, cells, share, busy=False):
     """Brute force: do whole trees fit ``cells`` cells of at most ``share`` each (the padding
-    fills the rest)?"""
+    fills the rest; ``busy``: every cell holds a tree)?"""
     from functools import cache
 
     sizes = sorted(sizes, reverse=True)
@@ -828,7 +828,7 @@ def _fits_whole(sizes, cells, share):
     @cache
     def go(i, rooms):
         if i == len(sizes):
-            return True
+            return not busy or max(rooms) < share
         return any(
             go(i + 1, tuple(sorted((*rooms[:c], r - sizes[i], *rooms[c + 1 :]))))
             for c, r in enumerate(rooms)
@@ -848,10 +848,12 @@ def _fits_whole(sizes, cells, share):
 )
 @example(sizes=[1, 1, 3, 1, 1], dp=3, nm=1, template=True, seed=0)  # cut one without the tags
 @example(sizes=[3, 4, 4, 4, 5], dp=3, nm=1, template=False, seed=0)  # one tree must be cut
+@example(sizes=[1, 3, 1, 1, 3], dp=4, nm=1, template=False, seed=484505)  # a padding-only rank
 def test_padding_samples_never_cost_a_cut_tree(sizes, dp, nm, template, seed):
     """veRL's upsampler pads a batch with identical 128-EOS samples tagged ``is_padding``:
     passed as ``padding``, they fill cells one by one, so no real tree is cut when whole trees
-    fit the cells (brute force), the cells stay in leaf order and their works exact."""
+    fit the cells (brute force), no cell holds padding only when whole trees can fill every
+    cell, the cells stay in leaf order and their works exact."""
     rng = np.random.default_rng(seed)
     eos = 151645
     seqs, tree_of = [], []
@@ -878,6 +880,9 @@ def test_padding_samples_never_cost_a_cut_tree(sizes, dp, nm, template, seed):
     if npad:  # the fewest real trees any placement cuts (a cut tree fills any room): no more
         fewest = _fewest_cut(sizes, cells, len(seqs) // cells)
         assert len(_split_trees(parts, nm, tree_of)) == fewest
+        if _fits_whole(sizes, cells, len(seqs) // cells, busy=True):  # no rank or mini-batch
+            idle = [c for row in _cells(parts, nm) for c in row if all(padding[i] for i in c)]
+            assert not idle  # without a loss token (its zero metrics would be averaged in)
 
 
 def _fewest_cut(sizes, cells, share):
@@ -937,11 +942,14 @@ def test_identical_padding_samples_count_once():
     assert grid[0].tolist() == [compact_work(forest, c) for c in parts]
 
 
-def test_padding_samples_share_a_cell_when_that_balances_better():
+def test_padding_samples_spread_rather_than_leave_a_rank_without_a_loss_token():
     """Two padding samples and 1 + 3 real trajectories on 3 cells of 2: the tree of 3 is cut
-    anyway, and the two padding samples (identical: 128 rows together) balance best in one
-    cell. Placed one per cell, each beside a real trajectory, the largest cell grew from 128 to
-    162; the placement found without the padding info is ranked too (same trees, exact work)."""
+    anyway. The two identical padding samples together (128 rows) would balance best, largest
+    cell 128, but that cell has no loss token (veRL's DP mean would average its zero metrics
+    in); so each goes beside a real trajectory, at the least largest cell of such placements
+    (brute force over all 15 placements)."""
+    import itertools
+
     seqs = [
         [1000] + [0] * 6 + [2000] * 26,
         [1001] + [1] * 17 + [2000] * 25,
@@ -951,11 +959,21 @@ def test_padding_samples_share_a_cell_when_that_balances_better():
         [151645] * 128,
     ]
     forest = RolloutForest.from_sequences(seqs)
+    assert tree_balanced_cells(forest, 3, 1)[1].max() == 128  # without the tags: [P, P]
     parts, grid = tree_balanced_cells(forest, 3, 1, [False] * 4 + [True] * 2)
     _check_shape(parts, 6, 3, 1, forest)
     assert grid[0].tolist() == [compact_work(forest, c) for c in parts]
-    assert grid.max() == 128 == tree_balanced_cells(forest, 3, 1)[1].max()
     assert len(_split_trees(parts, 1, [0, 1, 1, 1, -1, -2])) == 1
+    assert all(min(c) < 4 for c in parts)  # a real trajectory in every cell
+    best = min(
+        max(compact_work(forest, list(c)) for c in cells)
+        for a in itertools.combinations(range(1, 6), 1)
+        for b in itertools.combinations(sorted({*range(1, 6)} - {*a}), 2)
+        if b[0] == min({*range(1, 6)} - {*a})
+        for cells in [((0, *a), b, tuple(sorted({*range(1, 6)} - {*a} - {*b})))]
+        if all(min(c) < 4 for c in cells)
+    )
+    assert grid.max() == best
 
 
 def test_padding_mask_is_checked():
@@ -1047,3 +1065,24 @@ def test_real_trajectories_that_fit_one_cell_spread_over_the_padded_cells(templa
     group = compact_work(forest, [0, 1]) + 128  # one group and its cell's padding
     assert grid.max() == max(group, compact_work(forest, [2, 3]) + 128)
     assert tree_balanced_cells(forest, 4, 1)[1].max() == compact_work(forest, [0, 1, 2, 3])
+
+
+def test_no_rank_of_padding_only_when_the_trees_can_fill_every_rank():
+    """Four prompt groups of 2 below one 288-token prompt and 8 padding samples on 2 ranks: the
+    least work keeps every real trajectory on rank 0 ([356, 128]), but rank 1 then has no loss
+    token and veRL's DP mean halves ``ppo_kl`` / ``pg_clipfrac``; the groups spread instead."""
+    rng = np.random.default_rng(0)
+    shared = rng.integers(3, 9000, 288).tolist()
+    seqs = []
+    for _ in range(4):
+        prompt = shared + rng.integers(3, 9000, 5).tolist()
+        seqs += [prompt + rng.integers(3, 9000, 6).tolist() for _ in range(2)]
+    seqs += [[2] * 128] * 8
+    padding = [False] * 8 + [True] * 8
+    forest = RolloutForest.from_sequences(seqs)
+    assert tree_balanced_cells(forest, 2, 1)[1].tolist() == [[356, 128]]  # without the tags
+    parts, grid = tree_balanced_cells(forest, 2, 1, padding)
+    _check_shape(parts, 16, 2, 1, forest)
+    assert all(any(not padding[i] for i in p) for p in parts)
+    assert not _split_trees(parts, 1, [i // 2 for i in range(8)] + list(range(-1, -9, -1)))
+    assert grid.tolist() == [[compact_work(forest, p) for p in parts]] == [[450, 450]]

@@ -22,7 +22,8 @@ chooses which trajectories go to which (rank, mini-batch) *cell* so that
   at most :data:`_REFINE_MAX_CELLS` cells), so a tree that fits a cell is not cut while one that
   is cut anyway can be cut elsewhere. Of every placement found (the greedy ones with a piece cut
   between leaf-order neighbours to fill the cells among them), the one cutting the fewest trees
-  wins, then the one with the smallest largest cell work, then the smallest total work;
+  wins, then the fewest subtrees (:func:`_subtrees`), then the fewest cells of padding only
+  (see below), then the one with the smallest largest cell work, then the smallest total work;
 * the cells' work is balanced. Work is the planner's model
   (:func:`harts_verl.tree.microbatch.compact_work`: rows of the cell's own trie, what the tree
   engine runs): pieces are placed largest first on the feasible cell whose work after it is
@@ -48,7 +49,9 @@ padding info (which may keep identical padding samples together, in fewer cells)
 beside it by the same trees, subtrees and exact works, and the better one is kept. The real
 trajectories are split into their trees even when they fit one cell (veRL may pad a batch to a
 multiple larger than the cells), so they spread over the cells instead of one rank running
-them all.
+them all. A cell of padding only is a rank (or a rank's mini-batch) without a loss token: veRL
+averages per-rank metrics over DP, so its zeros would halve ``ppo_kl``, ``pg_clipfrac``, ... It is
+avoided where the cuts allow, even at more work.
 
 Each cell's trajectories are listed in leaf order (prefix-sharing neighbours adjacent). The
 result is a deterministic function of the sequences, ``dp_size`` and ``num_mini_batches``.
@@ -611,18 +614,27 @@ def _subtrees(lv: _Work, share: int) -> np.ndarray:
 
 def _placement(
     lv: _Work, tree: np.ndarray, ranges: list[list[tuple[int, int]]], sub: np.ndarray
-) -> tuple[tuple[int, int, int, int], list[np.ndarray], np.ndarray]:
+) -> tuple[tuple[int, int, int, int, int], list[np.ndarray], np.ndarray]:
     """A placement given as each cell's position ``ranges``: its rank ``(trees cut, subtrees cut,
-    largest cell work, total work)`` (``tree``: each position's tree; ``sub``: its subtree,
-    :func:`_subtrees`), each cell's sorted positions and each cell's work."""
-    return _ranked(lv, tree, [_positions(r) for r in ranges], sub)
+    cells of padding only, largest cell work, total work)`` (``tree``: each position's tree;
+    ``sub``: its subtree, :func:`_subtrees`), each cell's sorted positions and each cell's
+    work. A cell of padding only is a rank (or a rank's mini-batch) without a loss token, whose
+    zero metrics veRL's DP mean would average in (halving ``ppo_kl``, ``pg_clipfrac``, ...)."""
+    pad = np.arange(lv.n) >= lv.n_real if lv.n_real < lv.n else None
+    return _ranked(lv, tree, [_positions(r) for r in ranges], sub, pad)
 
 
 def _ranked(
-    lv: _Work, tree: np.ndarray, members: list[np.ndarray], sub: np.ndarray
-) -> tuple[tuple[int, int, int, int], list[np.ndarray], np.ndarray]:
-    """:func:`_placement` of each cell's sorted positions ``members``."""
+    lv: _Work,
+    tree: np.ndarray,
+    members: list[np.ndarray],
+    sub: np.ndarray,
+    padpos: np.ndarray | None = None,
+) -> tuple[tuple[int, int, int, int, int], list[np.ndarray], np.ndarray]:
+    """:func:`_placement` of each cell's sorted positions ``members``; ``padpos``: which
+    positions are padding (the rank then counts the cells holding padding only third)."""
     w = np.array([lv.set_work(m) for m in members], np.int64)
+    idle = 0 if padpos is None else sum(bool(padpos[m].all()) for m in members)
     cell = np.repeat(np.arange(len(members), dtype=np.int64), [m.shape[0] for m in members])
     flat = np.concatenate(members)
 
@@ -630,7 +642,7 @@ def _ranked(
         pairs = np.unique(ids[flat] * len(members) + cell) // len(members)
         return int(np.count_nonzero(np.bincount(pairs) > 1))
 
-    return (cut_of(tree), cut_of(sub), int(w.max(initial=0)), int(w.sum())), members, w
+    return (cut_of(tree), cut_of(sub), idle, int(w.max(initial=0)), int(w.sum())), members, w
 
 
 def _search(
@@ -746,7 +758,7 @@ def tree_balanced_cells(
         by_id[:, lv.order] = tree, sub
         tree, sub = by_id[:, true.order]
         found = [[np.sort(true.rank[ids]) for ids in cell_ids], _search(true, share, cells)[0]]
-        ranked = [_ranked(true, tree, pos, sub) for pos in found]
+        ranked = [_ranked(true, tree, pos, sub, pad[true.order]) for pos in found]
         _, pos, cell_work = min(ranked, key=lambda o: o[0])  # ties: with the padding info
         cell_ids = [true.order[p] for p in pos]
     slot, replica, _ = place_microbatches(cell_work, dp_size)
