@@ -460,7 +460,9 @@ def test_trainer_balance_batch_override(monkeypatch, tree_section, mode):
     )
     metrics = {}
     assert cls._balance_batch(fake, batch, metrics) is batch
-    order, expected = harts_balance_batch(seqs, 2, 4)  # 32 / (2 x 4) = 4 prompts x n per step
+    order, expected = harts_balance_batch(
+        seqs, 2, 4, [False] * len(seqs)
+    )  # 32 / (2 x 4) = 4 prompts x n per step
     assert batch.keys == [keys[i] for i in order]
     assert [t["seq_len"] for t in batch.tags] == [lens[i] for i in order]
     assert {k: v for k, v in metrics.items() if k.startswith("harts/")} == expected
@@ -1033,7 +1035,9 @@ def test_trainer_passes_veRL_padding_tags(monkeypatch):
         for s, t in zip(seqs, tree_of)
     ]
     batch = KVBatchMeta(keys=list(keys), tags=tags)
-    trainer_class("sync")._balance_batch(fake, batch, {})
+    metrics = {}
+    trainer_class("sync")._balance_batch(fake, batch, metrics)
+    assert metrics["harts/dp_padding_samples"] == 3.0
     rank = {keys.index(k): pos // 4 for pos, k in enumerate(batch.keys)}
     assert all(len({rank[i] for i in range(8) if tree_of[i] == t}) == 1 for t in range(2))
 

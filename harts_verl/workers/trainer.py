@@ -286,7 +286,8 @@ def harts_balance_batch(
     ``harts/dp_minibatch_imbalance`` (the largest ``(max − mean) / max`` of the ranks' work
     within one mini-batch), ``harts/dp_compression`` (semantic tokens ÷ Σ cell work).
     ``padding``: which sequences are veRL's padding samples (see
-    :func:`~harts_verl.workers.balance.tree_balanced_partition`)."""
+    :func:`~harts_verl.workers.balance.tree_balanced_partition`; they count in the works and
+    the compression, and ``harts/dp_padding_samples`` counts them)."""
     import numpy as np
 
     from harts_verl.tree import RolloutForest
@@ -303,6 +304,8 @@ def harts_balance_batch(
         "harts/dp_minibatch_imbalance": float(imb.max(initial=0.0)),
         "harts/dp_compression": forest.num_semantic_tokens / max(float(cell.sum()), 1.0),
     }
+    if padding is not None:
+        metrics["harts/dp_padding_samples"] = float(sum(bool(p) for p in padding))
     return [j for p in parts for j in p], metrics
 
 
