@@ -202,6 +202,7 @@ def test_local_cpu_recipe_ppo_with_tree_critic(tmp_path, inputs):
     m = steps[1]
     # one rank, one mini-batch: the engine ran the balancer's cell (the padding included)
     assert m["actor/harts/compact_tokens"] == m["harts/dp_max_work"] == m["harts/dp_min_work"], m
+    assert m["harts/dp_padding_samples"] == 4.0, m  # the upsampler's tags reached the balancer
     for key in ("critic/vf_loss", "critic/grad_norm", "critic/values/mean", "actor/loss"):
         assert math.isfinite(m[key]), (key, m)
     assert m["critic/harts/fallback"] == 0.0 and m["actor/harts/fallback"] == 0.0, m
