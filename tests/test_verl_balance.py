@@ -643,8 +643,9 @@ def test_no_tree_split_with_many_cells(dp, nm, share, smallest, monkeypatch):
     st.data(),
 )
 def test_no_tree_split_when_a_split_free_placement_exists(grid, share, built, data):
-    """Random tree sizes (brute force decides whether a split-free placement exists), or cells
-    built from equal trees of a divisor of the cell size (one exists; greedy often misses it)."""
+    """Random tree sizes (brute force decides whether a split-free placement exists, else how
+    few trees a placement can cut), or cells built from equal trees of a divisor of the cell
+    size (one exists; greedy often misses it)."""
     dp, nm = grid
     cells = dp * nm
     sizes: list[int] = []
@@ -668,6 +669,8 @@ def test_no_tree_split_when_a_split_free_placement_exists(grid, share, built, da
         assert not _split_trees(parts, nm, tree_of)
         cell_work = [compact_work(forest, c) for row in _cells(parts, nm) for c in row]
         assert sum(cell_work) == forest.num_compact_tokens
+    elif len(sizes) <= 8:  # else the fewest trees any placement cuts (brute force)
+        assert len(_split_trees(parts, nm, tree_of)) == _fewest_cut(sizes, cells, share)
 
 
 @settings(max_examples=120, deadline=None)
@@ -1090,3 +1093,14 @@ def test_no_rank_of_padding_only_when_the_trees_can_fill_every_rank():
     assert all(any(not padding[i] for i in p) for p in parts)
     assert not _split_trees(parts, 1, [i // 2 for i in range(8)] + list(range(-1, -9, -1)))
     assert grid.tolist() == [[compact_work(forest, p) for p in parts]] == [[450, 450]]
+
+
+def test_one_whole_tree_is_cut_when_some_tree_must_be():
+    """Trees of 2, 2, 2, 4, 6, 6, 6 on 4 cells of 7: no placement keeps every tree whole, and
+    with every piece a whole tree the greedy fills cut two; cutting the largest tree at its
+    lowest branch and searching again cuts one (the brute-force minimum)."""
+    sizes = [2, 2, 2, 4, 6, 6, 6]
+    seqs, tree_of = _sized_trees(sizes, [20] * 7, 3)
+    parts = tree_balanced_partition(seqs, 2, 2)
+    _check_shape(parts, 28, 2, 2, RolloutForest.from_sequences(seqs))
+    assert len(_split_trees(parts, 2, tree_of)) == 1 == _fewest_cut(sizes, 4, 7)
