@@ -850,12 +850,15 @@ def _fits_whole(sizes, cells, share, busy=False):
     st.integers(1, 2),
     st.booleans(),
     st.integers(0, 2**31),
+    st.integers(0, 2),
 )
-@example(sizes=[1, 1, 3, 1, 1], dp=3, nm=1, template=True, seed=0)  # cut one without the tags
-@example(sizes=[3, 4, 4, 4, 5], dp=3, nm=1, template=False, seed=0)  # one tree must be cut
-@example(sizes=[1, 3, 1, 1, 3], dp=4, nm=1, template=False, seed=484505)  # a padding-only rank
-def test_padding_samples_never_cost_a_cut_tree(sizes, dp, nm, template, seed):
-    """veRL's upsampler pads a batch with identical 128-EOS samples tagged ``is_padding``:
+@example(sizes=[1, 1, 3, 1, 1], dp=3, nm=1, template=True, seed=0, extra=0)  # cut without tags
+@example(sizes=[3, 4, 4, 4, 5], dp=3, nm=1, template=False, seed=0, extra=0)  # one must be cut
+@example(sizes=[1, 3, 1, 1, 3], dp=4, nm=1, template=False, seed=484505, extra=0)  # idle rank
+@example(sizes=[1, 1], dp=2, nm=1, template=False, seed=7, extra=1)  # [R, R] | [P, P]
+def test_padding_samples_never_cost_a_cut_tree(sizes, dp, nm, template, seed, extra):
+    """veRL's upsampler pads a batch with identical 128-EOS samples tagged ``is_padding``
+    (``extra``: to a multiple larger than the cells, whole cells' worth of padding more):
     passed as ``padding``, they fill cells one by one, so no real tree is cut when whole trees
     fit the cells (brute force), no cell holds padding only when whole trees can fill every
     cell, the cells stay in leaf order and their works exact."""
@@ -869,12 +872,14 @@ def test_padding_samples_never_cost_a_cut_tree(sizes, dp, nm, template, seed):
             seqs.append((_TEMPLATE if template else []) + prompt + tail)
             tree_of.append(t)
     cells = dp * nm
-    npad = (-len(seqs)) % cells
+    npad = (-len(seqs)) % cells + extra * cells
     at = sorted(rng.choice(len(seqs) + npad, npad, replace=False).tolist())  # anywhere
     for i in at:
         seqs.insert(i, [eos] * 128)
         tree_of.insert(i, -1 - i)
     padding = [t < 0 for t in tree_of]
+    if len(sizes) == 1:  # one prompt: the trees are below its lowest branch (each trajectory)
+        sizes, tree_of = [1] * sizes[0], [i if t >= 0 else t for i, t in enumerate(tree_of)]
     forest = RolloutForest.from_sequences(seqs)
     parts, grid = tree_balanced_cells(forest, dp, nm, padding)
     _check_shape(parts, len(seqs), dp, nm, forest)
@@ -1104,3 +1109,44 @@ def test_one_whole_tree_is_cut_when_some_tree_must_be():
     parts = tree_balanced_partition(seqs, 2, 2)
     _check_shape(parts, 28, 2, 2, RolloutForest.from_sequences(seqs))
     assert len(_split_trees(parts, 2, tree_of)) == 1 == _fewest_cut(sizes, 4, 7)
+
+
+@pytest.mark.parametrize(
+    "real",
+    [
+        [[1000] + [5] * 299, [1001] + [6] * 59],  # two one-trajectory prompts
+        [[1000] + [5] * 39, [1001] + [6] * 200 + [7] * 50, [1001] + [6] * 200 + [8] * 60],
+    ],
+)
+def test_padding_fills_behind_the_real_trees(real):
+    """Whole trees that can give every rank a loss token do so, even where a rank of padding
+    only balances better: the greedy placed the 128-row padding samples before a lighter real
+    tree (all onto the empty rank), and a swap of a real trajectory for a padding sample moved
+    a rank's last real trajectory away ([R, R] | [P, P] at dp 2 before)."""
+    seqs = real + [[151645] * 128] * len(real)
+    padding = [False] * len(real) + [True] * len(real)
+    forest = RolloutForest.from_sequences(seqs)
+    parts, grid = tree_balanced_cells(forest, 2, 1, padding)
+    _check_shape(parts, len(seqs), 2, 1, forest)
+    assert grid[0].tolist() == [compact_work(forest, p) for p in parts]
+    assert all(any(not padding[i] for i in p) for p in parts), parts
+    tree_of = [s[0] if not pad else -1 - i for i, (s, pad) in enumerate(zip(seqs, padding))]
+    assert not _split_trees(parts, 1, tree_of)
+
+
+@pytest.mark.parametrize("dp,nm", [(4, 1), (2, 2)])
+def test_a_tree_cut_anyway_fills_the_cells_padding_would_fill_alone(dp, nm):
+    """Trees of 4 and 3 and 5 padding samples on 4 cells of 3: the tree of 4 is cut anyway.
+    Cut into two pieces (3 + 1), the pieces and the tree of 3 left a cell of padding only; cut
+    further (still one tree cut), every cell holds a real trajectory."""
+    seqs = [[1000] + [5] * 100 + [10 + k] * (30 + 7 * k) for k in range(4)]
+    seqs += [[1001] + [6] * 80 + [20 + k] * (40 + 5 * k) for k in range(3)]
+    seqs += [[151645] * 128] * 5
+    padding = [False] * 7 + [True] * 5
+    forest = RolloutForest.from_sequences(seqs)
+    parts, grid = tree_balanced_cells(forest, dp, nm, padding)
+    _check_shape(parts, 12, dp, nm, forest)
+    cells = [c for row in _cells(parts, nm) for c in row]
+    assert [compact_work(forest, c) for c in cells] == grid.ravel().tolist()
+    assert all(any(not padding[i] for i in c) for c in cells), cells
+    assert _split_trees(parts, nm, [0] * 4 + [1] * 3 + list(range(-1, -6, -1))) == {0}

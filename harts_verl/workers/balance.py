@@ -54,10 +54,15 @@ trajectories are split into their trees even when they fit one cell (veRL may pa
 multiple larger than the cells), so they spread over the cells instead of one rank running
 them all. A cell of padding only is a rank (or a rank's mini-batch) without a loss token: veRL
 averages per-rank metrics over DP, so its zeros would halve ``ppo_kl``, ``pg_clipfrac``, ... It is
-avoided where the cuts allow, even at more work.
+avoided where the cuts allow, even at more work: the greedy also places the real pieces before
+the padding (which then fills what they leave), no swap takes a cell's last real piece, and
+while cells of padding only are left, pieces of a tree cut anyway are cut finer (that cuts no
+more trees) and the searches run again. The search remains a heuristic: it can leave such a
+cell where brute force finds a placement without one (rarely: a few in 1,000 small batches).
 
 Each cell's trajectories are listed in leaf order (prefix-sharing neighbours adjacent). The
-result is a deterministic function of the sequences, ``dp_size`` and ``num_mini_batches``.
+result is a deterministic function of the sequences, ``dp_size``, ``num_mini_batches`` and
+``padding``.
 
 Work is evaluated on one leaf-order view of the batch built once per call (prefix sums of
 lengths and neighbour LCPs): a piece's work in O(1), a cell's in O(its leaf-order span) (the
@@ -158,19 +163,18 @@ class _Pieces:
     them (into its trees: the children of its lowest branch, so a prefix every trajectory
     shares, a chat template, costs nothing), a tree at the one nearest ``share`` (two parts,
     the fewest duplicated rows), recursively until every range fits. ``node_of[i]``: the node
-    piece ``i`` was cut from (−1: the batch fits one cell); ``parent[v]``: node ``v``'s node
-    (−1 at the top). A cell holding another piece below node ``v`` shares ``depth[v]`` rows
-    with piece ``i`` for each ancestor ``v`` of ``i``, the deepest one counting."""
+    piece ``i`` was cut from (−1: the batch fits one cell, or a padding trajectory of
+    :class:`_Work`, a piece of its own); ``parent[v]``: node ``v``'s node (−1 at the top). A
+    cell holding another piece below node ``v`` shares ``depth[v]`` rows with piece ``i`` for
+    each ancestor ``v`` of ``i``, the deepest one counting."""
 
     def __init__(self, lv: _Work, share: int) -> None:
-        self.ranges: list[tuple[int, int]] = []
-        self.node_of: list[int] = []
         self.depth: list[int] = []
         self.parent: list[int] = []
         self._adj = lv.adj
         # padding trajectories are pieces of their own; the real ones are split as a batch
-        self.ranges = [(p, p + 1) for p in range(lv.n_real, lv.n)]
-        self.node_of = [-1] * len(self.ranges)
+        self.ranges: list[tuple[int, int]] = [(p, p + 1) for p in range(lv.n_real, lv.n)]
+        self.node_of: list[int] = [-1] * len(self.ranges)
         # the real trajectories' node (its children: the trees) when they are split, -1 else;
         # with padding they are split even when they fit one cell, so that the trees spread
         # over the cells the padding would otherwise fill alone (one rank running them all)
@@ -211,19 +215,20 @@ class _Pieces:
             v = self.parent[v]
         return out[::-1]
 
-    def refine(self) -> bool:
+    def refine(self, whole: bool = True) -> bool:
         """Split the largest piece cut from a tree (its node is below the top one, the batch,
         whose children are the trees; ties: the leftmost) one level, into the children of its
-        own lowest branch. When no piece cut from a tree is left, the largest whole tree is
-        split so (some tree must be cut: the searches then look for a placement that cuts only
-        it, where the greedy fills could cut two). False when every piece is a single
-        trajectory or the batch fits one cell."""
+        own lowest branch. When no piece cut from a tree is left and ``whole``, the largest
+        whole tree is split so (some tree must be cut: the searches then look for a placement
+        that cuts only it, where the greedy fills could cut two). False when every piece is a
+        single trajectory or the batch fits one cell (or, without ``whole``, when no piece cut
+        from a tree is left)."""
         cut = [  # below a node below the top one (the batch): the top's children are trees
             (a - b, a, i)
             for i, (a, b) in enumerate(self.ranges)
             if b - a > 1 and self.node_of[i] >= 0 and self.parent[self.node_of[i]] >= 0
         ]
-        if not cut and self._top >= 0:
+        if not cut and whole and self._top >= 0:
             cut = [
                 (a - b, a, i)
                 for i, (a, b) in enumerate(self.ranges)
@@ -253,15 +258,21 @@ def _lpt(
     share: int,
     cells: int,
     shared: bool = True,
+    pads_last: bool = False,
 ) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
     """Pieces → cells of ``share`` trajectories: largest (size, work) first onto the feasible
     cell of least work after it. With ``shared``, a piece's work on a cell is its rows less the
     prefix it shares with the cell's pieces (``depth`` of its innermost ancestor node the cell
     already holds a piece below, among its :data:`_SHARED_LEVELS` nearest); else its own rows
-    (the cell of least work so far).
+    (the cell of least work so far). With ``pads_last``, the real pieces are placed before the
+    padding ones (an empty cell has the least work, so the real pieces spread over as many cells
+    as they can and the padding fills what is left, rather than a cell of padding only).
     Returns per cell its piece ids (−1: a fragment of a piece that fit nowhere whole) and its
     position ranges."""
-    order = np.lexsort((np.arange(len(pcs.ranges)), -work, -size)).tolist()
+    keys = [np.arange(len(pcs.ranges)), -work, -size]
+    if pads_last:
+        keys.append(np.array([a >= lv.n_real for a, _ in pcs.ranges], bool))
+    order = np.lexsort(keys).tolist()
     ids: list[list[int]] = [[] for _ in range(cells)]
     ranges: list[list[tuple[int, int]]] = [[] for _ in range(cells)]
     fill = np.zeros(cells, np.int64)
@@ -499,7 +510,12 @@ def _complete(size: np.ndarray, work: np.ndarray, share: int, cells: int) -> lis
 
 
 def _swap(
-    lv: _Work, pcs: _Pieces, size: np.ndarray, work: np.ndarray, ids: list[list[int]]
+    lv: _Work,
+    pcs: _Pieces,
+    size: np.ndarray,
+    work: np.ndarray,
+    ids: list[list[int]],
+    real: np.ndarray | None = None,
 ) -> None:
     """Swap equal-size whole pieces between the heaviest cell and another cell while that lowers
     the pair's larger work. A swap is chosen on the additive estimate (a cell's work ≈ its exact
@@ -507,7 +523,8 @@ def _swap(
     :meth:`_Pieces.own_work`) and made only when the two cells' exact works
     (:meth:`_Work.set_work`) both end below the heaviest cell's, so the largest cell work never
     grows. Each round takes the swap with the smallest estimated pair maximum (ties: lowest
-    other cell, then the pieces' order in their cells). In place.
+    other cell, then the pieces' order in their cells). With ``real`` (whether each piece holds
+    a real trajectory), no swap leaves a cell that held a real piece with padding only. In place.
 
     Vectorized: for every piece ``a`` of the heaviest cell and every other cell, the best
     partner is the piece of equal size whose work is nearest ``work[a] − gap / 2`` (``gap``: the
@@ -573,6 +590,10 @@ def _swap(
             fit = (size[cand] == size[pa]) & (wb < wpa) & (wb > wpa - (lh - llo))
             fit &= np.maximum(lh - wpa + wb, llo + wpa - wb) == v
             pb = int(cand[np.flatnonzero(fit)[0]])
+            if real is not None and real[pa] != real[pb]:  # a cell must keep a real piece
+                c, moved = (hi, pa) if real[pa] else (c_lo, pb)
+                if not any(real[j] for j in ids[c] if j != moved):
+                    continue
             ja, jb = ids[hi].index(pa), ids[c_lo].index(pb)
             ids[hi][ja], ids[c_lo][jb] = pb, pa
             new_hi, new_lo = exact(hi), exact(c_lo)
@@ -664,13 +685,18 @@ def _search(
         tree[1:] = np.cumsum(np.concatenate([real == low, np.ones(lv.n - 1 - real.size, bool)]))
     sub = _subtrees(lv, share)  # then by the subtrees they cut: a tree cut anyway (see there)
     options = []  # placements found: fewest trees cut, then fewest subtrees, then least work
+    padded = lv.n_real < lv.n
+    # with padding, the greedy also places the real pieces first (cells of padding only)
+    greedy = ((True, False), (False, False), (True, True))[: 3 if padded else 2]
+    fewest_idle = max(cells - lv.n_real, 0)  # no placement has fewer cells of padding only
     for _ in range(_REFINE_ROUNDS + 1):
         size = np.array([b - a for a, b in pcs.ranges], np.int64)
         work = np.array([lv.range_work(a, b) for a, b in pcs.ranges], np.int64)
         own = pcs.own_work(work)
+        real = np.array([a < lv.n_real for a, _ in pcs.ranges], bool) if padded else None
         placed = []  # placements of whole pieces
-        for shared in (True, False):  # greedy with and without the pieces' shared prefixes
-            ids, ranges = _lpt(lv, pcs, size, work, share, cells, shared)
+        for shared, pads_last in greedy:  # with and without the pieces' shared prefixes
+            ids, ranges = _lpt(lv, pcs, size, work, share, cells, shared, pads_last)
             if all(-1 not in c for c in ids):
                 placed.append(ids)
             else:  # greedy had to cut a piece (a candidate too)
@@ -682,11 +708,17 @@ def _search(
             if found is not None:
                 placed.append(found)
         for ids in placed:
-            _swap(lv, pcs, size, own, ids)
+            _swap(lv, pcs, size, own, ids, real)
             options.append(_placement(lv, tree, [[pcs.ranges[i] for i in c] for c in ids], sub))
         # else cut a piece cut from a tree finer, and search again (few cells: the searches
-        # are short there)
-        if placed or cells > _REFINE_MAX_CELLS or not pcs.refine():
+        # are short there); with padding, also while cells of padding only are left that
+        # smaller pieces of a tree cut anyway could fill (more pieces of a cut tree cut no
+        # more trees)
+        if cells > _REFINE_MAX_CELLS:
+            break
+        if placed and not (padded and min(o[0] for o in options)[2] > fewest_idle):
+            break
+        if not pcs.refine(whole=not placed):
             break
     _, members, cell_work = min(options, key=lambda o: o[0])  # ties: the earlier one
     return members, cell_work, tree, sub
