@@ -101,9 +101,9 @@ class _Work:
 
     Positions are leaf-order ranks. The work of a set of positions ``p_0 < … < p_k`` is
     ``Σ len(p_i) − Σ LCP(p_i, p_{i+1})`` with ``LCP(p, q) = min(adj[p:q])`` (the trie of the set:
-    :func:`~harts_verl.tree.microbatch.compact_work`). With ``padding`` (a bool per trajectory),
-    the padding trajectories take the last positions, in their leaf order, sharing no prefix with
-    the real ones (so each is a tree of its own) but their true prefixes with each other (a
+    :func:`~harts_verl.tree.microbatch.compact_work`). With ``padding`` (a bool per
+    trajectory), the padding trajectories take the last positions, in their leaf order, sharing
+    no prefix with the real ones (so each is a tree of its own) but their true prefixes with each other (a
     cell's work counts veRL's identical padding samples once, as the engine runs them)."""
 
     def __init__(self, forest: RolloutForest, padding: np.ndarray | None = None) -> None:
@@ -137,6 +137,12 @@ class _Work:
         self.ca = np.zeros(max(n, 1), np.int64)
         if n > 1:
             np.cumsum(self.adj, out=self.ca[1:])
+
+    def splits_real(self, share: int) -> bool:
+        """Whether the real trajectories are split into their trees: when they exceed a cell of
+        ``share``, and beside padding even when they fit one (so that they spread over the
+        cells the padding would otherwise fill alone, one rank running them all)."""
+        return self.n_real > share or 1 < self.n_real < self.n
 
     def range_work(self, a: int, b: int) -> int:
         """Work of the positions ``[a, b)``."""
@@ -175,15 +181,13 @@ class _Pieces:
         # padding trajectories are pieces of their own; the real ones are split as a batch
         self.ranges: list[tuple[int, int]] = [(p, p + 1) for p in range(lv.n_real, lv.n)]
         self.node_of: list[int] = [-1] * len(self.ranges)
-        # the real trajectories' node (its children: the trees) when they are split, -1 else;
-        # with padding they are split even when they fit one cell, so that the trees spread
-        # over the cells the padding would otherwise fill alone (one rank running them all)
-        spread = lv.n_real < lv.n and lv.n_real > 1
-        self._top = 0 if spread or lv.n_real > share else -1
+        # the real trajectories' node (its children: the trees) when they are split, -1 else
+        split = lv.splits_real(share)
+        self._top = 0 if split else -1
         stack = [(0, lv.n_real, -1)] if lv.n_real else []
         while stack:
             a, b, up = stack.pop()
-            if b - a <= share and not (spread and up < 0):
+            if b - a <= share and not (split and up < 0):
                 self.ranges.append((a, b))
                 self.node_of.append(up)
             else:
@@ -622,8 +626,7 @@ def _subtrees(lv: _Work, share: int) -> np.ndarray:
     sub = np.zeros(lv.n, np.int64)
     sub[lv.n_real :] = np.arange(1, lv.n - lv.n_real + 1)  # padding: a subtree each
     nxt = lv.n - lv.n_real + 1
-    spread = lv.n_real > share or 1 < lv.n_real < lv.n  # with padding: see _Pieces
-    stack = [(0, lv.n_real)] if spread else []
+    stack = [(0, lv.n_real)] if lv.splits_real(share) else []
     while stack:
         a, b = stack.pop()
         inner = lv.adj[a : b - 1]
@@ -762,7 +765,8 @@ def tree_balanced_cells(
 ) -> tuple[list[list[int]], np.ndarray]:
     """:func:`tree_balanced_partition` and the compact work of its cells: int64
     ``[num_mini_batches, dp_size]``, entry ``[k, r]`` the work of rank ``r``'s ``k``-th
-    mini-batch (:func:`~harts_verl.tree.microbatch.compact_work` of its trajectories)."""
+    mini-batch (:func:`~harts_verl.tree.microbatch.compact_work` of its trajectories, padding
+    included). ``padding``: see :func:`tree_balanced_partition`."""
     for name, v in (("dp_size", dp_size), ("num_mini_batches", num_mini_batches)):
         if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1:
             raise ValueError(f"{name}: expected a positive int, got {v!r}")

@@ -16,8 +16,9 @@ critic has ``critic.strategy=harts_fsdp2``:
   equal chunk, which the worker cuts into consecutive mini-batches; the cells follow the
   mini-batches of every section that runs trees, :func:`num_mini_batches_of`), instead of
   veRL's sequence-length Karmarkar-Karp (its upsampler's padding samples, tagged
-  ``is_padding``, placed one by one: :func:`padding_of`); metrics ``harts/dp_max_work``, ``harts/dp_min_work``,
-  ``harts/dp_minibatch_imbalance``, ``harts/dp_compression``. The engine then makes the number
+  ``is_padding``, placed one by one: :func:`padding_of`); metrics ``harts/dp_max_work``,
+  ``harts/dp_min_work``, ``harts/dp_minibatch_imbalance``, ``harts/dp_compression``,
+  ``harts/dp_padding_samples``. The engine then makes the number
   of micro-batches equal on every rank (:mod:`harts_verl.workers.engine`);
 * the trainer class is chosen by our TaskRunner: veRL's class for ``trainer.v1.trainer_mode``
   (``sync``, ``colocate_async``, ``separate_async``) with that ``_balance_batch``
