@@ -103,8 +103,9 @@ class _Work:
     ``Σ len(p_i) − Σ LCP(p_i, p_{i+1})`` with ``LCP(p, q) = min(adj[p:q])`` (the trie of the set:
     :func:`~harts_verl.tree.microbatch.compact_work`). With ``padding`` (a bool per
     trajectory), the padding trajectories take the last positions, in their leaf order, sharing
-    no prefix with the real ones (so each is a tree of its own) but their true prefixes with each other (a
-    cell's work counts veRL's identical padding samples once, as the engine runs them)."""
+    no prefix with the real ones (so each is a tree of its own) but their true prefixes with
+    each other (a cell's work counts veRL's identical padding samples once, as the engine runs
+    them); ``padpos`` marks those positions (None without padding)."""
 
     def __init__(self, forest: RolloutForest, padding: np.ndarray | None = None) -> None:
         order = np.asarray(forest.leaf_order, np.int64)
@@ -128,6 +129,7 @@ class _Work:
             adj[: real.shape[0]] = real
             adj[self.n_real : self.n_real + same.shape[0]] = same
         self.order = order
+        self.padpos = np.arange(n) >= self.n_real if self.n_real < n else None
         self.rank = np.empty(n, np.int64)
         self.rank[self.order] = np.arange(n, dtype=np.int64)
         self.lens = np.asarray(forest.lengths, np.int64)[self.order]
@@ -262,20 +264,21 @@ def _lpt(
     share: int,
     cells: int,
     shared: bool = True,
-    pads_last: bool = False,
+    real: np.ndarray | None = None,
 ) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
     """Pieces → cells of ``share`` trajectories: largest (size, work) first onto the feasible
     cell of least work after it. With ``shared``, a piece's work on a cell is its rows less the
     prefix it shares with the cell's pieces (``depth`` of its innermost ancestor node the cell
     already holds a piece below, among its :data:`_SHARED_LEVELS` nearest); else its own rows
-    (the cell of least work so far). With ``pads_last``, the real pieces are placed before the
-    padding ones (an empty cell has the least work, so the real pieces spread over as many cells
-    as they can and the padding fills what is left, rather than a cell of padding only).
+    (the cell of least work so far). With ``real`` (whether each piece holds a real
+    trajectory), the real pieces are placed before the padding ones (an empty cell has the
+    least work, so the real pieces spread over as many cells as they can and the padding fills
+    what is left, rather than a cell of padding only).
     Returns per cell its piece ids (−1: a fragment of a piece that fit nowhere whole) and its
     position ranges."""
     keys = [np.arange(len(pcs.ranges)), -work, -size]
-    if pads_last:
-        keys.append(np.array([a >= lv.n_real for a, _ in pcs.ranges], bool))
+    if real is not None:
+        keys.append(~real)
     order = np.lexsort(keys).tolist()
     ids: list[list[int]] = [[] for _ in range(cells)]
     ranges: list[list[tuple[int, int]]] = [[] for _ in range(cells)]
@@ -647,8 +650,7 @@ def _placement(
     ``sub``: its subtree, :func:`_subtrees`), each cell's sorted positions and each cell's
     work. A cell of padding only is a rank (or a rank's mini-batch) without a loss token, whose
     zero metrics veRL's DP mean would average in (halving ``ppo_kl``, ``pg_clipfrac``, ...)."""
-    pad = np.arange(lv.n) >= lv.n_real if lv.n_real < lv.n else None
-    return _ranked(lv, tree, [_positions(r) for r in ranges], sub, pad)
+    return _ranked(lv, tree, [_positions(r) for r in ranges], sub, lv.padpos)
 
 
 def _ranked(
@@ -687,10 +689,8 @@ def _search(
     if lv.n:
         tree[1:] = np.cumsum(np.concatenate([real == low, np.ones(lv.n - 1 - real.size, bool)]))
     sub = _subtrees(lv, share)  # then by the subtrees they cut: a tree cut anyway (see there)
-    options = []  # placements found: fewest trees cut, then fewest subtrees, then least work
+    options = []  # placements found, ranked as _placement says
     padded = lv.n_real < lv.n
-    # with padding, the greedy also places the real pieces first (cells of padding only)
-    greedy = ((True, False), (False, False), (True, True))[: 3 if padded else 2]
     fewest_idle = max(cells - lv.n_real, 0)  # no placement has fewer cells of padding only
     for _ in range(_REFINE_ROUNDS + 1):
         size = np.array([b - a for a, b in pcs.ranges], np.int64)
@@ -698,8 +698,11 @@ def _search(
         own = pcs.own_work(work)
         real = np.array([a < lv.n_real for a, _ in pcs.ranges], bool) if padded else None
         placed = []  # placements of whole pieces
-        for shared, pads_last in greedy:  # with and without the pieces' shared prefixes
-            ids, ranges = _lpt(lv, pcs, size, work, share, cells, shared, pads_last)
+        # with and without the pieces' shared prefixes; with padding, also real pieces first
+        # (against cells of padding only)
+        greedy = ((True, None), (False, None), (True, real))[: 3 if padded else 2]
+        for shared, real_first in greedy:
+            ids, ranges = _lpt(lv, pcs, size, work, share, cells, shared, real_first)
             if all(-1 not in c for c in ids):
                 placed.append(ids)
             else:  # greedy had to cut a piece (a candidate too)
