@@ -347,6 +347,22 @@ def test_attention_free_models_are_refused_by_name(verl_cpu, kind):
         testing.build_engine(paths[kind], cfg, use_remove_padding=False)
 
 
+def test_the_callers_config_keeps_naming_the_tree_engine(verl_cpu):
+    """The engine runs veRL's FSDP2 build on its own copy of the config (which says ``fsdp2``);
+    the caller's config still says ``harts_fsdp2``, so a second engine built from it (as veRL
+    builds a ref model's from a shared section) is a tree engine too, not a stock one."""
+    from harts_verl.workers.engine import HartsFSDPEngine
+
+    testing, paths = verl_cpu
+    cfg = testing.actor_config(strategy="harts_fsdp2", loss_mode="vanilla")
+    engines = [testing.build_engine(paths["qwen2"], cfg) for _ in range(2)]
+    assert cfg.engine.strategy == "harts_fsdp2"
+    for engine in engines:
+        assert isinstance(engine, HartsFSDPEngine) and engine._tree_supported
+        assert engine.engine_config.strategy == "fsdp2"
+        assert engine.engine_config is not cfg.engine
+
+
 def test_tree_mode_only_for_the_listed_model_types(verl_cpu, caplog, monkeypatch):
     """A model type outside TREE_MODEL_TYPES (what ``harts-verl check`` takes) runs the stock
     path, named in a WARNING, even when it holds an attention class tree mode can patch (a

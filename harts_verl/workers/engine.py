@@ -587,8 +587,11 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         from harts_verl.workers.config import harts_config_of  # not at import: see STRATEGY
 
         self.harts: HartsConfig = harts_config_of(engine_config)
-        # FSDP build code branches on the literal strategy name.
+        # FSDP build code branches on the literal strategy name: the engine's own copy says
+        # fsdp2, the caller's config keeps naming this engine (a second build from it, e.g. a
+        # ref model's, is a tree engine too)
         if getattr(engine_config, "strategy", None) in (STRATEGY, None):
+            engine_config = copy.copy(engine_config)
             object.__setattr__(engine_config, "strategy", "fsdp2")
         if engine_config.strategy != "fsdp2":
             raise ValueError(
