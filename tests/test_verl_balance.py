@@ -607,6 +607,63 @@ def test_cell_by_cell_search_finds_a_placement_iff_one_exists(cells, share, data
         assert [int(size[c].sum()) for c in ids] == [share] * cells
 
 
+def _fewest_cells(sizes, share):
+    """Brute force: the fewest cells of ``share`` that hold the pieces ``sizes`` whole."""
+    sizes, best = sorted(sizes, reverse=True), [len(sizes)]
+
+    def go(i, rooms):
+        if len(rooms) >= best[0]:
+            return
+        if i == len(sizes):
+            best[0] = len(rooms)
+            return
+        for c, r in enumerate(rooms):
+            if r >= sizes[i] and r not in rooms[:c]:
+                rooms[c] -= sizes[i]
+                go(i + 1, rooms)
+                rooms[c] += sizes[i]
+        go(i + 1, [*rooms, share - sizes[i]])
+
+    go(0, [])
+    return best[0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 12), st.lists(st.integers(1, 12), min_size=1, max_size=9))
+def test_cells_needed_is_a_lower_bound(share, sizes):
+    """The bound that spares the searches a hopeless batch never exceeds the fewest cells
+    whole pieces need (brute force): a placement it rules out does not exist."""
+    from harts_verl.workers.balance import _cells_needed
+
+    sizes = [min(v, share) for v in sizes]
+    need = _cells_needed(np.bincount(sizes, minlength=share + 1), share)
+    assert -(-sum(sizes) // share) <= need <= _fewest_cells(sizes, share)
+
+
+@pytest.mark.parametrize(
+    "sizes,share,cells",
+    [
+        ([16] * 46 + [1] * 160, 28, 32),  # 46 pieces over half a cell, 32 cells
+        ([8] * 39 + [1] * 56, 23, 16),  # three pieces of 8 exceed a cell of 23: 32 at most
+    ],
+)
+def test_hopeless_batches_are_ruled_out_without_a_search(sizes, share, cells, monkeypatch):
+    """Pieces no exact filling can place (the bound says so) are ruled out before the searches,
+    which spent their whole budgets on such batches (~2 s per balancing step)."""
+    import harts_verl.workers.balance as balance
+
+    def searched(*_):
+        raise AssertionError("searched")
+
+    monkeypatch.setattr(balance, "_completions", searched)
+    monkeypatch.setattr(balance, "_exact", searched)
+    size = np.array(sizes, np.int64)
+    assert int(size.sum()) == share * cells
+    assert balance._patterns(size, share, cells) is False
+    assert balance._complete(size, size, share, cells) is None
+    assert not _split_free_exists(sizes, cells, share)
+
+
 @pytest.mark.parametrize("dp,nm,share,smallest", [(8, 8, 16, 5), (8, 16, 24, 7), (16, 16, 16, 4)])
 def test_no_tree_split_with_many_cells(dp, nm, share, smallest, monkeypatch):
     """64-256 cells built from trees of ``smallest``..``share`` trajectories (a split-free
@@ -823,9 +880,9 @@ def test_trainer_balances_for_a_tree_critic_with_another_dp_size(monkeypatch):
         assert all(len({rank[i] for i in range(32) if tree_of[i] == t}) == 1 for t in range(8))
 
 
-def _fits_whole(sizes, cells, share, busy=False):
+def _fits_whole(sizes, cells, share, empty=None):
     """Brute force: do whole trees fit ``cells`` cells of at most ``share`` each (the padding
-    fills the rest; ``busy``: every cell holds a tree)?"""
+    fills the rest), leaving at most ``empty`` cells without a tree (None: any number)?"""
     from functools import cache
 
     sizes = sorted(sizes, reverse=True)
@@ -833,7 +890,7 @@ def _fits_whole(sizes, cells, share, busy=False):
     @cache
     def go(i, rooms):
         if i == len(sizes):
-            return not busy or max(rooms) < share
+            return empty is None or rooms.count(share) <= empty
         return any(
             go(i + 1, tuple(sorted((*rooms[:c], r - sizes[i], *rooms[c + 1 :]))))
             for c, r in enumerate(rooms)
@@ -859,9 +916,10 @@ def _fits_whole(sizes, cells, share, busy=False):
 def test_padding_samples_never_cost_a_cut_tree(sizes, dp, nm, template, seed, extra):
     """veRL's upsampler pads a batch with identical 128-EOS samples tagged ``is_padding``
     (``extra``: to a multiple larger than the cells, whole cells' worth of padding more):
-    passed as ``padding``, they fill cells one by one, so no real tree is cut when whole trees
-    fit the cells (brute force), no cell holds padding only when whole trees can fill every
-    cell, the cells stay in leaf order and their works exact."""
+    passed as ``padding``, they fill cells one by one. No cell holds padding only where there
+    are real trajectories enough (such a rank or mini-batch has no loss token and veRL's DP
+    mean would average its zero metrics in), and beyond that no more real trees are cut than
+    any placement must (brute force); the cells stay in leaf order and their works exact."""
     rng = np.random.default_rng(seed)
     eos = 151645
     seqs, tree_of = [], []
@@ -885,24 +943,27 @@ def test_padding_samples_never_cost_a_cut_tree(sizes, dp, nm, template, seed, ex
     _check_shape(parts, len(seqs), dp, nm, forest)
     for k, row in enumerate(_cells(parts, nm)):
         assert [compact_work(forest, c) for c in row] == grid[k].tolist()
-    if _fits_whole(sizes, cells, len(seqs) // cells):
-        assert not _split_trees(parts, nm, tree_of)
-    if npad:  # the fewest real trees any placement cuts (a cut tree fills any room): no more
-        fewest = _fewest_cut(sizes, cells, len(seqs) // cells)
-        assert len(_split_trees(parts, nm, tree_of)) == fewest
-        if _fits_whole(sizes, cells, len(seqs) // cells, busy=True):  # no rank or mini-batch
-            idle = [c for row in _cells(parts, nm) for c in row if all(padding[i] for i in c)]
-            assert not idle  # without a loss token (its zero metrics would be averaged in)
+    share = len(seqs) // cells
+    split = _split_trees(parts, nm, tree_of)
+    if not npad:
+        assert len(split) == 0 if _fits_whole(sizes, cells, share) else len(split) >= 1
+        return
+    idle = [c for row in _cells(parts, nm) for c in row if all(padding[i] for i in c)]
+    assert len(idle) == max(cells - sum(sizes), 0)
+    assert len(split) == _fewest_cut(sizes, cells, share, busy=True)
 
 
-def _fewest_cut(sizes, cells, share):
-    """Brute force: the fewest trees to cut so that the others fit whole (:func:`_fits_whole`)."""
+def _fewest_cut(sizes, cells, share, busy=False):
+    """Brute force: the fewest trees to cut so that the others fit whole (:func:`_fits_whole`);
+    ``busy``: and every cell holds a real trajectory, as far as there are real trajectories
+    (the cut trees' trajectories fill the cells the whole trees leave empty)."""
     import itertools
 
     for k in range(len(sizes) + 1):
         for cut in itertools.combinations(range(len(sizes)), k):
             rest = [s for t, s in enumerate(sizes) if t not in cut]
-            if _fits_whole(rest, cells, share):
+            spare = sum(sizes) - sum(rest) + max(cells - sum(sizes), 0)
+            if _fits_whole(rest, cells, share, spare if busy else None):
                 return k
     raise AssertionError("cutting every tree always fits")
 
@@ -1052,10 +1113,12 @@ def test_trainer_passes_veRL_padding_tags(monkeypatch):
 
 @pytest.mark.parametrize("template", [False, True])
 def test_real_trajectories_that_fit_one_cell_spread_over_the_padded_cells(template):
-    """veRL's upsampler can pad a batch to a multiple larger than its cells (8 real → 16 at
-    dp 2): two prompt groups of 2 beside 12 padding samples on 4 cells of 4. Kept as one piece
-    the real trajectories all ran on one rank ([2002, 128, 128, 128]); as trees they spread,
-    each group whole, and the largest cell is one group's."""
+    """veRL's upsampler can pad a batch to a multiple larger than its cells (4 real → 16 at
+    dp 4): two prompt groups of 2 beside 12 padding samples on 4 cells of 4. Kept as one piece
+    the real trajectories all ran on one rank ([2002, 128, 128, 128]); kept as whole groups two
+    ranks held padding only (no loss token: veRL's DP mean would halve their metrics). Now every
+    rank holds one real trajectory, both groups cut, and the largest cell is the longest
+    trajectory's beside one padding sample (a whole group's was larger)."""
     rng = np.random.default_rng(0)
     seqs, tree_of = [], []
     for t in range(2):
@@ -1071,11 +1134,10 @@ def test_real_trajectories_that_fit_one_cell_spread_over_the_padded_cells(templa
     parts, grid = tree_balanced_cells(forest, 4, 1, [t < 0 for t in tree_of])
     _check_shape(parts, 16, 4, 1, forest)
     assert grid[0].tolist() == [compact_work(forest, c) for c in parts]
-    assert not _split_trees(parts, 1, tree_of)
-    rank = {i: r for r, p in enumerate(parts) for i in p}
-    assert rank[0] != rank[2]  # the two groups on two ranks
-    group = compact_work(forest, [0, 1]) + 128  # one group and its cell's padding
-    assert grid.max() == max(group, compact_work(forest, [2, 3]) + 128)
+    assert sorted(sum(i < 4 for i in p) for p in parts) == [1, 1, 1, 1]
+    assert _split_trees(parts, 1, tree_of) == {0, 1}
+    assert grid.max() == max(len(s) for s in seqs) + 128
+    assert grid.max() < compact_work(forest, [0, 1]) + 128  # a whole group's cell
     assert tree_balanced_cells(forest, 4, 1)[1].max() == compact_work(forest, [0, 1, 2, 3])
 
 

@@ -14,19 +14,23 @@ chooses which trajectories go to which (rank, mini-batch) *cell* so that
   placement would have to cut a piece, by an exact search over the pieces' sizes (cells must be
   filled exactly: a multi-way subset-sum, depth-first with memoised dead states and subset-sum
   pruning) for a placement that cuts none. That search balances work as it goes and suits up
-  to ~32 cells; when it finds nothing within :data:`_SEARCH_BUDGET` cell visits (many cells), a
-  second search fills the cells one at a time over the pieces' size counts (bin completion,
-  :data:`_COMPLETE_BUDGET` completions; e.g. 256 cells of 16 built from trees of 4–16 in
-  ~0.05 s). When neither finds one, the largest piece cut from a tree is cut again, at its own
+  to ~32 cells; a second search fills the cells one at a time over the pieces' size counts
+  (bin completion, :data:`_COMPLETE_BUDGET` completions; e.g. 256 cells of 16 built from
+  trees of 4–16 in ~0.05 s). It runs first: when it proves there is no such placement, the
+  exact search is skipped (it would spend its whole budget: 0.36 s of 2.1 s per round on 100
+  prompt groups of 8 and 32 padding samples at dp 8 × 4 mini-batches), and its placement is
+  taken when the exact search finds nothing within :data:`_SEARCH_BUDGET` cell visits (many
+  cells). When neither finds one, the largest piece cut from a tree is cut again, at its own
   lowest branch, and the searches run again (at most :data:`_REFINE_ROUNDS` times, batches of
   at most :data:`_REFINE_MAX_CELLS` cells), so a tree that fits a cell is not cut while one that
   is cut anyway can be cut elsewhere; when no piece cut from a tree is left, the largest whole
   tree is cut so (one cut tree instead of the greedy fills' arbitrary ones: 31 of 600 random
   GRPO batches cut more trees than a brute-force minimum before, none
   after). Of every placement found (the greedy ones with a piece cut
-  between leaf-order neighbours to fill the cells among them), the one cutting the fewest trees
-  wins, then the fewest subtrees (:func:`_subtrees`), then the fewest cells of padding only
-  (see below), then the one with the smallest largest cell work, then the smallest total work;
+  between leaf-order neighbours to fill the cells among them), the one with the fewest cells
+  of padding only wins (see below), then the one cutting the fewest trees, then the fewest
+  subtrees (:func:`_subtrees`), then the one with the smallest largest cell work, then the
+  smallest total work;
 * the cells' work is balanced. Work is the planner's model
   (:func:`harts_verl.tree.microbatch.compact_work`: rows of the cell's own trie, what the tree
   engine runs): pieces are placed largest first on the feasible cell whose work after it is
@@ -47,18 +51,24 @@ padding samples in one cell count once, as the engine runs them; the cell works 
 exact), so they fill cells one by one instead of being kept together at the cost of a cut real
 tree. When no placement keeps the real trees whole, the largest one is cut at its own lowest
 branch and the searches run again (as for pieces cut from a tree), so the padding info never
-costs a cut tree that the chat template's one tree did not. The placement found without the
-padding info (which may keep identical padding samples together, in fewer cells) is ranked
-beside it by the same trees, subtrees and exact works, and the better one is kept. The real
+costs a cut tree that the chat template's one tree did not (at as few cells of padding only).
+The placement found without the padding info (which may keep identical padding samples
+together, in fewer cells) is ranked beside it by the same cells of padding only, trees,
+subtrees and exact works, and the better one is kept. The real
 trajectories are split into their trees even when they fit one cell (veRL may pad a batch to a
 multiple larger than the cells), so they spread over the cells instead of one rank running
 them all. A cell of padding only is a rank (or a rank's mini-batch) without a loss token: veRL
-averages per-rank metrics over DP, so its zeros would halve ``ppo_kl``, ``pg_clipfrac``, ... It is
-avoided where the cuts allow, even at more work: the greedy also places the real pieces before
-the padding (which then fills what they leave), no swap takes a cell's last real piece, and
-while cells of padding only are left, pieces of a tree cut anyway are cut finer (that cuts no
-more trees) and the searches run again. The search remains a heuristic: it can leave such a
-cell where brute force finds a placement without one (rarely: a few in 1,000 small batches).
+averages per-rank metrics over DP, so its zeros would halve ``ppo_kl``, ``pg_clipfrac``, ...; and
+the rank idles while the others run the real trees. It is avoided wherever there are real
+trajectories enough, before trees are kept whole (a prompt group cut to fill it costs its
+prompt once more on a rank that would have idled; e.g. two prompt groups of 2 padded to 16
+on 4 ranks: one trajectory per rank, not two ranks of padding only): the greedy also places
+the real pieces before the padding (which then fills what they leave), no swap takes a
+cell's last real piece, and while cells of padding only are left, pieces of a tree cut
+anyway are cut finer (that cuts no more trees), else the largest whole tree is cut, and the
+searches run again. Among such placements, the fewest trees are cut (2,621 random small
+padded batches: never a cell of padding only where a real trajectory could fill it, and
+always the fewest cut trees a brute force over all placements finds).
 
 Each cell's trajectories are listed in leaf order (prefix-sharing neighbours adjacent). The
 result is a deterministic function of the sequences, ``dp_size``, ``num_mini_batches`` and
@@ -221,33 +231,41 @@ class _Pieces:
             v = self.parent[v]
         return out[::-1]
 
-    def refine(self, whole: bool = True) -> bool:
+    def refine(self, whole: bool = True, more: int = 1) -> bool:
         """Split the largest piece cut from a tree (its node is below the top one, the batch,
         whose children are the trees; ties: the leftmost) one level, into the children of its
-        own lowest branch. When no piece cut from a tree is left and ``whole``, the largest
-        whole tree is split so (some tree must be cut: the searches then look for a placement
-        that cuts only it, where the greedy fills could cut two). False when every piece is a
-        single trajectory or the batch fits one cell (or, without ``whole``, when no piece cut
-        from a tree is left)."""
-        cut = [  # below a node below the top one (the batch): the top's children are trees
-            (a - b, a, i)
-            for i, (a, b) in enumerate(self.ranges)
-            if b - a > 1 and self.node_of[i] >= 0 and self.parent[self.node_of[i]] >= 0
-        ]
-        if not cut and whole and self._top >= 0:
-            cut = [
+        own lowest branch, and so on until there are ``more`` pieces more. When no piece cut
+        from a tree is left and ``whole``, the largest whole tree is split so, and no further
+        one in this call (some tree must be cut: the searches then look for a placement that
+        cuts only it, where the greedy fills could cut two). False when nothing was split:
+        every piece is a single trajectory or the batch fits one cell (or, without ``whole``,
+        no piece cut from a tree is left)."""
+        added = 0
+        while added < more:
+            cut = [  # below a node below the top one (the batch): the top's children are trees
                 (a - b, a, i)
                 for i, (a, b) in enumerate(self.ranges)
-                if b - a > 1 and self.node_of[i] == self._top
+                if b - a > 1 and self.node_of[i] >= 0 and self.parent[self.node_of[i]] >= 0
             ]
-        if not cut:
-            return False
-        i = min(cut)[2]
-        (a, b), up = self.ranges.pop(i), self.node_of.pop(i)
-        for x, y, node in self._children(a, b, up):
-            self.ranges.append((x, y))
-            self.node_of.append(node)
-        return True
+            tree = not cut
+            if tree and whole and self._top >= 0:
+                cut = [
+                    (a - b, a, i)
+                    for i, (a, b) in enumerate(self.ranges)
+                    if b - a > 1 and self.node_of[i] == self._top
+                ]
+            if not cut:
+                break
+            i = min(cut)[2]
+            (a, b), up = self.ranges.pop(i), self.node_of.pop(i)
+            children = self._children(a, b, up)
+            for x, y, node in children:
+                self.ranges.append((x, y))
+                self.node_of.append(node)
+            added += len(children) - 1
+            if tree:  # one more tree cut per call at most
+                break
+        return added > 0
 
     def own_work(self, work: np.ndarray) -> np.ndarray:
         """Each piece's work below the prefix it shares with its siblings (its whole work for an
@@ -465,18 +483,41 @@ def _completions(counts: list[int], share: int) -> Iterator[tuple[list[int], lis
     yield from go(0, share - s)
 
 
-def _complete(size: np.ndarray, work: np.ndarray, share: int, cells: int) -> list[list[int]] | None:
-    """Whole pieces → cells filled exactly, one cell at a time (bin completion), or None when
-    there is none or none is found within :data:`_COMPLETE_BUDGET` completions.
+def _cells_needed(counts: np.ndarray, share: int) -> int:
+    """A lower bound on the cells of ``share`` that whole pieces (``counts[v]``: how many of
+    size ``v``, ``v <= share``) need: Martello and Toth's L2 (for every ``k <= share / 2``, the
+    pieces larger than ``share − k`` and those larger than half a cell each need a cell of
+    their own, and the pieces of ``k`` to half a cell fill what those leave, then more), and
+    for every size ``t``, the pieces of at least ``t`` over the ``share // t`` a cell holds."""
+    v = np.arange(counts.shape[0], dtype=np.int64)
+    num = np.concatenate([[0], np.cumsum(counts)])  # num[x]: pieces of size < x
+    tot = np.concatenate([[0], np.cumsum(counts * v)])  # tot[x]: their trajectories
+    k = np.arange(share // 2 + 1, dtype=np.int64)
+    half = share // 2  # sizes <= half are at most half a cell
+    n1 = num[share + 1] - num[share - k + 1]  # larger than share − k
+    n2 = num[share - k + 1] - num[half + 1]  # in (share / 2, share − k]
+    s2 = tot[share - k + 1] - tot[half + 1]
+    s3 = tot[half + 1] - tot[np.maximum(k, 1)]  # in [k, share / 2]
+    rest = np.maximum(0, -(-(s3 - (n2 * share - s2)) // share))
+    t = np.arange(1, share + 1, dtype=np.int64)  # and a cell holds share // t pieces of >= t
+    count = -(-(num[-1] - num[t]) // (share // t))
+    return int(max((n1 + n2 + rest).max(), count.max(initial=0)))
+
+
+def _patterns(size: np.ndarray, share: int, cells: int) -> list[list[int]] | bool:
+    """Each cell's piece count per size for whole pieces filling every cell exactly (bin
+    completion); False when there is provably none, True when none is found within
+    :data:`_COMPLETE_BUDGET` completions (unknown).
 
     Feasibility depends only on how many pieces of each size remain, so the search runs over
     size counts: each cell takes the largest remaining size (cells are interchangeable) and a
-    completion to exactly ``share``; count vectors proven infeasible are not revisited. Pieces
-    of each size are then dealt to the cells that take that size, heaviest piece first onto the
-    cell with the least work so far."""
+    completion to exactly ``share``; count vectors proven infeasible are not revisited."""
     if int(size.max(initial=0)) > share or int(size.sum()) != share * cells:
-        return None
-    counts = np.bincount(size, minlength=share + 1).tolist()
+        return False
+    counts_np = np.bincount(size, minlength=share + 1)
+    if _cells_needed(counts_np, share) > cells:  # e.g. more pieces over half a cell than cells
+        return False
+    counts = counts_np.tolist()
     dead: set[tuple[int, ...]] = set()
     stack = [_completions(counts, share)]
     keys = [tuple(counts)]
@@ -484,7 +525,7 @@ def _complete(size: np.ndarray, work: np.ndarray, share: int, cells: int) -> lis
     tried = 0
     while stack:
         if tried >= _COMPLETE_BUDGET:
-            return None
+            return True
         nxt = next(stack[-1], None)
         if nxt is None:
             dead.add(keys.pop())
@@ -499,14 +540,19 @@ def _complete(size: np.ndarray, work: np.ndarray, share: int, cells: int) -> lis
             continue
         patterns.append(pattern)
         if len(patterns) == cells:
-            break
+            return patterns
         stack.append(_completions(rest, share))
         keys.append(key)
-    else:
-        return None
+    return False
+
+
+def _deal(patterns: list[list[int]], size: np.ndarray, work: np.ndarray) -> list[list[int]]:
+    """Pieces → cells by each cell's size counts ``patterns`` (:func:`_patterns`): the pieces
+    of each size, heaviest first, onto the cell taking that size with the least work so far."""
+    cells = len(patterns)
     ids: list[list[int]] = [[] for _ in range(cells)]
     loads = np.zeros(cells, np.int64)
-    for v in range(share, 0, -1):
+    for v in range(len(patterns[0]) - 1, 0, -1):
         need = np.array([p[v] for p in patterns], np.int64)
         for i in sorted(np.flatnonzero(size == v).tolist(), key=lambda i: (-int(work[i]), i)):
             c = int(np.argmin(np.where(need > 0, loads, np.iinfo(np.int64).max)))
@@ -514,6 +560,13 @@ def _complete(size: np.ndarray, work: np.ndarray, share: int, cells: int) -> lis
             need[c] -= 1
             loads[c] += int(work[i])
     return ids
+
+
+def _complete(size: np.ndarray, work: np.ndarray, share: int, cells: int) -> list[list[int]] | None:
+    """Whole pieces → cells filled exactly, one cell at a time (:func:`_patterns`, then
+    :func:`_deal`), or None when there is none or none is found within the budget."""
+    patterns = _patterns(size, share, cells)
+    return _deal(patterns, size, work) if isinstance(patterns, list) else None
 
 
 def _swap(
@@ -645,11 +698,12 @@ def _subtrees(lv: _Work, share: int) -> np.ndarray:
 def _placement(
     lv: _Work, tree: np.ndarray, ranges: list[list[tuple[int, int]]], sub: np.ndarray
 ) -> tuple[tuple[int, int, int, int, int], list[np.ndarray], np.ndarray]:
-    """A placement given as each cell's position ``ranges``: its rank ``(trees cut, subtrees cut,
-    cells of padding only, largest cell work, total work)`` (``tree``: each position's tree;
+    """A placement given as each cell's position ``ranges``: its rank ``(cells of padding only,
+    trees cut, subtrees cut, largest cell work, total work)`` (``tree``: each position's tree;
     ``sub``: its subtree, :func:`_subtrees`), each cell's sorted positions and each cell's
     work. A cell of padding only is a rank (or a rank's mini-batch) without a loss token, whose
-    zero metrics veRL's DP mean would average in (halving ``ppo_kl``, ``pg_clipfrac``, ...)."""
+    zero metrics veRL's DP mean would average in (halving ``ppo_kl``, ``pg_clipfrac``, ...), and
+    an idle one: a tree cut to fill it costs its shared prefix once more but no longer step."""
     return _ranked(lv, tree, [_positions(r) for r in ranges], sub, lv.padpos)
 
 
@@ -661,7 +715,7 @@ def _ranked(
     padpos: np.ndarray | None = None,
 ) -> tuple[tuple[int, int, int, int, int], list[np.ndarray], np.ndarray]:
     """:func:`_placement` of each cell's sorted positions ``members``; ``padpos``: which
-    positions are padding (the rank then counts the cells holding padding only third)."""
+    positions are padding (the rank then counts the cells holding padding only first)."""
     w = np.array([lv.set_work(m) for m in members], np.int64)
     idle = 0 if padpos is None else sum(bool(padpos[m].all()) for m in members)
     cell = np.repeat(np.arange(len(members), dtype=np.int64), [m.shape[0] for m in members])
@@ -671,7 +725,7 @@ def _ranked(
         pairs = np.unique(ids[flat] * len(members) + cell) // len(members)
         return int(np.count_nonzero(np.bincount(pairs) > 1))
 
-    return (cut_of(tree), cut_of(sub), idle, int(w.max(initial=0)), int(w.sum())), members, w
+    return (idle, cut_of(tree), cut_of(sub), int(w.max(initial=0)), int(w.sum())), members, w
 
 
 def _search(
@@ -708,23 +762,29 @@ def _search(
             else:  # greedy had to cut a piece (a candidate too)
                 options.append(_placement(lv, tree, ranges, sub))
         if not placed:  # look for a placement that cuts no piece
-            found = _exact(size, own, share, cells)
-            if found is None:  # none, or the search ran out (many cells): fill cell by cell
-                found = _complete(size, own, share, cells)
+            # by size counts first: a proof that there is none spares the exact search its
+            # whole budget; else that search (it balances work as it goes), and when it runs
+            # out (many cells), the cells filled by the size counts found
+            patterns = _patterns(size, share, cells)
+            found = None if patterns is False else _exact(size, own, share, cells)
+            if found is None and isinstance(patterns, list):
+                found = _deal(patterns, size, own)
             if found is not None:
                 placed.append(found)
         for ids in placed:
             _swap(lv, pcs, size, own, ids, real)
             options.append(_placement(lv, tree, [[pcs.ranges[i] for i in c] for c in ids], sub))
         # else cut a piece cut from a tree finer, and search again (few cells: the searches
-        # are short there); with padding, also while cells of padding only are left that
-        # smaller pieces of a tree cut anyway could fill (more pieces of a cut tree cut no
-        # more trees)
+        # are short there); with padding, also while more cells of padding only are left than
+        # there are too few real trajectories for: pieces of a tree cut anyway are cut finer
+        # first (that cuts no more trees), else one more whole tree, so that the pieces can
+        # fill them (as many more pieces as such cells)
         if cells > _REFINE_MAX_CELLS:
             break
-        if placed and not (padded and min(o[0] for o in options)[2] > fewest_idle):
+        idle = min(o[0] for o in options)[0] - fewest_idle if padded else 0
+        if placed and not idle:
             break
-        if not pcs.refine(whole=not placed):
+        if not pcs.refine(whole=not placed or idle > 0, more=max(idle, 1)):
             break
     _, members, cell_work = min(options, key=lambda o: o[0])  # ties: the earlier one
     return members, cell_work, tree, sub
