@@ -543,7 +543,7 @@ def _load_benchmark(name: str):
     return mod
 
 
-@pytest.mark.parametrize("name", ["linear_plan", "forest"])
+@pytest.mark.parametrize("name", ["linear_plan", "forest", "balance"])
 def test_benchmark_scripts_need_positive_repeats(name, capsys):
     mod = _load_benchmark(name)
     for bad in ("0", "-1"):
@@ -551,6 +551,25 @@ def test_benchmark_scripts_need_positive_repeats(name, capsys):
             mod.main(["--repeats", bad])
         assert info.value.code == 2
         assert "argument --repeats: expected an int >= 1" in capsys.readouterr().err
+
+
+def test_balance_benchmark_reports_what_it_placed(capsys):
+    """``benchmarks/balance.py --quick`` prints one JSON case per batch, with counts that
+    follow from the placement: no cell of padding only beyond the fewest possible, prompt
+    groups cut where a cell is too small for them, timings measured."""
+    mod = _load_benchmark("balance")
+    assert mod.main(["--quick", "--repeats", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["cases"]) == len(mod.QUICK)
+    for case, (groups, _n, dp, nm, extra) in zip(out["cases"], mod.QUICK, strict=True):
+        cells = dp * nm
+        assert case["trajectories"] % cells == 0 and case["padding"] >= extra * cells
+        assert case["padding_only_cells"] == case["fewest_padding_only_cells"]
+        assert 0 <= case["groups_cut"] <= groups and case["seconds_best"] > 0
+        assert case["max_cell_work"] >= case["mean_cell_work"] > 0 and case["compression"] >= 1
+    assert out["padding_only_cells_avoidable"] == 0
+    first = out["cases"][0]  # 4 real trajectories padded to 16 on 4 ranks: one each
+    assert (first["trajectories"], first["padding"], first["groups_cut"]) == (16, 12, 2)
 
 
 def test_op_benchmarks_warm_up_and_alternate(capsys):
