@@ -1107,8 +1107,32 @@ def test_trainer_passes_veRL_padding_tags(monkeypatch):
     metrics = {}
     trainer_class("sync")._balance_batch(fake, batch, metrics)
     assert metrics["harts/dp_padding_samples"] == 3.0
+    assert metrics["harts/dp_padding_only_cells"] == 0.0
     rank = {keys.index(k): pos // 4 for pos, k in enumerate(batch.keys)}
     assert all(len({rank[i] for i in range(8) if tree_of[i] == t}) == 1 for t in range(2))
+
+
+@pytest.mark.parametrize(
+    "real,dp,nm,idle", [(1, 2, 2, 3), (3, 2, 2, 1), (4, 2, 2, 0), (6, 4, 1, 0)]
+)
+def test_padding_only_cells_metric(real, dp, nm, idle):
+    """``harts/dp_padding_only_cells``: the ranks' mini-batches left without a loss token,
+    which only a batch with fewer real trajectories than cells has (one group of ``real``
+    samples padded to two trajectories per cell)."""
+    from harts_verl.workers.trainer import harts_balance_batch
+
+    prompt = list(range(100, 400))
+    seqs = [prompt + [1000 + i] * (10 + i) for i in range(real)]
+    npad = 2 * dp * nm - real
+    order, metrics = harts_balance_batch(
+        seqs + [[0] * 128] * npad, dp, nm, [False] * real + [True] * npad
+    )
+    assert sorted(order) == list(range(real + npad))
+    assert metrics["harts/dp_padding_samples"] == npad
+    assert metrics["harts/dp_padding_only_cells"] == idle == max(dp * nm - real, 0)
+    cells = [order[c * 2 : c * 2 + 2] for c in range(dp * nm)]
+    assert sum(all(i >= real for i in c) for c in cells) == idle
+    assert "harts/dp_padding_only_cells" not in harts_balance_batch(seqs[:1] * 4, 2, 2)[1]
 
 
 @pytest.mark.parametrize("template", [False, True])

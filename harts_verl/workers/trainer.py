@@ -18,7 +18,7 @@ critic has ``critic.strategy=harts_fsdp2``:
   veRL's sequence-length Karmarkar-Karp (its upsampler's padding samples, tagged
   ``is_padding``, placed one by one: :func:`padding_of`); metrics ``harts/dp_max_work``,
   ``harts/dp_min_work``, ``harts/dp_minibatch_imbalance``, ``harts/dp_compression``,
-  ``harts/dp_padding_samples``. The engine then makes the number
+  ``harts/dp_padding_samples``, ``harts/dp_padding_only_cells``. The engine then makes the number
   of micro-batches equal on every rank (:mod:`harts_verl.workers.engine`);
 * the trainer class is chosen by our TaskRunner: veRL's class for ``trainer.v1.trainer_mode``
   (``sync``, ``colocate_async``, ``separate_async``) with that ``_balance_batch``
@@ -288,7 +288,10 @@ def harts_balance_batch(
     within one mini-batch), ``harts/dp_compression`` (semantic tokens ÷ Σ cell work).
     ``padding``: which sequences are veRL's padding samples (see
     :func:`~harts_verl.workers.balance.tree_balanced_partition`; they count in the works and
-    the compression, and ``harts/dp_padding_samples`` counts them)."""
+    the compression, and ``harts/dp_padding_samples`` counts them; ``harts/dp_padding_only_cells``
+    counts the cells, a rank's mini-batch each, that hold padding only: no loss token there, so
+    veRL's DP mean of per-rank metrics is diluted; nonzero only when the real trajectories are
+    fewer than the cells)."""
     import numpy as np
 
     from harts_verl.tree import RolloutForest
@@ -306,7 +309,15 @@ def harts_balance_batch(
         "harts/dp_compression": forest.num_semantic_tokens / max(float(cell.sum()), 1.0),
     }
     if padding is not None:
-        metrics["harts/dp_padding_samples"] = float(sum(bool(p) for p in padding))
+        pad = np.asarray(padding, bool)
+        share = len(sequences) // (dp_size * num_mini_batches)
+        idle = sum(
+            bool(pad[p[k * share : (k + 1) * share]].all())
+            for p in parts
+            for k in range(num_mini_batches)
+        )
+        metrics["harts/dp_padding_samples"] = float(pad.sum())
+        metrics["harts/dp_padding_only_cells"] = float(idle)
     return [j for p in parts for j in p], metrics
 
 
