@@ -1236,3 +1236,32 @@ def test_a_tree_cut_anyway_fills_the_cells_padding_would_fill_alone(dp, nm):
     assert [compact_work(forest, c) for c in cells] == grid.ravel().tolist()
     assert all(any(not padding[i] for i in c) for c in cells), cells
     assert _split_trees(parts, nm, [0] * 4 + [1] * 3 + list(range(-1, -6, -1))) == {0}
+
+
+@pytest.mark.parametrize(
+    "groups,dp,nm,n",
+    [
+        (12, 8, 3, 48),  # every group must be cut: one per refine round left 4 such cells
+        (19, 16, 2, 64),  # veRL's upsampler: 38 real → 64 (mini-batches of 32), 5 were left
+        (480, 64, 8, 1024),  # 512 cells, past the refinement's cell bound: 32 were left
+    ],
+)
+def test_no_cell_of_padding_only_when_many_prompt_groups_must_be_cut(groups, dp, nm, n):
+    """Prompt groups of 2 beside padding on more cells than groups: every cell can hold a real
+    trajectory only if more groups are cut than the refine rounds cut one by one (or, past
+    :data:`~harts_verl.workers.balance._REFINE_MAX_CELLS` cells, than none at all); the groups
+    are cut as the cells need, and no cell (a rank's mini-batch) holds padding only."""
+    rng = np.random.default_rng(0)
+    seqs = []
+    for t in range(groups):
+        prompt = [1000 + t % 7000, *rng.integers(0, 9000, 12).tolist()]
+        for _ in range(2):
+            seqs.append(prompt + rng.integers(0, 9000, int(rng.integers(5, 30))).tolist())
+    padding = [False] * len(seqs) + [True] * (n - len(seqs))
+    seqs += [[151645] * 128] * (n - len(seqs))
+    forest = RolloutForest.from_sequences(seqs)
+    parts, grid = tree_balanced_cells(forest, dp, nm, padding)
+    _check_shape(parts, n, dp, nm, forest)
+    cells = [c for row in _cells(parts, nm) for c in row]
+    assert [compact_work(forest, c) for c in cells] == grid.ravel().tolist()
+    assert all(any(not padding[i] for i in c) for c in cells)

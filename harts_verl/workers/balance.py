@@ -22,7 +22,8 @@ chooses which trajectories go to which (rank, mini-batch) *cell* so that
   taken when the exact search finds nothing within :data:`_SEARCH_BUDGET` cell visits (many
   cells). When neither finds one, the largest piece cut from a tree is cut again, at its own
   lowest branch, and the searches run again (at most :data:`_REFINE_ROUNDS` times, batches of
-  at most :data:`_REFINE_MAX_CELLS` cells), so a tree that fits a cell is not cut while one that
+  at most :data:`_REFINE_MAX_CELLS` cells, or more where only cells of padding only are left
+  to fill), so a tree that fits a cell is not cut while one that
   is cut anyway can be cut elsewhere; when no piece cut from a tree is left, the largest whole
   tree is cut so (one cut tree instead of the greedy fills' arbitrary ones: 31 of 600 random
   GRPO batches cut more trees than a brute-force minimum before, none
@@ -65,7 +66,8 @@ prompt once more on a rank that would have idled; e.g. two prompt groups of 2 pa
 on 4 ranks: one trajectory per rank, not two ranks of padding only): the greedy also places
 the real pieces before the padding (which then fills what they leave), no swap takes a
 cell's last real piece, and while cells of padding only are left, pieces of a tree cut
-anyway are cut finer (that cuts no more trees), else the largest whole tree is cut, and the
+anyway are cut finer (that cuts no more trees), else the largest whole tree is cut (and the
+next largest, while there are fewer real pieces than cells to give one each), and the
 searches run again. Among such placements, the fewest trees are cut (2,621 random small
 padded batches: never a cell of padding only where a real trajectory could fill it, and
 always the fewest cut trees a brute force over all placements finds).
@@ -231,15 +233,17 @@ class _Pieces:
             v = self.parent[v]
         return out[::-1]
 
-    def refine(self, whole: bool = True, more: int = 1) -> bool:
+    def refine(self, more: int = 1, spread: int = 0) -> bool:
         """Split the largest piece cut from a tree (its node is below the top one, the batch,
         whose children are the trees; ties: the leftmost) one level, into the children of its
         own lowest branch, and so on until there are ``more`` pieces more. When no piece cut
-        from a tree is left and ``whole``, the largest whole tree is split so, and no further
-        one in this call (some tree must be cut: the searches then look for a placement that
-        cuts only it, where the greedy fills could cut two). False when nothing was split:
-        every piece is a single trajectory or the batch fits one cell (or, without ``whole``,
-        no piece cut from a tree is left)."""
+        from a tree is left, the largest whole tree is split so, and no further one in this
+        call (some tree must be cut: the searches then look for a placement that cuts only it,
+        where the greedy fills could cut two) unless fewer than ``spread`` pieces were added so
+        far (pieces any placement needs: a cell of padding only is filled by a real piece of
+        its own, so cutting one tree per call and search could leave such cells after
+        :data:`_REFINE_ROUNDS`). False when nothing was split: every piece is a single
+        trajectory or the batch fits one cell."""
         added = 0
         while added < more:
             cut = [  # below a node below the top one (the batch): the top's children are trees
@@ -248,7 +252,7 @@ class _Pieces:
                 if b - a > 1 and self.node_of[i] >= 0 and self.parent[self.node_of[i]] >= 0
             ]
             tree = not cut
-            if tree and whole and self._top >= 0:
+            if tree and self._top >= 0:
                 cut = [
                     (a - b, a, i)
                     for i, (a, b) in enumerate(self.ranges)
@@ -263,7 +267,7 @@ class _Pieces:
                 self.ranges.append((x, y))
                 self.node_of.append(node)
             added += len(children) - 1
-            if tree:  # one more tree cut per call at most
+            if tree and added >= spread:  # one more tree cut per call, past the pieces needed
                 break
         return added > 0
 
@@ -774,17 +778,22 @@ def _search(
         for ids in placed:
             _swap(lv, pcs, size, own, ids, real)
             options.append(_placement(lv, tree, [[pcs.ranges[i] for i in c] for c in ids], sub))
-        # else cut a piece cut from a tree finer, and search again (few cells: the searches
-        # are short there); with padding, also while more cells of padding only are left than
-        # there are too few real trajectories for: pieces of a tree cut anyway are cut finer
-        # first (that cuts no more trees), else one more whole tree, so that the pieces can
-        # fill them (as many more pieces as such cells)
-        if cells > _REFINE_MAX_CELLS:
-            break
+        # else cut pieces finer and search again (few cells: the searches are short there):
+        # when no placement keeps the pieces whole, or (with padding) while more cells hold
+        # padding only than the real trajectories are too few to fill. Pieces of a tree cut
+        # anyway go first (that cuts no more trees), else whole trees, largest first: one per
+        # round, or as many as give every cell that can hold a real trajectory a real piece
+        # of its own (12 prompt groups of 2 on 24 cells of 2: one per round left 4 cells of
+        # padding only after the rounds)
         idle = min(o[0] for o in options)[0] - fewest_idle if padded else 0
         if placed and not idle:
             break
-        if not pcs.refine(whole=not placed or idle > 0, more=max(idle, 1)):
+        # many cells: only to fill cells of padding only beside a placement of whole pieces
+        # (the greedy's, in a round or two more; the searches run again at most once)
+        if cells > _REFINE_MAX_CELLS and not (placed and idle):
+            break
+        spread = min(cells, lv.n_real) - int(real.sum()) if idle > 0 else 0
+        if not pcs.refine(more=max(idle, 1), spread=spread):
             break
     _, members, cell_work = min(options, key=lambda o: o[0])  # ties: the earlier one
     return members, cell_work, tree, sub
