@@ -707,7 +707,7 @@ def _placement(
     ``sub``: its subtree, :func:`_subtrees`), each cell's sorted positions and each cell's
     work. A cell of padding only is a rank (or a rank's mini-batch) without a loss token, whose
     zero metrics veRL's DP mean would average in (halving ``ppo_kl``, ``pg_clipfrac``, ...), and
-    an idle one: a tree cut to fill it costs its shared prefix once more but no longer step."""
+    an idle one: a tree cut to fill it costs its shared prefix once more, on that rank."""
     return _ranked(lv, tree, [_positions(r) for r in ranges], sub, lv.padpos)
 
 
