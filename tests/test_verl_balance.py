@@ -607,6 +607,26 @@ def test_cell_by_cell_search_finds_a_placement_iff_one_exists(cells, share, data
         assert [int(size[c].sum()) for c in ids] == [share] * cells
 
 
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 10), st.data())
+def test_exact_search_proves_there_is_no_filling(cells, share, data):
+    """``_exact_search`` within its budget: a filling whenever one exists, else None with
+    ``ran_out`` False, a proof the balancer relies on to skip the size-count search's whole
+    budget (brute force)."""
+    from harts_verl.workers.balance import _exact_search
+
+    sizes: list[int] = []
+    while sum(sizes) < cells * share:
+        left = cells * share - sum(sizes)
+        sizes.append(data.draw(st.integers(1, min(share, left)), label="size"))
+    work = np.arange(1, len(sizes) + 1, dtype=np.int64)[::-1].copy()
+    ids, ran_out = _exact_search(np.array(sizes, np.int64), work, share, cells)
+    assert not ran_out
+    assert (ids is not None) == _split_free_exists(sizes, cells, share)
+    if ids is not None:
+        assert [sum(sizes[i] for i in c) for c in ids] == [share] * cells
+
+
 def _fewest_cells(sizes, share):
     """Brute force: the fewest cells of ``share`` that hold the pieces ``sizes`` whole."""
     sizes, best = sorted(sizes, reverse=True), [len(sizes)]
