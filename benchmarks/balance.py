@@ -27,7 +27,7 @@ import numpy as np
 
 from harts_verl.tree import RolloutForest
 from harts_verl.tree._checks import int_arg
-from harts_verl.workers.balance import tree_balanced_cells
+from harts_verl.workers.balance import padding_only_cells, tree_balanced_cells
 
 PAD = [151645] * 128
 # (groups, n, dp, mini_batches, extra cells of padding)
@@ -78,12 +78,9 @@ def measure(groups: int, n: int, dp: int, nm: int, extra: int, repeats: int) -> 
         times.append(time.perf_counter() - t0)
     share = len(seqs) // cells
     cell_of = np.empty(len(seqs), np.int64)
-    idle = 0
     for r, part in enumerate(parts):
         for k in range(nm):
-            ids = np.asarray(part[k * share : (k + 1) * share])
-            cell_of[ids] = r * nm + k
-            idle += bool(padding[ids].all())
+            cell_of[part[k * share : (k + 1) * share]] = r * nm + k
     real = ~padding
     pairs = np.unique(group[real] * cells + cell_of[real]) // cells
     real_n = int(real.sum())
@@ -97,7 +94,7 @@ def measure(groups: int, n: int, dp: int, nm: int, extra: int, repeats: int) -> 
         "seconds_best": round(min(times), 4),
         "seconds_median": round(statistics.median(times), 4),
         "groups_cut": int(np.count_nonzero(np.bincount(pairs) > 1)),
-        "padding_only_cells": idle,
+        "padding_only_cells": padding_only_cells(parts, nm, padding),
         "fewest_padding_only_cells": max(cells - real_n, 0),
         "max_cell_work": int(grid.max()),
         "mean_cell_work": round(float(grid.mean()), 1),

@@ -236,7 +236,7 @@ def test_exact_search_is_exhaustive_within_its_budget():
     from harts_verl.workers.balance import _exact
 
     sizes, works = [2, 5, 3, 4, 8, 5, 1, 2, 2], [61, 34, 33, 30, 36, 58, 41, 49, 32]
-    ids = _exact(np.array(sizes), np.array(works), 8, 4)
+    ids, _ = _exact(np.array(sizes), np.array(works), 8, 4)
     got = max(sum(works[i] for i in c) for c in ids)
     best = min(
         max(sum(w for w, x in zip(works, assign) if x == c) for c in range(4))
@@ -588,9 +588,10 @@ def test_cut_only_when_no_split_free_placement_or_budget(monkeypatch):
 @settings(max_examples=150, deadline=None)
 @given(st.integers(1, 6), st.integers(1, 10), st.data())
 def test_cell_by_cell_search_finds_a_placement_iff_one_exists(cells, share, data):
-    """``_complete`` alone vs brute force: a placement of whole pieces filling every cell
-    exactly whenever one exists (returns every piece once), None otherwise."""
-    from harts_verl.workers.balance import _complete
+    """The cell-by-cell search alone (``_patterns``, dealt by ``_deal``) vs brute force: a
+    placement of whole pieces filling every cell exactly whenever one exists (returns every
+    piece once), None otherwise."""
+    from harts_verl.workers.balance import _deal, _patterns
 
     sizes: list[int] = []
     while sum(sizes) < cells * share:
@@ -600,7 +601,8 @@ def test_cell_by_cell_search_finds_a_placement_iff_one_exists(cells, share, data
     work = np.array(
         data.draw(st.lists(st.integers(1, 99), min_size=len(sizes), max_size=len(sizes))), np.int64
     )
-    ids = _complete(size, work, share, cells)
+    patterns = _patterns(size, share, cells)
+    ids = _deal(patterns, size, work) if isinstance(patterns, list) else None
     assert (ids is not None) == _split_free_exists(sizes, cells, share)
     if ids is not None:
         assert sorted(i for c in ids for i in c) == list(range(len(sizes)))
@@ -610,17 +612,17 @@ def test_cell_by_cell_search_finds_a_placement_iff_one_exists(cells, share, data
 @settings(max_examples=150, deadline=None)
 @given(st.integers(1, 6), st.integers(1, 10), st.data())
 def test_exact_search_proves_there_is_no_filling(cells, share, data):
-    """``_exact_search`` within its budget: a filling whenever one exists, else None with
+    """``_exact`` within its budget: a filling whenever one exists, else None with
     ``ran_out`` False, a proof the balancer relies on to skip the size-count search's whole
     budget (brute force)."""
-    from harts_verl.workers.balance import _exact_search
+    from harts_verl.workers.balance import _exact
 
     sizes: list[int] = []
     while sum(sizes) < cells * share:
         left = cells * share - sum(sizes)
         sizes.append(data.draw(st.integers(1, min(share, left)), label="size"))
     work = np.arange(1, len(sizes) + 1, dtype=np.int64)[::-1].copy()
-    ids, ran_out = _exact_search(np.array(sizes, np.int64), work, share, cells)
+    ids, ran_out = _exact(np.array(sizes, np.int64), work, share, cells)
     assert not ran_out
     assert (ids is not None) == _split_free_exists(sizes, cells, share)
     if ids is not None:
@@ -629,23 +631,7 @@ def test_exact_search_proves_there_is_no_filling(cells, share, data):
 
 def _fewest_cells(sizes, share):
     """Brute force: the fewest cells of ``share`` that hold the pieces ``sizes`` whole."""
-    sizes, best = sorted(sizes, reverse=True), [len(sizes)]
-
-    def go(i, rooms):
-        if len(rooms) >= best[0]:
-            return
-        if i == len(sizes):
-            best[0] = len(rooms)
-            return
-        for c, r in enumerate(rooms):
-            if r >= sizes[i] and r not in rooms[:c]:
-                rooms[c] -= sizes[i]
-                go(i + 1, rooms)
-                rooms[c] += sizes[i]
-        go(i + 1, [*rooms, share - sizes[i]])
-
-    go(0, [])
-    return best[0]
+    return next(c for c in range(1, len(sizes) + 1) if _fits_whole(sizes, c, share))
 
 
 @settings(max_examples=200, deadline=None)
@@ -676,11 +662,10 @@ def test_hopeless_batches_are_ruled_out_without_a_search(sizes, share, cells, mo
         raise AssertionError("searched")
 
     monkeypatch.setattr(balance, "_completions", searched)
-    monkeypatch.setattr(balance, "_exact", searched)
+    monkeypatch.setattr(balance, "_exact", searched)  # the searches it spares
     size = np.array(sizes, np.int64)
     assert int(size.sum()) == share * cells
     assert balance._patterns(size, share, cells) is False
-    assert balance._complete(size, size, share, cells) is None
     assert not _split_free_exists(sizes, cells, share)
 
 

@@ -99,7 +99,7 @@ import numpy as np
 from harts_verl.tree import RolloutForest
 from harts_verl.tree.microbatch import place_microbatches
 
-__all__ = ["tree_balanced_cells", "tree_balanced_partition"]
+__all__ = ["padding_only_cells", "tree_balanced_cells", "tree_balanced_partition"]
 
 _SWAP_ROUNDS = 64  # bound on improving swaps (each lowers the largest cell's work)
 _SHARED_LEVELS = 4  # nodes above a piece whose shared prefix the greedy placement counts
@@ -358,18 +358,12 @@ def _lpt(
     return ids, ranges
 
 
-def _exact(size: np.ndarray, work: np.ndarray, share: int, cells: int) -> list[list[int]] | None:
-    """Whole pieces → cells filled exactly (``share`` trajectories each), or None when there is
-    no such placement or none is found within :data:`_SEARCH_BUDGET` cell visits
-    (:func:`_exact_search`)."""
-    return _exact_search(size, work, share, cells)[0]
-
-
-def _exact_search(
+def _exact(
     size: np.ndarray, work: np.ndarray, share: int, cells: int
 ) -> tuple[list[list[int]] | None, bool]:
-    """:func:`_exact` and whether the search ran out of its budget (False with None: there is
-    provably no such placement).
+    """Whole pieces → cells filled exactly (``share`` trajectories each), or None when there is
+    no such placement or none is found within :data:`_SEARCH_BUDGET` cell visits; and whether
+    the search ran out of that budget (False with None: there is provably no such placement).
 
     Depth-first over the pieces in LPT order (size, then work, decreasing); a piece tries the
     cells with room in order of least work so far. A state (next piece, multiset of free rooms)
@@ -582,13 +576,6 @@ def _deal(patterns: list[list[int]], size: np.ndarray, work: np.ndarray) -> list
     return ids
 
 
-def _complete(size: np.ndarray, work: np.ndarray, share: int, cells: int) -> list[list[int]] | None:
-    """Whole pieces → cells filled exactly, one cell at a time (:func:`_patterns`, then
-    :func:`_deal`), or None when there is none or none is found within the budget."""
-    patterns = _patterns(size, share, cells)
-    return _deal(patterns, size, work) if isinstance(patterns, list) else None
-
-
 def _swap(
     lv: _Work,
     pcs: _Pieces,
@@ -757,11 +744,11 @@ def _search(
     # the trees: the children of the real trajectories' lowest branch (a prefix every one of
     # them shares, a chat template, is no reason to call the whole batch one tree); padding
     # trajectories (the last positions) are trees of their own
-    real = lv.adj[: max(lv.n_real - 1, 0)]
-    low = int(real.min()) if lv.n > share and real.size else -1
+    inner = lv.adj[: max(lv.n_real - 1, 0)]  # the real trajectories' neighbour LCPs
+    low = int(inner.min()) if lv.n > share and inner.size else -1
     tree = np.zeros(lv.n, np.int64)
     if lv.n:
-        tree[1:] = np.cumsum(np.concatenate([real == low, np.ones(lv.n - 1 - real.size, bool)]))
+        tree[1:] = np.cumsum(np.concatenate([inner == low, np.ones(lv.n - 1 - inner.size, bool)]))
     sub = _subtrees(lv, share)  # then by the subtrees they cut: a tree cut anyway (see there)
     options = []  # placements found, ranked as _placement says
     padded = lv.n_real < lv.n
@@ -789,7 +776,7 @@ def _search(
             patterns = _patterns(size, share, cells, _PROOF_BUDGET)
             found, ran_out = None, False
             if patterns is not False:
-                found, ran_out = _exact_search(size, own, share, cells)
+                found, ran_out = _exact(size, own, share, cells)
             if found is None and ran_out and patterns is True:
                 patterns = _patterns(size, share, cells)
             if found is None and isinstance(patterns, list):
@@ -835,6 +822,21 @@ def tree_balanced_partition(
     keeping them together never costs a cut real tree, and the trees are those of the real
     trajectories (a chat template they share is no tree); cell works stay exact."""
     return tree_balanced_cells(sequences, dp_size, num_mini_batches, padding)[0]
+
+
+def padding_only_cells(
+    parts: Sequence[Sequence[int]], num_mini_batches: int, padding: Sequence[bool] | np.ndarray
+) -> int:
+    """How many cells of a partition (``parts``: one list per rank of ``num_mini_batches``
+    equal cells, as :func:`tree_balanced_partition` returns) hold padding trajectories only
+    (``padding``: one bool per trajectory): ranks' mini-batches without a loss token."""
+    pad = np.asarray(padding, bool)
+    share = len(parts[0]) // num_mini_batches if len(parts) else 0
+    return sum(
+        bool(pad[np.asarray(p[k * share : (k + 1) * share], np.int64)].all())
+        for p in parts
+        for k in range(num_mini_batches)
+    )
 
 
 def _padding_mask(padding: Sequence[bool] | np.ndarray | None, n: int) -> np.ndarray | None:

@@ -37,7 +37,7 @@ from typing import Any
 
 import verl  # noqa: F401  # first: verl loads our plugin (engine -> config) before config below
 
-from harts_verl.workers.balance import tree_balanced_cells
+from harts_verl.workers.balance import padding_only_cells, tree_balanced_cells
 from harts_verl.workers.config import STRATEGY
 from harts_verl.workers.positions import token_sequences
 from harts_verl.workers.rollout.fork import check_fork_manager
@@ -309,15 +309,10 @@ def harts_balance_batch(
         "harts/dp_compression": forest.num_semantic_tokens / max(float(cell.sum()), 1.0),
     }
     if padding is not None:
-        pad = np.asarray(padding, bool)
-        share = len(sequences) // (dp_size * num_mini_batches)
-        idle = sum(
-            bool(pad[p[k * share : (k + 1) * share]].all())
-            for p in parts
-            for k in range(num_mini_batches)
+        metrics["harts/dp_padding_samples"] = float(sum(bool(p) for p in padding))
+        metrics["harts/dp_padding_only_cells"] = float(
+            padding_only_cells(parts, num_mini_batches, padding)
         )
-        metrics["harts/dp_padding_samples"] = float(pad.sum())
-        metrics["harts/dp_padding_only_cells"] = float(idle)
     return [j for p in parts for j in p], metrics
 
 
