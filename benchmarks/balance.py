@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 
 import numpy as np
@@ -115,8 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             c["padding_only_cells"] - c["fewest_padding_only_cells"] for c in cases
         ),
     }
-    json.dump(out, sys.stdout, indent=1)
-    print()
+    print(json.dumps(out, indent=2, allow_nan=False))
     return 0
 
 

@@ -204,6 +204,12 @@ def check_config(cfg: BenchConfig) -> tuple[torch.device, str | None]:
         raise ValueError(
             "workload_overrides: vocab_size is the model's (token ids must fit its vocabulary)"
         )
+    for own in ("seed", "scale"):  # the generator's own arguments, set by the config
+        if own in workload_options(cfg):
+            raise ValueError(
+                f"workload_overrides: {own} is --{own} (the config's {own!r}), not a generator "
+                "option"
+            )
     plot = plot_path(cfg.plot) if cfg.plot is not None else None
     try:
         device = torch.device(cfg.device)

@@ -22,6 +22,7 @@ import os
 import pickle
 import re
 import sys
+import time
 from collections.abc import Iterator
 from typing import NoReturn
 
@@ -58,6 +59,9 @@ _BENCH_FLAGS = {
     "device": "--device",
     "plot": "--plot",
 }
+# `inspect` reports its planning on stderr from this many trajectories on (seconds to a minute)
+_PROGRESS_TRAJECTORIES = 1000
+
 _INSPECT_FLAGS = {
     "capacity_tokens": "--capacity",
     "dp_size": "--dp",
@@ -305,9 +309,39 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         plot = plot_path(args.plot) if args.plot is not None else None
     with _inputs():  # the file's own errors name it as given (a path is no flag)
         forest = load_forest(args.forest)
+    # A plan of many trajectories can take a minute (3,600 GRPO responses at --work-slack 0.02
+    # and --dp 64: 47 s); say so on stderr, and how long it took.
+    progress = (
+        args.capacity and not args.no_progress and forest.num_trajectories >= _PROGRESS_TRAJECTORIES
+    )
+    if progress:
+        print(
+            f"harts-verl inspect: planning {forest.num_trajectories:,} trajectories "
+            f"({forest.num_compact_tokens:,} compact tokens) at --capacity {args.capacity}, "
+            f"--dp {args.dp} ...",
+            file=sys.stderr,
+            flush=True,
+        )
+    t0 = time.perf_counter()
     stats = forest_statistics(  # past the inputs: an error here is a bug, with its traceback
         forest, chunk_size=args.chunk_size, capacity_tokens=args.capacity or None, **plan_args
     )
+    plan = stats.get("plan")
+    if progress:
+        print(
+            f"harts-verl inspect: planned {plan['microbatches']:,} microbatches in "
+            f"{plan['planning_seconds']:.1f} s (with the statistics: "
+            f"{time.perf_counter() - t0:.1f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+    if plan and plan["oversize_trajectories"]:  # no error: said, as bench says it
+        print(
+            f"harts-verl inspect: note: {plan['oversize_trajectories']} trajectories are longer "
+            f"than --capacity {args.capacity}: each runs whole in a microbatch of its own, "
+            f"above the capacity (plan.oversize_microbatches: {plan['oversize_microbatches']})",
+            file=sys.stderr,
+        )
     if plot:
         try:
             stats["plot"] = plot_statistics(stats, plot, title=str(args.forest))
@@ -369,6 +403,12 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
         help="write a multi-panel figure here (format from the suffix, png without one; "
         "checked before the forest is read; a failed plot is reported as 'plot_error' and the "
         "statistics are printed anyway)",
+    )
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help=f"no planning progress on stderr (given for --capacity with >= "
+        f"{_PROGRESS_TRAJECTORIES:,} trajectories)",
     )
     p.set_defaults(func=_cmd_inspect)
 

@@ -397,6 +397,9 @@ def test_cli_input_errors_are_one_line(tmp_path, capsys, monkeypatch):
         (["bench", "--workload-option", "=5"], "--workload-option: expected KEY=VALUE"),
         (["bench", "--workload-option", "a=1", "--workload-option", "a=2"], "given twice"),
         (["bench", "--workload-option", "vocab_size=3"], "--workload-option: vocab_size"),
+        # the generator's own arguments: was "swe_like() got multiple values for keyword ..."
+        (["bench", *tiny, "--workload-option", "seed=1"], "--workload-option: seed is --seed"),
+        (["bench", *tiny, "--workload-option", "scale=1"], "--workload-option: scale is --scale"),
         (["bench", *tiny, "--workload-option", "foo=1"], "--workload-option: foo: unknown"),
         (["bench", "--model", "nofile.json"], "--model: config file 'nofile.json' does not"),
         (["bench", "--model", str(tmp_path / "bad.json")], "not a valid JSON file"),

@@ -320,6 +320,11 @@ def test_from_turns_checks_ids_and_end_flags():
             RolloutForest.from_turns([bad, child])
         with pytest.raises(TypeError, match=r"turns\[1\]\.is_trajectory_end"):
             RolloutForest.from_turns([(0, None, [1]), (1, 0, [2], flag)])
+    # a misspelt key is refused: read as absent, it would drop the end of trajectory [1]
+    typo = {"turn_id": 0, "parent_turn_id": None, "token_ids": [1], "is_trajectory_ends": True}
+    child = {"turn_id": 1, "parent_turn_id": 0, "token_ids": [2]}
+    with pytest.raises(ValueError, match=r"turns\[0\]: unknown keys \['is_trajectory_ends'\]"):
+        RolloutForest.from_turns([typo, child])
     # numpy bools are bools
     f = RolloutForest.from_turns([Turn(0, None, [1], np.bool_(True)), Turn(1, 0, [2])])
     assert [s.tolist() for s in f.sequences] == [[1], [1, 2]]
@@ -649,3 +654,16 @@ def test_constructor_checks_its_arrays():
         RolloutForest(flat, off, np.zeros(2, np.int64), np.array([0, 0]), np.array([0]))
     with pytest.raises(ValueError, match="row_offsets"):
         RolloutForest(flat, np.array([0, 2, 5]), None, np.array([0, 1]), np.array([0]))
+
+
+def test_a_forest_built_without_checks_and_without_group_ids_saves_and_subsets(tmp_path):
+    """``check=False`` with ``group_ids=None`` (the from_sequences default) gives all-zero group
+    ids like the checked path: ``save`` wrote ``None`` as a pickled object array that ``load``
+    refused ("not a forest file"), and ``subset`` raised a TypeError."""
+    f = RolloutForest.from_sequences([[1, 2], [1, 3]])
+    flat = f.token_ids[f.semantic_rows]
+    g = RolloutForest(flat, f.row_offsets, None, f.leaf_order, f.adjacent_lcp, check=False)
+    assert g.group_ids.tolist() == [0, 0] and g.equals(f)
+    g.save(tmp_path / "g.npz")
+    assert RolloutForest.load(tmp_path / "g.npz").equals(f)
+    assert g.subset([1]).equals(f.subset([1]))

@@ -390,3 +390,33 @@ def test_inspect_command_does_not_import_torch(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout)["summary"]["trajectories"] == 2
+
+
+def test_cli_inspect_notes_oversize_trajectories_and_reports_progress(tmp_path, capsys):
+    """A capacity below the longest trajectory is no error (each runs whole in a microbatch of
+    its own, counted in the JSON) but is said on stderr, as ``bench`` says it (inspect printed
+    nothing); a plan of many trajectories, which can take a minute, announces itself and its
+    time on stderr (``--no-progress``: not), and stdout stays the JSON alone."""
+    path = tmp_path / "f.npz"
+    RolloutForest.from_sequences(SEQS).save(path)
+    assert main(["inspect", str(path), "--capacity", "4"]) == 0
+    captured = capsys.readouterr()
+    plan = json.loads(captured.out)["plan"]
+    assert plan["oversize_trajectories"] == 2 and plan["oversize_microbatches"] == 2
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("harts-verl inspect: note: 2 trajectories")
+    assert "--capacity 4" in err[0]
+    assert main(["inspect", str(path), "--capacity", "8"]) == 0
+    assert capsys.readouterr().err == ""  # nothing to say
+    rng = np.random.default_rng(0)
+    many = [[int(rng.integers(3)), *rng.integers(0, 50, 5).tolist()] for _ in range(1000)]
+    RolloutForest.from_sequences(many).save(tmp_path / "many.npz")
+    assert main(["inspect", str(tmp_path / "many.npz"), "--capacity", "64", "--dp", "2"]) == 0
+    captured = capsys.readouterr()
+    json.loads(captured.out)
+    err = captured.err.strip().splitlines()
+    assert len(err) == 2 and "planning 1,000 trajectories" in err[0], err
+    assert "planned" in err[1] and " s" in err[1], err
+    argv = ["inspect", str(tmp_path / "many.npz"), "--capacity", "64", "--no-progress"]
+    assert main(argv) == 0
+    assert capsys.readouterr().err == ""

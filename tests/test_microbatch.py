@@ -940,6 +940,10 @@ def test_token_balanced_microbatches_refuses_lengths_past_int64():
 
     with pytest.raises(ValueError, match="lengths"):
         token_balanced_microbatches(np.array([2**63, 3], np.uint64), 4)
+    # a bool among the lengths is no length (numpy made [True, 5] the lengths [1, 5]), as
+    # place_microbatches refuses it among works
+    with pytest.raises(ValueError, match="lengths"):
+        token_balanced_microbatches([True, 5], 8)
     # lengths that each fit but whose int64 sums wrap: never one microbatch over the capacity
     cap = 2**63 - 1
     for lens in ([2**62] * 3, [2**61] * 5):

@@ -143,6 +143,20 @@ def test_forward_backward_partition_validation():
     assert [g.tolist() for g in runner.last_stats.partition] == [[2], [0, 1]]
 
 
+def test_partition_refuses_bools_among_indices_and_names_an_empty_microbatch():
+    """A bool among a microbatch's indices is no trajectory index (numpy turned ``[0, True]``
+    into ``[0, 1]``, which passed as trajectories 0 and 1), as ``subset`` and the planner's
+    index checks refuse it; an empty microbatch is named as empty, not as "dtype float64"."""
+    model = HybridForCausalLM.from_config(preset("tiny", vocab_size=64, chunk_size=16)).double()
+    runner = TreeRunner(model, chunk_size=16)
+    seqs = [[1, 2, 3], [1, 2, 4], [5]]
+    loss = lambda lps: sum(lp.sum() for lp in lps)  # noqa: E731
+    with pytest.raises(ValueError, match=r"microbatches\[0\]: .*got a bool"):
+        runner.forward_backward(seqs, loss, microbatches=[[0, True], [2]])
+    with pytest.raises(ValueError, match=r"microbatches\[1\]: .*got an empty one"):
+        runner.forward_backward(seqs, loss, microbatches=[[0, 1, 2], []])
+
+
 def test_per_trajectory_temperatures_float64():
     """One temperature per trajectory (microbatched, rows shared across temperatures): each
     trajectory's log-probs equal a run at its own temperature; the loss gradient equals the sum

@@ -421,6 +421,15 @@ def test_load_sequences_formats_and_errors(tmp_path):
             {"input_ids": torch.tensor([5, 6]), "attention_mask": torch.tensor([1, 1, 0])},
             "does not match",
         ),
+        # a 0 between a row's 1s: the tokens on both sides were joined into one trajectory
+        # (token 7 dropped, 8 moved to position 2); veRL's masks pad on the left / right only
+        "maskgap": (
+            {
+                "input_ids": torch.tensor([[5, 6, 7, 8]]),
+                "attention_mask": torch.tensor([[1, 1, 0, 1]]),
+            },
+            r"attention_mask row 0: a gap \(0 at position 2 between 1s\)",
+        ),
         # Python ints numpy cannot hold in one integer dtype (it made floats / objects)
         "huge": ([[1, 2, 2**63]], "trajectory 0: token id 9223372036854775808 is beyond int64"),
         "huger": ([[1, 2**70]], "token id 1180591620717411303424 is beyond int64"),

@@ -27,6 +27,7 @@ from harts_verl.ops.logprobs import (
     select_temperatures,
 )
 from harts_verl.tree import RolloutForest
+from harts_verl.tree._checks import holds_bool
 
 LossFn = Callable[[list[torch.Tensor]], torch.Tensor]
 logger = logging.getLogger(__name__)
@@ -97,11 +98,19 @@ def _checked_partition(microbatches: Any, n: int) -> list[np.ndarray]:
     """``microbatches`` as int64 arrays after checking that they partition ``range(n)`` (each
     trajectory in exactly one, none empty); ValueError naming ``microbatches`` otherwise."""
     try:
+        microbatches = list(microbatches)
         groups = [np.asarray(g) for g in microbatches]
     except TypeError as exc:
         raise ValueError(f"microbatches: expected lists of trajectory indices ({exc})") from exc
     for k, g in enumerate(groups):
-        if g.ndim != 1 or g.size == 0 or g.dtype.kind not in "iu":
+        if g.ndim == 1 and g.size == 0:
+            raise ValueError(
+                f"microbatches[{k}]: expected a non-empty list of trajectory indices, got an "
+                "empty one"
+            )
+        if holds_bool(microbatches[k]):  # numpy reads [0, True] as the indices [0, 1]
+            raise ValueError(f"microbatches[{k}]: expected trajectory indices, got a bool")
+        if g.ndim != 1 or g.dtype.kind not in "iu":
             raise ValueError(
                 f"microbatches[{k}]: expected a non-empty list of trajectory indices, got "
                 f"dtype {g.dtype} shape {g.shape}"

@@ -218,10 +218,11 @@ class RolloutForest:
         permutation) and ``adjacent_lcp`` [N - 1] (leaf-order neighbours share at least that
         many first tokens: fewer gives a valid non-trie layout). ValueError naming the array
         when they are inconsistent; ``check=False`` (the builders, whose arrays are right by
-        construction) skips the O(S) check. Prefer :meth:`from_sequences`."""
+        construction) skips the O(S) check; ``group_ids=None`` is all zeros either way (the
+        default of :meth:`from_sequences`). Prefer :meth:`from_sequences`."""
+        if group_ids is None:  # saved as None, load would refuse the file; subset would fail
+            group_ids = np.zeros(max(np.asarray(row_offsets).shape[0] - 1, 0), np.int64)
         if check:
-            if group_ids is None:  # the default of from_sequences
-                group_ids = np.zeros(max(np.asarray(row_offsets).shape[0] - 1, 0), np.int64)
             arrays = (flat_tokens, row_offsets, group_ids, leaf_order, adjacent_lcp)
             flat_tokens, row_offsets, group_ids, leaf_order, adjacent_lcp = _checked_file_arrays(
                 "RolloutForest", *arrays
@@ -307,7 +308,9 @@ class RolloutForest:
 
         Raises TypeError naming ``turns[i]`` for an unhashable ``turn_id``/``parent_turn_id`` or
         an ``is_trajectory_end`` that is not a bool, and ValueError naming the turn for a
-        duplicate ``turn_id``, an unknown parent, bad token ids, or parent links that do not
+        duplicate ``turn_id``, a mapping with a missing or unknown key (a misspelt
+        ``is_trajectory_end`` is refused, not read as False), an unknown parent, bad token ids,
+        or parent links that do not
         lead to a root (a cycle, e.g. a turn that is its own parent, whether or not other turns
         hang off it): every turn must be reached from a turn without parent.
         """
@@ -811,6 +814,9 @@ def _checked_file_arrays(path: Any, *arrays: np.ndarray) -> tuple[np.ndarray, ..
     return flat, offsets, gids, order, lcp
 
 
+_TURN_KEYS = frozenset({"turn_id", "parent_turn_id", "token_ids", "is_trajectory_end"})
+
+
 def _as_turn(t: Any, i: int) -> Turn:
     if isinstance(t, Turn):
         return t
@@ -818,6 +824,12 @@ def _as_turn(t: Any, i: int) -> Turn:
         missing = {"turn_id", "parent_turn_id", "token_ids"} - set(t)
         if missing:
             raise ValueError(f"turns[{i}]: missing keys {sorted(missing)}")
+        unknown = set(t) - _TURN_KEYS  # a misspelt is_trajectory_end would drop an end
+        if unknown:
+            raise ValueError(
+                f"turns[{i}]: unknown keys {sorted(map(str, unknown))}; expected "
+                f"{sorted(_TURN_KEYS)}"
+            )
         return Turn(
             t["turn_id"],
             t["parent_turn_id"],

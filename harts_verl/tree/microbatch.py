@@ -1575,9 +1575,13 @@ def token_balanced_microbatches(
     _check_int("capacity_tokens", capacity_tokens, 1, INT64_MAX)
     cap = int(capacity_tokens)
     lens = np.asarray(lengths)
-    if lens.ndim != 1 or (
-        lens.size
-        and (lens.dtype.kind not in "iu" or int(lens.min()) < 0 or int(lens.max()) > INT64_MAX)
+    if (
+        holds_bool(lengths)
+        or lens.ndim != 1
+        or (
+            lens.size
+            and (lens.dtype.kind not in "iu" or int(lens.min()) < 0 or int(lens.max()) > INT64_MAX)
+        )
     ):
         raise ValueError("lengths: expected a 1-D array of non-negative integer lengths < 2**63")
     lens = lens.astype(np.int64, copy=False)

@@ -117,7 +117,8 @@ def load_sequences(path: str) -> list[list[int]]:
     """Trajectories of a batch dump (see module doc): a ``RolloutForest.save`` ``.npz``, or a
     ``torch.save`` file of a list of token-id lists / 1-D integer tensors, a nested (jagged)
     ``input_ids`` tensor, or a mapping (dict, TensorDict) with ``input_ids`` — nested, a list,
-    or dense ``[B, L]`` with ``attention_mask`` (the masked-in tokens of each row; a list of
+    or dense ``[B, L]`` with ``attention_mask`` (the masked-in tokens of each row, one run of
+    1s padded on the left / right: a 0 between 1s is refused; a list of
     rows with ``attention_mask`` is read as that dense batch) — or a veRL
     ``DataProto`` (its tensor batch, read as such a mapping). Raises
     ``ValueError`` naming the file and what is wrong (no trajectories, non-integer ids, a
@@ -283,7 +284,20 @@ def _sequences_of(obj: Any, path: str) -> list[list[int]]:
                     f"{path}: attention_mask {tuple(mask.shape)} does not match input_ids "
                     f"{tuple(obj.shape)}"
                 )
-            obj = [row[m.bool()] for row, m in zip(obj, mask)]
+            # a row's tokens are one run (padding on the left / right, as veRL pads): a 0
+            # between 1s would join the tokens on its two sides into one trajectory
+            keep = mask.bool()
+            after_first = keep.long().cummax(dim=1).values.bool()
+            before_last = keep.flip(1).long().cummax(dim=1).values.flip(1).bool()
+            gap = after_first & before_last & ~keep
+            if bool(gap.any()):
+                r, c = (int(x) for x in gap.nonzero()[0])
+                raise ValueError(
+                    f"{path}: attention_mask row {r}: a gap (0 at position {c} between 1s): "
+                    "expected each row's tokens in one run, padded on the left / right only "
+                    "(the tokens on both sides would be joined into one trajectory)"
+                )
+            obj = [row[m] for row, m in zip(obj, keep)]
         else:
             raise ValueError(
                 f"{path}: input_ids is a dense {tuple(obj.shape)} tensor without attention_mask "
