@@ -139,6 +139,41 @@ def test_every_eos_id_of_the_model_stops(tmp_path, monkeypatch):
     assert srv.eos_token_id == 7 and srv.eos_token_ids == (7, 5)
 
 
+def test_rollout_config_ignore_eos_is_the_default(tmp_path, monkeypatch):
+    """``actor_rollout_ref.rollout.ignore_eos`` (veRL's rollout config): veRL's vLLM server
+    takes it as the request's default (``setdefault("ignore_eos", config.ignore_eos)``); veRL's
+    agent loops send no ``ignore_eos`` key. The server ignored the config and stopped at eos."""
+    import asyncio
+
+    from harts_verl.workers import testing
+    from harts_verl.workers.rollout import cpu_server
+    from harts_verl.workers.rollout.cpu_server import HFGenerationServer
+
+    path = testing.save_tiny_model("qwen2", str(tmp_path / "m"), seed=1)
+    seen = []
+    real = cpu_server.sample_tokens
+
+    def spy(*args, **kwargs):
+        seen.append(list(kwargs["stop_token_ids"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_server, "sample_tokens", spy)
+    tok = SimpleNamespace(eos_token_id=7)
+    for ignore, sp, stops in (
+        (True, {}, []),
+        (True, {"ignore_eos": False}, [7]),  # the request's own value wins
+        (True, {"ignore_eos": None}, []),  # None: the config's
+        (False, {}, [7]),
+        (None, {"ignore_eos": True}, []),
+    ):
+        cfg = SimpleNamespace(max_model_len=None, prompt_length=16, response_length=8)
+        if ignore is not None:
+            cfg.ignore_eos = ignore
+        srv = HFGenerationServer(cfg, SimpleNamespace(path=path, tokenizer=tok))
+        asyncio.run(srv.generate([1, 2, 3], dict(sp), "r"))
+        assert seen[-1] == stops, (ignore, sp)
+
+
 # ---------------------------------------------------------------------- seeds and lengths
 def test_request_seed_is_a_stable_pure_function():
     """Python's ``hash`` of a str is salted per process; the seed must not be."""

@@ -567,7 +567,7 @@ def _reward(response_ids):
     return int.from_bytes(h[:4], "little") / 2**32
 
 
-def _run_worker(env, monkeypatch, group, depth):
+def _run_worker(env, monkeypatch, group, depth, agent_name="harts_tool_agent"):
     tq = pytest.importorskip("transfer_queue")
     from omegaconf import OmegaConf
 
@@ -620,7 +620,7 @@ def _run_worker(env, monkeypatch, group, depth):
         "uid": PROMPT_UID,
         "index": 0,
         "global_steps": 1,
-        "agent_name": "harts_tool_agent",
+        "agent_name": agent_name,
         "data_source": "harts_calc",
         "extra_info": {},
     }
@@ -741,6 +741,31 @@ def test_fork_worker_accepts_subclasses_of_the_tree_loop():
     assert not _forks("verl.experimental.agent_loop.tool_agent_loop.ToolAgentLoop")
     assert not _forks("")
     assert not _forks("no.such.module.Loop")
+
+
+def test_fork_sampling_on_a_loop_that_cannot_fork_says_so(env, seq_ids, monkeypatch, caplog):
+    """``harts_rollout.fork.enable=true`` with prompts whose agent loop is not a tree loop (the
+    default ``single_turn_agent`` or veRL's ``tool_agent``: ``default_agent_loop`` left out and
+    rows without ``agent_name``) samples them as veRL does, ``rollout.n`` unforked sessions.
+    That ran without a word (only an unresolvable loop was named); now a WARNING names the
+    agent loop and the key to set, once per agent loop and process."""
+    import logging
+
+    from harts_verl.workers.rollout import fork as fork_mod
+
+    monkeypatch.setattr(fork_mod, "_unforked_warned", set())
+    with caplog.at_level(logging.WARNING, logger=fork_mod.__name__):
+        keys, rows = _run_worker(env, monkeypatch, "prompt", {}, agent_name="tool_agent")
+        _run_worker(env, monkeypatch, "prompt", {}, agent_name="tool_agent")
+    assert len(keys) == 4  # veRL's rollout.n sessions, no fork paths
+    assert all(FORK_PATH_KEY not in r["extra_fields"] for r in rows)
+    said = [r.getMessage() for r in caplog.records if "not forked" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "'tool_agent'" in said[0] and "default_agent_loop" in said[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=fork_mod.__name__):
+        _run_worker(env, monkeypatch, "prompt", {})  # a tree loop: nothing to say
+    assert not [r for r in caplog.records if "not forked" in r.getMessage()]
 
 
 # ---------------------------------------------------------------------- review fixes

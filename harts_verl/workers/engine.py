@@ -232,10 +232,11 @@ _metadata_warned = False  # the unusable-metadata WARNING was given in this proc
 def forest_of_batch(data: TensorDict) -> RolloutForest:
     """The rollout forest of a batch's trajectories (``input_ids``), in batch order.
 
-    Built from the turn metadata that ``harts_tool_agent`` records in ``extra_fields`` when every
-    trajectory has it and it agrees with the tokens; otherwise from the token sequences (sorting
-    + adjacent common prefixes). Both give the same forest; ``forest.harts_source`` says which
-    (``"metadata"`` or ``"tokens"``)."""
+    The trie of the token sequences (sorting + adjacent common prefixes). The turn metadata that
+    ``harts_tool_agent`` records in ``extra_fields`` is checked against the tokens when every
+    trajectory has it (the same forest: its turns spell the trajectories);
+    ``forest.harts_source`` is ``"metadata"`` when it agrees, else ``"tokens"`` (one WARNING per
+    process naming the first disagreement)."""
     from harts_verl.workers.rollout.recorder import forest_from_metadata
 
     seqs = token_sequences(data["input_ids"])

@@ -492,7 +492,10 @@ class HFGenerationServer:
         stops = token_id_list(
             [] if stops is None else stops, "sampling_params.stop_token_ids", None
         )
-        if not sp.get("ignore_eos", False):
+        ignore_eos = sp.get("ignore_eos")
+        if ignore_eos is None:  # as veRL's vLLM server: the rollout config's is the default
+            ignore_eos = getattr(self.config, "ignore_eos", False)
+        if not ignore_eos:
             stops.extend(self.eos_token_ids)
         seed = request_seed(request_id, len(prompt_ids), sp.get("seed"))
         async with self._lock:  # one generation at a time per server (CPU)

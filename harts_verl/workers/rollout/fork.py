@@ -213,6 +213,26 @@ def _forks(target: str) -> bool:
     return isinstance(cls, type) and issubclass(cls, HartsToolAgentLoop)
 
 
+_unforked_warned: set[str] = set()
+"""Agent loops the unforked-prompt WARNING was given for in this process."""
+
+
+def _warn_unforked(agent_name: Any, target: str) -> None:
+    """One WARNING per agent loop and process: fork sampling is on, but prompts of
+    ``agent_name`` run veRL's unforked sessions (its loop is not a tree loop)."""
+    if agent_name in _unforked_warned:
+        return
+    _unforked_warned.add(agent_name)
+    logger.warning(
+        "harts_rollout.fork.enable=true, but agent loop %r (%s) is not harts_tool_agent or a "
+        "subclass: its training prompts are not forked (rollout.n independent sessions each). "
+        "Set actor_rollout_ref.rollout.agent.default_agent_loop=harts_tool_agent (or the "
+        "rows' agent_name)",
+        agent_name,
+        target or "not registered",
+    )
+
+
 @functools.cache
 def fork_worker_class() -> type:
     """``AgentLoopWorkerTQ`` whose ``_run_prompt`` forks (a ``ray.remote`` class)."""
@@ -240,6 +260,8 @@ def fork_worker_class() -> type:
             agent_name = prompt.get("agent_name")
             target = _agent_loop_registry.get(agent_name, {}).get("_target_", "")
             if spec is None or trajectory["validate"] or not _forks(target):
+                if spec is not None and not trajectory["validate"]:
+                    _warn_unforked(agent_name, target)
                 return await super()._run_prompt(prompt, sampling_params, trajectory, trace)
             uid, partition_id = prompt["uid"], "train"
             await tq.async_kv_put(key=uid, partition_id=partition_id, tag={"status": "running"})

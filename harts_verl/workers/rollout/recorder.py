@@ -25,8 +25,9 @@ not a new root holding the whole context at every turn.
 Tree metadata for one trajectory (:func:`tree_metadata`) is a JSON string stored in the agent
 loop output's ``extra_fields["harts_tree"]``: the chain of turns that spells the trajectory's
 token ids, as ``[turn_id, parent_turn_id, start, end]`` spans into ``prompt_ids + response_ids``.
-Turns shared by fork branches carry the same ids, so the engine can rebuild the forest of a batch
-from the metadata (:func:`forest_from_metadata`) without looking for token prefixes.
+Turns shared by fork branches carry the same ids; the engine checks a batch's metadata against
+its tokens (:func:`forest_from_metadata`), a diagnostic of the recorder: the forest, the trie of
+the trajectories, is the same either way.
 
 This module imports neither torch nor veRL (the recorder only needs the ``generate`` contract).
 """
@@ -379,7 +380,8 @@ def _check_span(span: Any) -> tuple[str, str | None, int, int] | str:
 def forest_from_metadata(
     sequences: Sequence[Any], metadata: Sequence[Any]
 ) -> tuple[RolloutForest | None, str]:
-    """The forest of a batch from its tree metadata, trajectories in batch order.
+    """The forest of a batch whose tree metadata agrees with its tokens, trajectories in batch
+    order (the trie of ``sequences``: what the metadata's turns spell).
 
     ``sequences[i]``: token ids of trajectory i (prompt + response); ``metadata[i]``: its
     ``harts_tree`` value. Returns ``(forest, "")`` or ``(None, reason)`` when the metadata is
@@ -433,14 +435,7 @@ def forest_from_metadata(
         end_of.append(prev)  # type: ignore[arg-type]
     if len(set(end_of)) != len(end_of):
         return None, "two trajectories end at the same turn"
-    ends = set(end_of)
-    records = [
-        Turn(t.turn_id, t.parent_turn_id, t.token_ids, t.turn_id in ends) for t in turns.values()
-    ]
-    forest = RolloutForest.from_turns(records)
-    # from_turns orders trajectories by the position of their end turn among the records.
-    position = {t.turn_id: k for k, t in enumerate(records) if t.turn_id in ends}
-    order_in_forest = sorted(range(len(end_of)), key=lambda i: position[end_of[i]])
-    rank = np.empty(len(end_of), dtype=np.int64)
-    rank[np.asarray(order_in_forest, dtype=np.int64)] = np.arange(len(end_of))
-    return forest.subset(rank), ""
+    # The metadata agrees with the tokens: its forest is the trie of the trajectories, which
+    # from_sequences builds in batch order (from_turns over the recorded turns, reordered by
+    # subset, gives the same forest in twice the time: 0.67 s vs 0.28 s at 6.8M tokens).
+    return RolloutForest.from_sequences(seqs), ""
