@@ -42,6 +42,10 @@ def test_generate_contract_and_logprobs(server):
         1, torch.tensor(out.token_ids)[:, None]
     )
     assert torch.allclose(ref[:, 0], torch.tensor(out.log_probs), atol=1e-4)
+    # vLLM's logprobs=0 is the sampled tokens' log-probs (it was read as none); None / False: none
+    for k, want in ((0, 6), (1, 6), (None, None), (False, None)):
+        got = _gen(server, [1, 2, 3], temperature=1.0, max_tokens=6, logprobs=k).log_probs
+        assert (None if got is None else len(got)) == want, k
     # greedy is deterministic; the context limit caps the length; stop tokens stop
     g1 = _gen(server, [1, 2, 3], temperature=0, max_tokens=5)
     assert g1.token_ids == _gen(server, [1, 2, 3], temperature=0, max_tokens=5).token_ids

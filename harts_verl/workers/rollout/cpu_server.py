@@ -518,7 +518,9 @@ class HFGenerationServer:
         extra = {"global_steps": steps} if steps is not None else {}
         return TokenOutput(
             token_ids=ids,
-            log_probs=lps if sp.get("logprobs") else None,
+            # vLLM: None (or veRL's False) none; 0 the sampled tokens' (k > 0 adds top-k
+            # candidates, which TokenOutput does not carry)
+            log_probs=None if sp.get("logprobs") is None or sp.get("logprobs") is False else lps,
             stop_reason="completed",
             num_preempted=0,
             extra_fields=extra,
