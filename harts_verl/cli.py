@@ -587,7 +587,15 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help=_HELP["bench"])
+    p = sub.add_parser(
+        "bench",
+        help=_HELP["bench"],
+        description="Times forward + backward of one workload step in tree mode and "
+        "trajectory-wise (expanded) with the same model, ops and microbatch capacity "
+        "(interleaved, medians after warm-up) and compares their log-probs; prints JSON with "
+        "both times, speedup, the analytic ideal FLOP ratio, efficiency = speedup / ideal "
+        "ratio, the fidelity (max_abs_dlogp, mean_logit_cos) and the kernels that ran.",
+    )
     _add_bench_args(p, repeats=3, warmup=1)
     p.set_defaults(func=_cmd_bench)
 
