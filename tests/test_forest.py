@@ -563,6 +563,9 @@ def test_unconvertible_token_tensor_names_the_trajectory():
     torch = pytest.importorskip("torch")
     with pytest.raises(ValueError, match=r"sequences\[1\]"):
         RolloutForest.from_sequences([[1, 2], torch.tensor([1.0, 2.0], dtype=torch.bfloat16)])
+    # a meta tensor (no data): torch's NotImplementedError before
+    with pytest.raises(ValueError, match=r"sequences\[1\]: a meta tensor holds no token ids"):
+        RolloutForest.from_sequences([[1, 2], torch.tensor([1, 2], device="meta")])
 
 
 def test_mixed_numpy_integer_scalars_are_exact():

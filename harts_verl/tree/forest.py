@@ -124,6 +124,8 @@ def as_trajectory_array(
     if isinstance(seq, np.ndarray) and seq.dtype == object and seq.ndim == 1:
         seq = seq.tolist()  # e.g. a row of a 2-D object array: judged item by item below
     if callable(getattr(seq, "detach", None)) and callable(getattr(seq, "cpu", None)):
+        if getattr(getattr(seq, "device", None), "type", None) == "meta":
+            raise ValueError(f"{field}[{index}]: a meta tensor holds no token ids")
         seq = seq.detach().cpu()  # a torch tensor (ids never carry gradients), on any device
     if holds_bool(seq):
         raise ValueError(f"{field}[{index}]: token ids must be integers, got a bool")
