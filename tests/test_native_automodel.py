@@ -126,7 +126,8 @@ def test_parity_native_vs_stock_fsdp2(native_cpu, batch, padded):
 
 def test_native_with_fused_kernels_runs_its_own_forward(native_cpu, monkeypatch):
     """veRL's fused-kernel patch replaces the wrapper's class ``forward``; tree calls install
-    the wrapper's own (``harts_forward``) back, so tree mode equals the stock (unfused) run."""
+    the wrapper's own (``harts_forward``) back, so tree mode equals the stock (unfused) run, and
+    so does the audit's stock reference."""
     import test_verl_engine as ve
 
     from harts_verl.models.hf import HartsHybridForCausalLM
@@ -135,7 +136,27 @@ def test_native_with_fused_kernels_runs_its_own_forward(native_cpu, monkeypatch)
     monkeypatch.setattr(HartsHybridForCausalLM, "forward", HartsHybridForCausalLM.forward)
     data = ve.BATCHES["grpo"](seed=9)
     ref = ve._run(testing, path, "fsdp2", data, loss_mode="vanilla")
-    harts = {"chunk_size": 16, "capacity_tokens": 48}
+    # the audit's stock reference runs the wrapper's own forward too (veRL's fused forward
+    # cannot drive the native model: it stopped the training step with a TypeError)
+    harts = {"chunk_size": 16, "capacity_tokens": 48, "audit_every": 1}
     tree = ve._run(testing, path, "harts_fsdp2", data, loss_mode="vanilla", harts=harts, fused=True)
     assert HartsHybridForCausalLM.forward is not HartsHybridForCausalLM.harts_forward
     ve._compare(ref, tree)
+    assert tree[1]["harts/audit"][0] <= 1e-6
+
+
+def test_parity_native_with_lora(native_cpu):
+    """veRL's LoRA (``lora_rank`` > 0) wraps the model in peft's ``PeftModelForCausalLM``,
+    which reads ``prepare_inputs_for_generation`` at wrap time (the engine build failed with
+    an ``AttributeError`` without it). Tree mode runs through the adapters of the native
+    mixers' projections and equals the stock engine; the adapters train (B moves from 0)."""
+    import test_verl_engine as ve
+
+    testing, path = native_cpu
+    data = ve.BATCHES["multiturn"](seed=5)
+    ref = ve._run(testing, path, "fsdp2", data, loss_mode="vanilla", lora=4)
+    harts = {"chunk_size": 16, "capacity_tokens": 48}
+    tree = ve._run(testing, path, "harts_fsdp2", data, loss_mode="vanilla", harts=harts, lora=4)
+    assert any("mixer" in n and "lora_B" in n for n in tree[2])
+    ve._compare(ref, tree)
+    assert tree[1]["harts/microbatches"][0] >= 2

@@ -620,6 +620,30 @@ def test_parity_with_fused_kernels(verl_cpu, monkeypatch, tmp_path, kind):
     assert cls.forward.__module__.startswith("verl.")
 
 
+def test_fused_kernels_audit_with_per_sample_temperatures(verl_cpu, monkeypatch, tmp_path):
+    """veRL's fused forward refuses per-sample temperatures (``AssertionError: use_fused_kernels
+    does not support per sample temperature yet``); tree mode runs them (the compact head takes
+    one temperature per trajectory) and equals the stock *unfused* engine. The audit's stock
+    reference then runs unfused too (HF's backbone-then-head forward through veRL's stock
+    path) rather than stopping the training step at veRL's assertion."""
+    import transformers
+
+    testing, _ = verl_cpu
+    cls = transformers.Qwen2ForCausalLM
+    monkeypatch.setattr(cls, "forward", cls.forward)  # veRL's fused patch is undone at teardown
+    path = _save_variant(testing, "qwen2", tmp_path / "qwen2", tie_word_embeddings=True)
+    data = _multiturn_batch(seed=7)
+    run = partial(
+        _run, testing, path, batch=data, loss_mode="vanilla", temperature=[0.7, 1.0, 1.3, 0.9]
+    )
+    ref = run(strategy="fsdp2")  # unfused: built before the fused patch replaces the forward
+    harts = {"capacity_tokens": 48, "audit_every": 1}
+    tree = run(strategy="harts_fsdp2", harts=harts, fused=True)
+    assert cls.forward.__module__.startswith("verl.")  # the fused forward is in place
+    _compare(ref, tree)
+    assert tree[1]["harts/audit"][0] <= 1e-6
+
+
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3_next"])
 def test_parity_with_lora(verl_cpu, monkeypatch, kind):
     """veRL's LoRA (peft adapters on every linear layer, wrapped after the model is built and

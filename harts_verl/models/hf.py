@@ -249,6 +249,22 @@ class HartsHybridForCausalLM(_HartsHybridPreTrainedModel):
     def _output(self, hidden: torch.Tensor, aux: torch.Tensor) -> MoeCausalLMOutputWithPast:
         return MoeCausalLMOutputWithPast(logits=self.model.lm_head(hidden), aux_loss=aux)
 
+    def __getattr__(self, name: str) -> Any:
+        # peft's ``PeftModelForCausalLM``, which veRL wraps around the model for LoRA
+        # (``lora_rank`` > 0), reads ``prepare_inputs_for_generation`` when it wraps the model
+        # (without it veRL's LoRA build stopped at an ``AttributeError``). It is served per
+        # instance: a class attribute of that name makes transformers' ``can_generate`` log a
+        # WARNING on every build, save and load of a class not derived from GenerationMixin.
+        if name == "prepare_inputs_for_generation":
+            return self._prepare_inputs_for_generation
+        return super().__getattr__(name)
+
+    def _prepare_inputs_for_generation(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: Any
+    ) -> dict[str, Any]:
+        """A decoding step's inputs: the whole prefix (the model keeps no cache)."""
+        return {"input_ids": input_ids, "attention_mask": attention_mask}
+
     # The wrapper's own forward, also under a second name: veRL's ``use_fused_kernels`` patch
     # replaces the class ``forward``, and the engine's tree calls install this one back.
     forward = harts_forward = _HartsHybridPreTrainedModel.forward

@@ -1884,6 +1884,19 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         finally:
             config._attn_implementation_internal = saved
 
+    def _audit_unfused(self, sub: TensorDict) -> bool:
+        """Whether the audit's stock reference of ``sub`` runs without veRL's fused forward
+        (``use_fused_kernels`` off, HF's backbone-then-head forward or the native wrapper's
+        own, :meth:`_plain_causal_forward`): where that fused forward cannot run what tree mode
+        runs — per-sample temperatures (veRL asserts a scalar) or the native model (veRL's
+        fused forward passes its backbone keywords it does not take) — rather than stopping
+        the training step."""
+        if not self._fused_forward():
+            return False
+        temperature = sub["temperature"] if "temperature" in sub.keys() else None
+        own = getattr(type(_causal_lm_of(self.module)), "harts_forward", None) is not None
+        return isinstance(temperature, torch.Tensor) or own
+
     def _audit(
         self, data: TensorDict, model_output: dict, temperature: float | np.ndarray
     ) -> float:
@@ -1897,7 +1910,11 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         sub = tu.index_select_tensor_dict(data, list(range(n)))
         if self._packed_reference_leaks():
             tu.assign_non_tensor(sub, use_remove_padding=False)
-        with torch.no_grad(), self._eager_attention():
+        unfused = self._audit_unfused(sub)
+        if unfused:
+            tu.assign_non_tensor(sub, use_fused_kernels=False)
+        plain = self._plain_causal_forward() if unfused else nullcontext()
+        with torch.no_grad(), self._eager_attention(), plain:
             _, ref = FSDPEngineWithLMHead.forward_step(
                 self, sub, loss_function=None, forward_only=True
             )
