@@ -102,6 +102,21 @@ def test_eos_from_saved_tokenizer(tmp_path):
     assert srv.eos_token_id == local_task.VOCAB.index("<eos>")
 
 
+def _spy_stop_tokens(monkeypatch) -> list[list[int]]:
+    """The stop token ids of every ``sample_tokens`` call the CPU server makes, appended."""
+    from harts_verl.workers.rollout import cpu_server
+
+    seen: list[list[int]] = []
+    real = cpu_server.sample_tokens
+
+    def spy(*args, **kwargs):
+        seen.append(list(kwargs["stop_token_ids"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_server, "sample_tokens", spy)
+    return seen
+
+
 def test_every_eos_id_of_the_model_stops(tmp_path, monkeypatch):
     """Configs list several eos ids (Llama 3, GLM-4): the server stops at each (as vLLM does,
     with the tokenizer's eos); ``int()`` of the list used to fail every generate call."""
@@ -110,7 +125,6 @@ def test_every_eos_id_of_the_model_stops(tmp_path, monkeypatch):
     import os
 
     from harts_verl.workers import testing
-    from harts_verl.workers.rollout import cpu_server
     from harts_verl.workers.rollout.cpu_server import HFGenerationServer
 
     path = testing.save_tiny_model("llama", str(tmp_path / "m"), seed=1)
@@ -122,14 +136,7 @@ def test_every_eos_id_of_the_model_stops(tmp_path, monkeypatch):
     cfg["eos_token_id"] = [5, 7]
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
-    seen = []
-    real = cpu_server.sample_tokens
-
-    def spy(*args, **kwargs):
-        seen.append(list(kwargs["stop_token_ids"]))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(cpu_server, "sample_tokens", spy)
+    seen = _spy_stop_tokens(monkeypatch)
     cfg_ns = SimpleNamespace(max_model_len=None, prompt_length=16, response_length=8)
     srv = HFGenerationServer(cfg_ns, SimpleNamespace(path=path, tokenizer=None))
     assert srv.eos_token_ids == (5, 7)
@@ -150,18 +157,10 @@ def test_rollout_config_ignore_eos_is_the_default(tmp_path, monkeypatch):
     import asyncio
 
     from harts_verl.workers import testing
-    from harts_verl.workers.rollout import cpu_server
     from harts_verl.workers.rollout.cpu_server import HFGenerationServer
 
     path = testing.save_tiny_model("qwen2", str(tmp_path / "m"), seed=1)
-    seen = []
-    real = cpu_server.sample_tokens
-
-    def spy(*args, **kwargs):
-        seen.append(list(kwargs["stop_token_ids"]))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(cpu_server, "sample_tokens", spy)
+    seen = _spy_stop_tokens(monkeypatch)
     tok = SimpleNamespace(eos_token_id=7)
     for ignore, sp, stops in (
         (True, {}, []),
