@@ -1554,6 +1554,22 @@ _BALANCED_TRIES = 4  # microbatch counts from the lower bound a balanced split i
 _DIFFERENCING_MAX = 64  # the most microbatches a differencing split is tried for (O(n·k log k))
 
 
+def _counts(name: str, values: Any) -> np.ndarray:
+    """``values`` as a 1-D int64 array of non-negative integers < 2**63; ValueError naming
+    ``name`` otherwise (bools included: numpy would read them as 0 / 1)."""
+    raw = np.asarray(values)
+    if (
+        holds_bool(values)
+        or raw.ndim != 1
+        or (
+            raw.size
+            and (raw.dtype.kind not in "iu" or int(raw.min()) < 0 or int(raw.max()) > INT64_MAX)
+        )
+    ):
+        raise ValueError(f"{name}: expected a 1-D array of non-negative integer {name} < 2**63")
+    return raw.astype(np.int64, copy=False)
+
+
 def token_balanced_microbatches(
     lengths: Sequence[int] | np.ndarray, capacity_tokens: int
 ) -> list[np.ndarray]:
@@ -1574,17 +1590,7 @@ def token_balanced_microbatches(
 
     _check_int("capacity_tokens", capacity_tokens, 1, INT64_MAX)
     cap = int(capacity_tokens)
-    lens = np.asarray(lengths)
-    if (
-        holds_bool(lengths)
-        or lens.ndim != 1
-        or (
-            lens.size
-            and (lens.dtype.kind not in "iu" or int(lens.min()) < 0 or int(lens.max()) > INT64_MAX)
-        )
-    ):
-        raise ValueError("lengths: expected a 1-D array of non-negative integer lengths < 2**63")
-    lens = lens.astype(np.int64, copy=False)
+    lens = _counts("lengths", lengths)
     n = int(lens.shape[0])
     if n == 0:
         return []
@@ -1679,17 +1685,7 @@ def place_microbatches(works: np.ndarray, dp_size: int) -> tuple[np.ndarray, np.
     lower replica id). Raises ValueError for a ``dp_size`` outside ``[1, MAX_DP_SIZE]`` or
     ``works`` that are not a 1-D array of non-negative integers."""
     _check_int("dp_size", dp_size, 1, MAX_DP_SIZE)
-    raw = np.asarray(works)
-    if (
-        holds_bool(works)
-        or raw.ndim != 1
-        or (
-            raw.size
-            and (raw.dtype.kind not in "iu" or int(raw.min()) < 0 or int(raw.max()) > INT64_MAX)
-        )
-    ):
-        raise ValueError("works: expected a 1-D array of non-negative integer works < 2**63")
-    works = raw.astype(np.int64, copy=False)
+    works = _counts("works", works)
     k = works.shape[0]
     num_slots = -(-k // dp_size) if k else 0
     order = np.lexsort((np.arange(k), -works))
