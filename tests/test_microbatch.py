@@ -610,6 +610,26 @@ def test_work_slack_reaches_slot_balance_on_a_realistic_swe_step():
     assert slack.summary()["slot_imbalance_p95"] <= 0.02
 
 
+def test_work_slack_repairs_the_least_work_plan_when_an_aligned_start_cannot_win():
+    """GRPO responses at dp 4: the strict plan (96 microbatches, already a multiple of dp)
+    leaves slots near 3 %. The repaired aligned start balances its slots but cannot get its
+    slot-critical work down to the strict choice's, so it never wins; the search must go on
+    to repair the least-work plan (it stopped there, returning the strict plan)."""
+    from harts_verl.tree import workloads
+
+    w = workloads.grpo_flat(scale=2.0, seed=5)
+    f = RolloutForest.from_sequences(w.sequences, group_ids=w.group_ids)
+    cap, dp = 16384, 4
+    strict = plan_microbatches(f, capacity_tokens=cap, dp_size=dp)
+    assert strict.slot_imbalance().max() > 0.025
+    slack = plan_microbatches(f, capacity_tokens=cap, dp_size=dp, work_slack=0.02)
+    check_plan(f, slack, cap, dp)
+    assert slack.strategy.endswith("+repair")
+    assert slack.slot_imbalance().max() <= 0.02
+    assert slack.slot_critical_work <= strict.slot_critical_work
+    assert slack.total_compact_tokens <= strict.total_compact_tokens * 1.02
+
+
 @pytest.mark.parametrize(
     ("options", "match"),
     [
