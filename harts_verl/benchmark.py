@@ -94,6 +94,8 @@ class BenchConfig:
     chunk_size: int = 64
     capacity_tokens: int | None = 16384
     recompute: bool = True
+    # bound on the key rows an attention layer keeps for backward (TreeLayout); None = none
+    attention_key_rows: int | None = None
     device: str = "cpu"
     plot: str | None = None
     progress: bool = True
@@ -345,6 +347,7 @@ def prepare_bench(cfg: BenchConfig, inputs: BenchInputs | None = None) -> Prepar
         recompute=cfg.recompute,
         device=device,
         warn_oversize=False,  # the bench prints its own note, once
+        attention_key_rows=cfg.attention_key_rows,
     )
     tree, expanded = TreeRunner(model, **kw), ExpandedRunner(model, **kw)
 
@@ -395,6 +398,13 @@ def prepare_bench(cfg: BenchConfig, inputs: BenchInputs | None = None) -> Prepar
         microbatch_forests=subs,
         microbatch_replays=replays,
     )
+
+
+def attention_key_rows(forest: RolloutForest) -> int:
+    """Σ over the segments of ``forest`` of ``fork_position + length``: the rows a
+    full-attention layer gathers as keys (and as values) for it, each segment's root path."""
+    seg = forest.segments
+    return int(np.sum(np.asarray(seg.fork_position, np.int64) + np.asarray(seg.length, np.int64)))
 
 
 def _run_flop_ratio(
@@ -465,6 +475,7 @@ def measure_bench(prep: PreparedBench) -> dict[str, Any]:
     cfg, device, model, forest, seqs = prep.cfg, prep.device, prep.model, prep.forest, prep.seqs
     runners = {"expanded": prep.expanded, "tree": prep.tree}
     tree, expanded, mcfg, ideal = prep.tree, prep.expanded, prep.mcfg, prep.ideal_flop_ratio
+    key_rows = [attention_key_rows(f) for f in prep.microbatch_forests]
     loss_fn = _grpo_like_loss([len(s) for s in seqs], cfg.seed)
     times: dict[str, list[float]] = {"expanded": [], "tree": []}
     calls: dict[str, Counter[str]] = {"expanded": Counter(), "tree": Counter()}
@@ -575,6 +586,13 @@ def measure_bench(prep: PreparedBench) -> dict[str, Any]:
         "microbatches": prep.microbatches,
         "oversize_microbatches": prep.oversize_microbatches,
         "replay_tokens": prep.replay_tokens,
+        # rows a full-attention layer gathers as keys (each segment's root path), over the
+        # tree microbatches: the largest microbatch's, and the sum over the compact rows
+        "attention_key_rows_max": max(key_rows, default=0),
+        "attention_key_rows_ratio": round(sum(key_rows) / prep.run_compact_tokens, 4)
+        if prep.run_compact_tokens
+        else None,
+        "attention_key_rows": cfg.attention_key_rows,
         "ideal_flop_ratio": round(ideal, 4),
         "expanded_seconds_median": round(t_exp, 4),
         "tree_seconds_median": round(t_tree, 4),

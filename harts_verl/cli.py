@@ -194,6 +194,13 @@ def _add_bench_args(
         default=d.recompute,
         help="per-layer activation recomputation (both runners)",
     )
+    p.add_argument(
+        "--attention-key-rows",
+        type=int_arg(0),
+        default=d.attention_key_rows or 0,
+        help="bound on the key rows an attention layer keeps for backward (both runners; "
+        "above it keys are gathered again in backward, one more attention forward; 0 = none)",
+    )
     p.add_argument("--device", default=d.device, help="torch device (cpu, cuda, cuda:1, ...)")
     p.add_argument(
         "--threads", type=int_arg(1, 4096), default=None, help="torch intra-op threads (1..4096)"
@@ -272,6 +279,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             chunk_size=args.chunk_size,
             capacity_tokens=args.capacity or None,
             recompute=args.recompute,
+            attention_key_rows=args.attention_key_rows or None,
             device=args.device,
             plot=args.plot,
             progress=not args.no_progress,

@@ -1108,3 +1108,166 @@ def test_fla_wrapper_without_gla_kernels(no_fla, caplog):
     assert any("chunk_simple_gla" in r.getMessage() for r in caplog.records)
     with pytest.raises(ImportError, match="chunk_simple_gla"):
         _fake_kernel()(q, k, v, g, beta, cu_seqlens=cu, delta_rule=False)
+
+
+# ------------------------------------------------------------------------------ key-row bound
+def _saved_numel(fn) -> tuple[torch.Tensor, int]:
+    """``fn()``'s output and the elements autograd saved for its backward (each storage once)."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes() // t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+
+def _grads_of(fn, inputs, w):
+    leaves = [x.clone().requires_grad_(True) if x is not None else None for x in inputs]
+    o, saved = _saved_numel(lambda: fn(leaves))
+    (o * w).sum().backward()
+    return o, [x.grad for x in leaves if x is not None], saved
+
+
+@pytest.mark.parametrize("bound", [1, 40, 333])
+@pytest.mark.parametrize(
+    "kw", [{}, {"window": 9}, {"softcap": 2.0}], ids=["plain", "window", "softcap"]
+)
+def test_varlen_key_row_bound_same_numbers_less_saved(bound, kw):
+    """With ``max_key_rows`` below the plan's key rows the varlen path runs key groups, keeps
+    no gathered keys / values for backward and gives the same outputs (bitwise: each sequence
+    is computed alone either way) and gradients (float64, summation order only)."""
+    forest = _forest(3, 16)
+    c = forest.num_compact_tokens
+    plan = build_varlen_attention_plan(forest)
+    assert plan.num_key_rows > 2 * c  # the forest shares long paths
+    groups = plan.key_groups(bound)
+    seq = np.diff(plan.cu_seqlens_host[1])
+    assert sum(g.q1 - g.q0 for g in groups) == c and groups[0].q0 == 0 and groups[-1].q1 == c
+    assert all(int(g.key_index.shape[0]) <= max(bound, int(seq.max())) for g in groups)
+    assert torch.equal(torch.cat([g.key_index for g in groups]), plan.key_index)
+    inputs = _attn_inputs(c, 4, 2, 12, 12, gate=True, dtype=torch.float64)
+    w = torch.randn(c, 4, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+    def run(max_key_rows):
+        def fn(x):
+            return tree_attention_varlen(
+                *x[:3],
+                plan,
+                varlen_fn=sdpa_varlen_reference,
+                scale=0.3,
+                gate=x[3],
+                require_half=False,
+                max_key_rows=max_key_rows,
+                **kw,
+            )
+
+        return _grads_of(fn, inputs, w)
+
+    o0, g0, saved0 = run(None)
+    o1, g1, saved1 = run(bound)
+    assert torch.equal(o0, o1)
+    for a, b in zip(g0, g1):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-13)
+    kv_rows = plan.num_key_rows * 2 * 12  # gathered keys and values, [*, 2 heads, 12]
+    assert saved0 >= kv_rows and saved1 < saved0 - kv_rows // 2
+    # an unbinding bound is the plain call
+    o2, g2, saved2 = run(plan.num_key_rows)
+    assert torch.equal(o2, o0) and saved2 == saved0
+    assert all(torch.equal(a, b) for a, b in zip(g0, g2))
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_sdpa_key_row_bound_checkpoints_buckets(sinks):
+    """The bucketed SDPA path with a key-row bound below the plan's runs each bucket under
+    activation checkpointing: same outputs and gradients (sinks too), less saved; without
+    autograd it is the plain call."""
+    forest = _forest(4, 16)
+    c = forest.num_compact_tokens
+    plan = build_attention_plan(forest)
+    assert len(plan.buckets) > 1
+    inputs = list(_attn_inputs(c, 4, 2, 16, 16, gate=True, dtype=torch.float64))
+    gen = torch.Generator().manual_seed(5)
+    inputs.append(torch.randn(4, dtype=torch.float64, generator=gen) if sinks else None)
+    w = torch.randn(c, 4, 16, dtype=torch.float64, generator=gen)
+
+    def run(max_key_rows):
+        def fn(x):
+            return tree_attention(
+                *x[:3], plan, gate=x[3], sinks=x[4], max_key_rows=max_key_rows, scale=0.25
+            )
+
+        return _grads_of(fn, inputs, w)
+
+    o0, g0, saved0 = run(None)
+    o1, g1, saved1 = run(16)
+    assert torch.equal(o0, o1)
+    for a, b in zip(g0, g1):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-13)
+    assert saved1 < saved0 // 2
+    with torch.no_grad():
+        assert torch.equal(
+            tree_attention(
+                *inputs[:3], plan, gate=inputs[3], sinks=inputs[4], max_key_rows=16, scale=0.25
+            ),
+            o0,
+        )
+
+
+@pytest.mark.parametrize("bad", [0, -3, True, 2.5, "8"])
+def test_key_row_bound_refuses_bad_values(bad):
+    forest = _forest(0, 16)
+    q, k, v, _ = _attn_inputs(forest.num_compact_tokens, dtype=torch.float64)
+    with pytest.raises(ValueError, match="max_key_rows"):
+        tree_attention(q, k, v, build_attention_plan(forest), max_key_rows=bad)
+    with pytest.raises(ValueError, match="max_key_rows"):
+        tree_attention_varlen(
+            q,
+            k,
+            v,
+            build_varlen_attention_plan(forest),
+            varlen_fn=sdpa_varlen_reference,
+            require_half=False,
+            max_key_rows=bad,
+        )
+    with pytest.raises(ValueError, match="attention_key_rows"):
+        TreeLayout(forest, attention_key_rows=bad)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "varlen"])
+def test_layout_key_row_bound_model_gradients(backend):
+    """A tiny hybrid model (KDA, MLA, GDN, GQA) in float64 through layouts with and without a
+    key-row bound: the same hidden states and parameter gradients."""
+    torch.manual_seed(0)
+    cfg = preset("tiny")
+    model = HybridForCausalLM.from_config(cfg).double()
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, cfg.vocab_size, 150).tolist()
+    seqs = [base, base[:40] + rng.integers(0, cfg.vocab_size, 60).tolist(), [*base[:97], 1, 2, 3]]
+    forest = RolloutForest.from_sequences(seqs)
+    att = (
+        "sdpa"
+        if backend == "sdpa"
+        else VarlenAttentionKernel("sdpa_varlen", sdpa_varlen_reference, require_half=False)
+    )
+    results = []
+    for bound in (None, 30):
+        lay = TreeLayout(
+            forest, chunk_size=cfg.chunk_size, attention_backend=att, attention_key_rows=bound
+        )
+        model.zero_grad()
+        h, _ = model(lay.token_ids, lay)
+        (h * torch.linspace(-1, 1, h.shape[-1], dtype=h.dtype)).sum().backward()
+        results.append(
+            (
+                h.detach(),
+                {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+            )
+        )
+    (h0, g0), (h1, g1) = results
+    torch.testing.assert_close(h1, h0, rtol=1e-12, atol=1e-12)
+    assert g0.keys() == g1.keys()
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-10, atol=1e-12, msg=n)

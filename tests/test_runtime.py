@@ -205,6 +205,29 @@ def test_recompute_does_not_change_results():
     _assert_grads_close(grads[1], grads[0], rel=1e-12)
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+def test_attention_key_rows_bound_does_not_change_results(recompute):
+    """A runner whose layouts bound the attention key rows (below every microbatch's) gives
+    the tree path's losses and gradients (float64), under per-layer recomputation too (the
+    bucket checkpoints nest inside the layer's); bad bounds are refused by name."""
+    torch.manual_seed(3)
+    model = HybridForCausalLM.from_config(preset("tiny", vocab_size=64, chunk_size=16)).double()
+    seqs = _forest_sequences(4, 64)
+    out, grads = [], []
+    for bound in (None, 8):
+        model.zero_grad(set_to_none=True)
+        runner = TreeRunner(
+            model, chunk_size=16, recompute=recompute, capacity_tokens=150, attention_key_rows=bound
+        )
+        out.append(runner.forward_backward(seqs, _loss_fn(len(seqs)))["loss"])
+        grads.append(_grads(model))
+    assert abs(out[1] - out[0]) <= 1e-12 * max(1.0, abs(out[0]))
+    _assert_grads_close(grads[1], grads[0], rel=1e-11)
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match="attention_key_rows"):
+            TreeRunner(model, attention_key_rows=bad)
+
+
 def test_runner_keeps_the_models_own_checkpointing_setting():
     """``recompute`` governs the runner's forwards; the model's own ``gradient_checkpointing``
     is what it was before (it used to be left at the runner's value)."""

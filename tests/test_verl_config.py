@@ -57,6 +57,8 @@ def test_harts_section_validation():
     from harts_verl.tree.microbatch import planner_options
 
     assert "max_layers_work" in planner_options()
+    assert HartsConfig.from_any({"attention_key_rows": 65536}).attention_key_rows == 65536
+    assert HartsConfig.from_any({}).attention_key_rows is None
     assert HartsConfig.from_any({"planner": {"max_layers_work": 10}}).planner == {
         "max_layers_work": 10
     }
@@ -83,6 +85,9 @@ def test_harts_section_validation():
         ({"enable": "yes"}, "harts.enable"),
         ({"capacity_tokens": 2**63}, "harts.capacity_tokens"),  # past the planner's int64
         ({"rows_per_chunk": 2**54}, "harts.rows_per_chunk"),  # it failed in the first step
+        ({"attention_key_rows": 0}, "harts.attention_key_rows"),
+        ({"attention_key_rows": True}, "harts.attention_key_rows"),
+        ({"attention_key_rows": "4096"}, "harts.attention_key_rows"),
         ({"planner": {"strategies": {"tree": 1}}}, "harts.planner.strategies"),  # a mapping
     ]:
         with pytest.raises(ValueError, match=key.replace(".", r"\.")):

@@ -249,6 +249,36 @@ def test_parity_vanilla(verl_cpu, kind, batch):
     assert tree[1]["harts/compression"][0] > 1.0
 
 
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3_5", "deepseek_v3"])
+def test_parity_with_an_attention_key_row_bound(verl_cpu, monkeypatch, kind):
+    """``harts.attention_key_rows`` reaches every attention call of the tree micro-batches
+    (there: bucket checkpoints, keys gathered again in backward) and changes no number."""
+    from harts_verl.ops import backends
+
+    testing, paths = verl_cpu
+    seen: list = []
+    sdpa_call = backends.SdpaAttentionKernel.__call__
+
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs.get("max_key_rows"))
+        return sdpa_call(self, *args, **kwargs)
+
+    monkeypatch.setattr(backends.SdpaAttentionKernel, "__call__", spy)
+    data = BATCHES["multiturn"](seed=3)
+    padded = kind in HYBRIDS
+    ref = _run(testing, paths[kind], "fsdp2", data, loss_mode="vanilla", padded=padded)
+    tree = _run(
+        testing,
+        paths[kind],
+        "harts_fsdp2",
+        data,
+        loss_mode="vanilla",
+        harts={"chunk_size": 8, "capacity_tokens": 48, "attention_key_rows": 16},
+    )
+    _compare(ref, tree)
+    assert seen and set(seen) == {16}
+
+
 @pytest.mark.parametrize(
     "kind",
     [

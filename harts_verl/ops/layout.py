@@ -15,6 +15,7 @@ from itertools import count
 import numpy as np
 import torch
 
+from harts_verl.ops.tree_attention import check_key_rows
 from harts_verl.tree import RolloutForest
 from harts_verl.tree._checks import is_int
 
@@ -87,6 +88,10 @@ class TreeLayout:
     ``linear_backend`` / ``attention_backend``: ``"auto"`` (CUDA ⇒ fla / a varlen flash kernel
     when importable, else the torch references), a backend name, or a kernel object; see
     :mod:`harts_verl.ops.backends`.
+
+    ``attention_key_rows``: bound on the key rows an attention layer gathers and keeps for
+    backward (``max_key_rows`` of the kernels: above it, the keys are gathered again in
+    backward, in groups, at the cost of one more attention forward); None = no bound.
     """
 
     def __init__(
@@ -97,6 +102,7 @@ class TreeLayout:
         device: torch.device | str | None = None,
         linear_backend: str = "auto",
         attention_backend: str = "auto",
+        attention_key_rows: int | None = None,
     ) -> None:
         if not isinstance(forest, RolloutForest):
             raise TypeError(f"forest: expected a RolloutForest, got {type(forest).__name__}")
@@ -106,6 +112,11 @@ class TreeLayout:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.linear_backend = linear_backend
         self.attention_backend = attention_backend
+        self.attention_key_rows = (
+            None
+            if attention_key_rows is None
+            else check_key_rows(attention_key_rows, "attention_key_rows")
+        )
         self._conv_index: dict[int, torch.Tensor] = {}
         self._row_weights: dict[torch.dtype, torch.Tensor] = {}
 
@@ -213,6 +224,8 @@ class TreeLayout:
             kw["sinks"] = sinks
         if softcap is not None:
             kw["softcap"] = softcap
+        if self.attention_key_rows is not None:
+            kw["max_key_rows"] = self.attention_key_rows
         return self.attention_kernel(q, k, v, self.attention_plan, scale=scale, gate=gate, **kw)
 
     def linear_attention(

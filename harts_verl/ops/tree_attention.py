@@ -124,6 +124,11 @@ class TreeAttentionPlan:
     device: torch.device
 
     @property
+    def num_key_rows(self) -> int:
+        """``Σ_buckets nb·lk``: rows gathered as keys (and as values), padding included."""
+        return sum(b.nb * b.lk for b in self.buckets)
+
+    @property
     def padding_ratio(self) -> float:
         """``padded_work / rect_work - 1`` (≤ ``max_pad_ratio`` by construction)."""
         return self.padded_work / self.rect_work - 1.0 if self.rect_work else 0.0
@@ -315,6 +320,13 @@ def _finish_heads(
     return o
 
 
+def check_key_rows(value: Any, name: str = "max_key_rows") -> int:
+    """``value`` as a positive int (ValueError naming ``name`` otherwise; bools refused)."""
+    if isinstance(value, bool) or not is_int(value) or int(value) < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return int(value)
+
+
 def same_device(a: torch.device, b: torch.device) -> bool:
     """Same device type and, where both name one, the same index (``cuda`` == ``cuda:0`` when
     the current device is 0; torch's ``==`` says they differ)."""
@@ -496,6 +508,7 @@ def tree_attention(
     window: int | None = None,
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
+    max_key_rows: int | None = None,
 ) -> torch.Tensor:
     """Causal softmax attention where each compact row attends to its ancestors and itself.
 
@@ -517,6 +530,11 @@ def tree_attention(
       softcap: optional attention logit soft-cap (Gemma 2's ``attn_logit_softcapping``): the
         scores become ``softcap · tanh(q kᵀ · scale / softcap)`` before the mask and softmax
         (an explicit-score path per bucket: no SDPA kernel takes it). Not with ``sinks``.
+      max_key_rows: when the plan gathers more key rows than this (``plan.num_key_rows``) and
+        autograd records the call, each bucket runs under activation checkpointing: no
+        gathered keys / values (or scores) are kept for backward, which gathers them again
+        one bucket at a time and reruns that bucket's forward. Same values and gradients up
+        to the order of the key / value gradient sums. None = keep them.
 
     Returns:
       ``[C, Hq, Dv]`` in q's dtype and compact row order. Row ``r`` equals the trajectory-wise
@@ -541,8 +559,14 @@ def tree_attention(
         q, k, v = _with_sink_key(q, k, v, sinks, scale)
     k, v, extra = _gqa(k, v, hq)
     hkv, d = k.shape[1], k.shape[2]
-    outs = []
-    for b in plan.buckets:
+    recompute = (
+        max_key_rows is not None
+        and plan.num_key_rows > check_key_rows(max_key_rows)
+        and torch.is_grad_enabled()
+        and any(t.requires_grad for t in (q, k, v))
+    )
+
+    def run(b: AttentionBucket, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         q_idx, k_idx, lq, lk = b.q_index, b.k_index, b.lq, b.lk
         mask, causal = _bucket_mask(b, q.device, window)
         if sinks is not None:  # the sink key at key slot 0 of every member
@@ -562,7 +586,14 @@ def tree_attention(
                 qb, kb, vb, attn_mask=mask, is_causal=causal, scale=scale, **extra
             )
         ob = ob[:, :, lq - b.lq :]  # drops the zero query of a sink's causal bucket
-        outs.append(ob.transpose(1, 2).reshape(b.nb * b.lq, hq, d))
+        return ob.transpose(1, 2).reshape(b.nb * b.lq, hq, d)
+
+    if recompute:
+        from torch.utils.checkpoint import checkpoint
+
+        outs = [checkpoint(run, b, q, k, v, use_reentrant=False) for b in plan.buckets]
+    else:
+        outs = [run(b, q, k, v) for b in plan.buckets]
     o = torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
     return _finish_heads(o, plan.out_index, dv, gate)
 

@@ -164,6 +164,7 @@ class _Runner:
         linear_backend: Any = "auto",
         attention_backend: Any = "auto",
         planner_options: dict[str, Any] | None = None,
+        attention_key_rows: int | None = None,
     ) -> None:
         from harts_verl.models.adapter import as_tree_model
         from harts_verl.tree.microbatch import check_plan_arguments
@@ -195,6 +196,12 @@ class _Runner:
         # harts_verl.ops.backends): "auto" picks by device.
         self.linear_backend = linear_backend
         self.attention_backend = attention_backend
+        # Bound on the key rows an attention layer keeps for backward (TreeLayout); None = none.
+        self.attention_key_rows = (
+            None
+            if attention_key_rows is None
+            else _positive_int("attention_key_rows", attention_key_rows, " or None")
+        )
         # The oversize WARNING is logged once per runner (never with ``warn_oversize=False``:
         # a caller that reports it itself).
         self._oversize_warned = not warn_oversize
@@ -296,6 +303,7 @@ class _Runner:
             device=self.device,
             linear_backend=self.linear_backend,
             attention_backend=self.attention_backend,
+            attention_key_rows=self.attention_key_rows,
         )
 
     def _sub_forest(self, forest: RolloutForest, idx: np.ndarray) -> RolloutForest:

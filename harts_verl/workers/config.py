@@ -67,6 +67,11 @@ class HartsConfig(BaseConfig):
         (expanded) path and report ``harts/audit`` (max abs difference; 0 = never).
       audit_trajectories: how many trajectories the audit samples.
       rows_per_chunk: rows per chunk of the compact log-prob/entropy kernel (memory bound).
+      attention_key_rows: bound on the key rows a full-attention layer gathers and keeps for
+        backward (each segment's whole root path: ``Σ Lk`` rows, which ``capacity_tokens``
+        does not bound; ≈ 9 × the compact rows on tau-like trees). Above it the keys are
+        gathered again in backward, in groups (varlen kernels) or per bucket (SDPA), at the
+        cost of one more attention forward. None = no bound (default).
       planner: options passed to ``plan_microbatches`` (``strategies``, ``improve``,
         ``balance``, ``work_slack``, ``restarts``, ``effort``, ``seed``, ``max_layers_work``,
         ``max_search_cells``).
@@ -89,6 +94,7 @@ class HartsConfig(BaseConfig):
     audit_every: int = 0
     audit_trajectories: int = 4
     rows_per_chunk: int = 4096
+    attention_key_rows: int | None = None
     planner: dict[str, Any] = field(default_factory=dict)
     split_dependent_losses: str = "stock"
     stock_metrics: bool = True
@@ -110,6 +116,8 @@ class HartsConfig(BaseConfig):
         positive_int("audit_every", self.audit_every, allow_zero=True)
         positive_int("audit_trajectories", self.audit_trajectories)
         positive_int("rows_per_chunk", self.rows_per_chunk, most=2**31)
+        if self.attention_key_rows is not None:
+            positive_int("attention_key_rows", self.attention_key_rows)
         mc = self.min_compression
         if isinstance(mc, bool) or not isinstance(mc, int | float) or not mc >= 0:
             raise ValueError(f"harts.min_compression: expected a number >= 0, got {mc!r}")

@@ -1779,7 +1779,12 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         forest = RolloutForest.from_sequences(token_sequences(micro_batch["input_ids"]))
         micro_batch = micro_batch.to(get_device_id())
         device = micro_batch["input_ids"].values().device
-        layout = TreeLayout(forest, chunk_size=self.harts.chunk_size, device=device)
+        layout = TreeLayout(
+            forest,
+            chunk_size=self.harts.chunk_size,
+            device=device,
+            attention_key_rows=self.harts.attention_key_rows,
+        )
         with self._autocast():
             model_output, anchor = self._tree_outputs(
                 micro_batch, forest, layout, temperature, device

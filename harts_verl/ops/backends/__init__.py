@@ -147,10 +147,11 @@ class LinearKernel(Protocol):
 @runtime_checkable
 class AttentionKernel(Protocol):
     """Tree attention: ``build_plan(forest, device=...)`` once per layout, then
-    ``kernel(q, k, v, plan, scale=..., gate=..., window=..., sinks=..., softcap=...)`` with the
-    contract of :func:`~harts_verl.ops.tree_attention.tree_attention`. A kernel without sliding
-    windows, attention sinks or soft-capping may leave those keywords out: layouts pass them
-    only when set."""
+    ``kernel(q, k, v, plan, scale=..., gate=..., window=..., sinks=..., softcap=...,
+    max_key_rows=...)`` with the contract of
+    :func:`~harts_verl.ops.tree_attention.tree_attention`. A kernel without sliding windows,
+    attention sinks, soft-capping or a key-row bound may leave those keywords out: layouts pass
+    them only when set."""
 
     name: str
 
@@ -311,12 +312,22 @@ class SdpaAttentionKernel:
         window: int | None = None,
         sinks: torch.Tensor | None = None,
         softcap: float | None = None,
+        max_key_rows: int | None = None,
     ) -> torch.Tensor:
         from harts_verl.ops.tree_attention import tree_attention
 
         count_route("attention/sdpa (window)" if window is not None else "attention/sdpa")
         return tree_attention(
-            q, k, v, plan, scale=scale, gate=gate, window=window, sinks=sinks, softcap=softcap
+            q,
+            k,
+            v,
+            plan,
+            scale=scale,
+            gate=gate,
+            window=window,
+            sinks=sinks,
+            softcap=softcap,
+            max_key_rows=max_key_rows,
         )
 
 
@@ -366,6 +377,7 @@ class VarlenAttentionKernel:
         window: int | None = None,
         sinks: torch.Tensor | None = None,
         softcap: float | None = None,
+        max_key_rows: int | None = None,
     ) -> torch.Tensor:
         no_softcap = softcap is not None and not getattr(self.varlen_fn, "supports_softcap", False)
         for what, missing in (
@@ -411,6 +423,7 @@ class VarlenAttentionKernel:
                 window=window,
                 sinks=sinks,
                 softcap=softcap,
+                max_key_rows=max_key_rows,
             )
         count_route(f"attention/{self.name}" + (" (window)" if window is not None else ""))
         return tree_attention_varlen(
@@ -424,6 +437,7 @@ class VarlenAttentionKernel:
             require_half=self.require_half,
             window=window,
             softcap=softcap,
+            max_key_rows=max_key_rows,
         )
 
 

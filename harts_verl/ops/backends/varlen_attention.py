@@ -42,6 +42,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from harts_verl.ops._index import concat_ranges, segment_ancestors, to_index
 from harts_verl.ops._version import release_tuple
@@ -52,6 +53,7 @@ from harts_verl.ops.tree_attention import (
     _finish_heads,
     _pad_head_dim,
     _softcapped_attention,
+    check_key_rows,
     same_device,
 )
 
@@ -106,7 +108,10 @@ class VarlenAttentionPlan:
       work: ``Σ_rows (depth + 1)`` attended pairs.
       device: where the index tensors live.
       forest: the forest (kept so a fallback can build the SDPA plan lazily).
-      cache: per-plan scratch (e.g. the lazily built SDPA plan of a dtype fallback).
+      cache: per-plan scratch (e.g. the lazily built SDPA plan of a dtype fallback, the key
+        groups of a ``max_key_rows`` bound).
+      cu_seqlens_host: int64 numpy copies of ``cu_seqlens_q`` / ``cu_seqlens_k`` (no device
+        sync to group the sequences), or None.
     """
 
     num_rows: int
@@ -121,7 +126,24 @@ class VarlenAttentionPlan:
     work: int
     device: torch.device
     forest: Any = None
-    cache: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    cache: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
+    cu_seqlens_host: tuple[np.ndarray, np.ndarray] | None = field(
+        default=None, compare=False, repr=False
+    )
+
+    @property
+    def num_key_rows(self) -> int:
+        """Σ Lk: rows gathered as keys (and as values) by one call without a key bound."""
+        return int(self.key_index.shape[0])
+
+    def key_groups(self, max_key_rows: int) -> list[_KeyGroup]:
+        """Consecutive packed sequences in groups of at most ``max_key_rows`` key rows each (a
+        sequence whose own keys exceed it is a group alone); cached per bound."""
+        key = ("key_groups", int(max_key_rows))
+        groups = self.cache.get(key)
+        if groups is None:
+            groups = self.cache[key] = _key_groups(self, int(max_key_rows))
+        return groups
 
     def summary(self) -> dict[str, Any]:
         """Sizes as a JSON-ready dict."""
@@ -188,7 +210,130 @@ def build_varlen_attention_plan(
         work=int((lq * fork + lq * (lq + 1) // 2).sum()),
         device=dev,
         forest=forest,
+        cu_seqlens_host=(cu_q, cu_k),
     )
+
+
+@dataclass(frozen=True)
+class _KeyGroup:
+    """Packed sequences ``[s0, s1)`` of a :class:`VarlenAttentionPlan`: their queries are
+    packed rows ``q0 .. q1 - 1``, their keys ``key_index`` (a slice of the plan's)."""
+
+    q0: int
+    q1: int
+    key_index: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+def _key_groups(plan: VarlenAttentionPlan, max_key_rows: int) -> list[_KeyGroup]:
+    """:meth:`VarlenAttentionPlan.key_groups` (greedy, in packed order; loops over groups)."""
+    check_key_rows(max_key_rows)
+    if plan.cu_seqlens_host is None:
+        cu_q = plan.cu_seqlens_q.cpu().numpy().astype(np.int64)
+        cu_k = plan.cu_seqlens_k.cpu().numpy().astype(np.int64)
+    else:
+        cu_q, cu_k = plan.cu_seqlens_host
+    n = cu_q.shape[0] - 1
+    groups: list[_KeyGroup] = []
+    dev = plan.device
+    s0 = 0
+    while s0 < n:
+        s1 = int(np.searchsorted(cu_k, cu_k[s0] + max_key_rows, side="right")) - 1
+        s1 = min(max(s1, s0 + 1), n)
+        lq = np.diff(cu_q[s0 : s1 + 1])
+        lk = np.diff(cu_k[s0 : s1 + 1])
+        groups.append(
+            _KeyGroup(
+                q0=int(cu_q[s0]),
+                q1=int(cu_q[s1]),
+                key_index=plan.key_index[int(cu_k[s0]) : int(cu_k[s1])],
+                cu_seqlens_q=torch.from_numpy((cu_q[s0 : s1 + 1] - cu_q[s0]).astype(np.int32)).to(
+                    dev
+                ),
+                cu_seqlens_k=torch.from_numpy((cu_k[s0 : s1 + 1] - cu_k[s0]).astype(np.int32)).to(
+                    dev
+                ),
+                max_seqlen_q=int(lq.max()),
+                max_seqlen_k=int(lk.max()),
+            )
+        )
+        s0 = s1
+    return groups
+
+
+class _GroupedVarlen(torch.autograd.Function):
+    """The varlen kernel over key groups; keeps only the packed queries and the compact keys /
+    values for backward, where each group's keys are gathered again and its forward rerun
+    (one more kernel forward) to take its gradients. Outputs equal the ungrouped call's (each
+    sequence is computed alone either way); key / value gradients are summed over the groups
+    in float32 (at least)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        qq: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        groups: list[_KeyGroup],
+        varlen_fn: VarlenFn,
+        kwargs: dict[str, Any],
+    ) -> torch.Tensor:
+        outs = [
+            varlen_fn(
+                qq[g.q0 : g.q1],
+                k.index_select(0, g.key_index),
+                v.index_select(0, g.key_index),
+                g.cu_seqlens_q,
+                g.cu_seqlens_k,
+                g.max_seqlen_q,
+                g.max_seqlen_k,
+                **kwargs,
+            )
+            for g in groups
+        ]
+        ctx.save_for_backward(qq, k, v)
+        ctx.groups, ctx.varlen_fn, ctx.kwargs = groups, varlen_fn, kwargs
+        return torch.cat(outs, dim=0) if outs else qq.new_zeros((0, qq.shape[1], v.shape[2]))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, do: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        qq, k, v = ctx.saved_tensors
+        dq = torch.zeros_like(qq) if ctx.needs_input_grad[0] else None
+        # key / value gradients are sums over groups: accumulated in float32 at least
+        acc = torch.promote_types(k.dtype, torch.float32)
+        dk = torch.zeros(k.shape, dtype=acc, device=k.device) if ctx.needs_input_grad[1] else None
+        dv = torch.zeros(v.shape, dtype=acc, device=v.device) if ctx.needs_input_grad[2] else None
+        for g in ctx.groups:
+            with torch.enable_grad():
+                qg = qq[g.q0 : g.q1].detach().requires_grad_(dq is not None)
+                kg = k.detach().index_select(0, g.key_index).requires_grad_(dk is not None)
+                vg = v.detach().index_select(0, g.key_index).requires_grad_(dv is not None)
+                o = ctx.varlen_fn(
+                    qg,
+                    kg,
+                    vg,
+                    g.cu_seqlens_q,
+                    g.cu_seqlens_k,
+                    g.max_seqlen_q,
+                    g.max_seqlen_k,
+                    **ctx.kwargs,
+                )
+                wrt = [t for t in (qg, kg, vg) if t.requires_grad]
+                grads = torch.autograd.grad(o, wrt, do[g.q0 : g.q1]) if wrt else ()
+            it = iter(grads)
+            if dq is not None:
+                dq[g.q0 : g.q1] = next(it)
+            if dk is not None:
+                dk.index_add_(0, g.key_index, next(it).to(acc))
+            if dv is not None:
+                dv.index_add_(0, g.key_index, next(it).to(acc))
+        dk = None if dk is None else dk.to(k.dtype)
+        dv = None if dv is None else dv.to(v.dtype)
+        return dq, dk, dv, None, None, None
 
 
 def tree_attention_varlen(
@@ -203,6 +348,7 @@ def tree_attention_varlen(
     require_half: bool = True,
     window: int | None = None,
     softcap: float | None = None,
+    max_key_rows: int | None = None,
 ) -> torch.Tensor:
     """Tree attention with a varlen kernel; same contract as
     :func:`~harts_verl.ops.tree_attention.tree_attention` (q ``[C, Hq, Dqk]``, k ``[C, Hkv,
@@ -217,6 +363,11 @@ def tree_attention_varlen(
         above it), passed as ``window_size=(window - 1, 0)``; None = unlimited.
       softcap: attention logit soft-cap (Gemma 2), passed as ``softcap=``; raises
         ``NotImplementedError`` for a kernel without ``supports_softcap``.
+      max_key_rows: when the call would gather more key rows than this (``plan.num_key_rows``,
+        Σ Lk), run the sequences in groups of at most this many key rows (a sequence whose
+        own path is longer is a group alone) and keep no gathered keys / values for backward:
+        each group gathers them again there and reruns its forward (one more kernel forward).
+        Same outputs; key / value gradients summed per group. None = one call.
     """
     c = plan.num_rows
     hq, _hkv, dqk, dv = _check_qkv(q, k, v, gate, c)
@@ -241,6 +392,16 @@ def tree_attention_varlen(
         raise ValueError(f"varlen flash attention: head dim {d} > {MAX_HEAD_DIM}")
     q, k, v = _pad_head_dim(q, k, v, d)
     qq = q.contiguous() if plan.q_index is None else q.index_select(0, plan.q_index)
+    kwargs: dict[str, Any] = {
+        "softmax_scale": scale,
+        "causal": True,
+        **({} if window is None else {"window_size": (int(window) - 1, 0)}),
+        **({} if softcap is None else {"softcap": softcap}),
+    }
+    if max_key_rows is not None and plan.num_key_rows > check_key_rows(max_key_rows):
+        groups = plan.key_groups(max_key_rows)
+        o = _GroupedVarlen.apply(qq, k, v, groups, varlen_fn, kwargs)
+        return _finish_heads(o, plan.out_index, dv, gate)
     kk = k.index_select(0, plan.key_index)
     vv = v.index_select(0, plan.key_index)
     o = varlen_fn(
@@ -251,10 +412,7 @@ def tree_attention_varlen(
         plan.cu_seqlens_k,
         plan.max_seqlen_q,
         plan.max_seqlen_k,
-        softmax_scale=scale,
-        causal=True,
-        **({} if window is None else {"window_size": (int(window) - 1, 0)}),
-        **({} if softcap is None else {"softcap": softcap}),
+        **kwargs,
     )
     return _finish_heads(o, plan.out_index, dv, gate)
 
