@@ -1179,6 +1179,63 @@ def test_varlen_key_row_bound_same_numbers_less_saved(bound, kw):
     assert all(torch.equal(a, b) for a, b in zip(g0, g2))
 
 
+def test_varlen_key_row_bound_backward_keeps_one_group_alive():
+    """In backward, each key group's gathered keys (and its graph) are released before the
+    next group's are gathered: at most one group's keys alive at a time (the previous group's
+    stayed alive through its output's graph, doubling the transient bound)."""
+    import weakref
+
+    forest = _forest(4, 16)
+    c = forest.num_compact_tokens
+    plan = build_varlen_attention_plan(forest)
+    bound = 64
+    assert len(plan.key_groups(bound)) > 4
+    keys: list = []
+    alive_at_call: list[int] = []
+
+    def spy(q, k, v, *args, **kwargs):
+        alive_at_call.append(sum(r() is not None for r in keys))
+        keys.append(weakref.ref(k))
+        return sdpa_varlen_reference(q, k, v, *args, **kwargs)
+
+    xs = [
+        x.requires_grad_(True)
+        for x in _attn_inputs(c, 4, 2, 16, 16, dtype=torch.float64, seed=3)[:3]
+    ]
+    o = tree_attention_varlen(*xs, plan, varlen_fn=spy, require_half=False, max_key_rows=bound)
+    n_fwd = len(alive_at_call)
+    o.square().sum().backward()
+    assert n_fwd == len(plan.key_groups(bound)) and len(alive_at_call) == 2 * n_fwd
+    assert max(alive_at_call) == 0, alive_at_call
+
+
+def test_varlen_key_row_bound_replays_autocast_in_backward():
+    """The grouped path reruns each group's forward in backward under the forward's autocast
+    state (as activation checkpointing does): with float32 inputs under bfloat16 autocast its
+    gradients equal the plain call's (they were those of a float32 rerun, 4e-3 apart)."""
+    forest = _forest(3, 16)
+    c = forest.num_compact_tokens
+    plan = build_varlen_attention_plan(forest)
+    inputs = _attn_inputs(c, 4, 2, 16, 16, dtype=torch.float32, seed=2)[:3]
+    w = torch.linspace(-1, 1, 16)
+    res = []
+    for bound in (None, 16):
+        xs = [x.clone().requires_grad_(True) for x in inputs]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            o = tree_attention_varlen(
+                *xs,
+                plan,
+                varlen_fn=sdpa_varlen_reference,
+                require_half=False,
+                max_key_rows=bound,
+            )
+        assert o.dtype == torch.bfloat16
+        (o.float() * w).sum().backward()
+        res.append([o.detach()] + [x.grad for x in xs])
+    for a, b in zip(*res):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("sinks", [False, True])
 def test_sdpa_key_row_bound_checkpoints_buckets(sinks):
     """The bucketed SDPA path with a key-row bound below the plan's runs each bucket under
@@ -1234,6 +1291,21 @@ def test_key_row_bound_refuses_bad_values(bad):
         )
     with pytest.raises(ValueError, match="attention_key_rows"):
         TreeLayout(forest, attention_key_rows=bad)
+    # an empty call too (it returned before looking at the bound)
+    empty = RolloutForest.from_sequences([])
+    z = torch.zeros(0, 2, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="max_key_rows"):
+        tree_attention(z, z, z, build_attention_plan(empty), max_key_rows=bad)
+    with pytest.raises(ValueError, match="max_key_rows"):
+        tree_attention_varlen(
+            z,
+            z,
+            z,
+            build_varlen_attention_plan(empty),
+            varlen_fn=sdpa_varlen_reference,
+            require_half=False,
+            max_key_rows=bad,
+        )
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "varlen"])

@@ -89,9 +89,10 @@ class TreeLayout:
     when importable, else the torch references), a backend name, or a kernel object; see
     :mod:`harts_verl.ops.backends`.
 
-    ``attention_key_rows``: bound on the key rows an attention layer gathers and keeps for
-    backward (``max_key_rows`` of the kernels: above it, the keys are gathered again in
-    backward, in groups, at the cost of one more attention forward); None = no bound.
+    ``attention_key_rows``: bound on the key rows an attention layer keeps for backward
+    (``max_key_rows`` of the kernels: above it none are kept, and the keys are gathered again
+    in backward, in groups of at most that many rows for varlen kernels or per bucket for SDPA,
+    at the cost of one more attention forward); None = no bound.
     """
 
     def __init__(

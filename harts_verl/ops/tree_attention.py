@@ -549,6 +549,7 @@ def tree_attention(
         raise ValueError(f"plan: built for {plan.device}, but q is on {q.device}")
     _check_sinks(sinks, hq, q.device)
     softcap = _check_softcap(softcap, sinks)
+    max_key_rows = None if max_key_rows is None else check_key_rows(max_key_rows)
     if scale is None:
         scale = 1.0 / math.sqrt(dqk)
     if c == 0:
@@ -561,7 +562,7 @@ def tree_attention(
     hkv, d = k.shape[1], k.shape[2]
     recompute = (
         max_key_rows is not None
-        and plan.num_key_rows > check_key_rows(max_key_rows)
+        and plan.num_key_rows > max_key_rows
         and torch.is_grad_enabled()
         and any(t.requires_grad for t in (q, k, v))
     )

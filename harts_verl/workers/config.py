@@ -67,11 +67,12 @@ class HartsConfig(BaseConfig):
         (expanded) path and report ``harts/audit`` (max abs difference; 0 = never).
       audit_trajectories: how many trajectories the audit samples.
       rows_per_chunk: rows per chunk of the compact log-prob/entropy kernel (memory bound).
-      attention_key_rows: bound on the key rows a full-attention layer gathers and keeps for
-        backward (each segment's whole root path: ``Σ Lk`` rows, which ``capacity_tokens``
-        does not bound; ≈ 9 × the compact rows on tau-like trees). Above it the keys are
-        gathered again in backward, in groups (varlen kernels) or per bucket (SDPA), at the
-        cost of one more attention forward. None = no bound (default).
+      attention_key_rows: bound on the key rows a full-attention layer keeps for backward
+        (each segment's whole root path: ``Σ Lk`` rows, which ``capacity_tokens`` does not
+        bound; ≈ 9 × the compact rows on tau-like trees). Above it none are kept: the keys are
+        gathered again in backward, in groups of at most this many rows (varlen kernels; a
+        segment whose own path is longer is a group alone) or per bucket (SDPA; a bucket may
+        hold more rows), at the cost of one more attention forward. None = no bound (default).
       planner: options passed to ``plan_microbatches`` (``strategies``, ``improve``,
         ``balance``, ``work_slack``, ``restarts``, ``effort``, ``seed``, ``max_layers_work``,
         ``max_search_cells``).

@@ -33,6 +33,7 @@ it is the CPU test double that checks the packing without CUDA.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 from collections.abc import Callable
@@ -269,7 +270,9 @@ class _GroupedVarlen(torch.autograd.Function):
     values for backward, where each group's keys are gathered again and its forward rerun
     (one more kernel forward) to take its gradients. Outputs equal the ungrouped call's (each
     sequence is computed alone either way); key / value gradients are summed over the groups
-    in float32 (at least)."""
+    in float32 (at least). The rerun replays the forward's autocast state (as
+    ``torch.utils.checkpoint`` does), and each group's gathered keys, values and graph are
+    released before the next group's are gathered (one group alive at a time)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -296,6 +299,7 @@ class _GroupedVarlen(torch.autograd.Function):
         ]
         ctx.save_for_backward(qq, k, v)
         ctx.groups, ctx.varlen_fn, ctx.kwargs = groups, varlen_fn, kwargs
+        ctx.autocast = _autocast_state(qq.device.type)
         return torch.cat(outs, dim=0) if outs else qq.new_zeros((0, qq.shape[1], v.shape[2]))
 
     @staticmethod
@@ -308,32 +312,74 @@ class _GroupedVarlen(torch.autograd.Function):
         dk = torch.zeros(k.shape, dtype=acc, device=k.device) if ctx.needs_input_grad[1] else None
         dv = torch.zeros(v.shape, dtype=acc, device=v.device) if ctx.needs_input_grad[2] else None
         for g in ctx.groups:
-            with torch.enable_grad():
-                qg = qq[g.q0 : g.q1].detach().requires_grad_(dq is not None)
-                kg = k.detach().index_select(0, g.key_index).requires_grad_(dk is not None)
-                vg = v.detach().index_select(0, g.key_index).requires_grad_(dv is not None)
-                o = ctx.varlen_fn(
-                    qg,
-                    kg,
-                    vg,
-                    g.cu_seqlens_q,
-                    g.cu_seqlens_k,
-                    g.max_seqlen_q,
-                    g.max_seqlen_k,
-                    **ctx.kwargs,
-                )
-                wrt = [t for t in (qg, kg, vg) if t.requires_grad]
-                grads = torch.autograd.grad(o, wrt, do[g.q0 : g.q1]) if wrt else ()
-            it = iter(grads)
-            if dq is not None:
-                dq[g.q0 : g.q1] = next(it)
-            if dk is not None:
-                dk.index_add_(0, g.key_index, next(it).to(acc))
-            if dv is not None:
-                dv.index_add_(0, g.key_index, next(it).to(acc))
+            # one group at a time: its gathered keys / values and graph die with the call
+            gq, gk, gv = _group_grads(
+                ctx, g, qq, k, v, do, dq is not None, dk is not None, dv is not None
+            )
+            if gq is not None:
+                dq[g.q0 : g.q1] = gq
+            if gk is not None:
+                dk.index_add_(0, g.key_index, gk.to(acc))
+            if gv is not None:
+                dv.index_add_(0, g.key_index, gv.to(acc))
+            del gq, gk, gv
         dk = None if dk is None else dk.to(k.dtype)
         dv = None if dv is None else dv.to(v.dtype)
         return dq, dk, dv, None, None, None
+
+
+def _autocast_state(device_type: str) -> dict[str, Any] | None:
+    """``torch.autocast`` keywords replaying the current autocast state of ``device_type``
+    (None where that device type has no autocast)."""
+    try:
+        return {
+            "device_type": device_type,
+            "enabled": torch.is_autocast_enabled(device_type),
+            "dtype": torch.get_autocast_dtype(device_type),
+            "cache_enabled": torch.is_autocast_cache_enabled(),
+        }
+    except (RuntimeError, TypeError, AttributeError):  # e.g. "meta"
+        return None
+
+
+def _group_grads(
+    ctx: Any,
+    g: _KeyGroup,
+    qq: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    need_q: bool,
+    need_k: bool,
+    need_v: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Gradients of one key group of :class:`_GroupedVarlen` (its forward rerun under the
+    forward's autocast state); None for what is not needed."""
+    state = ctx.autocast
+    with (
+        torch.enable_grad(),
+        contextlib.nullcontext() if state is None else torch.autocast(**state),
+    ):
+        qg = qq[g.q0 : g.q1].detach().requires_grad_(need_q)
+        kg = k.detach().index_select(0, g.key_index).requires_grad_(need_k)
+        vg = v.detach().index_select(0, g.key_index).requires_grad_(need_v)
+        o = ctx.varlen_fn(
+            qg,
+            kg,
+            vg,
+            g.cu_seqlens_q,
+            g.cu_seqlens_k,
+            g.max_seqlen_q,
+            g.max_seqlen_k,
+            **ctx.kwargs,
+        )
+    wrt = [t for t in (qg, kg, vg) if t.requires_grad]
+    it = iter(torch.autograd.grad(o, wrt, do[g.q0 : g.q1]) if wrt else ())
+    return (
+        next(it) if need_q else None,
+        next(it) if need_k else None,
+        next(it) if need_v else None,
+    )
 
 
 def tree_attention_varlen(
@@ -382,6 +428,7 @@ def tree_attention_varlen(
     softcap = _check_softcap(softcap, None)
     if softcap is not None and not getattr(varlen_fn, "supports_softcap", False):
         raise NotImplementedError("varlen attention: this kernel takes no softcap")
+    max_key_rows = None if max_key_rows is None else check_key_rows(max_key_rows)
     if scale is None:
         scale = 1.0 / math.sqrt(dqk)
     if c == 0:
@@ -398,7 +445,7 @@ def tree_attention_varlen(
         **({} if window is None else {"window_size": (int(window) - 1, 0)}),
         **({} if softcap is None else {"softcap": softcap}),
     }
-    if max_key_rows is not None and plan.num_key_rows > check_key_rows(max_key_rows):
+    if max_key_rows is not None and plan.num_key_rows > max_key_rows:
         groups = plan.key_groups(max_key_rows)
         o = _GroupedVarlen.apply(qq, k, v, groups, varlen_fn, kwargs)
         return _finish_heads(o, plan.out_index, dv, gate)
