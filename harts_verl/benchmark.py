@@ -49,6 +49,7 @@ from harts_verl.models import HybridForCausalLM, preset
 from harts_verl.ops.backends import kernel_routes
 from harts_verl.ops.layout import check_chunk_size, layer_windows, recording_attention_windows
 from harts_verl.ops.logprobs import mean_logit_cosine
+from harts_verl.ops.tree_attention import attention_key_rows
 from harts_verl.runtime import ExpandedRunner, TreeRunner
 from harts_verl.runtime.flops import ModelShape, ideal_flop_ratio, model_shape
 from harts_verl.tree import RolloutForest
@@ -398,13 +399,6 @@ def prepare_bench(cfg: BenchConfig, inputs: BenchInputs | None = None) -> Prepar
         microbatch_forests=subs,
         microbatch_replays=replays,
     )
-
-
-def attention_key_rows(forest: RolloutForest) -> int:
-    """Σ over the segments of ``forest`` of ``fork_position + length``: the rows a
-    full-attention layer gathers as keys (and as values) for it, each segment's root path."""
-    seg = forest.segments
-    return int(np.sum(np.asarray(seg.fork_position, np.int64) + np.asarray(seg.length, np.int64)))
 
 
 def _run_flop_ratio(

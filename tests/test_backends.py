@@ -38,7 +38,7 @@ from harts_verl.ops.backends import (
 from harts_verl.ops.backends.varlen_attention import load_torch_varlen
 from harts_verl.ops.layout import TreeLayout
 from harts_verl.ops.linear_attention import chunk_delta_rule_varlen
-from harts_verl.ops.tree_attention import build_attention_plan, tree_attention
+from harts_verl.ops.tree_attention import attention_key_rows, build_attention_plan, tree_attention
 from harts_verl.ops.tree_linear_attention import build_linear_layout, tree_delta_rule
 from harts_verl.tree import RolloutForest, plan_linear_calls
 
@@ -1143,6 +1143,8 @@ def test_varlen_key_row_bound_same_numbers_less_saved(bound, kw):
     c = forest.num_compact_tokens
     plan = build_varlen_attention_plan(forest)
     assert plan.num_key_rows > 2 * c  # the forest shares long paths
+    assert attention_key_rows(forest) == plan.num_key_rows
+    assert attention_key_rows(RolloutForest.expanded([list(range(9)), [1, 2]])) == 11
     groups = plan.key_groups(bound)
     seq = np.diff(plan.cu_seqlens_host[1])
     assert sum(g.q1 - g.q0 for g in groups) == c and groups[0].q0 == 0 and groups[-1].q1 == c

@@ -264,7 +264,7 @@ def test_parity_with_an_attention_key_row_bound(verl_cpu, monkeypatch, kind):
         return sdpa_call(self, *args, **kwargs)
 
     monkeypatch.setattr(backends.SdpaAttentionKernel, "__call__", spy)
-    data = BATCHES["multiturn"](seed=3)
+    data = BATCHES["grpo"](seed=3)  # groups share their prompt: forks
     padded = kind in HYBRIDS
     ref = _run(testing, paths[kind], "fsdp2", data, loss_mode="vanilla", padded=padded)
     tree = _run(
@@ -277,6 +277,9 @@ def test_parity_with_an_attention_key_row_bound(verl_cpu, monkeypatch, kind):
     )
     _compare(ref, tree)
     assert seen and set(seen) == {16}
+    # Σ Lk / C: at least each row's own key; forks add their root paths (a prefix
+    # trajectory alone adds none)
+    assert tree[1]["harts/attention_key_rows_ratio"][0] > 1.0
 
 
 @pytest.mark.parametrize(

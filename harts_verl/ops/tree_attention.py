@@ -62,6 +62,7 @@ from harts_verl.tree._checks import check_positive, is_int
 __all__ = [
     "AttentionBucket",
     "TreeAttentionPlan",
+    "attention_key_rows",
     "build_attention_plan",
     "tree_attention",
     "tree_attention_dense_ref",
@@ -318,6 +319,14 @@ def _finish_heads(
     if gate is not None:
         o = o * torch.sigmoid(gate)
     return o
+
+
+def attention_key_rows(forest: Any) -> int:
+    """Σ over the segments of ``forest`` of ``fork_position + length``: the rows a
+    full-attention layer gathers as keys (and as values) for it, each segment's root path
+    (``VarlenAttentionPlan.num_key_rows``; the bucketed plan adds its padding)."""
+    seg = forest.segments
+    return int(np.sum(np.asarray(seg.fork_position, np.int64) + np.asarray(seg.length, np.int64)))
 
 
 def check_key_rows(value: Any, name: str = "max_key_rows") -> int:

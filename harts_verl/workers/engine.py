@@ -111,6 +111,7 @@ from harts_verl.ops.logprobs import (
     compact_log_probs,
     select_temperatures,
 )
+from harts_verl.ops.tree_attention import attention_key_rows
 from harts_verl.tree import RolloutForest
 from harts_verl.tree._checks import finite_float
 from harts_verl.workers import STRATEGY
@@ -1178,7 +1179,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         scaler = getattr(self, "scaler", None)
         output_lst: list[dict] = []
         indices: list[list[int]] = []
-        stats = {"compact_tokens": 0, "replay_tokens": 0, "rounds": 0}
+        stats = {"compact_tokens": 0, "replay_tokens": 0, "rounds": 0, "attention_key_rows": 0}
         shortest = [int(np.argmin(forest.lengths))]  # what a dummy micro-batch runs
         kept: dict[str, list[torch.Tensor | None]] = {}
         if stock_split:
@@ -1262,6 +1263,13 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         metrics["harts/compression"] = [semantic_all / run if run else 1.0]
         metrics["harts/compact_tokens"] = [float(stats["compact_tokens"])]
         metrics["harts/replay_tokens"] = [float(stats["replay_tokens"])]
+        # Σ Lk / C of this rank's micro-batches: a full-attention layer gathers (and without
+        # harts.attention_key_rows keeps for backward) this many key rows per compact row
+        metrics["harts/attention_key_rows_ratio"] = [
+            stats["attention_key_rows"] / stats["compact_tokens"]
+            if stats["compact_tokens"]
+            else 0.0
+        ]
         metrics["harts/rounds"] = [float(stats["rounds"])]
         metrics["harts/microbatches"] = [float(len(groups_eq))]
         metrics["harts/dummy_microbatches"] = [float(sum(g is None for g in groups_eq))]
@@ -1306,7 +1314,7 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
         n = len(data)
         device = get_device_id()
         shortest = [int(np.argmin(forest.lengths))]
-        stats = {"compact_tokens": 0, "replay_tokens": 0, "rounds": 0}
+        stats = {"compact_tokens": 0, "replay_tokens": 0, "rounds": 0, "attention_key_rows": 0}
         kept: dict[str, list[torch.Tensor | None]] = {}
         shares: list[tuple[dict[str, torch.Tensor], list[int]]] = []
         select = _MicroBatchSelect(data)
@@ -1789,7 +1797,13 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             model_output, anchor = self._tree_outputs(
                 micro_batch, forest, layout, temperature, device
             )
-        stats = {"compact_tokens": forest.num_compact_tokens, "replay_tokens": 0, "rounds": 0}
+        stats = {
+            "compact_tokens": forest.num_compact_tokens,
+            "replay_tokens": 0,
+            "rounds": 0,
+            # rows a full-attention layer gathers as keys (Σ over segments of their root path)
+            "attention_key_rows": attention_key_rows(forest),
+        }
         if "linear_plan" in layout.__dict__:
             stats["replay_tokens"] = int(layout.linear_plan.plan.replay_tokens)
             # the rounds that ran: a kernel that returns final states only (fla) runs the
