@@ -1279,35 +1279,21 @@ def test_sdpa_key_row_bound_checkpoints_buckets(sinks):
 def test_key_row_bound_refuses_bad_values(bad):
     forest = _forest(0, 16)
     q, k, v, _ = _attn_inputs(forest.num_compact_tokens, dtype=torch.float64)
-    with pytest.raises(ValueError, match="max_key_rows"):
-        tree_attention(q, k, v, build_attention_plan(forest), max_key_rows=bad)
-    with pytest.raises(ValueError, match="max_key_rows"):
-        tree_attention_varlen(
-            q,
-            k,
-            v,
-            build_varlen_attention_plan(forest),
-            varlen_fn=sdpa_varlen_reference,
-            require_half=False,
-            max_key_rows=bad,
-        )
+    z = torch.zeros(0, 2, 8, dtype=torch.float64)
+    # an empty call too (it returned before looking at the bound)
+    for f, xs in ((forest, (q, k, v)), (RolloutForest.from_sequences([]), (z, z, z))):
+        with pytest.raises(ValueError, match="max_key_rows"):
+            tree_attention(*xs, build_attention_plan(f), max_key_rows=bad)
+        with pytest.raises(ValueError, match="max_key_rows"):
+            tree_attention_varlen(
+                *xs,
+                build_varlen_attention_plan(f),
+                varlen_fn=sdpa_varlen_reference,
+                require_half=False,
+                max_key_rows=bad,
+            )
     with pytest.raises(ValueError, match="attention_key_rows"):
         TreeLayout(forest, attention_key_rows=bad)
-    # an empty call too (it returned before looking at the bound)
-    empty = RolloutForest.from_sequences([])
-    z = torch.zeros(0, 2, 8, dtype=torch.float64)
-    with pytest.raises(ValueError, match="max_key_rows"):
-        tree_attention(z, z, z, build_attention_plan(empty), max_key_rows=bad)
-    with pytest.raises(ValueError, match="max_key_rows"):
-        tree_attention_varlen(
-            z,
-            z,
-            z,
-            build_varlen_attention_plan(empty),
-            varlen_fn=sdpa_varlen_reference,
-            require_half=False,
-            max_key_rows=bad,
-        )
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "varlen"])
