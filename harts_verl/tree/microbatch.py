@@ -1039,6 +1039,37 @@ class _State:
         return int(self.works.sum())
 
 
+class _CostCache:
+    """Pieces of some bins of a :class:`_State` and their insertion costs into every bin
+    (:meth:`_State.marginals`), kept across changes: a change of bins a and b alters only
+    their own pieces and the costs of inserting into a and b."""
+
+    def __init__(self, st: _State) -> None:
+        self.st = st
+        self.pieces: dict[int, _Pieces] = {}
+        self.margs: dict[int, np.ndarray] = {}  # per bin: [its pieces, bins]
+
+    def ensure(self, bins: Sequence[int]) -> None:
+        """Entries for ``bins`` (the missing ones computed at once, added in that order)."""
+        fresh = [a for a in bins if a not in self.pieces]
+        for a in fresh:
+            self.pieces[a] = self.st.pieces(a)
+        pcs = [self.pieces[a] for a in fresh]
+        self.margs.update(zip(fresh, self.st.marginals_many(pcs, fresh)))
+
+    def changed(self, a: int, b: int) -> None:
+        """Bins a and b changed (the state already updated): their entries are dropped, the
+        others' costs of inserting into a and b recomputed."""
+        for x in (a, b):
+            self.pieces.pop(x, None)
+            self.margs.pop(x, None)
+        kept = list(self.pieces)
+        cols = np.asarray([a, b], dtype=np.int64)
+        pcs = [self.pieces[x] for x in kept]
+        for x, m in zip(kept, self.st.marginals_many(pcs, kept, cols)):
+            self.margs[x][:, cols] = m
+
+
 def _pick(ok: np.ndarray, *keys: np.ndarray) -> tuple[int, int]:
     """(row, col) of the first True entry of ``ok`` in lexicographic order of ``keys``."""
     rows, cols = np.nonzero(ok)
@@ -1198,10 +1229,7 @@ def _balance(
     moves = 0
     k = st.k
     pad = (-(k + nf)) % dp
-    # Pieces and insertion costs of the bins used as sources, kept across rounds: a move
-    # changes only its two bins' pieces and the costs of inserting into them.
-    pieces: dict[int, _Pieces] = {}
-    margs: dict[int, np.ndarray] = {}
+    cache = _CostCache(st)  # the sources' pieces and insertion costs, kept across rounds
     while moves < budget:
         w = st.works
         wx = _with_fixed(w, fixed)
@@ -1219,12 +1247,9 @@ def _balance(
             for a in [int(a) - nf for a in groups[s] if a >= nf and wx[a] > mean][:_BAL_SOURCES]:
                 if a not in sources:
                     sources.append(a)
-        fresh = [a for a in sources if a not in pieces]
-        for a in fresh:
-            pieces[a] = st.pieces(a)
-        margs.update(zip(fresh, st.marginals_many([pieces[a] for a in fresh], fresh)))
+        cache.ensure(sources)
         for a in sources:
-            pa, marg = pieces[a], margs[a]
+            pa, marg = cache.pieces[a], cache.margs[a]
             new = w[None, :] + marg
             delta = marg - pa.gain[:, None]
             after_a = w[a] - pa.gain
@@ -1244,14 +1269,8 @@ def _balance(
         if not cands:
             break
         obj, _, (a, b, t, wa, wb) = min(cands, key=lambda c: (c[0], c[1]))
-        st.move(pieces[a].piece(t), a, b, wa, wb)
-        for x in (a, b):
-            pieces.pop(x, None)
-            margs.pop(x, None)
-        kept = list(pieces)
-        cols = np.asarray([a, b], dtype=np.int64)
-        for x, m in zip(kept, st.marginals_many([pieces[x] for x in kept], kept, cols)):
-            margs[x][:, cols] = m
+        st.move(cache.pieces[a].piece(t), a, b, wa, wb)
+        cache.changed(a, b)
         cur = obj
         moves += 1
     return moves
@@ -1500,28 +1519,15 @@ def _repair(
     # large DP world).
     tabu_keys, tabu_rounds = np.zeros(0, np.int64), np.zeros(0, np.int64)
     stall = 0
-    pieces: dict[int, _Pieces] = {}
-    margs: dict[int, np.ndarray] = {}  # per bin: its pieces' insertion costs into every bin
-    stale: list[int] = []  # bins changed since margs were computed
+    # every non-empty bin's pieces and insertion costs (only a change's two bins empty)
+    cache = _CostCache(st)
+    pieces, margs = cache.pieces, cache.margs
     moves = 0
     while moves < budget and (cur[0] > 0 or cur[1] > 0):
         w = st.works
         total = int(w.sum())
         mean = total / k
-        for a in [a for a in pieces if w[a] == 0]:
-            del pieces[a], margs[a]
-        live = np.flatnonzero(w > 0).tolist()
-        kept = [a for a in live if a in pieces] if stale else []
-        fresh = [a for a in live if a not in pieces]
-        for a in fresh:
-            pieces[a] = st.pieces(a)
-        for a, m in zip(fresh, st.marginals_many([pieces[a] for a in fresh], fresh)):
-            margs[a] = m
-        if kept:
-            cols = np.asarray(stale, dtype=np.int64)
-            for a, m in zip(kept, st.marginals_many([pieces[a] for a in kept], kept, cols)):
-                margs[a][:, cols] = m
-        stale = []
+        cache.ensure(np.flatnonzero(w > 0).tolist())
         wx = _with_fixed(w, fixed)
         slotx, imb = _slot_of_bins(wx, dp)  # the fixed microbatches first
         slot = slotx[nf:]
@@ -1619,10 +1625,7 @@ def _repair(
             st.works[a], st.works[b] = int(wa_[i]), int(wb_[i])
             st._refresh(a)
             st._refresh(b)
-        for x in (a, b):
-            pieces.pop(x, None)
-            margs.pop(x, None)
-        stale = [a, b]
+        cache.changed(a, b)
         tabu_keys = np.append(tabu_keys, [a * k + b, b * k + a])
         tabu_rounds = np.append(tabu_rounds, [moves, moves])
         cur = obj[j] if exact_obj is None else exact_obj
