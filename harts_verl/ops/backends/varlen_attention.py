@@ -228,6 +228,21 @@ class _KeyGroup:
     max_seqlen_q: int
     max_seqlen_k: int
 
+    def run(
+        self, fn: VarlenFn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict
+    ) -> torch.Tensor:
+        """``fn`` on the group's packed queries ``q`` and gathered keys / values ``k``, ``v``."""
+        return fn(
+            q,
+            k,
+            v,
+            self.cu_seqlens_q,
+            self.cu_seqlens_k,
+            self.max_seqlen_q,
+            self.max_seqlen_k,
+            **kwargs,
+        )
+
 
 def _key_groups(plan: VarlenAttentionPlan, max_key_rows: int) -> list[_KeyGroup]:
     """:meth:`VarlenAttentionPlan.key_groups` (greedy, in packed order; loops over groups)."""
@@ -285,15 +300,12 @@ class _GroupedVarlen(torch.autograd.Function):
         kwargs: dict[str, Any],
     ) -> torch.Tensor:
         outs = [
-            varlen_fn(
+            g.run(
+                varlen_fn,
                 qq[g.q0 : g.q1],
                 k.index_select(0, g.key_index),
                 v.index_select(0, g.key_index),
-                g.cu_seqlens_q,
-                g.cu_seqlens_k,
-                g.max_seqlen_q,
-                g.max_seqlen_k,
-                **kwargs,
+                kwargs,
             )
             for g in groups
         ]
@@ -363,16 +375,7 @@ def _group_grads(
         qg = qq[g.q0 : g.q1].detach().requires_grad_(need_q)
         kg = k.detach().index_select(0, g.key_index).requires_grad_(need_k)
         vg = v.detach().index_select(0, g.key_index).requires_grad_(need_v)
-        o = ctx.varlen_fn(
-            qg,
-            kg,
-            vg,
-            g.cu_seqlens_q,
-            g.cu_seqlens_k,
-            g.max_seqlen_q,
-            g.max_seqlen_k,
-            **ctx.kwargs,
-        )
+        o = g.run(ctx.varlen_fn, qg, kg, vg, ctx.kwargs)
     wrt = [t for t in (qg, kg, vg) if t.requires_grad]
     it = iter(torch.autograd.grad(o, wrt, do[g.q0 : g.q1]) if wrt else ())
     return (
