@@ -318,7 +318,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     with _inputs():  # the file's own errors name it as given (a path is no flag)
         forest = load_forest(args.forest)
     # A plan of many trajectories can take a minute (3,600 GRPO responses at --work-slack 0.02
-    # and --dp 64: 47 s); say so on stderr, and how long it took.
+    # and --dp 64: ≈ 10 s); say so on stderr, and how long it took.
     progress = (
         args.capacity and not args.no_progress and forest.num_trajectories >= _PROGRESS_TRAJECTORIES
     )
