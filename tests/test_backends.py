@@ -1275,6 +1275,66 @@ def test_sdpa_key_row_bound_checkpoints_buckets(sinks):
         )
 
 
+@pytest.mark.parametrize("pad", [0.25, float("inf")], ids=["uniform", "padded"])
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"window": 4}, {"sinks": True}, {"softcap": 2.0}],
+    ids=["plain", "window", "sinks", "softcap"],
+)
+def test_sdpa_key_row_bound_splits_a_bucket(pad, kw, monkeypatch):
+    """A GRPO-like group puts all its responses in one bucket (``nb·Lk`` key rows far above
+    the bound); under the bound every SDPA call, forward or backward rerun, gathers at most
+    the bound's key rows, with the same outputs and gradients."""
+    rng = np.random.default_rng(7)
+    prompt = list(range(1000, 1020))
+    lens = [6] * 12 if pad == 0.25 else rng.integers(3, 9, size=12).tolist()
+    nxt = iter(range(2000, 9000))
+    forest = RolloutForest.from_sequences([prompt + [next(nxt) for _ in range(n)] for n in lens])
+    c = forest.num_compact_tokens
+    plan = build_attention_plan(forest, max_pad_ratio=pad)
+    big = max(plan.buckets, key=lambda b: b.nb * b.lk)
+    assert big.nb == 12 and big.nb * big.lk > 200
+    sinks = kw.get("sinks", False)
+    kw = {k: v for k, v in kw.items() if k != "sinks"}
+    inputs = list(_attn_inputs(c, 4, 2, 16, 16, gate=True, dtype=torch.float64))
+    gen = torch.Generator().manual_seed(5)
+    inputs.append(torch.randn(4, dtype=torch.float64, generator=gen) if sinks else None)
+    w = torch.randn(c, 4, 16, dtype=torch.float64, generator=gen)
+    gathered: list[int] = []
+    module = sys.modules[tree_attention.__module__]
+    sdpa, soft = module.F.scaled_dot_product_attention, module._softcapped_attention
+
+    def spy_sdpa(q, k, v, **kws):
+        gathered.append(k.shape[0] * k.shape[2])
+        return sdpa(q, k, v, **kws)
+
+    def spy_soft(q, k, v, *args):
+        gathered.append(k.shape[0] * k.shape[2])
+        return soft(q, k, v, *args)
+
+    def run(max_key_rows):
+        def fn(x):
+            return tree_attention(
+                *x[:3], plan, gate=x[3], sinks=x[4], max_key_rows=max_key_rows, **kw
+            )
+
+        gathered.clear()
+        with monkeypatch.context() as m:
+            m.setattr(module.F, "scaled_dot_product_attention", spy_sdpa)
+            m.setattr(module, "_softcapped_attention", spy_soft)
+            out = _grads_of(fn, inputs, w)
+        return (*out, list(gathered))
+
+    o0, g0, saved0, calls0 = run(None)
+    o1, g1, saved1, calls1 = run(60)
+    assert max(calls0) > 200 and len(calls1) > 2 * len(calls0)  # forward + backward reruns
+    assert max(calls1) <= 60
+    assert torch.equal(o0, o1)
+    for a, b in zip(g0, g1):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-13)
+    assert saved1 < saved0
+
+
 @pytest.mark.parametrize("bad", [0, -3, True, 2.5, "8"])
 def test_key_row_bound_refuses_bad_values(bad):
     forest = _forest(0, 16)

@@ -91,8 +91,9 @@ class TreeLayout:
 
     ``attention_key_rows``: bound on the key rows an attention layer keeps for backward
     (``max_key_rows`` of the kernels: above it none are kept, and the keys are gathered again
-    in backward, in groups of at most that many rows for varlen kernels or per bucket for SDPA,
-    at the cost of one more attention forward); None = no bound.
+    in backward, in groups of at most that many rows: consecutive sequences for varlen kernels,
+    member chunks of each bucket for SDPA; a segment whose own path is longer is a group
+    alone; at the cost of one more attention forward); None = no bound.
     """
 
     def __init__(

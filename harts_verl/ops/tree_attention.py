@@ -45,7 +45,7 @@ coordinate. The sink-free path is unchanged.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import pairwise
 from typing import Any
 
@@ -379,6 +379,31 @@ def _bucket_mask(
     return mask.unsqueeze(1), False
 
 
+def _key_row_chunks(
+    b: AttentionBucket, max_key_rows: int, extra_keys: int
+) -> list[AttentionBucket]:
+    """``b`` as consecutive member chunks that each gather at most ``max_key_rows`` key rows
+    (``lk + extra_keys`` per member; a member whose own keys exceed the bound is a chunk
+    alone). Their outputs, concatenated in order, are ``b``'s (members are independent)."""
+    per = max(1, max_key_rows // (b.lk + extra_keys))
+    if per >= b.nb:
+        return [b]
+    chunks = []
+    for m0 in range(0, b.nb, per):
+        m1 = min(b.nb, m0 + per)
+        chunks.append(
+            replace(
+                b,
+                q_index=b.q_index[m0 * b.lq : m1 * b.lq],
+                k_index=b.k_index[m0 * b.lk : m1 * b.lk],
+                q_len=b.q_len[m0:m1],
+                k_len=b.k_len[m0:m1],
+                nb=m1 - m0,
+            )
+        )
+    return chunks
+
+
 def _gqa(
     k: torch.Tensor, v: torch.Tensor, hq: int
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, bool]]:
@@ -540,10 +565,12 @@ def tree_attention(
         scores become ``softcap · tanh(q kᵀ · scale / softcap)`` before the mask and softmax
         (an explicit-score path per bucket: no SDPA kernel takes it). Not with ``sinks``.
       max_key_rows: when the plan gathers more key rows than this (``plan.num_key_rows``) and
-        autograd records the call, each bucket runs under activation checkpointing: no
-        gathered keys / values (or scores) are kept for backward, which gathers them again
-        one bucket at a time and reruns that bucket's forward. Same values and gradients up
-        to the order of the key / value gradient sums. None = keep them.
+        autograd records the call, each bucket runs in consecutive member chunks of at most
+        this many key rows (a member whose own keys exceed it is a chunk alone), each under
+        activation checkpointing: no gathered keys / values (or scores) are kept for
+        backward, which gathers them again one chunk at a time and reruns that chunk's
+        forward. Same values and gradients up to the order of the key / value gradient sums.
+        None = keep them.
 
     Returns:
       ``[C, Hq, Dv]`` in q's dtype and compact row order. Row ``r`` equals the trajectory-wise
@@ -601,7 +628,12 @@ def tree_attention(
     if recompute:
         from torch.utils.checkpoint import checkpoint
 
-        outs = [checkpoint(run, b, q, k, v, use_reentrant=False) for b in plan.buckets]
+        extra_keys = 0 if sinks is None else 1
+        outs = [
+            checkpoint(run, part, q, k, v, use_reentrant=False)
+            for b in plan.buckets
+            for part in _key_row_chunks(b, max_key_rows, extra_keys)
+        ]
     else:
         outs = [run(b, q, k, v) for b in plan.buckets]
     o = torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]

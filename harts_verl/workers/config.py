@@ -70,9 +70,10 @@ class HartsConfig(BaseConfig):
       attention_key_rows: bound on the key rows a full-attention layer keeps for backward
         (each segment's whole root path: ``Σ Lk`` rows, which ``capacity_tokens`` does not
         bound; ≈ 9 × the compact rows on tau-like trees). Above it none are kept: the keys are
-        gathered again in backward, in groups of at most this many rows (varlen kernels; a
-        segment whose own path is longer is a group alone) or per bucket (SDPA; a bucket may
-        hold more rows), at the cost of one more attention forward. None = no bound (default).
+        gathered again in backward, in groups of at most this many rows (consecutive sequences
+        for varlen kernels, member chunks of each bucket for SDPA; a segment whose own path is
+        longer is a group alone), at the cost of one more attention forward. None = no bound
+        (default).
       planner: options passed to ``plan_microbatches`` (``strategies``, ``improve``,
         ``balance``, ``work_slack``, ``restarts``, ``effort``, ``seed``, ``max_layers_work``,
         ``max_search_cells``).
