@@ -433,6 +433,32 @@ def test_load_sequences_formats_and_errors(tmp_path):
         # Python ints numpy cannot hold in one integer dtype (it made floats / objects)
         "huge": ([[1, 2, 2**63]], "trajectory 0: token id 9223372036854775808 is beyond int64"),
         "huger": ([[1, 2**70]], "token id 1180591620717411303424 is beyond int64"),
+        # dtypes numpy has no match for, and tensors without data: named by trajectory (they
+        # were torch's own messages, "Got unsupported ScalarType BFloat16", no trajectory)
+        "bf16": (
+            [torch.tensor([1, 2]), torch.tensor([1, 2], dtype=torch.bfloat16)],
+            r"trajectory 1: expected a 1-D sequence of integer token ids, got dtype "
+            r"torch\.bfloat16",
+        ),
+        "bf16nested": (
+            {"input_ids": [torch.tensor([3.0], dtype=torch.bfloat16)]},
+            "trajectory 0: .* got dtype torch.bfloat16",
+        ),
+        "meta": ([torch.tensor([1, 2], device="meta")], "trajectory 0: a meta tensor holds no"),
+        # these were tracebacks (exit status 1) from inside torch
+        "metamask": (
+            {"input_ids": dense.to("meta"), "attention_mask": mask.to("meta")},
+            "attention_mask: a meta tensor holds no data",
+        ),
+        "metanested": ({"input_ids": nested.to("meta")}, "input_ids: a meta tensor holds no"),
+        "sparse": (
+            {"input_ids": dense.to_sparse(), "attention_mask": mask},
+            "input_ids: expected a dense or nested tensor, got torch.sparse_coo",
+        ),
+        "metarows": (
+            {"input_ids": [dense[0].to("meta")], "attention_mask": mask[:1]},
+            "input_ids row 0: a meta tensor holds no data",
+        ),
     }
     bad["protonobatch"] = (DataProto(), "no tensor batch")
     for name, (obj, msg) in bad.items():

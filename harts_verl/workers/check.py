@@ -220,6 +220,18 @@ def _positions_mismatch(positions: Any, mask: Any, seqs: list[list[int]], path: 
     )
 
 
+def _check_readable(t: Any, path: str, name: str) -> None:
+    """ValueError naming ``name`` when ``t`` is a tensor whose values cannot be read as a
+    batch's: a meta tensor (no data) or a sparse / other non-dense layout (a nested tensor is
+    read); torch's own errors for them came from deep inside (exit status 1, a traceback)."""
+    if not isinstance(t, torch.Tensor):
+        return
+    if t.device.type == "meta":
+        raise ValueError(f"{path}: {name}: a meta tensor holds no data")
+    if t.layout != torch.strided and not t.is_nested:
+        raise ValueError(f"{path}: {name}: expected a dense or nested tensor, got {t.layout}")
+
+
 def _sequences_of(obj: Any, path: str) -> list[list[int]]:
     mask = positions = None
     if hasattr(obj, "batch") and hasattr(obj, "non_tensor_batch"):  # a veRL DataProto
@@ -233,7 +245,10 @@ def _sequences_of(obj: Any, path: str) -> list[list[int]]:
         mask = obj["attention_mask"] if "attention_mask" in keys else None
         positions = obj["position_ids"] if "position_ids" in keys else None
         obj = obj["input_ids"]
+        _check_readable(mask, path, "attention_mask")
         if mask is not None and isinstance(obj, list | tuple):  # rows of one padded width
+            for i, r in enumerate(obj):
+                _check_readable(r, path, f"input_ids row {i}")
             rows = [r.tolist() if hasattr(r, "tolist") else r for r in obj]
             if not all(isinstance(r, list | tuple) for r in rows):
                 raise ValueError(f"{path}: input_ids: expected rows of token ids")
@@ -258,6 +273,7 @@ def _sequences_of(obj: Any, path: str) -> list[list[int]]:
                         f"{path}: attention_mask: expected rows of 0 / 1 values as wide as the "
                         "input_ids rows"
                     ) from None
+    _check_readable(obj, path, "input_ids")
     if isinstance(obj, torch.Tensor) and obj.is_nested:
         obj = list(obj.unbind())
     elif isinstance(obj, torch.Tensor):
@@ -307,12 +323,18 @@ def _sequences_of(obj: Any, path: str) -> list[list[int]]:
         raise ValueError(f"{path}: expected trajectories as a list, got {type(obj).__name__}")
     seqs = []
     for i, t in enumerate(obj):
+        _check_readable(t, path, f"trajectory {i}")
         try:
             a = t.numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
         except ValueError:  # numpy's ragged nesting error
             raise ValueError(
                 f"{path}: trajectory {i}: expected a flat sequence of integer token ids, got "
                 "ragged nesting"
+            ) from None
+        except TypeError as exc:  # a dtype numpy has no match for (bfloat16, float8, ...)
+            what = f"dtype {t.dtype}" if isinstance(t, torch.Tensor) else str(exc)
+            raise ValueError(
+                f"{path}: trajectory {i}: expected a 1-D sequence of integer token ids, got {what}"
             ) from None
         if a.ndim == 1 and a.dtype.kind in "fO" and isinstance(t, list | tuple) and t:
             # integers numpy could not hold together (past int64; uint64 with signed: float64);
