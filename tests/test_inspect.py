@@ -367,10 +367,18 @@ def test_load_forest_errors(tmp_path):
     RolloutForest.from_sequences(SEQS).save(good)
     assert load_forest(good).equals(RolloutForest.from_sequences(SEQS))
     np.savez(tmp_path / "other.npz", a=np.arange(3), b=np.arange(2))
+    # a torch.save zip (a batch for `check --batch`): said so, not listed as its pickle's
+    # members ("an .npz archive with arrays 'batch/data.pkl', 'batch/byteorder', ...")
+    import zipfile
+
+    with zipfile.ZipFile(tmp_path / "batch.pt", "w") as z:  # torch.save's layout, no torch
+        for name in ("data.pkl", "byteorder", "version", ".data/serialization_id"):
+            z.writestr(f"batch/{name}", b"0")
     for bad, msg in [
         (tmp_path / "nope.npz", "no such file"),
         (tmp_path, "is a directory"),
         (tmp_path / "other.npz", r"not a forest file \(an \.npz archive with arrays 'a', 'b'"),
+        (tmp_path / "batch.pt", r"batch\.pt: not a forest file \(a torch\.save file; a forest "),
     ]:
         with pytest.raises(ValueError, match=msg):
             load_forest(bad)

@@ -742,6 +742,13 @@ def _file_format_version(path: Any, z: Any) -> int:
     is absent, and naming the field unless it is one integer (a 0-d integer array, as
     :meth:`RolloutForest.save` writes): no shapes, strings, objects or floats (``1.5`` must not
     read as version 1)."""
+    if "format_version" not in z and any(k.rpartition("/")[2] == "data.pkl" for k in z.files):
+        # a torch.save zip (what `harts-verl check --batch` reads), listed as its pickle's
+        # members ('batch/data.pkl', 'batch/byteorder', ...) it read as some foreign archive
+        raise ValueError(
+            f"{path}: not a forest file (a torch.save file; a forest is written by "
+            "RolloutForest.save, e.g. RolloutForest.from_sequences(token_id_lists).save(path))"
+        )
     if "format_version" not in z:
         names = ", ".join(repr(k) for k in z.files[:8]) + (", ..." if len(z.files) > 8 else "")
         raise ValueError(
