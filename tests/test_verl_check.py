@@ -765,7 +765,13 @@ def test_check_names_nan_and_gives_a_verdict(tmp_path, capsys, monkeypatch):
     assert json.loads(capsys.readouterr().out)["agree"] is False
     torch.save([[5, 6, 7], []], tmp_path / "e.pt")
     rc = main(["check", "--model", path, "--batch", str(tmp_path / "e.pt")])
-    assert rc == 2 and "sequences[1]: empty trajectory" in capsys.readouterr().err
+    # named as the file's trajectory, as load_sequences names them ("sequences[1]" was the
+    # argument name of RolloutForest.from_sequences, nothing in the user's file)
+    assert rc == 2 and "e.pt: trajectory 1: empty trajectory" in capsys.readouterr().err
+    torch.save([[5, 6, 7], [5, 99]], tmp_path / "v.pt")
+    rc = main(["check", "--model", path, "--batch", str(tmp_path / "v.pt")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "v.pt: trajectory 1: token id 99 at position 1 is outside" in err
     for bad in ("-1", "nan"):
         with pytest.raises(SystemExit):
             main([*argv, "--fail-above", bad])

@@ -45,6 +45,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -793,7 +794,9 @@ def load_inputs(args: argparse.Namespace) -> tuple[torch.nn.Module, list[list[in
     check_int("--seed", args.seed, 0, SEED_MAX)
 
     def batch_error(exc: Exception) -> ValueError:
-        msg = str(exc)
+        # the forest's and runner's "sequences[i]: ..." (their argument) as the file's
+        # "trajectory i: ...", as load_sequences names them
+        msg = re.sub(r"^sequences\[(\d+)\]:", r"trajectory \1:", str(exc))
         return ValueError(
             f"--batch: {msg}" if msg.startswith(args.batch) else f"--batch: {args.batch}: {msg}"
         )
