@@ -22,6 +22,7 @@ import os
 import pickle
 import re
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import NoReturn
@@ -59,8 +60,10 @@ _BENCH_FLAGS = {
     "device": "--device",
     "plot": "--plot",
 }
-# `inspect` reports its planning on stderr from this many trajectories on (seconds to a minute)
+# `inspect` reports its planning on stderr from this many trajectories on (seconds to a minute),
+# and for fewer once it has planned this many seconds (many replicas, restarts, work slack)
 _PROGRESS_TRAJECTORIES = 1000
+_PROGRESS_AFTER_S = 2.0
 
 _INSPECT_FLAGS = {
     "capacity_tokens": "--capacity",
@@ -318,11 +321,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     with _inputs():  # the file's own errors name it as given (a path is no flag)
         forest = load_forest(args.forest)
     # A plan of many trajectories can take a minute (3,600 GRPO responses at --work-slack 0.02
-    # and --dp 64: ≈ 10 s); say so on stderr, and how long it took.
-    progress = (
-        args.capacity and not args.no_progress and forest.num_trajectories >= _PROGRESS_TRAJECTORIES
-    )
-    if progress:
+    # and --dp 64: ≈ 10 s), and fewer with many replicas or restarts: say so on stderr (at once
+    # for many trajectories, else once it has taken _PROGRESS_AFTER_S), and how long it took.
+    announced = threading.Event()
+
+    def announce() -> None:
         print(
             f"harts-verl inspect: planning {forest.num_trajectories:,} trajectories "
             f"({forest.num_compact_tokens:,} compact tokens) at --capacity {args.capacity}, "
@@ -330,12 +333,27 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
+        announced.set()
+
+    timer = None
+    if args.capacity and not args.no_progress:
+        if forest.num_trajectories >= _PROGRESS_TRAJECTORIES:
+            announce()
+        else:
+            timer = threading.Timer(_PROGRESS_AFTER_S, announce)
+            timer.daemon = True
+            timer.start()
     t0 = time.perf_counter()
-    stats = forest_statistics(  # past the inputs: an error here is a bug, with its traceback
-        forest, chunk_size=args.chunk_size, capacity_tokens=args.capacity or None, **plan_args
-    )
+    try:
+        stats = forest_statistics(  # past the inputs: an error here is a bug, with its traceback
+            forest, chunk_size=args.chunk_size, capacity_tokens=args.capacity or None, **plan_args
+        )
+    finally:
+        if timer is not None:
+            timer.cancel()
+            timer.join()
     plan = stats.get("plan")
-    if progress:
+    if announced.is_set():
         print(
             f"harts-verl inspect: planned {plan['microbatches']:,} microbatches in "
             f"{plan['planning_seconds']:.1f} s (with the statistics: "
@@ -345,8 +363,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         )
     if plan and plan["oversize_trajectories"]:  # no error: said, as bench says it
         print(
-            f"harts-verl inspect: note: {plan['oversize_trajectories']} trajectories are longer "
-            f"than --capacity {args.capacity}: each runs whole in a microbatch of its own, "
+            f"harts-verl inspect: note: {plan['oversize_trajectories']} "
+            f"{'trajectory is' if plan['oversize_trajectories'] == 1 else 'trajectories are'} "
+            f"longer than --capacity {args.capacity}: each runs whole in a microbatch of its own, "
             f"above the capacity (plan.oversize_microbatches: {plan['oversize_microbatches']})",
             file=sys.stderr,
         )
@@ -416,7 +435,8 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
         "--no-progress",
         action="store_true",
         help=f"no planning progress on stderr (given for --capacity with >= "
-        f"{_PROGRESS_TRAJECTORIES:,} trajectories)",
+        f"{_PROGRESS_TRAJECTORIES:,} trajectories, or once planning takes "
+        f"{_PROGRESS_AFTER_S:g} s)",
     )
     p.set_defaults(func=_cmd_inspect)
 

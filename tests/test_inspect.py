@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -428,3 +429,36 @@ def test_cli_inspect_notes_oversize_trajectories_and_reports_progress(tmp_path, 
     argv = ["inspect", str(tmp_path / "many.npz"), "--capacity", "64", "--no-progress"]
     assert main(argv) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_cli_inspect_reports_a_slow_plan_of_few_trajectories(tmp_path, capsys, monkeypatch):
+    """Fewer trajectories than the announcing threshold, but a plan that takes a while (many
+    replicas, restarts, work slack): announced once it has taken ``_PROGRESS_AFTER_S``, with
+    its time; a quick one says nothing; one oversize trajectory is said in the singular."""
+    import harts_verl.cli as cli
+    import harts_verl.tree.inspect as inspect_module
+
+    path = tmp_path / "f.npz"
+    RolloutForest.from_sequences(SEQS).save(path)
+    statistics = inspect_module.forest_statistics
+
+    def slow(*a, **kw):
+        time.sleep(0.6)
+        return statistics(*a, **kw)
+
+    monkeypatch.setattr(inspect_module, "forest_statistics", slow)
+    monkeypatch.setattr(cli, "_PROGRESS_AFTER_S", 0.05)
+    assert main(["inspect", str(path), "--capacity", "8", "--dp", "2"]) == 0
+    captured = capsys.readouterr()
+    json.loads(captured.out)
+    err = captured.err.strip().splitlines()
+    assert len(err) == 2 and f"planning {len(SEQS)} trajectories" in err[0], err
+    assert err[1].startswith("harts-verl inspect: planned "), err
+    assert main(["inspect", str(path), "--capacity", "8", "--no-progress"]) == 0
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(cli, "_PROGRESS_AFTER_S", 30.0)
+    assert main(["inspect", str(path), "--capacity", "8"]) == 0
+    assert capsys.readouterr().err == ""
+    RolloutForest.from_sequences([[1, 2, 3], [1, 2, 3, 4, 5, 6, 7]]).save(tmp_path / "one.npz")
+    assert main(["inspect", str(tmp_path / "one.npz"), "--capacity", "4"]) == 0
+    assert "note: 1 trajectory is longer than --capacity 4" in capsys.readouterr().err
