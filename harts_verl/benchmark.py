@@ -364,8 +364,8 @@ def prepare_bench(cfg: BenchConfig, inputs: BenchInputs | None = None) -> Prepar
     oversize = sum(s.num_compact_tokens > cap for s in subs) if cap else 0
     if oversize:
         notes.append(
-            f"{oversize} microbatches exceed capacity_tokens {cap} (a single trajectory "
-            "longer than the capacity runs alone)"
+            f"{oversize} microbatch{'es exceed' if oversize != 1 else ' exceeds'} "
+            f"capacity_tokens {cap} (a single trajectory longer than the capacity runs alone)"
         )
     for note in notes:
         print(f"harts-verl bench: note: {note}", file=sys.stderr)

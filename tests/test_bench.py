@@ -698,7 +698,10 @@ def test_settings_the_run_cannot_honour_are_reported(capsys, caplog):
     assert prep.oversize_microbatches == prep.microbatches == 1
     assert len(prep.notes) == 2
     err = capsys.readouterr().err
-    assert "max_semantic_tokens 10 is below" in err and "exceed capacity_tokens 64" in err
+    assert (
+        "max_semantic_tokens 10 is below" in err
+        and "1 microbatch exceeds capacity_tokens 64" in err
+    )
     ok = prepare_bench(BenchConfig(preset="tiny", scale=0.0005))
     assert ok.oversize_microbatches == 0 and ok.notes == []
 

@@ -559,7 +559,7 @@ def run_check(
         "trajectories": len(seqs),
         "semantic_tokens": tree.last_stats.semantic_tokens,
         "compact_tokens": tree.last_stats.compact_tokens,
-        "compression": tree.last_stats.compression,
+        "compression": round(tree.last_stats.compression, 4),  # as inspect and bench print it
         "max_abs_dlogp": shown(dlogp),
         "own_forward_max_abs_dlogp": shown(own_dlogp),
         "own_forward_independent": own is not None and not _runs_harts_ops(model),
