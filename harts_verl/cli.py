@@ -24,8 +24,8 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from typing import NoReturn
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
 
 from harts_verl.tree._checks import check_int, finite_float_arg, int_arg
 
@@ -295,6 +295,22 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inspected_forest(path: str, load_forest: Callable[[str], Any]) -> Any:
+    """The forest of ``inspect``'s input: a token file (``.json`` / ``.jsonl`` / ``.ndjson``),
+    a torch batch dump (``.pt`` / ``.pth``, read as ``check --batch`` reads it), else a saved
+    forest (``load_forest``). Errors are ValueErrors naming the file."""
+    from harts_verl.tree import RolloutForest
+    from harts_verl.tree.token_files import is_token_file, read_token_lists
+
+    if is_token_file(path):
+        return RolloutForest.from_sequences(read_token_lists(path))
+    if path.lower().endswith((".pt", ".pth")):
+        from harts_verl.workers.check import load_sequences
+
+        return RolloutForest.from_sequences(load_sequences(path))
+    return load_forest(path)
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from harts_verl.tree import check_plan_arguments
     from harts_verl.tree.inspect import forest_statistics, load_forest, plot_path, plot_statistics
@@ -319,7 +335,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             check_plan_arguments(capacity_tokens=args.capacity, **plan_args)
         plot = plot_path(args.plot) if args.plot is not None else None
     with _inputs():  # the file's own errors name it as given (a path is no flag)
-        forest = load_forest(args.forest)
+        forest = _inspected_forest(args.forest, load_forest)
     # A plan of many trajectories can take a minute (3,600 GRPO responses at --work-slack 0.02
     # and --dp 64: ≈ 10 s), and fewer with many replicas or restarts: say so on stderr (at once
     # for many trajectories, else once it has taken _PROGRESS_AFTER_S), and how long it took.
@@ -396,9 +412,16 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
         "inspect",
         help=_HELP["inspect"],
         description="Compression, depth and branching histograms, forks inside chunks, "
-        "planned microbatches and within-slot imbalance of a saved forest (.npz).",
+        "planned microbatches and within-slot imbalance of a step's trajectories: a saved "
+        "forest (.npz), a token file (.json / .jsonl) or a torch batch dump (.pt / .pth).",
     )
-    p.add_argument("forest", help="a forest written by RolloutForest.save (.npz)")
+    p.add_argument(
+        "forest",
+        help="a forest written by RolloutForest.save (.npz); a token file: JSON Lines "
+        "(.jsonl / .ndjson, one trajectory per line: a list of token ids or an object with "
+        "input_ids) or JSON (.json, a list of those, or an object whose input_ids is a list of "
+        "token-id lists); or a torch.save batch dump (.pt / .pth, as check --batch reads it)",
+    )
     p.add_argument(
         "--capacity",
         type=int_arg(0),

@@ -462,3 +462,107 @@ def test_cli_inspect_reports_a_slow_plan_of_few_trajectories(tmp_path, capsys, m
     RolloutForest.from_sequences([[1, 2, 3], [1, 2, 3, 4, 5, 6, 7]]).save(tmp_path / "one.npz")
     assert main(["inspect", str(tmp_path / "one.npz"), "--capacity", "4"]) == 0
     assert "note: 1 trajectory is longer than --capacity 4" in capsys.readouterr().err
+
+
+def test_token_files_read_as_the_forest_of_their_trajectories(tmp_path, capsys):
+    """JSON Lines (lists or objects with input_ids, blank lines skipped), JSON (a list, or an
+    object with input_ids) and a torch batch dump give ``inspect`` the same statistics as the
+    saved forest of the same trajectories; ``check --batch`` reads the token files too."""
+    import torch
+
+    from harts_verl.tree.token_files import read_token_lists
+    from harts_verl.workers.check import load_sequences
+
+    forest = RolloutForest.from_sequences(SEQS)
+    forest.save(tmp_path / "f.npz")
+    lines = [
+        json.dumps(s) if i % 2 else json.dumps({"input_ids": s, "reward": 0.5})
+        for i, s in enumerate(SEQS)
+    ]
+    (tmp_path / "a.jsonl").write_text("\n".join(lines[:2]) + "\n\n  \n" + "\n".join(lines[2:]))
+    (tmp_path / "b.ndjson").write_text("\n".join(json.dumps(s) for s in SEQS) + "\n")
+    (tmp_path / "c.json").write_text(json.dumps(SEQS))
+    (tmp_path / "d.JSON").write_text(json.dumps({"input_ids": SEQS, "rewards": [1, 2, 3, 4]}))
+    torch.save([torch.tensor(s) for s in SEQS], tmp_path / "e.pt")
+
+    def stats() -> dict:
+        out = json.loads(capsys.readouterr().out)
+        assert out["plan"].pop("planning_seconds") >= 0
+        return out
+
+    assert main(["inspect", str(tmp_path / "f.npz"), "--capacity", "8"]) == 0
+    want = stats()
+    for name in ("a.jsonl", "b.ndjson", "c.json", "d.JSON", "e.pt"):
+        path = tmp_path / name
+        if name != "e.pt":
+            got = read_token_lists(path)
+            assert [a.tolist() for a in got] == SEQS and all(a.dtype == np.int64 for a in got)
+            assert load_sequences(str(path)) == SEQS
+        assert main(["inspect", str(path), "--capacity", "8"]) == 0
+        assert stats() == want, name
+
+
+@pytest.mark.parametrize(
+    "name,text,msg",
+    [
+        ("bool.jsonl", "[1, 2]\n[1, true]\n", r"line 2: token ids must be integers, got a bool"),
+        ("float.jsonl", "[1, 2.5]\n", r"line 1: token ids must be integers"),
+        ("neg.jsonl", "\n[1, -4]\n", r"line 2: negative token id -4"),
+        ("huge.jsonl", "[1, 9223372036854775808]\n", r"line 1: token id 9223372036854775808 "),
+        ("empty.jsonl", "[1]\n[]\n", r"line 2: empty trajectory"),
+        ("nested.jsonl", "[1, [2]]\n", r"line 1: ragged nesting"),
+        ("notjson.jsonl", "[1, 2]\n[1, 2,\n", r"line 2: not JSON \(Expecting value at column"),
+        (
+            "keys.jsonl",
+            '{"ids": [1]}\n',
+            r"line 1: expected a list of token ids or an object "
+            r"with 'input_ids', got an object with keys 'ids'",
+        ),
+        ("str.jsonl", '"hello"\n', r"line 1: expected a list of token ids .* got str \"hello\""),
+        ("blank.jsonl", "\n \n", r"blank\.jsonl: the file holds no trajectories"),
+        (
+            "one.json",
+            "[1, 2, 3]",
+            r"trajectory 0: .* got int 1 \(the file is a list of "
+            r"trajectories: wrap one trajectory in a list\)",
+        ),
+        (
+            "obj.json",
+            '{"ids": []}',
+            r"obj\.json: expected a list of trajectories or an object "
+            r"with 'input_ids', got an object with keys 'ids'",
+        ),
+        ("flat.json", '{"input_ids": [1, 2]}', r"input_ids: expected a list of token-id lists"),
+        ("scalar.json", "7", r"scalar\.json: expected a list of trajectories .* got int"),
+        ("none.json", "[]", r"none\.json: the file holds no trajectories"),
+        ("bad.json", "[[1, 2]", r"bad\.json: not JSON"),
+        ("idx.json", '[[1], {"input_ids": [2, "x"]}]', r"trajectory 1: token ids must be integers"),
+    ],
+)
+def test_token_file_errors_name_the_file_and_line(tmp_path, capsys, name, text, msg):
+    from harts_verl.tree.token_files import read_token_lists
+
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ValueError, match=msg):
+        read_token_lists(path)
+    assert main(["inspect", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"harts-verl inspect: {path}: ") and len(err.splitlines()) == 1, err
+
+
+def test_token_file_reader_refuses_what_is_not_one(tmp_path):
+    from harts_verl.tree.token_files import is_token_file, read_token_lists
+
+    assert is_token_file("a.JSONL") and is_token_file("b.json") and not is_token_file("c.npz")
+    (tmp_path / "dir.jsonl").mkdir()
+    for path, msg in [
+        (tmp_path / "nope.jsonl", "nope.jsonl: no such file"),
+        (tmp_path / "dir.jsonl", r"dir\.jsonl: is a directory"),
+        (tmp_path / "x.txt", r"x\.txt: expected a token file \(\.json / \.jsonl / \.ndjson\)"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            read_token_lists(path)
+    (tmp_path / "latin.jsonl").write_bytes(b"[1, 2]\n\xff\n")
+    with pytest.raises(ValueError, match=r"latin\.jsonl: not UTF-8 text"):
+        read_token_lists(tmp_path / "latin.jsonl")

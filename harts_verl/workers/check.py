@@ -11,7 +11,9 @@ short-conv hybrids (LFM2, LFM2-MoE); ``--batch`` a dump of trajectories: a ``Rol
 file (``.npz``, told by its content whatever its name), or a ``torch.save`` file (``.pt``)
 holding a list of token-id lists or a dict with ``input_ids`` (list, or a nested tensor as in a
 veRL batch; every trajectory is audited at positions 0..L-1, and a dump whose ``position_ids``
-differ gets a note on stderr). Prints JSON: max |Δlogp| tree vs expanded (``max_abs_dlogp``) and tree vs the
+differ gets a note on stderr), or a JSON / JSON Lines token file (``.json`` / ``.jsonl``: a
+list of token ids per trajectory, or objects with ``input_ids``;
+:mod:`harts_verl.tree.token_files`). Prints JSON: max |Δlogp| tree vs expanded (``max_abs_dlogp``) and tree vs the
 model's own forward of each trajectory alone (``own_forward_max_abs_dlogp``: for an HF model
 its own code, no tree machinery, the independent oracle; both null when no trajectory has two
 tokens, so no log-prob was compared; ``own_forward_independent`` false for the native model,
@@ -115,7 +117,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch
 
 
 def load_sequences(path: str) -> list[list[int]]:
-    """Trajectories of a batch dump (see module doc): a ``RolloutForest.save`` ``.npz``, or a
+    """Trajectories of a batch dump (see module doc): a token file (``.json`` / ``.jsonl``:
+    :mod:`harts_verl.tree.token_files`), a ``RolloutForest.save`` ``.npz``, or a
     ``torch.save`` file of a list of token-id lists / 1-D integer tensors, a nested (jagged)
     ``input_ids`` tensor, or a mapping (dict, TensorDict) with ``input_ids`` — nested, a list,
     or dense ``[B, L]`` with ``attention_mask`` (the masked-in tokens of each row, one run of
@@ -127,7 +130,10 @@ def load_sequences(path: str) -> list[list[int]]:
     directory, and when it is neither a forest file nor readable by ``torch.load`` (a
     truncated or foreign file: the reader's message is included)."""
     from harts_verl.tree.inspect import load_forest
+    from harts_verl.tree.token_files import is_token_file, read_token_lists
 
+    if is_token_file(path):
+        return [a.tolist() for a in read_token_lists(path)]
     names = _zip_names(path)  # read once: a forest archive or a torch.save zip, told apart
     pickled = names is not None and any(n.endswith(".pkl") for n in names)
     forest_file = names is not None and "format_version.npy" in names and not pickled
@@ -589,7 +595,11 @@ def audit_status(res: dict[str, Any]) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``check`` options (for ``harts-verl check``); malformed values are argparse errors."""
     p.add_argument("--model", required=True, help="HF model dir, or a config.json (random init)")
-    p.add_argument("--batch", required=True, help="batch dump: forest .npz or torch .pt")
+    p.add_argument(
+        "--batch",
+        required=True,
+        help="batch dump: forest .npz, torch .pt, or token file .json / .jsonl",
+    )
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--chunk-size", type=int_arg(1), default=64)
     p.add_argument(
