@@ -33,6 +33,7 @@ of measurement. The result is printed as strict JSON
 
 from __future__ import annotations
 
+import os
 import resource
 import statistics
 import sys
@@ -55,6 +56,7 @@ from harts_verl.runtime.flops import ModelShape, ideal_flop_ratio, model_shape
 from harts_verl.tree import RolloutForest
 from harts_verl.tree._checks import INT64_MAX, SEED_MAX, check_int, finite_float
 from harts_verl.tree._checks import is_int as _is_int
+from harts_verl.tree.forest import as_trajectory_array
 from harts_verl.tree.inspect import json_text, plot_path
 from harts_verl.tree.linear_plan import plan_linear_calls
 from harts_verl.tree.workloads import MAX_SCALE, WORKLOADS
@@ -84,6 +86,11 @@ class BenchConfig:
     scale: float = 0.05
     seed: int = 0
     workload_overrides: dict[str, Any] | None = None
+    # A file of your own step's trajectories (a forest .npz, a token file .json / .jsonl, a
+    # torch.save .pt dump: harts_verl.workers.check.load_sequences) instead of the generated
+    # workload (workload, scale and workload_overrides are then not used). Token ids past the
+    # model's vocabulary are renumbered densely in their order (the same forest).
+    trajectories: str | None = None
     max_semantic_tokens: int | None = None
     preset: str = "bench"
     # An HF model directory or config.json (random weights, seeded) of any model that runs in
@@ -102,7 +109,9 @@ class BenchConfig:
     progress: bool = True
 
 
-def _select(sequences: list[np.ndarray], group_ids: np.ndarray, budget: int | None) -> list[int]:
+def _select(
+    sequences: list[np.ndarray], group_ids: np.ndarray | None, budget: int | None
+) -> list[int]:
     """Indices of a prefix (in generation order) of trajectories with at most ``budget`` semantic
     tokens (whole trajectories; at least one). Note: a prefix of a group shares less than the
     whole group; prefer choosing the workload's scale."""
@@ -213,6 +222,16 @@ def check_config(cfg: BenchConfig) -> tuple[torch.device, str | None]:
                 f"workload_overrides: {own} is --{own} (the config's {own!r}), not a generator "
                 "option"
             )
+    if cfg.trajectories is not None:
+        if not isinstance(cfg.trajectories, str | os.PathLike):
+            raise ValueError(
+                f"trajectories: expected a file path or None, got {type(cfg.trajectories).__name__}"
+            )
+        if cfg.workload_overrides:
+            raise ValueError(
+                "workload_overrides: generator options, but the trajectories come from "
+                f"{os.fspath(cfg.trajectories)!r}"
+            )
     plot = plot_path(cfg.plot) if cfg.plot is not None else None
     try:
         device = torch.device(cfg.device)
@@ -260,6 +279,7 @@ class PreparedBench:
     shape: ModelShape | None = None
     microbatch_forests: list[RolloutForest] = field(default_factory=list)
     microbatch_replays: list[int] = field(default_factory=list)
+    token_ids_remapped: bool = False  # BenchInputs.token_ids_remapped
 
 
 @dataclass
@@ -274,6 +294,7 @@ class BenchInputs:
     mcfg: Any
     model_type: str
     seqs: list[np.ndarray]
+    token_ids_remapped: bool = False  # ``trajectories``' ids renumbered into the vocabulary
 
 
 def load_bench_inputs(cfg: BenchConfig) -> BenchInputs:
@@ -283,7 +304,8 @@ def load_bench_inputs(cfg: BenchConfig) -> BenchInputs:
     Raises ``ValueError`` whose message starts with the setting at fault (``dtype:``,
     ``workload:``, ``repeats:``, ``warmup:`` (>= 1), ``seed:``, ``chunk_size:``, ``scale:``,
     ``max_semantic_tokens:``, ``capacity_tokens:``, ``workload_overrides:`` (a generator option
-    it does not know or cannot use), ``plot:`` (:func:`plot_path`), ``device:``, ``preset:``,
+    it does not know or cannot use, or any with ``trajectories``), ``trajectories:`` (the file:
+    missing, unreadable, bad token ids, more distinct ids than the model's vocabulary), ``plot:`` (:func:`plot_path`), ``device:``, ``preset:``,
     ``model:`` (:func:`harts_verl.workers.check.load_tree_model`: missing or unreadable files,
     a model type without a tree mode, checked before the model is built; then a model whose
     token mixers have no tree mode, a vocabulary too small for the workload, or a
@@ -300,29 +322,62 @@ def load_bench_inputs(cfg: BenchConfig) -> BenchInputs:
     except (ValueError, TypeError) as exc:
         raise _named("model", exc) from exc
     vocab_size = getattr(mcfg, "vocab_size", None) or mcfg.get_text_config().vocab_size
-    try:
-        w = WORKLOADS[cfg.workload](
-            scale=cfg.scale, seed=cfg.seed, vocab_size=vocab_size, **workload_options(cfg)
-        )
-    except (ValueError, TypeError) as exc:  # scale and seed are checked: the overrides, or
-        # a vocabulary (the model's) too small for the workload
-        if str(exc).startswith("vocab_size"):  # the model's vocabulary, with the options used
-            given = (
-                f" (with --workload-option {cfg.workload_overrides})"
-                if cfg.workload_overrides
-                else ""
+    remapped = False
+    if cfg.trajectories is not None:
+        from harts_verl.workers.check import load_sequences
+
+        try:
+            given = load_sequences(os.fspath(cfg.trajectories))
+            # as the runners validate them (ids: non-negative integers within int64)
+            arrays = [as_trajectory_array(t, i, "trajectory") for i, t in enumerate(given)]
+        except ValueError as exc:
+            raise _named("trajectories", exc) from exc
+        arrays, remapped = fit_vocabulary(arrays, vocab_size)
+        sequences = arrays
+        idx = _select(sequences, None, cfg.max_semantic_tokens)
+    else:
+        try:
+            w = WORKLOADS[cfg.workload](
+                scale=cfg.scale, seed=cfg.seed, vocab_size=vocab_size, **workload_options(cfg)
             )
-            raise ValueError(f"model: {exc}{given}") from exc
-        raise _named("workload_overrides", exc) from exc
-    idx = _select(w.sequences, w.group_ids, cfg.max_semantic_tokens)
-    seqs = [w.sequences[i] for i in idx]
+        except (ValueError, TypeError) as exc:  # scale and seed are checked: the overrides,
+            # or a vocabulary (the model's) too small for the workload
+            if str(exc).startswith("vocab_size"):  # the model's vocabulary, with the options
+                given = (
+                    f" (with --workload-option {cfg.workload_overrides})"
+                    if cfg.workload_overrides
+                    else ""
+                )
+                raise ValueError(f"model: {exc}{given}") from exc
+            raise _named("workload_overrides", exc) from exc
+        sequences = w.sequences
+        idx = _select(sequences, w.group_ids, cfg.max_semantic_tokens)
+    seqs = [sequences[i] for i in idx]
     try:  # dynamic / longrope scaling: tree mode is exact only below the original context
         check_rope_lengths(model, max((len(t) for t in seqs), default=0))
     except NotImplementedError as exc:
+        fix = "shorter trajectories" if cfg.trajectories else "a smaller --scale or path caps"
+        raise ValueError(f"model: {exc} (this workload's; choose {fix})") from exc
+    return BenchInputs(device, plot, model, mcfg, model_type, seqs, remapped)
+
+
+def fit_vocabulary(seqs: list[np.ndarray], vocab_size: int) -> tuple[list[np.ndarray], bool]:
+    """``seqs`` with token ids below ``vocab_size``, and whether they were renumbered.
+
+    Unchanged when every id already is; else each distinct id becomes its rank among the
+    distinct ids of all trajectories (order-preserving and one-to-one, so the forest, its
+    compression and every planned figure are the same). Raises ``ValueError`` naming
+    ``trajectories`` when there are more distinct ids than the vocabulary holds."""
+    if not seqs or max(int(a.max()) for a in seqs) < vocab_size:
+        return seqs, False
+    ids, rank = np.unique(np.concatenate(seqs), return_inverse=True)
+    if ids.size > vocab_size:
         raise ValueError(
-            f"model: {exc} (this workload's; choose a smaller --scale or path caps)"
-        ) from exc
-    return BenchInputs(device, plot, model, mcfg, model_type, seqs)
+            f"trajectories: {ids.size} distinct token ids, more than the model's vocabulary "
+            f"({vocab_size}): bench a model with your tokenizer's vocabulary (--model)"
+        )
+    bounds = np.cumsum([a.shape[0] for a in seqs])[:-1]
+    return [r.astype(np.int64, copy=False) for r in np.split(rank, bounds)], True
 
 
 def _named(field: str, exc: BaseException) -> ValueError:
@@ -398,6 +453,7 @@ def prepare_bench(cfg: BenchConfig, inputs: BenchInputs | None = None) -> Prepar
         shape=shape,
         microbatch_forests=subs,
         microbatch_replays=replays,
+        token_ids_remapped=inputs.token_ids_remapped,
     )
 
 
@@ -554,8 +610,11 @@ def measure_bench(prep: PreparedBench) -> dict[str, Any]:
     cos = mean_logit_cosine(tree.hidden_states(seqs), expanded.hidden_states(seqs), head.weight)
     result = {
         "benchmark": "harts_bench",
-        "workload": cfg.workload,
-        "scale": cfg.scale,
+        # a file's trajectories (trajectories_file) are no generated workload
+        "workload": None if cfg.trajectories else cfg.workload,
+        "scale": None if cfg.trajectories else cfg.scale,
+        "trajectories_file": os.fspath(cfg.trajectories) if cfg.trajectories else None,
+        "token_ids_remapped": prep.token_ids_remapped,
         "seed": cfg.seed,
         "preset": None if cfg.model else cfg.preset,
         "model": cfg.model,
@@ -609,7 +668,7 @@ def measure_bench(prep: PreparedBench) -> dict[str, Any]:
         "recompute": cfg.recompute,
         "capacity_tokens": cfg.capacity_tokens,
         "chunk_size": cfg.chunk_size,
-        "workload_overrides": dict(workload_options(cfg)),
+        "workload_overrides": None if cfg.trajectories else dict(workload_options(cfg)),
         "max_semantic_tokens": cfg.max_semantic_tokens,
         "repeats": cfg.repeats,
         "warmup": cfg.warmup,
@@ -646,7 +705,8 @@ def plot_bench(result: dict[str, Any], path: str) -> None:
     )
     ax.set_ylabel("forward+backward seconds (median)")
     ax.set_title(
-        f"{result['workload']} · {result['semantic_tokens']} tok · {result['compression']}× compression"
+        f"{result['workload'] or os.path.basename(result['trajectories_file'])} · "
+        f"{result['semantic_tokens']} tok · {result['compression']}× compression"
     )
     ax = axes[1]
     ax.bar(

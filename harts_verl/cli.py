@@ -59,6 +59,7 @@ _BENCH_FLAGS = {
     "warmup": "--warmup",
     "device": "--device",
     "plot": "--plot",
+    "trajectories": "--trajectories",
 }
 # `inspect` reports its planning on stderr from this many trajectories on (seconds to a minute),
 # and for fewer once it has planned this many seconds (many replicas, restarts, work slack)
@@ -140,13 +141,29 @@ def _add_bench_args(
 
     d = BenchConfig(**defaults)  # type: ignore[arg-type]
     p.set_defaults(_overrides_default=d.workload_overrides)
-    p.add_argument("--workload", default=d.workload, choices=sorted(WORKLOADS))
+    p.set_defaults(_workload_default=d.workload, _scale_default=d.scale)
+    p.add_argument(
+        "--workload",
+        default=None,
+        choices=sorted(WORKLOADS),
+        help=f"synthetic workload (default {d.workload})",
+    )
     p.add_argument(
         "--scale",
         type=finite_float_arg(0, inclusive=False, hi=MAX_SCALE),
-        default=d.scale,
+        default=None,
         help="workload scale: at least scale × 1M semantic tokens in whole groups (one group, "
-        "a few M tokens, below that size; tiny shrunken groups below 0.05); in (0, 256]",
+        "a few M tokens, below that size; tiny shrunken groups below 0.05); in (0, 256] "
+        f"(default {d.scale})",
+    )
+    p.add_argument(
+        "--trajectories",
+        default=None,
+        metavar="FILE",
+        help="your own step instead of a synthetic workload: a token file (.jsonl / .ndjson: "
+        "one trajectory per line, a list of token ids or an object with input_ids; .json: a "
+        "list of those), a forest .npz or a torch .pt dump (as check --batch reads it); ids "
+        "past the model's vocabulary are renumbered densely in their order (same forest)",
     )
     p.add_argument("--seed", type=int_arg(0), default=d.seed)
     p.add_argument(
@@ -266,11 +283,29 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     with _inputs(_BENCH_FLAGS):
+        if args.trajectories is not None:
+            given = [
+                flag
+                for flag, value in (
+                    ("--workload", args.workload),
+                    ("--scale", args.scale),
+                    ("--workload-option", args.workload_option),
+                    ("--generator-defaults", args.generator_defaults or None),
+                )
+                if value is not None
+            ]
+            if given:
+                raise ValueError(
+                    f"{given[0]}: a synthetic workload's option, but --trajectories gives the step"
+                )
         cfg = BenchConfig(
-            workload=args.workload,
-            scale=args.scale,
+            workload=args.workload or args._workload_default,
+            scale=args._scale_default if args.scale is None else args.scale,
+            trajectories=args.trajectories,
             seed=args.seed,
-            workload_overrides=_parse_overrides(
+            workload_overrides=None
+            if args.trajectories is not None
+            else _parse_overrides(
                 args.workload_option, {} if args.generator_defaults else args._overrides_default
             ),
             max_semantic_tokens=args.max_semantic_tokens or None,

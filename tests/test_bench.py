@@ -915,3 +915,75 @@ def test_bench_counts_windowed_pairs_when_a_varlen_kernel_skips_them(tmp_path, m
     assert want != pytest.approx(_run_flop_ratio(shape, subs, replays, 16), rel=1e-3)
     assert res["efficiency"] == pytest.approx(res["speedup"] / res["ideal_flop_ratio"], rel=1e-2)
     assert res["max_abs_dlogp"] <= 1e-4
+
+
+def _step_file(tmp_path, offset: int) -> tuple[Path, list[list[int]]]:
+    """A GRPO-like step (two prompts, four responses each) as JSON Lines, ids from ``offset``."""
+    import random
+
+    rng = random.Random(0)
+    seqs = []
+    for _ in range(2):
+        prompt = [offset + rng.randrange(500) for _ in range(40)]
+        seqs += [prompt + [offset + rng.randrange(500) for _ in range(12)] for _ in range(4)]
+    path = tmp_path / "step.jsonl"
+    path.write_text("".join(json.dumps({"input_ids": s}) + "\n" for s in seqs))
+    return path, seqs
+
+
+@pytest.mark.parametrize("offset", [0, 10**9], ids=["in-vocab", "renumbered"])
+def test_bench_on_your_own_trajectories(tmp_path, capsys, offset):
+    """``--trajectories FILE`` benches the file's step: its forest's figures, not a generated
+    workload's; ids past the model's vocabulary are renumbered one-to-one in their order, so
+    the forest (and every planned figure) is the file's."""
+    from harts_verl.benchmark import fit_vocabulary
+    from harts_verl.tree import RolloutForest
+
+    path, seqs = _step_file(tmp_path, offset)
+    want = RolloutForest.from_sequences(seqs)
+    argv = ["bench", "--trajectories", str(path), "--preset", "tiny", "--repeats", "1"]
+    assert main([*argv, "--chunk-size", "16", "--capacity", "100", "--no-progress"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["trajectories_file"] == str(path) and res["workload"] is None
+    assert res["scale"] is None and res["workload_overrides"] is None
+    assert res["token_ids_remapped"] is (offset > 0)
+    assert res["trajectories"] == len(seqs) == want.num_trajectories
+    assert res["semantic_tokens"] == want.num_semantic_tokens
+    assert res["compact_tokens"] == want.num_compact_tokens and res["compression"] > 2
+    assert res["max_abs_dlogp"] <= 1e-4 and res["microbatches"] >= 2
+    arrays = [torch.tensor(s).numpy() for s in seqs]
+    got, renumbered = fit_vocabulary(arrays, 1000)
+    assert renumbered is (offset > 0) and all(int(a.max()) < 1000 for a in got)
+    forest = RolloutForest.from_sequences(got)
+    for name in ("first_row", "length", "parent_segment", "fork_position"):
+        assert (getattr(forest.segments, name) == getattr(want.segments, name)).all()
+    with pytest.raises(ValueError, match=r"trajectories: \d+ distinct token ids, more than the "):
+        fit_vocabulary(arrays, 100)
+
+
+@pytest.mark.parametrize(
+    "extra,msg",
+    [
+        (["--workload", "tau_like"], "--workload: a synthetic workload's option, but "),
+        (["--scale", "0.1"], "--scale: a synthetic workload's option"),
+        (["--workload-option", "max_forks=3"], "--workload-option: a synthetic workload's"),
+        (["--generator-defaults"], "--generator-defaults: a synthetic workload's"),
+    ],
+)
+def test_bench_trajectories_refuse_workload_options(tmp_path, capsys, extra, msg):
+    path, _ = _step_file(tmp_path, 0)
+    assert main(["bench", "--trajectories", str(path), *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"harts-verl bench: {msg}") and len(err.splitlines()) == 1, err
+
+
+def test_bench_trajectories_file_errors(tmp_path, capsys):
+    (tmp_path / "bad.jsonl").write_text("[1, 2]\n[3, -1]\n")
+    for path, msg in [
+        (tmp_path / "bad.jsonl", "--trajectories: .*bad.jsonl: line 2: negative token id -1"),
+        (tmp_path / "nope.jsonl", "--trajectories: .*nope.jsonl: no such file"),
+    ]:
+        argv = ["bench", "--trajectories", str(path), "--preset", "tiny", "--no-progress"]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert re.match(f"harts-verl bench: {msg}", err) and len(err.splitlines()) == 1, err
