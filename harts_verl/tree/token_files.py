@@ -34,16 +34,22 @@ def is_token_file(path: str | os.PathLike[str]) -> bool:
     return os.fspath(path).lower().endswith(TOKEN_FILE_SUFFIXES)
 
 
+def _input_ids(obj: dict, where: str, expected: str) -> Any:
+    """``obj["input_ids"]``; a ValueError naming ``where``, ``expected`` and the keys found
+    when it has none."""
+    if _KEY not in obj:
+        keys = ", ".join(repr(k) for k in list(obj)[:8]) or "none"
+        raise ValueError(
+            f"{where}: expected {expected} or an object with {_KEY!r}, got an object with keys "
+            f"{keys}"
+        )
+    return obj[_KEY]
+
+
 def _ids_of(item: Any, where: str) -> Any:
     """The token-id list of one trajectory item (a list, or an object with ``input_ids``)."""
     if isinstance(item, dict):
-        if _KEY not in item:
-            keys = ", ".join(repr(k) for k in list(item)[:8]) or "none"
-            raise ValueError(
-                f"{where}: expected a list of token ids or an object with "
-                f"{_KEY!r}, got an object with keys {keys}"
-            )
-        return item[_KEY]
+        return _input_ids(item, where, "a list of token ids")
     if not isinstance(item, list):
         hint = (
             " (the file is a list of trajectories: wrap one trajectory in a list)"
@@ -112,13 +118,7 @@ def read_token_lists(path: str | os.PathLike[str]) -> list[np.ndarray]:
     else:
         obj = _parse(text, name)
         if isinstance(obj, dict):
-            if _KEY not in obj:
-                keys = ", ".join(repr(k) for k in list(obj)[:8]) or "none"
-                raise ValueError(
-                    f"{name}: expected a list of trajectories or an object with {_KEY!r}, got an "
-                    f"object with keys {keys}"
-                )
-            obj = obj[_KEY]
+            obj = _input_ids(obj, name, "a list of trajectories")
             if not isinstance(obj, list) or not all(isinstance(t, list) for t in obj):
                 raise ValueError(f"{name}: {_KEY}: expected a list of token-id lists")
         if not isinstance(obj, list):
