@@ -537,6 +537,27 @@ def test_token_files_read_as_the_forest_of_their_trajectories(tmp_path, capsys):
         ("none.json", "[]", r"none\.json: the file holds no trajectories"),
         ("bad.json", "[[1, 2]", r"bad\.json: not JSON"),
         ("idx.json", '[[1], {"input_ids": [2, "x"]}]', r"trajectory 1: token ids must be integers"),
+        # Python's json reads NaN / Infinity and floats: named with their position
+        (
+            "nan.jsonl",
+            "[1, NaN, 3]\n",
+            r"line 1: token ids must be integers, got NaN at position 1",
+        ),
+        ("inf.json", "[[1], [-Infinity]]", r"trajectory 1: .* got -Infinity at position 0"),
+        ("whole.jsonl", "[7]\n[1, 1e3]\n", r"line 2: token ids must be integers, got 1000\.0 at"),
+        ("null.jsonl", '{"input_ids": null}\n', r"line 1: input_ids: expected a list .* got null"),
+        ("num.jsonl", '{"input_ids": 5}\n', r"line 1: input_ids: expected a list .*, got 5$"),
+        # past the parser: Python's digit limit for int(), nesting deeper than its recursion
+        ("digits.jsonl", "[1, " + "9" * 5000 + "]\n", r"line 1: not readable JSON \(Exceeds"),
+        ("deep.json", "[" * 100_000 + "]" * 100_000, r"deep\.json: not readable JSON \(nested"),
+        # a JSON file's error says its line, not only the column
+        (
+            "lines.json",
+            "[\n [1, 2],\n [3,, 4]\n]\n",
+            r"not JSON \(Expecting value at line 3 column",
+        ),
+        # a form feed is no line break of JSON Lines (str.splitlines took it for one)
+        ("ff.jsonl", "[1]\f[2]\n", r"line 1: not JSON \(Extra data at column 4\)"),
     ],
 )
 def test_token_file_errors_name_the_file_and_line(tmp_path, capsys, name, text, msg):
@@ -566,3 +587,25 @@ def test_token_file_reader_refuses_what_is_not_one(tmp_path):
     (tmp_path / "latin.jsonl").write_bytes(b"[1, 2]\n\xff\n")
     with pytest.raises(ValueError, match=r"latin\.jsonl: not UTF-8 text"):
         read_token_lists(tmp_path / "latin.jsonl")
+
+
+def test_token_file_lines_end_at_newlines_only_and_a_bom_is_skipped(tmp_path):
+    """JSON strings may hold U+2028, U+2029 and U+0085 unescaped (json.dumps with
+    ensure_ascii=False writes them so): they do not end a JSON Lines line, and the line numbers
+    of the errors after them stay the file's; CRLF ends a line; a UTF-8 byte-order mark at the
+    start (Windows editors, PowerShell) is skipped."""
+    from harts_verl.tree.token_files import read_token_lists
+
+    text = "".join(
+        json.dumps({"text": f"a{sep}b", "input_ids": [1, 2, n]}, ensure_ascii=False) + "\r\n"
+        for n, sep in enumerate(["\u2028", "\u2029", "\x85", "\x1e"])
+    )
+    path = tmp_path / "sep.jsonl"
+    path.write_text(text, encoding="utf-8", newline="")
+    assert [a.tolist() for a in read_token_lists(path)] == [[1, 2, n] for n in range(4)]
+    path.write_text(text + "[1, -1]\n", encoding="utf-8", newline="")
+    with pytest.raises(ValueError, match=r"sep\.jsonl: line 5: negative token id -1"):
+        read_token_lists(path)
+    for name, body in [("bom.jsonl", "[1, 2]\n[3]"), ("bom.json", "[[1, 2], [3]]")]:
+        (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + body.encode())
+        assert [a.tolist() for a in read_token_lists(tmp_path / name)] == [[1, 2], [3]]

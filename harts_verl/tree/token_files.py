@@ -49,7 +49,10 @@ def _input_ids(obj: dict, where: str, expected: str) -> Any:
 def _ids_of(item: Any, where: str) -> Any:
     """The token-id list of one trajectory item (a list, or an object with ``input_ids``)."""
     if isinstance(item, dict):
-        return _input_ids(item, where, "a list of token ids")
+        ids = _input_ids(item, where, "a list of token ids")
+        if not isinstance(ids, list):  # null, a number, a string, an object
+            raise ValueError(f"{where}: {_KEY}: expected a list of token ids, got {_short(ids)}")
+        return ids
     if not isinstance(item, list):
         hint = (
             " (the file is a list of trajectories: wrap one trajectory in a list)"
@@ -64,12 +67,22 @@ def _ids_of(item: Any, where: str) -> Any:
 
 
 def _short(value: Any) -> str:
-    text = json.dumps(value)
+    try:
+        text = json.dumps(value)
+    except ValueError:  # an int past Python's digit limit for str()
+        text = f"<{type(value).__name__}>"
     return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _trajectory(ids: Any, where: str) -> np.ndarray:
-    """``ids`` as :func:`as_trajectory_array` checks them, its errors named by ``where``."""
+    """``ids`` as :func:`as_trajectory_array` checks them, its errors named by ``where``; a
+    JSON number that is no integer (``2.0``, ``1e3``, ``NaN``, ``Infinity``) is named with its
+    position (numpy's "float64" would be all the reader says of it)."""
+    for j, x in enumerate(ids if isinstance(ids, list) else ()):
+        if isinstance(x, float):
+            raise ValueError(
+                f"{where}: token ids must be integers, got {_short(x)} at position {j}"
+            )
     try:
         return as_trajectory_array(ids, 0)
     except ValueError as exc:
@@ -82,17 +95,25 @@ def _read_text(name: str) -> str:
     if os.path.isdir(name):
         raise ValueError(f"{name}: is a directory, expected a token file (.json / .jsonl)")
     try:
-        with open(name, encoding="utf-8") as fh:
+        with open(name, encoding="utf-8-sig") as fh:  # a leading byte-order mark is skipped
             return fh.read()
     except UnicodeDecodeError as exc:
         raise ValueError(f"{name}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
 
 
-def _parse(text: str, where: str) -> Any:
+def _parse(text: str, where: str, lines: bool = False) -> Any:
+    """``text`` parsed; a ValueError naming ``where`` (and the line of a whole file's error,
+    unless ``lines``: ``where`` names it) for what is not JSON, an integer past Python's digit
+    limit and nesting too deep for the parser."""
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{where}: not JSON ({exc.msg} at column {exc.colno})") from None
+        at = f"column {exc.colno}" if lines else f"line {exc.lineno} column {exc.colno}"
+        raise ValueError(f"{where}: not JSON ({exc.msg} at {at})") from None
+    except ValueError as exc:  # int('9' * 5000): past sys.get_int_max_str_digits()
+        raise ValueError(f"{where}: not readable JSON ({exc})") from None
+    except RecursionError:
+        raise ValueError(f"{where}: not readable JSON (nested too deeply)") from None
 
 
 def read_token_lists(path: str | os.PathLike[str]) -> list[np.ndarray]:
@@ -111,10 +132,12 @@ def read_token_lists(path: str | os.PathLike[str]) -> list[np.ndarray]:
     text = _read_text(name)
     seqs: list[np.ndarray] = []
     if name.lower().endswith(JSON_LINES_SUFFIXES):
-        for n, line in enumerate(text.splitlines(), start=1):
+        # lines end at "\n" alone (a "\r" before it is JSON whitespace): str.splitlines also
+        # splits at U+2028, U+0085, form feeds, ..., which JSON strings may hold as they are
+        for n, line in enumerate(text.split("\n"), start=1):
             if line.strip():
                 where = f"{name}: line {n}"
-                seqs.append(_trajectory(_ids_of(_parse(line, where), where), where))
+                seqs.append(_trajectory(_ids_of(_parse(line, where, True), where), where))
     else:
         obj = _parse(text, name)
         if isinstance(obj, dict):
