@@ -56,9 +56,9 @@ from harts_verl.runtime.flops import ModelShape, ideal_flop_ratio, model_shape
 from harts_verl.tree import RolloutForest
 from harts_verl.tree._checks import INT64_MAX, SEED_MAX, check_int, finite_float
 from harts_verl.tree._checks import is_int as _is_int
-from harts_verl.tree.forest import as_trajectory_array
 from harts_verl.tree.inspect import json_text, plot_path
 from harts_verl.tree.linear_plan import plan_linear_calls
+from harts_verl.tree.token_files import trajectory_arrays
 from harts_verl.tree.workloads import MAX_SCALE, WORKLOADS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -327,14 +327,16 @@ def load_bench_inputs(cfg: BenchConfig) -> BenchInputs:
         from harts_verl.workers.check import load_sequences
 
         try:
-            given = load_sequences(os.fspath(cfg.trajectories))
+            name = os.fspath(cfg.trajectories)
             # as the runners validate them (ids: non-negative integers within int64)
-            arrays = [as_trajectory_array(t, i, "trajectory") for i, t in enumerate(given)]
+            sequences = trajectory_arrays(load_sequences(name), name)
         except ValueError as exc:
             raise _named("trajectories", exc) from exc
-        arrays, remapped = fit_vocabulary(arrays, vocab_size)
-        sequences = arrays
-        idx = _select(sequences, None, cfg.max_semantic_tokens)
+        # the benched prefix (max_semantic_tokens) alone is fitted into the vocabulary: the
+        # trajectories past it neither count against it nor mark the ids remapped
+        sequences = [sequences[i] for i in _select(sequences, None, cfg.max_semantic_tokens)]
+        sequences, remapped = fit_vocabulary(sequences, vocab_size)
+        idx = list(range(len(sequences)))
     else:
         try:
             w = WORKLOADS[cfg.workload](

@@ -987,3 +987,32 @@ def test_bench_trajectories_file_errors(tmp_path, capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert re.match(f"harts-verl bench: {msg}", err) and len(err.splitlines()) == 1, err
+
+
+def test_bench_trajectories_fit_the_vocabulary_of_the_benched_prefix_only(tmp_path):
+    """With ``max_semantic_tokens`` the benched prefix alone is fitted into the vocabulary:
+    trajectories past it (here with more distinct ids than the tiny model's 1,024) neither
+    fail the run nor mark its ids renumbered."""
+    from harts_verl.benchmark import BenchConfig, load_bench_inputs
+
+    path = tmp_path / "step.jsonl"
+    first = [list(range(1, 30)), [*range(1, 20), 5]]
+    path.write_text("".join(json.dumps(s) + "\n" for s in [*first, list(range(5000, 7000))]))
+    cfg = BenchConfig(preset="tiny", trajectories=str(path), max_semantic_tokens=60)
+    got = load_bench_inputs(cfg)
+    assert [a.tolist() for a in got.seqs] == first and got.token_ids_remapped is False
+    with pytest.raises(ValueError, match=r"trajectories: 2029 distinct token ids, more than"):
+        load_bench_inputs(BenchConfig(preset="tiny", trajectories=str(path)))
+
+
+@pytest.mark.parametrize(
+    "seqs,msg",
+    [([[1, 2], []], "trajectory 1: empty trajectory"), ([[1, -2]], "trajectory 0: negative")],
+)
+def test_bench_trajectories_dump_errors_name_the_file(tmp_path, capsys, seqs, msg):
+    """A .pt dump's bad trajectory is named with the file, as a token file's line is."""
+    path = tmp_path / "b.pt"
+    torch.save(seqs, path)
+    assert main(["bench", "--trajectories", str(path), "--preset", "tiny", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"harts-verl bench: --trajectories: {path}: {msg}"), err

@@ -609,3 +609,19 @@ def test_token_file_lines_end_at_newlines_only_and_a_bom_is_skipped(tmp_path):
     for name, body in [("bom.jsonl", "[1, 2]\n[3]"), ("bom.json", "[[1, 2], [3]]")]:
         (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + body.encode())
         assert [a.tolist() for a in read_token_lists(tmp_path / name)] == [[1, 2], [3]]
+
+
+@pytest.mark.parametrize(
+    "seqs,msg",
+    [([[1, 2], []], "trajectory 1: empty trajectory"), ([[1, -2]], "trajectory 0: negative")],
+)
+def test_inspect_dump_errors_name_the_file(tmp_path, capsys, seqs, msg):
+    """A .pt dump's bad trajectory is named with the file (was the forest's argument:
+    'sequences[1]: empty trajectory', no file)."""
+    import torch
+
+    path = tmp_path / "b.pt"
+    torch.save(seqs, path)
+    assert main(["inspect", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"harts-verl inspect: {path}: {msg}"), err

@@ -22,7 +22,13 @@ import numpy as np
 
 from harts_verl.tree.forest import as_trajectory_array
 
-__all__ = ["JSON_LINES_SUFFIXES", "TOKEN_FILE_SUFFIXES", "is_token_file", "read_token_lists"]
+__all__ = [
+    "JSON_LINES_SUFFIXES",
+    "TOKEN_FILE_SUFFIXES",
+    "is_token_file",
+    "read_token_lists",
+    "trajectory_arrays",
+]
 
 JSON_LINES_SUFFIXES = (".jsonl", ".ndjson")
 TOKEN_FILE_SUFFIXES = (".json", *JSON_LINES_SUFFIXES)
@@ -87,6 +93,15 @@ def _trajectory(ids: Any, where: str) -> np.ndarray:
         return as_trajectory_array(ids, 0)
     except ValueError as exc:
         raise ValueError(f"{where}: {str(exc).partition(': ')[2]}") from None
+
+
+def trajectory_arrays(seqs: Any, name: str | os.PathLike[str]) -> list[np.ndarray]:
+    """The trajectories ``seqs`` read from the file ``name`` (e.g. by ``check --batch``'s
+    reader), each validated as :meth:`RolloutForest.from_sequences` validates it, as a 1-D
+    int64 array; a ValueError names ``name: trajectory i`` (the forest's own names its
+    argument, ``sequences[i]``, not the file)."""
+    name = os.fspath(name)
+    return [_trajectory(t, f"{name}: trajectory {i}") for i, t in enumerate(seqs)]
 
 
 def _read_text(name: str) -> str:
