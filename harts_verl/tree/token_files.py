@@ -84,14 +84,14 @@ def _trajectory(ids: Any, where: str) -> np.ndarray:
     """``ids`` as :func:`as_trajectory_array` checks them, its errors named by ``where``; a
     JSON number that is no integer (``2.0``, ``1e3``, ``NaN``, ``Infinity``) is named with its
     position (numpy's "float64" would be all the reader says of it)."""
-    for j, x in enumerate(ids if isinstance(ids, list) else ()):
-        if isinstance(x, float):
-            raise ValueError(
-                f"{where}: token ids must be integers, got {_short(x)} at position {j}"
-            )
     try:
         return as_trajectory_array(ids, 0)
     except ValueError as exc:
+        for j, x in enumerate(ids if isinstance(ids, list) else ()):  # the error path only
+            if isinstance(x, float):
+                raise ValueError(
+                    f"{where}: token ids must be integers, got {_short(x)} at position {j}"
+                ) from None
         raise ValueError(f"{where}: {str(exc).partition(': ')[2]}") from None
 
 
