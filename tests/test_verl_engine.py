@@ -1274,6 +1274,45 @@ def test_split_dependent_loss_of_an_evaluation_call_matches_stock(
         assert float((a[:-1] - b[:-1]).abs().max()) <= 1e-6
 
 
+def test_a_user_registered_policy_loss_runs_on_verls_micro_batches(verl_cpu, monkeypatch):
+    """A policy loss the user registers with veRL (``register_policy_loss``) may normalize per
+    micro-batch, as this one does (the micro-batch's own token mean): whether it depends on the
+    micro-batching is unknown, so it is evaluated on veRL's own micro-batches. It used to run on
+    the tree micro-batches as a loss that does not depend on them: grad_norm 1.4566 for stock's
+    1.6649 and the step 1e-2 away, while the metrics replayed on veRL's micro-batches read as
+    stock's. veRL's built-in losses other than the named ones stay on the tree micro-batches."""
+    import verl.utils.torch_functional as verl_F
+    from verl.trainer.ppo import core_algos
+
+    from harts_verl.workers.engine import split_dependent_loss
+
+    def micro_batch_token_mean(old_log_prob, log_prob, advantages, response_mask, *_, **__):
+        ratio = torch.exp(log_prob - old_log_prob)
+        return verl_F.masked_mean(-advantages * ratio, response_mask), {}
+
+    testing, paths = verl_cpu
+    loss = lambda cfg: partial(_ppo_loss(), config=cfg)  # noqa: E731
+    for mode in ("vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "cispo"):
+        assert split_dependent_loss(loss(testing.actor_config(loss_mode=mode))) is None, mode
+    dro = testing.actor_config(policy_loss={"loss_mode": "dro", "dro_beta": 0.1})
+    assert split_dependent_loss(loss(dro)) is None
+    monkeypatch.setitem(core_algos.POLICY_LOSS_REGISTRY, "mb_token_mean", micro_batch_token_mean)
+    why = split_dependent_loss(loss(testing.actor_config(loss_mode="mb_token_mean")))
+    assert why is not None and "'mb_token_mean'" in why
+    run = partial(
+        _run,
+        testing,
+        paths["qwen2"],
+        batch=_random_batch(seed=0),
+        loss_mode="mb_token_mean",
+        max_token_len=37,
+    )
+    ref, tree = run(strategy="fsdp2"), run(strategy="harts_fsdp2")
+    _compare(ref, tree)
+    assert tree[1]["harts/microbatches"][0] >= 2
+    assert tree[1]["harts/stock_split_loss"] == [1.0]
+
+
 def test_fixed_micro_batch_size_bounds_capacity(verl_cpu):
     """``use_dynamic_bsz`` false: no tree micro-batch holds more rows than a stock micro-batch
     of ``micro_batch_size_per_gpu`` trajectories could; outputs equal the stock engine's."""

@@ -385,10 +385,23 @@ def stock_strategy_loss(loss_function: Any) -> Any:
     return partial(loss_function.func, *loss_function.args, **{**keywords, "config": stock})
 
 
+# veRL 0.9.1's own policy losses (``core_algos.POLICY_LOSS_REGISTRY`` as veRL ships it). Any
+# other ``loss_mode`` is one a user registered (``register_policy_loss``): whether it depends on
+# the micro-batching (e.g. a mean over each micro-batch's tokens) cannot be told.
+_VERL_POLICY_LOSSES = frozenset(
+    {
+        *("vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov"),
+        *("geo_mean", "dro", "cispo", "bypass_mode"),
+    }
+)
+
+
 def split_dependent_loss(loss_function: Any) -> str | None:
     """Why the loss ``loss_function`` (veRL's ``partial(ppo_loss, config=…)``, or the critic's
     ``value_loss``) depends on
-    how a batch is cut into micro-batches, or None when it does not (or cannot be told).
+    how a batch is cut into micro-batches, or None when it does not (or cannot be told). A
+    policy loss that is not one of veRL's own (a user-registered ``loss_mode``) is taken to
+    depend on it: evaluated on veRL's micro-batches it gives the stock numbers either way.
 
     Such losses give different numbers under any other micro-batching, the stock engine's own
     dynamic batching included; tree micro-batches are formed by compact work, so they differ
@@ -418,6 +431,11 @@ def split_dependent_loss(loss_function: Any) -> str | None:
         out.append(
             "policy loss 'bypass_mode' with rollout_correction.rollout_is_batch_normalize "
             "rescales the importance weights to mean 1 within each micro-batch"
+        )
+    elif isinstance(mode, str) and mode not in _VERL_POLICY_LOSSES:
+        out.append(
+            f"policy loss {mode!r} is not one of veRL's own, so it may depend on the "
+            "micro-batching (e.g. a mean over each micro-batch's tokens)"
         )
     return "; ".join(out) or None
 
