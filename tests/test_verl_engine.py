@@ -128,6 +128,7 @@ def _run(
     ref_log_probs=False,
     rollout_is_weights=False,
     micro_batch_size=None,
+    trainer_format=False,
     **optim,
 ):
     """Infer, then one train step; returns (model output, metrics, params before, params after,
@@ -136,7 +137,9 @@ def _run(
     fields); ``ref_log_probs`` / ``rollout_is_weights``: ``make_batch``'s per-token fields;
     ``micro_batch_size``: fixed-size micro-batches of that many trajectories
     (``use_dynamic_bsz`` false) instead of the token budget;
-    ``gradient_checkpointing``: veRL's (HF's activation checkpointing, non-reentrant)."""
+    ``gradient_checkpointing``: veRL's (HF's activation checkpointing, non-reentrant);
+    ``trainer_format``: the batch as veRL's trainer passes it (``make_trainer_batch``: padded,
+    then ``left_right_2_no_padding``; per-token fields dense)."""
     from verl.utils import tensordict_utils as tu
 
     seqs, prompt_lens, spans = batch
@@ -160,7 +163,7 @@ def _run(
     )
 
     def mk(**kwargs):
-        td = testing.make_batch(
+        td = (testing.make_trainer_batch if trainer_format else testing.make_batch)(
             seqs,
             prompt_lens,
             tool_spans=spans,
@@ -247,6 +250,24 @@ def test_parity_vanilla(verl_cpu, kind, batch):
     _compare(ref, tree)
     assert tree[1]["harts/microbatches"][0] >= 2
     assert tree[1]["harts/compression"][0] > 1.0
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3_next"])
+@pytest.mark.parametrize("batch", ["grpo", "multiturn"])
+def test_parity_in_the_trainers_batch_format(verl_cpu, kind, batch):
+    """The batch as veRL's trainer hands it over (left-padded prompts of different lengths,
+    right-padded responses, then ``left_right_2_no_padding``: response masks, advantages and
+    old log-probs stay dense ``[B, R]``), with a KL loss: the same numbers as stock."""
+    testing, paths = verl_cpu
+    data = BATCHES[batch](seed=7 + len(kind))
+    assert len({p for p in data[1]}) > 1 or batch == "multiturn"
+    kw = dict(loss_mode="vanilla", trainer_format=True, ref_log_probs=True, entropy=0.01)
+    kw["kl_loss_type"] = "low_var_kl"
+    ref = _run(testing, paths[kind], "fsdp2", data, padded=kind in HYBRIDS, **kw)
+    harts = {"chunk_size": 8, "capacity_tokens": 48}
+    tree = _run(testing, paths[kind], "harts_fsdp2", data, harts=harts, **kw)
+    _compare(ref, tree)
+    assert tree[1]["harts/microbatches"][0] >= 2
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3_5", "deepseek_v3"])

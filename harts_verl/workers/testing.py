@@ -1240,6 +1240,71 @@ def make_batch(
     return td
 
 
+def make_trainer_batch(
+    sequences: Sequence[Sequence[int]],
+    prompt_lengths: Sequence[int],
+    *,
+    pad_token_id: int = 0,
+    **kwargs: Any,
+) -> TensorDict:
+    """:func:`make_batch`'s batch (same tokens, masks and per-token values; ``kwargs`` are its
+    keywords, a single batch temperature) in the form veRL's trainer hands it to the engine:
+    prompts left-padded and responses right-padded to the batch's widths (dense ``input_ids``,
+    ``attention_mask``, ``position_ids`` ``[B, P + R]``; ``prompts`` ``[B, P]``; ``responses``,
+    ``response_mask`` and every per-response-token field ``[B, R]``, zero past a response),
+    then veRL's ``left_right_2_no_padding`` (as ``RayPPOTrainer`` does before an engine call):
+    ``input_ids`` / ``position_ids`` nested again, the per-token fields left dense."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    td = make_batch(sequences, prompt_lengths, **kwargs)
+    n = len(sequences)
+    prompts = list(td["prompts"].unbind())
+    responses = list(td["responses"].unbind())
+    wp = max(t.shape[0] for t in prompts)
+    wr = max(t.shape[0] for t in responses)
+
+    def right(ts: list[torch.Tensor], width: int, value: float = 0) -> torch.Tensor:
+        out = torch.full((n, width), value, dtype=ts[0].dtype)
+        for i, t in enumerate(ts):
+            out[i, : t.shape[0]] = t
+        return out
+
+    def left(ts: list[torch.Tensor], width: int, value: float = 0) -> torch.Tensor:
+        out = torch.full((n, width), value, dtype=ts[0].dtype)
+        for i, t in enumerate(ts):
+            out[i, width - t.shape[0] :] = t
+        return out
+
+    ones = [torch.ones(t.shape[0], dtype=torch.long) for t in prompts]
+    mask = torch.cat([left(ones, wp), right([torch.ones_like(r) for r in responses], wr)], dim=1)
+    dense = {
+        "input_ids": torch.cat(
+            [left(prompts, wp, pad_token_id), right(responses, wr, pad_token_id)], dim=1
+        ),
+        "attention_mask": mask,
+        "position_ids": (mask.cumsum(1) - 1).clamp_min(0),
+        "prompts": left(prompts, wp, pad_token_id),
+        "responses": right(responses, wr, pad_token_id),
+    }
+    skip = {*dense, "loss_mask"}  # left_right_2_no_padding makes loss_mask of response_mask
+    for key in td.keys():
+        value = td.get(key)
+        if key not in skip and isinstance(value, torch.Tensor) and value.is_nested:
+            dense[key] = right(list(value.unbind()), wr)
+    out = TensorDict(dense, batch_size=n)
+    tu.assign_non_tensor(
+        out,
+        **{
+            key: tu.get_non_tensor_data(td, key, None)
+            for key in td.keys()
+            if not isinstance(td.get(key), torch.Tensor)
+        },
+    )
+    return left_right_2_no_padding(out)
+
+
 def dp_worker(
     rank: int,
     world_size: int,
