@@ -772,6 +772,11 @@ def test_check_names_nan_and_gives_a_verdict(tmp_path, capsys, monkeypatch):
     rc = main(["check", "--model", path, "--batch", str(tmp_path / "v.pt")])
     err = capsys.readouterr().err
     assert rc == 2 and "v.pt: trajectory 1: token id 99 at position 1 is outside" in err
+    # a JSON Lines token file's trajectory is named by its line (blank lines skipped)
+    (tmp_path / "v.jsonl").write_text('[5, 6, 7]\n\n{"input_ids": [5, 99]}\n')
+    rc = main(["check", "--model", path, "--batch", str(tmp_path / "v.jsonl")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "v.jsonl: line 3 (trajectory 1): token id 99 at position 1 is" in err
     for bad in ("-1", "nan"):
         with pytest.raises(SystemExit):
             main([*argv, "--fail-above", bad])

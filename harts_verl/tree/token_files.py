@@ -28,6 +28,7 @@ __all__ = [
     "is_token_file",
     "read_token_lists",
     "trajectory_arrays",
+    "trajectory_lines",
 ]
 
 JSON_LINES_SUFFIXES = (".jsonl", ".ndjson")
@@ -131,6 +132,23 @@ def _parse(text: str, where: str, lines: bool = False) -> Any:
         raise ValueError(f"{where}: not readable JSON (nested too deeply)") from None
 
 
+def _json_lines(text: str) -> list[tuple[int, str]]:
+    """``(line number, line)`` of each non-blank line of a JSON Lines text."""
+    # lines end at "\n" alone (a "\r" before it is JSON whitespace): str.splitlines also
+    # splits at U+2028, U+0085, form feeds, ..., which JSON strings may hold as they are
+    return [(n, line) for n, line in enumerate(text.split("\n"), start=1) if line.strip()]
+
+
+def trajectory_lines(path: str | os.PathLike[str]) -> list[int] | None:
+    """The line of each trajectory of a JSON Lines token file (1-based, in
+    :func:`read_token_lists`' order), to name a trajectory found wrong later (e.g. an id
+    outside a model's vocabulary) by its line; None for any other file."""
+    name = os.fspath(path)
+    if not name.lower().endswith(JSON_LINES_SUFFIXES):
+        return None
+    return [n for n, _ in _json_lines(_read_text(name))]
+
+
 def read_token_lists(path: str | os.PathLike[str]) -> list[np.ndarray]:
     """The trajectories of a token file (see module doc), in file order.
 
@@ -147,12 +165,9 @@ def read_token_lists(path: str | os.PathLike[str]) -> list[np.ndarray]:
     text = _read_text(name)
     seqs: list[np.ndarray] = []
     if name.lower().endswith(JSON_LINES_SUFFIXES):
-        # lines end at "\n" alone (a "\r" before it is JSON whitespace): str.splitlines also
-        # splits at U+2028, U+0085, form feeds, ..., which JSON strings may hold as they are
-        for n, line in enumerate(text.split("\n"), start=1):
-            if line.strip():
-                where = f"{name}: line {n}"
-                seqs.append(_trajectory(_ids_of(_parse(line, where, True), where), where))
+        for n, line in _json_lines(text):
+            where = f"{name}: line {n}"
+            seqs.append(_trajectory(_ids_of(_parse(line, where, True), where), where))
     else:
         obj = _parse(text, name)
         if isinstance(obj, dict):

@@ -67,6 +67,7 @@ from harts_verl.tree._checks import (
     int_arg,
     int_outside_int64,
 )
+from harts_verl.tree.token_files import is_token_file, trajectory_lines
 from harts_verl.workers.positions import first_misplaced, token_rows
 
 
@@ -130,7 +131,7 @@ def load_sequences(path: str) -> list[list[int]]:
     directory, and when it is neither a forest file nor readable by ``torch.load`` (a
     truncated or foreign file: the reader's message is included)."""
     from harts_verl.tree.inspect import load_forest
-    from harts_verl.tree.token_files import is_token_file, read_token_lists
+    from harts_verl.tree.token_files import read_token_lists
 
     if is_token_file(path):
         return [a.tolist() for a in read_token_lists(path)]
@@ -805,8 +806,13 @@ def load_inputs(args: argparse.Namespace) -> tuple[torch.nn.Module, list[list[in
 
     def batch_error(exc: Exception) -> ValueError:
         # the forest's and runner's "sequences[i]: ..." (their argument) as the file's
-        # "trajectory i: ...", as load_sequences names them
+        # "trajectory i: ...", as load_sequences names them; a JSON Lines file's as its line
         msg = re.sub(r"^sequences\[(\d+)\]:", r"trajectory \1:", str(exc))
+        found = re.match(r"trajectory (\d+):", msg)
+        if found and is_token_file(args.batch):
+            lines = trajectory_lines(args.batch)
+            if lines is not None and int(found[1]) < len(lines):
+                msg = f"line {lines[int(found[1])]} (trajectory {found[1]}):{msg[found.end() :]}"
         return ValueError(
             f"--batch: {msg}" if msg.startswith(args.batch) else f"--batch: {args.batch}: {msg}"
         )
