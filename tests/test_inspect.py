@@ -38,6 +38,9 @@ def test_statistics_of_a_known_forest():
     # [0, 2): 2 tokens. The depth-4 forks sit on a chunk boundary. (Σ fork % chunk over all
     # child segments, 2 + 0 + 0 + 2 = 4, charged the continuing child too.)
     assert forks["replay_tokens"] == 2 == plan_linear_calls(f, chunk_size=4).replay_tokens
+    # key rows: each segment's root path, [1,2] 2 + [3,4] 4 + [5,6] 6 + [7,8] 6 + [9] 3 + [5,5] 2
+    assert st["attention"]["key_rows"] == 23
+    assert st["attention"]["key_rows_per_compact_row"] == round(23 / 11, 4)
     assert forks["linear_rounds"] == plan_linear_calls(f, chunk_size=4).num_rounds == 2
     assert forest_statistics(f, chunk_size=2)["forks"]["inside_chunk_fraction"] == 0.0
     assert forest_statistics(f, chunk_size=64)["forks"]["inside_chunk_fraction"] == 1.0

@@ -58,6 +58,7 @@ from harts_verl.ops._dtypes import compute_dtype
 from harts_verl.ops._index import concat_ranges, segment_ancestors, to_index
 from harts_verl.ops._version import release_tuple
 from harts_verl.tree._checks import check_positive, is_int
+from harts_verl.tree.forest import attention_key_rows  # re-exported: the plans' key rows
 
 __all__ = [
     "AttentionBucket",
@@ -319,14 +320,6 @@ def _finish_heads(
     if gate is not None:
         o = o * torch.sigmoid(gate)
     return o
-
-
-def attention_key_rows(forest: Any) -> int:
-    """Σ over the segments of ``forest`` of ``fork_position + length``: the rows a
-    full-attention layer gathers as keys (and as values) for it, each segment's root path
-    (``VarlenAttentionPlan.num_key_rows``; the bucketed plan adds its padding)."""
-    seg = forest.segments
-    return int(np.sum(np.asarray(seg.fork_position, np.int64) + np.asarray(seg.length, np.int64)))
 
 
 def check_key_rows(value: Any, name: str = "max_key_rows") -> int:

@@ -31,7 +31,7 @@ from harts_verl.tree._checks import (
 from harts_verl.tree._rangemin import RangeMin
 from harts_verl.tree._ranges import concat_ranges
 
-__all__ = ["RolloutForest", "Segments", "Turn", "as_trajectory_array"]
+__all__ = ["RolloutForest", "Segments", "Turn", "as_trajectory_array", "attention_key_rows"]
 
 _FORMAT_VERSION = 1
 # What reading a member of an opened .npz raises when the file is damaged: a bad CRC or deflate
@@ -105,6 +105,16 @@ class Segments:
 
     def __len__(self) -> int:
         return int(self.first_row.shape[0])
+
+
+def attention_key_rows(forest: Any) -> int:
+    """Σ over the segments of ``forest`` (anything with :class:`Segments`-like ``segments``) of
+    ``fork_position + length``: the rows a full-attention layer gathers as keys (and as values)
+    in tree mode, each segment's whole root path (a varlen attention plan's ``num_key_rows``;
+    a bucketed plan adds its padding). ``capacity_tokens`` (compact rows) does not bound it;
+    ``harts.attention_key_rows`` bounds what a layer keeps of it for backward."""
+    seg = forest.segments
+    return int(np.sum(np.asarray(seg.fork_position, np.int64) + np.asarray(seg.length, np.int64)))
 
 
 def _plural(noun: str) -> str:

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from harts_verl.tree._checks import check_int
-from harts_verl.tree.forest import RolloutForest
+from harts_verl.tree.forest import RolloutForest, attention_key_rows
 from harts_verl.tree.linear_plan import plan_linear_calls
 from harts_verl.tree.microbatch import (
     _Leaves,
@@ -183,7 +183,9 @@ def forest_statistics(
     Keys: ``summary`` (sizes, compression), ``trajectory_length`` (quantiles),
     ``depth_histogram`` (segments per trajectory path), ``branching_histogram`` (children per
     branch row), ``roots``, ``forks`` (count, inside-chunk fraction, fork-position quantiles,
-    and the linear-attention call plan's ``replay_tokens`` and ``linear_rounds``), and ``plan``
+    and the linear-attention call plan's ``replay_tokens`` and ``linear_rounds``),
+    ``attention`` (the ``key_rows`` a full-attention layer gathers,
+    :func:`~harts_verl.tree.forest.attention_key_rows`, and per compact row), and ``plan``
     (summary, per-slot works and imbalance, P0 size, lower bound, ``oversize_trajectories``
     longer than the capacity and the ``oversize_microbatches`` that run them) when planned:
     ``plan.slot_work`` is a ``[slots][dp_size]`` list (``[]`` when the plan has no slots, e.g.
@@ -215,6 +217,7 @@ def forest_statistics(
     forks = seg.fork_position[seg.parent_segment >= 0]
     inside = forks % chunk_size != 0
     linear = plan_linear_calls(forest, chunk_size=chunk_size)
+    key_rows = attention_key_rows(forest)
     out: dict[str, Any] = {
         "summary": forest.summary(),
         "trajectory_length": _quantiles(forest.lengths.astype(np.float64)),
@@ -230,6 +233,13 @@ def forest_statistics(
             "position": _quantiles(forks.astype(np.float64)),
             "replay_tokens": linear.replay_tokens,
             "linear_rounds": linear.num_rounds,
+        },
+        "attention": {
+            "definition": "key rows a full-attention layer gathers: each segment's root path",
+            "key_rows": key_rows,
+            "key_rows_per_compact_row": round(key_rows / forest.num_compact_tokens, 4)
+            if forest.num_compact_tokens
+            else 0.0,
         },
     }
     if capacity_tokens is not None:
