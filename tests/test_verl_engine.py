@@ -1295,7 +1295,7 @@ def test_split_dependent_loss_of_an_evaluation_call_matches_stock(
         assert float((a[:-1] - b[:-1]).abs().max()) <= 1e-6
 
 
-def test_a_user_registered_policy_loss_runs_on_verls_micro_batches(verl_cpu, monkeypatch):
+def test_a_user_registered_policy_loss_runs_on_verls_micro_batches(verl_cpu, monkeypatch, caplog):
     """A policy loss the user registers with veRL (``register_policy_loss``) may normalize per
     micro-batch, as this one does (the micro-batch's own token mean): whether it depends on the
     micro-batching is unknown, so it is evaluated on veRL's own micro-batches. It used to run on
@@ -1328,10 +1328,14 @@ def test_a_user_registered_policy_loss_runs_on_verls_micro_batches(verl_cpu, mon
         loss_mode="mb_token_mean",
         max_token_len=37,
     )
-    ref, tree = run(strategy="fsdp2"), run(strategy="harts_fsdp2")
+    ref = run(strategy="fsdp2")
+    with caplog.at_level(logging.INFO, logger="harts_verl.workers.engine"):
+        tree = run(strategy="harts_fsdp2")
     _compare(ref, tree)
     assert tree[1]["harts/microbatches"][0] >= 2
     assert tree[1]["harts/stock_split_loss"] == [1.0]
+    said = [r.getMessage() for r in caplog.records if "veRL's own micro-batches" in r.getMessage()]
+    assert len(said) == 1 and "'mb_token_mean'" in said[0]  # once, with the reason
 
 
 def test_fixed_micro_batch_size_bounds_capacity(verl_cpu):

@@ -1112,6 +1112,16 @@ class HartsFSDPEngine(FSDPEngineWithLMHead):
             # micro-batching runs again, without autograd, on veRL's own micro-batches).
             stock_metrics = why is None and self.harts.stock_metrics
             stock_split = why is not None and self._can_split_like_stock()
+            if stock_split and "stock_split" not in self._fallback_logged:
+                self._fallback_logged.add("stock_split")
+                logger.info(
+                    "harts_fsdp2: the loss depends on how the batch is cut into micro-batches "
+                    "(%s); it is evaluated on veRL's own micro-batches, after one more forward "
+                    "without graph (harts/stock_split_loss = 1; harts.split_dependent_losses="
+                    "tree skips it where the loss does not in fact depend on the cut; logged "
+                    "once)",
+                    why,
+                )
             if (
                 why is not None
                 and not stock_split
