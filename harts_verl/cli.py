@@ -449,11 +449,13 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
         "inspect",
         help=_HELP["inspect"],
         description="Compression, depth and branching histograms, forks inside chunks, "
-        "planned microbatches and within-slot imbalance of a step's trajectories: a saved "
+        "attention key rows, planned microbatches and within-slot imbalance of a step's "
+        "trajectories: a saved "
         "forest (.npz), a token file (.json / .jsonl) or a torch batch dump (.pt / .pth).",
     )
     p.add_argument(
         "forest",
+        metavar="FILE",
         help="a forest written by RolloutForest.save (.npz); a token file: JSON Lines "
         "(.jsonl / .ndjson, one trajectory per line: a list of token ids or an object with "
         "input_ids) or JSON (.json, a list of those, or an object whose input_ids is a list of "
