@@ -1320,6 +1320,10 @@ def test_a_user_registered_policy_loss_runs_on_verls_micro_batches(verl_cpu, mon
     monkeypatch.setitem(core_algos.POLICY_LOSS_REGISTRY, "mb_token_mean", micro_batch_token_mean)
     why = split_dependent_loss(loss(testing.actor_config(loss_mode="mb_token_mean")))
     assert why is not None and "'mb_token_mean'" in why
+    # registered under one of veRL's names, it replaces veRL's loss: the user's all the same
+    monkeypatch.setitem(core_algos.POLICY_LOSS_REGISTRY, "gpg", micro_batch_token_mean)
+    why = split_dependent_loss(loss(testing.actor_config(loss_mode="gpg")))
+    assert why is not None and "'gpg'" in why
     run = partial(
         _run,
         testing,

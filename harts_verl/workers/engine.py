@@ -432,12 +432,24 @@ def split_dependent_loss(loss_function: Any) -> str | None:
             "policy loss 'bypass_mode' with rollout_correction.rollout_is_batch_normalize "
             "rescales the importance weights to mean 1 within each micro-batch"
         )
-    elif isinstance(mode, str) and mode not in _VERL_POLICY_LOSSES:
+    elif isinstance(mode, str) and not _verl_policy_loss(mode):
         out.append(
             f"policy loss {mode!r} is not one of veRL's own, so it may depend on the "
             "micro-batching (e.g. a mean over each micro-batch's tokens)"
         )
     return "; ".join(out) or None
+
+
+def _verl_policy_loss(mode: str) -> bool:
+    """Whether ``loss_mode`` ``mode`` names one of veRL's own policy losses and is still
+    registered to veRL's function: ``register_policy_loss`` lets a user register a function
+    under one of veRL's names too (it replaces veRL's), and that one is the user's."""
+    if mode not in _VERL_POLICY_LOSSES:
+        return False
+    from verl.trainer.ppo import core_algos
+
+    registered = core_algos.POLICY_LOSS_REGISTRY.get(mode)
+    return registered is None or getattr(registered, "__module__", None) == core_algos.__name__
 
 
 def _batch_normalized_is(policy_loss: Any) -> bool:
