@@ -270,6 +270,19 @@ def test_parity_in_the_trainers_batch_format(verl_cpu, kind, batch):
     assert tree[1]["harts/microbatches"][0] >= 2
 
 
+def test_parity_in_the_trainers_batch_format_with_per_sample_temperatures(verl_cpu):
+    """Per-sample temperatures (a ``[B]`` tensor field) reach the engine in the trainer's
+    format too (``make_trainer_batch`` once dropped them)."""
+    testing, paths = verl_cpu
+    data = BATCHES["multiturn"](seed=5)
+    kw = dict(loss_mode="vanilla", trainer_format=True, temperature=[0.7, 1.0, 1.3, 0.9])
+    td = testing.make_trainer_batch(data[0], data[1], temperature=kw["temperature"])
+    assert td["temperature"].tolist() == pytest.approx(kw["temperature"])
+    ref = _run(testing, paths["qwen2"], "fsdp2", data, **kw)
+    harts = {"chunk_size": 8, "capacity_tokens": 48}
+    _compare(ref, _run(testing, paths["qwen2"], "harts_fsdp2", data, harts=harts, **kw))
+
+
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3_5", "deepseek_v3"])
 def test_parity_with_an_attention_key_row_bound(verl_cpu, monkeypatch, kind):
     """``harts.attention_key_rows`` reaches every attention call of the tree micro-batches

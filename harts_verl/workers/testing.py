@@ -1248,12 +1248,13 @@ def make_trainer_batch(
     **kwargs: Any,
 ) -> TensorDict:
     """:func:`make_batch`'s batch (same tokens, masks and per-token values; ``kwargs`` are its
-    keywords, a single batch temperature) in the form veRL's trainer hands it to the engine:
+    keywords) in the form veRL's trainer hands it to the engine:
     prompts left-padded and responses right-padded to the batch's widths (dense ``input_ids``,
     ``attention_mask``, ``position_ids`` ``[B, P + R]``; ``prompts`` ``[B, P]``; ``responses``,
     ``response_mask`` and every per-response-token field ``[B, R]``, zero past a response),
     then veRL's ``left_right_2_no_padding`` (as ``RayPPOTrainer`` does before an engine call):
-    ``input_ids`` / ``position_ids`` nested again, the per-token fields left dense."""
+    ``input_ids`` / ``position_ids`` nested again, the per-token fields left dense. Per-trajectory
+    fields (per-sample ``temperature`` ``[B]``, ``multi_modal_inputs``) are kept as they are."""
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding
@@ -1291,8 +1292,11 @@ def make_trainer_batch(
     skip = {*dense, "loss_mask"}  # left_right_2_no_padding makes loss_mask of response_mask
     for key in td.keys():
         value = td.get(key)
-        if key not in skip and isinstance(value, torch.Tensor) and value.is_nested:
-            dense[key] = right(list(value.unbind()), wr)
+        if key in skip or not isinstance(value, torch.Tensor):
+            continue
+        # per response token: padded to the batch's width; per trajectory (e.g. per-sample
+        # temperatures): as veRL's DataProto keeps them
+        dense[key] = right(list(value.unbind()), wr) if value.is_nested else value
     out = TensorDict(dense, batch_size=n)
     tu.assign_non_tensor(
         out,
