@@ -691,6 +691,13 @@ def test_check_input_errors_name_the_right_flag(tmp_path, capsys, monkeypatch):
         "exact only up to 15 tokens per trajectory; this batch has a trajectory of 29 tokens",
     )
     assert line.startswith("harts-verl check: --batch: ")
+    # a JSON Lines file's longest trajectory is named by its line
+    (tmp_path / "long.jsonl").write_text(f"[1, 2, 3]\n\n{list(range(1, 30))}\n[4, 5]\n")
+    line = _check_error(
+        capsys,
+        ["--model", str(tmp_path / "dynamic.json"), "--batch", str(tmp_path / "long.jsonl")],
+        "long.jsonl: line 3 (trajectory 1): rope_type 'dynamic': the rotary frequencies",
+    )
 
 
 @pytest.mark.parametrize("tol", ["nan", "inf", "-inf", "-1", "x"])

@@ -838,10 +838,15 @@ def load_inputs(args: argparse.Namespace) -> tuple[torch.nn.Module, list[list[in
         raise _flag(exc, "--model", "model") from exc
     try:
         runner.build_forest(seqs)  # ids in vocabulary
-        # dynamic / longrope scaling: tree mode is exact only below the original context
-        check_rope_lengths(model, max(len(t) for t in seqs))
     except (*INPUT_ERRORS, NotImplementedError) as exc:
         raise batch_error(exc) from exc
+    # dynamic / longrope scaling: tree mode is exact only below the original context (the
+    # longest trajectory named, as batch_error names it: by its line in a JSON Lines file)
+    longest = max(range(len(seqs)), key=lambda i: len(seqs[i]))
+    try:
+        check_rope_lengths(model, len(seqs[longest]))
+    except (*INPUT_ERRORS, NotImplementedError) as exc:
+        raise batch_error(ValueError(f"trajectory {longest}: {exc}")) from exc
     return model, seqs
 
 
