@@ -58,7 +58,6 @@ from harts_verl.tree._checks import INT64_MAX, SEED_MAX, check_int, finite_float
 from harts_verl.tree._checks import is_int as _is_int
 from harts_verl.tree.inspect import json_text, plot_path
 from harts_verl.tree.linear_plan import plan_linear_calls
-from harts_verl.tree.token_files import trajectory_arrays
 from harts_verl.tree.workloads import MAX_SCALE, WORKLOADS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -324,12 +323,10 @@ def load_bench_inputs(cfg: BenchConfig) -> BenchInputs:
     vocab_size = getattr(mcfg, "vocab_size", None) or mcfg.get_text_config().vocab_size
     remapped = False
     if cfg.trajectories is not None:
-        from harts_verl.workers.check import load_sequences
+        from harts_verl.workers.check import load_trajectory_arrays
 
         try:
-            name = os.fspath(cfg.trajectories)
-            # as the runners validate them (ids: non-negative integers within int64)
-            sequences = trajectory_arrays(load_sequences(name), name)
+            sequences = load_trajectory_arrays(os.fspath(cfg.trajectories))
         except ValueError as exc:
             raise _named("trajectories", exc) from exc
         # the benched prefix (max_semantic_tokens) alone is fitted into the vocabulary: the

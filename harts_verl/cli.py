@@ -340,11 +340,10 @@ def _inspected_forest(path: str, load_forest: Callable[[str], Any]) -> Any:
     if is_token_file(path):
         return RolloutForest.from_sequences(read_token_lists(path))
     if path.lower().endswith((".pt", ".pth")):
-        from harts_verl.tree.token_files import trajectory_arrays
-        from harts_verl.workers.check import load_sequences
+        from harts_verl.workers.check import load_trajectory_arrays
 
         # an empty or negative trajectory named with the file, not as `sequences[i]`
-        return RolloutForest.from_sequences(trajectory_arrays(load_sequences(path), path))
+        return RolloutForest.from_sequences(load_trajectory_arrays(path))
     return load_forest(path)
 
 

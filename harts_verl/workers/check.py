@@ -67,7 +67,12 @@ from harts_verl.tree._checks import (
     int_arg,
     int_outside_int64,
 )
-from harts_verl.tree.token_files import is_token_file, trajectory_lines
+from harts_verl.tree.token_files import (
+    is_token_file,
+    read_token_lists,
+    trajectory_arrays,
+    trajectory_lines,
+)
 from harts_verl.workers.positions import first_misplaced, token_rows
 
 
@@ -131,7 +136,6 @@ def load_sequences(path: str) -> list[list[int]]:
     directory, and when it is neither a forest file nor readable by ``torch.load`` (a
     truncated or foreign file: the reader's message is included)."""
     from harts_verl.tree.inspect import load_forest
-    from harts_verl.tree.token_files import read_token_lists
 
     if is_token_file(path):
         return [a.tolist() for a in read_token_lists(path)]
@@ -159,6 +163,15 @@ def load_sequences(path: str) -> list[list[int]]:
     if not seqs:
         raise ValueError(f"{path}: the batch has no trajectories")
     return seqs
+
+
+def load_trajectory_arrays(path: str) -> list[np.ndarray]:
+    """The trajectories of a batch file (:func:`load_sequences`' formats) as 1-D int64 arrays,
+    each validated as :meth:`RolloutForest.from_sequences` validates it (a bad one named
+    ``path: trajectory i``); a token file is read straight into its arrays."""
+    if is_token_file(path):
+        return read_token_lists(path)
+    return trajectory_arrays(load_sequences(path), path)
 
 
 def _zip_names(path: str) -> list[str] | None:
