@@ -331,9 +331,8 @@ def load_bench_inputs(cfg: BenchConfig) -> BenchInputs:
             raise _named("trajectories", exc) from exc
         # the benched prefix (max_semantic_tokens) alone is fitted into the vocabulary: the
         # trajectories past it neither count against it nor mark the ids remapped
-        sequences = [sequences[i] for i in _select(sequences, None, cfg.max_semantic_tokens)]
-        sequences, remapped = fit_vocabulary(sequences, vocab_size)
-        idx = list(range(len(sequences)))
+        benched = [sequences[i] for i in _select(sequences, None, cfg.max_semantic_tokens)]
+        seqs, remapped = fit_vocabulary(benched, vocab_size)
     else:
         try:
             w = WORKLOADS[cfg.workload](
@@ -349,9 +348,7 @@ def load_bench_inputs(cfg: BenchConfig) -> BenchInputs:
                 )
                 raise ValueError(f"model: {exc}{given}") from exc
             raise _named("workload_overrides", exc) from exc
-        sequences = w.sequences
-        idx = _select(sequences, w.group_ids, cfg.max_semantic_tokens)
-    seqs = [sequences[i] for i in idx]
+        seqs = [w.sequences[i] for i in _select(w.sequences, w.group_ids, cfg.max_semantic_tokens)]
     try:  # dynamic / longrope scaling: tree mode is exact only below the original context
         check_rope_lengths(model, max((len(t) for t in seqs), default=0))
     except NotImplementedError as exc:
