@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -11,6 +12,15 @@ import numpy as np
 
 INT64_MAX = int(np.iinfo(np.int64).max)
 SEED_MAX = 2**64 - 1  # the largest seed torch.manual_seed takes
+
+
+def check_input_file(name: str, expected: str) -> None:
+    """ValueError naming ``name`` when no file is there: it does not exist, or it is a
+    directory (the message says ``expected``, e.g. "a forest file (.npz)")."""
+    if not os.path.exists(name):
+        raise ValueError(f"{name}: no such file")
+    if os.path.isdir(name):
+        raise ValueError(f"{name}: is a directory, expected {expected}")
 
 
 def is_int(value: Any) -> bool:

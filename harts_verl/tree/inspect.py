@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from harts_verl.tree._checks import check_int
+from harts_verl.tree._checks import check_input_file, check_int
 from harts_verl.tree.forest import RolloutForest, attention_key_rows
 from harts_verl.tree.linear_plan import plan_linear_calls
 from harts_verl.tree.microbatch import (
@@ -58,10 +58,7 @@ def load_forest(path: str | os.PathLike[str]) -> RolloutForest:
     e.g. "not a forest file" for an ``.npz`` archive without a forest's arrays). An unreadable
     file raises the ``OSError`` of opening it."""
     name = os.fspath(path)
-    if not os.path.exists(name):
-        raise ValueError(f"{name}: no such file")
-    if os.path.isdir(name):
-        raise ValueError(f"{name}: is a directory, expected a forest file (.npz)")
+    check_input_file(name, "a forest file (.npz)")
     return RolloutForest.load(name)
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from harts_verl.tree._checks import check_input_file
 from harts_verl.tree.forest import as_trajectory_array
 
 __all__ = [
@@ -106,10 +107,7 @@ def trajectory_arrays(seqs: Any, name: str | os.PathLike[str]) -> list[np.ndarra
 
 
 def _read_text(name: str) -> str:
-    if not os.path.exists(name):
-        raise ValueError(f"{name}: no such file")
-    if os.path.isdir(name):
-        raise ValueError(f"{name}: is a directory, expected a token file (.json / .jsonl)")
+    check_input_file(name, "a token file (.json / .jsonl)")
     try:
         with open(name, encoding="utf-8-sig") as fh:  # a leading byte-order mark is skipped
             return fh.read()

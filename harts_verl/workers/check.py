@@ -60,6 +60,7 @@ from harts_verl.ops.logprobs import mean_logit_cosine
 from harts_verl.tree._checks import (
     INT64_MAX,
     SEED_MAX,
+    check_input_file,
     check_int,
     exact_integers,
     finite_float,
@@ -146,10 +147,7 @@ def load_sequences(path: str) -> list[list[int]]:
         f = load_forest(path)
         seqs = [f.tokens_of(i).tolist() for i in range(f.num_trajectories)]
     else:
-        if not os.path.exists(path):
-            raise ValueError(f"{path}: no such file")
-        if os.path.isdir(path):
-            raise ValueError(f"{path}: is a directory, expected a batch file (.pt or .npz)")
+        check_input_file(path, "a batch file (.pt or .npz)")
         try:
             obj = torch.load(path, map_location="cpu", weights_only=False)
         except OSError:  # cannot be read (permissions, ...): named as it is
